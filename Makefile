@@ -1,0 +1,29 @@
+# Two commands on a fresh machine: `make run` (train the default model) and `make test`.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: run test test-slow bench clean
+
+$(STAMP): requirements-dev.txt pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -r requirements-dev.txt
+	$(BIN)/pip install --quiet --no-deps -e .
+	touch $(STAMP)
+
+run: $(STAMP)  ## train the default small GPT-2 on the embedded corpus
+	$(BIN)/graphtrain train
+
+test: $(STAMP)  ## the default test suite (slow checks excluded)
+	$(BIN)/python -m pytest -q -m "not slow"
+
+test-slow: $(STAMP)  ## only the slow checks
+	$(BIN)/python -m pytest -q -m slow
+
+bench: $(STAMP)  ## the small benchmark suite
+	$(BIN)/graphtrain bench small
+
+clean:
+	rm -rf $(VENV) runs bench_results .pytest_cache

@@ -1,0 +1,45 @@
+"""graphtrain: faster, leaner PyTorch training by treating the training step as one static graph.
+
+Public API::
+
+    model = graphtrain.accelerate(model)            # drop-in module, trains through the graph engine
+    torch.compile(model, backend="graphtrain")      # or as a torch.compile backend
+    print(graphtrain.report(model))                 # what was captured, fused, recomputed, and why
+    graphtrain.Trainer(graphtrain.Config()).fit()   # the trainer behind `graphtrain train`
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from graphtrain.config import Config, DataConfig, EngineConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
+
+__version__ = "0.1.0"
+
+# Heavier pieces load on first use so `import graphtrain` stays fast.
+_LAZY = {
+    "accelerate": "graphtrain.engine.api",
+    "report": "graphtrain.engine.report",
+    "Trainer": "graphtrain.trainer.trainer",
+}
+
+__all__ = ["Config", "DataConfig", "EngineConfig", "ModelConfig", "OptimConfig", "ParallelConfig", "TrainConfig",
+           *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'graphtrain' has no attribute {name!r}")
+
+
+def _register_backend() -> None:
+    """Register the "graphtrain" torch.compile backend (also exposed as a torch_dynamo_backends entry point)."""
+    try:
+        from graphtrain.engine.backend import register_backend
+    except ImportError:  # engine not built yet in this checkout
+        return
+    register_backend()
+
+
+_register_backend()

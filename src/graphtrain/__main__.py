@@ -1,0 +1,3 @@
+from graphtrain.cli import main
+
+raise SystemExit(main())

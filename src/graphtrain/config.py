@@ -1,0 +1,455 @@
+"""One typed, validated configuration for graphtrain: engine, model, data, optimizer, trainer.
+
+Every section is a dataclass; the string under each field is its documentation (the CLI shows
+it as help). YAML job files map onto these sections one to one::
+
+    model: {name: gpt2-mini}
+    train: {steps: 200, batch_size: 8}
+    engine: {provider: auto, precision: bf16}
+
+Values are validated on creation: an unknown key, a wrong type or an out-of-range value raises
+``ValueError``/``TypeError`` naming the key and the fix.
+"""
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import inspect
+import textwrap
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import yaml
+
+
+@dataclass
+class EngineConfig:
+    """How graphtrain captures, optimizes and runs the training graph."""
+
+    provider: Literal["auto", "aten", "inductor"] = "auto"
+    """Execution provider: `aten` runs the optimized graph op by op (the reference), `inductor`
+    generates code with TorchInductor, `auto` picks the measured-fastest one for the device."""
+    fallback: Literal["warn", "error", "silent"] = "warn"
+    """When capture or a pass fails: run that part eagerly and warn once, raise, or stay quiet."""
+    passes: dict[str, bool] = field(default_factory=dict)
+    """Switch passes on or off by name, e.g. {fuse_attention: false}; unnamed ones keep their default."""
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Compute precision, applied as a graph pass; parameters stay fp32 (master weights)."""
+    loss_scale_init: float = 65536.0
+    """fp16 only: the initial dynamic loss scale."""
+    loss_scale_growth: float = 2.0
+    """fp16 only: multiply the scale by this after `loss_scale_interval` clean steps."""
+    loss_scale_backoff: float = 0.5
+    """fp16 only: multiply the scale by this when a step overflows."""
+    loss_scale_interval: int = 2000
+    """fp16 only: clean steps before the scale grows."""
+    loss_scale_hysteresis: int = 2
+    """fp16 only: overflowing steps tolerated before the scale backs off."""
+    loss_scale_min: float = 1.0
+    """fp16 only: the scale never drops below this."""
+    recompute: Literal["none", "auto", "selective", "full"] = "none"
+    """Activation recompute: none, auto (fit `memory_budget` at least added compute), selective
+    (cheap elementwise ops), full (everything but matmul outputs)."""
+    memory_budget: float | None = None
+    """Memory budget for `recompute: auto`: bytes (> 1) or a fraction of device memory (0-1]."""
+    cache_dir: str | None = None
+    """Persistent compile cache folder; default ~/.cache/graphtrain/compile."""
+    dynamic: bool = False
+    """Compile with dynamic shapes instead of recompiling per new input shape."""
+    debug: bool = False
+    """Log each pass's time and op-count diff, and lint every graph after every pass."""
+
+    def __post_init__(self) -> None:
+        _validate(self)
+        if self.memory_budget is not None and self.memory_budget <= 0:
+            raise ValueError("engine.memory_budget must be positive: bytes (> 1) or a fraction in (0, 1]")
+        if self.loss_scale_backoff <= 0 or self.loss_scale_backoff >= 1:
+            raise ValueError("engine.loss_scale_backoff must be in (0, 1), e.g. 0.5")
+        if self.loss_scale_growth <= 1:
+            raise ValueError("engine.loss_scale_growth must be > 1, e.g. 2.0")
+        for k, v in self.passes.items():
+            if not isinstance(v, bool):
+                raise TypeError(f"engine.passes.{k} must be true or false, got {v!r}")
+
+
+@dataclass
+class ModelConfig:
+    """Which reference model to build."""
+
+    name: str = "gpt2-mini"
+    """Preset name (see `graphtrain.models.PRESETS`), e.g. gpt2-tiny, gpt2-mini, bert-mini, gpt2-medium."""
+    attention: Literal["explicit", "sdpa"] = "explicit"
+    """explicit: matmul, scale, mask, softmax, dropout, matmul (as users write it); sdpa: F.scaled_dot_product_attention."""
+    dropout: float | None = None
+    """Override the preset's dropout probability."""
+    max_seq_len: int | None = None
+    """Override the preset's number of learned positions."""
+    vocab_size: int | None = None
+    """Override the vocabulary size; by default it is the tokenizer's."""
+
+    def __post_init__(self) -> None:
+        _validate(self)
+        if self.dropout is not None and not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"model.dropout must be in [0, 1), got {self.dropout}")
+
+
+@dataclass
+class DataConfig:
+    """Where the training text comes from and how it is tokenized."""
+
+    path: str | None = None
+    """A folder of text or code files; by default the Python standard library's own source."""
+    seq_len: int = 128
+    """Tokens per training sample."""
+    vocab_size: int = 8192
+    """Size of the byte-level BPE vocabulary trained on the corpus."""
+    val_fraction: float = 0.05
+    """Fraction of files held out for validation (chosen deterministically by file path)."""
+    max_bytes: int | None = 8_000_000
+    """Read at most this many bytes of source (null: all); keeps tokenizer training fast."""
+    cache_dir: str | None = None
+    """Where the tokenizer and token files are cached; default ~/.cache/graphtrain/data."""
+    mlm_probability: float = 0.15
+    """BERT only: fraction of tokens masked (of which 80% [MASK], 10% random, 10% kept)."""
+
+    def __post_init__(self) -> None:
+        _validate(self)
+        if self.seq_len < 2:
+            raise ValueError(f"data.seq_len must be at least 2, got {self.seq_len}")
+        if not 0.0 < self.val_fraction < 1.0:
+            raise ValueError(f"data.val_fraction must be in (0, 1), got {self.val_fraction}")
+        if self.vocab_size < 260:
+            raise ValueError(f"data.vocab_size must be at least 260 (256 bytes + specials), got {self.vocab_size}")
+        if not 0.0 < self.mlm_probability < 1.0:
+            raise ValueError(f"data.mlm_probability must be in (0, 1), got {self.mlm_probability}")
+
+
+@dataclass
+class OptimConfig:
+    """Optimizer and learning-rate schedule."""
+
+    name: Literal["adamw", "lamb"] = "adamw"
+    """adamw or lamb (the BERT-Large recipe's optimizer)."""
+    lr: float = 1e-3
+    """Peak learning rate."""
+    weight_decay: float = 0.01
+    """Decoupled weight decay; never applied to biases, norms and embeddings' positions."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """Adam moment coefficients."""
+    eps: float = 1e-8
+    """Adam epsilon."""
+    schedule: Literal["cosine", "linear", "poly", "constant"] = "cosine"
+    """Decay after warmup: cosine, linear, poly (power `poly_power`) or constant."""
+    poly_power: float = 1.0
+    """Exponent of the `poly` schedule."""
+    warmup_steps: int = 20
+    """Linear warmup steps."""
+    min_lr_ratio: float = 0.1
+    """The schedule decays to lr * min_lr_ratio."""
+    grad_clip: float | None = 1.0
+    """Clip gradients to this global norm (null: no clipping)."""
+    fused: bool = True
+    """Use graphtrain's fused multi-tensor optimizer implementation."""
+
+    def __post_init__(self) -> None:
+        _validate(self)
+        if self.lr <= 0:
+            raise ValueError(f"optim.lr must be positive, got {self.lr}")
+        if not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"optim.betas must be in [0, 1), got {self.betas}")
+        if self.warmup_steps < 0:
+            raise ValueError("optim.warmup_steps must be >= 0")
+
+
+@dataclass
+class TrainConfig:
+    """The training loop."""
+
+    steps: int = 300
+    """Optimizer steps to run in total."""
+    batch_size: int | Literal["auto"] = 16
+    """Samples per optimizer step (before grad_accum); `auto` picks the largest that fits the memory budget."""
+    grad_accum: int = 1
+    """Micro-batches accumulated per optimizer step."""
+    eval_every: int = 100
+    """Evaluate on the validation split every N steps (and at the end)."""
+    eval_batches: int = 8
+    """Validation batches per evaluation."""
+    log_every: int = 10
+    """Record metrics every N steps."""
+    ckpt_every: int = 100
+    """Save a checkpoint every N steps (and at the end); 0 saves only at the end."""
+    out_dir: str = "runs/default"
+    """Checkpoints, metrics.jsonl and the saved config go here."""
+    seed: int = 1337
+    """Seed for weights, data order and dropout."""
+    deterministic: bool = False
+    """Use deterministic algorithms, so a resumed run matches an uninterrupted one bitwise."""
+    accelerate: bool = True
+    """Run the training step through the graphtrain engine (false: plain eager PyTorch)."""
+    threads: int | None = None
+    """torch intra-op threads (default: all cores)."""
+    progress: bool = True
+    """Show a live progress bar."""
+    sample_prompt: str = "def "
+    """GPT models: prompt completed at the end of training."""
+    sample_tokens: int = 48
+    """GPT models: tokens sampled for the final completion (0: none)."""
+
+    def __post_init__(self) -> None:
+        _validate(self)
+        for name in ("steps", "grad_accum", "eval_batches", "log_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+        if self.batch_size != "auto" and self.batch_size < 1:
+            raise ValueError(f"train.batch_size must be >= 1 or 'auto', got {self.batch_size}")
+        if self.eval_every < 0 or self.ckpt_every < 0:
+            raise ValueError("train.eval_every and train.ckpt_every must be >= 0")
+
+
+@dataclass
+class ParallelConfig:
+    """Distributed layout: dp * tp * pp must equal the world size."""
+
+    dp: int = 1
+    """Data-parallel degree."""
+    tp: int = 1
+    """Tensor-parallel (Megatron) degree."""
+    pp: int = 1
+    """Pipeline-parallel stages."""
+    zero_stage: Literal[0, 1] = 0
+    """1 shards optimizer state across data-parallel ranks (ZeRO stage 1)."""
+    microbatches: int = 1
+    """Pipeline micro-batches per step."""
+    schedule: Literal["1f1b", "gpipe"] = "1f1b"
+    """Pipeline schedule."""
+    timeout_s: int = 300
+    """Collective timeout: a dead rank gives an error after this, never a hang."""
+
+    def __post_init__(self) -> None:
+        _validate(self)
+        for name in ("dp", "tp", "pp", "microbatches", "timeout_s"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"parallel.{name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+
+@dataclass
+class Config:
+    """A whole graphtrain job."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+    # -- construction -------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> "Config":
+        return _from_dict(cls, d or {}, prefix="")
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> "Config":
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"config file {str(path)!r} does not exist: pass the path of a YAML job file")
+        try:
+            d = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as e:
+            raise ValueError(f"config file {str(path)!r} is not valid YAML: {e}") from None
+        if d is not None and not isinstance(d, dict):
+            raise ValueError(f"config file {str(path)!r} must hold a mapping of sections (model:, train:, ...)")
+        return cls.from_dict(d)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        d = self.to_dict()
+        d["optim"]["betas"] = list(d["optim"]["betas"])
+        return yaml.safe_dump(d, sort_keys=False)
+
+    def with_overrides(self, overrides: list[str] | dict[str, Any]) -> "Config":
+        """Apply `section.key=value` overrides (values parsed as YAML) and re-validate."""
+        d = self.to_dict()
+        items = overrides.items() if isinstance(overrides, dict) else [_split_override(o) for o in overrides]
+        for key, value in items:
+            parts = key.split(".")
+            node = d
+            for i, p in enumerate(parts[:-1]):
+                if not isinstance(node.get(p), dict):
+                    raise ValueError(f"unknown config key {key!r}: {'.'.join(parts[: i + 1])!r} is not a section"
+                                     f"{_suggest(p, [k for k, v in node.items() if isinstance(v, dict)])}")
+                node = node[p]
+            node[parts[-1]] = value
+        return Config.from_dict(d)
+
+
+def _split_override(o: str) -> tuple[str, Any]:
+    if "=" not in o:
+        raise ValueError(f"override {o!r} must look like section.key=value, e.g. train.steps=50")
+    key, raw = o.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw != "" else None
+    except yaml.YAMLError:
+        value = raw
+    return key.strip(), value
+
+
+# ----------------------------------------------------------------------------- validation ----
+
+def _suggest(name: str, options: list[str]) -> str:
+    close = difflib.get_close_matches(name, options, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else f" (known: {', '.join(sorted(options))})"
+
+
+def _section_name(cls: type) -> str:
+    for f in dataclasses.fields(Config):
+        if f.default_factory is cls:  # type: ignore[comparison-overlap]
+            return f.name + "."
+    return ""
+
+
+def _from_dict(cls: type, d: Any, prefix: str) -> Any:
+    if not isinstance(d, dict):
+        raise TypeError(f"config section {prefix.rstrip('.') or 'root'!r} must be a mapping, got {type(d).__name__}")
+    names = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for key, value in d.items():
+        if key not in names:
+            raise ValueError(f"unknown config key {prefix + str(key)!r}{_suggest(str(key), list(names))}")
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            kwargs[key] = _from_dict(tp, value if value is not None else {}, prefix + key + ".")
+        else:
+            kwargs[key] = value
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as e:
+        raise type(e)(str(e)) from None
+
+
+def _check(value: Any, tp: Any, key: str) -> Any:
+    """Check (and gently coerce: int->float, list->tuple) one value against a type hint."""
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (Union, types.UnionType):
+        errors = []
+        for arm in typing.get_args(tp):
+            try:
+                return _check(value, arm, key)
+            except (TypeError, ValueError) as e:
+                errors.append(str(e))
+        raise TypeError(f"{key} must be {_describe(tp)}, got {value!r}")
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        if value not in allowed or type(value) is bool and not any(a is value for a in allowed):
+            raise ValueError(f"{key} must be one of {', '.join(repr(a) for a in allowed)}; got {value!r}")
+        return value
+    if tp is type(None):
+        if value is not None:
+            raise TypeError(f"{key} must be null")
+        return None
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise TypeError(f"{key} must be true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{key} must be an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{key} must be a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise TypeError(f"{key} must be a string, got {value!r}")
+        return value
+    if origin is tuple:
+        args = typing.get_args(tp)
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            raise TypeError(f"{key} must be a list of {len(args)} values, got {value!r}")
+        return tuple(_check(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise TypeError(f"{key} must be a mapping, got {value!r}")
+        return dict(value)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, tp):
+            raise TypeError(f"{key} must be a {tp.__name__}, got {type(value).__name__}")
+        return value
+    raise AssertionError(f"config type {tp} of {key} is not handled")
+
+
+def _describe(tp: Any) -> str:
+    if typing.get_origin(tp) in (Union, types.UnionType):
+        return " or ".join(_describe(a) for a in typing.get_args(tp))
+    if typing.get_origin(tp) is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    return {type(None): "null", int: "an integer", float: "a number", str: "a string", bool: "true/false"}.get(
+        tp, getattr(tp, "__name__", str(tp)))
+
+
+def _validate(obj: Any) -> None:
+    prefix = _section_name(type(obj))
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        setattr(obj, f.name, _check(getattr(obj, f.name), hints[f.name], prefix + f.name))
+
+
+# ------------------------------------------------------------------------------ field docs ----
+
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring written under each field of a config dataclass (shown as CLI help)."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for node, nxt in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def describe_all() -> str:
+    """Every config key with its default and documentation, for `graphtrain train --help-config`."""
+    lines = []
+    default = Config()
+    for sec in dataclasses.fields(Config):
+        sub = getattr(default, sec.name)
+        lines.append(f"{sec.name}:  {type(sub).__doc__}")
+        docs = field_docs(type(sub))
+        for f in dataclasses.fields(sub):
+            lines.append(f"  {sec.name}.{f.name} = {getattr(sub, f.name)!r}\n      {docs.get(f.name, '')}")
+    return "\n".join(lines)
+
+
+def resolve_engine_config(config: "Config | EngineConfig | dict | None", overrides: dict[str, Any]) -> EngineConfig:
+    """Accept a Config, an EngineConfig, a dict of engine keys or None, plus keyword overrides."""
+    if config is None:
+        base: dict[str, Any] = {}
+    elif isinstance(config, Config):
+        base = dataclasses.asdict(config.engine)
+    elif isinstance(config, EngineConfig):
+        base = dataclasses.asdict(config)
+    elif isinstance(config, dict):
+        base = dict(config)
+    else:
+        raise TypeError(f"config must be a graphtrain.Config, EngineConfig, dict or None, got {type(config).__name__}")
+    base.update(overrides)
+    return _from_dict(EngineConfig, base, prefix="engine.")

@@ -1,0 +1,198 @@
+"""The pass manager: named graph passes with one signature, run as ordered pipelines per stage.
+
+A pass is ``<verb>_<object>_pass(gm, ctx) -> gm``. It rewrites an FX ``GraphModule`` (in place
+or by returning a new one), adds the number of rewrites it made with ``ctx.count(n)``, and must
+keep the graph's inputs and outputs (count, order, shapes, dtypes) unchanged. Passes are
+registered by name with the stages they run in:
+
+- ``pre_autodiff``: the captured forward graph (aten ops, parameters as inputs) before AOTAutograd
+  builds the gradient graph; fusions here give the backward graph the fused ops' own gradients.
+- ``forward`` / ``backward``: the partitioned graphs after autodiff, before the provider lowers them.
+
+The driver times each pass, counts ops before and after, lints the graph and checks the output
+signature. A pass that raises is skipped under ``fallback: warn|silent`` (the graph from before it
+is kept) and re-raised under ``fallback: error``.
+"""
+from __future__ import annotations
+
+import collections
+import copy
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+
+from graphtrain.config import EngineConfig
+
+STAGES = ("pre_autodiff", "forward", "backward")
+
+PassFn = Callable[[fx.GraphModule, "PassContext"], fx.GraphModule]
+
+
+@dataclass
+class PassSpec:
+    name: str
+    fn: PassFn
+    stages: tuple[str, ...]
+    default: bool
+    changes_numerics: bool
+    order: int
+
+
+@dataclass
+class PassRecord:
+    """What one pass did to one graph: shown by ``graphtrain.report``."""
+
+    name: str
+    stage: str
+    graph: str
+    rewrites: int
+    seconds: float
+    ops_before: int
+    ops_after: int
+    op_diff: dict[str, int]
+    error: str | None = None
+
+
+@dataclass
+class PassContext:
+    """What a pass may read (config, stage, example inputs) and where it reports its rewrites."""
+
+    config: EngineConfig
+    stage: str
+    graph_name: str = "graph"
+    example_inputs: list[Any] = field(default_factory=list)
+    records: list[PassRecord] = field(default_factory=list)
+    # Set by the engine for pre_autodiff graphs: which placeholder indices are trainable parameters,
+    # frozen parameters or buffers, and user inputs. Constant folding reads this.
+    input_kinds: list[str] | None = None
+    rewrites: int = 0
+
+    def count(self, n: int = 1) -> None:
+        self.rewrites += n
+
+
+_REGISTRY: dict[str, PassSpec] = {}
+
+
+def register_pass(stages: str | tuple[str, ...], *, default: bool = True, changes_numerics: bool = False,
+                  order: int = 100) -> Callable[[PassFn], PassFn]:
+    """Register a pass; its name is the function's name without the trailing ``_pass``.
+    Lower ``order`` runs earlier within a stage."""
+    stages = (stages,) if isinstance(stages, str) else tuple(stages)
+    for s in stages:
+        assert s in STAGES, s
+
+    def deco(fn: PassFn) -> PassFn:
+        assert fn.__name__.endswith("_pass"), f"pass functions end in _pass: {fn.__name__}"
+        name = fn.__name__[: -len("_pass")]
+        assert name not in _REGISTRY or _REGISTRY[name].fn.__qualname__ == fn.__qualname__, f"duplicate pass {name}"
+        _REGISTRY[name] = PassSpec(name, fn, stages, default, changes_numerics, order)
+        return fn
+
+    return deco
+
+
+def registered_passes() -> dict[str, PassSpec]:
+    _load_builtin_passes()
+    return dict(_REGISTRY)
+
+
+def pipeline(stage: str, config: EngineConfig) -> list[PassSpec]:
+    """The ordered passes that run at `stage` under `config` (defaults, switched by config.passes)."""
+    specs = registered_passes()
+    unknown = [n for n in config.passes if n not in specs]
+    if unknown:
+        import difflib
+        hints = [difflib.get_close_matches(n, specs, n=1) for n in unknown]
+        msg = ", ".join(f"{n!r}" + (f" (did you mean {h[0]!r}?)" if h else "") for n, h in zip(unknown, hints))
+        raise ValueError(f"engine.passes names unknown passes: {msg}; known passes: {', '.join(sorted(specs))}")
+    chosen = [s for s in specs.values() if stage in s.stages and config.passes.get(s.name, s.default)]
+    return sorted(chosen, key=lambda s: (s.order, s.name))
+
+
+def op_counts(gm: fx.GraphModule) -> collections.Counter:
+    c: collections.Counter = collections.Counter()
+    for n in gm.graph.nodes:
+        if n.op in ("call_function", "call_method", "call_module"):
+            c[_target_name(n)] += 1
+    return c
+
+
+def _target_name(n: fx.Node) -> str:
+    t = n.target
+    if isinstance(t, str):
+        return t
+    return str(getattr(t, "__name__", t)) if not isinstance(t, torch._ops.OpOverload) else str(t.overloadpacket)
+
+
+def _output_signature(gm: fx.GraphModule) -> list[Any]:
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    sig = []
+    for a in torch.utils._pytree.tree_leaves(out.args[0]):
+        v = a.meta.get("val") if isinstance(a, fx.Node) else a
+        if isinstance(v, torch.Tensor):
+            sig.append((tuple(v.shape), v.dtype))
+        else:
+            sig.append(type(v).__name__)
+    return sig
+
+
+def run_pipeline(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """Run every enabled pass of ctx.stage on gm, checking and recording each."""
+    from graphtrain.engine.fallback import report_fallback  # lazy: engine imports passes
+
+    for spec in pipeline(ctx.stage, ctx.config):
+        before_counts = op_counts(gm)
+        before_sig = _output_signature(gm)
+        backup = copy.deepcopy(gm) if ctx.config.fallback != "error" else None
+        ctx.rewrites = 0
+        t0 = time.perf_counter()
+        error = None
+        try:
+            gm = spec.fn(gm, ctx)
+            gm.graph.lint()
+            gm.recompile()
+            after_sig = _output_signature(gm)
+            if after_sig != before_sig:
+                raise AssertionError(f"pass {spec.name} changed the graph outputs: {before_sig} -> {after_sig}")
+        except Exception as e:  # a broken pass must never give a silently wrong graph
+            if ctx.config.fallback == "error":
+                raise RuntimeError(f"graphtrain pass {spec.name!r} failed on {ctx.graph_name} ({ctx.stage}): {e}. "
+                                   f"Switch it off with engine.passes.{spec.name}=false") from e
+            error = f"{type(e).__name__}: {e}"
+            gm = backup  # type: ignore[assignment]
+            ctx.rewrites = 0
+            report_fallback(f"pass {spec.name}", error, ctx.config, what=f"{ctx.graph_name} keeps the graph from before the pass")
+        dt = time.perf_counter() - t0
+        after_counts = op_counts(gm)
+        diff = {k: after_counts[k] - before_counts[k] for k in set(before_counts) | set(after_counts)
+                if after_counts[k] != before_counts[k]}
+        rec = PassRecord(spec.name, ctx.stage, ctx.graph_name, ctx.rewrites, dt,
+                         sum(before_counts.values()), sum(after_counts.values()), diff, error)
+        ctx.records.append(rec)
+        if ctx.config.debug:
+            warnings.warn(f"[graphtrain] {ctx.stage}/{spec.name} on {ctx.graph_name}: {rec.rewrites} rewrites, "
+                          f"{dt * 1e3:.1f} ms, ops {rec.ops_before} -> {rec.ops_after} {diff}", stacklevel=2)
+    return gm
+
+
+_LOADED = False
+
+
+def _load_builtin_passes() -> None:
+    """Import the modules that register graphtrain's passes (once)."""
+    global _LOADED
+    if _LOADED:
+        return
+    _LOADED = True
+    import importlib
+    import pkgutil
+
+    import graphtrain.passes as pkg
+    for m in pkgutil.iter_modules(pkg.__path__):
+        if m.name != "manager" and not m.name.startswith("_"):
+            importlib.import_module(f"graphtrain.passes.{m.name}")
