@@ -169,9 +169,9 @@ class OptimConfig:
 class TrainConfig:
     """The training loop."""
 
-    steps: int = 300
+    steps: int = 200
     """Optimizer steps to run in total."""
-    batch_size: int | Literal["auto"] = 16
+    batch_size: int | Literal["auto"] = 8
     """Samples per optimizer step (before grad_accum); `auto` picks the largest that fits the memory budget."""
     grad_accum: int = 1
     """Micro-batches accumulated per optimizer step."""
