@@ -19,9 +19,14 @@ FALLBACKS: list[tuple[str, str]] = []
 _WARNED: set[tuple[str, str]] = set()
 
 
-def report_fallback(part: str, reason: str, config: EngineConfig, what: str = "runs eagerly") -> None:
-    """Record that `part` fell back; warn once per (part, reason) or raise, per config.fallback."""
+def report_fallback(part: str, reason: str, config: EngineConfig, what: str = "runs eagerly",
+                    sink: list[tuple[str, str]] | None = None) -> None:
+    """Record that `part` fell back; warn once per (part, reason) or raise, per config.fallback.
+
+    `sink` (a module's ``EngineState.fallbacks``) also receives the record, for ``graphtrain.report``."""
     FALLBACKS.append((part, reason))
+    if sink is not None:
+        sink.append((part, reason))
     if config.fallback == "error":
         raise GraphtrainCaptureError(f"graphtrain could not optimize {part}: {reason}. "
                                      f"Set engine.fallback=warn to run it eagerly instead.")

@@ -12,7 +12,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 
@@ -23,13 +23,36 @@ def trace_aten_forward(fn: Callable[..., Any], example_inputs: Sequence[Any]) ->
     if fake_mode is None:
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         inputs = [fake_mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in example_inputs]
-    else:
-        inputs = list(example_inputs)
+    else:  # inside a Dynamo backend: reuse its fake mode (and shape env), as AOTAutograd does
+        inputs = fakify_like_dynamo(fake_mode, example_inputs)
     with fake_mode, torch.no_grad():
         gm = make_fx(functional, tracing_mode="real", pre_dispatch=False)(*inputs)
     gm.graph.eliminate_dead_code()
     gm.recompile()
     return gm
+
+
+def fakify_like_dynamo(fake_mode: FakeTensorMode, example_inputs: Sequence[Any]) -> list[Any]:
+    """Fake versions of a Dynamo graph's real example inputs, in the backend's fake mode: tensors keep the
+    symbolic sizes Dynamo chose (its per-tensor symbolic context), ints become SymInts under dynamic shapes."""
+    ctx = torch._guards.TracingContext.try_get()
+    shape_env = fake_mode.shape_env
+    out = []
+    for i, x in enumerate(example_inputs):
+        if isinstance(x, FakeTensor):
+            out.append(x if x.fake_mode is fake_mode else fake_mode.from_tensor(x))
+        elif isinstance(x, torch.Tensor):
+            sc = ctx.tensor_to_context.get(x) if ctx is not None else None
+            out.append(fake_mode.from_tensor(x, symbolic_context=sc, source=sc.tensor_source if sc else None,
+                                             static_shapes=shape_env is None))
+        elif isinstance(x, int) and not isinstance(x, bool) and shape_env is not None:
+            from torch._dynamo.source import ConstantSource
+            src = ConstantSource(f"graphtrain_sym_{i}")
+            out.append(shape_env.create_symintnode(shape_env.create_symbol(x, src, positive=x >= 0), hint=x,
+                                                   source=src))
+        else:
+            out.append(x)
+    return out
 
 
 def module_as_function(module: torch.nn.Module) -> tuple[Callable[..., Any], list[torch.Tensor], list[str]]:

@@ -141,6 +141,17 @@ def _output_signature(gm: fx.GraphModule) -> list[Any]:
     return sig
 
 
+def _backup(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of gm's graph to restore if a pass fails. The nodes are copied (meta dicts shallowly: fake
+    tensors and SymInts cannot be deep-copied) and module attributes are shared."""
+    graph = fx.Graph(owning_module=gm, tracer_cls=gm.graph._tracer_cls)
+    val_map: dict[fx.Node, fx.Node] = {}
+    out = graph.graph_copy(gm.graph, val_map, return_output_node=True)
+    graph.output(out[0] if isinstance(out, tuple) else out)
+    graph._codegen = copy.deepcopy(gm.graph._codegen)
+    return fx.GraphModule(gm, graph, class_name=type(gm).__name__)
+
+
 def run_pipeline(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Run every enabled pass of ctx.stage on gm, checking and recording each."""
     from graphtrain.engine.fallback import report_fallback  # lazy: engine imports passes
@@ -148,7 +159,7 @@ def run_pipeline(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     for spec in pipeline(ctx.stage, ctx.config):
         before_counts = op_counts(gm)
         before_sig = _output_signature(gm)
-        backup = copy.deepcopy(gm) if ctx.config.fallback != "error" else None
+        backup = _backup(gm) if ctx.config.fallback != "error" else None
         ctx.rewrites = 0
         t0 = time.perf_counter()
         error = None

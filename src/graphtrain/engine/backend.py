@@ -1,0 +1,144 @@
+"""The "graphtrain" torch.compile backend: one Dynamo graph in, a trainable compiled callable out.
+
+Per Dynamo graph:  trace to the pre-autodiff aten IR (trace.py)  ->  ``pre_autodiff`` passes  ->
+AOTAutograd (gradient graph, partition)  ->  ``forward``/``backward`` passes  ->  provider.
+Each stage that fails falls back to the stage before it (no pre-autodiff passes; aten instead of
+inductor; the Dynamo graph run eagerly) and says so once, or raises under ``fallback: error``.
+"""
+from __future__ import annotations
+
+import functools
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx as fx
+
+from graphtrain.config import EngineConfig
+from graphtrain.engine.fallback import report_fallback
+from graphtrain.engine.state import GLOBAL_STATE, EngineState, GraphRecord
+from graphtrain.passes.manager import PassContext, op_counts, run_pipeline
+
+
+def _input_kinds(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> list[str]:
+    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    kinds = []
+    for name, x in zip(names, example_inputs):
+        if isinstance(x, torch.nn.Parameter):
+            kinds.append("param" if x.requires_grad else "frozen")
+        elif not isinstance(x, torch.Tensor):
+            kinds.append("symint")
+        elif "_buffers_" in name:
+            kinds.append("buffer")
+        else:
+            kinds.append("input")
+    return kinds
+
+
+def _has_grad_mode_changes(gm: fx.GraphModule) -> bool:
+    return any(n.op == "call_function" and n.target is torch._C._set_grad_enabled for n in gm.graph.nodes)
+
+
+def _frame_info(gm: fx.GraphModule) -> tuple[str, int]:
+    """(the captured Python function, how many times Dynamo compiled this frame before)."""
+    cid = torch._guards.CompileContext.current_compile_id()
+    frame = "?"
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+        co = InstructionTranslator.current_tx().output.co_fields
+        frame = f"{co['co_name']} ({co['co_filename'].rsplit('/', 1)[-1]}:{co['co_firstlineno']})"
+    except Exception:  # noqa: BLE001 - only a label; called outside Dynamo (tests) there is no tx
+        pass
+    return frame, (cid.frame_compile_id or 0) if cid is not None else 0
+
+
+def _shapes(example_inputs: Sequence[Any]) -> list[Any]:
+    def dim(d: Any) -> Any:
+        return d if type(d) is int else str(d)
+    return [tuple(dim(d) for d in x.shape) if isinstance(x, torch.Tensor) else dim(x) for x in example_inputs]
+
+
+def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: EngineConfig,
+                  state: EngineState) -> Callable[..., Any]:
+    """Compile one Dynamo graph (the backend body); records a GraphRecord on `state`."""
+    from graphtrain.engine.providers import PROVIDERS, resolve_provider
+    from graphtrain.engine.trace import trace_aten_forward
+
+    t0 = time.perf_counter()
+    frame, raw_compile_id = _frame_info(gm)
+    # Dynamo counts compiles per code object across all instances; count this module's own compiles.
+    ids = sorted({g.notes_compile_id for g in state.graphs if g.frame == frame} | {raw_compile_id})
+    frame_compile = ids.index(raw_compile_id)
+    kinds = _input_kinds(gm, example_inputs)
+    rec = GraphRecord(name=f"graph{len(state.graphs)}", frame=frame, frame_compile=frame_compile,
+                      input_shapes=_shapes(example_inputs), input_kinds=kinds,
+                      compile_reason=str(getattr(gm, "compile_subgraph_reason", "") or ""))
+    user = [x for x, k in zip(example_inputs, kinds) if k == "input" and x.dim() > 0]
+    rec.batch = int(user[0].shape[0]) if user and isinstance(user[0].shape[0], int) else None
+    rec.notes_compile_id = raw_compile_id
+    state.graphs.append(rec)
+    sink = state.fallbacks
+
+    # 1. the pre-autodiff IR and its passes
+    graph = gm
+    if _has_grad_mode_changes(gm):
+        rec.notes.append("graph switches grad mode inside (no_grad region): pre-autodiff passes skipped")
+    else:
+        try:
+            graph = trace_aten_forward(gm, example_inputs)
+        except Exception as e:  # noqa: BLE001 - any tracing failure degrades to the Dynamo graph
+            report_fallback(f"tracing {rec.name} ({frame}) to aten", f"{type(e).__name__}: {e}", config,
+                            what="is compiled without pre-autodiff passes", sink=sink)
+        else:
+            rec.ops_captured = sum(op_counts(graph).values())
+            ctx = PassContext(config=config, stage="pre_autodiff", graph_name=rec.name,
+                              example_inputs=list(example_inputs), input_kinds=kinds)
+            graph = run_pipeline(graph, ctx)
+            state.passes.extend(ctx.records)
+            rec.ops_pre_autodiff = sum(op_counts(graph).values())
+
+    # 2. autodiff + provider
+    provider = resolve_provider(config, example_inputs)
+    order = [provider] + (["aten"] if provider != "aten" else [])
+    compiled = None
+    for p in order:
+        try:
+            compiled = PROVIDERS[p](graph, example_inputs, config, rec, state)
+            rec.provider = p
+            break
+        except Exception as e:  # noqa: BLE001
+            if type(e).__name__ == "GraphtrainCaptureError":
+                raise
+            nxt = "aten" if p != "aten" else "eager"
+            report_fallback(f"provider {p} on {rec.name} ({frame})", f"{type(e).__name__}: {str(e)[:500]}", config,
+                            what=f"runs on {nxt} instead", sink=sink)
+    if compiled is None:
+        rec.provider = "eager"
+        compiled = gm.forward
+    rec.compile_seconds = time.perf_counter() - t0
+    return compiled
+
+
+def make_backend(config: EngineConfig, state: EngineState) -> Callable[..., Any]:
+    def graphtrain_backend(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        return compile_graph(gm, example_inputs, config, state)
+    return graphtrain_backend
+
+
+def graphtrain_backend(gm: fx.GraphModule, example_inputs: Sequence[Any],
+                       options: dict[str, Any] | None = None) -> Callable[..., Any]:
+    """The backend registered as "graphtrain" (default EngineConfig; `options` are EngineConfig keys, as in
+    ``torch.compile(m, backend="graphtrain", options={"provider": "aten"})``). Records into GLOBAL_STATE."""
+    from graphtrain.config import resolve_engine_config
+    from graphtrain.engine.cache import configure_cache
+    config = resolve_engine_config(None, options) if options else GLOBAL_STATE.config
+    configure_cache(config)
+    return compile_graph(gm, example_inputs, config, GLOBAL_STATE)
+
+
+@functools.cache
+def register_backend() -> None:
+    """Make ``torch.compile(model, backend="graphtrain")`` work (called by ``import graphtrain``)."""
+    from torch._dynamo.backends.registry import _COMPILER_FNS, register_backend as register
+    if "graphtrain" not in _COMPILER_FNS:
+        register(graphtrain_backend, name="graphtrain")

@@ -1,0 +1,165 @@
+"""``graphtrain.report(module)``: what the engine captured, rewrote, saved and ran, and why.
+
+    print(graphtrain.report(model))     # text
+    graphtrain.report(model).to_dict()  # the same facts, machine-readable
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from graphtrain.engine.state import GLOBAL_STATE, EngineState, GraphRecord
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
+
+
+def _state_of(module: torch.nn.Module | None) -> tuple[EngineState, str]:
+    for m in (module, getattr(module, "_orig_mod", None)):
+        st = getattr(m, "_graphtrain", None)
+        if isinstance(st, EngineState):
+            return st, "module"
+    return GLOBAL_STATE, "process (torch.compile backend='graphtrain')"
+
+
+def _param_stats(module: torch.nn.Module | None) -> dict[str, int]:
+    out = dict(trained=0, trained_bytes=0, frozen=0, frozen_bytes=0, buffers=0, buffer_bytes=0)
+    if module is None:
+        return out
+    for p in module.parameters():
+        key = "trained" if p.requires_grad else "frozen"
+        out[key] += p.numel()
+        out[key + "_bytes"] += p.numel() * p.element_size()
+    for b in module.buffers():
+        out["buffers"] += b.numel()
+        out["buffer_bytes"] += b.numel() * b.element_size()
+    return out
+
+
+def _latest(graphs: list[GraphRecord]) -> list[GraphRecord]:
+    """The graphs of each frame's most recent compile (what the next step runs)."""
+    last: dict[str, int] = {}
+    for g in graphs:
+        last[g.frame] = max(last.get(g.frame, 0), g.frame_compile)
+    return [g for g in graphs if g.frame_compile == last[g.frame]]
+
+
+@dataclass
+class Report:
+    source: str
+    config: dict[str, Any]
+    graphs: list[dict[str, Any]]
+    graph_breaks: list[str]
+    recompiles: list[dict[str, Any]]
+    fallbacks: list[tuple[str, str]]
+    passes: list[dict[str, Any]]
+    params: dict[str, int]
+    saved_activation_bytes: int | None
+    saved_activation_bytes_per_sample: float | None
+    first_step_seconds: float | None
+    compile_seconds: float
+    calls: int
+    eager_only: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def __str__(self) -> str:
+        L = [f"graphtrain report ({self.source}; provider={self.config['provider']}, "
+             f"fallback={self.config['fallback']}, dynamic={self.config['dynamic']})"]
+        if self.eager_only:
+            L.append("  CAPTURE FAILED: the module runs eagerly (see fallbacks)")
+        fs = "n/a" if self.first_step_seconds is None else f"{self.first_step_seconds:.2f} s"
+        L.append(f"time to first step: {fs} (compile {self.compile_seconds:.2f} s); accelerated calls: {self.calls}")
+        p = self.params
+        L.append(f"parameters: trained {p['trained']:,} ({_mib(p['trained_bytes'])}), frozen {p['frozen']:,} "
+                 f"({_mib(p['frozen_bytes'])}), buffers {p['buffers']:,} ({_mib(p['buffer_bytes'])})")
+        L.append(f"graphs captured: {len(self.graphs)}")
+        for g in self.graphs:
+            fw = "-" if g["ops_forward"] is None else g["ops_forward"]
+            bw = "-" if g["ops_backward"] is None else g["ops_backward"]
+            L.append(f"  {g['name']}: {g['frame']} compile #{g['frame_compile']} -> {g['provider']} "
+                     f"({g['partitioner'] or 'no'} partition), {g['compile_seconds']:.2f} s")
+            L.append(f"    aten ops: captured {g['ops_captured']} -> after pre-autodiff passes "
+                     f"{g['ops_pre_autodiff']}; forward {fw}, backward {bw}")
+            if g["grads_computed"] is not None:
+                n_frozen = sum(k in ("frozen", "buffer") for k in g["input_kinds"])
+                L.append(f"    gradients computed: {g['grads_computed']} of {len(g['input_kinds'])} inputs; "
+                         f"frozen params/buffers: {n_frozen}, with gradient work: {g['frozen_inputs_with_grad']}")
+            if g["saved_activation_bytes"] is not None:
+                L.append(f"    saved for backward: {g['saved_tensors']} tensors, {_mib(g['saved_activation_bytes'])}"
+                         f" (batch {g['batch']})")
+            for note in g["notes"]:
+                L.append(f"    note: {note}")
+        if self.saved_activation_bytes_per_sample is not None:
+            L.append(f"saved activations: {_mib(self.saved_activation_bytes or 0)} per step, "
+                     f"{_mib(self.saved_activation_bytes_per_sample)} per sample")
+        L.append(f"graph breaks: {len(self.graph_breaks)}")
+        L += [f"  - {b}" for b in self.graph_breaks]
+        L.append(f"recompiles: {len(self.recompiles)}")
+        L += [f"  - {r['frame']} compile #{r['frame_compile']}, input shapes {r['input_shapes']}"
+              for r in self.recompiles]
+        L.append(f"fallbacks: {len(self.fallbacks)}")
+        L += [f"  - {part}: {why}" for part, why in self.fallbacks]
+        L.append("passes (summed over graphs):   rewrites      ms   ops before -> after")
+        for r in self.passes:
+            err = f"   FAILED: {r['error']}" if r["error"] else ""
+            L.append(f"  {r['stage']:>12}/{r['name']:<34} {r['rewrites']:>6} {r['seconds'] * 1e3:>8.1f}   "
+                     f"{r['ops_before']:>6} -> {r['ops_after']}{err}")
+        return "\n".join(L)
+
+
+def report(module: torch.nn.Module | None = None) -> Report:
+    """The engine report for an accelerated module (or for the process-wide torch.compile backend)."""
+    state, source = _state_of(module)
+    agg: dict[tuple[str, str], dict[str, Any]] = collections.OrderedDict()
+    for r in state.passes:
+        a = agg.setdefault((r.stage, r.name), dict(stage=r.stage, name=r.name, rewrites=0, seconds=0.0,
+                                                   ops_before=0, ops_after=0, error=None))
+        a["rewrites"] += r.rewrites
+        a["seconds"] += r.seconds
+        a["ops_before"] += r.ops_before
+        a["ops_after"] += r.ops_after
+        a["error"] = a["error"] or r.error
+    latest = _latest(state.graphs)
+    saved = [g.saved_activation_bytes for g in latest if g.saved_activation_bytes is not None]
+    batches = {g.batch for g in latest if g.saved_activation_bytes is not None and g.batch}
+    saved_total = sum(saved) if saved else None
+    per_sample = saved_total / batches.pop() if saved_total is not None and len(batches) == 1 else None
+    return Report(
+        source=source, config=dataclasses.asdict(state.config),
+        graphs=[dataclasses.asdict(g) for g in state.graphs], graph_breaks=list(state.graph_breaks),
+        recompiles=[dict(frame=g.frame, frame_compile=g.frame_compile, input_shapes=[s for s, k in zip(
+            g.input_shapes, g.input_kinds) if k in ("input", "symint")]) for g in state.recompiles],
+        fallbacks=list(state.fallbacks), passes=list(agg.values()), params=_param_stats(module),
+        saved_activation_bytes=saved_total, saved_activation_bytes_per_sample=per_sample,
+        first_step_seconds=state.first_call_seconds, compile_seconds=sum(g.compile_seconds for g in state.graphs),
+        calls=state.calls, eager_only=state.eager_only)
+
+
+def report_for_config(config: Any) -> Report:
+    """Build the configured model, accelerate it, run one training step on real data, return the report
+    (backs ``graphtrain report CONFIG``)."""
+    from graphtrain.config import Config
+    from graphtrain.data import build_data
+    from graphtrain.engine.api import accelerate
+    from graphtrain.models import build_model, resolve_spec
+
+    if not isinstance(config, Config):
+        raise TypeError(f"report_for_config expects a graphtrain.Config, got {type(config).__name__}")
+    torch.manual_seed(config.train.seed)
+    family = resolve_spec(config.model).family
+    data = build_data(config, family=family)
+    model = build_model(config.model, vocab_size=data.vocab_size)
+    model.train()
+    model = accelerate(model, config)
+    bs = config.train.batch_size if config.train.batch_size != "auto" else 8
+    batch = data.train.get_batch(0, bs)
+    loss = model(**batch)
+    loss.backward()
+    return report(model)

@@ -1,0 +1,60 @@
+"""What the engine records about one accelerated module: graphs, breaks, recompiles, passes, providers.
+
+One ``EngineState`` lives on each accelerated module as ``module._graphtrain`` (graphs compiled through
+``torch.compile(m, backend="graphtrain")`` record into a process-wide ``GLOBAL_STATE``). The backend fills
+one ``GraphRecord`` per Dynamo graph; ``graphtrain.report`` turns the state into text and a dict.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from graphtrain.config import EngineConfig
+from graphtrain.passes.manager import PassRecord
+
+
+@dataclass
+class GraphRecord:
+    """One Dynamo graph as the engine compiled it."""
+
+    name: str
+    frame: str                      # the Python function Dynamo captured
+    frame_compile: int              # 0 for the first compile of this frame, n for its n-th recompile
+    input_shapes: list[Any]
+    input_kinds: list[str]          # per placeholder: param | frozen | buffer | input | symint
+    ops_captured: int = 0           # aten ops right after tracing, before any pass
+    ops_pre_autodiff: int = 0       # aten ops after the pre_autodiff passes
+    ops_forward: int | None = None  # ops of the partitioned forward / backward graphs after their passes
+    ops_backward: int | None = None
+    provider: str = ""              # what ran the fw/bw graphs (aten | inductor | eager)
+    partitioner: str = ""
+    grads_computed: int | None = None        # backward outputs that are real gradients
+    frozen_inputs_with_grad: int | None = None  # must be 0: frozen params/buffers get no gradient work
+    saved_activation_bytes: int | None = None   # forward outputs kept for backward that are not parameters
+    saved_tensors: int | None = None
+    batch: int | None = None        # leading dim of the first user input (for per-sample figures)
+    compile_seconds: float = 0.0
+    compile_reason: str = ""        # why Dynamo ended this graph (graph break or end of frame)
+    notes_compile_id: int = 0       # Dynamo's per-code-object compile counter (shared across instances)
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class EngineState:
+    config: EngineConfig
+    graphs: list[GraphRecord] = field(default_factory=list)
+    passes: list[PassRecord] = field(default_factory=list)
+    graph_breaks: list[str] = field(default_factory=list)
+    fallbacks: list[tuple[str, str]] = field(default_factory=list)
+    calls: int = 0
+    first_call_seconds: float | None = None
+    eager_only: bool = False        # capture failed; the module runs eagerly from now on
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @property
+    def recompiles(self) -> list[GraphRecord]:
+        return [g for g in self.graphs if g.frame_compile > 0]
+
+
+GLOBAL_STATE = EngineState(EngineConfig())

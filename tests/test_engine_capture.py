@@ -1,0 +1,141 @@
+"""Capture edge cases: graph breaks, data-dependent code, shape changes, fallback policy, backend name."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import graphtrain
+
+
+@pytest.fixture(autouse=True)
+def _many_instances():
+    # Every test builds new instances of the same classes; Dynamo counts their compiles per code object.
+    with torch._dynamo.config.patch(recompile_limit=64):
+        yield
+from graphtrain.engine.fallback import GraphtrainCaptureError
+from graphtrain.testing import assert_close, assert_grads_close
+
+
+class MLP(nn.Module):
+    def __init__(self, mode: str = "plain") -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 4)
+        self.mode = mode
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.a(x))
+        if self.mode == "print":
+            print("hidden mean computed")  # a graph break in the middle of forward
+        elif self.mode == "item":
+            if h.sum().item() > 0:         # a branch on a tensor's value: data-dependent control flow
+                h = h * 2
+        elif self.mode == "nonzero":
+            h = h + h[h.nonzero(as_tuple=True)].sum()  # output shape depends on the data
+        return self.b(h)
+
+
+def _pair(mode, **accel):
+    torch.manual_seed(0)
+    ref, m = MLP(mode), MLP(mode)
+    m.load_state_dict(ref.state_dict())
+    return ref, graphtrain.accelerate(m, provider="aten", **accel)
+
+
+def _step_both(ref, m, x):
+    for mod in (ref, m):
+        mod.zero_grad(set_to_none=True)
+        mod(x).square().mean().backward()
+    assert_close(m(x), ref(x), bitwise=True)
+    assert_grads_close(m, ref, bitwise=True)
+
+
+@pytest.mark.parametrize("mode", ["print", "item", "nonzero"])
+def test_graph_breaks_fall_back_to_python_with_reason(mode, capsys):
+    ref, m = _pair(mode, fallback="silent")
+    _step_both(ref, m, torch.randn(4, 8))
+    rep = graphtrain.report(m)
+    assert len(rep.graph_breaks) >= 1 and len(rep.graphs) >= 2, str(rep)
+    assert "graph breaks: " in str(rep)
+    if mode == "print":
+        assert "hidden mean computed" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("mode", ["print", "item"])
+def test_fallback_error_raises_capture_error(mode):
+    _, m = _pair(mode, fallback="error")
+    with pytest.raises(GraphtrainCaptureError, match="engine.fallback=warn"):
+        m(torch.randn(4, 8))
+
+
+def test_shape_change_recompiles_and_is_reported():
+    ref, m = _pair("plain", fallback="error")
+    for batch in (4, 6):
+        _step_both(ref, m, torch.randn(batch, 8))
+    rep = graphtrain.report(m)
+    assert len(rep.recompiles) == 1 and (6, 8) in rep.recompiles[0]["input_shapes"], str(rep)
+    assert "recompiles: 1" in str(rep)
+
+
+def test_dynamic_shapes_compile_once():
+    ref, m = _pair("plain", fallback="error", dynamic=True)
+    for batch in (4, 6, 9):
+        _step_both(ref, m, torch.randn(batch, 8))
+    rep = graphtrain.report(m)
+    assert len(rep.graphs) == 1 and not rep.recompiles, str(rep)
+
+
+def test_failing_pass_falls_back_and_is_reported(monkeypatch):
+    from graphtrain.passes import cleanup, manager
+
+    def broken(gm, ctx):
+        raise RuntimeError("boom")
+    monkeypatch.setattr(manager._REGISTRY["remove_noop_ops"], "fn", broken)
+    ref, m = _pair("plain", fallback="silent")
+    _step_both(ref, m, torch.randn(4, 8))
+    rep = graphtrain.report(m)
+    failed = [p for p in rep.passes if p["error"]]
+    assert failed and "boom" in failed[0]["error"] and "FAILED" in str(rep)
+    assert cleanup.remove_noop_ops_pass is not broken
+
+
+def test_provider_failure_falls_back_to_aten(monkeypatch):
+    from graphtrain.engine import providers
+
+    def broken(*a, **k):
+        raise RuntimeError("no compiler here")
+    monkeypatch.setitem(providers.PROVIDERS, "inductor", broken)
+    torch.manual_seed(0)
+    ref, m = MLP(), MLP()
+    m.load_state_dict(ref.state_dict())
+    graphtrain.accelerate(m, provider="inductor", fallback="warn")
+    with pytest.warns(UserWarning, match="no compiler here"):
+        _step_both(ref, m, torch.randn(4, 8))
+    rep = graphtrain.report(m)
+    assert rep.graphs[0]["provider"] == "aten" and rep.fallbacks
+
+
+def test_torch_compile_backend_name_and_entry_point():
+    import importlib.metadata as md
+    torch.manual_seed(0)
+    ref, m = MLP(), MLP()
+    m.load_state_dict(ref.state_dict())
+    cm = torch.compile(m, backend="graphtrain", options={"provider": "aten"})
+    x = torch.randn(4, 8)
+    for mod in (ref, cm):
+        mod(x).square().mean().backward()
+    assert_grads_close(m, ref, bitwise=True)
+    eps = md.entry_points(group="torch_dynamo_backends")
+    assert any(ep.name == "graphtrain" and ep.value == "graphtrain.engine.backend:graphtrain_backend" for ep in eps)
+
+
+def test_report_str_and_dict():
+    _, m = _pair("plain", fallback="error")
+    m(torch.randn(4, 8)).sum().backward()
+    rep = graphtrain.report(m)
+    text = str(rep)
+    for section in ("time to first step", "parameters: trained", "graphs captured: 1", "graph breaks: 0",
+                    "recompiles: 0", "fallbacks: 0", "eliminate_dead_code", "saved activations"):
+        assert section in text, text
+    d = rep.to_dict()
+    assert d["params"]["trained"] == sum(p.numel() for p in m.parameters()) and d["first_step_seconds"] > 0

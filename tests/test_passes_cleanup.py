@@ -1,0 +1,124 @@
+"""Cleanup passes: each counts its rewrites and leaves the graph's results bitwise unchanged."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from graphtrain.config import EngineConfig
+from graphtrain.engine.trace import trace_aten_forward
+from graphtrain.passes.cleanup import (eliminate_common_subexpressions_pass, eliminate_dead_code_pass,
+                                       fold_constants_pass, remove_noop_ops_pass)
+from graphtrain.passes.manager import PassContext, op_counts, run_pipeline
+from graphtrain.testing import assert_close
+
+aten = torch.ops.aten
+
+
+def _trace(fn, *inputs):
+    """graphtrain's pre-autodiff IR (functional aten, meta["val"] on every node), as the passes see it."""
+    return trace_aten_forward(fn, inputs)
+
+
+def _raw(fn, *inputs):
+    return make_fx(fn, tracing_mode="fake")(*inputs)  # not dead-code eliminated yet
+
+
+def _apply(pass_fn, gm, *inputs, seed=0):
+    """Run gm before and after pass_fn on the same inputs and RNG seed; returns (rewrites, ops after)."""
+    torch.manual_seed(seed)
+    before = gm(*inputs)
+    ctx = PassContext(config=EngineConfig(), stage="pre_autodiff")
+    gm = pass_fn(gm, ctx)
+    gm.graph.lint()
+    gm.recompile()
+    torch.manual_seed(seed)
+    after = gm(*inputs)
+    for i, (a, b) in enumerate(zip(torch.utils._pytree.tree_leaves(after), torch.utils._pytree.tree_leaves(before))):
+        assert_close(a, b, name=f"output {i}", bitwise=True)
+    return ctx.rewrites, op_counts(gm)
+
+
+def _count(counts, op):
+    return sum(v for k, v in counts.items() if k == f"aten.{op}")
+
+
+def test_dce_removes_unused_but_keeps_random_ops():
+    def f(x):
+        x.cos()            # dead, pure: removed
+        x.exp().sum()      # dead chain of two
+        torch.rand_like(x)  # dead but random: kept, so the generator advances as in eager
+        return x.sin() + torch.rand_like(x)
+    x = torch.randn(5, 7)
+    n, counts = _apply(eliminate_dead_code_pass, _raw(f, x), x)
+    assert n == 3
+    assert _count(counts, "rand_like") == 2 and _count(counts, "cos") == 0
+
+
+def test_cse_merges_pure_ops_never_dropouts():
+    def f(x):
+        a = x.sin() * 2 + x.sin() * 2            # sin and mul are shared: 2 merges
+        d = F.dropout(x, 0.5) + F.dropout(x, 0.5)  # two masks: must stay two
+        return a, d
+    x = torch.randn(6, 6)
+    gm = _trace(f, x)
+    bern_before = _count(op_counts(gm), "bernoulli")
+    n, counts = _apply(eliminate_common_subexpressions_pass, gm, x)
+    assert _count(counts, "sin") == 1
+    assert _count(counts, "bernoulli") == bern_before == 2
+    assert n >= 2
+
+
+def test_fold_constants_folds_masks_not_inputs():
+    def f(x):
+        mask = torch.ones(8, 8).tril() == 0            # 3 ops from constants only: folded
+        pos = torch.arange(8)                          # a lone arange: recomputed, not kept
+        return x.masked_fill(mask, -1.0) + pos, x.sum() * torch.ones(1)
+    x = torch.randn(8, 8)
+    gm = _trace(f, x)
+    n, counts = _apply(fold_constants_pass, gm, x)
+    assert n == 3
+    assert _count(counts, "tril") == 0 and _count(counts, "arange") == 1
+    assert any(name.startswith("_graphtrain_const_") for name, _ in gm.named_buffers())
+
+
+def test_fold_constants_leaves_random_and_input_dependent_ops():
+    def f(x):
+        return x + torch.rand(4).exp() + torch.ones(4) * x
+    x = torch.randn(4)
+    n, _ = _apply(fold_constants_pass, _trace(f, x), x)
+    assert n == 0  # rand is random (so exp of it is not constant); ones * x depends on the input
+
+
+def test_remove_noop_views_casts_clones():
+    def f(x):
+        y = x.view(4, 6).reshape(4, 6).expand(4, 6)          # three same-shape views
+        z = aten._to_copy(y, dtype=torch.float32) * 2      # cast to the same dtype
+        w = z.clone() + 1                                   # clone not returned: removable
+        t = x.t().clone(memory_format=torch.contiguous_format)  # changes strides: kept
+        return w.view(24), t, x.clone()                    # returned clone: kept
+    x = torch.randn(4, 6)
+    n, counts = _apply(remove_noop_ops_pass, _trace(f, x), x)
+    assert n == 5
+    assert _count(counts, "clone") == 2 and _count(counts, "_to_copy") == 0 and _count(counts, "expand") == 0
+
+
+def test_pipeline_respects_switches_and_records():
+    def f(x):
+        return x.sin() + x.sin()
+    x = torch.randn(3)
+    for enabled, merges in ((True, 1), (False, 0)):
+        ctx = PassContext(config=EngineConfig(passes={"eliminate_common_subexpressions": enabled}),
+                          stage="pre_autodiff")
+        gm = run_pipeline(_trace(f, x), ctx)
+        rec = {r.name: r for r in ctx.records}
+        assert ("eliminate_common_subexpressions" in rec) == enabled
+        assert sum(r.rewrites for r in ctx.records if r.name == "eliminate_common_subexpressions") == merges
+        assert_close(gm(x), f(x), bitwise=True)
+
+
+def test_unknown_pass_name_is_a_clear_error():
+    ctx = PassContext(config=EngineConfig(passes={"eliminate_dead_cod": False}), stage="pre_autodiff")
+    with pytest.raises(ValueError, match="did you mean 'eliminate_dead_code'"):
+        run_pipeline(_trace(lambda x: x + 1, torch.randn(2)), ctx)
