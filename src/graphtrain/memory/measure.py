@@ -1,0 +1,143 @@
+"""Measure a training step's peak memory in a fresh subprocess (CPU: resident set; CUDA: allocator).
+
+``python -m graphtrain.memory.measure --model gpt2-mini --seq 128 --batch 16 --mode graphtrain
+--recompute none`` prints one JSON line. Method on CPU: build the model and AdamW, run warm-up
+steps (compile, optimizer state), then ``gc.collect()`` + glibc ``malloc_trim(0)``, note the
+resident set, reset the kernel's high-water mark (``echo 5 > /proc/self/clear_refs``) and run the
+timed steps. ``peak_rss`` is the absolute high-water mark of those steps; ``peak_tensor_bytes``
+subtracts what was resident before them but is not a tensor (interpreter, libraries, compile
+caches), i.e. it is the step's peak counted the way ``predict_peak`` counts it.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+MODES = ("eager", "compile", "graphtrain")
+
+
+def _rss_kib(field: str = "VmRSS") -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _trim() -> None:
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass
+
+
+def build(model: str, seq: int, batch: int, dropout: float | None = None) -> tuple[Any, tuple]:
+    import torch
+    from graphtrain.config import ModelConfig
+    from graphtrain.models import build_model
+    m = build_model(ModelConfig(name=model, dropout=dropout, max_seq_len=max(seq, 64)))
+    m.train()
+    g = torch.Generator().manual_seed(0)
+    vocab = m.get_input_embeddings().num_embeddings if hasattr(m, "get_input_embeddings") else 512
+    ids = torch.randint(0, vocab, (batch, seq), generator=g)
+    labels = torch.randint(0, vocab, (batch, seq), generator=g)
+    if getattr(m, "family", "gpt2") == "bert":  # BERT.forward(input_ids, attention_mask, token_type_ids, labels)
+        return m, (ids, None, None, labels)
+    return m, (ids, labels)
+
+
+def _child(a: argparse.Namespace) -> dict[str, Any]:
+    import torch
+    torch.set_num_threads(a.threads)
+    if a.pin_malloc or (a.mode == "graphtrain" and not a.no_pin_malloc):
+        from graphtrain.memory.allocator import pin_mmap_threshold
+        pin_mmap_threshold()
+    base_kib = _rss_kib()
+    model, batch = build(a.model, a.seq, a.batch, a.dropout)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    if a.mode == "eager":
+        step_fn = model
+    elif a.mode == "compile":
+        step_fn = torch.compile(model)
+    else:
+        from graphtrain.config import EngineConfig
+        from graphtrain.memory.capture import compile_train_step
+        from graphtrain.passes.memory_inplace import inplace_elementwise_pass
+        cfg = EngineConfig(recompute=a.recompute, memory_budget=a.budget)
+        passes = [inplace_elementwise_pass] if a.inplace else []
+        step_fn = compile_train_step(model, cfg, boxed=not a.unboxed, fw_passes=passes, bw_passes=passes)
+
+    def step() -> float:
+        loss = step_fn(*batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(loss)
+
+    for _ in range(a.warmup):
+        step()
+    _trim()
+    state = sum(t.numel() * t.element_size() for t in model.parameters())
+    state += sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values()
+                 if isinstance(t, torch.Tensor))
+    state += sum(t.numel() * t.element_size() for t in batch if isinstance(t, torch.Tensor))
+    rss0_kib = _rss_kib()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    times = []
+    for _ in range(a.steps):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    hwm = _rss_kib("VmHWM") * 1024
+    times.sort()
+    return {"model": a.model, "seq": a.seq, "batch": a.batch, "mode": a.mode, "recompute": a.recompute,
+            "inplace": a.inplace, "boxed": not a.unboxed,
+            "pinned_malloc": bool(a.pin_malloc or (a.mode == "graphtrain" and not a.no_pin_malloc)), "base_rss": base_kib * 1024, "rss_before_steps": rss0_kib * 1024,
+            "state_bytes": state, "peak_rss": hwm, "peak_tensor_bytes": hwm - (rss0_kib * 1024 - state),
+            "step_s": times[len(times) // 2], "step_s_all": times}
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="gpt2-mini")
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--mode", choices=MODES, default="graphtrain")
+    p.add_argument("--recompute", default="none", choices=("none", "selective", "full", "auto"))
+    p.add_argument("--budget", type=float, default=None, help="memory_budget for recompute=auto (bytes)")
+    p.add_argument("--inplace", action="store_true", help="run the in-place elementwise pass")
+    p.add_argument("--unboxed", action="store_true", help="hold backward inputs until it returns")
+    p.add_argument("--pin-malloc", action="store_true", help="pin glibc's mmap threshold (graphtrain does by default)")
+    p.add_argument("--no-pin-malloc", action="store_true", help="graphtrain mode: keep glibc's dynamic threshold")
+    p.add_argument("--dropout", type=float, default=None)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    return p
+
+
+def measure(timeout: float = 1800, **kw: Any) -> dict[str, Any]:
+    """Run one measurement in a fresh subprocess; kw are the CLI flags (inplace=True, etc.)."""
+    args = [sys.executable, "-m", "graphtrain.memory.measure"]
+    for k, v in kw.items():
+        if v is None or v is False:
+            continue
+        args += [f"--{k.replace('_', '-')}"] + ([] if v is True else [str(v)])
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    r = subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=env)
+    if r.returncode != 0:
+        return {"error": (r.stderr or r.stdout)[-2000:], "returncode": r.returncode, **kw}
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+if __name__ == "__main__":
+    print(json.dumps(_child(_parser().parse_args())))
