@@ -1,0 +1,308 @@
+"""The one setup factory shared by speed and memory runs, and the worker process that runs it.
+
+`build_workload(case, variant)` builds the model from a fixed seed, wraps it the variant's way
+(eager, torch.compile, graphtrain.accelerate, ORTModule), makes AdamW and a fixed synthetic batch
+(random token ids from a seeded generator; BERT gets MLM labels on 15% of positions). One step is
+forward, loss, backward, optimizer step and zero_grad.
+
+Each (case, variant) runs in its own long-lived process (``python -m graphtrain.bench.case``) so
+peak memory, compile caches and thread pools never leak between variants. The runner talks to it
+in JSON lines: ``setup``, then ``steps N`` as often as it likes (that is how variants interleave),
+then ``finish``. Replies go through a private copy of stdout; the real stdout is pointed at stderr
+so library prints cannot corrupt the channel.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from graphtrain.bench import flops
+from graphtrain.bench.suites import Case, Variant, VARIANTS
+
+SEED = 1337
+MLM_PROBABILITY = 0.15
+# Hugging Face configs for the `hf-*` cases: the shapes of MEASURED.md's mini and small models.
+HF_SIZES = {"mini": dict(layers=4, hidden=256, heads=4, vocab=8192),
+            "small": dict(layers=6, hidden=512, heads=8, vocab=16384)}
+REPLY = "@@bench "
+
+
+class Skip(Exception):
+    """The variant cannot run here (an optional package is missing); reported, not an error."""
+
+
+@dataclass
+class Workload:
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    batch: dict[str, torch.Tensor]
+    variant: Variant
+    device: torch.device
+    hf: bool
+
+    def step(self) -> torch.Tensor:
+        """One training step; returns the (detached) loss."""
+        with self._autocast():
+            out = self.model(**self.batch)
+            loss = out.loss if self.hf else out
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        # graphtrain applies bf16 as a graph pass, so only eager/compile variants use autocast.
+        if self.variant.precision == "bf16" and self.variant.mode in ("eager", "compile"):
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+
+def build_model(case: Case) -> tuple[torch.nn.Module, int, bool]:
+    """(model, vocab_size, is_hf), freshly initialized from SEED."""
+    torch.manual_seed(SEED)
+    if case.model.startswith("hf-"):
+        return (*_build_hf(case), True)
+    from graphtrain.config import ModelConfig
+    from graphtrain.models import build_model as build_reference
+    model = build_reference(ModelConfig(name=case.model))
+    return model, model.spec.vocab_size, False
+
+
+def _build_hf(case: Case) -> tuple[torch.nn.Module, int]:
+    try:
+        family, size = case.model.split("-")[1:]
+        dims = HF_SIZES[size]
+    except (ValueError, KeyError):
+        raise ValueError(f"hf case {case.model!r} must be hf-<gpt2|bert>-<{'|'.join(HF_SIZES)}>") from None
+    try:
+        import transformers
+    except ImportError as e:
+        raise Skip(f"transformers is not installed ({e}); pip install 'graphtrain[hf]'") from None
+    common = dict(attn_implementation="sdpa", bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    if family == "gpt2":
+        cfg = transformers.GPT2Config(vocab_size=dims["vocab"], n_positions=max(512, case.seq), n_embd=dims["hidden"],
+                                      n_layer=dims["layers"], n_head=dims["heads"], resid_pdrop=0.1, embd_pdrop=0.1,
+                                      attn_pdrop=0.1, **common)
+        return transformers.GPT2LMHeadModel(cfg), dims["vocab"]
+    if family == "bert":
+        cfg = transformers.BertConfig(vocab_size=dims["vocab"], hidden_size=dims["hidden"],
+                                      num_hidden_layers=dims["layers"], num_attention_heads=dims["heads"],
+                                      intermediate_size=4 * dims["hidden"], max_position_embeddings=max(512, case.seq),
+                                      hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1, **common)
+        return transformers.BertForMaskedLM(cfg), dims["vocab"]
+    raise ValueError(f"hf case {case.model!r}: family must be gpt2 or bert")
+
+
+def make_batch(case: Case, vocab_size: int, hf: bool, device: torch.device) -> dict[str, torch.Tensor]:
+    """A fixed synthetic batch from a seeded generator (identical for every variant)."""
+    g = torch.Generator().manual_seed(SEED + 1)
+    tokens = torch.randint(5, vocab_size, (case.batch, case.seq + 1), generator=g)
+    if case.family == "gpt2":
+        if hf:  # GPT2LMHeadModel shifts labels itself
+            batch = {"input_ids": tokens[:, :-1], "labels": tokens[:, :-1]}
+        else:  # graphtrain's GPT2 takes labels already shifted
+            batch = {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:]}
+    else:
+        ids = tokens[:, :-1].clone()
+        masked = torch.rand(ids.shape, generator=g) < MLM_PROBABILITY
+        masked[:, 0] = True  # at least one target per sample
+        labels = torch.where(masked, ids, torch.full_like(ids, -100))
+        ids[masked] = 4  # a fixed [MASK]-like id
+        batch = {"input_ids": ids, "labels": labels}
+    return {k: v.contiguous().to(device) for k, v in batch.items()}
+
+
+def wrap_model(model: torch.nn.Module, variant: Variant) -> torch.nn.Module:
+    if variant.mode == "eager":
+        return model
+    if variant.mode == "compile":
+        return torch.compile(model)
+    if variant.mode == "graphtrain":
+        try:
+            import graphtrain
+            accelerate = graphtrain.accelerate
+        except (ImportError, AttributeError) as e:
+            raise Skip(f"graphtrain.accelerate is not available in this checkout ({e})") from None
+        out = accelerate(model, precision=variant.precision)
+        return out if isinstance(out, torch.nn.Module) else model
+    if variant.mode == "ortmodule":
+        try:
+            from onnxruntime.training.ortmodule import ORTModule
+        except Exception as e:  # noqa: BLE001 - any failure to import means "not available here"
+            raise Skip(f"ORTModule is not available ({type(e).__name__}: {e})") from None
+        return ORTModule(model)
+    raise ValueError(f"unknown variant mode {variant.mode!r}")
+
+
+def make_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
+    """The same AdamW for every variant (lr 1e-3, betas (0.9, 0.95), decay 0.01 on matrices only)."""
+    from graphtrain.config import OptimConfig
+    from graphtrain.optim import param_groups
+    cfg = OptimConfig()
+    return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
+
+
+def build_workload(case: Case, variant: Variant, device: str = "cpu") -> tuple[Workload, dict[str, Any]]:
+    """Build everything for one (case, variant); returns the workload and facts about it."""
+    dev = torch.device(device)
+    t0 = time.perf_counter()
+    model, vocab, hf = build_model(case)
+    model.to(dev).train()
+    n_layer, d_model = flops.model_dims(model)
+    info = {"params": sum(p.numel() for p in model.parameters()), "matmul_params": flops.matmul_params(model),
+            "n_layer": n_layer, "d_model": d_model, "hf": hf}
+    batch = make_batch(case, vocab, hf, dev)
+    wrapped = wrap_model(model, variant)
+    optimizer = make_optimizer(model)
+    info["build_s"] = time.perf_counter() - t0
+    info["flops_per_step"] = flops.step_flops(info["matmul_params"], n_layer, case.seq, d_model, case.batch * case.seq)
+    return Workload(wrapped, optimizer, batch, variant, dev, hf), info
+
+
+# ------------------------------------------------------------------------------- memory ----
+
+def _proc_status_kib(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def peak_memory_mib(device: torch.device) -> float:
+    """Peak memory so far: CUDA max allocated, else this process's peak RSS (VmHWM)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2 ** 20
+    kib = _proc_status_kib("VmHWM")
+    if kib is None:  # not Linux: ru_maxrss is KiB on Linux, bytes on macOS
+        import resource
+        r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        kib = r // 1024 if sys.platform == "darwin" else r
+    return kib / 1024
+
+
+def current_memory_mib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device) / 2 ** 20
+    return (_proc_status_kib("VmRSS") or 0) / 1024
+
+
+def reset_peak_memory(device: torch.device) -> bool:
+    """Restart the peak at the current usage (Linux: write 5 to /proc/self/clear_refs)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return True
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+# ------------------------------------------------------------------------------- worker ----
+
+class Worker:
+    """Serves the runner's commands for one (case, variant) inside this process."""
+
+    def __init__(self, case: Case, variant: Variant, device: str) -> None:
+        self.case, self.variant, self.device = case, variant, torch.device(device)
+        self.work: Workload | None = None
+        self.steps_done = 0
+        self.loss: float | None = None
+        self.peak_before_reset = 0.0  # the whole-process peak, kept across resets
+        self.was_reset = False
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def setup(self) -> dict[str, Any]:
+        torch.set_num_threads(os.cpu_count() or 1)
+        t0 = time.perf_counter()
+        self.work, info = build_workload(self.case, self.variant, str(self.device))
+        info["setup_mem_mib"] = current_memory_mib(self.device)
+        torch.manual_seed(SEED + 2)  # same dropout stream start for every variant
+        t1 = time.perf_counter()
+        self._run(1)
+        info["first_step_s"] = time.perf_counter() - t1
+        info["time_to_first_step_s"] = time.perf_counter() - t0
+        info["threads"] = torch.get_num_threads()
+        info["optimizer"] = type(self.work.optimizer).__name__
+        return info
+
+    def _run(self, n: int) -> float:
+        assert self.work is not None, "setup must come first"
+        self._sync()
+        t0 = time.perf_counter()
+        loss = None
+        for _ in range(n):
+            loss = self.work.step()
+        self._sync()
+        dt = time.perf_counter() - t0
+        self.steps_done += n
+        self.loss = float(loss) if loss is not None else self.loss
+        return dt
+
+    def steps(self, n: int, reset_peak: bool = False) -> dict[str, Any]:
+        if reset_peak:  # the steady-state peak then excludes setup and compile-time transients
+            self.peak_before_reset = max(self.peak_before_reset, peak_memory_mib(self.device))
+            self.was_reset = reset_peak_memory(self.device)
+        return {"seconds": self._run(n), "steps": n, "loss": self.loss}
+
+    def finish(self) -> dict[str, Any]:
+        now = peak_memory_mib(self.device)
+        return {"peak_mem_mib": max(now, self.peak_before_reset), "step_peak_mem_mib": now if self.was_reset else None,
+                "steps_done": self.steps_done, "final_loss": self.loss}
+
+
+def serve(case: Case, variant: Variant, device: str, stdin: Any, channel: Any) -> None:
+    worker = Worker(case, variant, device)
+    for line in stdin:
+        cmd = json.loads(line)
+        op = cmd.get("op")
+        try:
+            if op == "setup":
+                reply = {"ok": True, **worker.setup()}
+            elif op == "steps":
+                reply = {"ok": True, **worker.steps(int(cmd["n"]), bool(cmd.get("reset_peak")))}
+            elif op == "peak":
+                reply = {"ok": True, "peak_mem_mib": peak_memory_mib(worker.device)}
+            elif op == "finish":
+                reply = {"ok": True, **worker.finish()}
+            else:
+                reply = {"ok": False, "error": f"unknown op {op!r}"}
+        except Skip as e:
+            reply = {"ok": False, "skipped": str(e)}
+        except Exception as e:  # noqa: BLE001 - reported to the runner, which records it per variant
+            import traceback
+            traceback.print_exc()
+            reply = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        channel.write(REPLY + json.dumps(reply) + "\n")
+        channel.flush()
+        if op == "finish" or not reply["ok"]:
+            return
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    spec = json.loads(argv[0])
+    case = Case(**spec["case"])
+    channel = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # stray prints from libraries go to the worker's log, not the reply channel
+    serve(case, VARIANTS[spec["variant"]], spec.get("device", "cpu"), sys.stdin, channel)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

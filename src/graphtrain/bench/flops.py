@@ -1,0 +1,133 @@
+"""Model FLOPs per training step, the machine's measured matmul peak, and MFU.
+
+The FLOP formula (the nanoGPT / PaLM-appendix-B estimate) for one training step::
+
+    flops_per_step = (6 * N + 12 * n_layer * seq * d_model) * tokens
+
+* ``N`` is the number of matmul parameters: every distinct trainable parameter except position and
+  token-type (segment) embeddings, which are looked up, never multiplied. A token embedding tied to
+  the output projection counts once (it is the LM head's matmul).
+* ``6 * N`` per token: 2 FLOPs per multiply-add in the forward pass, twice that in the backward pass
+  (gradients for the inputs and for the weights).
+* ``12 * n_layer * seq * d_model`` per token: attention scores (Q K^T) and the weighted sum (A V),
+  2 * seq * d_model FLOPs each forward, times 3 for forward + backward. The causal mask is ignored
+  (full cost counted), as in nanoGPT; softmax, norms, GELU and the optimizer are not counted.
+* ``tokens = batch * seq``.
+
+MFU is ``flops_per_step / step_seconds / peak``, where ``peak`` is the best rate of a large square
+matmul in the same precision on this machine, measured by :func:`measure_peak`
+(``python -m graphtrain.bench.flops``), never a datasheet number.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+# Substrings of parameter names that are embedding lookups without a matmul behind them.
+_LOOKUP_ONLY = ("wpe", "position", "token_type", "segment")
+
+PEAK_COMMAND = "python -m graphtrain.bench.flops --sizes 2048 4096 --repeats 5"
+
+
+def step_flops(n_params: int, n_layer: int, seq: int, d_model: int, tokens: int) -> int:
+    """Training FLOPs of one step (forward + backward), see the module docstring."""
+    for name, v in (("n_params", n_params), ("n_layer", n_layer), ("seq", seq), ("d_model", d_model),
+                    ("tokens", tokens)):
+        if v < 0:
+            raise ValueError(f"{name} must be >= 0, got {v}")
+    return (6 * n_params + 12 * n_layer * seq * d_model) * tokens
+
+
+def matmul_params(model: Any) -> int:
+    """Distinct trainable parameters minus lookup-only embeddings (positions, token types)."""
+    seen: set[int] = set()
+    total = 0
+    for name, p in model.named_parameters():  # named_parameters() already skips tied duplicates
+        if not p.requires_grad or id(p) in seen:
+            continue
+        seen.add(id(p))
+        if any(s in name for s in _LOOKUP_ONLY):
+            continue
+        total += p.numel()
+    return total
+
+
+def model_dims(model: Any) -> tuple[int, int]:
+    """(n_layer, d_model) of a graphtrain reference model or a Hugging Face transformer."""
+    for holder in ("spec", "config", "cfg"):
+        cfg = getattr(model, holder, None)
+        if cfg is None:
+            continue
+        layers = _first_attr(cfg, ("n_layer", "num_hidden_layers", "num_layers", "n_layers"))
+        width = _first_attr(cfg, ("d_model", "n_embd", "hidden_size", "dim"))
+        if layers and width:
+            return int(layers), int(width)
+    raise ValueError(f"cannot find n_layer / d_model on {type(model).__name__}: give it a `spec` or `config`")
+
+
+def _first_attr(obj: Any, names: tuple[str, ...]) -> Any:
+    for n in names:
+        v = getattr(obj, n, None)
+        if isinstance(v, int) and v > 0:
+            return v
+    return None
+
+
+def mfu(flops: float, seconds: float, peak_flops: float | None) -> float | None:
+    """Model FLOPs utilisation in [0, 1]-ish; None when the peak or the time is unknown."""
+    if not peak_flops or not seconds or seconds <= 0:
+        return None
+    return flops / seconds / peak_flops
+
+
+def measure_peak(sizes: tuple[int, ...] = (2048, 4096), repeats: int = 5, threads: int | None = None,
+                 device: str = "cpu") -> dict[str, Any]:
+    """Best achieved FLOP/s of an n x n x n matmul in fp32 and bf16 (the MFU denominators)."""
+    import os
+
+    import torch
+
+    torch.set_num_threads(threads or os.cpu_count() or 1)
+    out: dict[str, Any] = {"threads": torch.get_num_threads(), "sizes": list(sizes), "repeats": repeats,
+                           "device": device, "command": PEAK_COMMAND}
+    for label, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        best = 0.0
+        for n in sizes:
+            g = torch.Generator(device="cpu").manual_seed(0)
+            a = torch.randn(n, n, generator=g).to(device=device, dtype=dtype)
+            b = torch.randn(n, n, generator=g).to(device=device, dtype=dtype)
+            for _ in range(2):  # warm up the GEMM path (and oneDNN's kernel selection)
+                a @ b
+            for _ in range(repeats):
+                _sync(device)
+                t0 = time.perf_counter()
+                a @ b
+                _sync(device)
+                best = max(best, 2 * n ** 3 / (time.perf_counter() - t0))
+        out[label] = best
+    return out
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        import torch
+        torch.cuda.synchronize()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="Measure the fp32 and bf16 matmul peak (FLOP/s) as JSON.")
+    p.add_argument("--sizes", type=int, nargs="+", default=[2048, 4096], help="square matmul sizes")
+    p.add_argument("--repeats", type=int, default=5, help="timed matmuls per size; the best one counts")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    a = p.parse_args(argv)
+    json.dump(measure_peak(tuple(a.sizes), a.repeats, a.threads, a.device), sys.stdout)
+    sys.stdout.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,316 @@
+"""Turn a run record into numbers people read: a terminal table, JSON and a markdown report.
+
+`summarize` derives everything from the raw per-round step times the workers measured: median with
+min/max and IQR, samples/s and tokens/s, speed ratios (to eager fp32, and to torch.compile at the
+same precision; > 1 means faster) with the spread of the per-round ratios, MFU, memory.
+
+`render_docs` builds docs/benchmarks.md from the latest run of each suite (never edited by hand):
+every number on that page comes from `markdown(run)`; the prose says how they are made and how to
+reproduce them, here or on a CUDA GPU.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+from graphtrain.bench import flops
+from graphtrain.bench.suites import REFERENCE, SUITES, VARIANTS
+
+FLOP_FORMULA = "(6 * N + 12 * n_layer * seq * d_model) * batch * seq"
+
+
+def quartiles(xs: list[float]) -> tuple[float, float]:
+    if len(xs) < 2:
+        return xs[0], xs[0]
+    q = statistics.quantiles(xs, n=4, method="inclusive")
+    return q[0], q[2]
+
+
+def _ratios(ref: list[float], mine: list[float]) -> tuple[float, float, float]:
+    """(ratio of medians, min, max of per-round ratios): ref time / my time, rounds paired by index."""
+    n = min(len(ref), len(mine))
+    per_round = [r / m for r, m in zip(ref[:n], mine[:n])]
+    return statistics.median(ref) / statistics.median(mine), min(per_round), max(per_round)
+
+
+def summarize(run: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per (case, variant), with all derived figures."""
+    peak = run.get("peak") or {}
+    rows = []
+    for case in run["cases"]:
+        c = case["case"]
+        recs = case["variants"]
+        for name, rec in recs.items():
+            row: dict[str, Any] = {"case": case["name"], "variant": name, "status": rec.get("status", "error"),
+                                   "reason": rec.get("reason", "")}
+            times = rec.get("step_s") or []
+            if row["status"] == "ok" and times:
+                med = statistics.median(times)
+                q1, q3 = quartiles(times)
+                setup = rec.get("setup", {})
+                prec = VARIANTS[name].precision if name in VARIANTS else "fp32"
+                row.update(median_s=med, min_s=min(times), max_s=max(times), q1_s=q1, q3_s=q3, rounds=len(times),
+                           samples_s=c["batch"] / med, tokens_s=c["batch"] * c["seq"] / med,
+                           mfu=flops.mfu(setup.get("flops_per_step", 0), med, peak.get(prec)),
+                           flops_per_step=setup.get("flops_per_step"), ttfs_s=setup.get("time_to_first_step_s"),
+                           peak_mem_mib=rec.get("peak_mem_mib"), step_peak_mem_mib=rec.get("step_peak_mem_mib"),
+                           final_loss=rec.get("final_loss"), steps_done=rec.get("steps_done"))
+                for key, ref_name in (("vs_eager", REFERENCE), ("vs_compile", f"compile-{prec}")):
+                    ref = recs.get(ref_name, {})
+                    if ref.get("status") == "ok" and ref.get("step_s"):
+                        row[key], row[key + "_min"], row[key + "_max"] = _ratios(ref["step_s"], times)
+            if rec.get("maxbatch"):
+                row["maxbatch"] = rec["maxbatch"]
+            rows.append(row)
+    return rows
+
+
+# ---------------------------------------------------------------------------- formatting ----
+
+def _f(x: Any, fmt: str, dash: str = "-") -> str:
+    return dash if x is None else format(x, fmt)
+
+
+def _ratio(row: dict[str, Any], key: str) -> str:
+    if key not in row:
+        return "-"
+    return f"{row[key]:.2f}x ({row[key + '_min']:.2f}-{row[key + '_max']:.2f})"
+
+
+def _maxbatch(row: dict[str, Any]) -> str:
+    mb = row.get("maxbatch")
+    if not mb:
+        return "-"
+    if mb.get("max_batch") is None:
+        return "none" if mb.get("exact") else "?"
+    return f"{mb['max_batch']}{'' if mb.get('exact') else '+'} @ {mb['cap_gib']:g} GiB"
+
+
+COLUMNS = ("variant", "ms/step median (min-max)", "IQR ms", "samples/s", "tokens/s", "vs eager fp32",
+           "vs compile same prec", "MFU", "peak MiB (steps)", "1st step s", "loss@N", "max batch")
+
+
+def row_cells(row: dict[str, Any]) -> list[str]:
+    if row["status"] != "ok" or "median_s" not in row:  # the reason is printed under the table
+        return [row["variant"], row["status"] if row["status"] != "ok" else "no timings"] + [""] * (len(COLUMNS) - 2)
+    ms = f"{row['median_s'] * 1e3:.1f} ({row['min_s'] * 1e3:.1f}-{row['max_s'] * 1e3:.1f})"
+    mem = f"{_f(row['peak_mem_mib'], '.0f')} ({_f(row.get('step_peak_mem_mib'), '.0f')})"
+    loss = f"{row['final_loss']:.4f}@{row['steps_done']}" if row.get("final_loss") is not None else "-"
+    mfu = "-" if row.get("mfu") is None else f"{100 * row['mfu']:.{1 if row['mfu'] >= 0.01 else 2}f}%"
+    return [row["variant"], ms, f"{(row['q3_s'] - row['q1_s']) * 1e3:.1f}", f"{row['samples_s']:.1f}",
+            f"{row['tokens_s']:.0f}", _ratio(row, "vs_eager"), _ratio(row, "vs_compile"), mfu, mem,
+            _f(row.get("ttfs_s"), ".1f"), loss, _maxbatch(row)]
+
+
+def notes(rows: list[dict[str, Any]], case: str) -> list[str]:
+    """Why variants did not run, and max-batch search remarks, for one case."""
+    out = [f"{r['variant']} {r['status']}: {r['reason']}" for r in rows if r["case"] == case and r["status"] != "ok"]
+    out += [f"{r['variant']} max batch: {r['maxbatch']['note']}" for r in rows
+            if r["case"] == case and r.get("maxbatch", {}).get("note")]
+    return out
+
+
+def terminal_table(run: dict[str, Any]) -> str:
+    rows = summarize(run)
+    out = []
+    for case in dict.fromkeys(r["case"] for r in rows):
+        cells = [list(COLUMNS)] + [row_cells(r) for r in rows if r["case"] == case]
+        widths = [max(len(c[i]) for c in cells) for i in range(len(COLUMNS))]
+        out.append(f"== {case}")
+        for i, c in enumerate(cells):
+            out.append("  ".join(x.ljust(w) for x, w in zip(c, widths)).rstrip())
+            if i == 0:
+                out.append("  ".join("-" * w for w in widths))
+        out += [f"  note: {n}" for n in notes(rows, case)]
+        out.append("")
+    return "\n".join(out)
+
+
+def markdown(run: dict[str, Any], heading: str = "##") -> str:
+    env, peak, s = run.get("env", {}), run.get("peak") or {}, run.get("settings", {})
+    lines = [f"{heading} Suite `{run['suite']}` ({run.get('started', '?')})", "",
+             f"Command: `{run.get('command', '?')}`", "",
+             *([f"**Partial run**: interrupted after {len(run['cases'])} case(s); only those are shown.", ""]
+               if "finished" not in run else []),
+             f"Machine: {env.get('cpu', '?')}, {env.get('cores', '?')} cores"
+             + (f", GPU {env['gpu']}" if env.get("gpu") else "") + f", ISA: {', '.join(env.get('cpu_flags', []))}; "
+             f"{s.get('threads', env.get('cores', '?'))} torch threads, device `{env.get('device', 'cpu')}`"
+             + (f"; load average {env['loadavg_start'][0]:.1f} at start, "
+                f"{(env.get('loadavg_end') or ['?'])[0]} at end (other work on the machine adds noise)"
+                if env.get("loadavg_start") else "") + ".", "",
+             f"Versions: python {env.get('python')}, torch {env.get('torch')}, graphtrain {env.get('graphtrain')}"
+             + (f", transformers {env['transformers']}" if env.get("transformers") else "")
+             + f", git `{(env.get('git_sha') or '?')[:12]}`{' (uncommitted changes)' if env.get('git_dirty') else ''}.",
+             "",
+             f"Protocol: {s.get('warmup')} warmup steps after the first, then {s.get('repeats')} interleaved rounds of "
+             f"{s.get('steps')} steps per variant (order rotated each round); ratios are ref time / time "
+             "(> 1 is faster), the range in brackets is the spread of the per-round ratios.", "",
+             f"MFU = model FLOPs / step time / measured matmul peak: fp32 {_f(peak.get('fp32'), '.3g')} FLOP/s, "
+             f"bf16 {_f(peak.get('bf16'), '.3g')} FLOP/s (`{peak.get('command', flops.PEAK_COMMAND)}`); "
+             f"FLOPs per step = `{FLOP_FORMULA}`, N = parameters minus position/token-type embeddings.", ""]
+    rows = summarize(run)
+    for case in run["cases"]:
+        setup = next((v.get("setup") for v in case["variants"].values() if v.get("setup")), {}) or {}
+        lines += [f"{heading}# {case['name']}", ""]
+        if setup:
+            lines += [f"{setup.get('params', 0) / 1e6:.1f} M parameters (N = {setup.get('matmul_params', 0) / 1e6:.1f} M), "
+                      f"{setup.get('n_layer')} layers, d_model {setup.get('d_model')}, "
+                      f"{_f(setup.get('flops_per_step'), '.3g')} FLOP per step.", ""]
+        lines += ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+        lines += ["| " + " | ".join(row_cells(r)) + " |" for r in rows if r["case"] == case["name"]]
+        lines.append("")
+        lines += [f"* {n}" for n in notes(rows, case["name"])]
+        lines += [""] if notes(rows, case["name"]) else []
+    lines += ["Peak MiB: whole-process peak RSS (VmHWM; CUDA: max allocated), including compile; in brackets the "
+              "peak during the timed steps only. Max batch: largest measured batch whose peak stays under the cap "
+              "(`+`: a measured lower bound, the search ran out of trials).", ""]
+    return "\n".join(lines)
+
+
+def _stem(run: dict[str, Any]) -> str:
+    return f"{run['suite']}-{run.get('started', 'run').replace(':', '').replace('-', '')[:15]}"
+
+
+def save_partial(run: dict[str, Any], out_dir: Path) -> Path:
+    """Checkpoint an unfinished run (cases done so far); `save` removes it when the run completes."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{_stem(run)}.partial.json"
+    path.write_text(json.dumps(run, indent=1) + "\n")
+    return path
+
+
+def save(run: dict[str, Any], out_dir: Path) -> dict[str, Path]:
+    """Write <suite>-<stamp>.json and .md, refresh <suite>-latest.md, append to results.jsonl."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = _stem(run)
+    paths = {"json": out_dir / f"{stem}.json", "md": out_dir / f"{stem}.md",
+             "latest": out_dir / f"{run['suite']}-latest.md", "jsonl": out_dir / "results.jsonl"}
+    (out_dir / f"{stem}.partial.json").unlink(missing_ok=True)
+    paths["json"].write_text(json.dumps(run, indent=1) + "\n")
+    text = markdown(run)
+    paths["md"].write_text(text)
+    paths["latest"].write_text(text)
+    with open(paths["jsonl"], "a") as f:
+        f.write(json.dumps(run) + "\n")
+    return paths
+
+
+def latest_runs(out_dir: Path, include_partial: bool = False) -> dict[str, dict[str, Any]]:
+    """The last complete run of each suite in <out>/results.jsonl (optionally: or a newer partial one)."""
+    runs: dict[str, dict[str, Any]] = {}
+    path = out_dir / "results.jsonl"
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            if line.strip():
+                run = json.loads(line)
+                runs[run["suite"]] = run
+    if include_partial:  # an interrupted run newer than the last complete one of its suite
+        for p in sorted(out_dir.glob("*.partial.json")):
+            run = json.loads(p.read_text())
+            if run.get("cases") and run.get("started", "") > runs.get(run["suite"], {}).get("started", ""):
+                runs[run["suite"]] = run
+    return runs
+
+
+# ------------------------------------------------------------------ docs/benchmarks.md ----
+
+SUITE_ORDER = ("small", "hf", "seed", "tiny")
+
+INTRO = """# Benchmarks
+
+`graphtrain bench SUITE` times one training step (forward, loss, backward, AdamW step, zero_grad)
+of the same model, batch and seed under several execution variants in one run, and reports speed,
+memory and convergence side by side. This page is generated by `graphtrain bench --docs
+docs/benchmarks.md` from the latest run of each suite in `bench_results/results.jsonl`; the
+machine, the versions and the exact command are printed above each table.
+
+## How to run
+
+```bash
+graphtrain bench --list                        # suites, cases, variants
+graphtrain bench small                         # all variants; 4 compiled variants x 4 models to compile first
+graphtrain bench hf                            # Hugging Face models graphtrain did not write
+graphtrain bench seed --cap-gib 12             # BERT-Large / GPT-2 Medium + largest batch under 12 GiB
+graphtrain bench small --cases gpt2-small --variants eager-fp32 graphtrain-fp32 --repeats 7
+graphtrain bench small --docs docs/benchmarks.md   # run, then regenerate this page
+```
+
+Results go to `--out` (default `bench_results/`, git-ignored): `<suite>-<time>.json` (raw
+per-round step times, memory, losses, versions, git sha, CPU model), the same as markdown, and one
+line per run appended to `results.jsonl`. Each worker's stderr is kept under `logs/`.
+
+## On a CUDA GPU
+
+```bash
+pip install -e '.[dev]'                        # with a CUDA build of torch already installed
+graphtrain bench small --device cuda
+graphtrain bench seed --device cuda --cap-gib 30   # e.g. a 32 GB V100/A100: the blog's setting
+```
+
+With `--device cuda` the model and batch live on `cuda:0`, each timed block ends with
+`torch.cuda.synchronize()`, autocast uses `device_type="cuda"`, memory is
+`torch.cuda.max_memory_allocated()` (the largest-batch search compares that with the cap), and the
+MFU peak is a bf16/fp32 matmul measured on the GPU. The CPU-sized batches of the `seed` suite are
+small for a GPU: raise them with a larger cap and read the max-batch column, which is what the ORT
+blog compared (batch 64 vs 128 for BERT-Large phase 1 on a 32 GB V100).
+
+## Method
+
+* **One setup factory** (`graphtrain/bench/case.py`): the model is built from seed 1337, the batch
+  is random token ids from a seeded generator (BERT: MLM labels on 15% of positions), AdamW
+  (lr 1e-3, betas 0.9/0.95, weight decay 0.01 on matrices) is the same for every variant, and all
+  torch threads are used (`torch.set_num_threads(os.cpu_count())`).
+* **Interleaving.** Each (case, variant) runs in its own long-lived process. All variants of a case
+  are set up one after another (so time to first step, which includes compiling, is measured on an
+  idle machine), warmed up, then timed in rounds: every round asks each process for one block of
+  steps, and the order rotates (A B C, B C A, ...). The table gives the median step time over
+  rounds with min-max and IQR; each ratio comes with the min-max of its per-round ratios. Timings
+  on this kind of machine vary by up to a third run to run, so a ratio whose range straddles 1.0
+  is not a result.
+* **Memory** is the peak resident set (VmHWM) of the variant's process, including imports (about
+  250-400 MiB for torch, more with transformers) and compile-time transients; the value in brackets
+  is the peak during the timed steps only (the kernel's high-water mark is reset before round 1).
+* **Loss@N** is the loss after N steps from the same seed and batch: variants should agree to a
+  few percent (dropout random streams differ between eager and compiled code; bf16 rounds).
+* **Largest batch under a cap** (`maxbatch.py`): a fresh process per trial batch measures its
+  whole-process peak; a line fitted through the measurements nearest the cap predicts the largest
+  batch, which is then confirmed or bisected by measurement. No RLIMIT_AS (it limits virtual
+  memory, which torch reserves far beyond what it touches) and no cgroup (root-only and not
+  portable); a trial predicted to exceed the free memory is never started.
+"""
+
+
+def _variants_table() -> str:
+    lines = ["| variant | what runs |", "|---|---|"]
+    lines += [f"| `{v.name}` | {v.doc} |" for v in VARIANTS.values()]
+    return "\n".join(lines)
+
+
+def _mfu_text(runs: dict[str, dict[str, Any]]) -> str:
+    peak = next((r.get("peak") for r in runs.values() if r.get("peak") and "fp32" in r["peak"]), None)
+    measured = ("" if peak is None else
+                f" On this machine the peak measured with `{peak.get('command', flops.PEAK_COMMAND)}` "
+                f"({peak.get('threads')} threads) was {peak['fp32'] / 1e9:.0f} GFLOP/s fp32 and "
+                f"{peak['bf16'] / 1e9:.0f} GFLOP/s bf16 (best of {peak.get('repeats')} timed n x n matmuls, "
+                f"n in {peak.get('sizes')}); each run re-measures it and prints it above its tables.")
+    return ("## MFU\n\nFLOPs per step = `" + FLOP_FORMULA + "`, with N the trainable parameters except "
+            "position and token-type embeddings (a tied token embedding counts once, as the LM head's matmul): "
+            "6 N per token for the forward and backward matmuls, plus 12 n_layer seq d_model per token for "
+            "attention's two matmuls (the causal mask is not subtracted). Softmax, norms, GELU and the optimizer "
+            "are not counted. MFU = FLOPs per step / step time / the measured matmul peak of the variant's "
+            "precision (bf16 variants against the bf16 peak)." + measured + "\n")
+
+
+def render_docs(runs: dict[str, dict[str, Any]]) -> str:
+    parts = [INTRO, "## Variants\n", _variants_table(), "", _mfu_text(runs), "## Results\n"]
+    for name in SUITE_ORDER:
+        if name in runs:
+            parts.append(f"{SUITES[name].doc[0].upper()}{SUITES[name].doc[1:]}.\n" if name in SUITES else "")
+            parts.append(markdown(runs[name], heading="###"))
+    missing = [s for s in SUITE_ORDER[:3] if s not in runs]
+    if missing:
+        parts.append("Not yet recorded here: " + ", ".join(f"`{s}`" for s in missing)
+                     + " (run `graphtrain bench SUITE --docs docs/benchmarks.md`).\n")
+    return "\n".join(parts)

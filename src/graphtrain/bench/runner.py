@@ -1,0 +1,290 @@
+"""Run a suite: one long-lived worker process per (case, variant), timed in interleaved rounds.
+
+Why long-lived workers rather than a fresh process per measurement: a cold torch.compile costs
+40-66 s per model here, so restarting per repeat would spend most of the run compiling. Instead
+every variant of a case is set up once (sequentially, so each time-to-first-step is measured on an
+idle machine), warmed up, and then the runner asks each worker in turn for one block of `steps`
+steps: round 0 runs A B C, round 1 B C A, and so on. Noise that drifts over minutes (turbo, other
+tenants) then hits every variant alike, and the per-round ratios show the spread honestly. Idle
+workers only hold memory; `Suite.max_workers` bounds how many are alive at once for big models.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import select
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from graphtrain.bench.case import REPLY
+from graphtrain.bench.suites import Case, Suite, Variant
+
+SETUP_TIMEOUT_S = 3600.0  # a cold compile of a large model on 2 cores is slow; a hung worker is not
+STEP_TIMEOUT_S = 600.0  # per step, on top of a fixed minute
+
+
+class WorkerProc:
+    """A `python -m graphtrain.bench.case` process and its JSON-lines channel."""
+
+    def __init__(self, case: Case, variant: Variant, device: str, log_path: Path) -> None:
+        spec = json.dumps({"case": case.__dict__, "variant": variant.name, "device": device})
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.log_path = log_path
+        self._log = open(log_path, "w")
+        self.proc = subprocess.Popen([sys.executable, "-m", "graphtrain.bench.case", spec], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self._log, text=True, bufsize=1)
+
+    def call(self, op: str, timeout: float, **args: Any) -> dict[str, Any]:
+        try:
+            assert self.proc.stdin is not None and self.proc.stdout is not None
+            self.proc.stdin.write(json.dumps({"op": op, **args}) + "\n")
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError):
+            return self._died()
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.close(kill=True)
+                return {"ok": False, "error": f"{op} timed out after {timeout:.0f} s (log: {self.log_path})"}
+            ready, _, _ = select.select([self.proc.stdout], [], [], min(left, 5.0))
+            if not ready:
+                continue
+            line = self.proc.stdout.readline()
+            if not line:
+                return self._died()
+            if line.startswith(REPLY):
+                return json.loads(line[len(REPLY):])
+
+    def _died(self) -> dict[str, Any]:
+        rc = self.proc.wait(timeout=30)
+        tail = log_tail(self.log_path)
+        why = "killed by the OOM killer?" if rc in (-9, 137) else f"exit code {rc}"
+        return {"ok": False, "error": f"worker died ({why}): {tail}"}
+
+    def close(self, kill: bool = False) -> None:
+        if self.proc.poll() is None:
+            if kill:
+                self.proc.kill()
+            else:
+                try:
+                    self.proc.stdin.close()  # type: ignore[union-attr]
+                except OSError:
+                    pass
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+def log_tail(path: Path, lines: int = 3) -> str:
+    try:
+        text = [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return "(no log)"
+    return " | ".join(text[-lines:])[-600:]
+
+
+def _failed(reply: dict[str, Any]) -> dict[str, Any]:
+    if "skipped" in reply:
+        return {"status": "skipped", "reason": reply["skipped"]}
+    return {"status": "error", "reason": reply.get("error", "unknown error")}
+
+
+def run_case(case: Case, variants: list[Variant], suite: Suite, device: str, log_dir: Path,
+             tick: Callable[[str], None]) -> dict[str, Any]:
+    """Set up, warm up and time every variant of one case, interleaved; returns per-variant records."""
+    records: dict[str, dict[str, Any]] = {v.name: {"variant": v.name} for v in variants}
+    for start in range(0, len(variants), suite.max_workers):
+        group = variants[start:start + suite.max_workers]
+        live: list[tuple[Variant, WorkerProc]] = []
+        for v in group:
+            tick(f"{case.name} | {v.name} | setup (first step, compiles)")
+            w = WorkerProc(case, v, device, log_dir / f"{_slug(case.name)}.{v.name}.log")
+            reply = w.call("setup", SETUP_TIMEOUT_S)
+            if reply.get("ok"):
+                records[v.name].update(status="ok", setup={k: x for k, x in reply.items() if k != "ok"}, step_s=[],
+                                       round_losses=[])
+                live.append((v, w))
+            else:
+                records[v.name].update(_failed(reply))
+                w.close(kill=True)
+        _interleave(case, live, records, suite, tick)
+        for v, w in live:
+            if records[v.name]["status"] == "ok":
+                reply = w.call("finish", 120.0)
+                if reply.get("ok"):
+                    records[v.name].update({k: x for k, x in reply.items() if k != "ok"})
+            w.close()
+    return records
+
+
+def _interleave(case: Case, live: list[tuple[Variant, WorkerProc]], records: dict[str, dict[str, Any]], suite: Suite,
+                tick: Callable[[str], None]) -> None:
+    timeout = 60.0 + STEP_TIMEOUT_S * max(suite.steps, suite.warmup)
+    for v, w in live:
+        tick(f"{case.name} | {v.name} | warmup")
+        if suite.warmup:
+            reply = w.call("steps", timeout, n=suite.warmup)
+            if not reply.get("ok"):
+                records[v.name].update(_failed(reply))
+    for r in range(suite.repeats):
+        k = r % max(len(live), 1)
+        for v, w in live[k:] + live[:k]:  # rotate the order each round: A B C, B C A, C A B
+            tick(f"{case.name} | {v.name} | round {r + 1}/{suite.repeats}")
+            rec = records[v.name]
+            if rec["status"] != "ok":
+                continue
+            reply = w.call("steps", timeout, n=suite.steps, reset_peak=(r == 0))
+            if not reply.get("ok"):
+                rec.update(_failed(reply))
+                continue
+            rec["step_s"].append(reply["seconds"] / reply["steps"])
+            rec["round_losses"].append(reply["loss"])
+
+
+def _slug(s: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_" else "_" for c in s)
+
+
+# ------------------------------------------------------------------------------ environment ----
+
+def environment(device: str) -> dict[str, Any]:
+    """Versions and machine facts recorded with every run."""
+    import torch
+
+    import graphtrain
+
+    env: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
+                           "graphtrain": graphtrain.__version__, "platform": platform.platform(),
+                           "cpu": _cpu_model(), "cores": os.cpu_count(), "device": device,
+                           "cpu_flags": _cpu_flags(), "git_sha": _git("rev-parse", "HEAD"),
+                           "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
+                           "loadavg_start": _loadavg()}
+    try:
+        import transformers
+        env["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    if device.startswith("cuda") and torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name(0)
+        env["cuda"] = torch.version.cuda
+    return env
+
+
+def _loadavg() -> list[float] | None:
+    """1/5/15-minute load averages: other work on the machine is the first suspect for noise."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _cpu_flags() -> list[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return sorted(f for f in line.split(":", 1)[1].split() if f.startswith(("avx512_bf16", "amx", "avx2"))
+                              or f == "avx512f")
+    except OSError:
+        pass
+    return []
+
+
+def _git(*args: str) -> str | None:
+    """Read-only git queries about the checkout graphtrain was imported from."""
+    import graphtrain
+    root = Path(graphtrain.__file__).resolve().parents[2]
+    try:
+        out = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def measure_peak_subprocess(device: str) -> dict[str, Any]:
+    """The fp32/bf16 matmul peak, measured in a fresh process (see graphtrain.bench.flops)."""
+    cmd = [sys.executable, "-m", "graphtrain.bench.flops", "--device", device]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if out.returncode != 0:
+        return {"error": out.stderr.strip()[-400:]}
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def now_iso() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).astimezone().isoformat(timespec="seconds")
+
+
+# ------------------------------------------------------------------------------------ suite ----
+
+def run_suite(suite: Suite, variants: list[Variant], cases: tuple[Case, ...], device: str = "cpu",
+              out_dir: Path = Path("bench_results"), maxbatch: bool | None = None, progress: bool = True,
+              command: str = "", measure_peak: bool = True,
+              on_case: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Run `cases` x `variants` of `suite`; returns the run record (see report.summarize).
+
+    `on_case(run)` is called after every case with the partial record, so a long run that is
+    interrupted keeps what it measured (the CLI writes <suite>-<time>.partial.json)."""
+    from tqdm.auto import tqdm
+
+    from graphtrain.bench import maxbatch as mb
+
+    started = now_iso()
+    log_dir = out_dir / "logs" / f"{suite.name}-{started.replace(':', '')[:17]}"
+    run: dict[str, Any] = {"suite": suite.name, "started": started, "command": command, "env": environment(device),
+                           "settings": {"steps": suite.steps, "repeats": suite.repeats, "warmup": suite.warmup,
+                                        "cap_gib": suite.cap_gib, "device": device, "max_workers": suite.max_workers,
+                                        "threads": os.cpu_count(), "variants": [v.name for v in variants]},
+                           "log_dir": str(log_dir), "cases": []}
+    total = sum(len(variants) * (suite.repeats + 2) for _ in cases)
+    bar = tqdm(total=total, desc=f"bench {suite.name}", unit="op", disable=not progress, dynamic_ncols=True)
+
+    def tick(what: str) -> None:
+        bar.set_postfix_str(what, refresh=True)
+
+    try:
+        if measure_peak:
+            tick("measuring the matmul peak")
+            run["peak"] = measure_peak_subprocess(device)
+        for case in cases:
+            done_before = bar.n
+
+            def step_tick(what: str) -> None:
+                bar.update(1)
+                tick(what)
+
+            records = run_case(case, variants, suite, device, log_dir, step_tick)
+            bar.n = done_before + len(variants) * (suite.repeats + 2)  # skipped variants tick less
+            bar.refresh()
+            if maxbatch if maxbatch is not None else case.maxbatch:
+                for v in variants:
+                    rec = records[v.name]
+                    if rec.get("status") != "ok":
+                        continue
+                    known = {case.batch: rec["peak_mem_mib"]} if rec.get("peak_mem_mib") else None
+                    rec["maxbatch"] = mb.search(case, v, suite.cap_gib, device, log_dir, known, tick)
+            run["cases"].append({"name": case.name, "case": dict(case.__dict__), "variants": records})
+            if on_case is not None:
+                on_case(run)
+    finally:
+        bar.close()
+    run["finished"] = now_iso()
+    run["env"]["loadavg_end"] = _loadavg()
+    return run

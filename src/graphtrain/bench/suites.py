@@ -1,0 +1,124 @@
+"""What `graphtrain bench SUITE` runs: the variants (how a step is executed) and the suites (which
+models at which shapes, with how many steps).
+
+A *case* is one (model, batch, seq); a *variant* is one way of running its training step. Every
+variant of a case is built by the same setup factory (:mod:`graphtrain.bench.case`) from the same
+seed, so the numbers differ only by how the step runs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import dataclass
+from typing import Literal
+
+Mode = Literal["eager", "compile", "graphtrain", "ortmodule"]
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    mode: Mode
+    precision: Literal["fp32", "bf16"]
+    """bf16: autocast for eager/compile, `accelerate(precision="bf16")` (a graph pass) for graphtrain."""
+    doc: str
+
+
+VARIANTS: dict[str, Variant] = {v.name: v for v in (
+    Variant("eager-fp32", "eager", "fp32", "plain PyTorch"),
+    Variant("eager-bf16", "eager", "bf16", "PyTorch with torch.autocast(bfloat16)"),
+    Variant("compile-fp32", "compile", "fp32", "torch.compile(model), default mode (Inductor)"),
+    Variant("compile-bf16", "compile", "bf16", "torch.compile(model) under torch.autocast(bfloat16)"),
+    Variant("graphtrain-fp32", "graphtrain", "fp32", "graphtrain.accelerate(model)"),
+    Variant("graphtrain-bf16", "graphtrain", "bf16", 'graphtrain.accelerate(model, precision="bf16")'),
+    Variant("ortmodule-fp32", "ortmodule", "fp32", "onnxruntime-training ORTModule (skipped if not installed)"),
+)}
+DEFAULT_VARIANTS = ("eager-fp32", "eager-bf16", "compile-fp32", "compile-bf16", "graphtrain-fp32", "graphtrain-bf16")
+REFERENCE = "eager-fp32"
+"""Speed ratios are given against this variant and against torch.compile at the same precision."""
+
+
+@dataclass(frozen=True)
+class Case:
+    model: str
+    """A graphtrain preset (gpt2-mini, bert-large, ...) or `hf-<family>-<size>` (see case.HF_SIZES)."""
+    batch: int
+    seq: int
+    maxbatch: bool = False
+    """Also search the largest batch whose peak memory stays under the cap."""
+
+    @property
+    def name(self) -> str:
+        return f"{self.model} b{self.batch} s{self.seq}"
+
+    @property
+    def family(self) -> str:
+        return "bert" if "bert" in self.model else "gpt2"
+
+
+@dataclass(frozen=True)
+class Suite:
+    name: str
+    doc: str
+    cases: tuple[Case, ...]
+    steps: int = 5
+    """Steps per timed block; one block per variant per repeat."""
+    repeats: int = 5
+    """Interleaved rounds: every round times one block of every variant (A B C, then B C A, ...)."""
+    warmup: int = 2
+    """Untimed steps after the first (compiling) step."""
+    cap_gib: float = 8.0
+    """Memory cap for the largest-batch search."""
+    max_workers: int = 8
+    """Variants of one case alive (and interleaved) at once; lower it for models whose copies do not fit."""
+
+
+SUITES: dict[str, Suite] = {s.name: s for s in (
+    Suite("tiny", "seconds-long smoke run used by the tests",
+          (Case("gpt2-tiny", 2, 32), Case("bert-tiny", 2, 32)), steps=2, repeats=2, warmup=1, cap_gib=2.0),
+    Suite("small", "gpt2/bert mini and small presets at seq 128: stable numbers from a 2-core CPU in minutes",
+          (Case("gpt2-mini", 16, 128), Case("bert-mini", 16, 128), Case("gpt2-small", 8, 128),
+           Case("bert-small", 8, 128)), steps=4, repeats=5, warmup=2, cap_gib=8.0),
+    Suite("hf", "Hugging Face GPT2LMHeadModel / BertForMaskedLM from config (random init, SDPA, dropout 0.1)",
+          (Case("hf-gpt2-mini", 16, 128), Case("hf-bert-mini", 16, 128), Case("hf-gpt2-small", 8, 128),
+           Case("hf-bert-small", 8, 128)), steps=4, repeats=5, warmup=2, cap_gib=8.0),
+    Suite("seed", "the ORT Training blog's models: BERT-Large phase 1 (seq 128) and 2 (seq 512), GPT-2 Medium "
+                  "(seq 1024), at CPU-sized batches, plus the largest batch under the memory cap",
+          (Case("bert-large", 4, 128, maxbatch=True), Case("bert-large", 1, 512, maxbatch=True),
+           Case("gpt2-medium", 1, 1024, maxbatch=True)),
+          steps=2, repeats=3, warmup=1, cap_gib=12.0, max_workers=2),
+)}
+
+
+def get_suite(name: str) -> Suite:
+    if name not in SUITES:
+        close = difflib.get_close_matches(name, list(SUITES), n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ValueError(f"unknown benchmark suite {name!r}: {hint}choose one of {', '.join(SUITES)}")
+    return SUITES[name]
+
+
+def resolve_variants(names: list[str] | None) -> list[Variant]:
+    """The requested variants in the canonical order (the reference first when present)."""
+    names = list(names or DEFAULT_VARIANTS)
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        raise ValueError(f"unknown variant(s) {', '.join(unknown)}: choose from {', '.join(VARIANTS)}")
+    order = list(VARIANTS)
+    return [VARIANTS[n] for n in sorted(dict.fromkeys(names), key=order.index)]
+
+
+def select_cases(suite: Suite, patterns: list[str] | None) -> tuple[Case, ...]:
+    """Cases whose name contains any of `patterns` (all cases when none are given)."""
+    if not patterns:
+        return suite.cases
+    chosen = tuple(c for c in suite.cases if any(p in c.name for p in patterns))
+    if not chosen:
+        raise ValueError(f"no case of suite {suite.name!r} matches {patterns}: cases are "
+                         f"{', '.join(c.name for c in suite.cases)}")
+    return chosen
+
+
+def with_overrides(suite: Suite, **changes: object) -> Suite:
+    """The suite with non-None fields replaced (CLI flags such as --steps, --repeats, --cap-gib)."""
+    return dataclasses.replace(suite, **{k: v for k, v in changes.items() if v is not None})

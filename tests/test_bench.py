@@ -1,0 +1,166 @@
+"""`graphtrain bench`: the tiny suite end to end, report formatting, the FLOP formula, the max-batch search.
+
+No timing assertions: benchmarks are never unit tests. These check that the numbers are produced,
+recorded and derived correctly, whatever they are.
+"""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from graphtrain.bench import flops, maxbatch, report, suites
+from graphtrain.bench.cli import main as bench_main
+
+
+# ------------------------------------------------------------------------------ FLOP formula ----
+
+def test_step_flops_hand_computed():
+    # N = 1000 matmul params, 2 layers, seq 8, d_model 16, batch 4 -> tokens 32:
+    # 6 * 1000 * 32 = 192_000; 12 * 2 * 8 * 16 * 32 = 98_304; total 290_304.
+    assert flops.step_flops(1000, n_layer=2, seq=8, d_model=16, tokens=32) == 290_304
+    with pytest.raises(ValueError):
+        flops.step_flops(-1, 1, 1, 1, 1)
+
+
+def test_matmul_params_skips_positions_and_counts_tied_weights_once():
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wte = torch.nn.Embedding(10, 4)  # 40, tied with the head below
+            self.wpe = torch.nn.Embedding(8, 4)  # 32, a lookup: not counted
+            self.fc = torch.nn.Linear(4, 4)  # 16 + 4
+            self.head = torch.nn.Linear(4, 10, bias=False)
+            self.head.weight = self.wte.weight
+            self.config = type("C", (), {"n_layer": 3, "n_embd": 4})()
+
+    m = Tiny()
+    assert flops.matmul_params(m) == 40 + 16 + 4
+    assert flops.model_dims(m) == (3, 4)
+    assert flops.mfu(100.0, 2.0, 100.0) == 0.5
+    assert flops.mfu(100.0, 2.0, None) is None
+
+
+# ---------------------------------------------------------------------------------- report ----
+
+def _fake_run() -> dict:
+    """A hand-made run record (inputs for formatting, not results)."""
+    setup = {"flops_per_step": 1e9, "time_to_first_step_s": 3.0, "params": 2e6, "matmul_params": 1.5e6,
+             "n_layer": 2, "d_model": 64}
+
+    def ok(times, loss=5.0):
+        return {"status": "ok", "setup": setup, "step_s": times, "peak_mem_mib": 500.0, "step_peak_mem_mib": 450.0,
+                "final_loss": loss, "steps_done": 7}
+
+    return {"suite": "tiny", "started": "2026-01-01T00:00:00+00:00", "command": "graphtrain bench tiny",
+            "env": {"cpu": "Test CPU", "cores": 2, "torch": "x", "python": "y", "graphtrain": "z", "git_sha": "abc"},
+            "peak": {"fp32": 1e11, "bf16": 4e11}, "settings": {"steps": 2, "repeats": 3, "warmup": 1},
+            "cases": [{"name": "m b2 s16", "case": {"model": "m", "batch": 2, "seq": 16},
+                       "variants": {"eager-fp32": ok([0.10, 0.12, 0.11]),
+                                    "compile-fp32": ok([0.05, 0.06, 0.055]),
+                                    "eager-bf16": ok([0.08, 0.10, 0.09], loss=5.01),
+                                    "graphtrain-fp32": {"status": "skipped", "reason": "engine missing"}}}]}
+
+
+def test_summarize_derives_medians_ratios_and_mfu():
+    rows = {r["variant"]: r for r in report.summarize(_fake_run())}
+    e, c, b = rows["eager-fp32"], rows["compile-fp32"], rows["eager-bf16"]
+    assert e["median_s"] == pytest.approx(0.11) and e["min_s"] == 0.10 and e["max_s"] == 0.12
+    assert e["tokens_s"] == pytest.approx(32 / 0.11) and e["samples_s"] == pytest.approx(2 / 0.11)
+    assert c["vs_eager"] == pytest.approx(0.11 / 0.055)
+    # per-round ratios 0.10/0.05, 0.12/0.06, 0.11/0.055 are all exactly 2
+    assert c["vs_eager_min"] == pytest.approx(2.0) and c["vs_eager_max"] == pytest.approx(2.0)
+    assert e["vs_compile"] == pytest.approx(0.5)
+    assert "vs_compile" not in b  # no compile-bf16 in this run: no same-precision reference
+    assert c["mfu"] == pytest.approx(1e9 / 0.055 / 1e11)
+    assert b["mfu"] == pytest.approx(1e9 / 0.09 / 4e11)  # bf16 variants against the bf16 peak
+    assert rows["graphtrain-fp32"]["status"] == "skipped"
+
+
+def test_terminal_and_markdown_formatting():
+    run = _fake_run()
+    text = report.terminal_table(run)
+    assert "== m b2 s16" in text and "110.0 (100.0-120.0)" in text and "2.00x (2.00-2.00)" in text
+    assert "graphtrain-fp32 skipped: engine missing" in text
+    md = report.markdown(run)
+    assert md.startswith("## Suite `tiny`") and "### m b2 s16" in md
+    assert "| " + " | ".join(report.COLUMNS) + " |" in md
+    assert report.FLOP_FORMULA in md and "Test CPU" in md and "`graphtrain bench tiny`" in md
+    table = [ln for ln in md.splitlines() if ln.startswith("| eager-fp32")]
+    assert len(table) == 1 and table[0].count("|") == len(report.COLUMNS) + 1
+
+
+def test_save_and_latest_runs(tmp_path):
+    run = _fake_run()
+    paths = report.save(run, tmp_path)
+    report.save(run, tmp_path)
+    assert json.loads(paths["json"].read_text())["suite"] == "tiny"
+    assert len((tmp_path / "results.jsonl").read_text().splitlines()) == 2
+    assert set(report.latest_runs(tmp_path)) == {"tiny"}
+
+
+# -------------------------------------------------------------------------------- maxbatch ----
+
+def test_maxbatch_search_pins_the_boundary(monkeypatch, tmp_path):
+    # A fake worker whose peak is 300 MiB + 10 MiB per sample: under a 1 GiB cap the answer is 72.
+    calls = []
+
+    def fake_measure(case, variant, batch, device, log_dir):
+        calls.append(batch)
+        return 300.0 + 10.0 * batch, ""
+
+    monkeypatch.setattr(maxbatch, "measure_peak", fake_measure)
+    monkeypatch.setattr(maxbatch, "available_mib", lambda: 1e6)
+    case, variant = suites.Case("m", 4, 16), suites.VARIANTS["eager-fp32"]
+    result = maxbatch.search(case, variant, cap_gib=1.0, device="cpu", log_dir=tmp_path, known={4: 340.0})
+    assert result["max_batch"] == 72 and result["exact"]
+    assert result["per_sample_mib"] == pytest.approx(10.0) and len(calls) <= 3
+
+
+def test_maxbatch_prediction_and_failed_trials(monkeypatch, tmp_path):
+    assert maxbatch.predict({2: 400.0, 4: 500.0}, cap_mib=1000.0) == 14  # base 300, 50 per sample
+    # Every trial above batch 5 dies (as if OOM-killed): the search must still pin 5.
+    monkeypatch.setattr(maxbatch, "measure_peak",
+                        lambda c, v, b, d, l: (100.0 + b, "") if b <= 5 else (None, "worker died"))
+    monkeypatch.setattr(maxbatch, "available_mib", lambda: 1e6)
+    result = maxbatch.search(suites.Case("m", 2, 16), suites.VARIANTS["eager-fp32"], cap_gib=1.0, device="cpu",
+                             log_dir=tmp_path, max_trials=20)
+    assert result["max_batch"] == 5 and result["exact"]
+
+
+# ------------------------------------------------------------------------------ end to end ----
+
+def test_suites_and_variants_resolve():
+    assert [v.name for v in suites.resolve_variants(["eager-bf16", "eager-fp32"])] == ["eager-fp32", "eager-bf16"]
+    with pytest.raises(ValueError, match="unknown variant"):
+        suites.resolve_variants(["eager-fp64"])
+    with pytest.raises(ValueError, match="did you mean 'small'"):
+        suites.get_suite("smal")
+    assert bench_main(["--list"]) == 0
+
+
+def test_tiny_suite_end_to_end(tmp_path):
+    pytest.importorskip("graphtrain.models")
+    docs = tmp_path / "benchmarks.md"
+    rc = bench_main(["tiny", "--variants", "eager-fp32", "eager-bf16", "--out", str(tmp_path), "--no-progress",
+                     "--docs", str(docs)])
+    assert rc == 0
+    (run,) = [json.loads(ln) for ln in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert run["env"]["torch"] == torch.__version__ and run["peak"]["fp32"] > 0
+    tiny = suites.get_suite("tiny")
+    assert [c["name"] for c in run["cases"]] == [c.name for c in tiny.cases]
+    for case in run["cases"]:
+        fp32, bf16 = case["variants"]["eager-fp32"], case["variants"]["eager-bf16"]
+        for rec in (fp32, bf16):
+            assert rec["status"] == "ok", rec
+            assert len(rec["step_s"]) == tiny.repeats and all(t > 0 for t in rec["step_s"])
+            assert rec["steps_done"] == 1 + tiny.warmup + tiny.repeats * tiny.steps
+            assert rec["peak_mem_mib"] > 50 and math.isfinite(rec["final_loss"])
+        # same seed, same batch, same number of steps: bf16 autocast lands near fp32
+        assert abs(fp32["final_loss"] - bf16["final_loss"]) < 0.1
+    rows = report.summarize(run)
+    assert all(r["tokens_s"] > 0 and r["mfu"] > 0 for r in rows)
+    text = docs.read_text()
+    assert "# Benchmarks" in text and "--device cuda" in text and "gpt2-tiny b2 s32" in text
