@@ -1,9 +1,25 @@
-"""Optimizers: `build_optimizer(model, cfg)` is the one entry point the Trainer uses."""
+"""Optimizers: `build_optimizer(model, cfg)` is the one entry point the Trainer uses.
+
+- ``adamw``: ``FusedAdamW`` (torch's fused multi-tensor AdamW kernel; ``fused: false`` gives the
+  plain ``torch.optim.AdamW`` for-loop reference).
+- ``lamb``: ``LAMB`` with apex FusedLAMB semantics (``fused: false`` uses the ``_foreach_`` path).
+
+Gradient clipping by global norm is done once, by ``graphtrain.optim.step.optimizer_step``, with
+``cfg.grad_clip``; LAMB's own pre-normalisation is therefore left off here (clipping to norm c and
+apex's pre-normalisation with max_grad_norm=c are the same operation).
+"""
 from __future__ import annotations
 
 import torch
 
 from graphtrain.config import OptimConfig
+from graphtrain.optim.adamw import FusedAdamW
+from graphtrain.optim.lamb import LAMB
+from graphtrain.optim.loss_scale import DynamicLossScaler, make_loss_scaler
+from graphtrain.optim.step import optimizer_step
+
+__all__ = ["DynamicLossScaler", "FusedAdamW", "LAMB", "build_optimizer", "make_loss_scaler", "optimizer_step",
+           "param_groups"]
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -17,7 +33,15 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 
 
 def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"build_optimizer takes the model (an nn.Module), got {type(model).__name__}")
+    if not isinstance(cfg, OptimConfig):
+        raise TypeError(f"build_optimizer takes an OptimConfig (config.optim), got {type(cfg).__name__}")
     groups = param_groups(model, cfg.weight_decay)
     if cfg.name == "adamw":
-        return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
-    raise ValueError(f"optim.name={cfg.name!r} is not available yet; use adamw")
+        if cfg.fused:
+            return FusedAdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, foreach=False)
+    if cfg.name == "lamb":
+        return LAMB(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, max_grad_norm=0.0, fused=cfg.fused)
+    raise ValueError(f"optim.name={cfg.name!r} is not available; use adamw or lamb")
