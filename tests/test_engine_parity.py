@@ -202,10 +202,12 @@ def test_reference_models_match_eager(name):
     _check_parity(lambda: build_model(ModelConfig(name=name)), kwargs)
 
 
+@pytest.mark.slow  # measured 78 s on the shared 2-core box (Inductor C++ compile of fw + bw)
 def test_inductor_provider_within_tolerance():
     """Inductor fuses pointwise ops and reductions (layernorm, softmax, cross-entropy), which reorders fp32
-    sums: results differ from eager in the last bits (measured max loss diff ~1e-7 over 10 steps here), so
-    we compare with the fp32 tolerance table. Dropout uses eager's RNG (fallback_random), so the masks are
+    sums: results differ from eager in the last bits. Measured here (torch 2.13 CPU): max loss diff 3.8e-6
+    abs / 2.0e-7 rel over the 10 steps (5 of 10 steps bitwise equal), max step-0 gradient diff 1.3e-7 abs,
+    so we compare with the fp32 tolerance table. Dropout uses eager's RNG (fallback_random), so the masks are
     the same and the curves stay together."""
     ref, m = _pair(TinyGPT, provider="inductor")
     curves = []

@@ -7,6 +7,7 @@ inductor; the Dynamo graph run eagerly) and says so once, or raises under ``fall
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from typing import Any, Callable, Sequence
@@ -58,6 +59,22 @@ def _shapes(example_inputs: Sequence[Any]) -> list[Any]:
     return [tuple(dim(d) for d in x.shape) if isinstance(x, torch.Tensor) else dim(x) for x in example_inputs]
 
 
+_ALLOCATOR_PINNED = False
+
+
+def _pin_cpu_allocator_once(example_inputs: Sequence[Any]) -> None:
+    """On CPU, pin glibc's mmap threshold the first time the engine compiles (see memory/allocator.py: with
+    glibc's growing threshold the freed activations of a step stay in its heap; measured ~90 MiB)."""
+    global _ALLOCATOR_PINNED
+    if _ALLOCATOR_PINNED:
+        return
+    if any(isinstance(x, torch.Tensor) and x.device.type != "cpu" for x in example_inputs):
+        return
+    from graphtrain.memory.allocator import pin_mmap_threshold
+    _ALLOCATOR_PINNED = True
+    pin_mmap_threshold()
+
+
 def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: EngineConfig,
                   state: EngineState) -> Callable[..., Any]:
     """Compile one Dynamo graph (the backend body); records a GraphRecord on `state`."""
@@ -65,6 +82,10 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Eng
     from graphtrain.engine.trace import trace_aten_forward
 
     t0 = time.perf_counter()
+    _pin_cpu_allocator_once(example_inputs)
+    # Passes see the provider that runs the graph, never "auto" (inplace_elementwise runs for aten only).
+    provider = resolve_provider(config, example_inputs)
+    config = dataclasses.replace(config, provider=provider)
     frame, raw_compile_id = _frame_info(gm)
     # Dynamo counts compiles per code object across all instances; count this module's own compiles.
     ids = sorted({g.notes_compile_id for g in state.graphs if g.frame == frame} | {raw_compile_id})
@@ -98,12 +119,11 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Eng
             rec.ops_pre_autodiff = sum(op_counts(graph).values())
 
     # 2. autodiff + provider
-    provider = resolve_provider(config, example_inputs)
     order = [provider] + (["aten"] if provider != "aten" else [])
     compiled = None
     for p in order:
         try:
-            compiled = PROVIDERS[p](graph, example_inputs, config, rec, state)
+            compiled = PROVIDERS[p](graph, example_inputs, dataclasses.replace(config, provider=p), rec, state)
             rec.provider = p
             break
         except Exception as e:  # noqa: BLE001

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
@@ -80,38 +81,110 @@ def _record_backward(gm: fx.GraphModule, rec: GraphRecord) -> None:
                                           if k in ("frozen", "buffer"))
 
 
-def _partitioner(config: EngineConfig) -> tuple[str, Callable[..., Any]]:
-    from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
-    # min-cut saves fewer activations (it recomputes cheap pointwise ops in backward). Without a fuser each
-    # recomputed op is one more kernel, so the aten provider keeps the default partition (saves what the
-    # backward needs, like eager autograd) unless the user asked for recompute.
-    if config.recompute != "none":
-        return "min_cut", min_cut_rematerialization_partition
-    return "default", default_partition
+@dataclass
+class _StepLayout:
+    """Where the parameters, buffers and batch sit among the partitioned forward graph's inputs.
+
+    AOTAutograd (``aot_module_simplified``) lifts the graph module's own parameters and buffers (the
+    constants fold_constants registered) in front of the Dynamo graph's inputs, which Dynamo orders by
+    first use, so the batch is not necessarily last."""
+
+    n_params_bytes: int   # trainable parameter bytes (tied weights once)
+    n_param_inputs: int   # parameters + buffers among the forward inputs
+    batch_inputs: list[int]
+
+
+def _layout(gm: fx.GraphModule, example_inputs: Sequence[Any], kinds: Sequence[str]) -> _StepLayout:
+    from graphtrain.memory.predict import param_bytes
+    n_lifted = len(dict(gm.named_parameters(remove_duplicate=False))) + \
+        len(dict(gm.named_buffers(remove_duplicate=False)))
+    trained = [x for x, k in zip(example_inputs, kinds) if k == "param"]
+    return _StepLayout(param_bytes(trained), n_lifted + sum(k in ("param", "frozen", "buffer") for k in kinds),
+                       [n_lifted + i for i, k in enumerate(kinds) if k == "input"])
+
+
+def _recompute_partition_fn(config: EngineConfig, layout: _StepLayout, rec: GraphRecord,
+                            state: EngineState) -> Callable[..., Any]:
+    """graphtrain.memory.recompute's partitioner for config.recompute; links its decision record to `rec`.
+
+    Every mode, `none` included, goes through it: on top of the mode's partition it drops the dead random
+    ops AOTAutograd's partitioners copy into the backward (which would re-run work and consume RNG)."""
+    from graphtrain.memory.recompute import make_partition_fn
+    inner = make_partition_fn(config, n_params_bytes=layout.n_params_bytes, n_param_inputs=layout.n_param_inputs,
+                              records=state.recompute, batch_inputs=layout.batch_inputs)
+
+    def partition_fn(joint: fx.GraphModule, joint_inputs: Any, **kw: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
+        n = len(state.recompute)
+        fw, bw = inner(joint, joint_inputs, **kw)
+        if len(state.recompute) > n:
+            rec.recompute = state.recompute[-1]
+        return fw, bw
+    return partition_fn
+
+
+def _partitioner_name(config: EngineConfig) -> str:
+    return "default" if config.recompute == "none" else f"min_cut (recompute={config.recompute})"
+
+
+def predict_memory(fw: fx.GraphModule, bw: fx.GraphModule, layout: _StepLayout, rec: GraphRecord) -> None:
+    """Store predict_peak's estimate (AdamW, boxed backward) of a step through this graph on `rec`."""
+    from graphtrain.memory.predict import predict_peak
+    try:
+        fw_out = next(n for n in reversed(fw.graph.nodes) if n.op == "output").args[0]
+        bw_ph = [n for n in bw.graph.nodes if n.op == "placeholder"]
+        n_saved = sum(not n.name.startswith("tangents_") for n in bw_ph)
+        n_user = len(torch.utils._pytree.tree_leaves(fw_out)) - n_saved  # fw returns (*user outputs, *saved)
+        est = predict_peak(fw, bw, layout.n_params_bytes, optimizer="adamw", num_user_outputs=max(n_user, 1),
+                           n_param_inputs=layout.n_param_inputs, batch_inputs=layout.batch_inputs)
+    except Exception as e:  # noqa: BLE001 - an estimate only; say why it is missing
+        rec.notes.append(f"peak-memory prediction failed: {type(e).__name__}: {str(e)[:200]}")
+        return
+    rec.predicted_memory = dict(peak=est.peak, peak_phase=est.peak_phase, params=est.params, grads=est.grads,
+                                optimizer_state=est.optimizer_state, batch_inputs=est.inputs,
+                                saved_activations=est.saved_activations, forward_graph_peak=est.forward_peak,
+                                backward_graph_peak=est.backward_peak, optimizer_temp=est.optimizer_temp,
+                                phase_totals=dict(est.phase_totals), peak_node=dict(est.peak_node),
+                                optimizer="adamw")
 
 
 def compile_aten(gm: fx.GraphModule, example_inputs: Sequence[Any], config: EngineConfig, rec: GraphRecord,
                  state: EngineState) -> Callable[..., Any]:
-    from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    from graphtrain.memory.capture import to_boxed
+
+    layout = _layout(gm, example_inputs, rec.input_kinds)
+    graphs: dict[str, fx.GraphModule] = {}
 
     def fw_compiler(fgm: fx.GraphModule, ins: Sequence[Any]) -> Callable[..., Any]:
         fgm = _stage_passes(fgm, "forward", config, rec, state, ins)
-        return make_boxed_func(fgm.forward)
+        graphs["forward"] = fgm
+        if "backward" in graphs:
+            predict_memory(fgm, graphs.pop("backward"), layout, rec)
+        return to_boxed(fgm)
 
     def bw_compiler(bgm: fx.GraphModule, ins: Sequence[Any]) -> Callable[..., Any]:
         bgm = _stage_passes(bgm, "backward", config, rec, state, ins)
-        return make_boxed_func(bgm.forward)
+        if "forward" in graphs:  # AOTAutograd compiles the forward first (the backward maybe lazily)
+            predict_memory(graphs.pop("forward"), bgm, layout, rec)
+        else:
+            graphs["backward"] = bgm
+        # Boxed: the backward takes its argument list and clears it, so each saved activation is freed after
+        # its last use instead of when the backward returns (FX code drops intermediates the same way).
+        return to_boxed(bgm)
 
-    rec.partitioner, partition_fn = _partitioner(config)
+    rec.partitioner = _partitioner_name(config)
     return aot_module_simplified(gm, example_inputs, fw_compiler=fw_compiler, bw_compiler=bw_compiler,
-                                 partition_fn=partition_fn, decompositions={})
+                                 partition_fn=_recompute_partition_fn(config, layout, rec, state), decompositions={})
 
 
 class StagePasses(CustomGraphPass):
     """graphtrain's forward/backward passes as an Inductor post-grad pass (cache-safe through uuid())."""
 
-    def __init__(self, config: EngineConfig, rec: GraphRecord, state: EngineState) -> None:
-        self.config, self.rec, self.state = config, rec, state
+    def __init__(self, config: EngineConfig, rec: GraphRecord, state: EngineState,
+                 layout: _StepLayout | None = None) -> None:
+        self.config, self.rec, self.state, self.layout = config, rec, state, layout
+        self._forward: fx.GraphModule | None = None
 
     def __call__(self, graph: fx.Graph) -> None:
         gm = graph.owning_module
@@ -120,6 +193,12 @@ class StagePasses(CustomGraphPass):
         out = _stage_passes(gm, stage, self.config, self.rec, self.state, [])
         if out is not gm:  # a pass failed and the pipeline handed back its backup: restore it in place
             _replace_graph(graph, out.graph)
+        if self.layout is not None:  # predict from the post-grad graphs (Inductor plans buffers below them)
+            if stage == "forward":
+                self._forward = gm
+            elif self._forward is not None:
+                predict_memory(self._forward, gm, self.layout, self.rec)
+                self._forward = None
 
     def uuid(self) -> bytes:
         h = hashlib.sha256()
@@ -128,6 +207,32 @@ class StagePasses(CustomGraphPass):
                 h.update(f"{stage}:{spec.name}:".encode())
                 h.update(inspect.getsource(inspect.getmodule(spec.fn)).encode())
         return h.digest()
+
+
+def _inductor_partitioner(config: EngineConfig, layout: _StepLayout, rec: GraphRecord, state: EngineState) -> Any:
+    """graphtrain's recompute partitioner as Inductor's ``custom_partitioner_fn`` (runs after Inductor's
+    joint-graph passes, in place of its min-cut partitioner), cache-safe through uuid()."""
+    from torch._inductor.custom_graph_pass import CustomPartitionerFn
+
+    class RecomputePartitioner(CustomPartitionerFn):
+        def __init__(self) -> None:
+            self.fn = _recompute_partition_fn(config, layout, rec, state)
+
+        def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[object], **kw: Any):
+            return self.fn(gm, joint_inputs, **kw)
+
+        def uuid(self) -> bytes:
+            import graphtrain.memory.predict as predict
+            import graphtrain.memory.recompute as recompute
+            h = hashlib.sha256()
+            for mod in (recompute, predict):
+                h.update(inspect.getsource(mod).encode())
+            # auto's choice depends on the budget and the predicted persistent state
+            h.update(repr((config.recompute, config.memory_budget, layout.n_params_bytes, layout.n_param_inputs,
+                           layout.batch_inputs)).encode())
+            return h.digest()
+
+    return RecomputePartitioner()
 
 
 def _replace_graph(graph: fx.Graph, new: fx.Graph) -> None:
@@ -140,10 +245,29 @@ def _replace_graph(graph: fx.Graph, new: fx.Graph) -> None:
 
 def compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], config: EngineConfig, rec: GraphRecord,
                      state: EngineState) -> Callable[..., Any]:
+    """recompute=none keeps Inductor's own min-cut partition: it recomputes only ops it fuses into backward
+    kernels, which costs no extra kernel and saves memory, so there is nothing for `none` to switch off.
+    selective|full|auto replace it with graphtrain's recompute partitioner (Inductor's
+    ``custom_partitioner_fn``, run after Inductor's joint-graph passes), so the modes, the budget and the
+    decision records are the aten provider's. A torch without that hook reports the mode once through the
+    fallback policy and runs Inductor's min-cut."""
+    import torch._inductor.config as inductor_config
     from torch._inductor.compile_fx import compile_fx
 
-    rec.partitioner = "min_cut"  # compile_fx's choice: with fusion, recomputing pointwise ops is nearly free
-    patches = {"fallback_random": True, "post_grad_custom_post_pass": StagePasses(config, rec, state)}
+    from graphtrain.engine.fallback import report_fallback
+
+    layout = _layout(gm, example_inputs, rec.input_kinds)
+    patches: dict[str, Any] = {"fallback_random": True,
+                               "post_grad_custom_post_pass": StagePasses(config, rec, state, layout)}
+    rec.partitioner = "min_cut (inductor)"  # with fusion, recomputing pointwise ops is nearly free
+    if config.recompute != "none":
+        if hasattr(inductor_config, "custom_partitioner_fn"):
+            patches["custom_partitioner_fn"] = _inductor_partitioner(config, layout, rec, state)
+            rec.partitioner = f"min_cut (recompute={config.recompute})"
+        else:
+            report_fallback(f"recompute={config.recompute} under the inductor provider",
+                            f"torch {torch.__version__} has no inductor config custom_partitioner_fn", config,
+                            what="is not applied (Inductor's min-cut partition runs)", sink=state.fallbacks)
     return compile_fx(gm, list(example_inputs), config_patches=patches)
 
 

@@ -49,6 +49,33 @@ def _latest(graphs: list[GraphRecord]) -> list[GraphRecord]:
     return [g for g in graphs if g.frame_compile == last[g.frame]]
 
 
+def _recompute_lines(r: dict[str, Any]) -> list[str]:
+    """A RecomputeRecord (as a dict): the mode, each candidate partition tried, the one kept."""
+    budget = f", budget {_mib(r['budget'])}" if r.get("budget") else ""
+    L = [f"    recompute: mode {r['mode']}{budget}, chose {r['chosen']}; dropout outputs rebuilt from saved masks: "
+         f"{r['dropout_rewrites']}; dead random ops dropped from backward: {r['dead_random_dropped']}"]
+    for c in r["choices"]:
+        ops = ", ".join(f"{k} x{v}" for k, v in sorted(c["recomputed_ops"].items(), key=lambda kv: -kv[1])[:8])
+        peak = "" if c["predicted_peak"] is None else f", predicted peak {_mib(c['predicted_peak'])}" + \
+            ("" if c["fits"] is None else (" (fits)" if c["fits"] else " (over budget)"))
+        L.append(f"      {'*' if c['name'] == r['chosen'] else ' '} {c['name']}: saves {_mib(c['saved_bytes'])} "
+                 f"for backward ({_mib(c['bytes_saved'])} less than none), +{c['flops_added'] / 1e6:,.2f} MFLOP "
+                 f"recomputed{peak}" + (f"; recomputes {ops}" if ops else ""))
+    return L
+
+
+def _memory_lines(m: dict[str, Any]) -> list[str]:
+    """predict_peak's estimate of a training step through this graph, by component."""
+    parts = [("params", "params"), ("grads", "grads"), (f"{m['optimizer']} state", "optimizer_state"),
+             ("batch", "batch_inputs"), ("saved activations", "saved_activations"),
+             ("forward graph peak", "forward_graph_peak"), ("backward graph peak", "backward_graph_peak"),
+             ("optimizer temporaries", "optimizer_temp")]
+    at = m["peak_node"].get(m["peak_phase"])
+    return [f"    predicted step peak: {_mib(m['peak'])} in {m['peak_phase']}" + (f" (at {at})" if at else "") + "; "
+            + ", ".join(f"{label} {_mib(m[k])}" for label, k in parts),
+            "      by phase: " + ", ".join(f"{k} {_mib(v)}" for k, v in m["phase_totals"].items())]
+
+
 @dataclass
 class Report:
     source: str
@@ -94,6 +121,10 @@ class Report:
             if g["saved_activation_bytes"] is not None:
                 L.append(f"    saved for backward: {g['saved_tensors']} tensors, {_mib(g['saved_activation_bytes'])}"
                          f" (batch {g['batch']})")
+            if g.get("recompute"):
+                L += _recompute_lines(g["recompute"])
+            if g.get("predicted_memory"):
+                L += _memory_lines(g["predicted_memory"])
             for note in g["notes"]:
                 L.append(f"    note: {note}")
         if self.saved_activation_bytes_per_sample is not None:
@@ -156,6 +187,10 @@ def report_for_config(config: Any) -> Report:
     family = resolve_spec(config.model).family
     data = build_data(config, family=family)
     model = build_model(config.model, vocab_size=data.vocab_size)
+    if config.data.seq_len > model.spec.max_seq_len:  # the Trainer's check: report what `train` would run
+        raise ValueError(f"data.seq_len={config.data.seq_len} is longer than model {config.model.name!r} supports "
+                         f"(max_seq_len={model.spec.max_seq_len}): lower data.seq_len, or set "
+                         f"model.max_seq_len={config.data.seq_len}")
     model.train()
     model = accelerate(model, config)
     bs = config.train.batch_size if config.train.batch_size != "auto" else 8

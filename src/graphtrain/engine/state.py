@@ -34,6 +34,13 @@ class GraphRecord:
     saved_activation_bytes: int | None = None   # forward outputs kept for backward that are not parameters
     saved_tensors: int | None = None
     batch: int | None = None        # leading dim of the first user input (for per-sample figures)
+    # The recompute decision of this graph's partition (a graphtrain.memory.recompute.RecomputeRecord: mode,
+    # every candidate tried with bytes saved and FLOPs added, the one kept); None when Inductor's own
+    # partitioner ran (recompute none under the inductor provider).
+    recompute: Any = None
+    # Peak-memory prediction of one training step through this graph, by component (bytes; see
+    # graphtrain.memory.predict.predict_peak), from the partitioned fw/bw graphs after their passes.
+    predicted_memory: dict[str, Any] | None = None
     compile_seconds: float = 0.0
     compile_reason: str = ""        # why Dynamo ended this graph (graph break or end of frame)
     notes_compile_id: int = 0       # Dynamo's per-code-object compile counter (shared across instances)
@@ -47,6 +54,7 @@ class EngineState:
     passes: list[PassRecord] = field(default_factory=list)
     graph_breaks: list[str] = field(default_factory=list)
     fallbacks: list[tuple[str, str]] = field(default_factory=list)
+    recompute: list[Any] = field(default_factory=list)  # every RecomputeRecord, in compile order
     calls: int = 0
     first_call_seconds: float | None = None
     eager_only: bool = False        # capture failed; the module runs eagerly from now on

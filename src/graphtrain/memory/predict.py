@@ -43,11 +43,20 @@ def storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
+def hint_int(x: Any) -> int:
+    """An int without guarding: a SymInt (dynamic shapes) gives its size hint, never a new guard (``int()``
+    on a SymInt would specialize the compiled graph to the example's size)."""
+    if isinstance(x, torch.SymInt):
+        h = getattr(x.node, "hint", None)
+        return int(h) if h is not None else 0
+    return int(x)
+
+
 def storage_bytes(t: torch.Tensor) -> int:
     try:
-        return int(t.untyped_storage().nbytes())
+        return hint_int(t.untyped_storage().nbytes())
     except Exception:  # sparse / odd subclasses: fall back to the dense size
-        return t.numel() * t.element_size()
+        return hint_int(t.numel()) * t.element_size()
 
 
 def node_keys(n: fx.Node) -> list[tuple[int, int]]:
@@ -189,7 +198,8 @@ class MemoryEstimate:
 
 def predict_peak(fw_gm: fx.GraphModule, bw_gm: fx.GraphModule, n_params_bytes: int, *, optimizer: str = "adamw",
                  num_user_outputs: int = 1, n_param_inputs: int | None = None, boxed_backward: bool = True,
-                 optimizer_temp_bytes: int | None = None, grads_kept: bool = False) -> MemoryEstimate:
+                 optimizer_temp_bytes: int | None = None, grads_kept: bool = False,
+                 batch_inputs: Iterable[int] | None = None) -> MemoryEstimate:
     """Predict a step's peak from AOTAutograd's partitioned graphs (nodes carry fake meta['val']).
 
     n_params_bytes: bytes of the trainable parameters (grads have the same size; AdamW/LAMB keep 2x).
@@ -198,14 +208,20 @@ def predict_peak(fw_gm: fx.GraphModule, bw_gm: fx.GraphModule, n_params_bytes: i
     boxed_backward: the backward graph frees each saved activation at its last use.
     optimizer_temp_bytes: the optimizer's transient bytes (CPU AdamW runs per tensor, so about the
     largest parameter: predict_for_model passes that; default here 1/8 of the parameters).
-    grads_kept: gradients stay allocated through forward (zero_grad(set_to_none=False))."""
+    grads_kept: gradients stay allocated through forward (zero_grad(set_to_none=False)).
+    batch_inputs: indices of the forward placeholders that are the batch, when they are not simply the
+    ones after the first n_param_inputs (a Dynamo graph orders its inputs by first use)."""
     ph = [n for n in fw_gm.graph.nodes if n.op == "placeholder"]
     keys = placeholder_keys(fw_gm)
     external = set().union(*keys) if keys else set()
-    batch_keys = set().union(*keys[n_param_inputs:]) if n_param_inputs is not None and keys[n_param_inputs:] else set()
+    if batch_inputs is not None:
+        batch_idx = sorted(set(batch_inputs))
+    else:
+        batch_idx = list(range(n_param_inputs, len(ph))) if n_param_inputs is not None else []
+    batch_keys = set().union(*(keys[i] for i in batch_idx)) if batch_idx else set()
     batch_bytes = 0
-    for n in ph[n_param_inputs or 0:] if n_param_inputs is not None else []:
-        batch_bytes += sum(b for k, b in node_keys(n) if k in batch_keys)
+    for i in batch_idx:
+        batch_bytes += sum(b for k, b in node_keys(ph[i]) if k in batch_keys)
     fw = graph_liveness(fw_gm, external=external, free_inputs=False)
     saved = saved_activation_bytes(fw_gm, num_user_outputs, external)
     bw = graph_liveness(bw_gm, external=external, free_inputs=boxed_backward)

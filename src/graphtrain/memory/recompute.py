@@ -33,7 +33,7 @@ from torch._functorch.partitioners import default_partition, min_cut_remateriali
 from torch._guards import detect_fake_mode
 from torch.utils.checkpoint import CheckpointPolicy
 
-from graphtrain.memory.predict import MiB, predict_peak, saved_activation_bytes
+from graphtrain.memory.predict import MiB, hint_int, predict_peak, saved_activation_bytes
 
 aten = torch.ops.aten
 # Never recomputed by selective/full: their outputs are what a checkpoint boundary keeps.
@@ -142,13 +142,14 @@ def _node_flops(n: fx.Node) -> int:
     pk = _packet(n)
     if pk in flop_registry:
         def shape(a: Any) -> Any:
-            return tuple(a.meta["val"].shape) if isinstance(a, fx.Node) else a
+            return tuple(hint_int(d) for d in a.meta["val"].shape) if isinstance(a, fx.Node) else a
         args = torch.utils._pytree.tree_map(shape, n.args)
         try:
-            return int(flop_registry[pk](*args, out_shape=tuple(val.shape) if isinstance(val, torch.Tensor) else None))
+            return hint_int(flop_registry[pk](*args, out_shape=tuple(hint_int(d) for d in val.shape)
+                                              if isinstance(val, torch.Tensor) else None))
         except Exception:
             pass
-    return val.numel() if isinstance(val, torch.Tensor) else 0
+    return hint_int(val.numel()) if isinstance(val, torch.Tensor) else 0
 
 
 @dataclass

@@ -1,0 +1,171 @@
+"""The memory optimizer inside the engine: recompute partitioner (every mode), RNG parity with eager, boxed
+backward, resolved provider for stage passes, recompute/peak-memory report, report_for_config."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import graphtrain
+from graphtrain.config import Config, ModelConfig
+from graphtrain.memory.recompute import is_random
+from graphtrain.models import build_model
+from graphtrain.testing import assert_close, assert_grads_close
+
+# Fusion passes are other engineers' (with their own parity tests); these tests check the memory wiring.
+NO_FUSION = {n: False for n in ("fuse_attention", "fuse_cross_entropy", "fuse_bias_dropout_add", "fuse_bias_gelu",
+                                "fuse_layer_norm", "fuse_rms_norm")}
+
+
+@pytest.fixture(autouse=True)
+def _many_instances():
+    with torch._dynamo.config.patch(recompile_limit=64):
+        yield
+
+
+class MLP(nn.Module):
+    def __init__(self, p: float = 0.0) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 32), nn.Linear(32, 32), nn.Linear(32, 4)
+        self.drop = nn.Dropout(p)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(self.drop(torch.nn.functional.gelu(self.b(torch.relu(self.a(x))))))
+
+
+def _passes(**extra):
+    from graphtrain.passes.manager import registered_passes
+    return {k: v for k, v in {**NO_FUSION, **extra}.items() if k in registered_passes()}
+
+
+@pytest.fixture
+def boxed_graphs(monkeypatch):
+    """Every fw/bw graph the aten provider hands to to_boxed (after the stage passes)."""
+    import graphtrain.memory.capture as capture
+    seen: list[torch.fx.GraphModule] = []
+    real = capture.to_boxed
+
+    def spy(gm):
+        seen.append(gm)
+        return real(gm)
+    monkeypatch.setattr(capture, "to_boxed", spy)
+    return seen
+
+
+def _gpt2_tiny():
+    torch.manual_seed(0)
+    return build_model(ModelConfig(name="gpt2-tiny", dropout=0.1)).train()
+
+
+def _batch(step):
+    g = torch.Generator().manual_seed(step)
+    return torch.randint(0, 512, (2, 32), generator=g), torch.randint(0, 512, (2, 32), generator=g)
+
+
+def _train(model, steps):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    torch.manual_seed(11)
+    losses, rng = [], []
+    for step in range(steps):
+        loss = model(*_batch(step))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+        rng.append(torch.get_rng_state())
+    return torch.stack(losses), rng
+
+
+def test_aten_dropout_rng_matches_eager_and_backward_has_no_random_op(boxed_graphs):
+    """A random op in the backward would re-draw numbers there: the RNG state after a step would differ from
+    eager's and so would step 2's dropout. The recompute partitioner drops dead random ops that AOTAutograd's
+    partitioners copy into the backward (recompute.drop_dead_random_ops)."""
+    ref = _gpt2_tiny()
+    m = graphtrain.accelerate(copy.deepcopy(ref), provider="aten", fallback="error", passes=_passes())
+    losses_e, rng_e = _train(ref, 2)
+    losses_g, rng_g = _train(m, 2)
+    assert torch.equal(rng_g[0], rng_e[0])  # after one training step
+    assert_close(losses_g, losses_e, name="losses", bitwise=True)  # step 2's dropout masks are eager's
+    backward = [g for g in boxed_graphs if any(n.op == "placeholder" and n.name.startswith("tangents_")
+                                               for n in g.graph.nodes)]
+    assert backward and not [n for g in backward for n in g.graph.nodes if is_random(n)]
+    assert all(g._boxed_call for g in boxed_graphs)  # the backward frees saved activations at last use
+    rec = graphtrain.report(m).graphs[0]
+    assert rec["recompute"]["mode"] == "none" and rec["recompute"]["chosen"] == "none", rec["recompute"]
+
+
+@pytest.mark.parametrize("mode", ["selective", "full"])
+def test_recompute_modes_through_accelerate(mode):
+    ref = _gpt2_tiny()
+    m = graphtrain.accelerate(copy.deepcopy(ref), provider="aten", fallback="error", recompute=mode,
+                              passes=_passes())
+    for mod in (ref, m):
+        torch.manual_seed(5)
+        mod(*_batch(0)).backward()
+    assert_grads_close(m, ref, bitwise=True)
+    rep = graphtrain.report(m)
+    r = rep.graphs[0]["recompute"]
+    assert r["mode"] == mode and r["chosen"] == mode
+    assert [c["name"] for c in r["choices"]] == [mode], r
+    assert f"recompute: mode {mode}" in str(rep) and "less than none" in str(rep)
+
+
+def test_stage_passes_see_the_resolved_provider(monkeypatch):
+    """With provider=auto resolving to aten, inplace_elementwise (aten only) must run."""
+    from graphtrain.engine import providers
+    monkeypatch.setattr(providers, "resolve_provider", lambda config, ins: "aten")
+    torch.manual_seed(0)
+    ref = MLP()
+    m = graphtrain.accelerate(copy.deepcopy(ref), provider="auto", fallback="error")
+    x = torch.randn(4, 8)
+    for mod in (ref, m):
+        (mod(x) * 2 + 1).relu().sum().backward()
+    assert_grads_close(m, ref, bitwise=True)
+    rep = graphtrain.report(m)
+    assert rep.graphs[0]["provider"] == "aten"
+    assert sum(p["rewrites"] for p in rep.passes if p["name"] == "inplace_elementwise") > 0, str(rep)
+
+
+def test_report_shows_predicted_peak_by_component():
+    from graphtrain.memory.predict import param_bytes
+    m = graphtrain.accelerate(_gpt2_tiny(), provider="aten", fallback="error", passes=_passes())
+    m(*_batch(0)).backward()
+    rep = graphtrain.report(m)
+    mem = rep.graphs[0]["predicted_memory"]
+    assert mem["params"] == param_bytes(m.parameters()) and mem["optimizer_state"] == 2 * mem["params"]
+    assert mem["batch_inputs"] == 2 * 2 * 32 * 8  # input_ids + labels, int64
+    assert mem["peak"] == max(mem["phase_totals"].values()) and mem["saved_activations"] > 0
+    assert "predicted step peak" in str(rep) and "adamw state" in str(rep)
+
+
+def test_inductor_recompute_mode_uses_graphtrain_partitioner():
+    torch.manual_seed(0)
+    ref = MLP(0.1).train()
+    m = graphtrain.accelerate(copy.deepcopy(ref), provider="inductor", fallback="error", recompute="selective",
+                              passes=_passes())
+    x = torch.randn(16, 8)
+    for mod in (ref, m):
+        torch.manual_seed(3)
+        mod(x).square().mean().backward()
+    assert_grads_close(m, ref)
+    g = graphtrain.report(m).graphs[0]
+    assert g["provider"] == "inductor" and g["partitioner"] == "min_cut (recompute=selective)"
+    assert g["recompute"] is None or g["recompute"]["mode"] == "selective"  # None on a compile-cache hit
+
+
+def test_report_for_config(tmp_path, monkeypatch):
+    from graphtrain.engine.report import report_for_config
+    monkeypatch.setenv("GRAPHTRAIN_CACHE", str(tmp_path))
+    cfg = {"model": {"name": "gpt2-tiny"}, "data": {"max_bytes": 300000, "vocab_size": 512}}
+    # gpt2-tiny has 64 positions and data.seq_len defaults to 128: the Trainer's error, before any compile
+    with pytest.raises(ValueError, match="model.max_seq_len=128"):
+        report_for_config(Config.from_dict(cfg))
+    cfg["data"]["seq_len"] = 64
+    cfg["engine"] = {"provider": "aten"}
+    rep = report_for_config(Config.from_dict(cfg))
+    text = str(rep)
+    assert rep.calls == 1 and rep.graphs and rep.graphs[0]["provider"] == "aten" and not rep.fallbacks, text
+    assert rep.graphs[0]["recompute"]["mode"] == "none" and rep.graphs[0]["predicted_memory"]["peak"] > 0
+    assert "predicted step peak" in text and "recompute: mode none" in text
