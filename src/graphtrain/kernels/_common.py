@@ -1,0 +1,104 @@
+"""Shared pieces of graphtrain's fused ops: the Triton import guard, the dropout hash, the registry.
+
+Dropout masks in every implementation (reference, C++ CPU, Triton) come from one counter-based hash
+of (seed, flat element index), so a mask is reproducible from an int64 seed: backward regenerates
+it instead of saving it, and the implementations agree bit for bit (tests check that).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+try:  # graphtrain works without triton; the CUDA fast paths then fall back to the references
+    import triton  # noqa: F401
+    import triton.language as tl  # noqa: F401
+    HAS_TRITON = True
+except Exception:  # ImportError, or a broken install
+    triton = None  # type: ignore[assignment]
+    tl = None  # type: ignore[assignment]
+    HAS_TRITON = False
+
+# The hash constants (splitmix64's finalizer), as signed int64 for torch.
+_C0 = 0x9E3779B97F4A7C15 - (1 << 64)
+_C1 = 0xBF58476D1CE4E5B9 - (1 << 64)
+_C2 = 0x94D049BB133111EB - (1 << 64)
+
+
+def _lsr(z: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (z >> k) & ((1 << (64 - k)) - 1)
+
+
+def keep_threshold(p: float) -> int:
+    t = int(p * 4294967296.0)
+    return min(t, 0xFFFFFFFF)
+
+
+def dropout_keep_mask(numel: int, p: float, seed: torch.Tensor | int, device: torch.device | str = "cpu",
+                      offset: int = 0) -> torch.Tensor:
+    """Reference keep-mask (bool, flat) for elements offset..offset+numel: hash32(seed, i) >= p*2^32."""
+    s = int(seed.item()) if isinstance(seed, torch.Tensor) else int(seed)
+    i = torch.arange(offset + 1, offset + numel + 1, dtype=torch.int64, device=device)
+    z = i * _C0 + s
+    z = (z ^ _lsr(z, 30)) * _C1
+    z = (z ^ _lsr(z, 27)) * _C2
+    z = z ^ _lsr(z, 31)
+    return _lsr(z, 32) >= keep_threshold(p)
+
+
+def new_seed() -> torch.Tensor:
+    """A fresh dropout seed from torch's default CPU generator (so torch.manual_seed reproduces it)."""
+    return torch.randint(0, 2**62, (1,), dtype=torch.int64)
+
+
+def check_dropout_p(p: float, what: str) -> None:
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"{what}: dropout probability must be in [0, 1), got {p}")
+
+
+def interpret_mode() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def triton_ok(*tensors: torch.Tensor | None) -> bool:
+    """Whether the Triton path may take these tensors: CUDA tensors (or CPU under TRITON_INTERPRET=1)."""
+    if not HAS_TRITON:
+        return False
+    ts = [t for t in tensors if t is not None]
+    if interpret_mode():
+        return all(t.device.type == "cpu" for t in ts)
+    return all(t.device.type == "cuda" for t in ts)
+
+
+@dataclass
+class KernelSpec:
+    """One fused op: its public functional, reference, and which implementation serves each device."""
+
+    name: str
+    functional: Callable
+    reference: Callable
+    implementations: dict[str, str]
+    # device -> checker(*args) -> True if that device's fast path takes these inputs
+    checkers: dict[str, Callable[..., bool]] = field(default_factory=dict)
+
+    @property
+    def op(self):
+        return getattr(torch.ops.graphtrain, self.name)
+
+    def implementation_for(self, device: str, *args) -> str:
+        chk = self.checkers.get(device)
+        if chk is not None and chk(*args):
+            return self.implementations[device]
+        return "reference"
+
+
+KERNELS: dict[str, KernelSpec] = {}
+
+
+def register_kernel_spec(spec: KernelSpec) -> KernelSpec:
+    assert spec.name not in KERNELS or KERNELS[spec.name].functional is spec.functional, spec.name
+    KERNELS[spec.name] = spec
+    return spec

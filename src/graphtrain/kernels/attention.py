@@ -1,0 +1,205 @@
+"""graphtrain::attention: out = dropout(softmax(q @ k^T * scale + mask [+ causal]), p) @ v.
+
+q [B, H, Sq, D], k [B, H, Sk, D], v [B, H, Sk, Dv]; mask: additive (float, broadcastable to
+[B, H, Sq, Sk]) or None; is_causal masks j > i (top-left, as SDPA). Fully masked rows give zeros
+(as aten._safe_softmax). Outputs (out, lse [B, H, Sq] fp32, seed); backward recomputes the
+probabilities from lse and regenerates the dropout mask from the seed (_common.py's hash), so
+nothing of size Sq x Sk is saved.
+
+Implementations: `attention_reference` (plain PyTorch, materialized scores: the specification);
+CPU, dropout 0: aten's flash kernel for CPU (what SDPA itself uses; never materializes [Sq, Sk]
+for all heads); CPU, dropout > 0, fp32: C++ (_cpu_ext.py), one [Sq, Sk] block per (batch, head)
+task, hash RNG (aten's SDPA with dropout falls to its math path and samples with Bernoulli);
+CUDA: flash-style Triton kernels (online softmax forward, dK/dV and dQ backward kernels).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from graphtrain.kernels import _cpu_ext
+from graphtrain.kernels._common import (HAS_TRITON, KernelSpec, check_dropout_p, dropout_keep_mask, new_seed,
+                                        register_kernel_spec, triton, triton_ok)
+
+
+def _acc(x: Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _scores(q, k, mask, scale, is_causal):
+    s = torch.matmul(q.to(_acc(q)), k.to(_acc(q)).transpose(-2, -1)) * scale
+    if mask is not None:
+        s = s + mask.to(s.dtype)
+    if is_causal:
+        sq, sk = s.shape[-2:]
+        s = s.masked_fill(torch.ones(sq, sk, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    return s
+
+
+def _probs(s, lse, p, seed):
+    pr = torch.exp(s - lse[..., None])  # lse = +inf on fully masked rows -> 0
+    keep = None
+    if p > 0:
+        keep = dropout_keep_mask(s.numel(), p, seed, s.device).reshape(s.shape).to(s.dtype) / (1.0 - p)
+    return pr, keep
+
+
+def attention_reference(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: float, is_causal: bool,
+                        p: float, seed: Tensor) -> tuple[Tensor, Tensor]:
+    s = _scores(q, k, mask, scale, is_causal)
+    lse = torch.logsumexp(s, -1)
+    lse = torch.where(torch.isneginf(lse), torch.full_like(lse, float("inf")), lse)
+    pr, keep = _probs(s, lse, p, seed)
+    if keep is not None:
+        pr = pr * keep
+    return torch.matmul(pr, v.to(pr.dtype)).to(q.dtype), lse.to(torch.float32 if q.dtype != torch.float64 else q.dtype)
+
+
+def attention_backward_reference(dout, q, k, v, mask, out, lse, scale, is_causal, p, seed):
+    acc = _acc(q)
+    s = _scores(q, k, mask, scale, is_causal)
+    pr, keep = _probs(s, lse.to(acc), p, seed)
+    do = dout.to(acc)
+    pd = pr * keep if keep is not None else pr
+    dv = pd.transpose(-2, -1) @ do
+    dp = do @ v.to(acc).transpose(-2, -1)
+    if keep is not None:
+        dp = dp * keep
+    delta = (do * out.to(acc)).sum(-1, keepdim=True)
+    ds = pr * (dp - delta)
+    dq = (ds @ k.to(acc)) * scale
+    dk = (ds.transpose(-2, -1) @ q.to(acc)) * scale
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _mask4d(mask: Optional[Tensor], q: Tensor, k: Tensor) -> Optional[Tensor]:
+    if mask is None:
+        return None
+    while mask.dim() < 4:
+        mask = mask.unsqueeze(0)
+    return mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+
+
+def _cpu_flash_ok(q, k, v, mask, p) -> bool:
+    return (p == 0 and q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16)
+            and k.dtype == q.dtype and v.dtype == q.dtype and (mask is None or mask.dtype == q.dtype))
+
+
+def _cpu_cpp_ok(q, k, v, mask, p) -> bool:
+    return (p > 0 and q.device.type == "cpu" and q.dtype == torch.float32 and k.dtype == q.dtype
+            and v.dtype == q.dtype and (mask is None or mask.dtype == torch.float32) and _cpu_ext.load() is not None)
+
+
+def _supports_cpu(q, k, v, mask=None, scale=None, is_causal=False, p=0.0) -> bool:
+    return _cpu_flash_ok(q, k, v, mask, p) or _cpu_cpp_ok(q, k, v, mask, p)
+
+
+def _supports_triton(q, k, v, mask=None, *rest) -> bool:
+    return HAS_TRITON and triton_ok(q, k, v, mask) and q.shape[-1] <= 256 and v.shape[-1] <= 256
+
+
+def _flat(t: Tensor) -> Tensor:
+    # detached: the C++ kernel writes with mm_out, which refuses inputs that require grad
+    return t.detach().reshape(-1, t.shape[-2], t.shape[-1]).contiguous()
+
+
+@torch.library.custom_op("graphtrain::attention", mutates_args=())
+def _attention_op(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: float, is_causal: bool,
+                  p: float) -> tuple[Tensor, Tensor, Tensor]:
+    seed = new_seed()
+    B, H, Sq, _ = q.shape
+    if _supports_triton(q, k, v, mask):
+        from graphtrain.kernels._attention_triton import attention_fwd_triton
+        out, lse = attention_fwd_triton(q, k, v, _mask4d(mask, q, k), scale, is_causal, p, int(seed.item()))
+        return out, lse, seed
+    if _cpu_flash_ok(q, k, v, mask, p):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, is_causal, attn_mask=_mask4d(mask, q, k), scale=scale)
+        return out.contiguous(), lse.contiguous(), seed  # flash returns a [B, S, H, D]-strided view
+    if _cpu_cpp_ok(q, k, v, mask, p):
+        m = _mask4d(mask, q, k)
+        out, lse = _cpu_ext.load().attention_fwd(_flat(q), _flat(k), _flat(v), m.detach() if m is not None else q.new_empty(0),
+                                                 scale, is_causal, p, int(seed.item()))
+        return out.reshape(B, H, Sq, v.shape[-1]), lse.reshape(B, H, Sq), seed
+    out, lse = attention_reference(q, k, v, mask, scale, is_causal, p, seed)
+    return out.contiguous(), lse.contiguous(), seed
+
+
+@_attention_op.register_fake
+def _(q, k, v, mask, scale, is_causal, p):
+    B, H, Sq, _ = q.shape
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return (q.new_empty(B, H, Sq, v.shape[-1]), q.new_empty(B, H, Sq, dtype=lse_dtype),
+            torch.empty(1, dtype=torch.int64))
+
+
+@torch.library.custom_op("graphtrain::attention_backward", mutates_args=())
+def _attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], out: Tensor,
+                           lse: Tensor, seed: Tensor, scale: float, is_causal: bool,
+                           p: float) -> tuple[Tensor, Tensor, Tensor]:
+    B, H, Sq, _ = q.shape
+    if _supports_triton(q, k, v, mask):
+        from graphtrain.kernels._attention_triton import attention_bwd_triton
+        return attention_bwd_triton(dout, q, k, v, _mask4d(mask, q, k), out, lse, scale, is_causal, p, int(seed.item()))
+    if _cpu_flash_ok(q, k, v, mask, p):
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout.contiguous(), q, k, v, out, lse, 0.0, is_causal, attn_mask=_mask4d(mask, q, k), scale=scale)
+        return dq.contiguous(), dk.contiguous(), dv.contiguous()
+    if _cpu_cpp_ok(q, k, v, mask, p):
+        m = _mask4d(mask, q, k)
+        dq, dk, dv = _cpu_ext.load().attention_bwd(
+            _flat(dout), _flat(q), _flat(k), _flat(v), m.detach() if m is not None else q.new_empty(0), _flat(out),
+            lse.reshape(-1, Sq).contiguous(), scale, is_causal, p, int(seed.item()))
+        return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape)
+    dq, dk, dv = attention_backward_reference(dout, q, k, v, mask, out, lse, scale, is_causal, p, seed)
+    return dq.contiguous(), dk.contiguous(), dv.contiguous()
+
+
+@_attention_backward_op.register_fake
+def _(dout, q, k, v, mask, out, lse, seed, scale, is_causal, p):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup(ctx, inputs, output):
+    q, k, v, mask, scale, is_causal, p = inputs
+    out, lse, seed = output
+    ctx.save_for_backward(q, k, v, mask, out, lse, seed)
+    ctx.args = (scale, is_causal, p)
+
+
+def _backward(ctx, dout, _dlse, _dseed):
+    q, k, v, mask, out, lse, seed = ctx.saved_tensors
+    dq, dk, dv = torch.ops.graphtrain.attention_backward(dout, q, k, v, mask, out, lse, seed, *ctx.args)
+    return dq, dk, dv, None, None, None, None
+
+
+_attention_op.register_autograd(_backward, setup_context=_setup)
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor] = None, scale: Optional[float] = None,
+              is_causal: bool = False, dropout_p: float = 0.0, training: bool = True) -> Tensor:
+    """Fused attention on [B, H, S, D] tensors. mask: additive float or bool (True = attend), no gradient."""
+    check_dropout_p(dropout_p, "attention")
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"attention: q, k, v must be [batch, heads, seq, head_dim], got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    if k.shape[:2] != q.shape[:2] or v.shape[:3] != k.shape[:3] or k.shape[-1] != q.shape[-1]:
+        raise ValueError(f"attention: incompatible shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if mask is not None:
+        if mask.requires_grad:
+            raise ValueError("attention: a mask that requires grad (learned bias) is not supported; "
+                             "use the unfused ops for it")
+        if mask.dtype == torch.bool:
+            mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))
+        else:
+            mask = mask.to(q.dtype)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    return torch.ops.graphtrain.attention(q, k, v, mask, scale, bool(is_causal), float(dropout_p) if training else 0.0)[0]
+
+
+SPEC = register_kernel_spec(KernelSpec(
+    "attention", attention, attention_reference,
+    {"cpu": "aten flash (p=0) / c++ hash-dropout (p>0, fp32)", "cuda": "triton flash"},
+    {"cpu": _supports_cpu, "cuda": _supports_triton}))

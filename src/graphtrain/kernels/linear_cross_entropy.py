@@ -1,0 +1,111 @@
+"""graphtrain::linear_cross_entropy: cross_entropy(hidden @ weight^T, target), chunked over rows.
+
+The LM-head logits [N, V] are never materialized in full: each chunk of rows computes its logits,
+their logsumexp and loss, and at once the gradient of the loss w.r.t. the chunk's logits, which it
+turns into d hidden (chunk) and accumulates into d weight (Liger's fused-linear-CE scheme).
+Forward therefore returns (loss, d_hidden, d_weight) for a unit upstream gradient and backward only
+scales them: the same matmul FLOPs as eager (3 per token: logits, d hidden, d weight), peak memory
+O(chunk x V) instead of O(N x V) logits + log-probs + their grads. Reductions: mean (over
+non-ignored rows) or sum. The op computes gradients in forward, so it is meant for training graphs.
+
+Implementations: chunk loop in PyTorch (matmuls in the input dtype, softmax math in fp32) with the
+cross_entropy reference on CPU, or its Triton row kernels on CUDA.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from graphtrain.kernels._common import KernelSpec, register_kernel_spec
+from graphtrain.kernels.cross_entropy import REDUCTIONS, _supports_triton, ce_bwd_triton, ce_fwd_triton
+
+
+def _acc(x: Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def linear_cross_entropy_reference(hidden: Tensor, weight: Tensor, target: Tensor, ignore_index: int,
+                                   reduction: int) -> Tensor:
+    logits = (hidden @ weight.t()).to(_acc(hidden))
+    return torch.nn.functional.cross_entropy(logits, target, ignore_index=ignore_index,
+                                             reduction={1: "mean", 2: "sum"}[reduction]).to(hidden.dtype)
+
+
+def default_chunk_rows(n: int, v: int) -> int:
+    """Rows per chunk: ~32 MiB of fp32 logits per chunk (a few L2-sized matmul panels), at least 1."""
+    return max(1, min(n, (32 << 20) // (4 * max(v, 1))))
+
+
+def _chunked(hidden, weight, target, ignore_index, reduction, chunk):
+    n = hidden.shape[0]
+    valid = target != ignore_index
+    denom = valid.sum().to(_acc(hidden)) if reduction == 1 else torch.ones((), dtype=_acc(hidden))
+    use_triton = _supports_triton(hidden, target)
+    dh = torch.empty_like(hidden)
+    dw = torch.zeros(weight.shape, dtype=_acc(hidden), device=weight.device)
+    total = torch.zeros((), dtype=_acc(hidden), device=hidden.device)
+    for s in range(0, n, chunk):
+        h, t = hidden[s:s + chunk], target[s:s + chunk]
+        logits = h @ weight.t()
+        if use_triton:
+            losses, lse = ce_fwd_triton(logits, t, ignore_index)
+            rg = torch.full((h.shape[0],), 1.0, device=h.device) / denom
+            dlogits = ce_bwd_triton(rg, logits, t, lse, ignore_index)
+        else:
+            x = logits.to(_acc(hidden))
+            lse = torch.logsumexp(x, -1)
+            v = t != ignore_index
+            tt = torch.where(v, t, 0)[:, None]
+            losses = torch.where(v, lse - x.gather(1, tt)[:, 0], 0.0)
+            x.sub_(lse[:, None]).exp_()  # softmax, in place on the chunk's fp32 logits
+            x.scatter_add_(1, tt, -torch.ones_like(lse[:, None]))
+            dlogits = (x * (torch.where(v, 1.0, 0.0) / denom)[:, None]).to(hidden.dtype)
+        total += losses.sum()
+        dh[s:s + chunk] = dlogits @ weight
+        dw += (dlogits.t() @ h).to(dw.dtype)
+    return (total / denom).to(hidden.dtype), dh, dw.to(weight.dtype)
+
+
+@torch.library.custom_op("graphtrain::linear_cross_entropy", mutates_args=())
+def _linear_cross_entropy_op(hidden: Tensor, weight: Tensor, target: Tensor, ignore_index: int, reduction: int,
+                             chunk_rows: int) -> tuple[Tensor, Tensor, Tensor]:
+    chunk = chunk_rows if chunk_rows > 0 else default_chunk_rows(hidden.shape[0], weight.shape[0])
+    return _chunked(hidden, weight, target, ignore_index, reduction, chunk)
+
+
+@_linear_cross_entropy_op.register_fake
+def _(hidden, weight, target, ignore_index, reduction, chunk_rows):
+    return hidden.new_empty(()), torch.empty_like(hidden), torch.empty_like(weight)
+
+
+def _setup(ctx, inputs, output):
+    ctx.save_for_backward(output[1], output[2])
+
+
+def _backward(ctx, grad, _ddh, _ddw):
+    dh, dw = ctx.saved_tensors
+    return dh * grad.to(dh.dtype), dw * grad.to(dw.dtype), None, None, None, None
+
+
+_linear_cross_entropy_op.register_autograd(_backward, setup_context=_setup)
+
+
+def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, ignore_index: int = -100,
+                         reduction: str = "mean", chunk_rows: int = 0) -> Tensor:
+    """cross_entropy(hidden @ weight.T, target) without materializing the logits; hidden [..., H], weight [V, H]."""
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"linear_cross_entropy: reduction must be 'mean' or 'sum', got {reduction!r}")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"linear_cross_entropy: weight must be [vocab, {hidden.shape[-1]}], got {tuple(weight.shape)}")
+    if tuple(target.shape) != tuple(hidden.shape[:-1]):
+        raise ValueError(f"linear_cross_entropy: target shape {tuple(target.shape)} must equal hidden's leading shape "
+                         f"{tuple(hidden.shape[:-1])}")
+    return torch.ops.graphtrain.linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), weight,
+                                                     target.reshape(-1).long(), int(ignore_index),
+                                                     REDUCTIONS[reduction], int(chunk_rows))[0]
+
+
+SPEC = register_kernel_spec(KernelSpec(
+    "linear_cross_entropy", linear_cross_entropy, linear_cross_entropy_reference,
+    {"cpu": "chunked torch (reference CE math)", "cuda": "chunked matmul + triton CE"},
+    {"cuda": _supports_triton}))

@@ -1,0 +1,188 @@
+"""fuse_attention: softmax(q @ k^T * scale + mask) [dropout] @ v -> graphtrain::attention.
+
+Matched from each softmax node (aten._softmax / _safe_softmax over the last dim) outwards, so the
+spellings real models use all land on one matcher (SDPA calls traced without dropout arrive as
+aten._scaled_dot_product_flash_attention_for_cpu and are rewritten directly): matmul of q with k.transpose(-2, -1) or
+k.transpose(2, 3) traced as bmm on expanded/cloned/reshaped operands; `* scale` or `/ sqrt(d)`
+applied to the scores, or to q and k (SDPA's math decomposition); an additive mask, masked_fill
+(-inf or finfo.min) or torch.where; dropout as x * bernoulli / keep (F.dropout, SDPA's in-place
+bernoulli_, native_dropout); bmm with the (dropped) probabilities and v. HF GPT-2/BERT eager and
+SDPA attention (SDPA with dropout is decomposed by the tracer into exactly this), graphtrain's own
+GPT-2/BERT, and hand-written modules trace to these forms.
+
+Safe: the fused op computes the same function (fully masked rows give zeros, as _safe_softmax;
+with a plain _softmax they would be NaN); dropout keeps probability 1 - p and scales by 1/(1 - p)
+but draws a different (hash-based) mask than aten's Bernoulli, like any change of RNG. Skipped
+(no rewrite) when the probabilities or scores have other users (e.g. output_attentions), when the
+mask is computed from trainable parameters (a learned bias needs a gradient the op does not give),
+or when shapes do not line up.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from graphtrain.passes.fuse_utils import (aten, call, depends_on_params, erase_dead, finish, getitem, is_op,
+                                          match_dropout, number, only_user, shape, strip_views)
+from graphtrain.passes.manager import PassContext, register_pass
+
+import graphtrain.kernels  # noqa: F401  (registers torch.ops.graphtrain.*)
+
+
+def _split_mask(g: fx.Graph, n: fx.Node):
+    """scores-with-mask node -> (scores node, additive-mask builder or None)."""
+    if is_op(n, aten.add) and len(n.args) == 2 and all(isinstance(a, fx.Node) for a in n.args):
+        a, b = n.args
+        # the scores side comes from a bmm (through views/scales); the other side is the mask
+        if strip_views(a, shape(a)[-2:] if shape(a) else ()) and _reaches_bmm(a):
+            return a, lambda: b
+        if _reaches_bmm(b):
+            return b, lambda: a
+    if is_op(n, aten.masked_fill) and number(n.args[2]) is not None:
+        s, m, v = n.args
+        return s, lambda: call(g, aten.masked_fill.Scalar, call(g, aten.zeros_like.default, s), m, v)
+    if is_op(n, aten.where) and len(n.args) == 3:
+        c, s, other = n.args
+        if isinstance(s, fx.Node) and _reaches_bmm(s):
+            def build():
+                fill = other if isinstance(other, fx.Node) else call(g, aten.full_like.default, s, other)
+                return call(g, aten.where.self, c, call(g, aten.zeros_like.default, s), fill)
+            return s, build
+    return n, None
+
+
+def _reaches_bmm(n) -> bool:
+    for _ in range(8):
+        if not isinstance(n, fx.Node):
+            return False
+        if is_op(n, aten.bmm):
+            return True
+        if is_op(n, aten.view, aten._unsafe_view, aten.reshape, aten.mul, aten.div, aten.clone, aten.expand):
+            n = n.args[0] if isinstance(n.args[0], fx.Node) else n.args[1]
+            continue
+        return False
+    return False
+
+
+def _scores(n: fx.Node):
+    """scaled scores node -> (bmm node, scale)."""
+    scale = 1.0
+    while True:
+        if is_op(n, aten.mul) and number(n.args[1]) is not None:
+            scale, n = scale * number(n.args[1]), n.args[0]
+        elif is_op(n, aten.div) and number(n.args[1]) is not None:
+            scale, n = scale / number(n.args[1]), n.args[0]
+        elif is_op(n, aten.view, aten._unsafe_view, aten.reshape):
+            n = n.args[0]
+        elif is_op(n, aten.bmm):
+            return n, scale
+        else:
+            return None
+
+
+def _as4d(g: fx.Graph, n: fx.Node) -> fx.Node:
+    return n if len(shape(n)) == 4 else call(g, aten.unsqueeze.default, n, 0)
+
+
+def _try_fuse(gm: fx.GraphModule, sm: fx.Node, ctx: PassContext) -> bool:
+    g = gm.graph
+    ss = shape(sm)
+    if ss is None or len(ss) not in (3, 4) or sm.args[1] not in (-1, len(ss) - 1):
+        return False
+    if is_op(sm, aten._softmax) and sm.args[2]:
+        return False  # half_to_float softmax: different output dtype
+    masked = sm.args[0]
+    if len(masked.users) != 1:
+        return False
+    scores, mask_fn = _split_mask(g, masked)
+    if mask_fn is not None and len(scores.users) != 1:
+        return False
+    sc = _scores(scores)
+    if sc is None:
+        return False
+    bmm, post_scale = sc
+    A, B = bmm.args
+    sq, sk = shape(bmm)[-2:]
+    qa, kb = strip_views(A, (sq, shape(A)[-1])), strip_views(B, (shape(B)[-2], sk))
+    if qa is None or kb is None:
+        return False
+    (q, qs), (kt, ks) = qa, kb
+    # forward side: optional dropout, then bmm with v
+    users = [u for u in sm.users if not is_op(u, aten.empty_like)]  # empty_like: SDPA's dropout-mask shape
+    p, drop_nodes, cur = 0.0, [], (users[0] if len(users) == 1 else None)
+    d = match_dropout(cur) if cur is not None else None
+    if d is not None and d[0] is sm:
+        p, drop_nodes, cur = d[1], [cur] + d[2], only_user(cur)
+    while cur is not None and is_op(cur, aten.view, aten._unsafe_view, aten.expand, aten.clone, aten.reshape):
+        cur = only_user(cur)
+    if cur is None or not is_op(cur, aten.bmm) or cur.args[1] is None:
+        return False
+    bmm2 = cur
+    va = strip_views(bmm2.args[1], (sk, shape(bmm2)[-1]))
+    if va is None or va[1] != 1.0:
+        return False
+    v = va[0]
+    mask = None
+    with g.inserting_before(bmm2):
+        if not (len(shape(q)) == len(shape(kt)) == len(shape(v))):  # mixed 3-D/4-D: work in [B*H, S, D]
+            q, kt, v = [n if len(shape(n)) == 3 else call(g, aten.reshape.default, n, [-1, *shape(n)[-2:]])
+                        for n in (q, kt, v)]
+        if mask_fn is not None:
+            mask = mask_fn()
+            if depends_on_params(mask, gm, ctx.input_kinds):
+                return False
+        q4, v4 = _as4d(g, q), _as4d(g, v)
+        k4 = call(g, aten.transpose.int, _as4d(g, kt), -2, -1)
+        if shape(q4)[:2] != shape(k4)[:2] or shape(k4)[:3] != shape(v4)[:3]:
+            return False
+        if mask is not None:
+            if mask.meta["val"].dtype != q4.meta["val"].dtype:
+                mask = call(g, aten._to_copy.default, mask, dtype=q4.meta["val"].dtype)
+            if len(shape(mask)) < 4 and len(ss) == 3:
+                mask = call(g, aten.unsqueeze.default, mask, 0)
+        att = call(g, torch.ops.graphtrain.attention.default, q4, k4, v4, mask, qs * ks * post_scale, False, p)
+        out = getitem(g, att, 0)
+        out = call(g, aten.view.default, out, list(shape(bmm2)))
+    bmm2.replace_all_uses_with(out)
+    erase_dead(g, [bmm2] + drop_nodes + [sm, masked, scores])
+    return True
+
+
+def _fuse_sdpa_node(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """aten._scaled_dot_product_flash_attention_for_cpu (SDPA without dropout, traced on CPU) -> attention."""
+    g = gm.graph
+    q, k, v = node.args[:3]
+    p = node.args[3] if len(node.args) > 3 else node.kwargs.get("dropout_p", 0.0)
+    causal = node.args[4] if len(node.args) > 4 else node.kwargs.get("is_causal", False)
+    mask, scale = node.kwargs.get("attn_mask"), node.kwargs.get("scale")
+    if any(not (u.target is operator.getitem and u.args[1] == 0) for u in node.users) or len(shape(q)) != 4:
+        return False
+    if mask is not None and mask.meta["val"].dtype == torch.bool:
+        return False
+    with g.inserting_before(node):
+        att = call(g, torch.ops.graphtrain.attention.default, q, k, v, mask,
+                   float(scale) if scale is not None else shape(q)[-1] ** -0.5, bool(causal), float(p))
+        out = getitem(g, att, 0)
+        # the flash kernel's output is [B, S, H, D]-strided and later views rely on it: same layout
+        out = call(g, aten.transpose.int, call(g, aten.clone.default, call(g, aten.transpose.int, out, 1, 2),
+                                               memory_format=torch.contiguous_format), 1, 2)
+    for u in list(node.users):
+        u.replace_all_uses_with(out)
+        g.erase_node(u)
+    g.erase_node(node)
+    return True
+
+
+@register_pass("pre_autodiff", default=True, order=20)
+def fuse_attention_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """Rewrite each softmax-attention subgraph to graphtrain::attention (see module docstring)."""
+    n = 0
+    for node in list(gm.graph.nodes):
+        if node.graph is gm.graph and is_op(node, aten._softmax, aten._safe_softmax):
+            n += bool(_try_fuse(gm, node, ctx))
+        elif is_op(node, aten._scaled_dot_product_flash_attention_for_cpu):
+            n += bool(_fuse_sdpa_node(gm, node))
+    ctx.count(n)
+    return finish(gm)

@@ -1,0 +1,68 @@
+"""fuse_cross_entropy: log_softmax + nll_loss -> graphtrain::cross_entropy, or, when the logits come
+from an LM-head matmul used nowhere else, -> graphtrain::linear_cross_entropy (chunked: the full
+logits are never materialized).
+
+Spellings: aten._log_softmax(x, 1|-1) feeding aten.nll_loss_forward(., target, None, reduction,
+ignore_index) (what F.cross_entropy and HF's ForCausalLMLoss / MaskedLM loss trace to), only the loss
+output used, no class weights, 2-D logits. Linear CE when the logits are
+view/_unsafe_view(mm(h, t(W))) (tied or untied LM head without bias) with single users all the way
+and a mean/sum reduction. Same function; only rounding differs.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from graphtrain.passes.fuse_utils import aten, call, finish, getitem, is_op, shape
+from graphtrain.passes.manager import PassContext, register_pass
+
+import graphtrain.kernels  # noqa: F401
+
+
+def _lm_head(x: fx.Node):
+    """logits node -> (hidden 2-D, weight [V, H] node or None-needs-transpose, mm) if an LM-head matmul."""
+    cur = x
+    while is_op(cur, aten.view, aten._unsafe_view, aten.reshape) and len(cur.users) == 1:
+        cur = cur.args[0]
+    if not is_op(cur, aten.mm) or len(cur.users) != 1:
+        return None
+    h, wt = cur.args
+    if shape(h) is None or len(shape(h)) != 2:
+        return None
+    return h, wt
+
+
+@register_pass("pre_autodiff", default=True, order=50)
+def fuse_cross_entropy_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """Rewrite softmax cross-entropy (and an LM head feeding it) to graphtrain's fused ops."""
+    g, n = gm.graph, 0
+    for node in list(g.nodes):
+        if not is_op(node, aten.nll_loss_forward) or getattr(node, "_erased", False):
+            continue
+        ls, target, weight, reduction, ignore = node.args[:5]
+        if weight is not None or not is_op(ls, aten._log_softmax, aten.log_softmax) or len(ls.users) != 1:
+            continue
+        x = ls.args[0]
+        if shape(x) is None or len(shape(x)) != 2 or ls.args[1] not in (1, -1) or (len(ls.args) > 2 and ls.args[2]):
+            continue
+        if any(not (is_op(u, operator.getitem) and u.args[1] == 0) for u in node.users):
+            continue
+        head = _lm_head(x) if reduction in (1, 2) and len(x.users) == 1 else None
+        with g.inserting_before(node):
+            if head is not None:
+                h, wt = head
+                w = wt.args[0] if is_op(wt, aten.t) else call(g, aten.t.default, wt)
+                fused = call(g, torch.ops.graphtrain.linear_cross_entropy.default, h, w, target, ignore, reduction, 0)
+            else:
+                fused = call(g, torch.ops.graphtrain.cross_entropy.default, x, target, ignore, reduction)
+            out = getitem(g, fused, 0)
+        for u in list(node.users):
+            u.replace_all_uses_with(out)
+            g.erase_node(u)
+        g.erase_node(node)
+        n += 1
+    g.eliminate_dead_code()
+    ctx.count(n)
+    return finish(gm)

@@ -1,0 +1,100 @@
+"""fuse_bias_gelu: GELU (erf or tanh form, as aten.gelu or spelled out) [after a linear's bias] ->
+graphtrain::bias_gelu.
+
+Spellings: aten.gelu(x, approximate='none'|'tanh'); the tanh formula
+0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x^3))) as HF GPT-2's NewGELU traces (8 ops); the erf
+formula x * 0.5 * (1 + erf(x / sqrt(2))) (or * 0.7071...). A bias from the producing linear is
+split off (view(addmm(b, a, W)) -> view(mm(a, W)), bias handed to the op) or taken from an explicit
+add of a 1-D tensor. Same function; only rounding differs.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.fx as fx
+
+from graphtrain.passes.fuse_dropout import split_linear_bias
+from graphtrain.passes.fuse_utils import aten, call, erase_dead, finish, is_op, number, only_user, scalar_operand
+from graphtrain.passes.manager import PassContext, register_pass
+
+import graphtrain.kernels  # noqa: F401
+
+
+def _close(a, b) -> bool:
+    return a is not None and abs(a - b) < 1e-4 * abs(b)
+
+
+def _half_x_times(node: fx.Node, x: fx.Node, other: fx.Node) -> bool:
+    """node == (x * 0.5) * other or (other * 0.5) * x-like variants."""
+    if not is_op(node, aten.mul) or other not in node.args:
+        return False
+    h = node.args[0] if node.args[1] is other else node.args[1]
+    so = scalar_operand(h) if isinstance(h, fx.Node) else None
+    return so is not None and so[0] is x and _close(so[1], 0.5)
+
+
+def _match_formula(t: fx.Node):
+    """t = tanh(...) or erf(...) node -> (x, approximate, output node) or None."""
+    arg = t.args[0]
+    so = scalar_operand(arg) if isinstance(arg, fx.Node) else None
+    if is_op(t, aten.tanh):
+        if so is None or not _close(so[1], math.sqrt(2 / math.pi)) or not is_op(so[0], aten.add):
+            return None
+        a, b = so[0].args
+        x, cube = (a, b) if scalar_operand(b) else (b, a)
+        c = scalar_operand(cube) if isinstance(cube, fx.Node) else None
+        if c is None or not _close(c[1], 0.044715) or not is_op(c[0], aten.pow) or c[0].args[0] is not x \
+                or number(c[0].args[1]) != 3:
+            return None
+        approx = "tanh"
+    else:
+        if so is not None and _close(so[1], 1 / math.sqrt(2)):
+            x = so[0]
+        elif is_op(arg, aten.div) and _close(number(arg.args[1]), math.sqrt(2)):
+            x = arg.args[0]
+        else:
+            return None
+        approx = "none"
+    one = only_user(t)
+    if one is None or not is_op(one, aten.add) or not any(_close(number(a), 1.0) for a in one.args):
+        return None
+    out = only_user(one)
+    if out is None or not _half_x_times(out, x, one):
+        return None
+    return x, approx, out
+
+
+@register_pass("pre_autodiff", default=True, order=30)
+def fuse_bias_gelu_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """Rewrite GELUs (aten.gelu or the spelled-out erf/tanh formulas) and their bias to graphtrain::bias_gelu."""
+    g, n = gm.graph, 0
+    for node in list(g.nodes):
+        if getattr(node, "_erased", False):
+            continue
+        if is_op(node, aten.gelu):
+            x, approx, out = node.args[0], node.kwargs.get("approximate", "none"), node
+        elif is_op(node, aten.tanh, aten.erf):
+            m = _match_formula(node)
+            if m is None:
+                continue
+            x, approx, out = m
+        else:
+            continue
+        if not x.meta["val"].dtype.is_floating_point:
+            continue
+        with g.inserting_before(out):
+            fused = call(g, torch.ops.graphtrain.bias_gelu.default, x, None, approx)
+        out.replace_all_uses_with(fused)
+        erase_dead(g, [out])
+        g.eliminate_dead_code()
+        if len(x.users) == 1:  # the formula is gone: absorb the linear's bias
+            with g.inserting_before(fused):
+                nx, bias = split_linear_bias(g, x)
+            if bias is not None and bias.meta["val"].dtype == nx.meta["val"].dtype:
+                fused.args = (nx, bias, approx)
+            g.eliminate_dead_code()
+        n += 1
+    ctx.count(n)
+    return finish(gm)
+

@@ -1,0 +1,166 @@
+"""Helpers shared by the fuse_* passes: node predicates, dropout matching, view stripping, new-node meta."""
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch._guards import detect_fake_mode
+
+aten = torch.ops.aten
+VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.clone.default,
+         aten.expand.default, aten.alias.default}
+
+
+def is_op(n: Any, *targets) -> bool:
+    if not isinstance(n, fx.Node) or n.op != "call_function":
+        return False
+    t = n.target
+    return t in targets or getattr(t, "overloadpacket", None) in targets
+
+
+def val(n: Any):
+    return n.meta.get("val") if isinstance(n, fx.Node) else None
+
+
+def shape(n: Any) -> tuple[int, ...] | None:
+    v = val(n)
+    return tuple(v.shape) if isinstance(v, torch.Tensor) else None
+
+
+def number(a: Any) -> float | None:
+    return float(a) if isinstance(a, (int, float)) and not isinstance(a, bool) else None
+
+
+def only_user(n: fx.Node) -> fx.Node | None:
+    us = list(n.users)
+    return us[0] if len(us) == 1 else None
+
+
+def scalar_operand(n: fx.Node) -> tuple[fx.Node, float] | None:
+    """For mul(x, c) / mul(c, x): (x, c) with c a Python number."""
+    if not is_op(n, aten.mul) or len(n.args) != 2:
+        return None
+    a, b = n.args
+    if number(b) is not None and isinstance(a, fx.Node):
+        return a, number(b)
+    if number(a) is not None and isinstance(b, fx.Node):
+        return b, number(a)
+    return None
+
+
+def match_dropout(n: fx.Node) -> tuple[fx.Node, float, list[fx.Node]] | None:
+    """n = x * (bernoulli(keep) / keep) in any of the spellings the tracer emits -> (x, p, mask nodes)."""
+    if not is_op(n, aten.mul) or len(n.args) != 2:
+        return None
+    for x, m in (n.args, n.args[::-1]):
+        if not (isinstance(x, fx.Node) and is_op(m, aten.div, aten.div_) and len(m.users) == 1):
+            continue
+        bern, keep = m.args[0], number(m.args[1])
+        if keep is None or not is_op(bern, aten.bernoulli, aten.bernoulli_) or len(bern.users) != 1:
+            continue
+        bp = number(bern.args[1]) if len(bern.args) > 1 else None
+        if bp is None or abs(bp - keep) > 1e-12 or shape(bern) != shape(n):
+            continue
+        return x, 1.0 - keep, [m, bern]
+    if is_op(n, operator.getitem) and n.args[1] == 0 and is_op(n.args[0], aten.native_dropout):
+        nd = n.args[0]
+        if nd.args[2] is not False and all(u.args[1] == 0 for u in nd.users):
+            return nd.args[0], float(nd.args[1]), [nd]
+    return None
+
+
+def strip_views(n: fx.Node, want_last2: tuple[int, int]) -> tuple[fx.Node, float] | None:
+    """Walk up views/expands/clones and scalar multiplies from a bmm operand to the topmost 3-D/4-D tensor
+    whose last two dims are `want_last2`; returns (node, product of scalars passed on the way)."""
+    scale, best = 1.0, None
+    cur = n
+    while isinstance(cur, fx.Node):
+        s = shape(cur)
+        if s is not None and len(s) in (3, 4) and s[-2:] == want_last2:
+            best = (cur, scale)
+        if is_op(cur, *VIEWS):
+            cur = cur.args[0]
+            continue
+        so = scalar_operand(cur)
+        if so is not None:
+            scale *= so[1]
+            cur = so[0]
+            continue
+        if is_op(cur, aten.div) and number(cur.args[1]) is not None:
+            scale /= number(cur.args[1])
+            cur = cur.args[0]
+            continue
+        break
+    return best
+
+
+def set_meta(node: fx.Node) -> None:
+    """Fill node.meta['val'] by running its target on the fake values of its inputs."""
+    def v(a):
+        return a.meta["val"] if isinstance(a, fx.Node) else a
+    args = torch.utils._pytree.tree_map(v, node.args)
+    kwargs = torch.utils._pytree.tree_map(v, node.kwargs)
+    fake_mode = detect_fake_mode(torch.utils._pytree.tree_leaves((args, kwargs)))
+    if fake_mode is None:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with fake_mode, torch.no_grad():
+        node.meta["val"] = node.target(*args, **kwargs)
+
+
+def call(graph: fx.Graph, target, *args, **kwargs) -> fx.Node:
+    n = graph.call_function(target, args, kwargs)
+    set_meta(n)
+    return n
+
+
+def getitem(graph: fx.Graph, n: fx.Node, i: int) -> fx.Node:
+    g = graph.call_function(operator.getitem, (n, i))
+    g.meta["val"] = n.meta["val"][i]
+    return g
+
+
+def depends_on_params(n: fx.Node, gm: fx.GraphModule, input_kinds: list[str] | None) -> bool:
+    """Whether n is computed from a trainable parameter placeholder (then it needs a gradient)."""
+    if input_kinds is None:
+        return False
+    phs = [p for p in gm.graph.nodes if p.op == "placeholder"]
+    params = {p for p, k in zip(phs, input_kinds) if k == "param"}
+    seen, stack = set(), [n]
+    while stack:
+        c = stack.pop()
+        if c in seen:
+            continue
+        seen.add(c)
+        if c in params:
+            return True
+        stack.extend(a for a in c.all_input_nodes)
+    return False
+
+
+def finish(gm: fx.GraphModule) -> fx.GraphModule:
+    gm.graph.eliminate_dead_code()
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+_ERASABLE = VIEWS | {aten.empty.memory_format, aten.empty_like.default, aten.bernoulli.p, aten.bernoulli_.float,
+                     aten.div.Scalar, aten.div_.Scalar, aten.div.Tensor, aten.mul.Tensor}
+
+
+def erase_dead(graph: fx.Graph, nodes: list[fx.Node]) -> None:
+    """Erase `nodes` and their now-unused producers (views, empties, RNG ops): eliminate_dead_code keeps
+    in-place ops such as bernoulli_, which would still draw random numbers."""
+    stack = list(nodes)
+    while stack:
+        n = stack.pop()
+        if getattr(n, "_erased", False) or n.op != "call_function" or n.users:
+            continue
+        if not (n in nodes or n.target in _ERASABLE or is_op(n, aten.bernoulli, aten.bernoulli_)):
+            continue
+        ins = list(n.all_input_nodes)
+        graph.erase_node(n)
+        stack.extend(ins)

@@ -1,0 +1,237 @@
+"""Fusion passes on real-world spellings: rewrite counts and forward+backward parity before vs after."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from graphtrain.config import EngineConfig
+from graphtrain.engine.trace import trace_aten_forward
+from graphtrain.passes.manager import PassContext, registered_passes
+from graphtrain.testing import assert_close
+
+FUSIONS = ["fuse_layer_norm", "fuse_rms_norm", "fuse_attention", "fuse_bias_gelu", "fuse_bias_dropout_add",
+           "fuse_cross_entropy"]
+
+
+def run_passes(gm, names=FUSIONS):
+    counts = {}
+    for name in names:
+        ctx = PassContext(EngineConfig(), "pre_autodiff")
+        gm = registered_passes()[name].fn(gm, ctx)
+        gm.graph.lint()
+        counts[name] = ctx.rewrites
+    return gm, counts
+
+
+def graph_ops(gm):
+    return {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
+
+
+def run_with_grads(gm, inputs, seed=0):
+    ins = [x.detach().clone().requires_grad_(x.is_floating_point()) for x in inputs]
+    torch.manual_seed(seed)
+    out = gm(*ins)
+    out = out[0] if isinstance(out, (list, tuple)) else out
+    loss = out if out.dim() == 0 else (out * torch.linspace(-1, 1, out.numel()).reshape(out.shape)).sum()
+    loss.backward()
+    return out.detach(), [x.grad for x in ins if x.requires_grad]
+
+
+def check_parity(fn, inputs, expect, **tol):
+    before = trace_aten_forward(fn, inputs)
+    after, counts = run_passes(trace_aten_forward(fn, inputs))
+    for k, v in expect.items():
+        assert counts[k] == v, f"{k}: {counts[k]} rewrites, expected {v} ({counts})"
+    ob, gb = run_with_grads(before, inputs)
+    oa, ga = run_with_grads(after, inputs)
+    assert_close(oa, ob, name="output", **tol)
+    for i, (a, b) in enumerate(zip(ga, gb)):
+        assert (a is None) == (b is None), i
+        if a is not None:
+            assert_close(a, b, name=f"grad {i}", **tol)
+    return after, counts
+
+
+def hf_model(kind, impl, dropout=0.0, layers=2):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        cfg = transformers.GPT2Config(n_layer=layers, n_embd=32, n_head=2, vocab_size=61, n_positions=16,
+                                      resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
+                                      attn_implementation=impl)
+        m = transformers.GPT2LMHeadModel(cfg)
+    else:
+        cfg = transformers.BertConfig(num_hidden_layers=layers, hidden_size=32, num_attention_heads=2,
+                                      intermediate_size=48, vocab_size=61, max_position_embeddings=16,
+                                      hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout,
+                                      attn_implementation=impl)
+        m = transformers.BertForMaskedLM(cfg)
+    m.train()
+    names = [k for k, _ in m.named_parameters()] + [k for k, _ in m.named_buffers()]
+    ts = [t.detach() for _, t in m.named_parameters()] + [t for _, t in m.named_buffers()]
+    n = len(ts)
+
+    def f(*a):
+        return torch.func.functional_call(m, dict(zip(names, a[:n])), (a[n],), {"labels": a[n + 1]},
+                                          tie_weights=True).loss
+    ids = torch.randint(0, 61, (2, 7))
+    labels = ids.clone()
+    labels[0, :2] = -100
+    return f, ts + [ids, labels]
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "bert"])
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_hf_models_every_op_fused(kind, impl):
+    f, inputs = hf_model(kind, impl)
+    ln = 2 * 2 + 1 if kind == "gpt2" else 2 * 2 + 2  # GPT-2: 2 per block + final; BERT: embeddings + 2 per block + head
+    gelu = 2 if kind == "gpt2" else 3
+    after, _ = check_parity(f, inputs, {"fuse_layer_norm": ln, "fuse_attention": 2, "fuse_bias_gelu": gelu,
+                                        "fuse_cross_entropy": 1})
+    ops = graph_ops(after)
+    assert not any(o.startswith(("aten._softmax", "aten._safe_softmax", "aten.native_layer_norm", "aten.tanh",
+                                 "aten.gelu", "aten._log_softmax")) for o in ops), ops
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "bert"])
+def test_hf_models_with_dropout_fused(kind):
+    f, inputs = hf_model(kind, "eager", dropout=0.1)
+    gm, counts = run_passes(trace_aten_forward(f, inputs))
+    # dropouts: GPT-2 embeddings + 2 per block; BERT embeddings + 2 per block; attention dropout inside attention
+    assert counts["fuse_attention"] == 2 and counts["fuse_bias_dropout_add"] == 5, counts
+    assert not any("bernoulli" in o for o in graph_ops(gm))
+    out, grads = run_with_grads(gm, inputs)
+    assert torch.isfinite(out) and all(torch.isfinite(g).all() for g in grads if g is not None)
+
+
+class HandAttention(torch.nn.Module):
+    """Hand-written spellings: / sqrt(d) with matmul, masked_fill -inf or where, bool or additive masks."""
+
+    def __init__(self, style):
+        super().__init__()
+        self.style = style
+        self.qkv = torch.nn.Linear(24, 72)
+
+    def forward(self, x, pad):
+        B, S, _ = x.shape
+        q, k, v = self.qkv(x).view(B, S, 3, 4, 6).permute(2, 0, 3, 1, 4)
+        if self.style == "div_masked_fill":
+            s = q @ k.transpose(-2, -1) / math.sqrt(6)
+            s = s.masked_fill(torch.ones(S, S, dtype=torch.bool).triu(1), float("-inf"))
+        elif self.style == "where":
+            s = torch.matmul(q * 6 ** -0.25, (k * 6 ** -0.25).transpose(2, 3))
+            s = torch.where(pad[:, None, None, :] > 0, s, torch.finfo(s.dtype).min)
+        elif self.style == "bmm_additive":
+            s = torch.bmm(q.reshape(B * 4, S, 6), k.reshape(B * 4, S, 6).transpose(1, 2)) * 6 ** -0.5
+            p = F.softmax(s, dim=-1)
+            return torch.bmm(p, v.reshape(B * 4, S, 6)).view(B, 4, S, 6).sum()
+        p = F.softmax(s, dim=-1)
+        return (p @ v).transpose(1, 2).reshape(B, S, 24)
+
+
+@pytest.mark.parametrize("style", ["div_masked_fill", "where", "bmm_additive"])
+def test_attention_hand_written(style):
+    torch.manual_seed(0)
+    m = HandAttention(style)
+    params = [p.detach() for p in m.parameters()]
+
+    def f(w, b, x, pad):
+        return torch.func.functional_call(m, {"qkv.weight": w, "qkv.bias": b}, (x, pad))
+    pad = torch.ones(2, 5)
+    pad[1, 3:] = 0
+    check_parity(f, params + [torch.randn(2, 5, 24), pad], {"fuse_attention": 1})
+
+
+def test_attention_learned_bias_not_fused():
+    def f(q, k, v, bias):
+        return F.softmax(q @ k.transpose(-1, -2) * 0.5 + bias, -1) @ v
+    ins = [torch.randn(1, 2, 4, 3) for _ in range(3)] + [torch.randn(2, 4, 4)]
+    gm = trace_aten_forward(f, ins)
+    ctx = PassContext(EngineConfig(), "pre_autodiff", input_kinds=["input"] * 3 + ["param"])
+    registered_passes()["fuse_attention"].fn(gm, ctx)
+    assert ctx.rewrites == 0
+
+
+def test_layer_norm_and_rms_norm_hand_written():
+    def ln(x, w, b):
+        mu = x.mean(-1, keepdim=True)
+        var = ((x - mu) ** 2).mean(-1, keepdim=True)
+        y = (x - mu) / torch.sqrt(var + 1e-5) * w + b
+        var2 = x.var(-1, keepdim=True, unbiased=False)
+        y2 = (x - mu) * torch.rsqrt(var2 + 1e-6)
+        rms = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+        return F.layer_norm(rms + y2, (13,), w, None)
+    ins = [torch.randn(3, 5, 13), torch.randn(13), torch.randn(13)]
+    after, counts = check_parity(ln, ins, {"fuse_layer_norm": 3, "fuse_rms_norm": 1})
+
+
+def test_gelu_spellings_and_bias_from_linear():
+    def f(x, w, b, w2, b2):
+        h = F.linear(x, w, b)
+        g1 = F.gelu(h)
+        g2 = 0.5 * h * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (h + 0.044715 * torch.pow(h, 3.0))))
+        h2 = x @ w2.t() + b2
+        g3 = h2 * 0.5 * (1.0 + torch.erf(h2 / math.sqrt(2.0)))
+        return g1 + g2 + g3 + F.gelu(F.linear(x, w2, b2), approximate="tanh")
+    ins = [torch.randn(2, 3, 8), torch.randn(6, 8), torch.randn(6), torch.randn(6, 8), torch.randn(6)]
+    after, counts = check_parity(f, ins, {"fuse_bias_gelu": 4})
+    biased = [n for n in after.graph.nodes if n.target == torch.ops.graphtrain.bias_gelu.default and n.args[1] is not None]
+    assert len(biased) >= 2  # aten.gelu after F.linear, and the erf formula after the explicit add
+
+
+def test_bias_dropout_add_pass_semantics():
+    """The fused graph keeps dropout exact: every output is residual or (x W + b)/(1-p) + residual, and the
+    gradient uses the same mask."""
+    p = 0.3
+
+    def f(x, w, b, r):
+        return F.dropout(F.linear(x, w, b), p, True) + r
+    x, w, b, r = torch.randn(16, 8), torch.randn(12, 8), torch.randn(12), torch.randn(16, 12)
+    gm, counts = run_passes(trace_aten_forward(f, [x, w, b, r]))
+    assert counts["fuse_bias_dropout_add"] == 1
+    fused = [n for n in gm.graph.nodes if n.target == torch.ops.graphtrain.bias_dropout_add.default]
+    assert fused[0].args[1] is not None and fused[0].args[2] is not None  # bias and residual absorbed
+    ins = [t.clone().requires_grad_() for t in (x, w, b, r)]
+    y = gm(*ins)
+    y = y[0] if isinstance(y, (list, tuple)) else y
+    kept = (y - r).abs() > 1e-6
+    assert_close(torch.where(kept, y, r), torch.where(kept, (x @ w.t() + b) / (1 - p) + r, r), name="kept values")
+    assert 0.55 < kept.float().mean() < 0.85
+    g = torch.randn_like(y)
+    y.backward(g)
+    assert_close(ins[0].grad, (g * kept / (1 - p)) @ w, name="dx")
+    assert_close(ins[2].grad, (g * kept / (1 - p)).sum(0), name="db")
+    assert_close(ins[3].grad, g, name="dresidual")
+
+
+def test_cross_entropy_and_linear_cross_entropy():
+    def ce(logits, t):
+        return F.cross_entropy(logits, t, ignore_index=-1)
+
+    def lce(h, w, t):
+        return F.cross_entropy((h @ w.t()).view(-1, 17), t.view(-1), reduction="sum")
+
+    def lce_logits_used(h, w, t):
+        logits = h @ w.t()
+        return F.cross_entropy(logits, t) + logits.mean()
+    t = torch.randint(0, 17, (10,))
+    t[3] = -1
+    after, _ = check_parity(ce, [torch.randn(10, 17), t], {"fuse_cross_entropy": 1})
+    assert any(n.target == torch.ops.graphtrain.cross_entropy.default for n in after.graph.nodes)
+    after, _ = check_parity(lce, [torch.randn(2, 5, 9), torch.randn(17, 9), torch.randint(0, 17, (2, 5))],
+                            {"fuse_cross_entropy": 1})
+    assert any(n.target == torch.ops.graphtrain.linear_cross_entropy.default for n in after.graph.nodes)
+    after, _ = check_parity(lce_logits_used, [torch.randn(10, 9), torch.randn(17, 9), torch.randint(0, 17, (10,))],
+                            {"fuse_cross_entropy": 1})
+    assert not any(n.target == torch.ops.graphtrain.linear_cross_entropy.default for n in after.graph.nodes)
+
+
+def test_passes_registered_and_switchable():
+    from graphtrain.passes.manager import pipeline
+    names = [s.name for s in pipeline("pre_autodiff", EngineConfig())]
+    for n in FUSIONS:
+        assert n in names
+    assert "fuse_attention" not in [s.name for s in pipeline("pre_autodiff", EngineConfig(passes={"fuse_attention": False}))]

@@ -1,0 +1,156 @@
+"""Fused ops: reference vs the eager unfused sequence, CPU fast path vs reference, gradcheck in fp64,
+odd shapes, dtypes, torch.compile."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from graphtrain.kernels import (KERNELS, attention, bias_dropout_add, bias_gelu, cross_entropy, implementation_for,
+                                layer_norm, linear_cross_entropy, rms_norm)
+from graphtrain.kernels._common import dropout_keep_mask
+from graphtrain.testing import assert_close
+
+SHAPES = [(1, 1), (3, 7), (2, 5, 33)]
+
+
+def grads(fn, *xs):
+    xs = [x.detach().clone().requires_grad_(x.is_floating_point()) for x in xs]
+    y = fn(*xs)
+    g = torch.linspace(-1, 1, y.numel(), dtype=y.dtype).reshape(y.shape)
+    (y * g).sum().backward()
+    return y.detach(), [x.grad for x in xs if x.requires_grad]
+
+
+def check_vs_eager(fused, eager, *xs, **tol):
+    yf, gf = grads(fused, *xs)
+    ye, ge = grads(eager, *xs)
+    assert_close(yf, ye, name="out", **tol)
+    for i, (a, b) in enumerate(zip(gf, ge)):
+        assert_close(a, b, name=f"grad {i}", **tol)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layer_norm_and_rms_norm_vs_eager(shape, dtype):
+    n = shape[-1]
+    x, w, b = torch.randn(shape, dtype=dtype), torch.randn(n, dtype=dtype), torch.randn(n, dtype=dtype)
+    check_vs_eager(lambda x, w, b: layer_norm(x, w, b, 1e-5), lambda x, w, b: F.layer_norm(x, (n,), w, b, 1e-5), x, w, b)
+    check_vs_eager(lambda x, w: rms_norm(x, w, 1e-6), lambda x, w: F.rms_norm(x, (n,), w, 1e-6), x, w)
+
+
+@pytest.mark.parametrize("approx", ["none", "tanh"])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_bias_gelu_vs_eager(approx, shape):
+    x, b = torch.randn(shape), torch.randn(shape[-1])
+    check_vs_eager(lambda x, b: bias_gelu(x, b, approx), lambda x, b: F.gelu(x + b, approximate=approx), x, b)
+    check_vs_eager(lambda x: bias_gelu(x, None, approx), lambda x: F.gelu(x, approximate=approx), x)
+
+
+def test_gradcheck_fp64_references():
+    d = dict(dtype=torch.float64, requires_grad=True)
+    x, w, b = torch.randn(3, 5, **d), torch.randn(5, **d), torch.randn(5, **d)
+    assert torch.autograd.gradcheck(lambda x, w, b: layer_norm(x, w, b), (x, w, b))
+    assert torch.autograd.gradcheck(lambda x, w: rms_norm(x, w), (x, w))
+    for a in ("none", "tanh"):
+        assert torch.autograd.gradcheck(lambda x, b: bias_gelu(x, b, a), (x, b))
+    r = torch.randn(3, 5, **d)
+
+    def bda(x, b, r):
+        torch.manual_seed(1)  # same seed each call: gradcheck's perturbations see one mask
+        return bias_dropout_add(x, b, r, 0.4)
+    assert torch.autograd.gradcheck(bda, (x, b, r))
+    q, k, v = (torch.randn(1, 2, 4, 3, **d) for _ in range(3))
+
+    def att(q, k, v):
+        torch.manual_seed(1)
+        return attention(q, k, v, torch.randn(4, 4, dtype=torch.float64), 0.5, False, 0.3)
+    assert torch.autograd.gradcheck(att, (q, k, v))
+    t = torch.tensor([1, -100, 4])
+    assert torch.autograd.gradcheck(lambda x: cross_entropy(x, t), (x,))
+    wv = torch.randn(6, 5, **d)
+    assert torch.autograd.gradcheck(lambda x, w: linear_cross_entropy(x, w, torch.tensor([1, 5, 0]), chunk_rows=2),
+                                    (x, wv))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bias_dropout_add_cpu_path_matches_reference_mask(dtype):
+    x, b, r = torch.randn(37, 19, dtype=dtype), torch.randn(19, dtype=dtype), torch.randn(37, 19, dtype=dtype)
+    assert implementation_for("bias_dropout_add", "cpu", x, b, r) != "reference"
+    out, seed = torch.ops.graphtrain.bias_dropout_add(x, b, r, 0.25)
+    keep = dropout_keep_mask(x.numel(), 0.25, seed).reshape(x.shape)
+    expect = torch.where(keep, (x.float() + b.float()) / 0.75, 0.0) + r.float()
+    assert_close(out, expect.to(dtype), name="bda")
+    frac = dropout_keep_mask(1 << 16, 0.25, 7).float().mean().item()
+    assert abs(frac - 0.75) < 0.01
+    xg = x.float().requires_grad_()
+    bias_dropout_add(xg, None, None, 0.0).sum().backward()  # p = 0: identity
+    assert torch.equal(xg.grad, torch.ones_like(xg))
+    with pytest.raises(ValueError, match="dropout probability"):
+        bias_dropout_add(x, b, r, 1.0)
+    with pytest.raises(ValueError, match="bias must have shape"):
+        bias_dropout_add(x, torch.randn(3, dtype=dtype), r, 0.1)
+
+
+@pytest.mark.parametrize("p", [0.0, 0.2])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", [(1, 1, 1, 4), (2, 3, 9, 5)])
+def test_attention_vs_eager_and_reference(p, causal, shape):
+    q, k, v = (torch.randn(shape) for _ in range(3))
+    mask = torch.randn(shape[2], shape[2])
+    assert implementation_for("attention", "cpu", q, k, v, mask, 0.3, causal, p) != "reference"
+    if p == 0:
+        cm = torch.zeros(shape[2], shape[2]).masked_fill(torch.ones(shape[2], shape[2], dtype=torch.bool).triu(1),
+                                                         float("-inf")) if causal else 0.0
+        check_vs_eager(lambda q, k, v: attention(q, k, v, mask, 0.3, causal, 0.0),
+                       lambda q, k, v: F.softmax(q @ k.transpose(-1, -2) * 0.3 + mask + cm, -1) @ v, q, k, v)
+    from graphtrain.kernels.attention import attention_backward_reference, attention_reference
+    out, lse, seed = torch.ops.graphtrain.attention(q, k, v, mask, 0.3, causal, p)
+    ro, rl = attention_reference(q, k, v, mask, 0.3, causal, p, seed)
+    assert_close(out, ro, name="out vs reference")
+    do = torch.randn_like(out)
+    got = torch.ops.graphtrain.attention_backward(do, q, k, v, mask, out, lse, seed, 0.3, causal, p)
+    ref = attention_backward_reference(do, q, k, v, mask, ro, rl, 0.3, causal, p, seed)
+    for a, e in zip(got, ref):
+        assert_close(a, e, name="grad vs reference")
+
+
+def test_attention_bool_mask_and_errors():
+    q = torch.randn(1, 2, 5, 4)
+    keep = torch.rand(5, 5) > 0.3
+    keep[:, 0] = True
+    assert_close(attention(q, q, q, keep), F.scaled_dot_product_attention(q, q, q, attn_mask=keep), name="bool mask")
+    with pytest.raises(ValueError, match="batch, heads"):
+        attention(q[0], q[0], q[0])
+    with pytest.raises(ValueError, match="requires grad"):
+        attention(q, q, q, torch.zeros(5, 5, requires_grad=True))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_cross_entropy_vs_eager(reduction):
+    x, t = torch.randn(11, 29), torch.randint(0, 29, (11,))
+    t[4] = -100
+    check_vs_eager(lambda x: cross_entropy(x, t, reduction=reduction),
+                   lambda x: F.cross_entropy(x, t, reduction=reduction), x)
+
+
+@pytest.mark.parametrize("chunk", [0, 1, 4])
+def test_linear_cross_entropy_vs_eager(chunk):
+    h, w, t = torch.randn(2, 5, 12), torch.randn(31, 12), torch.randint(0, 31, (2, 5))
+    t[1, 3] = -100
+    check_vs_eager(lambda h, w: linear_cross_entropy(h, w, t, chunk_rows=chunk),
+                   lambda h, w: F.cross_entropy((h @ w.t()).view(-1, 31), t.view(-1)), h, w)
+
+
+def test_registry_and_torch_compile():
+    assert set(KERNELS) == {"attention", "bias_dropout_add", "bias_gelu", "cross_entropy", "layer_norm",
+                            "linear_cross_entropy", "rms_norm"}
+    x, w = torch.randn(4, 8), torch.randn(8)
+
+    def f(x, w):
+        return bias_gelu(layer_norm(x, w, w), w, "tanh").sum() + cross_entropy(x, torch.arange(4))
+    xs = x.clone().requires_grad_()
+    f(xs, w).backward()
+    xc = x.clone().requires_grad_()
+    torch.compile(f, backend="aot_eager", fullgraph=True)(xc, w).backward()
+    assert_close(xc.grad, xs.grad, name="compiled grad")
