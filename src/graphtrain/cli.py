@@ -1,0 +1,193 @@
+"""The `graphtrain` command line (also `python -m graphtrain`).
+
+    graphtrain train                              train the default job (gpt2-mini on the Python stdlib)
+    graphtrain train configs/x.yaml train.steps=50 --out runs/x
+    graphtrain train --out runs/x --resume        continue that run from its latest checkpoint
+    graphtrain config                             every config key with its default and documentation
+
+Subcommands live in `SUBCOMMANDS`: name -> (help, add_arguments, run). Adding one is one entry
+and two functions. A user mistake (bad config key or value, missing data, corrupt checkpoint...)
+prints one ``error: ...`` line and exits with code 2; ``--debug`` shows the traceback instead.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+from typing import Callable, NamedTuple
+
+from graphtrain.config import Config, describe_all
+
+EXIT_USAGE = 2
+
+
+class Subcommand(NamedTuple):
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+# ----------------------------------------------------------------------------- shared bits ----
+
+def _add_config_items(p: argparse.ArgumentParser) -> None:
+    p.usage = f"{p.prog} [CONFIG.yaml] [section.key=value ...] [options]"
+    p.add_argument("items", nargs="*", metavar="CONFIG.yaml | section.key=value",
+                   help="an optional YAML job file, then overrides such as train.steps=50 model.name=gpt2-tiny "
+                        "(values are parsed as YAML)")
+
+
+def load_config(items: list[str]) -> Config:
+    """`[CONFIG.yaml] [section.key=value ...]` -> a validated Config."""
+    path, overrides = None, []
+    for i, item in enumerate(items):
+        if "=" in item:
+            overrides.append(item)
+        elif i == 0:
+            path = item
+        else:
+            raise ValueError(f"unexpected argument {item!r}: give at most one CONFIG.yaml, first, then "
+                             f"section.key=value overrides")
+    config = Config.from_yaml(path) if path is not None else Config()
+    return config.with_overrides(overrides) if overrides else config
+
+
+# ----------------------------------------------------------------------------------- train ----
+
+TRAIN_EPILOG = """\
+Every config key can be set as section.key=value after the optional CONFIG.yaml; run
+`graphtrain config` to list all of them with their defaults and documentation.
+
+examples:
+  graphtrain train                                     the default job: gpt2-mini, Python stdlib corpus
+  graphtrain train configs/gpt2-tiny-test.yaml         a few-second smoke run
+  graphtrain train model.name=gpt2-tiny data.seq_len=64 train.steps=50 --out runs/tiny
+  graphtrain train --out runs/tiny --resume --steps 100   continue runs/tiny up to step 100
+  graphtrain train data.path=~/src/myproject           train on your own folder of text/code files
+
+output: out_dir/ckpt-NNNNNNN.pt (last 3 kept), out_dir/metrics.jsonl, out_dir/config.yaml
+"""
+
+
+def add_train_arguments(p: argparse.ArgumentParser) -> None:
+    _add_config_items(p)
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the latest checkpoint in out_dir (weights, optimizer, step, RNG)")
+    p.add_argument("--resume-from", metavar="CKPT",
+                   help="continue from this checkpoint file (or the latest one in this run folder)")
+    p.add_argument("--no-accelerate", action="store_true",
+                   help="train with plain eager PyTorch instead of the graphtrain engine (train.accelerate=false)")
+    p.add_argument("--out", metavar="DIR", help="output folder for checkpoints and metrics (train.out_dir)")
+    p.add_argument("--steps", type=int, metavar="N", help="optimizer steps in total (train.steps)")
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from graphtrain.trainer import Trainer
+
+    overrides: dict[str, object] = {}
+    if args.steps is not None:
+        overrides["train.steps"] = args.steps
+    if args.out is not None:
+        overrides["train.out_dir"] = args.out
+    if args.no_accelerate:
+        overrides["train.accelerate"] = False
+    config = load_config(args.items)
+    if overrides:
+        config = config.with_overrides(overrides)
+    if args.resume and args.resume_from:
+        raise ValueError("give either --resume (latest checkpoint in out_dir) or --resume-from CKPT, not both")
+    resume: bool | Path = Path(args.resume_from) if args.resume_from else args.resume
+
+    trainer = Trainer(config, resume=resume)
+    s = trainer.fit()
+    print(f"\ndone: {s['steps']} steps, train loss {_num(s['train_loss'])}, val loss {_num(s['val_loss'])}, "
+          f"{_num(s['tokens_per_s'], ',.0f')} tok/s, {_num(s['ms_per_step'], '.0f')} ms/step, "
+          f"peak mem {_mb(s['peak_mem_bytes'])}")
+    print(f"checkpoint: {s['checkpoint']}\nmetrics: {Path(s['out_dir']) / 'metrics.jsonl'}")
+    tc = config.train
+    if trainer.family == "gpt2" and tc.sample_tokens > 0:
+        print(f"\ncompletion of {tc.sample_prompt!r} ({tc.sample_tokens} tokens, top-k 20, T 0.8, seed {tc.seed}):")
+        print("-" * 60)
+        print(trainer.sample(tc.sample_prompt, tc.sample_tokens))
+        print("-" * 60)
+    return 0
+
+
+def _num(x: float | None, fmt: str = ".4f") -> str:
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
+
+
+def _mb(n: int | None) -> str:
+    return "n/a" if n is None else f"{n / 2**20:.0f} MB"
+
+
+# ---------------------------------------------------------------------------------- config ----
+
+def add_config_arguments(p: argparse.ArgumentParser) -> None:
+    _add_config_items(p)
+
+
+def run_config(args: argparse.Namespace) -> int:
+    if args.items:  # show the job that would run
+        print(load_config(args.items).to_yaml(), end="")
+    else:
+        print(describe_all())
+    return 0
+
+
+# ------------------------------------------------------------------------------------ main ----
+
+SUBCOMMANDS: dict[str, Subcommand] = {
+    "train": Subcommand("train a model (default: gpt2-mini on the Python standard library's source)",
+                        add_train_arguments, run_train),
+    "config": Subcommand("list every config key with its default and documentation; with a CONFIG.yaml "
+                         "and/or overrides, print the resolved job instead", add_config_arguments, run_config),
+}
+EPILOGS = {"train": TRAIN_EPILOG}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="graphtrain", description="Faster PyTorch training by capturing the "
+                                     "training step as one optimized static graph.")
+    parser.add_argument("--debug", action="store_true", help="show full tracebacks for errors")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, cmd in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=cmd.help, description=cmd.help, epilog=EPILOGS.get(name),
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                       help="show full tracebacks for errors")
+        cmd.add_arguments(p)
+        p.set_defaults(run=cmd.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        # parse_known_args + re-attach: lets overrides follow options (`train --out x train.steps=5`),
+        # which a plain nargs="*" positional does not allow.
+        args, extra = parser.parse_known_args(argv)
+        unknown = [a for a in extra if a.startswith("-") or not hasattr(args, "items")]
+        if unknown:
+            parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+        if extra:
+            args.items += extra
+    except SystemExit as e:  # --help (0) or an argparse usage error (2, message already printed)
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else EXIT_USAGE)
+    if args.command is None:
+        parser.print_help()
+        return EXIT_USAGE
+    try:
+        return args.run(args)
+    except KeyboardInterrupt:
+        print("interrupted: checkpoints already saved are kept; continue with --resume", file=sys.stderr)
+        return 130
+    except (ValueError, TypeError, OSError) as e:
+        if args.debug:
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

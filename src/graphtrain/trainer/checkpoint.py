@@ -1,0 +1,206 @@
+"""Checkpoints: atomic saves, `latest` by scanning, validated loads, keep-last-N pruning.
+
+Layout of a run folder::
+
+    out_dir/ckpt-0000100.pt     one file per saved step (zero-padded, so names sort by step)
+    out_dir/ckpt-0000200.pt     the latest is the highest step: found by scanning, no pointer file
+
+A checkpoint is a dict (see `FORMAT_VERSION`) holding the model and optimizer state dicts, the
+number of completed optimizer steps, every RNG state (torch CPU, CUDA, python, numpy) and the
+resolved config. It holds only tensors and plain Python values, so it loads with
+``torch.load(weights_only=True)``: loading a checkpoint never runs pickled code.
+
+Safety: a save writes a temporary file in the same folder, fsyncs it and renames it over the
+target (`os.replace` is atomic), so a crash mid-save leaves the previous checkpoints untouched
+and never a half-written `ckpt-*.pt`. Pruning runs only after a save succeeded.
+"""
+from __future__ import annotations
+
+import os
+import random
+import re
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+FORMAT_VERSION = 1
+KEEP_LAST = 3
+_NAME = re.compile(r"^ckpt-(\d{7,})\.pt$")
+REQUIRED_KEYS = ("format_version", "step", "model", "optimizer", "rng", "config")
+# Config keys that decide the model's shapes or the meaning of its token ids: resuming across a
+# change to any of them cannot work.
+MODEL_KEYS = (("model", "name"), ("model", "max_seq_len"), ("model", "vocab_size"), ("data", "vocab_size"))
+
+
+def checkpoint_path(out_dir: str | Path, step: int) -> Path:
+    return Path(out_dir) / f"ckpt-{step:07d}.pt"
+
+
+def list_checkpoints(out_dir: str | Path) -> list[tuple[int, Path]]:
+    """(step, path) of every checkpoint in `out_dir`, oldest first."""
+    out = Path(out_dir)
+    if not out.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in out.iterdir() if (m := _NAME.match(p.name)) and p.is_file()]
+    return sorted(found)
+
+
+def latest_checkpoint(out_dir: str | Path) -> Path | None:
+    found = list_checkpoints(out_dir)
+    return found[-1][1] if found else None
+
+
+# ------------------------------------------------------------------------------------ save ----
+
+def save_checkpoint(path: str | Path, state: dict[str, Any]) -> Path:
+    """Write `state` to `path` atomically: temp file in the same folder, fsync, rename."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), 0o644)  # mkstemp creates 0600; checkpoints are ordinary files
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    _fsync_dir(path.parent)
+    return path
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Make the rename itself durable (POSIX); a no-op where directories cannot be opened."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def prune_checkpoints(out_dir: str | Path, keep: int = KEEP_LAST, protect: Path | None = None) -> list[Path]:
+    """Delete all but the `keep` highest-step checkpoints (never `protect`); returns what was deleted."""
+    found = list_checkpoints(out_dir)
+    doomed = [p for _, p in found[:-keep]] if keep > 0 else []
+    doomed = [p for p in doomed if protect is None or p.resolve() != Path(protect).resolve()]
+    for p in doomed:
+        p.unlink(missing_ok=True)
+    return doomed
+
+
+# ------------------------------------------------------------------------------------- RNG ----
+
+def rng_state() -> dict[str, Any]:
+    """Every RNG the training step may draw from, as tensors and plain values (weights_only-safe)."""
+    np_state = np.random.get_state(legacy=False)
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": {"bit_generator": np_state["bit_generator"],
+                  "key": torch.from_numpy(np_state["state"]["key"].astype(np.int64)),
+                  "pos": int(np_state["state"]["pos"]),
+                  "has_gauss": int(np_state["has_gauss"]), "gauss": float(np_state["gauss"])},
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    n = state["numpy"]
+    np.random.set_state({"bit_generator": n["bit_generator"],
+                         "state": {"key": n["key"].numpy().astype(np.uint32), "pos": n["pos"]},
+                         "has_gauss": n["has_gauss"], "gauss": n["gauss"]})
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# ------------------------------------------------------------------------------------ load ----
+
+def load_checkpoint(path: str | Path, config: Any = None, model_spec: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Read and validate a checkpoint; with `config` (a Config) and/or `model_spec` (the built model's
+    spec as a dict), also check the checkpoint was trained for the same model.
+
+    Raises ValueError naming the file and the fix when it is missing, unreadable, truncated, not a
+    graphtrain checkpoint, from another format version, or built for a different model.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"checkpoint {str(path)!r} does not exist{_alternatives(path)}")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch raises RuntimeError, EOFError, UnpicklingError, zipfile errors...
+        reason = " ".join(str(e).split())[:200] or type(e).__name__
+        raise ValueError(f"checkpoint {str(path)!r} is unreadable or corrupt ({type(e).__name__}: {reason})"
+                         f"{_alternatives(path)}") from None
+    if not isinstance(state, dict) or "format_version" not in state:
+        raise ValueError(f"{str(path)!r} is not a graphtrain checkpoint (no format_version){_alternatives(path)}")
+    if state["format_version"] != FORMAT_VERSION:
+        raise ValueError(f"checkpoint {str(path)!r} has format version {state['format_version']}, this graphtrain "
+                         f"reads version {FORMAT_VERSION}: use the graphtrain release that wrote it, or start fresh "
+                         f"with a new out_dir")
+    missing = [k for k in REQUIRED_KEYS if k not in state]
+    if missing:
+        raise ValueError(f"checkpoint {str(path)!r} is incomplete (missing {', '.join(missing)})"
+                         f"{_alternatives(path)}")
+    if config is not None or model_spec is not None:
+        check_compatible(state, config, model_spec, path)
+    return state
+
+
+def check_compatible(state: dict[str, Any], config: Any = None, model_spec: dict[str, Any] | None = None,
+                     path: str | Path = "checkpoint") -> None:
+    """Raise ValueError listing every model-defining key that differs between checkpoint and config.
+
+    Config keys are compared first (they name the fix); then the built model's spec (family and
+    sizes, including the tokenizer's actual vocabulary), except dropout, which changes no shapes.
+    """
+    diffs, fixable = [], []
+    if config is not None:
+        saved, current = state["config"], config.to_dict()
+        for section, key in MODEL_KEYS:
+            a, b = saved.get(section, {}).get(key), current[section][key]
+            if a != b:
+                diffs.append((f"{section}.{key}", a, b))
+                fixable.append(f"{section}.{key}={_yaml_scalar(a)}")
+    if model_spec is not None and state.get("model_spec") is not None:
+        saved_spec = state["model_spec"]
+        for key in sorted(set(saved_spec) | set(model_spec)):
+            a, b = saved_spec.get(key), model_spec.get(key)
+            if key != "dropout" and a != b:
+                diffs.append((f"model {key}", a, b))
+    if not diffs:
+        return
+    listing = "; ".join(f"{k}: checkpoint {a!r}, current {b!r}" for k, a, b in diffs)
+    fix = f"set {' '.join(fixable)}" if fixable else "use the model and data settings it was trained with"
+    raise ValueError(f"checkpoint {str(path)!r} was trained for a different model ({listing}). To resume it, {fix}; "
+                     f"to train the new model instead, use a new out_dir (--out DIR)")
+
+
+def _yaml_scalar(v: Any) -> str:
+    return "null" if v is None else str(v)
+
+
+def _alternatives(path: Path) -> str:
+    """The fix for a bad checkpoint: name earlier ones in the same folder, or starting fresh."""
+    m = _NAME.match(path.name)
+    step = int(m.group(1)) if m else None
+    earlier = [p for s, p in list_checkpoints(path.parent) if p.name != path.name and (step is None or s < step)]
+    hint = f"; resume from an earlier checkpoint instead (--resume-from {earlier[-1]})" if earlier else ""
+    return f"{hint}; or start fresh with a new out_dir (--out DIR)"

@@ -1,0 +1,243 @@
+"""The Trainer behind `graphtrain train`: one straight-line loop you can read top to bottom.
+
+    trainer = Trainer(Config())          # builds data, model (vocab from the tokenizer), optimizer
+    summary = trainer.fit()              # train, evaluate, checkpoint; returns losses and speed
+    print(trainer.sample("def ", 48))    # GPT models: complete a prompt
+
+Everything a step depends on is a function of (config, step): batches come from
+``get_batch(step * grad_accum + micro)`` and the learning rate from `lr_at(step)`, so a checkpoint
+(weights, optimizer, step, RNG) is all a resumed run needs. With ``train.deterministic`` a run
+stopped at step k and resumed matches an uninterrupted one bitwise.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from graphtrain.config import Config
+from graphtrain.data import build_data
+from graphtrain.models import build_model, get_spec
+from graphtrain.optim import build_optimizer, make_loss_scaler, optimizer_step
+from graphtrain.trainer import runtime
+from graphtrain.trainer.checkpoint import (FORMAT_VERSION, KEEP_LAST, checkpoint_path, latest_checkpoint,
+                                           list_checkpoints, load_checkpoint, prune_checkpoints, rng_state,
+                                           save_checkpoint, set_rng_state)
+from graphtrain.trainer.metrics import MetricsLog, Throughput, format_bytes, peak_memory_bytes
+from graphtrain.trainer.schedule import lr_at, set_lr
+
+
+class Trainer:
+    """Train `config.model` on `config.data`; `model`/`data` may be passed in instead of built.
+
+    `resume`: False (fresh run; refuses an out_dir that already holds checkpoints), True (continue
+    from the latest checkpoint in out_dir) or a checkpoint file / run folder to continue from.
+    """
+
+    def __init__(self, config: Config, model: torch.nn.Module | None = None, data: Any = None,
+                 resume: bool | str | Path = False) -> None:
+        if not isinstance(config, Config):
+            raise TypeError(f"Trainer expects a graphtrain.Config, got {type(config).__name__}; "
+                            f"build one with Config() or Config.from_yaml(path)")
+        runtime.check_supported(config)
+        self.config, self.resume = config, resume
+        tc = config.train
+        self.device = runtime.pick_device()
+        runtime.setup(tc)  # threads, deterministic algorithms
+
+        family = model.family if model is not None else get_spec(config.model.name).family
+        self.data = data if data is not None else build_data(config, family)
+        runtime.seed_everything(tc.seed)  # weights depend on the seed only, not on data preparation
+        if model is None:
+            model = build_model(config.model, vocab_size=self.data.vocab_size)
+        self.family, self.spec = model.family, model.spec
+        if config.data.seq_len > self.spec.max_seq_len:
+            raise ValueError(f"data.seq_len={config.data.seq_len} is longer than model {config.model.name!r} supports "
+                             f"(max_seq_len={self.spec.max_seq_len}): lower data.seq_len, or set "
+                             f"model.max_seq_len={config.data.seq_len}")
+        model.to(self.device)
+        self.model = runtime.maybe_accelerate(model, config)
+        self.optimizer = build_optimizer(self.model, config.optim)
+        self.scaler = make_loss_scaler(config.engine)  # fp16 only: dynamic loss scaling
+        self.out_dir = Path(tc.out_dir)
+        self.metrics = MetricsLog(self.out_dir / "metrics.jsonl")
+        self.step = 0  # optimizer steps completed
+
+    # ------------------------------------------------------------------------------ training ----
+    def fit(self, resume: bool | str | Path | None = None) -> dict[str, Any]:
+        """Train to `train.steps`, evaluating and checkpointing on the way; returns a summary."""
+        cfg, tc = self.config, self.config.train
+        self.step = self._start_run(self.resume if resume is None else resume)
+        accum, batch_size = tc.grad_accum, tc.batch_size
+        tokens_per_step = batch_size * accum * cfg.data.seq_len
+        speed = Throughput(tokens_per_step)
+        recent: list[float] = []  # train losses since the last log line
+        train_loss = val_loss = math.nan
+        saved: Path | None = None
+        self.model.train()
+        bar = tqdm(total=tc.steps, initial=self.step, disable=not tc.progress, unit="step", dynamic_ncols=True,
+                   desc=f"train {cfg.model.name}")
+        try:
+            for step in range(self.step, tc.steps):
+                t0 = time.perf_counter()
+                lr = lr_at(step, cfg.optim, tc.steps)
+                set_lr(self.optimizer, lr)
+                loss_sum = torch.zeros((), device=self.device)
+                for micro in range(accum):
+                    batch = self._to_device(self.data.train.get_batch(step * accum + micro, batch_size))
+                    loss = self.model(**batch) / accum
+                    (loss if self.scaler is None else self.scaler.scale(loss)).backward()
+                    loss_sum += loss.detach()
+                # unscale and skip on overflow (fp16), clip to optim.grad_clip, optimizer.step()
+                info = optimizer_step(self.optimizer, self.model.parameters(), self.scaler, cfg.optim.grad_clip)
+                self.optimizer.zero_grad(set_to_none=True)
+                step_loss = loss_sum.item()  # also waits for the device, so the timing is real
+                speed.add(time.perf_counter() - t0)
+                self.step = done = step + 1
+                if not math.isfinite(step_loss):
+                    clip = " and set optim.grad_clip=1.0" if cfg.optim.grad_clip is None else ""
+                    raise ValueError(f"training diverged: the loss is {step_loss} at step {done} (nothing saved for "
+                                     f"this step); lower optim.lr (now {cfg.optim.lr}){clip}, then resume from the "
+                                     f"last checkpoint (--resume-from) or start fresh")
+                recent.append(step_loss)
+                bar.update(1)
+
+                if done % tc.log_every == 0 or done == tc.steps:
+                    ms, tok_s = speed.window()
+                    mem = peak_memory_bytes(self.device)
+                    train_loss = sum(recent) / len(recent)
+                    recent.clear()
+                    self.metrics.write("train", done, loss=train_loss, lr=lr, tokens_per_s=tok_s, ms_per_step=ms,
+                                       peak_mem_bytes=mem, grad_norm=info["grad_norm"], skipped=info["skipped"],
+                                       loss_scale=info["scale"])
+                    bar.set_postfix(loss=f"{train_loss:.3f}", tok_s=f"{tok_s:,.0f}", mem=format_bytes(mem))
+                    if not tc.progress:
+                        print(f"step {done:>6}/{tc.steps}  loss {train_loss:.4f}  lr {lr:.2e}  {tok_s:,.0f} tok/s  "
+                              f"{ms:.0f} ms/step  peak mem {format_bytes(mem)}", flush=True)
+                if (tc.eval_every and done % tc.eval_every == 0) or done == tc.steps:
+                    val_loss = self.evaluate()
+                    self.metrics.write("eval", done, val_loss=val_loss)
+                    tqdm.write(f"step {done}: val loss {val_loss:.4f}")
+                if (tc.ckpt_every and done % tc.ckpt_every == 0) or done == tc.steps:
+                    saved = self.save_checkpoint(metrics={"train_loss": train_loss, "val_loss": val_loss})
+        finally:
+            bar.close()
+
+        if math.isnan(val_loss):  # resumed a finished run: no step ran
+            val_loss = self.evaluate()
+        ms, tok_s = speed.overall()
+        summary = {"steps": self.step, "train_loss": train_loss, "val_loss": val_loss, "tokens_per_s": tok_s,
+                   "ms_per_step": ms, "first_step_ms": None if speed.first_step_s is None else 1000 * speed.first_step_s,
+                   "peak_mem_bytes": peak_memory_bytes(self.device), "tokens_per_step": tokens_per_step,
+                   "checkpoint": str(saved or latest_checkpoint(self.out_dir) or ""), "out_dir": str(self.out_dir)}
+        self.metrics.write("summary", self.step, **summary)
+        return summary
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean validation loss over `train.eval_batches` fixed batches (eval mode, no grad, RNG untouched)."""
+        tc = self.config.train
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+                losses = [self.model(**self._to_device(self.data.val.get_batch(i, tc.batch_size))).item()
+                          for i in range(tc.eval_batches)]
+        finally:
+            self.model.train(was_training)
+        return sum(losses) / len(losses)
+
+    def sample(self, prompt: str, n_tokens: int, *, temperature: float = 0.8, top_k: int | None = 20,
+               seed: int | None = None) -> str:
+        """GPT models: `prompt` followed by `n_tokens` sampled tokens (temperature 0: greedy).
+
+        Sampling draws from its own generator seeded with `seed` (default `train.seed`), so the
+        same weights give the same completion and the global RNG is untouched.
+        """
+        if self.family != "gpt2":
+            raise ValueError(f"sample() needs a GPT model; {self.config.model.name!r} is a {self.family} "
+                             f"(masked LM) model")
+        if n_tokens < 0:
+            raise ValueError(f"n_tokens must be >= 0, got {n_tokens}")
+        tok = self.data.tokenizer
+        ids = list(tok.encode(prompt)) or [tok.eos_id]
+        ids = ids[-self.spec.max_seq_len:]
+        gen = torch.Generator(device=self.device).manual_seed(self.config.train.seed if seed is None else seed)
+        x = torch.tensor([ids], dtype=torch.long, device=self.device)
+        # Eagerly: every generated token is a new sequence length, i.e. a recompile for the engine.
+        with torch.compiler.set_stance("force_eager"):
+            out = self.model.generate(x, n_tokens, temperature=temperature, top_k=top_k, generator=gen)
+        new = out[0, len(ids):].tolist()
+        eos = getattr(tok, "eos_id", None)
+        if eos is not None and eos in new:
+            new = new[:new.index(eos)]
+        return prompt + tok.decode(new)
+
+    # ---------------------------------------------------------------------------- checkpoints ----
+    def save_checkpoint(self, metrics: dict[str, Any] | None = None) -> Path:
+        """Save ckpt-{step}.pt atomically, then keep only the last few."""
+        state = {"format_version": FORMAT_VERSION, "step": self.step, "model": self.model.state_dict(),
+                 "optimizer": self.optimizer.state_dict(), "rng": rng_state(), "config": self.config.to_dict(),
+                 "model_spec": dataclasses.asdict(self.spec), "metrics": metrics or {},
+                 "loss_scaler": None if self.scaler is None else self.scaler.state_dict()}
+        path = save_checkpoint(checkpoint_path(self.out_dir, self.step), state)
+        prune_checkpoints(self.out_dir, keep=KEEP_LAST, protect=path)
+        return path
+
+    def load_checkpoint(self, path: str | Path) -> int:
+        """Restore weights, optimizer, RNG from `path` (validated against this model); returns its step."""
+        state = load_checkpoint(path, self.config, dataclasses.asdict(self.spec))
+        try:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+        except (RuntimeError, ValueError, KeyError) as e:
+            raise ValueError(f"checkpoint {str(path)!r} does not fit this model/optimizer ({str(e).splitlines()[0]}); "
+                             f"use the config it was trained with (saved in it and in out_dir/config.yaml), "
+                             f"or start fresh with a new out_dir") from None
+        if self.scaler is not None and state.get("loss_scaler") is not None:
+            self.scaler.load_state_dict(state["loss_scaler"])
+        set_rng_state(state["rng"])
+        self.step = int(state["step"])
+        return self.step
+
+    def _start_run(self, resume: bool | str | Path) -> int:
+        """Check out_dir, restore a checkpoint when resuming, save the config; returns the first step."""
+        tc = self.config.train
+        start = 0
+        if resume:
+            source = latest_checkpoint(self.out_dir) if resume is True else Path(resume)
+            if source is not None and source.is_dir():
+                source = latest_checkpoint(source)
+            if source is None:
+                where = self.out_dir if resume is True else Path(resume)
+                raise ValueError(f"resume: no checkpoint (ckpt-*.pt) in {str(where)!r}; train without --resume to "
+                                 f"start fresh, or point train.out_dir (--out) at the run to continue")
+            start = self.load_checkpoint(source)
+            if start > tc.steps:
+                raise ValueError(f"checkpoint {str(source)!r} is at step {start}, past train.steps={tc.steps}: "
+                                 f"set train.steps above {start} to continue training it")
+            self.metrics.truncate_after(start)
+            tqdm.write(f"resumed from {source} at step {start}")
+        else:
+            existing = list_checkpoints(self.out_dir)
+            if existing:
+                raise ValueError(f"out_dir {str(self.out_dir)!r} already holds checkpoints (latest "
+                                 f"{existing[-1][1].name}); continue that run with --resume (resume=True), or "
+                                 f"choose a new out_dir (--out DIR / train.out_dir=...)")
+            self.metrics.reset()
+        runtime.write_text_atomic(self.out_dir / "config.yaml", self.config.to_yaml())
+        tqdm.write(f"# graphtrain config (saved to {self.out_dir / 'config.yaml'})\n{self.config.to_yaml()}")
+        tqdm.write(f"model {self.config.model.name}: {sum(p.numel() for p in self.model.parameters()):,} params, "
+                   f"device {self.device}, {torch.get_num_threads()} threads, "
+                   f"{'graphtrain engine' if runtime.is_accelerated(self.model) else 'eager PyTorch'}")
+        return start
+
+    def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if self.device.type == "cpu":
+            return batch
+        return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}

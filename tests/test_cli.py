@@ -1,0 +1,144 @@
+"""`graphtrain` CLI: end to end on gpt2-tiny (in process and as `python -m graphtrain`), help, bad input."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from graphtrain.cli import SUBCOMMANDS, main
+from graphtrain.config import Config
+from graphtrain.trainer import checkpoint as ck
+
+TINY = ["model.name=gpt2-tiny", "data.seq_len=32", "data.vocab_size=512", "data.max_bytes=300000",
+        "train.batch_size=4", "train.steps=4", "train.eval_every=2", "train.eval_batches=2", "train.log_every=2",
+        "train.ckpt_every=2", "train.progress=false", "train.threads=1", "train.sample_tokens=8"]
+
+
+@pytest.fixture(autouse=True)
+def tiny_env(tmp_path_factory, monkeypatch):
+    cache = tmp_path_factory.getbasetemp() / "graphtrain-cache"  # shared with test_trainer: one tokenizer
+    cache.mkdir(exist_ok=True)
+    monkeypatch.setenv("GRAPHTRAIN_CACHE", str(cache))
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_train_end_to_end_then_resume(tmp_path, capsys):
+    out_dir = tmp_path / "run"
+    code, out, err = run(capsys, "train", *TINY, "--no-accelerate", "--out", str(out_dir))
+    assert code == 0, err
+    assert "model:\n  name: gpt2-tiny" in out             # the full config is printed first
+    assert "val loss" in out and "tok/s" in out
+    assert "completion of 'def '" in out
+    assert [s for s, _ in ck.list_checkpoints(out_dir)] == [2, 4]
+
+    code, out, err = run(capsys, "train", *TINY, "--no-accelerate", "--out", str(out_dir), "--resume", "--steps", "6")
+    assert code == 0, err
+    assert "resumed from" in out and "done: 6 steps" in out
+    assert [s for s, _ in ck.list_checkpoints(out_dir)] == [2, 4, 6]
+
+
+def test_yaml_config_as_subprocess(tmp_path):
+    job = tmp_path / "job.yaml"
+    job.write_text("model: {name: gpt2-tiny}\ntrain: {seed: 7}\noptim: {lr: 0.002}\n")
+    env = {**os.environ, "GRAPHTRAIN_CACHE": os.environ["GRAPHTRAIN_CACHE"]}
+    proc = subprocess.run([sys.executable, "-m", "graphtrain", "train", str(job), *TINY[1:], "train.steps=2",
+                           "--no-accelerate", "--out", str(tmp_path / "run")],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "done: 2 steps" in proc.stdout
+    saved = Config.from_yaml(tmp_path / "run" / "config.yaml")
+    assert (saved.train.seed, saved.optim.lr, saved.train.steps) == (7, 0.002, 2)  # YAML, then overrides
+    assert [s for s, _ in ck.list_checkpoints(tmp_path / "run")] == [2]
+
+
+def test_help_and_config_listing(capsys):
+    code, out, _ = run(capsys, "train", "--help")
+    assert code == 0
+    for flag in ("--resume", "--resume-from", "--no-accelerate", "--out", "--steps", "--debug", "graphtrain config"):
+        assert flag in out
+    code, out, _ = run(capsys, "config")
+    assert code == 0
+    assert "train.steps = 200" in out and "Optimizer steps to run in total." in out
+    assert "engine.precision" in out and "data.max_bytes" in out
+    code, out, _ = run(capsys, "config", "train.steps=7")
+    assert code == 0 and "steps: 7" in out
+    assert run(capsys)[0] == 2  # no subcommand: usage
+    assert {"train", "config"} <= set(SUBCOMMANDS)
+
+
+def _fake_checkpoint(out_dir, model_name: str) -> None:
+    config = Config().with_overrides([*TINY, f"model.name={model_name}"])
+    ck.save_checkpoint(ck.checkpoint_path(out_dir, 2), {
+        "format_version": ck.FORMAT_VERSION, "step": 2, "model": {}, "optimizer": {}, "rng": ck.rng_state(),
+        "config": config.to_dict()})
+
+
+BAD_INPUTS = {
+    "unknown key": (["train.stepz=3"], "unknown config key 'train.stepz' (did you mean 'steps'?)"),
+    "unknown section": (["trian.steps=3"], "'trian' is not a section"),
+    "wrong type": (["train.steps=many"], "train.steps must be an integer"),
+    "bad literal": (["optim.schedule=cosin"], "optim.schedule must be one of"),
+    "not an override": (["train.steps"], "does not exist"),  # taken as a CONFIG.yaml path
+    "missing config file": (["nope.yaml"], "config file 'nope.yaml' does not exist"),
+    "missing data folder": (["data.path=/nonexistent/graphtrain-data"], "data.path '/nonexistent/graphtrain-data' "
+                                                                        "does not exist"),
+    "seq_len too long": (["data.seq_len=128"], "data.seq_len=128 is longer than model 'gpt2-tiny' supports"),
+    "resume without checkpoint": (["--resume"], "no checkpoint"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_input_exits_2_with_one_line(case, tmp_path, capsys):
+    extra, expected = BAD_INPUTS[case]
+    args = [a for a in extra if a.startswith("--")]
+    items = [a for a in extra if not a.startswith("--")]
+    if items and "=" not in items[0]:  # a CONFIG.yaml path goes first
+        items = [items[0], *TINY]
+    else:
+        items = [*TINY, *items]
+    code, out, err = run(capsys, "train", *items, "--no-accelerate", "--out", str(tmp_path / "run"), *args)
+    assert code == 2
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    assert expected in err
+    assert "Traceback" not in err + out
+
+
+def test_empty_data_folder(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    code, _, err = run(capsys, "train", *TINY, f"data.path={tmp_path / 'empty'}", "--out", str(tmp_path / "run"))
+    assert code == 2 and err.startswith("error: ") and "data.path" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "mismatched"])
+def test_bad_checkpoint_exits_2(damage, tmp_path, capsys):
+    out_dir = tmp_path / "run"
+    if damage == "corrupt":
+        out_dir.mkdir()
+        (out_dir / "ckpt-0000002.pt").write_bytes(b"\x00" * 100)
+        expected = "ckpt-0000002.pt' is unreadable or corrupt"
+    else:
+        _fake_checkpoint(out_dir, "gpt2-mini")
+        expected = "model.name: checkpoint 'gpt2-mini', current 'gpt2-tiny'"
+    code, _, err = run(capsys, "train", *TINY, "--no-accelerate", "--out", str(out_dir), "--resume")
+    assert code == 2 and err.startswith("error: ") and expected in err, err
+    code, _, err = run(capsys, "train", *TINY, "--no-accelerate", "--out", str(out_dir))  # no --resume
+    assert code == 2 and "already holds checkpoints" in err and "--resume" in err
+    assert [s for s, _ in ck.list_checkpoints(out_dir)] == [2]  # untouched
+
+
+def test_debug_shows_traceback(tmp_path):
+    with pytest.raises(ValueError, match="unknown config key"):
+        main(["train", *TINY, "train.stepz=1", "--debug"])
+    with pytest.raises(ValueError, match="unknown config key"):
+        main(["--debug", "train", *TINY, "train.stepz=1"])

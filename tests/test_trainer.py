@@ -1,0 +1,172 @@
+"""Trainer: LR schedule values, a short fit with its outputs, bitwise resume, refusing to clobber."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from graphtrain.config import Config, OptimConfig
+from graphtrain.trainer import Trainer, list_checkpoints, lr_at
+
+TINY = ["model.name=gpt2-tiny", "data.seq_len=32", "data.vocab_size=512", "data.max_bytes=300000",
+        "train.batch_size=4", "train.steps=6", "train.eval_every=3", "train.eval_batches=2", "train.log_every=2",
+        "train.ckpt_every=3", "train.accelerate=false", "train.progress=false", "train.threads=1",
+        "optim.warmup_steps=2"]
+
+
+@pytest.fixture(autouse=True)
+def tiny_env(tmp_path_factory, monkeypatch):
+    """A data cache shared by the whole session (the tokenizer trains once); process settings restored."""
+    cache = tmp_path_factory.getbasetemp() / "graphtrain-cache"
+    cache.mkdir(exist_ok=True)
+    monkeypatch.setenv("GRAPHTRAIN_CACHE", str(cache))
+    threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    yield
+    torch.set_num_threads(threads)
+    torch.use_deterministic_algorithms(deterministic)
+
+
+def tiny(out_dir, *overrides: str) -> Config:
+    return Config().with_overrides([*TINY, f"train.out_dir={out_dir}", *overrides])
+
+
+# -------------------------------------------------------------------------------- schedule ----
+
+def test_schedule_warmup_then_cosine_to_min():
+    cfg = OptimConfig(lr=1.0, warmup_steps=4, min_lr_ratio=0.1, schedule="cosine")
+    assert [lr_at(s, cfg, 14) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert lr_at(4, cfg, 14) == 1.0                           # decay starts at the peak
+    assert lr_at(13, cfg, 14) == pytest.approx(0.1)           # the last step reaches lr * min_lr_ratio
+    assert lr_at(9, cfg, 15) == pytest.approx(0.55)           # decay midpoint: (peak + min) / 2
+    assert lr_at(100, cfg, 14) == pytest.approx(0.1)          # clamped after the end
+    lrs = [lr_at(s, cfg, 14) for s in range(4, 14)]
+    assert all(a >= b for a, b in zip(lrs, lrs[1:]))
+
+
+@pytest.mark.parametrize("schedule,mid", [("linear", 0.55), ("poly", 0.1 + 0.9 * 0.25), ("constant", 1.0)])
+def test_schedule_shapes(schedule, mid):
+    cfg = OptimConfig(lr=1.0, warmup_steps=0, min_lr_ratio=0.1, schedule=schedule, poly_power=2.0)
+    assert lr_at(0, cfg, 11) == 1.0
+    assert lr_at(5, cfg, 11) == pytest.approx(mid)
+    assert lr_at(10, cfg, 11) == pytest.approx(1.0 if schedule == "constant" else 0.1)
+
+
+def test_schedule_edge_cases():
+    cfg = OptimConfig(lr=2.0, warmup_steps=0)
+    assert lr_at(0, cfg, 1) == pytest.approx(0.2)             # a 1-step run decays immediately
+    assert lr_at(9, OptimConfig(lr=2.0, warmup_steps=50), 10) == pytest.approx(0.4)  # still warming up
+    with pytest.raises(ValueError):
+        lr_at(-1, cfg, 10)
+    with pytest.raises(ValueError):
+        lr_at(0, cfg, 0)
+
+
+# ------------------------------------------------------------------------------------- fit ----
+
+def test_fit_writes_metrics_config_checkpoints_and_samples(tmp_path):
+    config = tiny(tmp_path / "run", "train.steps=10", "train.ckpt_every=2")
+    trainer = Trainer(config)
+    summary = trainer.fit()
+    assert summary["steps"] == 10
+    for key in ("train_loss", "val_loss", "tokens_per_s", "ms_per_step", "peak_mem_bytes"):
+        assert math.isfinite(summary[key]) and summary[key] > 0, key
+    assert summary["val_loss"] == pytest.approx(trainer.evaluate())
+    assert summary["val_loss"] < math.log(trainer.data.vocab_size)  # it learned something
+    out = tmp_path / "run"
+    assert [s for s, _ in list_checkpoints(out)] == [6, 8, 10]  # the last 3 kept
+    assert Config.from_yaml(out / "config.yaml") == config
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    kinds = [r["kind"] for r in records]
+    assert kinds.count("train") == 5 and kinds.count("eval") == 4 and kinds[-1] == "summary"
+    assert {"loss", "lr", "tokens_per_s", "ms_per_step", "peak_mem_bytes"} <= set(records[0])
+
+    text = trainer.sample("def ", 8)
+    assert text.startswith("def ") and text == trainer.sample("def ", 8)
+    assert trainer.sample("def ", 8, temperature=0.0) == trainer.sample("def ", 8, temperature=0.0, seed=5)
+
+    with pytest.raises(ValueError, match="--resume"):  # never clobbers a run
+        Trainer(config).fit()
+
+
+def test_resume_is_bitwise_identical_to_an_uninterrupted_run(tmp_path):
+    overrides = ("train.deterministic=true", "train.grad_accum=2", "model.dropout=0.1")
+    full = Trainer(tiny(tmp_path / "full", *overrides))
+    full.fit()
+
+    crashed = Trainer(tiny(tmp_path / "crash", *overrides))
+    get_batch = crashed.data.train.get_batch
+
+    def dies_at_step_4(index, batch_size):
+        if index == 4 * 2:  # the first micro-batch of step 4 (0-based): after ckpt-3 was written
+            raise KeyboardInterrupt("killed")
+        return get_batch(index, batch_size)
+
+    crashed.data.train.get_batch = dies_at_step_4
+    with pytest.raises(KeyboardInterrupt):
+        crashed.fit()
+    assert [s for s, _ in list_checkpoints(tmp_path / "crash")] == [3]
+
+    resumed = Trainer(tiny(tmp_path / "crash", *overrides), resume=True)
+    summary = resumed.fit()
+    assert summary["steps"] == 6
+    for (name, a), (_, b) in zip(full.model.state_dict().items(), resumed.model.state_dict().items()):
+        assert torch.equal(a, b), f"{name} differs after resume"
+    sa, sb = full.optimizer.state_dict()["state"], resumed.optimizer.state_dict()["state"]
+    for i in sa:
+        for k in sa[i]:
+            assert torch.equal(sa[i][k], sb[i][k]), f"optimizer state {i}.{k} differs"
+    steps = [r["step"] for r in map(json.loads, (tmp_path / "crash" / "metrics.jsonl").read_text().splitlines())
+             if r["kind"] == "train"]
+    assert steps == [2, 4, 6]  # no duplicated records from the interrupted run
+
+
+def test_resume_errors(tmp_path):
+    with pytest.raises(ValueError, match="no checkpoint"):
+        Trainer(tiny(tmp_path / "empty"), resume=True).fit()
+    Trainer(tiny(tmp_path / "run", "train.steps=3")).fit()
+    with pytest.raises(ValueError, match=r"model.max_seq_len: checkpoint None, current 128.*model.max_seq_len=null"):
+        Trainer(tiny(tmp_path / "run", "model.max_seq_len=128"), resume=True).fit()
+    with pytest.raises(ValueError, match="past train.steps=2"):
+        Trainer(tiny(tmp_path / "run", "train.steps=2"), resume=True).fit()
+    summary = Trainer(tiny(tmp_path / "run", "train.steps=3"), resume=True).fit()  # already done: just evaluates
+    assert summary["steps"] == 3 and math.isfinite(summary["val_loss"])
+
+
+def test_user_mistakes_are_clear(tmp_path):
+    with pytest.raises(ValueError, match=r"data.seq_len=128 .*max_seq_len=64.*model.max_seq_len=128"):
+        Trainer(tiny(tmp_path, "data.seq_len=128"))
+    with pytest.raises(ValueError, match="batch_size"):
+        Trainer(tiny(tmp_path, "train.batch_size=auto"))
+    with pytest.raises(TypeError, match="graphtrain.Config"):
+        Trainer({"model": {"name": "gpt2-tiny"}})
+    diverging = Trainer(tiny(tmp_path / "nan"))
+    with torch.no_grad():
+        next(diverging.model.parameters()).fill_(float("nan"))
+    with pytest.raises(ValueError, match="training diverged: the loss is nan at step 1.*lower optim.lr"):
+        diverging.fit()
+    assert list_checkpoints(tmp_path / "nan") == []
+    bert = Trainer(tiny(tmp_path, "model.name=bert-tiny"))
+    with pytest.raises(ValueError, match="GPT model"):
+        bert.sample("def ", 4)
+
+
+def test_shipped_configs_load():
+    configs = Path(__file__).resolve().parent.parent / "configs"
+    assert Config.from_yaml(configs / "default.yaml") == Config()  # the documented job is the default
+    tiny_job = Config.from_yaml(configs / "gpt2-tiny-test.yaml")
+    assert tiny_job.model.name == "gpt2-tiny" and tiny_job.data.seq_len <= 64
+
+
+@pytest.mark.slow
+def test_accelerated_run_matches_eager(tmp_path):
+    """Through the graph engine (compiles: minutes on a busy CPU), the same losses as eager PyTorch."""
+    common = ("train.steps=3", "model.dropout=0.0", "train.eval_every=0", "train.log_every=1")
+    eager = Trainer(tiny(tmp_path / "eager", *common)).fit()
+    fast = Trainer(tiny(tmp_path / "fast", *common, "train.accelerate=true", "engine.fallback=error"))
+    assert hasattr(fast.model, "_graphtrain")  # really went through graphtrain.accelerate
+    summary = fast.fit()
+    assert summary["train_loss"] == pytest.approx(eager["train_loss"], rel=1e-4)
+    assert summary["val_loss"] == pytest.approx(eager["val_loss"], rel=1e-4)
