@@ -135,6 +135,33 @@ def run_config(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------------- report ----
+
+def add_report_arguments(p: argparse.ArgumentParser) -> None:
+    _add_config_items(p)
+    p.add_argument("--json", action="store_true", help="print the report as JSON instead of text")
+
+
+def run_report(args: argparse.Namespace) -> int:
+    import json
+
+    from graphtrain.engine.report import report_for_config
+
+    rep = report_for_config(load_config(args.items))
+    print(json.dumps(rep.to_dict(), indent=2, default=str) if args.json else rep)
+    return 0
+
+
+def _bench_arguments(p: argparse.ArgumentParser) -> None:
+    from graphtrain.bench import cli as bench_cli
+    bench_cli.add_arguments(p)
+
+
+def _bench_run(args: argparse.Namespace) -> int:
+    from graphtrain.bench import cli as bench_cli
+    return bench_cli.run(args)
+
+
 # ------------------------------------------------------------------------------------ main ----
 
 SUBCOMMANDS: dict[str, Subcommand] = {
@@ -142,6 +169,10 @@ SUBCOMMANDS: dict[str, Subcommand] = {
                         add_train_arguments, run_train),
     "config": Subcommand("list every config key with its default and documentation; with a CONFIG.yaml "
                          "and/or overrides, print the resolved job instead", add_config_arguments, run_config),
+    "report": Subcommand("build the configured model, run one accelerated training step and print what the engine "
+                         "did: graphs, breaks, passes, providers, memory", add_report_arguments, run_report),
+    "bench": Subcommand("compare eager PyTorch, torch.compile and graphtrain training steps side by side",
+                        _bench_arguments, _bench_run),
 }
 EPILOGS = {"train": TRAIN_EPILOG}
 
