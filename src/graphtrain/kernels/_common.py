@@ -49,6 +49,18 @@ def dropout_keep_mask(numel: int, p: float, seed: torch.Tensor | int, device: to
     return _lsr(z, 32) >= keep_threshold(p)
 
 
+def dense_empty(like: torch.Tensor, shape=None, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A contiguous empty tensor shaped like `like` (or `shape`): what fake kernels return.
+
+    Stride contract of every graphtrain op: each tensor output is contiguous, on every path (the
+    real kernels call .contiguous() on what they return), and each fake kernel returns exactly that.
+    torch.empty_like(x) would instead keep a non-contiguous x's strides (e.g. BERT's transposed
+    q/k/v), which AOTAutograd then trusts when it emits view()s in the backward graph.
+    """
+    return torch.empty(like.shape if shape is None else shape, dtype=like.dtype if dtype is None else dtype,
+                       device=like.device)
+
+
 def new_seed() -> torch.Tensor:
     """A fresh dropout seed from torch's default CPU generator (so torch.manual_seed reproduces it)."""
     return torch.randint(0, 2**62, (1,), dtype=torch.int64)

@@ -20,8 +20,8 @@ import torch
 from torch import Tensor
 
 from graphtrain.kernels import _cpu_ext
-from graphtrain.kernels._common import (HAS_TRITON, KernelSpec, check_dropout_p, dropout_keep_mask, new_seed,
-                                        register_kernel_spec, triton, triton_ok)
+from graphtrain.kernels._common import (HAS_TRITON, KernelSpec, check_dropout_p, dense_empty, dropout_keep_mask,
+                                        new_seed, register_kernel_spec, triton, triton_ok)
 
 
 def _acc(x: Tensor) -> torch.dtype:
@@ -113,7 +113,7 @@ def _attention_op(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale
     if _supports_triton(q, k, v, mask):
         from graphtrain.kernels._attention_triton import attention_fwd_triton
         out, lse = attention_fwd_triton(q, k, v, _mask4d(mask, q, k), scale, is_causal, p, int(seed.item()))
-        return out, lse, seed
+        return out.contiguous(), lse.contiguous(), seed
     if _cpu_flash_ok(q, k, v, mask, p):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, is_causal, attn_mask=_mask4d(mask, q, k), scale=scale)
@@ -122,7 +122,7 @@ def _attention_op(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale
         m = _mask4d(mask, q, k)
         out, lse = _cpu_ext.load().attention_fwd(_flat(q), _flat(k), _flat(v), m.detach() if m is not None else q.new_empty(0),
                                                  scale, is_causal, p, int(seed.item()))
-        return out.reshape(B, H, Sq, v.shape[-1]), lse.reshape(B, H, Sq), seed
+        return out.reshape(B, H, Sq, v.shape[-1]).contiguous(), lse.reshape(B, H, Sq).contiguous(), seed
     out, lse = attention_reference(q, k, v, mask, scale, is_causal, p, seed)
     return out.contiguous(), lse.contiguous(), seed
 
@@ -142,7 +142,9 @@ def _attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: 
     B, H, Sq, _ = q.shape
     if _supports_triton(q, k, v, mask):
         from graphtrain.kernels._attention_triton import attention_bwd_triton
-        return attention_bwd_triton(dout, q, k, v, _mask4d(mask, q, k), out, lse, scale, is_causal, p, int(seed.item()))
+        dq, dk, dv = attention_bwd_triton(dout, q, k, v, _mask4d(mask, q, k), out, lse, scale, is_causal, p,
+                                          int(seed.item()))
+        return dq.contiguous(), dk.contiguous(), dv.contiguous()
     if _cpu_flash_ok(q, k, v, mask, p):
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout.contiguous(), q, k, v, out, lse, 0.0, is_causal, attn_mask=_mask4d(mask, q, k), scale=scale)
@@ -152,14 +154,15 @@ def _attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: 
         dq, dk, dv = _cpu_ext.load().attention_bwd(
             _flat(dout), _flat(q), _flat(k), _flat(v), m.detach() if m is not None else q.new_empty(0), _flat(out),
             lse.reshape(-1, Sq).contiguous(), scale, is_causal, p, int(seed.item()))
-        return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape)
+        return dq.reshape(q.shape).contiguous(), dk.reshape(k.shape).contiguous(), dv.reshape(v.shape).contiguous()
     dq, dk, dv = attention_backward_reference(dout, q, k, v, mask, out, lse, scale, is_causal, p, seed)
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 
 @_attention_backward_op.register_fake
 def _(dout, q, k, v, mask, out, lse, seed, scale, is_causal, p):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    # contiguous, as every real path returns (empty_like(q) would keep a transposed q's strides)
+    return dense_empty(q), dense_empty(k), dense_empty(v)
 
 
 def _setup(ctx, inputs, output):

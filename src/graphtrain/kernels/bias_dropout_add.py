@@ -18,8 +18,8 @@ import torch
 from torch import Tensor
 
 from graphtrain.kernels import _cpu_ext
-from graphtrain.kernels._common import (HAS_TRITON, KernelSpec, check_dropout_p, dropout_keep_mask, keep_threshold,
-                                        new_seed, register_kernel_spec, tl, triton, triton_ok)
+from graphtrain.kernels._common import (HAS_TRITON, KernelSpec, check_dropout_p, dense_empty, dropout_keep_mask,
+                                        keep_threshold, new_seed, register_kernel_spec, tl, triton, triton_ok)
 
 
 def bias_dropout_add_reference(x: Tensor, bias: Optional[Tensor], residual: Optional[Tensor], p: float,
@@ -90,13 +90,15 @@ def _bias_dropout_add_op(x: Tensor, bias: Optional[Tensor], residual: Optional[T
         empty = x.new_empty(0)
         out = _cpu_ext.load().bias_dropout_add_fwd(x, bias if bias is not None else empty,
                                                    residual if residual is not None else empty, p, int(seed.item()))
-        return out, seed
-    return bias_dropout_add_reference(x, bias, residual, p, seed).contiguous(), seed
+        return out.contiguous(), seed
+    out = bias_dropout_add_reference(x, bias, residual, p, seed)
+    # p == 0 without bias and residual gives x itself: a custom op's output must not alias its input
+    return (x.clone(memory_format=torch.contiguous_format) if out is x else out.contiguous()), seed
 
 
 @_bias_dropout_add_op.register_fake
 def _(x, bias, residual, p):
-    return torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty(1, dtype=torch.int64)
+    return dense_empty(x), torch.empty(1, dtype=torch.int64)
 
 
 @torch.library.custom_op("graphtrain::dropout_backward", mutates_args=())
@@ -104,13 +106,13 @@ def _dropout_backward_op(g: Tensor, p: float, seed: Tensor) -> Tensor:
     if p > 0 and _supports_triton(g):
         return _bda_triton(g, None, None, p, seed)
     if p > 0 and _supports_cpu(g):
-        return _cpu_ext.load().dropout_bwd(g, p, int(seed.item()))
-    return dropout_backward_reference(g.contiguous(), p, seed)
+        return _cpu_ext.load().dropout_bwd(g, p, int(seed.item())).contiguous()
+    return dropout_backward_reference(g.contiguous(), p, seed).contiguous()
 
 
 @_dropout_backward_op.register_fake
 def _(g, p, seed):
-    return torch.empty_like(g, memory_format=torch.contiguous_format)
+    return dense_empty(g)
 
 
 def _setup(ctx, inputs, output):

@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from graphtrain.kernels._common import HAS_TRITON, KernelSpec, register_kernel_spec, tl, triton, triton_ok
+from graphtrain.kernels._common import HAS_TRITON, KernelSpec, dense_empty, register_kernel_spec, tl, triton, triton_ok
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
@@ -100,13 +100,13 @@ def _bias_gelu_op(x: Tensor, bias: Optional[Tensor], approximate: str) -> Tensor
     if _supports_triton(x, bias):
         return _gelu_triton(x, bias, approximate)
     if _supports_cpu(x, bias):
-        return torch.ops.aten.gelu(x + bias if bias is not None else x, approximate=approximate)
-    return bias_gelu_reference(x, bias, approximate)
+        return torch.ops.aten.gelu(x + bias if bias is not None else x, approximate=approximate).contiguous()
+    return bias_gelu_reference(x, bias, approximate).contiguous()
 
 
 @_bias_gelu_op.register_fake
 def _(x, bias, approximate):
-    return torch.empty_like(x)
+    return dense_empty(x)
 
 
 @torch.library.custom_op("graphtrain::bias_gelu_backward", mutates_args=())
@@ -114,13 +114,14 @@ def _bias_gelu_backward_op(dy: Tensor, x: Tensor, bias: Optional[Tensor], approx
     if _supports_triton(x, bias):
         return _gelu_triton(x, bias, approximate, dy)
     if _supports_cpu(x, bias):
-        return torch.ops.aten.gelu_backward(dy, x + bias if bias is not None else x, approximate=approximate)
-    return bias_gelu_backward_reference(dy, x, bias, approximate)
+        return torch.ops.aten.gelu_backward(dy, x + bias if bias is not None else x,
+                                            approximate=approximate).contiguous()
+    return bias_gelu_backward_reference(dy, x, bias, approximate).contiguous()
 
 
 @_bias_gelu_backward_op.register_fake
 def _(dy, x, bias, approximate):
-    return torch.empty_like(x)
+    return dense_empty(x)
 
 
 def _setup(ctx, inputs, output):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from graphtrain.kernels._common import HAS_TRITON, KernelSpec, register_kernel_spec, tl, triton, triton_ok
+from graphtrain.kernels._common import HAS_TRITON, KernelSpec, dense_empty, register_kernel_spec, tl, triton, triton_ok
 
 REDUCTIONS = {"none": 0, "mean": 1, "sum": 2}
 
@@ -124,7 +124,7 @@ def _cross_entropy_op(logits: Tensor, target: Tensor, ignore_index: int, reducti
         losses, lse = ce_fwd_triton(logits, target, ignore_index)
         return _reduce(losses, target != ignore_index, reduction).to(logits.dtype), lse
     loss, lse = cross_entropy_reference(logits, target, ignore_index, reduction)
-    return loss, lse
+    return loss.contiguous(), lse.contiguous()
 
 
 @_cross_entropy_op.register_fake
@@ -139,12 +139,12 @@ def _cross_entropy_backward_op(grad: Tensor, logits: Tensor, target: Tensor, lse
     if _supports_triton(logits, target):
         rg = _row_grad(grad, target != ignore_index, reduction, logits.shape[0])
         return ce_bwd_triton(rg, logits, target, lse, ignore_index)
-    return cross_entropy_backward_reference(grad, logits, target, lse, ignore_index, reduction)
+    return cross_entropy_backward_reference(grad, logits, target, lse, ignore_index, reduction).contiguous()
 
 
 @_cross_entropy_backward_op.register_fake
 def _(grad, logits, target, lse, ignore_index, reduction):
-    return torch.empty_like(logits)
+    return dense_empty(logits)
 
 
 def _setup(ctx, inputs, output):

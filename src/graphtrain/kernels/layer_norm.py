@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from graphtrain.kernels._common import HAS_TRITON, KernelSpec, register_kernel_spec, tl, triton, triton_ok
+from graphtrain.kernels._common import HAS_TRITON, KernelSpec, dense_empty, register_kernel_spec, tl, triton, triton_ok
 
 
 def _acc(x: Tensor) -> torch.dtype:
@@ -135,15 +135,15 @@ def _layer_norm_op(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], 
         return _ln_fwd_triton(x, weight, bias, eps)
     if _supports_cpu(x):
         y, mean, rstd = torch.ops.aten.native_layer_norm(x, [x.shape[-1]], weight, bias, eps)
-        return y, mean.reshape(-1), rstd.reshape(-1)
+        return y.contiguous(), mean.reshape(-1).contiguous(), rstd.reshape(-1).contiguous()
     y, mean, rstd = layer_norm_reference(x, weight, bias, eps)
-    return y, mean.contiguous(), rstd.contiguous()
+    return y.contiguous(), mean.contiguous(), rstd.contiguous()
 
 
 @_layer_norm_op.register_fake
 def _(x, weight, bias, eps):
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    return torch.empty_like(x), x.new_empty(rows, dtype=_acc(x)), x.new_empty(rows, dtype=_acc(x))
+    return dense_empty(x), x.new_empty(rows, dtype=_acc(x)), x.new_empty(rows, dtype=_acc(x))
 
 
 @torch.library.custom_op("graphtrain::layer_norm_backward", mutates_args=())
@@ -162,13 +162,14 @@ def _layer_norm_backward_op(dy: Tensor, x: Tensor, weight: Optional[Tensor], bia
     dw = dw if dw is not None else x.new_zeros(n)
     db = db.to(bias.dtype) if (bias is not None and db is not None) else x.new_zeros(n)
     dw = dw.to(weight.dtype) if weight is not None else dw
-    return dx, dw, db
+    return dx.contiguous(), dw.contiguous(), db.contiguous()
 
 
 @_layer_norm_backward_op.register_fake
 def _(dy, x, weight, bias, mean, rstd):
     n = x.shape[-1]
-    return torch.empty_like(x), x.new_empty(n), x.new_empty(n)
+    return (dense_empty(x), dense_empty(x, (n,), weight.dtype if weight is not None else None),
+            dense_empty(x, (n,), bias.dtype if bias is not None else None))
 
 
 def _setup(ctx, inputs, output):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from graphtrain.kernels._common import KernelSpec, register_kernel_spec
+from graphtrain.kernels._common import KernelSpec, dense_empty, register_kernel_spec
 from graphtrain.kernels.cross_entropy import REDUCTIONS, _supports_triton, ce_bwd_triton, ce_fwd_triton
 
 
@@ -41,7 +41,7 @@ def _chunked(hidden, weight, target, ignore_index, reduction, chunk):
     valid = target != ignore_index
     denom = valid.sum().to(_acc(hidden)) if reduction == 1 else torch.ones((), dtype=_acc(hidden))
     use_triton = _supports_triton(hidden, target)
-    dh = torch.empty_like(hidden)
+    dh = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device)
     dw = torch.zeros(weight.shape, dtype=_acc(hidden), device=weight.device)
     total = torch.zeros((), dtype=_acc(hidden), device=hidden.device)
     for s in range(0, n, chunk):
@@ -63,7 +63,7 @@ def _chunked(hidden, weight, target, ignore_index, reduction, chunk):
         total += losses.sum()
         dh[s:s + chunk] = dlogits @ weight
         dw += (dlogits.t() @ h).to(dw.dtype)
-    return (total / denom).to(hidden.dtype), dh, dw.to(weight.dtype)
+    return (total / denom).to(hidden.dtype), dh, dw.to(weight.dtype).contiguous()
 
 
 @torch.library.custom_op("graphtrain::linear_cross_entropy", mutates_args=())
@@ -75,7 +75,7 @@ def _linear_cross_entropy_op(hidden: Tensor, weight: Tensor, target: Tensor, ign
 
 @_linear_cross_entropy_op.register_fake
 def _(hidden, weight, target, ignore_index, reduction, chunk_rows):
-    return hidden.new_empty(()), torch.empty_like(hidden), torch.empty_like(weight)
+    return hidden.new_empty(()), dense_empty(hidden), dense_empty(weight)
 
 
 def _setup(ctx, inputs, output):

@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from graphtrain.kernels._common import HAS_TRITON, KernelSpec, register_kernel_spec, tl, triton, triton_ok
+from graphtrain.kernels._common import HAS_TRITON, KernelSpec, dense_empty, register_kernel_spec, tl, triton, triton_ok
 
 
 def _acc(x: Tensor) -> torch.dtype:
@@ -89,18 +89,18 @@ def _rms_norm_op(x: Tensor, weight: Optional[Tensor], eps: float) -> tuple[Tenso
         rstd = torch.empty(x2.shape[0], dtype=torch.float32, device=x.device)
         _rms_fwd_kernel[(x2.shape[0],)](x2, weight if weight is not None else x2, y, rstd, n, eps,
                                         HAS_W=weight is not None, BLOCK=triton.next_power_of_2(n))
-        return y.reshape(x.shape), rstd
+        return y.reshape(x.shape).contiguous(), rstd
     if _supports_cpu(x):
         y, rstd = torch.ops.aten._fused_rms_norm(x, [n], weight, eps)
-        return y, rstd.reshape(-1).float()
+        return y.contiguous(), rstd.reshape(-1).float().contiguous()
     y, rstd = rms_norm_reference(x, weight, eps)
-    return y, rstd.contiguous()
+    return y.contiguous(), rstd.contiguous()
 
 
 @_rms_norm_op.register_fake
 def _(x, weight, eps):
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    return torch.empty_like(x), x.new_empty(rows, dtype=_acc(x))
+    return dense_empty(x), x.new_empty(rows, dtype=_acc(x))
 
 
 @torch.library.custom_op("graphtrain::rms_norm_backward", mutates_args=())
@@ -119,12 +119,12 @@ def _rms_norm_backward_op(dy: Tensor, x: Tensor, weight: Optional[Tensor], rstd:
     else:  # CPU too: aten._fused_rms_norm_backward has no CPU kernel in torch 2.13
         dx, dw = rms_norm_backward_reference(dy, x, weight, rstd)
     dw = dw.to(weight.dtype) if (weight is not None and dw is not None) else x.new_zeros(n)
-    return dx, dw
+    return dx.contiguous(), dw.contiguous()
 
 
 @_rms_norm_backward_op.register_fake
 def _(dy, x, weight, rstd):
-    return torch.empty_like(x), x.new_empty(x.shape[-1])
+    return dense_empty(x), dense_empty(x, (x.shape[-1],), weight.dtype if weight is not None else None)
 
 
 def _setup(ctx, inputs, output):

@@ -1,0 +1,151 @@
+"""Fusion passes end to end through graphtrain.accelerate: reference GPT-2/BERT and HF tiny models train
+with the fused ops (aten and inductor providers) with loss and every gradient matching eager.
+
+Regression: BERT's q/k/v are x.view(B, S, H, D).transpose(1, 2); graphtrain::attention_backward's fake
+kernel returned empty_like(q) strides while the real kernel returned contiguous grads, so AOTAutograd's
+backward graph view()ed a contiguous dq as if transposed ("view size is not compatible", provider aten)
+and Inductor asserted on the stride ("expected stride 8192==64"). tests/test_kernels_fake_strides.py
+checks fake-vs-real metadata op by op.
+"""
+from __future__ import annotations
+
+import copy
+import importlib.util
+import math
+
+import pytest
+import torch
+
+import graphtrain
+from graphtrain.testing import assert_close, assert_grads_close
+
+HAS_HF = importlib.util.find_spec("transformers") is not None
+VOCAB = 512
+# the fusions every model here must show in the report (> 0 rewrites)
+EXPECTED_FUSIONS = ("fuse_attention", "fuse_layer_norm", "fuse_bias_gelu", "fuse_cross_entropy")
+
+
+def _ids(shape=(2, 16), seed=1, high=VOCAB):
+    return torch.randint(0, high, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _make(kind: str, dropout: float = 0.0):
+    """(model, forward kwargs, fallback mode) for one kind of model."""
+    torch.manual_seed(0)
+    ids = _ids()
+    mask = torch.ones_like(ids)
+    mask[1, -5:] = 0  # padding in the second sequence: the attention mask path
+    mlm_labels = torch.where(_ids(seed=3, high=10) < 3, ids, torch.full_like(ids, -100))
+    if kind in ("gpt2-tiny", "bert-tiny"):
+        from graphtrain.config import ModelConfig
+        from graphtrain.models import build_model
+        m = build_model(ModelConfig(name=kind, dropout=dropout))
+        kw = {"input_ids": ids, "labels": ids}
+        if kind == "bert-tiny":
+            kw = {"input_ids": ids, "attention_mask": mask, "labels": mlm_labels}
+        return m, kw, "error"
+    import transformers as tf
+    if kind == "hf-gpt2":
+        cfg = tf.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=VOCAB, n_positions=64, resid_pdrop=dropout,
+                            embd_pdrop=dropout, attn_pdrop=dropout, attn_implementation="eager")
+        m, kw = tf.GPT2LMHeadModel(cfg), {"input_ids": ids, "labels": ids}
+    else:
+        cfg = tf.BertConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=2, intermediate_size=128,
+                            vocab_size=VOCAB, max_position_embeddings=64, hidden_dropout_prob=dropout,
+                            attention_probs_dropout_prob=dropout, attn_implementation="eager")
+        m, kw = tf.BertForMaskedLM(cfg), {"input_ids": ids, "attention_mask": mask, "labels": mlm_labels}
+    m.train()
+    # HF's forward logs a warning_once (a graph break, as under torch.compile): fallback=silent allows it
+    return m, kw, "silent"
+
+
+def _loss(m, kw):
+    out = m(**kw)
+    return out if isinstance(out, torch.Tensor) else out.loss
+
+
+def _step(m, kw, seed):
+    m.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    loss = _loss(m, kw)
+    loss.backward()
+    return loss.detach()
+
+
+def _rewrites(m) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for r in graphtrain.report(m).passes:
+        assert r["error"] is None, f"pass {r['name']} failed: {r['error']}"
+        out[r["name"]] = out.get(r["name"], 0) + r["rewrites"]
+    return out
+
+
+def check_parity(kind: str, provider: str, steps: int = 2):
+    ref, kw, fallback = _make(kind)
+    m = graphtrain.accelerate(copy.deepcopy(ref), provider=provider, fallback=fallback)
+    for step in range(steps):  # step 1 reruns the compiled graphs
+        lf, le = _step(m, kw, step), _step(ref, kw, step)
+        assert torch.isfinite(lf)
+        assert_close(lf, le, name=f"{kind}/{provider} loss, step {step}")
+        assert_grads_close(m, ref)
+    rep = graphtrain.report(m)
+    assert not rep.eager_only and rep.graphs, str(rep)
+    counts = _rewrites(m)
+    missing = [f for f in EXPECTED_FUSIONS if counts.get(f, 0) == 0]
+    if kind == "gpt2-tiny" and missing == ["fuse_attention"]:
+        _gpt2_attention_xfail(counts)
+    assert not missing, f"{kind}: no rewrites by {missing}: {counts}"
+
+
+def _gpt2_attention_xfail(counts):
+    # Open finding: fuse_attention rewrites graphtrain's GPT-2 attention (masked_fill(triu) causal mask) when
+    # the pass runs on trace_aten_forward's graph (2 rewrites, see test_fusion_passes.py), but 0 in the
+    # graph the engine captures through Dynamo; BERT's and HF's attention fuse in both. Everything else in
+    # the calling test (loss/gradient parity, the other fusions) has already been asserted.
+    pytest.xfail(f"gpt2-tiny: fuse_attention does not fire under accelerate(): {counts}")
+
+
+@pytest.mark.parametrize("kind", ["gpt2-tiny", "bert-tiny"])
+def test_reference_models_fused_match_eager_aten(kind):
+    check_parity(kind, "aten")
+
+
+@pytest.mark.skipif(not HAS_HF, reason="transformers is not installed")
+@pytest.mark.parametrize("kind", ["hf-gpt2", "hf-bert"])
+def test_hf_models_fused_match_eager_aten(kind):
+    check_parity(kind, "aten")
+
+
+@pytest.mark.parametrize("kind", ["gpt2-tiny", "bert-tiny"])
+def test_reference_models_fused_match_eager_inductor(kind):
+    # Inductor reorders fp32 reductions: within the fp32 tolerance table, not bitwise
+    check_parity(kind, "inductor", steps=1)
+
+
+@pytest.mark.parametrize("kind", ["gpt2-tiny", "bert-tiny"])
+def test_fused_dropout_trains_like_eager(kind):
+    """With dropout the fused ops draw masks from their own counter-based hash, not torch's Bernoulli, so
+    runs differ from eager step by step. Both must be finite, train (loss falls on a repeated batch), and
+    stay statistically close: at init dropout moves the loss by ~1e-2, so per-step losses
+    must agree within 0.1 and the mean over the steps within 0.05."""
+    steps, p = 6, 0.1
+    ref, kw, fallback = _make(kind, dropout=p)
+    m = graphtrain.accelerate(copy.deepcopy(ref), provider="aten", fallback=fallback)
+    curves = []
+    for mod in (m, ref):
+        opt = torch.optim.AdamW(mod.parameters(), lr=3e-3)
+        curve = []
+        for step in range(steps):
+            curve.append(_step(mod, kw, step).item())
+            opt.step()
+        curves.append(curve)
+    fused, eager = curves
+    assert all(math.isfinite(x) for x in fused + eager), curves
+    assert fused[-1] < fused[0] - 0.1 and eager[-1] < eager[0] - 0.1, curves
+    assert max(abs(a - b) for a, b in zip(fused, eager)) < 0.1, curves
+    assert abs(sum(fused) - sum(eager)) / steps < 0.05, curves
+    counts = _rewrites(m)
+    assert counts.get("fuse_bias_dropout_add", 0) > 0, counts
+    if counts.get("fuse_attention", 0) == 0 and kind == "gpt2-tiny":
+        _gpt2_attention_xfail(counts)
+    assert counts.get("fuse_attention", 0) > 0, counts
