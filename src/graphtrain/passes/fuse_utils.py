@@ -122,8 +122,14 @@ def getitem(graph: fx.Graph, n: fx.Node, i: int) -> fx.Node:
     return g
 
 
+_SHAPE_ONLY = {torch.ops.aten.zeros_like, torch.ops.aten.ones_like, torch.ops.aten.empty_like,
+               torch.ops.aten.full_like}
+
+
 def depends_on_params(n: fx.Node, gm: fx.GraphModule, input_kinds: list[str] | None) -> bool:
-    """Whether n is computed from a trainable parameter placeholder (then it needs a gradient)."""
+    """Whether n is computed from a trainable parameter placeholder (then it needs a gradient).
+
+    `*_like` factories read only their argument's shape and dtype, so the walk does not pass through them."""
     if input_kinds is None:
         return False
     phs = [p for p in gm.graph.nodes if p.op == "placeholder"]
@@ -136,6 +142,8 @@ def depends_on_params(n: fx.Node, gm: fx.GraphModule, input_kinds: list[str] | N
         seen.add(c)
         if c in params:
             return True
+        if c.op == "call_function" and getattr(c.target, "overloadpacket", None) in _SHAPE_ONLY:
+            continue
         stack.extend(a for a in c.all_input_nodes)
     return False
 
