@@ -95,7 +95,19 @@ BAD_INPUTS = {
                                                                         "does not exist"),
     "seq_len too long": (["data.seq_len=128"], "data.seq_len=128 is longer than model 'gpt2-tiny' supports"),
     "resume without checkpoint": (["--resume"], "no checkpoint"),
+    "nproc without layout": (["--nproc=2"], "--nproc 2 but parallel.dp*tp*pp = 1: set parallel.dp=2"),
 }
+
+
+def test_nproc_passes_the_command_on_to_torchrun(monkeypatch):
+    import graphtrain.distributed.launch as launch
+    seen = {}
+    monkeypatch.setattr(launch, "launch", lambda n, argv: seen.update(n=n, argv=argv) or 0)
+    assert main(["train", "job.yaml", "parallel.dp=2", "--nproc", "2", "--out", "o", "--no-accelerate"]) == 2  # no job.yaml
+    code = main(["train", *TINY, "parallel.dp=2", "--nproc", "2", "--out", "o", "--resume", "--no-accelerate"])
+    assert code == 0 and seen["n"] == 2
+    assert seen["argv"] == [*TINY, "parallel.dp=2", "--out", "o", "--resume", "--no-accelerate"]
+    assert "--nproc" not in launch.torchrun_command(2, seen["argv"])[3:]
 
 
 @pytest.mark.parametrize("case", list(BAD_INPUTS))

@@ -54,6 +54,10 @@ def test_default_corpus_is_stdlib_python_split_deterministically() -> None:
     root, files = list_files(cfg)
     assert root == default_root() and files
     assert all(f.relpath.endswith(".py") and "site-packages" not in f.relpath for f in files)
+    names = {f.relpath for f in files}  # generated codec/data tables are not code worth learning
+    assert not any(n.startswith(("encodings/", "pydoc_data/")) for n in names)
+    assert not names & {"stringprep.py", "html/entities.py", "re/_casefix.py"}
+    assert "_pydecimal.py" in names and "html/parser.py" in names
     assert [f.relpath for f in files] == sorted(f.relpath for f in files)
 
     a, b = load_corpus(cfg), load_corpus(cfg)
@@ -258,3 +262,11 @@ def test_batches_feed_the_reference_models(family: str) -> None:
     model = build_model(ModelConfig(name=f"{family}-tiny"), vocab_size=data.vocab_size)
     loss = model(**data.train.get_batch(0, 2))
     assert loss.dim() == 0 and abs(loss.item() - np.log(data.vocab_size)) < 1.0
+
+
+def test_user_folders_keep_encodings_and_table_modules(tmp_path: Path) -> None:
+    for rel in ("encodings/cp1252.py", "pydoc_data/topics.py", "stringprep.py", "main.py"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(f"# {rel}\nx = 1\n")
+    _, files = list_files(DataConfig(path=str(tmp_path)))
+    assert [f.relpath for f in files] == ["encodings/cp1252.py", "main.py", "pydoc_data/topics.py", "stringprep.py"]

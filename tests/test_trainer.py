@@ -138,8 +138,12 @@ def test_resume_errors(tmp_path):
 def test_user_mistakes_are_clear(tmp_path):
     with pytest.raises(ValueError, match=r"data.seq_len=128 .*max_seq_len=64.*model.max_seq_len=128"):
         Trainer(tiny(tmp_path, "data.seq_len=128"))
-    with pytest.raises(ValueError, match="batch_size"):
+    with pytest.raises(ValueError, match="batch_size=auto needs a memory budget: set engine.memory_budget"):
         Trainer(tiny(tmp_path, "train.batch_size=auto"))
+    with pytest.raises(ValueError, match="parallel.tp>1 together with parallel.pp>1"):
+        Trainer(tiny(tmp_path, "parallel.tp=2", "parallel.pp=2"))
+    with pytest.raises(ValueError, match=r"world size 1.*--nproc 2"):  # dp=2 without torchrun
+        Trainer(tiny(tmp_path, "parallel.dp=2"))
     with pytest.raises(TypeError, match="graphtrain.Config"):
         Trainer({"model": {"name": "gpt2-tiny"}})
     diverging = Trainer(tiny(tmp_path / "nan"))
@@ -158,6 +162,64 @@ def test_shipped_configs_load():
     assert Config.from_yaml(configs / "default.yaml") == Config()  # the documented job is the default
     tiny_job = Config.from_yaml(configs / "gpt2-tiny-test.yaml")
     assert tiny_job.model.name == "gpt2-tiny" and tiny_job.data.seq_len <= 64
+
+
+def test_auto_batch_size_fits_the_budget(tmp_path):
+    budget = 8_000_000
+    trainer = Trainer(tiny(tmp_path, "train.batch_size=auto", f"engine.memory_budget={budget}", "train.grad_accum=2",
+                           "train.steps=1"))
+    chosen = trainer.config.train.batch_size
+    assert isinstance(chosen, int) and chosen > 1 and trainer.config.train.grad_accum == 2  # accum kept
+    from graphtrain.memory.autobatch import pick_batch_size
+    from graphtrain.models import build_model
+    plan = pick_batch_size(lambda: build_model(trainer.config.model, vocab_size=512), 32, budget)
+    assert plan.micro_batch == chosen and plan.predicted_peak <= budget
+    summary = trainer.fit()
+    assert summary["tokens_per_step"] == chosen * 2 * 32
+    assert "batch_size: %d" % chosen in (tmp_path / "config.yaml").read_text()  # resolved in the saved config
+    # same weights as a run with that number set explicitly: picking does not move the seed
+    explicit = Trainer(tiny(tmp_path / "explicit", f"train.batch_size={chosen}", "train.grad_accum=2"))
+    for (n, a), b in zip(explicit.model.state_dict().items(), Trainer(tiny(
+            tmp_path / "auto2", "train.batch_size=auto", f"engine.memory_budget={budget}")).model.state_dict().values()):
+        assert torch.equal(a, b), n
+
+
+def test_init_from_loads_weights_only(tmp_path):
+    Trainer(tiny(tmp_path / "a", "train.steps=3", "model.max_seq_len=64")).fit()
+    src = torch.load(list_checkpoints(tmp_path / "a")[-1][1], weights_only=True)["model"]
+    # a run folder (its latest checkpoint), a longer data.seq_len, step 0 and a fresh optimizer
+    b = Trainer(tiny(tmp_path / "b", "train.steps=1", "model.max_seq_len=64", "data.seq_len=64",
+                     f"train.init_from={tmp_path / 'a'}"))
+    for k, v in b.model.state_dict().items():
+        assert torch.equal(v, src[k]), k
+    assert b.step == 0 and not b.optimizer.state
+    assert b.fit()["steps"] == 1
+    with pytest.raises(ValueError, match=r"model.max_seq_len: checkpoint 64, current None"):  # positions differ
+        Trainer(tiny(tmp_path / "c", f"train.init_from={tmp_path / 'a'}"))
+    with pytest.raises(ValueError, match="train.init_from=.*does not exist"):
+        Trainer(tiny(tmp_path / "c", f"train.init_from={tmp_path / 'nope'}"))
+    with pytest.raises(ValueError, match="init_from and --resume cannot be combined.*train.init_from=null"):
+        Trainer(tiny(tmp_path / "b", f"train.init_from={tmp_path / 'a'}", "model.max_seq_len=64"), resume=True)
+    with pytest.raises(ValueError, match="train.init_from must be"):
+        tiny(tmp_path, "train.init_from=' '")
+
+
+def test_bert_phase_configs_chain(tmp_path):
+    """configs/bert-pretrain-phase1.yaml then phase2.yaml (init_from phase 1), shrunk to bert-tiny."""
+    configs = Path(__file__).resolve().parent.parent / "configs"
+    small = ["model.name=bert-tiny", "model.max_seq_len=64", "data.vocab_size=512", "data.max_bytes=300000",
+             "train.steps=2", "train.batch_size=4", "train.eval_batches=1", "train.accelerate=false",
+             "train.progress=false", "train.threads=1", "engine.precision=fp32"]
+    one = Config.from_yaml(configs / "bert-pretrain-phase1.yaml").with_overrides(
+        [*small, "data.seq_len=32", f"train.out_dir={tmp_path / 'p1'}"])
+    assert math.isfinite(Trainer(one).fit()["val_loss"])
+    two = Config.from_yaml(configs / "bert-pretrain-phase2.yaml")
+    assert two.train.init_from == Config.from_yaml(configs / "bert-pretrain-phase1.yaml").train.out_dir
+    two = two.with_overrides([*small, "data.seq_len=64", f"train.out_dir={tmp_path / 'p2'}",
+                              f"train.init_from={tmp_path / 'p1'}"])
+    trainer = Trainer(two)
+    assert trainer.init_source == list_checkpoints(tmp_path / "p1")[-1][1]
+    assert trainer.fit()["steps"] == 2
 
 
 @pytest.mark.slow

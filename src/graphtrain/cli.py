@@ -64,8 +64,10 @@ examples:
   graphtrain train model.name=gpt2-tiny data.seq_len=64 train.steps=50 --out runs/tiny
   graphtrain train --out runs/tiny --resume --steps 100   continue runs/tiny up to step 100
   graphtrain train data.path=~/src/myproject           train on your own folder of text/code files
+  graphtrain train configs/x.yaml parallel.dp=2 --nproc 2   data-parallel on 2 processes (torchrun)
 
-output: out_dir/ckpt-NNNNNNN.pt (last 3 kept), out_dir/metrics.jsonl, out_dir/config.yaml
+output: out_dir/ckpt-NNNNNNN.pt (last 3 kept; distributed runs: sharded ckpt-NNNNNNN/ folders),
+out_dir/metrics.jsonl, out_dir/config.yaml
 """
 
 
@@ -79,6 +81,21 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                    help="train with plain eager PyTorch instead of the graphtrain engine (train.accelerate=false)")
     p.add_argument("--out", metavar="DIR", help="output folder for checkpoints and metrics (train.out_dir)")
     p.add_argument("--steps", type=int, metavar="N", help="optimizer steps in total (train.steps)")
+    p.add_argument("--nproc", type=int, metavar="N",
+                   help="run on N local processes under torchrun (parallel.dp*tp*pp must equal N, e.g. "
+                        "parallel.dp=N); the same command runs in every worker, without --nproc")
+
+
+def _worker_argv(args: argparse.Namespace) -> list[str]:
+    """The `graphtrain train` arguments each torchrun worker gets: this command's, minus --nproc."""
+    argv = list(args.items)
+    for flag, value in (("--resume-from", args.resume_from), ("--out", args.out), ("--steps", args.steps)):
+        if value is not None:
+            argv += [flag, str(value)]
+    argv += [flag for flag, on in (("--resume", args.resume), ("--no-accelerate", args.no_accelerate)) if on]
+    if getattr(args, "debug", False):
+        argv.append("--debug")
+    return argv
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -97,20 +114,37 @@ def run_train(args: argparse.Namespace) -> int:
     if args.resume and args.resume_from:
         raise ValueError("give either --resume (latest checkpoint in out_dir) or --resume-from CKPT, not both")
     resume: bool | Path = Path(args.resume_from) if args.resume_from else args.resume
+    if args.nproc is not None:
+        if args.nproc < 1:
+            raise ValueError(f"--nproc must be >= 1, got {args.nproc}")
+        if config.parallel.world_size != args.nproc:
+            raise ValueError(f"--nproc {args.nproc} but parallel.dp*tp*pp = {config.parallel.world_size}: set "
+                             f"parallel.dp={args.nproc} (or a dp, tp, pp whose product is {args.nproc})")
+        if args.nproc > 1:
+            from graphtrain.distributed.launch import launch
+            return launch(args.nproc, _worker_argv(args))
 
     trainer = Trainer(config, resume=resume)
-    s = trainer.fit()
+    try:
+        s = trainer.fit()
+        if trainer.is_main:
+            _report(trainer, s)
+    finally:
+        trainer.close()
+    return 0
+
+
+def _report(trainer, s: dict) -> None:
     print(f"\ndone: {s['steps']} steps, train loss {_num(s['train_loss'])}, val loss {_num(s['val_loss'])}, "
           f"{_num(s['tokens_per_s'], ',.0f')} tok/s, {_num(s['ms_per_step'], '.0f')} ms/step, "
           f"peak mem {_mb(s['peak_mem_bytes'])}")
     print(f"checkpoint: {s['checkpoint']}\nmetrics: {Path(s['out_dir']) / 'metrics.jsonl'}")
-    tc = config.train
-    if trainer.family == "gpt2" and tc.sample_tokens > 0:
+    tc = trainer.config.train
+    if trainer.family == "gpt2" and tc.sample_tokens > 0 and trainer.config.parallel.tp == 1:
         print(f"\ncompletion of {tc.sample_prompt!r} ({tc.sample_tokens} tokens, top-k 20, T 0.8, seed {tc.seed}):")
         print("-" * 60)
         print(trainer.sample(tc.sample_prompt, tc.sample_tokens))
         print("-" * 60)
-    return 0
 
 
 def _num(x: float | None, fmt: str = ".4f") -> str:

@@ -172,7 +172,9 @@ class TrainConfig:
     steps: int = 200
     """Optimizer steps to run in total."""
     batch_size: int | Literal["auto"] = 8
-    """Samples per optimizer step (before grad_accum); `auto` picks the largest that fits the memory budget."""
+    """Samples per micro-batch, summed over data-parallel ranks (an optimizer step sees batch_size *
+    grad_accum samples). `auto`: the largest micro-batch whose predicted step peak fits
+    `engine.memory_budget` (per rank, times parallel.dp); grad_accum stays as set."""
     grad_accum: int = 1
     """Micro-batches accumulated per optimizer step."""
     eval_every: int = 100
@@ -199,6 +201,11 @@ class TrainConfig:
     """GPT models: prompt completed at the end of training."""
     sample_tokens: int = 48
     """GPT models: tokens sampled for the final completion (0: none)."""
+    init_from: str | None = None
+    """Start from the model weights of this checkpoint (a ckpt-*.pt file, a sharded ckpt-* folder, or a
+    run folder: its latest checkpoint), at step 0 with a fresh optimizer and this config's schedule.
+    The model must have the same shapes (model.name, max_seq_len, vocab); data.seq_len may differ.
+    Not together with --resume (which continues a run: weights, optimizer, step and RNG)."""
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -209,6 +216,8 @@ class TrainConfig:
             raise ValueError(f"train.batch_size must be >= 1 or 'auto', got {self.batch_size}")
         if self.eval_every < 0 or self.ckpt_every < 0:
             raise ValueError("train.eval_every and train.ckpt_every must be >= 0")
+        if self.init_from is not None and not self.init_from.strip():
+            raise ValueError("train.init_from must be a checkpoint file or run folder, or null (random init)")
 
 
 @dataclass

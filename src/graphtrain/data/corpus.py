@@ -19,6 +19,13 @@ _SKIP_DIRS = {".git", ".hg", ".svn", "__pycache__", ".venv", "venv", "node_modul
               ".pytest_cache", ".tox", "site-packages", "dist-packages"}
 
 
+# Default corpus only: stdlib modules that are generated data tables rather than code. `encodings/`
+# alone (cp*.py / mac_*.py codec tables) is ~1.4 MB of the first 8 MB in path order, so a model
+# trained on it completes `def ` with table rows. User folders (data.path) are never filtered.
+_STDLIB_SKIP_DIRS = {"encodings", "pydoc_data"}  # relative to the stdlib root
+_STDLIB_SKIP_FILES = {"stringprep.py", "html/entities.py", "re/_casefix.py"}
+
+
 @dataclass(frozen=True)
 class SourceFile:
     relpath: str  # posix-style, relative to the corpus root
@@ -62,7 +69,8 @@ def corpus_root(cfg: DataConfig) -> Path:
 def list_files(cfg: DataConfig) -> tuple[Path, list[SourceFile]]:
     """Candidate files in sorted relative-path order, with their size and mtime (no reading yet).
 
-    Default corpus: the stdlib's *.py files outside site-packages. Custom folder: every file
+    Default corpus: the stdlib's *.py files outside site-packages and the generated table modules
+    (`encodings/`, `pydoc_data/`, stringprep, html.entities, re._casefix). Custom folder: every file
     outside hidden and cache folders; binary and non-UTF-8 files are dropped when read.
     """
     root = corpus_root(cfg)
@@ -70,6 +78,8 @@ def list_files(cfg: DataConfig) -> tuple[Path, list[SourceFile]]:
     found: list[SourceFile] = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = [d for d in dirnames if d not in _SKIP_DIRS and (default or not d.startswith("."))]
+        if default and Path(dirpath) == root:
+            dirnames[:] = [d for d in dirnames if d not in _STDLIB_SKIP_DIRS]
         for name in filenames:
             if default and not name.endswith(".py"):
                 continue
@@ -82,7 +92,10 @@ def list_files(cfg: DataConfig) -> tuple[Path, list[SourceFile]]:
                 continue
             if not path.is_file():
                 continue
-            found.append(SourceFile(path.relative_to(root).as_posix(), path, st.st_size, st.st_mtime_ns))
+            relpath = path.relative_to(root).as_posix()
+            if default and relpath in _STDLIB_SKIP_FILES:
+                continue
+            found.append(SourceFile(relpath, path, st.st_size, st.st_mtime_ns))
     found.sort(key=lambda f: f.relpath)
     return root, found
 

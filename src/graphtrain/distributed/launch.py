@@ -1,6 +1,9 @@
 """`graphtrain train --nproc N ...`: re-run the same command under torchrun (torch.distributed.run).
 
-Single node:   launch(4, ["--config", "job.yaml"])  ==  torchrun --standalone --nproc-per-node 4 -m graphtrain train ...
+Single node:   launch(4, ["job.yaml", "parallel.dp=4"])
+               ==  torchrun --standalone --nproc-per-node=4 -m graphtrain train job.yaml parallel.dp=4
+(`graphtrain train job.yaml parallel.dp=4 --nproc 4` does exactly this: the CLI takes the YAML
+positionally, then section.key=value overrides and options, and passes them on minus --nproc.)
 Multi-node:    run on every node with the same rendezvous endpoint (see docs/distributed.md):
     launch(16, argv, nnodes=4, rdzv_endpoint="node0:29500", rdzv_id="job42")
 """

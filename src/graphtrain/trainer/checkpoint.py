@@ -4,6 +4,8 @@ Layout of a run folder::
 
     out_dir/ckpt-0000100.pt     one file per saved step (zero-padded, so names sort by step)
     out_dir/ckpt-0000200.pt     the latest is the highest step: found by scanning, no pointer file
+    out_dir/ckpt-0000300/       distributed runs: a sharded checkpoint folder (graphtrain.distributed.checkpoint,
+                                DCP files + extra.pt holding the same metadata as a .pt file, minus the tensors)
 
 A checkpoint is a dict (see `FORMAT_VERSION`) holding the model and optimizer state dicts, the
 number of completed optimizer steps, every RNG state (torch CPU, CUDA, python, numpy) and the
@@ -19,6 +21,7 @@ from __future__ import annotations
 import os
 import random
 import re
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -28,15 +31,24 @@ import torch
 
 FORMAT_VERSION = 1
 KEEP_LAST = 3
-_NAME = re.compile(r"^ckpt-(\d{7,})\.pt$")
+_NAME = re.compile(r"^ckpt-(\d{7,})(\.pt)?$")  # .pt: a file; no suffix: a sharded folder
 REQUIRED_KEYS = ("format_version", "step", "model", "optimizer", "rng", "config")
 # Config keys that decide the model's shapes or the meaning of its token ids: resuming across a
 # change to any of them cannot work.
 MODEL_KEYS = (("model", "name"), ("model", "max_seq_len"), ("model", "vocab_size"), ("data", "vocab_size"))
 
 
-def checkpoint_path(out_dir: str | Path, step: int) -> Path:
-    return Path(out_dir) / f"ckpt-{step:07d}.pt"
+def checkpoint_path(out_dir: str | Path, step: int, sharded: bool = False) -> Path:
+    return Path(out_dir) / (f"ckpt-{step:07d}" if sharded else f"ckpt-{step:07d}.pt")
+
+
+def is_sharded(path: str | Path) -> bool:
+    """A sharded (distributed) checkpoint folder: DCP's .metadata inside."""
+    return (Path(path) / ".metadata").is_file()
+
+
+def _is_checkpoint(p: Path, m: re.Match) -> bool:
+    return p.is_file() if m.group(2) else (p.is_dir() and is_sharded(p))
 
 
 def list_checkpoints(out_dir: str | Path) -> list[tuple[int, Path]]:
@@ -44,7 +56,7 @@ def list_checkpoints(out_dir: str | Path) -> list[tuple[int, Path]]:
     out = Path(out_dir)
     if not out.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in out.iterdir() if (m := _NAME.match(p.name)) and p.is_file()]
+    found = [(int(m.group(1)), p) for p in out.iterdir() if (m := _NAME.match(p.name)) and _is_checkpoint(p, m)]
     return sorted(found)
 
 
@@ -97,7 +109,10 @@ def prune_checkpoints(out_dir: str | Path, keep: int = KEEP_LAST, protect: Path 
     doomed = [p for _, p in found[:-keep]] if keep > 0 else []
     doomed = [p for p in doomed if protect is None or p.resolve() != Path(protect).resolve()]
     for p in doomed:
-        p.unlink(missing_ok=True)
+        if p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
     return doomed
 
 
@@ -141,6 +156,10 @@ def load_checkpoint(path: str | Path, config: Any = None, model_spec: dict[str, 
     graphtrain checkpoint, from another format version, or built for a different model.
     """
     path = Path(path)
+    if is_sharded(path):
+        raise ValueError(f"checkpoint {str(path)!r} is a sharded checkpoint folder written by a distributed run: "
+                         f"resume it with a distributed launch (graphtrain train --nproc N parallel.dp=N ...), or "
+                         f"start from its weights with train.init_from")
     if not path.is_file():
         raise ValueError(f"checkpoint {str(path)!r} does not exist{_alternatives(path)}")
     try:
@@ -159,6 +178,25 @@ def load_checkpoint(path: str | Path, config: Any = None, model_spec: dict[str, 
     if missing:
         raise ValueError(f"checkpoint {str(path)!r} is incomplete (missing {', '.join(missing)})"
                          f"{_alternatives(path)}")
+    if config is not None or model_spec is not None:
+        check_compatible(state, config, model_spec, path)
+    return state
+
+
+def load_sharded_meta(path: str | Path, config: Any = None, model_spec: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The metadata (`extra.pt`: step, RNG, config, model spec) of a sharded checkpoint folder, validated
+    like `load_checkpoint` does for a file; the tensors are read by `Parallelized.load` / DCP."""
+    path = Path(path)
+    if not is_sharded(path):
+        raise ValueError(f"{str(path)!r} is not a sharded checkpoint folder (no .metadata){_alternatives(path)}")
+    try:
+        state = torch.load(path / "extra.pt", map_location="cpu", weights_only=False)
+    except Exception as e:
+        raise ValueError(f"checkpoint {str(path)!r}: extra.pt is unreadable or missing ({type(e).__name__})"
+                         f"{_alternatives(path)}") from None
+    if not isinstance(state, dict) or state.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"checkpoint {str(path)!r} is not a graphtrain trainer checkpoint of format version "
+                         f"{FORMAT_VERSION}{_alternatives(path)}")
     if config is not None or model_spec is not None:
         check_compatible(state, config, model_spec, path)
     return state
