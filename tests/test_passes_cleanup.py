@@ -122,3 +122,19 @@ def test_unknown_pass_name_is_a_clear_error():
     ctx = PassContext(config=EngineConfig(passes={"eliminate_dead_cod": False}), stage="pre_autodiff")
     with pytest.raises(ValueError, match="did you mean 'eliminate_dead_code'"):
         run_pipeline(_trace(lambda x: x + 1, torch.randn(2)), ctx)
+
+
+def test_provider_limited_defaults():
+    """Fusions Inductor does better itself are on by default under aten only; engine.passes overrides."""
+    from graphtrain.config import EngineConfig
+    from graphtrain.passes.manager import pipeline
+
+    def names(**kw):
+        return {s.name for s in pipeline("pre_autodiff", EngineConfig(**kw))}
+
+    assert {"fuse_layer_norm", "fuse_bias_gelu", "fuse_bias_dropout_add"} <= names(provider="aten")
+    under_inductor = names(provider="inductor")
+    assert "fuse_bias_dropout_add" in under_inductor and "fuse_layer_norm" not in under_inductor
+    assert "fuse_attention" not in names(provider="aten")  # opt-in
+    assert "fuse_layer_norm" in names(provider="inductor", passes={"fuse_layer_norm": True})
+    assert "fuse_bias_dropout_add" not in names(provider="aten", passes={"fuse_bias_dropout_add": False})

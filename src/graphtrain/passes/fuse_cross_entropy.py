@@ -34,7 +34,7 @@ def _lm_head(x: fx.Node):
     return h, wt
 
 
-@register_pass("pre_autodiff", default=True, order=50)
+@register_pass("pre_autodiff", default=True, order=50, providers=("aten",))
 def fuse_cross_entropy_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Rewrite softmax cross-entropy (and an LM head feeding it) to graphtrain's fused ops."""
     g, n = gm.graph, 0

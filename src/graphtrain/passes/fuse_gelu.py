@@ -65,7 +65,7 @@ def _match_formula(t: fx.Node):
     return x, approx, out
 
 
-@register_pass("pre_autodiff", default=True, order=30)
+@register_pass("pre_autodiff", default=True, order=30, providers=("aten",))
 def fuse_bias_gelu_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Rewrite GELUs (aten.gelu or the spelled-out erf/tanh formulas) and their bias to graphtrain::bias_gelu."""
     g, n = gm.graph, 0

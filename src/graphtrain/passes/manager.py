@@ -40,6 +40,10 @@ class PassSpec:
     default: bool
     changes_numerics: bool
     order: int
+    providers: tuple[str, ...] | None = None  # on by default only under these providers (None: all)
+
+    def on_by_default(self, provider: str) -> bool:
+        return self.default and (self.providers is None or provider in self.providers)
 
 
 @dataclass
@@ -79,9 +83,10 @@ _REGISTRY: dict[str, PassSpec] = {}
 
 
 def register_pass(stages: str | tuple[str, ...], *, default: bool = True, changes_numerics: bool = False,
-                  order: int = 100) -> Callable[[PassFn], PassFn]:
+                  order: int = 100, providers: tuple[str, ...] | None = None) -> Callable[[PassFn], PassFn]:
     """Register a pass; its name is the function's name without the trailing ``_pass``.
-    Lower ``order`` runs earlier within a stage."""
+    Lower ``order`` runs earlier within a stage. ``providers`` limits where the pass is on by default
+    (e.g. a fusion Inductor already does better itself); ``engine.passes`` overrides it either way."""
     stages = (stages,) if isinstance(stages, str) else tuple(stages)
     for s in stages:
         assert s in STAGES, s
@@ -90,7 +95,7 @@ def register_pass(stages: str | tuple[str, ...], *, default: bool = True, change
         assert fn.__name__.endswith("_pass"), f"pass functions end in _pass: {fn.__name__}"
         name = fn.__name__[: -len("_pass")]
         assert name not in _REGISTRY or _REGISTRY[name].fn.__qualname__ == fn.__qualname__, f"duplicate pass {name}"
-        _REGISTRY[name] = PassSpec(name, fn, stages, default, changes_numerics, order)
+        _REGISTRY[name] = PassSpec(name, fn, stages, default, changes_numerics, order, providers)
         return fn
 
     return deco
@@ -102,7 +107,9 @@ def registered_passes() -> dict[str, PassSpec]:
 
 
 def pipeline(stage: str, config: EngineConfig) -> list[PassSpec]:
-    """The ordered passes that run at `stage` under `config` (defaults, switched by config.passes)."""
+    """The ordered passes that run at `stage` under `config` (defaults, switched by config.passes).
+
+    Provider-limited defaults apply once the provider is resolved; under `auto` they count as on."""
     specs = registered_passes()
     unknown = [n for n in config.passes if n not in specs]
     if unknown:
@@ -110,7 +117,12 @@ def pipeline(stage: str, config: EngineConfig) -> list[PassSpec]:
         hints = [difflib.get_close_matches(n, specs, n=1) for n in unknown]
         msg = ", ".join(f"{n!r}" + (f" (did you mean {h[0]!r}?)" if h else "") for n, h in zip(unknown, hints))
         raise ValueError(f"engine.passes names unknown passes: {msg}; known passes: {', '.join(sorted(specs))}")
-    chosen = [s for s in specs.values() if stage in s.stages and config.passes.get(s.name, s.default)]
+    provider = config.provider
+
+    def on(s: PassSpec) -> bool:
+        return config.passes.get(s.name, s.default if provider == "auto" else s.on_by_default(provider))
+
+    chosen = [s for s in specs.values() if stage in s.stages and on(s)]
     return sorted(chosen, key=lambda s: (s.order, s.name))
 
 

@@ -1,0 +1,17 @@
+"""Shared test hygiene."""
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    """Reset Dynamo's caches after each test that used it.
+
+    Every `graphtrain.accelerate` compiles `nn.Module._call_impl` with its own backend, and Dynamo
+    allows a code object `torch._dynamo.config.recompile_limit` (8) cache entries per process; a
+    long test session would otherwise hit that limit depending on test order."""
+    yield
+    import sys
+    if "torch._dynamo" in sys.modules:
+        sys.modules["torch._dynamo"].reset()
