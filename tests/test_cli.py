@@ -69,7 +69,7 @@ def test_help_and_config_listing(capsys):
         assert flag in out
     code, out, _ = run(capsys, "config")
     assert code == 0
-    assert "train.steps = 200" in out and "Optimizer steps to run in total." in out
+    assert "train.steps = 400" in out and "Optimizer steps to run in total." in out
     assert "engine.precision" in out and "data.max_bytes" in out
     code, out, _ = run(capsys, "config", "train.steps=7")
     assert code == 0 and "steps: 7" in out

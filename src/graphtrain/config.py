@@ -169,7 +169,7 @@ class OptimConfig:
 class TrainConfig:
     """The training loop."""
 
-    steps: int = 200
+    steps: int = 400
     """Optimizer steps to run in total."""
     batch_size: int | Literal["auto"] = 8
     """Samples per micro-batch, summed over data-parallel ranks (an optimizer step sees batch_size *
@@ -177,13 +177,13 @@ class TrainConfig:
     `engine.memory_budget` (per rank, times parallel.dp); grad_accum stays as set."""
     grad_accum: int = 1
     """Micro-batches accumulated per optimizer step."""
-    eval_every: int = 100
+    eval_every: int = 200
     """Evaluate on the validation split every N steps (and at the end)."""
     eval_batches: int = 8
     """Validation batches per evaluation."""
     log_every: int = 10
     """Record metrics every N steps."""
-    ckpt_every: int = 100
+    ckpt_every: int = 200
     """Save a checkpoint every N steps (and at the end); 0 saves only at the end."""
     out_dir: str = "runs/default"
     """Checkpoints, metrics.jsonl and the saved config go here."""
