@@ -15,3 +15,14 @@ def _fresh_dynamo():
     import sys
     if "torch._dynamo" in sys.modules:
         sys.modules["torch._dynamo"].reset()
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread for tiny models: they gain nothing from threads and, on a busy shared
+    2-core machine, lose a lot to oversubscription (measured up to 60x on gpt2-tiny steps)."""
+    import torch
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

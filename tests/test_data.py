@@ -28,13 +28,7 @@ def config(family_seed: int = 1337, **data) -> Config:
     return Config.from_dict({"data": {**SMALL, **data}, "train": {"seed": family_seed}})
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The tiny models here gain nothing from intra-op threads and lose a lot on a busy shared CPU."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -12,13 +12,7 @@ from graphtrain.passes import PassContext
 from graphtrain.passes.mixed_precision import apply_mixed_precision_pass
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny shapes on a shared 2-core machine: one intra-op thread avoids oversubscription (60x here)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 STEPS, BATCH, SEQ, VOCAB = 300, 8, 64, 512

@@ -11,13 +11,7 @@ from graphtrain.testing import assert_close, assert_grads_close
 FAMILIES = ["gpt2", "bert"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a busy shared CPU they lose a lot."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 ATTENTIONS = ["explicit", "sdpa"]
 
 

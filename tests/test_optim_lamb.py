@@ -11,13 +11,7 @@ from graphtrain.config import OptimConfig
 from graphtrain.optim import LAMB, build_optimizer
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny shapes on a shared 2-core machine: one intra-op thread avoids oversubscription (60x here)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 SHAPES = [(33, 17), (17,), (8, 4, 3), (5,), (1,)]

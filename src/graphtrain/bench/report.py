@@ -272,8 +272,11 @@ blog compared (batch 64 vs 128 for BERT-Large phase 1 on a 32 GB V100).
 * **Memory** is the peak resident set (VmHWM) of the variant's process, including imports (about
   250-400 MiB for torch, more with transformers) and compile-time transients; the value in brackets
   is the peak during the timed steps only (the kernel's high-water mark is reset before round 1).
-* **Loss@N** is the loss after N steps from the same seed and batch: variants should agree to a
-  few percent (dropout random streams differ between eager and compiled code; bf16 rounds).
+* **Loss@N** is the loss after N steps from the same seed on one fixed batch. It is a sanity check
+  (finite, falling), not a parity check: memorizing one batch at lr 1e-3 amplifies differences in
+  dropout random streams (eager, Inductor and graphtrain's fused dropout each draw their own) and
+  bf16 rounding, and measured values after 19 steps differ by up to 3x between variants. Parity with
+  eager is what the test suite checks, forward and backward, per pass and per model.
 * **Largest batch under a cap** (`maxbatch.py`): a fresh process per trial batch measures its
   whole-process peak; a line fitted through the measurements nearest the cap predicts the largest
   batch, which is then confirmed or bisected by measurement. No RLIMIT_AS (it limits virtual
