@@ -22,10 +22,8 @@ model's parameter names and shapes and load under any layout.
 from __future__ import annotations
 
 import contextlib
-import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
@@ -52,34 +50,6 @@ class SplitQKV(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([self.q(x), self.k(x), self.v(x)], dim=-1)
-
-
-def _tp_attention_forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """graphtrain.models.layers.SelfAttention.forward on this rank's `n_head / tp` heads.
-
-    A copy of that forward with local sizes (it reads the width C from its input, which is the full
-    width here). tests/test_distributed_tp_pp.py compares against the unsharded model, so drift fails there.
-    """
-    B, T, _ = x.shape
-    local = self.n_head_local * self.head_dim
-    q, k, v = self.qkv(x).split(local, dim=2)
-    q = q.view(B, T, self.n_head_local, self.head_dim).transpose(1, 2)
-    k = k.view(B, T, self.n_head_local, self.head_dim).transpose(1, 2)
-    v = v.view(B, T, self.n_head_local, self.head_dim).transpose(1, 2)
-    if self.attention == "sdpa":
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=self.causal and attn_mask is None,
-                                           dropout_p=self.dropout_p if self.training else 0.0)
-    else:
-        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))
-        if self.causal:
-            future = torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1)
-            att = att.masked_fill(future, float("-inf"))
-        if attn_mask is not None:
-            att = att + attn_mask
-        att = self.attn_dropout(F.softmax(att, dim=-1))
-        y = att @ v
-    y = y.transpose(1, 2).contiguous().view(B, T, local)
-    return self.resid_dropout(self.proj(y))
 
 
 def _blocks_and_vocab(model: nn.Module) -> tuple[str, nn.ModuleList, str, str, bool]:
@@ -120,8 +90,6 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
         attn = block.attn
         attn.qkv = SplitQKV(attn.qkv)
         fused[f"{prefix}.{i}.attn.qkv"] = [".q", ".k", ".v"]
-        attn.n_head_local = attn.n_head // tp
-        attn.forward = _tp_attention_forward.__get__(attn)
         parallelize_module(block, tp_mesh, {
             "attn.qkv.q": ColwiseParallel(), "attn.qkv.k": ColwiseParallel(), "attn.qkv.v": ColwiseParallel(),
             "attn.proj": RowwiseParallel(),

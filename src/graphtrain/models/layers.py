@@ -45,12 +45,15 @@ class SelfAttention(nn.Module):
         self.resid_dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
-        B, T, C = x.shape
-        q, k, v = self.qkv(x).split(C, dim=2)
-        # [B, T, C] -> [B, n_head, T, head_dim]
-        q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
-        k = k.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
-        v = v.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x).chunk(3, dim=2)
+        # Heads from the projection's width: all of them, or a tensor-parallel rank's share
+        # (graphtrain.distributed.tensor_parallel shards qkv column-wise as [q_local | k_local | v_local]).
+        n_head, width = q.shape[-1] // self.head_dim, q.shape[-1]
+        # [B, T, width] -> [B, n_head, T, head_dim]
+        q = q.view(B, T, n_head, self.head_dim).transpose(1, 2)
+        k = k.view(B, T, n_head, self.head_dim).transpose(1, 2)
+        v = v.view(B, T, n_head, self.head_dim).transpose(1, 2)
 
         if self.attention == "sdpa":
             y = F.scaled_dot_product_attention(
@@ -69,7 +72,7 @@ class SelfAttention(nn.Module):
             att = self.attn_dropout(att)
             y = att @ v
 
-        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        y = y.transpose(1, 2).contiguous().view(B, T, width)
         return self.resid_dropout(self.proj(y))
 
 
