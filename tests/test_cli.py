@@ -154,3 +154,11 @@ def test_debug_shows_traceback(tmp_path):
         main(["train", *TINY, "train.stepz=1", "--debug"])
     with pytest.raises(ValueError, match="unknown config key"):
         main(["--debug", "train", *TINY, "train.stepz=1"])
+
+
+def test_report_prints_what_the_engine_did(capsys):
+    code, out, err = run(capsys, "report", *TINY, "engine.provider=aten")
+    assert code == 0, err
+    assert "graphs captured: 1" in out and "fuse_bias_dropout_add" in out and "predicted step peak" in out
+    code, out, err = run(capsys, "report", *TINY, "engine.provider=aten", "--json")
+    assert code == 0 and '"graphs"' in out, err
