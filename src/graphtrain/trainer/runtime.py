@@ -17,14 +17,16 @@ def check_supported(config: Config) -> None:
     """Reject settings the Trainer cannot honour (yet), naming the fix.
 
     parallel.dp*tp*pp > 1 runs through graphtrain.distributed (launch with `graphtrain train --nproc N`):
-    dp (optionally ZeRO-1) and tp are supported; pp is not wired into the Trainer yet (evaluation and
+    dp (optionally ZeRO-1) or tp are supported, not both at once; pp is not wired into the Trainer yet (evaluation and
     sampling need the whole model on one rank), and neither is fp16 loss scaling across ranks.
     """
     par, tc = config.parallel, config.train
     if par.world_size > 1:
         if par.tp > 1 and par.pp > 1:
-            raise ValueError("parallel.tp>1 together with parallel.pp>1 is not supported yet: use tp or pp (each "
-                             "with dp)")
+            raise ValueError("parallel.tp>1 together with parallel.pp>1 is not supported yet: use tp or pp")
+        if par.tp > 1 and par.dp > 1:
+            raise ValueError("parallel.dp>1 together with parallel.tp>1 is not supported yet: use dp (optionally "
+                             "with zero_stage=1) or tp on its own")
         if par.pp > 1:
             raise ValueError("parallel.pp>1 is not supported by the Trainer yet (evaluation and sampling need the "
                              "whole model on one rank): use parallel.dp and/or parallel.tp, or drive "
