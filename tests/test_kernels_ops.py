@@ -92,6 +92,23 @@ def test_bias_dropout_add_cpu_path_matches_reference_mask(dtype):
         bias_dropout_add(x, torch.randn(3, dtype=dtype), r, 0.1)
 
 
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(3, 2500), (5, 7, 1031), (40000,)])
+def test_bias_dropout_add_cpu_chunks_match_reference_forward_and_backward(dtype, shape):
+    # Rows longer than the C++ kernel's 1024-element chunk and flat sizes over its 16384 grain:
+    # the mask must not depend on how the kernel splits the work.
+    from graphtrain.kernels.bias_dropout_add import dropout_backward_reference
+    x, r = torch.randn(shape, dtype=dtype), torch.randn(shape, dtype=dtype)
+    b = torch.randn(shape[-1], dtype=dtype)
+    out, seed = torch.ops.graphtrain.bias_dropout_add(x, b, r, 0.1)
+    keep = dropout_keep_mask(x.numel(), 0.1, seed).reshape(shape)
+    assert_close(out, (torch.where(keep, (x.float() + b.float()) / 0.9, 0.0) + r.float()).to(dtype), name="fwd")
+    g = torch.randn(shape, dtype=dtype)
+    got = torch.ops.graphtrain.dropout_backward(g, 0.1, seed)
+    assert torch.equal(got, dropout_backward_reference(g, 0.1, seed))
+    assert torch.equal((got != 0) | (g == 0), keep | (g == 0))  # dropped exactly where the mask says
 @pytest.mark.parametrize("p", [0.0, 0.2])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("shape", [(1, 1, 1, 4), (2, 3, 9, 5)])

@@ -56,7 +56,9 @@ def summarize(run: dict[str, Any]) -> list[dict[str, Any]]:
                            mfu=flops.mfu(setup.get("flops_per_step", 0), med, peak.get(prec)),
                            flops_per_step=setup.get("flops_per_step"), ttfs_s=setup.get("time_to_first_step_s"),
                            peak_mem_mib=rec.get("peak_mem_mib"), step_peak_mem_mib=rec.get("step_peak_mem_mib"),
-                           final_loss=rec.get("final_loss"), steps_done=rec.get("steps_done"))
+                           final_loss=rec.get("final_loss"), steps_done=rec.get("steps_done"),
+                           opt_ms=statistics.median(rec["opt_s"]) * 1e3 if rec.get("opt_s") else None,
+                           optimizer=setup.get("optimizer"))
                 for key, ref_name in (("vs_eager", REFERENCE), ("vs_compile", f"compile-{prec}")):
                     ref = recs.get(ref_name, {})
                     if ref.get("status") == "ok" and ref.get("step_s"):
@@ -89,7 +91,7 @@ def _maxbatch(row: dict[str, Any]) -> str:
 
 
 COLUMNS = ("variant", "ms/step median (min-max)", "IQR ms", "samples/s", "tokens/s", "vs eager fp32",
-           "vs compile same prec", "MFU", "peak MiB (steps)", "1st step s", "loss@N", "max batch")
+           "vs compile same prec", "MFU", "optimizer ms", "peak MiB (steps)", "1st step s", "loss@N", "max batch")
 
 
 def row_cells(row: dict[str, Any]) -> list[str]:
@@ -100,7 +102,8 @@ def row_cells(row: dict[str, Any]) -> list[str]:
     loss = f"{row['final_loss']:.4f}@{row['steps_done']}" if row.get("final_loss") is not None else "-"
     mfu = "-" if row.get("mfu") is None else f"{100 * row['mfu']:.{1 if row['mfu'] >= 0.01 else 2}f}%"
     return [row["variant"], ms, f"{(row['q3_s'] - row['q1_s']) * 1e3:.1f}", f"{row['samples_s']:.1f}",
-            f"{row['tokens_s']:.0f}", _ratio(row, "vs_eager"), _ratio(row, "vs_compile"), mfu, mem,
+            f"{row['tokens_s']:.0f}", _ratio(row, "vs_eager"), _ratio(row, "vs_compile"), mfu,
+            _f(row.get("opt_ms"), ".1f") + (f" {row['optimizer']}" if row.get("optimizer") else ""), mem,
             _f(row.get("ttfs_s"), ".1f"), loss, _maxbatch(row)]
 
 

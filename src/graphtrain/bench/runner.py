@@ -147,6 +147,8 @@ def _interleave(case: Case, live: list[tuple[Variant, WorkerProc]], records: dic
                 rec.update(_failed(reply))
                 continue
             rec["step_s"].append(reply["seconds"] / reply["steps"])
+            if reply.get("opt_seconds") is not None:
+                rec.setdefault("opt_s", []).append(reply["opt_seconds"] / reply["steps"])
             rec["round_losses"].append(reply["loss"])
 
 
