@@ -231,8 +231,10 @@ def test_cross_entropy_and_linear_cross_entropy():
 
 def test_passes_registered_and_switchable():
     from graphtrain.passes.manager import pipeline
-    names = [s.name for s in pipeline("pre_autodiff", EngineConfig(provider="aten",
-                                                                   passes={"fuse_attention": True}))]
-    for n in FUSIONS:
+    names = [s.name for s in pipeline("pre_autodiff", EngineConfig(provider="aten"))]
+    for n in FUSIONS:  # every fusion is on by default for the aten provider
         assert n in names
-    assert "fuse_attention" not in [s.name for s in pipeline("pre_autodiff", EngineConfig(provider="aten"))]
+    off = EngineConfig(provider="aten", passes={"fuse_attention": False})
+    assert "fuse_attention" not in [s.name for s in pipeline("pre_autodiff", off)]
+    inductor = [s.name for s in pipeline("pre_autodiff", EngineConfig(provider="inductor"))]
+    assert "fuse_attention" in inductor and "fuse_bias_dropout_add" in inductor and "fuse_layer_norm" not in inductor

@@ -132,6 +132,38 @@ def test_attention_vs_eager_and_reference(p, causal, shape):
         assert_close(a, e, name="grad vs reference")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mask_kind", ["none", "padding", "full", "strided", "fully_masked_row"])
+@pytest.mark.parametrize("sq,sk", [(7, 7), (5, 1100)])
+def test_attention_cpu_dropout_path_vs_reference(dtype, mask_kind, sq, sk):
+    # The p > 0 CPU path (aten bmm + C++ softmax/dropout pass) against the fp32-accumulating reference,
+    # same seed so the same dropout mask: masks broadcast over batch/heads (stride 0), a non-unit
+    # innermost mask stride, rows longer than the kernel's 1024 chunk, and a row with no visible key.
+    from graphtrain.kernels.attention import attention_backward_reference, attention_reference
+    B, H, D = 2, 3, 8
+    q, k, v = torch.randn(B, H, sq, D, dtype=dtype), torch.randn(B, H, sk, D, dtype=dtype), torch.randn(B, H, sk, D, dtype=dtype)
+    mask = {"none": None,
+            "padding": torch.zeros(B, 1, 1, sk).masked_fill(torch.rand(B, 1, 1, sk) < 0.3, float("-inf")),
+            "full": torch.randn(sq, sk),
+            "strided": torch.randn(sk, sq).t(),
+            "fully_masked_row": torch.zeros(sq, sk).index_fill(0, torch.tensor([1]), float("-inf"))}[mask_kind]
+    mask = None if mask is None else mask.to(dtype)
+    assert implementation_for("attention", "cpu", q, k, v, mask, 0.3, False, 0.2) != "reference"
+    out, lse, seed = torch.ops.graphtrain.attention(q, k, v, mask, 0.3, False, 0.2)
+    ro, rl = attention_reference(q, k, v, mask, 0.3, False, 0.2, seed)
+    tol = {} if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+    assert_close(out, ro, name="out", **tol)
+    assert_close(lse, rl, name="lse", **tol)
+    if mask_kind == "fully_masked_row":
+        assert torch.all(out[:, :, 1] == 0) and torch.all(torch.isinf(lse[:, :, 1]))
+    do = torch.randn_like(out)
+    got = torch.ops.graphtrain.attention_backward(do, q, k, v, mask, out, lse, seed, 0.3, False, 0.2)
+    ref = attention_backward_reference(do, q, k, v, mask, ro, rl, 0.3, False, 0.2, seed)
+    for name, a, e in zip("qkv", got, ref):
+        assert torch.isfinite(a).all(), name
+        assert_close(a, e, name=f"d{name}", **tol)
+
+
 def test_attention_bool_mask_and_errors():
     q = torch.randn(1, 2, 5, 4)
     keep = torch.rand(5, 5) > 0.3

@@ -21,53 +21,57 @@ import torch.nn.functional as F
 import graphtrain.kernels as K
 
 
-def _setup(name):
-    """name -> (fused fn, eager fn, inputs, bytes moved fwd, flops fwd)."""
+def _setup(name, dtype=torch.float32):
+    """name -> (fused fn, eager fn, inputs, bytes moved fwd, flops fwd); float inputs in `dtype`."""
     torch.manual_seed(0)
+
+    def _randn(*shape):
+        return torch.randn(*shape, dtype=dtype)
+    esize = torch.finfo(dtype).bits // 8
     R, N = 8 * 128, 512
     if name == "layer_norm":
-        x, w, b = torch.randn(R, N), torch.randn(N), torch.randn(N)
+        x, w, b = _randn(R, N), _randn(N), _randn(N)
         return (lambda x, w, b: K.layer_norm(x, w, b), lambda x, w, b: F.layer_norm(x, (N,), w, b), [x, w, b],
-                2 * R * N * 4, 0)
+                2 * R * N * esize, 0)
     if name == "layer_norm_handwritten":
-        x, w, b = torch.randn(R, N), torch.randn(N), torch.randn(N)
+        x, w, b = _randn(R, N), _randn(N), _randn(N)
 
         def eager(x, w, b):
             mu = x.mean(-1, keepdim=True)
             return (x - mu) / torch.sqrt(((x - mu) ** 2).mean(-1, keepdim=True) + 1e-5) * w + b
-        return (lambda x, w, b: K.layer_norm(x, w, b), eager, [x, w, b], 2 * R * N * 4, 0)
+        return (lambda x, w, b: K.layer_norm(x, w, b), eager, [x, w, b], 2 * R * N * esize, 0)
     if name == "rms_norm":
-        x, w = torch.randn(R, N), torch.randn(N)
-        return (lambda x, w: K.rms_norm(x, w), lambda x, w: F.rms_norm(x, (N,), w, 1e-6), [x, w], 2 * R * N * 4, 0)
+        x, w = _randn(R, N), _randn(N)
+        return (lambda x, w: K.rms_norm(x, w), lambda x, w: F.rms_norm(x, (N,), w, 1e-6), [x, w], 2 * R * N * esize, 0)
     if name in ("bias_gelu_tanh", "bias_gelu_erf"):
         a = "tanh" if name.endswith("tanh") else "none"
-        x, b = torch.randn(R, 4 * N), torch.randn(4 * N)
+        x, b = _randn(R, 4 * N), _randn(4 * N)
 
         def eager(x, b):
             h = x + b
             if a == "tanh":  # HF GPT-2 NewGELU spelling
                 return 0.5 * h * (1.0 + torch.tanh(0.7978845608028654 * (h + 0.044715 * torch.pow(h, 3.0))))
             return F.gelu(h)
-        return (lambda x, b: K.bias_gelu(x, b, a), eager, [x, b], 2 * R * 4 * N * 4, 0)
+        return (lambda x, b: K.bias_gelu(x, b, a), eager, [x, b], 2 * R * 4 * N * esize, 0)
     if name == "bias_dropout_add":
-        x, b, r = torch.randn(R, N), torch.randn(N), torch.randn(R, N)
+        x, b, r = _randn(R, N), _randn(N), _randn(R, N)
         return (lambda x, b, r: K.bias_dropout_add(x, b, r, 0.1), lambda x, b, r: F.dropout(x + b, 0.1, True) + r,
-                [x, b, r], 3 * R * N * 4, 0)
+                [x, b, r], 3 * R * N * esize, 0)
     if name in ("attention_dropout", "attention_nodropout"):
         p = 0.1 if name == "attention_dropout" else 0.0
         B, H, S, D = 8, 8, 128, 64
-        q, k, v = (torch.randn(B, H, S, D) for _ in range(3))
-        mask = torch.zeros(S, S).masked_fill(torch.ones(S, S, dtype=torch.bool).triu(1), float("-inf"))
+        q, k, v = (_randn(B, H, S, D) for _ in range(3))
+        mask = torch.zeros(S, S).masked_fill(torch.ones(S, S, dtype=torch.bool).triu(1), float("-inf")).to(dtype)
 
         def eager(q, k, v):  # graphtrain GPT-2's explicit attention
             return F.dropout(F.softmax(q @ k.transpose(-2, -1) * D ** -0.5 + mask, -1), p, True) @ v
         return (lambda q, k, v: K.attention(q, k, v, mask, D ** -0.5, False, p), eager, [q, k, v], 0,
                 4 * B * H * S * S * D)
     if name == "cross_entropy":
-        x, t = torch.randn(R, 16384), torch.randint(0, 16384, (R,))
-        return (lambda x: K.cross_entropy(x, t), lambda x: F.cross_entropy(x, t), [x], R * 16384 * 4, 0)
+        x, t = _randn(R, 16384), torch.randint(0, 16384, (R,))
+        return (lambda x: K.cross_entropy(x, t), lambda x: F.cross_entropy(x, t), [x], R * 16384 * esize, 0)
     if name == "linear_cross_entropy":
-        h, w, t = torch.randn(R, N), torch.randn(16384, N), torch.randint(0, 16384, (R,))
+        h, w, t = _randn(R, N), _randn(16384, N), torch.randint(0, 16384, (R,))
         return (lambda h, w: K.linear_cross_entropy(h, w, t), lambda h, w: F.cross_entropy(h @ w.t(), t), [h, w],
                 0, 2 * R * N * 16384)
     raise ValueError(f"unknown benchmark {name!r}")
@@ -103,13 +107,13 @@ def _saved_mib(fn, inputs):
     return total[0] / 2**20
 
 
-def run(ops, compile_too, repeats, iters):
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; median of {repeats} interleaved repeats "
+def run(ops, compile_too, repeats, iters, dtype=torch.float32):
+    print(f"torch {torch.__version__}, {dtype}, {torch.get_num_threads()} threads; median of {repeats} interleaved repeats "
           f"x {iters} iters; spread = max/min")
     print(f"{'op':24s} {'variant':9s} {'fwd ms':>8s} {'fwd+bwd ms':>11s} {'spread':>6s} {'speedup':>8s} "
           f"{'saved MiB':>9s} {'rate':>16s}")
     for name in ops:
-        fused, eager, inputs, nbytes, flops = _setup(name)
+        fused, eager, inputs, nbytes, flops = _setup(name, dtype)
         variants = {"eager": eager, "fused": fused}
         if compile_too:
             variants["compile"] = torch.compile(eager)
@@ -135,8 +139,10 @@ def main(argv=None):
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     a = ap.parse_args(argv)
-    run([o for o in a.ops.split(",") if o], not a.no_compile, a.repeats, a.iters)
+    run([o for o in a.ops.split(",") if o], not a.no_compile, a.repeats, a.iters,
+        torch.bfloat16 if a.dtype == "bf16" else torch.float32)
 
 
 if __name__ == "__main__":

@@ -180,109 +180,122 @@ torch::Tensor dropout_mask(std::vector<int64_t> shape, double p, int64_t seed) {
   return out;
 }
 
-// Attention on [BH, S, D] fp32 blocks, one (batch*head) per task: scores live in one [Sq, Sk]
-// buffer per task (never the full [BH, Sq, Sk] tensor). mask: additive, already expanded to
-// [B, H, Sq, Sk] (any strides, stride 0 for broadcast dims) or empty; causal is top-left (j <= i).
-static void scores_block(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& mask, int64_t bh,
-                         double scale, bool causal, torch::Tensor& s) {
-  const int64_t H = mask.numel() > 0 ? mask.size(1) : 1;
-  at::mm_out(s, q[bh], k[bh].t());
-  const int64_t sq = s.size(0), sk = s.size(1);
-  float* sp = s.data_ptr<float>();
-  const bool has_m = mask.numel() > 0;
-  const float* mp = has_m ? mask.data_ptr<float>() : nullptr;
-  int64_t ms0 = 0, ms1 = 0, ms2 = 0, ms3 = 0;
-  if (has_m) { ms0 = mask.stride(0); ms1 = mask.stride(1); ms2 = mask.stride(2); ms3 = mask.stride(3); }
-  const float fs = (float)scale;
-  for (int64_t i = 0; i < sq; ++i) {
-    float* row = sp + i * sk;
-    const float* mrow = has_m ? mp + (bh / H) * ms0 + (bh % H) * ms1 + i * ms2 : nullptr;
-    for (int64_t j = 0; j < sk; ++j) {
-      float v = row[j] * fs;
-      if (has_m) v += mrow[j * ms3];
-      if (causal && j > i) v = -INFINITY;
-      row[j] = v;
+// Attention's elementwise middle, between the batched matmuls that the caller runs with aten (MKL /
+// oneDNN, AMX for bf16): scores [BH, Sq, Sk] (q's dtype, contiguous) -> scale, additive mask
+// (expanded to [B, H, Sq, Sk], any strides) or causal (j > i, top-left), softmax in fp32, dropout
+// from the hash. One row per iteration in an fp32 scratch row, so every pass is a vectorised loop.
+// The forward writes the dropped probabilities over the scores (the [Sq, Sk] tensor is transient:
+// nothing of that size is saved for backward, which recomputes the scores from q and k).
+template <typename T>
+static inline void attn_row_logits(const T* srow, const T* mask, int64_t ms3, int64_t i, int64_t sk, float scale,
+                                   bool causal, float* v) {
+  const float* sf = as_f32(srow, sk, v);
+  _Pragma("omp simd")
+  for (int64_t j = 0; j < sk; ++j) v[j] = sf[j] * scale;
+  if (mask != nullptr) {
+    if (ms3 == 1) {
+      float mb[GT_CHUNK];
+      for (int64_t j0 = 0; j0 < sk; j0 += GT_CHUNK) {
+        const int64_t len = std::min(GT_CHUNK, sk - j0);
+        const float* mf = as_f32(mask + j0, len, mb);
+        _Pragma("omp simd")
+        for (int64_t j = 0; j < len; ++j) v[j0 + j] += mf[j];
+      }
+    } else {
+      for (int64_t j = 0; j < sk; ++j) v[j] += (float)mask[j * ms3];
     }
   }
+  if (causal)
+    for (int64_t j = i + 1; j < sk; ++j) v[j] = -INFINITY;
 }
 
-std::vector<torch::Tensor> attention_fwd(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor mask,
-                                         double scale, bool causal, double p, int64_t seed) {
-  const int64_t BH = q.size(0), sq = q.size(1), sk = k.size(1);
-  auto out = torch::empty({BH, sq, v.size(2)}, q.options());
-  auto lse = torch::empty({BH, sq}, q.options());
+template <typename T>
+static const T* mask_row(const torch::Tensor& mask, int64_t r, int64_t H, int64_t sq) {
+  if (mask.numel() == 0) return nullptr;
+  const int64_t bh = r / sq, i = r % sq;
+  return mask.data_ptr<T>() + (bh / H) * mask.stride(0) + (bh % H) * mask.stride(1) + i * mask.stride(2);
+}
+
+// In place: scores -> dropout(softmax(scores * scale + mask)); returns {probs, lse [BH, Sq] fp32}
+// (lse = +inf on fully masked rows, whose probabilities are 0, as aten._safe_softmax).
+std::vector<torch::Tensor> attn_probs_fwd(torch::Tensor s, torch::Tensor mask, int64_t heads, double scale,
+                                          bool causal, double p, int64_t seed) {
+  TORCH_CHECK(s.is_contiguous() && s.dim() == 3, "attn_probs_fwd: scores must be contiguous [BH, Sq, Sk]");
+  const int64_t BH = s.size(0), sq = s.size(1), sk = s.size(2);
+  auto lse = torch::empty({BH, sq}, s.options().dtype(torch::kFloat));
   const uint32_t thr = gt_threshold(p);
   const float dscale = p < 1.0 ? (float)(1.0 / (1.0 - p)) : 0.f;
-  at::parallel_for(0, BH, 1, [&](int64_t b0, int64_t b1) {
-    auto s = torch::empty({sq, sk}, q.options());
-    for (int64_t bh = b0; bh < b1; ++bh) {
-      scores_block(q, k, mask, bh, scale, causal, s);
-      float* sp = s.data_ptr<float>();
-      float* lp = lse.data_ptr<float>() + bh * sq;
-      for (int64_t i = 0; i < sq; ++i) {
-        float* row = sp + i * sk;
+  const bool drop = p > 0.0;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, s.scalar_type(), "attn_probs_fwd", [&] {
+    scalar_t* sp = s.data_ptr<scalar_t>();
+    float* lp = lse.data_ptr<float>();
+    const int64_t ms3 = mask.numel() ? mask.stride(3) : 0;
+    at::parallel_for(0, BH * sq, std::max<int64_t>(1, 16384 / sk), [&](int64_t r0, int64_t r1) {
+      std::vector<float> v(sk), keep(sk);
+      for (int64_t r = r0; r < r1; ++r) {
+        scalar_t* row = sp + r * sk;
+        attn_row_logits(row, mask_row<scalar_t>(mask, r, heads, sq), ms3, r % sq, sk, (float)scale, causal, v.data());
         float m = -INFINITY;
-        for (int64_t j = 0; j < sk; ++j) m = std::max(m, row[j]);
-        const float mm = std::isinf(m) ? 0.f : m;  // fully masked row: zeros out, like _safe_softmax
+        _Pragma("omp simd reduction(max:m)")
+        for (int64_t j = 0; j < sk; ++j) m = v[j] > m ? v[j] : m;
+        const float mm = std::isinf(m) ? 0.f : m;  // fully masked row: every exp is 0
         float l = 0.f;
-        for (int64_t j = 0; j < sk; ++j) { float e = gt_exp(row[j] - mm); row[j] = e; l += e; }
+        _Pragma("omp simd reduction(+:l)")
+        for (int64_t j = 0; j < sk; ++j) { v[j] = gt_exp(v[j] - mm); l += v[j]; }
+        lp[r] = l > 0.f ? mm + std::log(l) : INFINITY;
         const float inv = l > 0.f ? 1.f / l : 0.f;
-        lp[i] = l > 0.f ? mm + std::log(l) : INFINITY;
-        if (p > 0.0) {
-          const uint64_t base = ((uint64_t)bh * sq + i) * sk;
-          for (int64_t j = 0; j < sk; ++j)
-            row[j] *= gt_hash((uint64_t)seed, base + j) >= thr ? inv * dscale : 0.f;
-        } else {
-          for (int64_t j = 0; j < sk; ++j) row[j] *= inv;
-        }
+        if (drop) keep_block((uint64_t)seed, (uint64_t)r * sk, sk, thr, dscale * inv, keep.data());
+        else std::fill(keep.begin(), keep.end(), inv);
+        _Pragma("omp simd")
+        for (int64_t j = 0; j < sk; ++j) v[j] *= keep[j];
+        store_f32(v.data(), row, sk);
       }
-      auto o = out[bh];
-      at::mm_out(o, s, v[bh]);
-    }
+    });
   });
-  return {out, lse};
+  return {s, lse};
 }
 
-std::vector<torch::Tensor> attention_bwd(torch::Tensor dout, torch::Tensor q, torch::Tensor k, torch::Tensor v,
-                                         torch::Tensor mask, torch::Tensor out, torch::Tensor lse, double scale,
-                                         bool causal, double p, int64_t seed) {
-  const int64_t BH = q.size(0), sq = q.size(1), sk = k.size(1);
-  auto dq = torch::empty_like(q), dk = torch::empty_like(k), dv = torch::empty_like(v);
+// In place, from recomputed scores s and dP' = dO @ V^T: s -> P' (dropped probabilities, for dV),
+// dp -> dS * scale (for dQ = dS K and dK = dS^T Q), with dS = P * (dP' * keep - delta).
+void attn_probs_bwd(torch::Tensor s, torch::Tensor dp, torch::Tensor mask, torch::Tensor lse, torch::Tensor delta,
+                    int64_t heads, double scale, bool causal, double p, int64_t seed) {
+  TORCH_CHECK(s.is_contiguous() && dp.is_contiguous() && lse.is_contiguous() && delta.is_contiguous(),
+              "attn_probs_bwd: contiguous inputs expected");
+  const int64_t BH = s.size(0), sq = s.size(1), sk = s.size(2);
   const uint32_t thr = gt_threshold(p);
   const float dscale = p < 1.0 ? (float)(1.0 / (1.0 - p)) : 0.f;
-  auto delta = (dout * out).sum(-1);  // rowsum(dO * O) = rowsum(P * dP)
-  at::parallel_for(0, BH, 1, [&](int64_t b0, int64_t b1) {
-    auto s = torch::empty({sq, sk}, q.options());
-    auto dp = torch::empty({sq, sk}, q.options());
-    for (int64_t bh = b0; bh < b1; ++bh) {
-      scores_block(q, k, mask, bh, scale, causal, s);
-      at::mm_out(dp, dout[bh], v[bh].t());
-      float* sp = s.data_ptr<float>();
-      float* dpp = dp.data_ptr<float>();
-      const float* lp = lse.data_ptr<float>() + bh * sq;
-      const float* dl = delta.data_ptr<float>() + bh * sq;
-      for (int64_t i = 0; i < sq; ++i) {
-        float* row = sp + i * sk;
-        float* drow = dpp + i * sk;
-        const uint64_t base = ((uint64_t)bh * sq + i) * sk;
-        const float lse_i = std::isinf(lp[i]) ? INFINITY : lp[i];  // fully masked row: P = 0
+  const bool drop = p > 0.0;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, s.scalar_type(), "attn_probs_bwd", [&] {
+    scalar_t* sp = s.data_ptr<scalar_t>();
+    scalar_t* dpp = dp.data_ptr<scalar_t>();
+    const float* lp = lse.data_ptr<float>();
+    const float* dl = delta.data_ptr<float>();
+    const int64_t ms3 = mask.numel() ? mask.stride(3) : 0;
+    at::parallel_for(0, BH * sq, std::max<int64_t>(1, 16384 / sk), [&](int64_t r0, int64_t r1) {
+      std::vector<float> v(sk), keep(sk), d(sk), out(sk);
+      for (int64_t r = r0; r < r1; ++r) {
+        scalar_t* row = sp + r * sk;
+        scalar_t* drow = dpp + r * sk;
+        attn_row_logits(row, mask_row<scalar_t>(mask, r, heads, sq), ms3, r % sq, sk, (float)scale, causal, v.data());
+        const float lse_r = lp[r], delta_r = dl[r], fs = (float)scale;
+        if (drop) keep_block((uint64_t)seed, (uint64_t)r * sk, sk, thr, dscale, keep.data());
+        else std::fill(keep.begin(), keep.end(), 1.f);
+        const float* df = as_f32(drow, sk, d.data());
+        _Pragma("omp simd")
         for (int64_t j = 0; j < sk; ++j) {
-          const float pr = gt_exp(row[j] - lse_i);
-          const float keep = p > 0.0 ? (gt_hash((uint64_t)seed, base + j) >= thr ? dscale : 0.f) : 1.f;
-          row[j] = pr * keep;                          // dropped probabilities (for dV)
-          drow[j] = pr * (drow[j] * keep - dl[i]);     // dS
+          const float pr = std::isinf(lse_r) ? 0.f : gt_exp(v[j] - lse_r);
+          out[j] = pr * (df[j] * keep[j] - delta_r) * fs;
+          v[j] = pr * keep[j];
         }
+        store_f32(v.data(), row, sk);
+        store_f32(out.data(), drow, sk);
       }
-      auto dvb = dv[bh]; at::mm_out(dvb, s.t(), dout[bh]);
-      auto dqb = dq[bh]; at::mm_out(dqb, dp, k[bh]); dqb.mul_(scale);
-      auto dkb = dk[bh]; at::mm_out(dkb, dp.t(), q[bh]); dkb.mul_(scale);
-    }
+    });
   });
-  return {dq, dk, dv};
 }
 """
 
-_DECLS = ["bias_dropout_add_fwd", "dropout_bwd", "dropout_mask", "attention_fwd", "attention_bwd"]
+_DECLS = ["bias_dropout_add_fwd", "dropout_bwd", "dropout_mask", "attn_probs_fwd", "attn_probs_bwd"]
 
 _lock = threading.Lock()
 _module = None
@@ -299,7 +312,7 @@ def load():
             try:
                 from torch.utils.cpp_extension import load_inline
                 _module = load_inline(
-                    name="graphtrain_cpu_kernels_v4", cpp_sources=[_CPP], functions=_DECLS,
+                    name="graphtrain_cpu_kernels_v5", cpp_sources=[_CPP], functions=_DECLS,
                     extra_cflags=["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
             except Exception as e:  # no compiler / headers: correctness first, reference path
                 _failed = f"{type(e).__name__}: {e}"

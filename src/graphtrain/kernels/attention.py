@@ -8,8 +8,12 @@ nothing of size Sq x Sk is saved.
 
 Implementations: `attention_reference` (plain PyTorch, materialized scores: the specification);
 CPU, dropout 0: aten's flash kernel for CPU (what SDPA itself uses; never materializes [Sq, Sk]
-for all heads); CPU, dropout > 0, fp32: C++ (_cpu_ext.py), one [Sq, Sk] block per (batch, head)
-task, hash RNG (aten's SDPA with dropout falls to its math path and samples with Bernoulli);
+for all heads); CPU, dropout > 0 (fp32, bf16, fp16): aten's batched matmuls around one C++ pass
+(_cpu_ext.py) that does scale, mask, softmax and hash-RNG dropout in place on the scores; the
+[B, H, Sq, Sk] scores exist only transiently (forward: until P @ V; backward: recomputed from q
+and k, one extra batched matmul), so the saved activations are q, k, v, out and lse as in flash
+attention. aten's SDPA with dropout falls to its math path, which samples a Bernoulli mask and
+saves the probabilities. Measured in `python -m graphtrain.bench.kernels`.
 CUDA: flash-style Triton kernels (online softmax forward, dK/dV and dQ backward kernels).
 """
 from __future__ import annotations
@@ -88,8 +92,9 @@ def _cpu_flash_ok(q, k, v, mask, p) -> bool:
 
 
 def _cpu_cpp_ok(q, k, v, mask, p) -> bool:
-    return (p > 0 and q.device.type == "cpu" and q.dtype == torch.float32 and k.dtype == q.dtype
-            and v.dtype == q.dtype and (mask is None or mask.dtype == torch.float32) and _cpu_ext.load() is not None)
+    return (p > 0 and q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and k.dtype == q.dtype and v.dtype == q.dtype and (mask is None or mask.dtype == q.dtype)
+            and _cpu_ext.load() is not None)
 
 
 def _supports_cpu(q, k, v, mask=None, scale=None, is_causal=False, p=0.0) -> bool:
@@ -101,8 +106,32 @@ def _supports_triton(q, k, v, mask=None, *rest) -> bool:
 
 
 def _flat(t: Tensor) -> Tensor:
-    # detached: the C++ kernel writes with mm_out, which refuses inputs that require grad
-    return t.detach().reshape(-1, t.shape[-2], t.shape[-1]).contiguous()
+    return t.reshape(-1, t.shape[-2], t.shape[-1])
+
+
+def _cpu_fwd(q, k, v, mask, scale, is_causal, p, seed):
+    B, H, Sq, _ = q.shape
+    m = _mask4d(mask, q, k)
+    s = torch.bmm(_flat(q), _flat(k).transpose(1, 2)).contiguous()
+    probs, lse = _cpu_ext.load().attn_probs_fwd(s, m if m is not None else q.new_empty(0), H, scale, is_causal, p,
+                                                int(seed.item()))
+    out = torch.bmm(probs, _flat(v))
+    return out.reshape(B, H, Sq, v.shape[-1]), lse.reshape(B, H, Sq)
+
+
+def _cpu_bwd(dout, q, k, v, mask, out, lse, scale, is_causal, p, seed):
+    H, Sq = q.shape[1], q.shape[2]
+    m = _mask4d(mask, q, k)
+    qf, kf, vf, dof = _flat(q), _flat(k), _flat(v), _flat(dout)
+    s = torch.bmm(qf, kf.transpose(1, 2)).contiguous()
+    dp = torch.bmm(dof, vf.transpose(1, 2)).contiguous()
+    delta = (dout.float() * out.float()).sum(-1).reshape(-1, Sq).contiguous()  # rowsum(dO * O) = rowsum(P * dP)
+    _cpu_ext.load().attn_probs_bwd(s, dp, m if m is not None else q.new_empty(0), lse.reshape(-1, Sq).contiguous(),
+                                   delta, H, scale, is_causal, p, int(seed.item()))
+    dv = torch.bmm(s.transpose(1, 2), dof)  # s now holds the dropped probabilities, dp holds dS * scale
+    dq = torch.bmm(dp, kf)
+    dk = torch.bmm(dp.transpose(1, 2), qf)
+    return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape)
 
 
 @torch.library.custom_op("graphtrain::attention", mutates_args=())
@@ -119,10 +148,8 @@ def _attention_op(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale
             q, k, v, 0.0, is_causal, attn_mask=_mask4d(mask, q, k), scale=scale)
         return out.contiguous(), lse.contiguous(), seed  # flash returns a [B, S, H, D]-strided view
     if _cpu_cpp_ok(q, k, v, mask, p):
-        m = _mask4d(mask, q, k)
-        out, lse = _cpu_ext.load().attention_fwd(_flat(q), _flat(k), _flat(v), m.detach() if m is not None else q.new_empty(0),
-                                                 scale, is_causal, p, int(seed.item()))
-        return out.reshape(B, H, Sq, v.shape[-1]).contiguous(), lse.reshape(B, H, Sq).contiguous(), seed
+        out, lse = _cpu_fwd(q, k, v, mask, scale, is_causal, p, seed)
+        return out.contiguous(), lse.contiguous(), seed
     out, lse = attention_reference(q, k, v, mask, scale, is_causal, p, seed)
     return out.contiguous(), lse.contiguous(), seed
 
@@ -150,11 +177,8 @@ def _attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: 
             dout.contiguous(), q, k, v, out, lse, 0.0, is_causal, attn_mask=_mask4d(mask, q, k), scale=scale)
         return dq.contiguous(), dk.contiguous(), dv.contiguous()
     if _cpu_cpp_ok(q, k, v, mask, p):
-        m = _mask4d(mask, q, k)
-        dq, dk, dv = _cpu_ext.load().attention_bwd(
-            _flat(dout), _flat(q), _flat(k), _flat(v), m.detach() if m is not None else q.new_empty(0), _flat(out),
-            lse.reshape(-1, Sq).contiguous(), scale, is_causal, p, int(seed.item()))
-        return dq.reshape(q.shape).contiguous(), dk.reshape(k.shape).contiguous(), dv.reshape(v.shape).contiguous()
+        dq, dk, dv = _cpu_bwd(dout, q, k, v, mask, out, lse, scale, is_causal, p, seed)
+        return dq.contiguous(), dk.contiguous(), dv.contiguous()
     dq, dk, dv = attention_backward_reference(dout, q, k, v, mask, out, lse, scale, is_causal, p, seed)
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
@@ -204,5 +228,5 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor] = None, sc
 
 SPEC = register_kernel_spec(KernelSpec(
     "attention", attention, attention_reference,
-    {"cpu": "aten flash (p=0) / c++ hash-dropout (p>0, fp32)", "cuda": "triton flash"},
+    {"cpu": "aten flash (p=0) / aten bmm + c++ softmax-dropout (p>0)", "cuda": "triton flash"},
     {"cpu": _supports_cpu, "cuda": _supports_triton}))
