@@ -53,14 +53,16 @@ def _recompute_lines(r: dict[str, Any]) -> list[str]:
     """A RecomputeRecord (as a dict): the mode, each candidate partition tried, the one kept."""
     budget = f", budget {_mib(r['budget'])}" if r.get("budget") else ""
     L = [f"    recompute: mode {r['mode']}{budget}, chose {r['chosen']}; dropout outputs rebuilt from saved masks: "
-         f"{r['dropout_rewrites']}; dead random ops dropped from backward: {r['dead_random_dropped']}"]
+         f"{r['dropout_rewrites']}; fused dropouts recomputed from their seed: {r.get('seeded_dropouts', 0)}; "
+         f"dead random ops dropped from backward: {r['dead_random_dropped']}"]
     for c in r["choices"]:
         ops = ", ".join(f"{k} x{v}" for k, v in sorted(c["recomputed_ops"].items(), key=lambda kv: -kv[1])[:8])
         peak = "" if c["predicted_peak"] is None else f", predicted peak {_mib(c['predicted_peak'])}" + \
             ("" if c["fits"] is None else (" (fits)" if c["fits"] else " (over budget)"))
         L.append(f"      {'*' if c['name'] == r['chosen'] else ' '} {c['name']}: saves {_mib(c['saved_bytes'])} "
                  f"for backward ({_mib(c['bytes_saved'])} less than none), +{c['flops_added'] / 1e6:,.2f} MFLOP "
-                 f"recomputed{peak}" + (f"; recomputes {ops}" if ops else ""))
+                 f"recomputed{peak}" + (f" ({c['what']})" if c.get("what") else "") +
+                 (f"; recomputes {ops}" if ops else ""))
     return L
 
 
@@ -140,6 +142,11 @@ class Report:
         L.append("passes (summed over graphs):   rewrites      ms   ops before -> after")
         for r in self.passes:
             err = f"   FAILED: {r['error']}" if r["error"] else ""
+            if r.get("left_to"):
+                if r["rewrites"]:
+                    L.append(f"  {r['stage']:>12}/{r['name']:<34} {r['rewrites']:>6} {r['seconds'] * 1e3:>8.1f}   "
+                             f"found, left to {r['left_to']}'s fused kernels (graph unchanged)")
+                continue
             L.append(f"  {r['stage']:>12}/{r['name']:<34} {r['rewrites']:>6} {r['seconds'] * 1e3:>8.1f}   "
                      f"{r['ops_before']:>6} -> {r['ops_after']}{err}")
         return "\n".join(L)
@@ -151,7 +158,7 @@ def report(module: torch.nn.Module | None = None) -> Report:
     agg: dict[tuple[str, str], dict[str, Any]] = collections.OrderedDict()
     for r in state.passes:
         a = agg.setdefault((r.stage, r.name), dict(stage=r.stage, name=r.name, rewrites=0, seconds=0.0,
-                                                   ops_before=0, ops_after=0, error=None))
+                                                   ops_before=0, ops_after=0, error=None, left_to=r.left_to))
         a["rewrites"] += r.rewrites
         a["seconds"] += r.seconds
         a["ops_before"] += r.ops_before

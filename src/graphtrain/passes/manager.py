@@ -59,6 +59,9 @@ class PassRecord:
     ops_after: int
     op_diff: dict[str, int]
     error: str | None = None
+    left_to: str | None = None
+    """Set when the pass only looked: its patterns were found (``rewrites``) and left to this provider,
+    whose own code generation fuses them (the graph was not changed)."""
 
 
 @dataclass
@@ -200,7 +203,31 @@ def run_pipeline(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         if ctx.config.debug:
             warnings.warn(f"[graphtrain] {ctx.stage}/{spec.name} on {ctx.graph_name}: {rec.rewrites} rewrites, "
                           f"{dt * 1e3:.1f} ms, ops {rec.ops_before} -> {rec.ops_after} {diff}", stacklevel=2)
+    _detect_provider_fusions(gm, ctx)
     return gm
+
+
+def _detect_provider_fusions(gm: fx.GraphModule, ctx: PassContext) -> None:
+    """Fusion passes that are off because the provider fuses those patterns itself (e.g. LayerNorm and
+    GELU under Inductor, whose generated kernels beat an opaque fused op there) still run, on a copy
+    that is then discarded, so the report shows how many patterns the provider was left to fuse."""
+    provider = ctx.config.provider
+    if provider == "auto":
+        return
+    for spec in registered_passes().values():
+        if (ctx.stage not in spec.stages or not spec.default or spec.on_by_default(provider)
+                or spec.name in ctx.config.passes or not spec.name.startswith("fuse_")):
+            continue
+        ctx.rewrites = 0
+        t0 = time.perf_counter()
+        try:
+            spec.fn(_backup(gm), ctx)
+        except Exception:  # detection only: never affects the graph
+            continue
+        n = sum(op_counts(gm).values())
+        ctx.records.append(PassRecord(spec.name, ctx.stage, ctx.graph_name, ctx.rewrites, time.perf_counter() - t0,
+                                      n, n, {}, None, left_to=provider))
+    ctx.rewrites = 0
 
 
 _LOADED = False
