@@ -135,6 +135,6 @@ def test_provider_limited_defaults():
     assert {"fuse_layer_norm", "fuse_bias_gelu", "fuse_bias_dropout_add"} <= names(provider="aten")
     under_inductor = names(provider="inductor")
     assert "fuse_bias_dropout_add" in under_inductor and "fuse_layer_norm" not in under_inductor
-    assert "fuse_attention" not in names(provider="aten")  # opt-in
+    assert "fuse_attention" in names(provider="aten") and "fuse_attention" in under_inductor
     assert "fuse_layer_norm" in names(provider="inductor", passes={"fuse_layer_norm": True})
     assert "fuse_bias_dropout_add" not in names(provider="aten", passes={"fuse_bias_dropout_add": False})
