@@ -1,0 +1,291 @@
+"""The whole training step as one graph: forward, loss, backward, unscale + overflow check, clipping
+and the AdamW update, traced once and compiled by the provider.
+
+    step = graphtrain.compile_step(model, config)          # a graphtrain Config (engine + optim)
+    for batch in batches:
+        out = step(lr=schedule(i), **batch)                # {"loss", "grad_norm", "skipped", "scale"}
+
+How it is built (``CompiledStep._build``):
+
+1. The model's forward (``functional_call`` on its parameters and buffers, returning the loss) is
+   traced to graphtrain's pre-autodiff IR and optimized by the same pass pipeline as ``accelerate``
+   (fusions, mixed precision), so the gradient graph is built from the fused ops.
+2. A step function is traced with ``make_fx`` on fake tensors into one FX graph: that forward,
+   ``torch.autograd.grad`` of the (fp16: scaled) loss w.r.t. the trainable parameters, one
+   ``_foreach_norm`` reduction over all gradients (it is both the global norm for clipping and the
+   inf/nan check: a non-finite gradient makes the norm non-finite), ``torch._fused_adamw_`` with
+   ``grad_scale = loss_scale * max(1, norm / max_norm)`` (unscale and clip folded into the update
+   kernel's one pass over p, g, m, v) and ``found_inf`` (the kernel skips the update on overflow),
+   and the dynamic loss-scale update with hysteresis as tensor arithmetic.
+3. The graph is compiled by Inductor (or run op by op by the aten provider). Parameters, moments,
+   step counters and the loss-scale state are graph inputs updated in place: the update works on
+   buffers the graph owns, no parameter copy is made and nothing returns to Python until the loss.
+
+The design keeps sharding open: gradients are graph values, so a ZeRO-1 step would insert a
+reduce-scatter after the gradients and an all-gather after the update (not built here).
+
+Limits ("where the model allows"; clear errors otherwise): AdamW; one micro-batch per step (no
+gradient accumulation); fixed input shapes per compile (a new shape traces again); the forward
+returns the loss (a tensor, or an object with ``.loss`` such as Hugging Face outputs); no graph
+breaks in the forward (the step is traced whole, not through Dynamo).
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from graphtrain.config import Config, EngineConfig, OptimConfig
+
+
+def _loss_of(out: Any) -> Tensor:
+    if isinstance(out, Tensor):
+        return out
+    loss = getattr(out, "loss", None)
+    if isinstance(loss, Tensor):
+        return loss
+    raise TypeError(f"compile_step: the model's forward must return the loss (a tensor, or an object with a "
+                    f".loss tensor such as a Hugging Face output given labels=); got {type(out).__name__}")
+
+
+def _adamw_math(params: list[Tensor], grads: list[Tensor], exp_avg: list[Tensor], exp_avg_sq: list[Tensor],
+                steps: list[Tensor], *, lr: Tensor, betas: tuple[float, float], weight_decay: float, eps: float,
+                grad_scale: Tensor, found_inf: Tensor | None) -> None:
+    """torch.optim.AdamW's update (decoupled decay, bias correction) on graph values, written in place;
+    `steps` were already advanced. With found_inf set, parameters and moments keep their old values."""
+    b1, b2 = betas
+    for p, g, m, v, t in zip(params, grads, exp_avg, exp_avg_sq, steps):
+        g = g / grad_scale
+        m_new = torch.lerp(m, g, 1 - b1)
+        v_new = v * b2 + (1 - b2) * g * g
+        bc1 = 1 - torch.pow(b1, t)
+        bc2_sqrt = torch.sqrt(1 - torch.pow(b2, t))
+        p_new = p * (1 - lr * weight_decay) - (lr / bc1) * m_new / (torch.sqrt(v_new) / bc2_sqrt + eps)
+        if found_inf is not None:
+            keep = found_inf > 0
+            p_new, m_new, v_new = torch.where(keep, p, p_new), torch.where(keep, m, m_new), torch.where(keep, v, v_new)
+        p.copy_(p_new)
+        m.copy_(m_new)
+        v.copy_(v_new)
+
+
+class CompiledStep:
+    """One optimizer step of `model` as one compiled graph; call it with the batch as keyword arguments."""
+
+    def __init__(self, model: nn.Module, config: Config | None = None, **engine_overrides: Any) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"compile_step takes an nn.Module, got {type(model).__name__}")
+        config = config if config is not None else Config()
+        if not isinstance(config, Config):
+            raise TypeError(f"compile_step takes a graphtrain Config, got {type(config).__name__}")
+        if engine_overrides:
+            config = dataclasses.replace(config, engine=dataclasses.replace(config.engine, **engine_overrides))
+        if config.optim.name != "adamw":
+            raise ValueError(f"compile_step builds AdamW into the step graph; optim.name={config.optim.name!r} "
+                             f"is not supported there: use graphtrain.accelerate + graphtrain.optim.build_optimizer")
+        self.model, self.engine, self.optim = model, config.engine, config.optim
+        named_params = list(dict(model.named_parameters()).items())
+        named_buffers = list(dict(model.named_buffers()).items())
+        self._names = [n for n, _ in named_params] + [n for n, _ in named_buffers]
+        self._tensors = [t for _, t in named_params] + [t for _, t in named_buffers]
+        self._train_idx = [i for i, (_, p) in enumerate(named_params) if p.requires_grad]
+        if not self._train_idx:
+            raise ValueError("compile_step: the model has no trainable parameters (requires_grad=True)")
+        params = [self._tensors[i] for i in self._train_idx]
+        self.exp_avg = [torch.zeros_like(p, memory_format=torch.preserve_format) for p in params]
+        self.exp_avg_sq = [torch.zeros_like(p, memory_format=torch.preserve_format) for p in params]
+        self.state_steps = [torch.zeros((), dtype=torch.float32, device=p.device) for p in params]
+        self._decay = [p.dim() >= 2 for p in params]  # matrices decay; biases and norm weights do not
+        dev = params[0].device
+        self.fp16 = self.engine.precision == "fp16"
+        self.lr = torch.zeros((), dtype=torch.float32, device=dev)
+        self.scale = torch.full((), self.engine.loss_scale_init if self.fp16 else 1.0, dtype=torch.float32, device=dev)
+        self.growth_tracker = torch.zeros((), dtype=torch.int64, device=dev)
+        self.hysteresis_left = torch.full((), self.engine.loss_scale_hysteresis, dtype=torch.int64, device=dev)
+        self._compiled: Any = None
+        self._key: Any = None
+        self._batch_names: list[str] = []
+        self.provider: str | None = None
+        self.pass_records: list[Any] = []
+        self.compile_seconds = 0.0
+        self.steps = 0
+        self.skipped_steps = 0
+
+    # ----------------------------------------------------------------------------------- build --
+    def _forward_fn(self, batch_names: list[str]):
+        model, names, n = self.model, self._names, len(self._names)
+
+        def fwd(*args: Tensor) -> Tensor:
+            state = dict(zip(names, args[:n]))
+            kwargs = dict(zip(batch_names, args[n:]))
+            return _loss_of(torch.func.functional_call(model, state, (), kwargs, tie_weights=True))
+        return fwd
+
+    def _build(self, batch: dict[str, Tensor]) -> None:
+        from graphtrain.engine.providers import resolve_provider
+        from graphtrain.engine.trace import trace_aten_forward
+        from graphtrain.passes.manager import PassContext, run_pipeline
+
+        t0 = time.perf_counter()
+        names = list(batch)
+        inputs = [batch[k] for k in names]
+        example = self._tensors + inputs
+        provider = resolve_provider(self.engine, example)
+        cfg = dataclasses.replace(self.engine, provider=provider)
+        kinds = ["param" if (i < len(self._tensors) and isinstance(t, nn.Parameter) and t.requires_grad)
+                 else "frozen" if isinstance(t, nn.Parameter) else "buffer" for i, t in enumerate(self._tensors)]
+        kinds += ["input"] * len(inputs)
+        fwd = trace_aten_forward(self._forward_fn(names), example)
+        ctx = PassContext(config=cfg, stage="pre_autodiff", graph_name="step", example_inputs=example,
+                          input_kinds=kinds)
+        fwd = run_pipeline(fwd, ctx)
+        self.pass_records = ctx.records
+        # aten runs torch's fused AdamW kernel in the graph; Inductor cannot trace that kernel's
+        # tensor-lr overload (no fake implementation in torch 2.13), so it gets the same update as
+        # elementwise math, which it fuses into one kernel per parameter.
+        step_fn = self._step_fn(fwd, len(inputs), fused_kernel=provider != "inductor")
+        args = self._args(inputs)
+        # Fake tensors: tracing must not run the update on the real weights. Non-fake inputs are allowed
+        # because the forward graph may hold constant tensors (folded masks) as attributes.
+        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+        fake_args = [fake_mode.from_tensor(a) for a in args]
+        with fake_mode:
+            graph = make_fx(step_fn, tracing_mode="real")(*fake_args)
+        self._compiled, self.provider = self._compile(graph, args, provider)
+        self._batch_names = names
+        self.graph = graph
+        self.compile_seconds += time.perf_counter() - t0
+
+    def _args(self, inputs: list[Tensor]) -> list[Tensor]:
+        return [*self._tensors, *inputs, *self.exp_avg, *self.exp_avg_sq, *self.state_steps, self.lr, self.scale,
+                self.growth_tracker, self.hysteresis_left]
+
+    def _step_fn(self, fwd: torch.fx.GraphModule, n_inputs: int, fused_kernel: bool):
+        n_t, train_idx, n_p = len(self._tensors), list(self._train_idx), len(self._train_idx)
+        o, e, fp16 = self.optim, self.engine, self.fp16
+        decay = list(self._decay)
+        max_norm = o.grad_clip
+
+        def step(*args: Tensor):
+            tensors, rest = list(args[:n_t]), args[n_t:]
+            inputs, rest = rest[:n_inputs], rest[n_inputs:]
+            m, v, steps = rest[:n_p], rest[n_p:2 * n_p], rest[2 * n_p:3 * n_p]
+            lr, scale, tracker, hyst = rest[3 * n_p:]
+            params = [tensors[i] for i in train_idx]
+            with torch.enable_grad():
+                leaves = [p.detach().requires_grad_(True) for p in params]
+                for i, leaf in zip(train_idx, leaves):
+                    tensors[i] = leaf
+                loss = fwd(*tensors, *inputs)
+                grads = torch.autograd.grad(loss * scale if fp16 else loss, leaves, allow_unused=True)
+            grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
+            # one reduction: global norm (for clipping) and the overflow check (non-finite norm)
+            norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+            true_norm = norm / scale if fp16 else norm
+            grad_scale = scale if fp16 else torch.ones_like(scale)
+            if max_norm is not None:
+                grad_scale = grad_scale * torch.clamp(true_norm / max_norm, min=1.0)
+            found_inf = (~torch.isfinite(norm)).to(torch.float32) if fp16 else None
+            if found_inf is not None:  # counters advance only on steps that update
+                torch._foreach_add_(steps, [1.0 - found_inf] * len(steps))
+            else:
+                torch._foreach_add_(steps, 1.0)
+            for wd, sel in ((o.weight_decay, True), (0.0, False)):
+                idx = [i for i in range(n_p) if decay[i] == sel]
+                if not idx:
+                    continue
+                group = ([params[i] for i in idx], [grads[i] for i in idx], [m[i] for i in idx], [v[i] for i in idx],
+                         [steps[i] for i in idx])
+                if fused_kernel:
+                    torch._fused_adamw_(*group[:4], [], group[4], lr=lr, beta1=o.betas[0], beta2=o.betas[1],
+                                        weight_decay=wd, eps=o.eps, amsgrad=False, maximize=False,
+                                        grad_scale=grad_scale, found_inf=found_inf)
+                else:
+                    with torch.no_grad():  # the parameters are leaves that require grad
+                            _adamw_math(*group, lr=lr, betas=o.betas, weight_decay=wd, eps=o.eps,
+                                    grad_scale=grad_scale, found_inf=found_inf)
+            if fp16:  # DynamicLossScaler.update as tensor arithmetic (same hysteresis semantics)
+                inf = found_inf > 0
+                grow = (~inf) & (tracker + 1 >= e.loss_scale_interval)
+                new_hyst = torch.where(inf, hyst - 1, torch.where(grow, torch.full_like(hyst, e.loss_scale_hysteresis),
+                                                                  hyst))
+                backoff = inf & (new_hyst <= 0)
+                new_scale = torch.where(backoff, torch.clamp(scale * e.loss_scale_backoff, min=e.loss_scale_min),
+                                        torch.where(grow, scale * e.loss_scale_growth, scale))
+                tracker.copy_(torch.where(inf | grow, torch.zeros_like(tracker), tracker + 1))
+                hyst.copy_(new_hyst)
+                scale.copy_(new_scale)
+                return loss.detach(), true_norm, found_inf
+            return loss.detach(), true_norm, torch.zeros_like(norm)
+        return step
+
+    def _compile(self, graph: torch.fx.GraphModule, args: list[Tensor], provider: str) -> tuple[Any, str]:
+        from graphtrain.engine.fallback import report_fallback
+        if provider == "inductor":
+            try:
+                from torch._inductor.compile_fx import compile_fx
+                with torch._inductor.config.patch(fallback_random=True):
+                    fn = compile_fx(graph, args)
+                return fn, "inductor"
+            except Exception as err:  # noqa: BLE001 - degrade to the op-by-op graph, loudly
+                report_fallback("provider inductor on the step graph", f"{type(err).__name__}: {str(err)[:400]}",
+                                self.engine, what="runs op by op (aten) instead")
+        return graph, "aten"
+
+    # ------------------------------------------------------------------------------------ call --
+    def __call__(self, lr: float | None = None, **batch: Tensor) -> dict[str, Any]:
+        if not batch:
+            raise TypeError("call the step with the batch as keyword arguments, e.g. step(input_ids=x, labels=y)")
+        bad = [k for k, v in batch.items() if not isinstance(v, Tensor)]
+        if bad:
+            raise TypeError(f"compile_step: batch values must be tensors; {bad} are not")
+        key = tuple((k, tuple(v.shape), v.dtype, v.device) for k, v in batch.items())
+        if key != self._key:
+            self._build(batch)
+            self._key = key
+        self.lr.fill_(self.optim.lr if lr is None else float(lr))
+        with torch.no_grad():
+            loss, norm, found_inf = self._compiled(*self._args([batch[k] for k in self._batch_names]))
+        skipped = bool(found_inf.item()) if self.fp16 else False
+        self.steps += 1
+        self.skipped_steps += skipped
+        return {"loss": loss, "grad_norm": norm, "skipped": skipped,
+                "scale": float(self.scale) if self.fp16 else None}
+
+    # ------------------------------------------------------------------------------ state I/O --
+    def state_dict(self) -> dict[str, Any]:
+        """Optimizer and loss-scale state (the model's weights are in model.state_dict())."""
+        names = [self._names[i] for i in self._train_idx]
+        return {"exp_avg": dict(zip(names, self.exp_avg)), "exp_avg_sq": dict(zip(names, self.exp_avg_sq)),
+                "step": dict(zip(names, self.state_steps)), "scale": self.scale.clone(),
+                "growth_tracker": self.growth_tracker.clone(), "hysteresis_left": self.hysteresis_left.clone(),
+                "steps": self.steps, "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        names = [self._names[i] for i in self._train_idx]
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            missing = [n for n in names if n not in state.get(key, {})]
+            if missing:
+                raise ValueError(f"step state {key!r} lacks parameters {missing[:3]}: not a CompiledStep.state_dict() "
+                                 f"of this model")
+        with torch.no_grad():  # in place: the compiled graph holds these tensors
+            for dst, key in ((self.exp_avg, "exp_avg"), (self.exp_avg_sq, "exp_avg_sq"), (self.state_steps, "step")):
+                for t, n in zip(dst, names):
+                    t.copy_(state[key][n])
+            self.scale.copy_(state["scale"])
+            self.growth_tracker.copy_(state["growth_tracker"])
+            self.hysteresis_left.copy_(state["hysteresis_left"])
+        self.steps, self.skipped_steps = int(state.get("steps", 0)), int(state.get("skipped_steps", 0))
+
+
+def compile_step(model: nn.Module, config: Config | None = None, **engine_overrides: Any) -> CompiledStep:
+    """The whole training step (forward, loss, backward, clip, AdamW, loss scaling) as one graph."""
+    return CompiledStep(model, config, **engine_overrides)
+
+
+__all__ = ["CompiledStep", "compile_step", "EngineConfig", "OptimConfig"]

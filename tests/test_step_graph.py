@@ -1,0 +1,152 @@
+"""graphtrain.compile_step: forward, loss, backward, clipping, AdamW and loss scaling as one graph, checked
+against eager PyTorch with graphtrain's optimizer step (FusedAdamW = torch.optim.AdamW(fused=True))."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import graphtrain
+from graphtrain.config import Config, ModelConfig, OptimConfig
+from graphtrain.models import build_model
+from graphtrain.optim import build_optimizer, optimizer_step
+from graphtrain.testing import assert_close
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+NO_FUSIONS = {n: False for n in ("fuse_attention", "fuse_layer_norm", "fuse_bias_gelu", "fuse_cross_entropy",
+                                 "fuse_bias_dropout_add")}
+
+
+def _batch(seed=0, shape=(4, 32)):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 512, shape, generator=g)
+    return {"input_ids": ids, "labels": torch.roll(ids, -1, 1)}
+
+
+def _eager_steps(model, batches, cfg, lrs):
+    opt = build_optimizer(model, cfg.optim)
+    out = []
+    for b, lr in zip(batches, lrs):
+        for g in opt.param_groups:
+            g["lr"] = lr
+        loss = model(**b)
+        loss.backward()
+        info = optimizer_step(opt, model.parameters(), grad_clip=cfg.optim.grad_clip)
+        opt.zero_grad(set_to_none=True)
+        out.append((loss.detach(), info["grad_norm"]))
+    return out
+
+
+@pytest.mark.parametrize("provider", ["aten", "inductor"])
+def test_whole_step_matches_eager_adamw_with_clipping(provider):
+    torch.manual_seed(0)
+    cfg = Config(optim=OptimConfig(lr=3e-3, grad_clip=0.5))  # small clip: clipping is active every step
+    model = build_model(ModelConfig(name="gpt2-tiny", dropout=0.0))
+    ref = copy.deepcopy(model)
+    step = graphtrain.compile_step(model, cfg, provider=provider, passes=NO_FUSIONS)
+    batches, lrs = [_batch(i % 2) for i in range(4)], [3e-3, 2e-3, 1e-3, 1e-3]
+    expect = _eager_steps(ref, batches, cfg, lrs)
+    for b, lr, (le, ne) in zip(batches, lrs, expect):
+        out = step(lr=lr, **b)
+        assert_close(out["loss"], le, name=f"{provider} loss")
+        assert_close(out["grad_norm"], torch.tensor(ne), name=f"{provider} grad norm")
+        assert ne > 0.5 and out["skipped"] is False
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert_close(p, q, name=f"{provider} weight {n}", atol=2e-5, rtol=1e-4)
+    assert step.provider == provider
+    if provider == "aten":  # one graph holds the backward and the update
+        targets = {str(n.target) for n in step.graph.graph.nodes if n.op == "call_function"}
+        assert "aten._fused_adamw_.tensor_lr" in targets and "aten._foreach_norm.Scalar" in targets
+        assert any("mm" in t for t in targets)
+
+
+def test_whole_step_bf16_with_default_fusions_trains():
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(name="gpt2-tiny"))  # dropout on
+    step = graphtrain.compile_step(model, Config(), provider="aten", precision="bf16")
+    b = _batch()
+    losses = [float(step(lr=3e-3, **b)["loss"]) for _ in range(15)]
+    assert losses[-1] < losses[0] - 0.5, losses
+    done = {r.name: r.rewrites for r in step.pass_records}
+    assert done["fuse_attention"] == 2 and done["apply_mixed_precision"] > 0 and done["fuse_layer_norm"] >= 4
+    dtypes = {n.meta["val"].dtype for n in step.graph.graph.nodes
+              if n.op == "call_function" and "mm" in str(n.target) and "val" in n.meta}
+    assert torch.bfloat16 in dtypes
+
+
+class _BlowUp(nn.Module):
+    """Multiplies the loss by a batch input, so one step can be made to overflow in fp16."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, input_ids, labels, blow):
+        return self.inner(input_ids=input_ids, labels=labels) * blow
+
+
+def test_fp16_overflow_skips_exactly_that_step_inside_the_graph():
+    torch.manual_seed(0)
+    model = _BlowUp(build_model(ModelConfig(name="gpt2-tiny", dropout=0.0)))
+    cfg = Config()
+    cfg.engine.loss_scale_init, cfg.engine.loss_scale_hysteresis, cfg.engine.loss_scale_interval = 1024.0, 2, 4
+    step = graphtrain.compile_step(model, cfg, provider="aten", precision="fp16", passes=NO_FUSIONS)
+    b = _batch()
+    scales, skipped, losses = [], [], []
+    for i in range(12):
+        before = [p.detach().clone() for p in model.parameters()]
+        counters = [float(t) for t in step.state_steps]
+        out = step(lr=3e-3, blow=torch.tensor(1e6 if i in (5, 6) else 1.0), **b)
+        changed = any(not torch.equal(x, p) for x, p in zip(before, model.parameters()))
+        assert changed == (i not in (5, 6)), i
+        assert [float(t) for t in step.state_steps] == [c + (i not in (5, 6)) for c in counters]
+        scales.append(out["scale"])
+        skipped.append(out["skipped"])
+        losses.append(float(out["loss"]) / (1e6 if i in (5, 6) else 1.0))
+    assert skipped == [i in (5, 6) for i in range(12)]
+    # grows every 4 clean steps (1024 -> 2048 after step 3); hysteresis 2: the first overflow (step 5)
+    # keeps the scale, the second (step 6) backs off to 1024; then 4 clean steps (7-10) grow it again.
+    assert scales == [1024.0] * 3 + [2048.0] * 3 + [1024.0] * 4 + [2048.0] * 2, scales
+    assert step.skipped_steps == 2
+    assert losses[-1] < losses[0]
+
+
+def test_state_dict_round_trip_continues_identically():
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(name="gpt2-tiny", dropout=0.0))
+    step = graphtrain.compile_step(model, Config(), provider="aten", passes=NO_FUSIONS)
+    b = _batch()
+    for _ in range(3):
+        step(**b)
+    weights, state = copy.deepcopy(model.state_dict()), copy.deepcopy(step.state_dict())
+    expect = [float(step(**b)["loss"]) for _ in range(2)]
+    other = build_model(ModelConfig(name="gpt2-tiny", dropout=0.0))
+    other.load_state_dict(weights)
+    resumed = graphtrain.compile_step(other, Config(), provider="aten", passes=NO_FUSIONS)
+    resumed.load_state_dict(state)
+    assert [float(resumed(**b)["loss"]) for _ in range(2)] == expect
+    with pytest.raises(ValueError, match="lacks parameters"):
+        resumed.load_state_dict({"exp_avg": {}, "exp_avg_sq": {}, "step": {}})
+
+
+def test_user_errors_are_clear():
+    model = build_model(ModelConfig(name="gpt2-tiny"))
+    with pytest.raises(ValueError, match="AdamW"):
+        graphtrain.compile_step(model, Config(optim=OptimConfig(name="lamb")))
+    step = graphtrain.compile_step(model, Config(), provider="aten")
+    with pytest.raises(TypeError, match="keyword arguments"):
+        step()
+    with pytest.raises(TypeError, match="must be tensors"):
+        step(input_ids=[1, 2])
+
+    class NoLoss(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(3))
+
+        def forward(self, x):
+            return {"out": self.w * x}
+    with pytest.raises(TypeError, match="must return the loss"):
+        graphtrain.compile_step(NoLoss(), Config(), provider="aten")(x=torch.ones(3))
