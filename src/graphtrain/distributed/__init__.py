@@ -9,9 +9,11 @@
         par.clip_grad_norm_(cfg.optim.grad_clip); par.optimizer.step(); par.optimizer.zero_grad()
     par.save(path, extra) / par.load(path)
 
-Layouts: dp (DDP), dp + zero_stage=1 (ZeroRedundancyOptimizer), tp (DTensor Megatron plan; with
-dp via DDP), pp (pipelining 1F1B/GPipe; with dp and ZeRO-1). Not supported yet: tp with pp,
-dp with tp or pp, ZeRO-1 with tp (clear ValueError).
+Layouts: dp (DDP; `par.accelerate(engine)` composes it with the graph engine), dp + zero_stage=1
+(ZeroRedundancyOptimizer), tp (DTensor Megatron plan), pp (pipelining 1F1B/GPipe), dp x tp and
+dp x pp (dp through FSDP2 `replicate` over the mesh's dp dim: DDP takes neither DTensor parameters
+nor pipelined micro-batches). Not supported yet (clear ValueError): tp with pp, ZeRO-1 with tp,
+ZeRO-1 with dp x pp; the graph engine with tp or pp.
 """
 from __future__ import annotations
 
@@ -26,7 +28,8 @@ from torch.distributed.tensor import DTensor
 
 from graphtrain.config import Config, ParallelConfig
 from graphtrain.distributed import checkpoint as ckpt
-from graphtrain.distributed.data_parallel import apply_data_parallel, broadcast_parameters, grad_sync
+from graphtrain.distributed.data_parallel import (apply_data_parallel, apply_replicate, broadcast_parameters,
+                                                  grad_sync)
 from graphtrain.distributed.mesh import DistEnv, check_layout, init_distributed, shutdown
 from graphtrain.distributed.tensor_parallel import (apply_tensor_parallel, local_loss, loss_context,
                                                    split_mixed_param_groups)
@@ -34,6 +37,10 @@ from graphtrain.distributed.zero import optimizer_state_bytes, shard_optimizer
 
 __all__ = ["DistEnv", "Parallelized", "check_layout", "init_distributed", "parallelize", "shutdown",
            "optimizer_state_bytes"]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 @dataclass
@@ -62,14 +69,47 @@ class Parallelized:
         """
         if self.schedule is not None:
             from graphtrain.distributed.pipeline import pipeline_step, sync_tied_grads
-            self.schedule._loss_fn.scale = 1.0 / micro_steps
+            self.schedule._loss_fn.set_accumulation(micro_steps)
             loss = pipeline_step(self.schedule, self.model, input_ids, labels, self.env.group("pp"))
-            sync_tied_grads(self.model, self._tied_group)
+            if micro_step == micro_steps - 1:  # once per optimizer step: the sum covers every accumulation step
+                sync_tied_grads(self.model, self._tied_group)
             return loss
         with grad_sync(self.model, sync=micro_step == micro_steps - 1), loss_context(self.model):
             loss = self.model(input_ids, labels=labels, **model_kwargs)
             (loss / micro_steps).backward()
         return local_loss(loss.detach())
+
+    def accelerate(self, engine: Any = None) -> nn.Module:
+        """Compile this rank's module with the graphtrain engine, composed with DDP; returns the module.
+
+        The module inside DDP is accelerated (in place), not the DDP wrapper: DDP's forward calls
+        `self.module(...)` inside `_inside_ddp_forward`, which Dynamo does not trace but which marks
+        the DDP module active, so the frame compiled there (this module's `_call_impl`) goes through
+        Dynamo's DDPOptimizer: the graph is split at DDP's bucket boundaries, each piece compiled by
+        the graphtrain backend, and each bucket's all-reduce starts as soon as its piece's backward
+        is done. That is what `torch.compile(ddp_model)` does as well; accelerating the wrapper gives
+        the same graphs but also traces DDP's own forward, records a graph break at
+        `_inside_ddp_forward`, and fails under engine.fallback=error (fullgraph) (measured, torch 2.13,
+        2 gloo ranks). `no_sync()` keeps working: DDP's forward runs eagerly around the compiled module.
+        `engine` is what `graphtrain.accelerate` takes (EngineConfig, dict, Config or None)."""
+        par = self.env.parallel
+        if par.tp > 1 or par.pp > 1:
+            raise ValueError("the graph engine composes with data parallelism (DDP) only: with parallel.tp>1 or "
+                             "parallel.pp>1 train eagerly (train.accelerate=false)")
+        from graphtrain.config import resolve_engine_config
+        from graphtrain.engine.api import accelerate
+        check_engine_under_ddp(resolve_engine_config(engine, {}), self.module)
+        return accelerate(self.module, engine)
+
+    def eval_loss(self, input_ids: torch.Tensor, labels: torch.Tensor, **model_kwargs: Any) -> torch.Tensor:
+        """Forward only (call under torch.no_grad()): this dp rank's mean loss, a plain tensor on every rank.
+
+        With pp > 1 it runs the pipeline schedule's forward-only `eval` over parallel.microbatches."""
+        if self.schedule is not None:
+            from graphtrain.distributed.pipeline import pipeline_eval
+            return pipeline_eval(self.schedule, self.model, input_ids, labels, self.env.group("pp"))
+        with loss_context(self.model):
+            return local_loss(self.model(input_ids, labels=labels, **model_kwargs)).detach()
 
     def clip_grad_norm_(self, max_norm: float | None) -> torch.Tensor:
         """Clip by the global gradient norm across tp shards and pp stages; returns the norm before clipping."""
@@ -92,13 +132,13 @@ class Parallelized:
         if self.env.parallel.pp > 1:
             inner = self.module
             if getattr(inner, "is_last", False) and not getattr(inner, "is_first", True):
-                sq -= inner.lm_head.weight.grad.float().pow(2).sum()  # the tied copy is counted on stage 0
+                sq -= _local(inner.lm_head.weight.grad).float().pow(2).sum()  # the tied copy is counted on stage 0
             dist.all_reduce(sq, group=self.env.group("pp"))
         norm = sq.sqrt()
         if max_norm is not None:
             coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
             for p in params:
-                p.grad.mul_(coef)
+                _local(p.grad).mul_(coef)  # in place on the local shard (DTensor grads under tp / replicate)
         return norm
 
     def optimizer_state_bytes(self) -> int:
@@ -109,6 +149,22 @@ class Parallelized:
 
     def load(self, path: str | Path) -> dict:
         return ckpt.load_checkpoint(path, self.model, self.optimizer)
+
+
+def check_engine_under_ddp(engine: Any, module: nn.Module) -> None:
+    """Refuse engine.provider=aten under DDP when Dynamo's DDPOptimizer will split the graph (gradients over DDP's
+    1 MiB first bucket): the split pieces' backward, compiled lazily, then fails inside torch (measured, torch 2.13:
+    "expected same # of fw and bw compiles, but found bucket -1"), because the aten provider calls AOTAutograd
+    directly and DDPOptimizer only stashes a piece's forward metadata when torch's `aot_autograd` backend wrapper
+    counted the call. Inductor (the default, provider auto) goes through that wrapper and works."""
+    if getattr(engine, "provider", None) != "aten":
+        return
+    grad_bytes = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+    if grad_bytes > dist._DEFAULT_FIRST_BUCKET_BYTES:
+        raise ValueError(f"engine.provider=aten does not compose with DDP for a model whose gradients "
+                         f"({grad_bytes / 2**20:.1f} MiB) span several DDP buckets (Dynamo's DDPOptimizer splits the "
+                         f"graph there and torch cannot compile the aten pieces' backward): use engine.provider=auto "
+                         f"(Inductor), or train.accelerate=false")
 
 
 def parallelize(model: nn.Module, optimizer_factory: Callable[[nn.Module], torch.optim.Optimizer],
@@ -123,12 +179,14 @@ def parallelize(model: nn.Module, optimizer_factory: Callable[[nn.Module], torch
     env = env or init_distributed(parallel)
     if parallel.tp > 1 and parallel.pp > 1:
         raise ValueError("parallel.tp>1 together with parallel.pp>1 is not supported yet: use tp or pp (each with dp)")
-    if parallel.dp > 1 and (parallel.tp > 1 or parallel.pp > 1):
-        # Measured on 4 gloo ranks: DDP cannot wrap DTensor (tensor-parallel) parameters, and its reducer
-        # asserts when a pipeline stage runs several micro-batch forwards before backward. Composing dp with
-        # tp/pp needs FSDP2/replicate over the dp mesh dimension, which is not built yet.
-        raise ValueError(f"parallel.dp>1 together with parallel.{'tp' if parallel.tp > 1 else 'pp'}>1 is not "
-                         f"supported yet: use dp (optionally with zero_stage=1), tp or pp on its own")
+    composed = parallel.dp > 1 and (parallel.tp > 1 or parallel.pp > 1)
+    if composed and parallel.zero_stage == 1:
+        # dp with tp/pp runs through FSDP2 replicate, whose parameters are DTensors; ZeroRedundancyOptimizer
+        # partitions plain tensors only (it raises on DTensors).
+        raise ValueError(f"parallel.zero_stage=1 with parallel.dp>1 and parallel.{'tp' if parallel.tp > 1 else 'pp'}>1 "
+                         f"is not supported (ZeroRedundancyOptimizer needs plain tensors; dp composed with tp/pp uses "
+                         f"FSDP2 replicate, whose parameters are DTensors): set parallel.zero_stage=0, or use "
+                         f"zero_stage=1 with dp alone")
     model = model.to(env.device)
     if env.mesh is None:
         return Parallelized(model, optimizer_factory(model), env)
@@ -140,10 +198,14 @@ def parallelize(model: nn.Module, optimizer_factory: Callable[[nn.Module], torch
         module = build_stage_module(model, env.pp_rank, parallel.pp)
         tied = tied_group(env.mesh)
     module = apply_tensor_parallel(module, env.mesh["tp"])
-    optimizer = optimizer_factory(module)
-    if parallel.tp > 1:
+    if composed:  # FSDP2 replicate over dp (DDP takes neither DTensor params nor pipelined micro-batches)
+        wrapped = apply_replicate(module, env.mesh["dp"])
+        optimizer = optimizer_factory(wrapped)  # replicate swapped the parameters for DTensors: optimizer after
+    else:
+        optimizer = optimizer_factory(module)
+        wrapped = apply_data_parallel(module, env.mesh["dp"], env.device)
+    if parallel.tp > 1 or composed:
         split_mixed_param_groups(optimizer)
-    wrapped = apply_data_parallel(module, env.mesh["dp"], env.device)
     if parallel.zero_stage == 1:
         optimizer = shard_optimizer(optimizer, env.group("dp"))
     if parallel.pp > 1:

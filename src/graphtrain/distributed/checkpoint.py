@@ -205,3 +205,16 @@ def _scatter_fused(model: nn.Module, optimizer: torch.optim.Optimizer | None,
                     dst = own[f"{kind}.{prefix}{part}{tail}"]
                     local = dst.to_local() if isinstance(dst, DTensor) else dst
                     local.copy_(_shard_of(piece, dst))
+
+
+def load_model_weights_local(path: str | os.PathLike, model: nn.Module) -> None:
+    """Read the model weights of `<path>` (saved under any layout) into an unsharded `model`, on this process
+    alone: no collective, so one rank can call it while the others do something else (sampling under pp)."""
+    path = Path(path)
+    if not (path / ".metadata").is_file():
+        raise ValueError(f"{path} is not a complete graphtrain checkpoint (no .metadata)")
+    request = {f"model.{k}": v for k, v in model.state_dict().items()}
+    import warnings
+    with warnings.catch_warnings():  # DCP says it assumes a single process: that is the point here
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(request, checkpoint_id=str(path), no_dist=True)

@@ -11,9 +11,15 @@ micro-steps only accumulate locally; the final micro-step's backward all-reduces
 DDP averages over dp ranks, so the loss per micro-step is divided by grad_accum by the caller
 exactly as in single-process accumulation.
 
-With tensor parallelism (DTensor parameters), the module is first passed through
-`torch.distributed.tensor.parallel.ddp._pre_dp_module_transform`, torch's TP+DDP bridge: DDP sees
-each rank's local shards and all-reduces them over the dp group only.
+Combined with tensor or pipeline parallelism, dp is not DDP but FSDP2's composable `replicate`
+(`torch.distributed._composable.replicate_with_fsdp`, `apply_replicate`) over the mesh's dp dim:
+DDP cannot wrap DTensor (tensor-parallel) parameters and its C++ reducer is not built for a
+pipeline stage's several micro-batch forwards before backward, while `replicate` is FSDP2 with
+one replica per dp rank: it keeps DTensor parameters (placement Replicate on dp, plus the tp
+placement), all-reduces each block's gradients as soon as that block's backward is done (one
+group per transformer block, so communication overlaps the rest of backward), and
+`torch.distributed.pipelining` knows it (no all-reduce until a stage's last micro-batch).
+`replicate` replaces the parameters: build the optimizer after it.
 """
 from __future__ import annotations
 
@@ -45,10 +51,46 @@ def apply_data_parallel(model: nn.Module, dp_mesh: DeviceMesh, device: torch.dev
                find_unused_parameters=find_unused_parameters, **no_buffer_sync)
 
 
+def apply_replicate(model: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
+    """FSDP2 `replicate` over the 1-D `dp_mesh`: each transformer block its own gradient all-reduce group, then
+    the root (embeddings, final norm, head). Works on modules whose parameters are already tensor-parallel
+    DTensors (the 2-D dp x tp layout) and on pipeline stages. dp == 1 returns the model unchanged."""
+    if dp_mesh.size() == 1:
+        return model
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+    for name in ("blocks", "layers"):
+        blocks = getattr(model, name, None)
+        if isinstance(blocks, (nn.ModuleList, nn.ModuleDict)):
+            for block in (blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks):
+                replicate(block, mesh=dp_mesh)
+    return replicate(model, mesh=dp_mesh)
+
+
+def is_replicated(model: nn.Module) -> bool:
+    """True for a module data-parallel through FSDP2 (`replicate` / `fully_shard`)."""
+    from torch.distributed.fsdp import FSDPModule
+    return isinstance(model, FSDPModule)
+
+
+@contextlib.contextmanager
+def _fsdp_sync(model: nn.Module, sync: bool):
+    model.set_requires_gradient_sync(sync)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
 def grad_sync(model: nn.Module, sync: bool) -> contextlib.AbstractContextManager:
-    """Context for one micro-step's forward+backward: `no_sync()` unless `sync` (the last micro-step)."""
-    if not sync and isinstance(model, DDP):
+    """Context for one micro-step's forward+backward: no gradient all-reduce unless `sync` (the last micro-step).
+
+    DDP: `no_sync()`; FSDP2 `replicate`: `set_requires_gradient_sync(False)` (restored afterwards)."""
+    if sync:
+        return contextlib.nullcontext()
+    if isinstance(model, DDP):
         return model.no_sync()
+    if is_replicated(model):
+        return _fsdp_sync(model, False)
     return contextlib.nullcontext()
 
 

@@ -13,8 +13,9 @@ a {first, last} stage group, so both copies take the same update and stay equal.
 `build_schedule` wraps the stage in `PipelineStage` and `Schedule1F1B` (parallel.schedule=1f1b:
 one forward, one backward in steady state; at most pp micro-batches of activations alive) or
 `ScheduleGPipe` (all forwards, then all backwards; `microbatches` activations alive). The loss
-is the mean cross-entropy per micro-batch; the schedule scales gradients by 1/microbatches, so
-with equal-size micro-batches (and no -100 labels) the step equals the full-batch step.
+is the mean cross-entropy per micro-batch times 1/(microbatches x accumulation steps) (`ScaledLMLoss`;
+the schedule's own scale_grads is off), so with equal-size micro-batches (and no -100 labels) the
+step equals the full-batch step, with or without gradient accumulation.
 """
 from __future__ import annotations
 
@@ -110,14 +111,25 @@ def sync_tied_grads(stage_module: nn.Module, group: dist.ProcessGroup | None) ->
         return
     if p.grad is None:
         p.grad = torch.zeros_like(p)
-    dist.all_reduce(p.grad, group=group)
+    grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad  # DTensor under dp x pp (replicate)
+    dist.all_reduce(grad, group=group)
 
 
 class ScaledLMLoss:
-    """The GPT-2 loss times `scale` (1 / grad-accumulation steps), so accumulated gradients average."""
+    """The GPT-2 loss times `scale` = 1 / (micro-batches x grad-accumulation steps), so gradients average.
 
-    def __init__(self, loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = language_model_loss) -> None:
-        self.loss, self.scale = loss, 1.0
+    The schedule is built with scale_grads=False and the loss carries the whole scale: the schedule's own
+    scale_grads divides every `.grad` by the micro-batch count after each step, which also rescales the
+    gradients accumulated by earlier accumulation steps (measured: pp=2 with 2 accumulation steps drifted
+    from the single-process run from the second step on)."""
+
+    def __init__(self, loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = language_model_loss,
+                 microbatches: int = 1) -> None:
+        self.loss, self.microbatches = loss, microbatches
+        self.scale = 1.0 / microbatches
+
+    def set_accumulation(self, micro_steps: int) -> None:
+        self.scale = 1.0 / (self.microbatches * micro_steps)
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return self.loss(logits, labels) * self.scale
@@ -131,7 +143,8 @@ def build_schedule(stage_module: nn.Module, stage: int, n_stages: int, pp_group:
                          f"{microbatches}: raise parallel.microbatches or use parallel.schedule=gpipe")
     pipe_stage = PipelineStage(stage_module, stage, n_stages, device, group=pp_group)
     cls = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[schedule]
-    return cls(pipe_stage, n_microbatches=microbatches, loss_fn=loss_fn or ScaledLMLoss())
+    return cls(pipe_stage, n_microbatches=microbatches, loss_fn=loss_fn or ScaledLMLoss(microbatches=microbatches),
+               scale_grads=False)
 
 
 def pipeline_step(schedule, stage_module: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor,
@@ -150,4 +163,21 @@ def pipeline_step(schedule, stage_module: nn.Module, input_ids: torch.Tensor, la
     loss = loss.to(input_ids.device)
     last = dist.get_global_rank(pp_group, dist.get_world_size(pp_group) - 1)
     dist.broadcast(loss, src=last, group=pp_group)
+    return loss
+
+
+def pipeline_eval(schedule, stage_module: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor,
+                  pp_group: dist.ProcessGroup) -> torch.Tensor:
+    """Forward only (the schedule's `eval`) over all micro-batches; the mean micro-batch loss on every stage."""
+    inner = getattr(stage_module, "module", stage_module)
+    if input_ids.size(0) % schedule._n_microbatches:
+        raise ValueError(f"the evaluation batch size {input_ids.size(0)} must divide by parallel.microbatches="
+                         f"{schedule._n_microbatches}: change train.batch_size or parallel.microbatches")
+    losses: list[torch.Tensor] = []
+    schedule.eval(*((input_ids,) if inner.is_first else ()), target=labels if inner.is_last else None,
+                  losses=losses if inner.is_last else None)
+    scale = getattr(schedule._loss_fn, "scale", 1.0)
+    loss = torch.stack([l.detach().float() for l in losses]).mean() / scale if inner.is_last else torch.zeros(())
+    loss = loss.to(input_ids.device)
+    dist.broadcast(loss, src=dist.get_global_rank(pp_group, dist.get_world_size(pp_group) - 1), group=pp_group)
     return loss

@@ -17,23 +17,26 @@ def check_supported(config: Config) -> None:
     """Reject settings the Trainer cannot honour (yet), naming the fix.
 
     parallel.dp*tp*pp > 1 runs through graphtrain.distributed (launch with `graphtrain train --nproc N`):
-    dp (optionally ZeRO-1) or tp are supported, not both at once; pp is not wired into the Trainer yet (evaluation and
-    sampling need the whole model on one rank), and neither is fp16 loss scaling across ranks.
+    dp (optionally ZeRO-1), tp, pp, dp x tp and dp x pp; not tp x pp, not ZeRO-1 with tp or with dp x pp, not fp16
+    loss scaling across ranks.
     """
     par, tc = config.parallel, config.train
     if par.world_size > 1:
         if par.tp > 1 and par.pp > 1:
             raise ValueError("parallel.tp>1 together with parallel.pp>1 is not supported yet: use tp or pp")
-        if par.tp > 1 and par.dp > 1:
-            raise ValueError("parallel.dp>1 together with parallel.tp>1 is not supported yet: use dp (optionally "
-                             "with zero_stage=1) or tp on its own")
-        if par.pp > 1:
-            raise ValueError("parallel.pp>1 is not supported by the Trainer yet (evaluation and sampling need the "
-                             "whole model on one rank): use parallel.dp and/or parallel.tp, or drive "
-                             "graphtrain.distributed.parallelize directly")
         if par.zero_stage == 1 and par.tp > 1:
             raise ValueError("parallel.zero_stage=1 with parallel.tp>1 is not supported yet: set "
                              "parallel.zero_stage=0 or parallel.tp=1")
+        if par.zero_stage == 1 and par.dp > 1 and par.pp > 1:
+            raise ValueError("parallel.zero_stage=1 with parallel.dp>1 and parallel.pp>1 is not supported yet (dp "
+                             "composed with pp runs through FSDP2 replicate, whose DTensor parameters "
+                             "ZeroRedundancyOptimizer cannot partition): set parallel.zero_stage=0")
+        if (par.pp > 1 and tc.batch_size != "auto" and tc.batch_size % par.dp == 0
+                and (tc.batch_size // par.dp) % par.microbatches):
+            raise ValueError(f"train.batch_size={tc.batch_size} gives {tc.batch_size // par.dp} samples per "
+                             f"data-parallel rank, which must divide into parallel.microbatches={par.microbatches} "
+                             f"pipeline micro-batches: set train.batch_size={par.dp * par.microbatches} (or a "
+                             f"multiple)")
         if config.engine.precision == "fp16":
             raise ValueError("engine.precision=fp16 (dynamic loss scaling) is not supported in distributed runs "
                              "yet: use engine.precision=bf16 or fp32")
@@ -103,10 +106,50 @@ def maybe_accelerate(model: torch.nn.Module, config: Config) -> torch.nn.Module:
     return accelerate(model, config.engine)
 
 
+def distributed_engine_supported(config: Config) -> bool:
+    """The graph engine composes with data parallelism through DDP (parallel.dp>1 alone, with or without ZeRO-1)."""
+    par = config.parallel
+    return par.tp == 1 and par.pp == 1
+
+
+def accelerate_under_ddp(par, config: Config) -> torch.nn.Module:
+    """The graph engine under DDP: `Parallelized.accelerate` (the module inside DDP, in place; see its docstring
+    for why not the wrapper). Without the engine in this install, engine.fallback decides (as maybe_accelerate)."""
+    if importlib.util.find_spec("graphtrain.engine.api") is None:
+        return maybe_accelerate(par.module, config)
+    return par.accelerate(config.engine)
+
+
+def check_distributed_capture(module: torch.nn.Module, wrapper: torch.nn.Module, config: Config) -> str:
+    """After the first distributed step: did the engine capture graphs on every rank (no silent eager run)?
+
+    Collective (all ranks call it). Returns the line rank 0 logs; a rank that fell back to eager raises
+    under engine.fallback=error and warns otherwise."""
+    import torch.distributed as dist
+    from graphtrain.engine.report import report
+    rep = report(module)
+    mine = (len(rep.graphs), bool(rep.eager_only), len(rep.fallbacks))
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    graphs = sorted({g for g, _, _ in every})
+    bucket = getattr(wrapper, "bucket_bytes_cap", None)
+    line = (f"graphtrain engine under DDP: {'/'.join(map(str, graphs))} graph(s) captured per rank"
+            + (f" (Dynamo's DDPOptimizer splits at DDP's {bucket / 2**20:g} MiB gradient buckets)" if bucket else "")
+            + f", eager fallbacks on {sum(1 for _, e, f in every if e or f)} of {len(every)} ranks")
+    if any(g == 0 or e for g, e, _ in every):
+        msg = f"{line}: the distributed model is not running through the graph engine"
+        if config.engine.fallback == "error":
+            raise ValueError(msg)
+        if config.engine.fallback == "warn" and dist.get_rank() == 0:
+            warnings.warn(msg, RuntimeWarning, stacklevel=2)
+    return line
+
+
 def distributed_eager_fallback(config: Config) -> None:
-    """Distributed runs train the parallelized model eagerly for now; engine.fallback decides how loudly."""
-    msg = ("train.accelerate=true is not supported with parallel.dp*tp*pp > 1 yet (the graph engine does not "
-           "capture DDP / tensor-parallel modules); set train.accelerate=false (--no-accelerate)")
+    """tp / pp layouts train the parallelized model eagerly for now; engine.fallback decides how loudly."""
+    msg = ("train.accelerate=true composes with data parallelism (parallel.dp) only: with parallel.tp>1 or "
+           "parallel.pp>1 the graph engine does not capture the tensor-parallel (DTensor) / pipeline-stage modules "
+           "yet; set train.accelerate=false (--no-accelerate)")
     if config.engine.fallback == "error":
         raise ValueError(msg)
     if config.engine.fallback == "warn" and int(os.environ.get("RANK", "0")) == 0:

@@ -14,7 +14,11 @@ Trainer calls `init_distributed` + `parallelize` and trains through the `Paralle
 rank draws the same full batch from `get_batch` and keeps its data-parallel rank's rows; the logged
 loss is averaged over dp ranks. Only rank 0 logs, prints, shows the progress bar and samples;
 checkpoints are sharded folders (`ckpt-NNNNNNN/`, written atomically by `Parallelized.save`) and
-evaluation averages each rank's share of the validation batches across dp ranks.
+evaluation averages each rank's share of the validation batches across dp ranks. With train.accelerate
+and data parallelism alone, the module inside DDP runs through the graph engine (`Parallelized.accelerate`;
+after the first step rank 0 logs how many graphs each rank captured). With pp > 1 training and
+evaluation run the pipeline schedule over parallel.microbatches, and `sample()` reads the whole model
+from the latest checkpoint on rank 0.
 
 `train.batch_size: auto` picks the largest micro-batch whose predicted step peak fits
 `engine.memory_budget` (`graphtrain.memory.autobatch.pick_batch_size`; per rank, times parallel.dp);
@@ -96,16 +100,20 @@ class Trainer:
             self._module = self.model
         else:
             from graphtrain.distributed import parallelize
-            if tc.accelerate:
+            engine = tc.accelerate and runtime.distributed_engine_supported(config)
+            if tc.accelerate and not engine:
                 runtime.distributed_eager_fallback(config)
             self.par = parallelize(model, lambda m: build_optimizer(m, config.optim), config.parallel, self.env)
             self.model, self.optimizer, self._module = self.par.model, self.par.optimizer, self.par.module
+            if engine:  # the module inside DDP, in place (Parallelized.accelerate says why)
+                runtime.accelerate_under_ddp(self.par, config)
             if self.env.rank:  # rank 0 keeps a single process's RNG stream; other ranks draw their own dropout
                 runtime.seed_everything(tc.seed + 1_000_003 * self.env.rank)
         self.scaler = make_loss_scaler(config.engine)  # fp16 only: dynamic loss scaling
         self.out_dir = Path(tc.out_dir)
         self.metrics = MetricsLog(self.out_dir / "metrics.jsonl")
         self.step = 0  # optimizer steps completed
+        self._engine_checked = False
 
     def _log(self, text: str) -> None:
         if self.is_main:
@@ -267,6 +275,10 @@ class Trainer:
         if self.config.parallel.dp > 1:
             dist.all_reduce(loss_sum, group=self.env.group("dp"))
             loss_sum /= self.config.parallel.dp
+        if not self._engine_checked:
+            self._engine_checked = True
+            if runtime.is_accelerated(self._module):
+                self._log(runtime.check_distributed_capture(self._module, self.model, self.config))
         return loss_sum, {"grad_norm": float(norm), "skipped": False, "scale": None}
 
     @torch.no_grad()
@@ -291,9 +303,8 @@ class Trainer:
     def _eval_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         if self.par is None:
             return self.model(**batch).detach().float()
-        from graphtrain.distributed.tensor_parallel import local_loss, loss_context
-        with loss_context(self.model):
-            return local_loss(self.model(**self._shard(batch))).detach().float()
+        batch = self._shard(batch)
+        return self.par.eval_loss(batch.pop("input_ids"), batch.pop("labels"), **batch).float()
 
     def sample(self, prompt: str, n_tokens: int, *, temperature: float = 0.8, top_k: int | None = 20,
                seed: int | None = None) -> str:
@@ -315,13 +326,27 @@ class Trainer:
         gen = torch.Generator(device=self.device).manual_seed(self.config.train.seed if seed is None else seed)
         x = torch.tensor([ids], dtype=torch.long, device=self.device)
         # Eagerly: every generated token is a new sequence length, i.e. a recompile for the engine.
+        module = self._module if self.par is None or self.config.parallel.pp == 1 else self._whole_model()
         with torch.compiler.set_stance("force_eager"):
-            out = self._module.generate(x, n_tokens, temperature=temperature, top_k=top_k, generator=gen)
+            out = module.generate(x, n_tokens, temperature=temperature, top_k=top_k, generator=gen)
         new = out[0, len(ids):].tolist()
         eos = getattr(tok, "eos_id", None)
         if eos is not None and eos in new:
             new = new[:new.index(eos)]
         return prompt + tok.decode(new)
+
+    def _whole_model(self) -> torch.nn.Module:
+        """parallel.pp>1: every rank holds one stage, so sample() reads the whole model from the latest sharded
+        checkpoint, on this rank alone (no collective: rank 0 samples while the others have finished)."""
+        from graphtrain.distributed.checkpoint import load_model_weights_local
+        path = latest_checkpoint(self.out_dir)
+        if path is None:
+            raise ValueError("sample() with parallel.pp>1 reads the whole model from the run's latest checkpoint, and "
+                             f"{str(self.out_dir)!r} has none yet: call it after fit() (which saves at the end)")
+        with torch.random.fork_rng(devices=[]):
+            model = build_model(self.config.model, vocab_size=self.data.vocab_size)
+        load_model_weights_local(path, model)
+        return model.to(self.device).eval()
 
     # ---------------------------------------------------------------------------- checkpoints ----
     def save_checkpoint(self, metrics: dict[str, Any] | None = None) -> Path:
@@ -424,11 +449,12 @@ class Trainer:
         where = f"device {self.device}, {torch.get_num_threads()} threads"
         if self.env is not None:
             par = self.config.parallel
-            where += (f" per rank, {self.env.world_size} ranks (dp {par.dp} x tp {par.tp}"
+            where += (f" per rank, {self.env.world_size} ranks (pp {par.pp} x dp {par.dp} x tp {par.tp}"
                       f"{', ZeRO-1' if par.zero_stage else ''})")
-        self._log(f"model {self.config.model.name}: {sum(p.numel() for p in self._module.parameters()):,} params"
-                  f"{' (this rank)' if self.config.parallel.tp > 1 else ''}, {where}, "
-                  f"{'graphtrain engine' if runtime.is_accelerated(self.model) else 'eager PyTorch'}")
+        local = self.config.parallel.tp > 1 or self.config.parallel.pp > 1
+        n_params = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in self._module.parameters())
+        self._log(f"model {self.config.model.name}: {n_params:,} params{' (this rank)' if local else ''}, {where}, "
+                  f"{'graphtrain engine' if runtime.is_accelerated(self._module) else 'eager PyTorch'}")
         return start
 
     def close(self) -> None:
