@@ -193,6 +193,9 @@ class TrainConfig:
     """Use deterministic algorithms, so a resumed run matches an uninterrupted one bitwise."""
     accelerate: bool = True
     """Run the training step through the graphtrain engine (false: plain eager PyTorch)."""
+    whole_step: bool = False
+    """Capture forward, loss, backward, clipping, AdamW and fp16 loss scaling as one graph per step
+    (graphtrain.compile_step). Needs optim.name adamw, grad_accum 1, one process, accelerate true."""
     threads: int | None = None
     """torch intra-op threads (default: all cores)."""
     progress: bool = True

@@ -1,6 +1,8 @@
 """Process setup for a training run: device, threads, determinism, seeds, the graph engine."""
 from __future__ import annotations
 
+from typing import Any
+
 import importlib.util
 import os
 import random
@@ -104,6 +106,44 @@ def maybe_accelerate(model: torch.nn.Module, config: Config) -> torch.nn.Module:
         return model
     from graphtrain.engine.api import accelerate
     return accelerate(model, config.engine)
+
+
+def build_whole_step(model: torch.nn.Module, config: Config) -> Any:
+    """graphtrain.compile_step for train.whole_step, after checking the run can use it."""
+    tc = config.train
+    problems = [msg for bad, msg in (
+        (config.parallel.world_size > 1, "one process (parallel.dp=tp=pp=1)"),
+        (tc.grad_accum != 1, f"train.grad_accum=1 (got {tc.grad_accum})"),
+        (config.optim.name != "adamw", f"optim.name=adamw (got {config.optim.name!r})"),
+        (not tc.accelerate, "train.accelerate=true")) if bad]
+    if problems:
+        raise ValueError(f"train.whole_step=true needs {', '.join(problems)}; set train.whole_step=false to train "
+                         f"with the graph engine and a separate optimizer step")
+    from graphtrain.engine.step_graph import compile_step
+    return compile_step(model, config)
+
+
+class StepGraphOptimizer:
+    """What the Trainer needs of an optimizer when the step graph owns the update: the learning rate it
+    sets (passed to the graph each step), state_dict/load_state_dict (the graph's moments, step counts and
+    loss-scale state) and a zero_grad with nothing to do (gradients never leave the graph)."""
+
+    def __init__(self, step: Any) -> None:
+        self.step_graph = step
+        self.param_groups = [{"lr": config_lr(step)}]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        return None
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.step_graph.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step_graph.load_state_dict(state)
+
+
+def config_lr(step: Any) -> float:
+    return float(step.optim.lr)
 
 
 def distributed_engine_supported(config: Config) -> bool:

@@ -93,7 +93,13 @@ class Trainer:
                              f"(max_seq_len={self.spec.max_seq_len}): lower data.seq_len, or set "
                              f"model.max_seq_len={config.data.seq_len}")
         self.init_source = self._init_weights(model, tc.init_from) if tc.init_from is not None else None
-        if self.env is None:
+        self.whole_step = None
+        if self.env is None and tc.whole_step:
+            model.to(self.device)
+            self.model = self._module = model  # trained by the step graph; evaluated eagerly
+            self.whole_step = runtime.build_whole_step(model, config)
+            self.optimizer = runtime.StepGraphOptimizer(self.whole_step)
+        elif self.env is None:
             model.to(self.device)
             self.model = runtime.maybe_accelerate(model, config)
             self.optimizer = build_optimizer(self.model, config.optim)
@@ -109,7 +115,8 @@ class Trainer:
                 runtime.accelerate_under_ddp(self.par, config)
             if self.env.rank:  # rank 0 keeps a single process's RNG stream; other ranks draw their own dropout
                 runtime.seed_everything(tc.seed + 1_000_003 * self.env.rank)
-        self.scaler = make_loss_scaler(config.engine)  # fp16 only: dynamic loss scaling
+        # fp16 only: dynamic loss scaling (inside the step graph with train.whole_step)
+        self.scaler = make_loss_scaler(config.engine) if self.whole_step is None else None
         self.out_dir = Path(tc.out_dir)
         self.metrics = MetricsLog(self.out_dir / "metrics.jsonl")
         self.step = 0  # optimizer steps completed
@@ -195,7 +202,11 @@ class Trainer:
                 t0 = time.perf_counter()
                 lr = lr_at(step, cfg.optim, tc.steps)
                 set_lr(self.optimizer, lr)
-                if self.par is None:
+                if self.whole_step is not None:
+                    out = self.whole_step(lr=lr, **self._to_device(self.data.train.get_batch(step, batch_size)))
+                    loss_sum = out["loss"]
+                    info = {"grad_norm": float(out["grad_norm"]), "skipped": out["skipped"], "scale": out["scale"]}
+                elif self.par is None:
                     loss_sum = torch.zeros((), device=self.device)
                     for micro in range(accum):
                         batch = self._to_device(self.data.train.get_batch(step * accum + micro, batch_size))
