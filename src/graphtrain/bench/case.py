@@ -49,8 +49,13 @@ class Workload:
     opt_seconds: float = 0.0
     """Time spent in optimizer.step + zero_grad so far (CPU: exact; CUDA: launch time only)."""
 
+    step_graph: Any = None
+    """graphtrain-step variants: the compiled whole step (it owns the optimizer update)."""
+
     def step(self) -> torch.Tensor:
         """One training step; returns the (detached) loss."""
+        if self.step_graph is not None:
+            return self.step_graph(**self.batch)["loss"]
         with self._autocast():
             out = self.model(**self.batch)
             loss = out.loss if self.hf else out
@@ -128,6 +133,8 @@ def wrap_model(model: torch.nn.Module, variant: Variant) -> torch.nn.Module:
         return model
     if variant.mode == "compile":
         return torch.compile(model)
+    if variant.mode == "graphtrain-step":  # the step graph is built in build_workload
+        return model
     if variant.mode == "graphtrain":
         try:
             import graphtrain
@@ -156,7 +163,7 @@ def make_optimizer(model: torch.nn.Module, variant: Variant | None = None) -> to
     from graphtrain.config import OptimConfig
     from graphtrain.optim import build_optimizer, param_groups
     cfg = OptimConfig()
-    if variant is not None and variant.mode == "graphtrain":
+    if variant is not None and variant.mode in ("graphtrain", "graphtrain-step"):
         return build_optimizer(model, cfg)
     return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
 
@@ -175,7 +182,12 @@ def build_workload(case: Case, variant: Variant, device: str = "cpu") -> tuple[W
     optimizer = make_optimizer(model, variant)
     info["build_s"] = time.perf_counter() - t0
     info["flops_per_step"] = flops.step_flops(info["matmul_params"], n_layer, case.seq, d_model, case.batch * case.seq)
-    return Workload(wrapped, optimizer, batch, variant, dev, hf), info
+    work = Workload(wrapped, optimizer, batch, variant, dev, hf)
+    if variant.mode == "graphtrain-step":
+        from graphtrain.config import Config
+        from graphtrain.engine.step_graph import compile_step
+        work.step_graph = compile_step(model, Config(), precision=variant.precision)  # same AdamW settings
+    return work, info
 
 
 # ------------------------------------------------------------------------------- memory ----
@@ -250,7 +262,8 @@ class Worker:
         info["first_step_s"] = time.perf_counter() - t1
         info["time_to_first_step_s"] = time.perf_counter() - t0
         info["threads"] = torch.get_num_threads()
-        info["optimizer"] = type(self.work.optimizer).__name__
+        info["optimizer"] = ("AdamW in the step graph" if self.work.step_graph is not None
+                             else type(self.work.optimizer).__name__)
         return info
 
     def _run(self, n: int) -> float:
@@ -273,7 +286,8 @@ class Worker:
         assert self.work is not None, "setup must come first"
         opt0 = self.work.opt_seconds
         seconds = self._run(n)
-        return {"seconds": seconds, "steps": n, "loss": self.loss, "opt_seconds": self.work.opt_seconds - opt0}
+        opt = None if self.work.step_graph is not None else self.work.opt_seconds - opt0  # inside the graph
+        return {"seconds": seconds, "steps": n, "loss": self.loss, "opt_seconds": opt}
 
     def finish(self) -> dict[str, Any]:
         now = peak_memory_mib(self.device)

@@ -12,7 +12,7 @@ import difflib
 from dataclasses import dataclass
 from typing import Literal
 
-Mode = Literal["eager", "compile", "graphtrain", "ortmodule"]
+Mode = Literal["eager", "compile", "graphtrain", "graphtrain-step", "ortmodule"]
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,9 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
     Variant("compile-bf16", "compile", "bf16", "torch.compile(model) under torch.autocast(bfloat16)"),
     Variant("graphtrain-fp32", "graphtrain", "fp32", "graphtrain.accelerate(model)"),
     Variant("graphtrain-bf16", "graphtrain", "bf16", 'graphtrain.accelerate(model, precision="bf16")'),
+    Variant("graphtrain-step-fp32", "graphtrain-step", "fp32",
+            "graphtrain.compile_step(model): forward, backward, clip and AdamW as one graph"),
+    Variant("graphtrain-step-bf16", "graphtrain-step", "bf16", 'graphtrain.compile_step(model, precision="bf16")'),
     Variant("ortmodule-fp32", "ortmodule", "fp32", "onnxruntime-training ORTModule (skipped if not installed)"),
 )}
 DEFAULT_VARIANTS = ("eager-fp32", "eager-bf16", "compile-fp32", "compile-bf16", "graphtrain-fp32", "graphtrain-bf16")
