@@ -65,7 +65,7 @@ def test_largest_fitting_bisects():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model,seq,batch", [("gpt2-mini", 128, 16), ("bert-mini", 128, 16)])
-@pytest.mark.parametrize("recompute", ["none", "full"])
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
 def test_prediction_within_15_percent_of_measured(model, seq, batch, recompute):
     from graphtrain.memory.measure import build, measure
     m, b = build(model, seq, batch)
@@ -74,3 +74,16 @@ def test_prediction_within_15_percent_of_measured(model, seq, batch, recompute):
     assert "error" not in r, r.get("error")
     assert r["peak_tensor_bytes"] > 200 * MiB  # activations dominate the noise
     assert abs(est.peak / r["peak_tensor_bytes"] - 1) < 0.15, (est.peak / MiB, r["peak_tensor_bytes"] / MiB)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_engine_prediction_within_15_percent_of_measured(recompute):
+    """The prediction graphtrain.report shows (graphs after the default passes, fused ops' internal scratch
+    memory included) against one real step through graphtrain.accelerate, in a fresh process."""
+    from graphtrain.memory.measure import measure
+    r = measure(model="gpt2-small", seq=1024, batch=2, mode="accelerate", recompute=recompute, steps=1, warmup=2)
+    assert "error" not in r, r.get("error")
+    assert r["peak_tensor_bytes"] > 200 * MiB and r["predicted_peak"]
+    assert abs(r["predicted_peak"] / r["peak_tensor_bytes"] - 1) < 0.15, (r["predicted_peak"] / MiB,
+                                                                           r["peak_tensor_bytes"] / MiB)

@@ -72,7 +72,8 @@ def test_saved_bytes_monotone_and_recorded(tiny):
         saved[mode] = rec.choices[-1].saved_bytes
         if mode != "none":
             assert rec.choices[-1].flops_added > 0 and rec.choices[-1].recomputed_ops
-            assert "matmul" not in str(rec.choices[-1].recomputed_ops) and "mm" not in rec.choices[-1].recomputed_ops
+            if mode == "selective":  # matmuls: only the attention cores' q @ k^T (bmm)
+                assert not {"mm", "addmm", "matmul"} & set(rec.choices[-1].recomputed_ops)
             assert rec.choices[-1].bytes_saved == saved["none"] - saved[mode]
     assert saved["none"] > saved["selective"] >= saved["full"], saved
 
@@ -96,3 +97,72 @@ def test_auto_without_budget_is_a_user_error():
     from graphtrain.memory.recompute import make_partition_fn
     with pytest.raises(ValueError, match="memory_budget"):
         make_partition_fn(EngineConfig(recompute="auto"))
+
+
+def test_fused_dropout_split_is_bitwise_and_draws_the_same_seed():
+    """graphtrain::bias_dropout_add == dropout_seed + bias_dropout_add_seeded, RNG state included."""
+    import graphtrain.memory.seeded  # noqa: F401  (registers the ops)
+    x, b, r = torch.randn(64, 96), torch.randn(96), torch.randn(64, 96)
+    torch.manual_seed(3)
+    out, seed = torch.ops.graphtrain.bias_dropout_add(x, b, r, 0.1)
+    rng = torch.get_rng_state()
+    torch.manual_seed(3)
+    seed2 = torch.ops.graphtrain.dropout_seed(0)
+    out2 = torch.ops.graphtrain.bias_dropout_add_seeded(x, b, r, 0.1, seed2)
+    assert torch.equal(seed, seed2) and torch.equal(out, out2) and torch.equal(rng, torch.get_rng_state())
+    assert torch.Tag.nondeterministic_seeded in torch.ops.graphtrain.dropout_seed.default.tags
+
+
+def test_selective_recomputes_attention_cores(tiny):
+    """Megatron's selective recompute: q @ k^T, scale, mask, softmax, dropout are rebuilt in the backward
+    (one bmm and one softmax per layer), no other matmul, and nothing seq x seq is saved."""
+    m, batch = tiny
+    cap = capture_graphs(m, batch, EngineConfig(recompute="selective"))
+    c = cap.records[-1].choices[-1]
+    assert c.what == "2 attention cores recomputed", c
+    assert c.recomputed_ops.get("bmm") == 2 and c.recomputed_ops.get("_softmax") == 2, c.recomputed_ops
+    assert not {"mm", "addmm"} & set(c.recomputed_ops), c.recomputed_ops
+    (B, T), H = batch[0].shape, m.spec.n_head
+    out = next(n for n in cap.fw_gm.graph.nodes if n.op == "output")
+    saved = [a for a in out.args[0][1:] if isinstance(a, torch.fx.Node)]
+    float_sxs = [a for a in saved if a.meta["val"].dtype.is_floating_point and a.meta["val"].numel() == B * H * T * T
+                 and not getattr(a.target, "is_view", False)]  # a view of a parameter is not an activation
+    assert not float_sxs, [a.name for a in float_sxs]  # only the 1-byte dropout masks of aten dropout remain
+
+
+def test_full_checkpoints_every_layer_but_the_last(tiny):
+    m, batch = tiny
+    sel = capture_graphs(m, batch, EngineConfig(recompute="selective")).records[-1].choices[-1]
+    cap = capture_graphs(m, batch, EngineConfig(recompute="full"))
+    full = cap.records[-1].choices[-1]
+    assert full.what == "1 of 2 layers checkpointed (the last is not)", full
+    assert full.saved_bytes < sel.saved_bytes
+    assert full.recomputed_ops.get("addmm", 0) >= 2  # the layer's matmuls are recomputed (qkv, fc ...)
+    # the checkpointed layer keeps its input, no [B, T, 4 * d] MLP activation
+    d = m.spec.d_model
+    out = next(n for n in cap.fw_gm.graph.nodes if n.op == "output")
+    mlp_sized = [a for a in out.args[0][1:] if isinstance(a, torch.fx.Node) and a.op == "call_function"
+                 and not getattr(a.target, "is_view", False) and a.meta["val"].shape[-1] == 4 * d]
+    assert len(mlp_sized) <= 2, [a.name for a in mlp_sized]  # the last layer's fc output and GELU output only
+
+
+def test_layer_regions_from_module_annotations(tiny):
+    """capture.functional_model annotates each nn.ModuleList child; recompute.layer_regions reads it."""
+    from graphtrain.memory.recompute import layer_regions
+    m, batch = tiny
+    seen = {}
+    import graphtrain.memory.recompute as R
+    real = R.tag_for_recompute
+
+    def spy(joint, how):
+        seen["regions"] = layer_regions(joint)
+        return real(joint, how)
+    R.tag_for_recompute = spy
+    try:
+        capture_graphs(m, batch, EngineConfig(recompute="full"))
+    finally:
+        R.tag_for_recompute = real
+    regions = seen["regions"]
+    assert set(regions.values()) == {0, 1}
+    mms = [n for n in regions if n.target in (torch.ops.aten.addmm.default, torch.ops.aten.mm.default)]
+    assert sorted(regions[n] for n in mms) == [0] * (len(mms) // 2) + [1] * (len(mms) // 2)

@@ -53,7 +53,7 @@ class EngineConfig:
     """fp16 only: the scale never drops below this."""
     recompute: Literal["none", "auto", "selective", "full"] = "none"
     """Activation recompute: none, auto (fit `memory_budget` at least added compute), selective
-    (cheap elementwise ops), full (everything but matmul outputs)."""
+    (the attention core and cheap elementwise ops), full (checkpoint every layer but the last)."""
     memory_budget: float | None = None
     """Memory budget for `recompute: auto`: bytes (> 1) or a fraction of device memory (0-1]."""
     cache_dir: str | None = None

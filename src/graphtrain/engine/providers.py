@@ -226,8 +226,9 @@ def _inductor_partitioner(config: EngineConfig, layout: _StepLayout, rec: GraphR
         def uuid(self) -> bytes:
             import graphtrain.memory.predict as predict
             import graphtrain.memory.recompute as recompute
+            import graphtrain.memory.seeded as seeded
             h = hashlib.sha256()
-            for mod in (recompute, predict):
+            for mod in (recompute, predict, seeded):
                 h.update(inspect.getsource(mod).encode())
             # auto's choice depends on the budget and the predicted persistent state
             h.update(repr((config.recompute, config.memory_budget, layout.n_params_bytes, layout.n_param_inputs,

@@ -25,7 +25,12 @@ def trace_aten_forward(fn: Callable[..., Any], example_inputs: Sequence[Any]) ->
         inputs = [fake_mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in example_inputs]
     else:  # inside a Dynamo backend: reuse its fake mode (and shape env), as AOTAutograd does
         inputs = fakify_like_dynamo(fake_mode, example_inputs)
-    with fake_mode, torch.no_grad():
+    if isinstance(fn, fx.GraphModule):
+        # Run the Dynamo graph node by node with node meta preserved, so each aten node keeps the
+        # nn_module_stack of the node it came from (recompute=full finds the model's layers by it).
+        gm_in = fn
+        functional = torch.func.functionalize(lambda *a: fx.Interpreter(gm_in).run(*a), remove="mutations")
+    with fake_mode, torch.no_grad(), fx.traceback.preserve_node_meta():
         gm = make_fx(functional, tracing_mode="real", pre_dispatch=False)(*inputs)
     gm.graph.eliminate_dead_code()
     gm.recompile()

@@ -13,8 +13,9 @@ one gradient per forward input (None for the batch).
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.fx as fx
@@ -38,16 +39,55 @@ class Captured:
 
 
 def functional_model(model: torch.nn.Module) -> tuple[Callable[..., Any], list[torch.Tensor]]:
-    """f(*params, *buffers, *batch) -> scalar loss, and the parameter/buffer tensors in order."""
+    """f(*params, *buffers, *batch) -> scalar loss, and the parameter/buffer tensors in order.
+
+    While f runs, every op a layer of `model` (a child of an nn.ModuleList) performs is annotated with
+    the layer's name (``node.meta["custom"]["graphtrain_layer"]`` when traced under
+    ``fx.traceback.preserve_node_meta``): what Dynamo's nn_module_stack tells the engine's graphs,
+    for recompute=full to find checkpoint regions."""
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
     names = list(params) + list(buffers)
     state = list(params.values()) + list(buffers.values())
 
     def f(*args: Any) -> torch.Tensor:
-        out = torch.func.functional_call(model, dict(zip(names, args[: len(names)])), tuple(args[len(names):]))
+        with annotate_layers(model):
+            out = torch.func.functional_call(model, dict(zip(names, args[: len(names)])), tuple(args[len(names):]))
         return out if isinstance(out, torch.Tensor) else out.loss
     return f, state
+
+
+@contextlib.contextmanager
+def annotate_layers(model: torch.nn.Module) -> Iterator[None]:
+    """Annotate what each child of an nn.ModuleList computes with its qualified name (forward hooks that
+    enter/exit ``torch.fx.traceback.annotate``), and everything else with None; outer lists win over
+    nested ones."""
+    from torch.fx import traceback as fx_traceback
+    handles, stack = [], contextlib.ExitStack()
+    claimed: set[str] = set()
+    for name, mod in model.named_modules():
+        if not isinstance(mod, torch.nn.ModuleList) or len(mod) < 2 or any(name.startswith(c + ".") for c in claimed):
+            continue
+        claimed.add(name)
+        for i, layer in enumerate(mod):
+            key = f"{name}.{i}" if name else str(i)
+            frames: list[contextlib.ExitStack] = []
+
+            def pre(_m: Any, _a: Any, key: str = key, frames: list = frames) -> None:
+                es = contextlib.ExitStack()
+                es.enter_context(fx_traceback.annotate({"graphtrain_layer": key}))
+                frames.append(es)
+
+            def post(_m: Any, _a: Any, _o: Any, frames: list = frames) -> None:
+                frames.pop().close()
+            handles += [layer.register_forward_pre_hook(pre), layer.register_forward_hook(post)]
+    try:
+        with stack:
+            stack.enter_context(fx_traceback.annotate({"graphtrain_layer": None}))  # outside every layer
+            yield
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def to_boxed(gm: fx.GraphModule) -> fx.GraphModule:
@@ -111,7 +151,7 @@ def capture_graphs(model: torch.nn.Module, example_batch: Sequence[Any], engine_
     fw_sink: list[fx.GraphModule] = []
     compiled = aot_function(f, fw_compiler=_compiler("forward", fw_passes, False, engine_cfg, fw_sink, None),
                             bw_compiler=lambda gm, _: gm, partition_fn=partition_fn)
-    with fake_mode:
+    with fake_mode, fx.traceback.preserve_node_meta():
         compiled(*fake_state, *fake_batch)
     return Captured(fw_sink[-1], graphs["bw"], pbytes, len(state), int(graphs["nfo"]), records)  # type: ignore[arg-type]
 
@@ -138,5 +178,6 @@ def compile_train_step(model: torch.nn.Module, engine_cfg: Any = None, *, fw_pas
                             partition_fn=partition_fn)
 
     def step(*batch: Any) -> torch.Tensor:
-        return compiled(*state, *batch)
+        with fx.traceback.preserve_node_meta():  # the first call traces: keep the layer annotations
+            return compiled(*state, *batch)
     return step

@@ -17,7 +17,9 @@ Step timeline modelled (per AOTAutograd's calling convention, ``zero_grad(set_to
              gradients, produced and held to the end)
   optimizer: params + grads + opt state + the optimizer's temporaries
 
-The peak is the largest of the three.
+The peak is the largest of the three. Fused ops that allocate scratch memory inside themselves
+(graphtrain::attention's CPU scores with dropout, linear_cross_entropy's logits chunks) add it at
+their node (``op_workspace_bytes``): the graph only shows their outputs.
 """
 from __future__ import annotations
 
@@ -62,6 +64,46 @@ def storage_bytes(t: torch.Tensor) -> int:
 def node_keys(n: fx.Node) -> list[tuple[int, int]]:
     """(storage key, bytes) of every tensor node `n` produces (from meta['val'])."""
     return [(storage_key(t), storage_bytes(t)) for t in _tensors(n.meta.get("val"))]
+
+
+def _attention_workspace(n: fx.Node, copies: int) -> int:
+    """graphtrain::attention on CPU with dropout: the [B*H, Sq, Sk] scores (forward: one buffer the probs
+    overwrite; backward: scores and d-probs) are allocated inside the op, invisible to the graph."""
+    q, k = n.args[0], n.args[1]
+    p = n.args[6] if len(n.args) > 6 else n.kwargs.get("p", 0.0)
+    if n.target.overloadpacket is torch.ops.graphtrain.attention_backward:
+        q, k = n.args[1], n.args[2]
+        p = n.args[10] if len(n.args) > 10 else n.kwargs.get("p", 0.0)
+    qv, kv = q.meta["val"], k.meta["val"]
+    if qv.device.type != "cpu" or not p:
+        return 0  # CPU flash kernel (no dropout) and the Triton kernels work in tiles
+    b, h, sq = (hint_int(d) for d in qv.shape[:3])
+    return copies * b * h * sq * hint_int(kv.shape[2]) * qv.element_size()
+
+
+def _linear_ce_workspace(n: fx.Node) -> int:
+    """graphtrain::linear_cross_entropy: a chunk's fp32 logits and their gradient (~32 MiB each)."""
+    h, w = n.args[0].meta["val"], n.args[1].meta["val"]
+    rows, vocab = hint_int(h.shape[0]), hint_int(w.shape[0])
+    return 2 * min(rows * vocab * 4, max(1, (32 << 20) // (4 * max(vocab, 1))) * vocab * 4)
+
+
+def op_workspace_bytes(n: fx.Node) -> int:
+    """Bytes a fused op allocates and frees inside itself (its graph node shows only its outputs)."""
+    pk = getattr(n.target, "overloadpacket", None)
+    if pk is None or not hasattr(torch.ops, "graphtrain"):
+        return 0
+    g = torch.ops.graphtrain
+    try:
+        if pk is getattr(g, "attention", None):
+            return _attention_workspace(n, 1)
+        if pk is getattr(g, "attention_backward", None):
+            return _attention_workspace(n, 2)
+        if pk is getattr(g, "linear_cross_entropy", None):
+            return _linear_ce_workspace(n)
+    except (AttributeError, IndexError, KeyError, TypeError):
+        return 0
+    return 0
 
 
 @dataclass
@@ -123,8 +165,9 @@ def graph_liveness(gm: fx.GraphModule, external: set[int] | None = None, free_in
                     allocated.add(k)
                     live += size[k]
                     total_alloc += size[k]
-            if live > peak:
-                peak, peak_node = live, n.name
+            ws = op_workspace_bytes(n) if n.op == "call_function" else 0
+            if live + ws > peak:
+                peak, peak_node = live + ws, n.name
         for k in frees.get(i, ()):
             if k in allocated:
                 live -= size[k]

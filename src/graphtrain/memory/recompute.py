@@ -1,28 +1,41 @@
 """Activation recompute under a memory budget, as an AOTAutograd partition function.
 
-Modes (``EngineConfig.recompute``):
+Modes (``EngineConfig.recompute``), all built on PyTorch's min-cut partitioner and its checkpoint
+policies (``node.meta["recompute"]``: ``MUST_SAVE`` / ``PREFER_RECOMPUTE``, as torch.utils.checkpoint
+regions are compiled):
 
 - ``none``: AOTAutograd's ``default_partition``: save every forward value the backward reads.
-- ``selective``: PyTorch's min-cut partitioner, allowed to recompute only cheap ops: pointwise
-  ops, views and layer norm. Matmuls, softmax, reductions, embeddings and random ops are saved.
-- ``full``: the min-cut partitioner allowed to recompute everything except compute-intensive ops
-  (matmul/conv/attention outputs) and random ops; it saves the smallest set it can.
-- ``auto``: tries none, selective, full, then full with PyTorch's activation-memory-budget solver
-  (which may also recompute matmuls) at falling budgets, and keeps the first whose predicted step
-  peak fits ``memory_budget``: cheap recompute first, larger regions only when needed.
+- ``selective``: Megatron-style selective activation recompute. The attention core (the score matmul
+  q @ k^T and what follows it up to the matmul with v: scale, mask, softmax, dropout) is recomputed,
+  which removes the seq x seq x heads tensors that dominate activation memory at long sequences for
+  one extra batched matmul per layer; beyond that the min-cut may recompute cheap ops (pointwise,
+  views, layer norm, graphtrain's deterministic fused ops). Other matmuls, reductions, embeddings
+  and random draws are saved.
+- ``full``: whole-layer checkpointing. Each repeated layer (a child of an ``nn.ModuleList``, found from
+  the nodes' ``nn_module_stack`` or the layer annotation ``capture.py`` adds) is a checkpoint region:
+  its inputs from earlier layers are saved (``MUST_SAVE``), everything inside is recomputed in the
+  backward (``PREFER_RECOMPUTE``), matmuls included. The last layer is not checkpointed: its
+  backward runs first, right after its forward, so recomputing it would save nothing. A graph
+  without repeated layers falls back to the min-cut saving the smallest set without recomputing
+  matmuls.
+- ``auto``: tries none, selective, full, then full with PyTorch's activation-memory-budget solver at
+  falling budgets, and keeps the first whose predicted step peak fits ``memory_budget``: least
+  added compute first.
 
-Dropout: random ops are never recomputed (a recomputed mask would differ). Instead the joint
-graph is rewritten so dropout's output is ``x * mask * scale`` from the saved bool mask, which is
-bitwise what ATen's CPU ``native_dropout`` computes (checked in tests), so the partitioner can
-save the 1-byte mask and recompute the 4-byte output.
+Random ops are never recomputed. ATen dropout: the joint graph is rewritten so dropout's output is
+``x * mask * scale`` from the saved bool mask (bitwise what ATen's CPU ``native_dropout`` computes,
+checked in tests), so the 1-byte mask is saved and the 4-byte output can be recomputed.
+graphtrain's fused dropout (``graphtrain::bias_dropout_add``, hash RNG) is split into its seed draw
+and a deterministic op (``memory/seeded.py``), so only 8 bytes of seed are saved per dropout.
 
 Every partition records a ``RecomputeChoice`` (saved bytes, bytes saved vs none, FLOPs added,
-recomputed ops) in a ``RecomputeRecord`` that the report prints.
+recomputed ops, checkpointed layers) in a ``RecomputeRecord`` that the report prints.
 """
 from __future__ import annotations
 
 import collections
 import operator
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -34,13 +47,25 @@ from torch._guards import detect_fake_mode
 from torch.utils.checkpoint import CheckpointPolicy
 
 from graphtrain.memory.predict import MiB, hint_int, predict_peak, saved_activation_bytes
+from graphtrain.memory.seeded import FUSED_RANDOM, split_fused_dropout
 
 aten = torch.ops.aten
-# Never recomputed by selective/full: their outputs are what a checkpoint boundary keeps.
+graphtrain_ops = torch.ops.graphtrain
+# Never recomputed by selective (outside the attention core): their outputs are what a checkpoint keeps.
 COMPUTE_INTENSIVE = {aten.mm, aten.bmm, aten.addmm, aten.baddbmm, aten.convolution, aten._convolution,
                      aten._scaled_dot_product_flash_attention_for_cpu, aten._scaled_dot_product_efficient_attention,
-                     aten._scaled_dot_product_flash_attention, aten.linear, aten.matmul}
-SELECTIVE_EXTRA = {aten.native_layer_norm, aten.clone, aten._to_copy, aten.expand, aten.slice, aten.select}
+                     aten._scaled_dot_product_flash_attention, aten.linear, aten.matmul,
+                     graphtrain_ops.linear_cross_entropy, graphtrain_ops.attention}
+SELECTIVE_EXTRA = {aten.native_layer_norm, aten.clone, aten._to_copy, aten.expand, aten.slice, aten.select,
+                   graphtrain_ops.layer_norm, graphtrain_ops.rms_norm, graphtrain_ops.bias_gelu,
+                   graphtrain_ops.bias_dropout_add_seeded}
+# graphtrain's fused forward ops that are deterministic functions of their inputs (may be recomputed).
+# Any other non-ATen op is saved, never recomputed: its schema cannot tell us it is not random.
+DETERMINISTIC_CUSTOM = {graphtrain_ops.layer_norm, graphtrain_ops.rms_norm, graphtrain_ops.bias_gelu,
+                        graphtrain_ops.bias_dropout_add_seeded, graphtrain_ops.cross_entropy,
+                        graphtrain_ops.linear_cross_entropy}
+# The attention core: what may follow the score matmul before the matmul with v.
+SOFTMAX = {aten._softmax, aten._safe_softmax, aten.softmax}
 AUTO_BUDGETS = (0.8, 0.6, 0.4, 0.25, 0.1, 0.02)  # activation_memory_budget fractions auto tries
 
 
@@ -49,12 +74,22 @@ def _packet(n: fx.Node) -> Any:
 
 
 def is_random(n: fx.Node) -> bool:
-    return n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and \
-        torch.Tag.nondeterministic_seeded in n.target.tags
+    """Draws random numbers: ATen ops tagged nondeterministic_seeded, and graphtrain's fused dropout and
+    attention (they draw their seed inside the op; their schema does not say so)."""
+    if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
+        return False
+    return torch.Tag.nondeterministic_seeded in n.target.tags or n.target in FUSED_RANDOM or \
+        _packet(n) is graphtrain_ops.attention
+
+
+def _is_unknown_custom(n: fx.Node) -> bool:
+    t = n.target
+    return isinstance(t, torch._ops.OpOverload) and t.namespace not in ("aten", "prims") and \
+        t.overloadpacket not in DETERMINISTIC_CUSTOM
 
 
 def is_cheap(n: fx.Node) -> bool:
-    """Selective mode may recompute this: pointwise, views, getitem, layer norm."""
+    """Selective mode may recompute this: pointwise, views, getitem, layer norm, deterministic fused ops."""
     if n.op != "call_function" or is_random(n):
         return False
     if n.target is operator.getitem:
@@ -73,6 +108,105 @@ def backward_region(joint: fx.GraphModule) -> set[fx.Node]:
             if n.op != "output":
                 bw.add(n)
     return bw
+
+
+def _numel(n: Any) -> int:
+    v = n.meta.get("val") if isinstance(n, fx.Node) else None
+    return hint_int(v.numel()) if isinstance(v, torch.Tensor) else 0
+
+
+def attention_cores(joint: fx.GraphModule, bw: set[fx.Node] | None = None) -> list[list[fx.Node]]:
+    """The attention cores of the forward: a batched matmul whose output is at least as large as its inputs
+    together (q @ k^T: seq x seq per head from two seq x head_dim operands), with the views, pointwise
+    ops, softmax and (seeded or mask-rewritten) dropout that follow it, up to the next matmul (@ v).
+    Megatron's selective recompute region: its tensors are the s*s*heads term of activation memory."""
+    bw = backward_region(joint) if bw is None else bw
+    cores = []
+    for n in joint.graph.nodes:
+        if n.op != "call_function" or n in bw or _packet(n) not in (aten.bmm, aten.matmul):
+            continue
+        ins = [a for a in n.args if isinstance(a, fx.Node)]
+        if _numel(n) < sum(_numel(a) for a in ins):
+            continue
+        core, todo = [n], list(n.users)
+        seen = {n}
+        while todo:
+            u = todo.pop()
+            if u in seen or u in bw or u.op != "call_function":
+                continue
+            seen.add(u)
+            pk = _packet(u)
+            ok = u.target is operator.getitem or pk in SOFTMAX or pk is graphtrain_ops.bias_dropout_add_seeded or \
+                (isinstance(u.target, torch._ops.OpOverload) and not is_random(u) and
+                 (torch.Tag.pointwise in u.target.tags or u.target.is_view or pk in (aten.clone, aten.expand)))
+            if ok:
+                core.append(u)
+                todo.extend(u.users)
+        cores.append(core)
+    return cores
+
+
+_LAYER = re.compile(r"^(.*)\.(\d+)$")
+
+
+def _layer_key(n: fx.Node) -> tuple[bool, str | None]:
+    """(annotated?, layer path): graphtrain's capture annotation, else the outermost ``<list>.<index>`` entry
+    of the node's nn_module_stack. (False, None) when the node carries no module information."""
+    custom = n.meta.get("custom") or {}
+    if "graphtrain_layer" in custom:
+        return True, custom["graphtrain_layer"]
+    stack = n.meta.get("nn_module_stack")
+    if not stack:
+        return False, None
+    for path, _ in stack.values():
+        if _LAYER.match(str(path)):
+            return True, str(path)
+    return True, None
+
+
+def layer_regions(joint: fx.GraphModule, bw: set[fx.Node] | None = None) -> dict[fx.Node, int]:
+    """Forward node -> index of the repeated layer it belongs to (in forward order).
+
+    From the module information the tracer recorded; nodes without it (made by fusion passes or by
+    the rewrites above) take the layer all their forward users agree on (a fused layer norm feeding a
+    layer's first matmul belongs to that layer), else the latest layer among their inputs (a fused
+    residual add belongs to the layer whose output it adds)."""
+    bw = backward_region(joint) if bw is None else bw
+    fw = [n for n in joint.graph.nodes if n.op == "call_function" and n not in bw]
+    fw_set = set(fw)
+    order: dict[str, int] = {}
+    region: dict[fx.Node, int | None] = {}
+    unknown = []
+    for n in fw:
+        annotated, key = _layer_key(n)
+        if annotated:
+            region[n] = None if key is None else order.setdefault(key, len(order))
+        else:
+            unknown.append(n)
+    if len(order) < 2:
+        return {}
+    def users(n: fx.Node) -> list[fx.Node]:  # through getitems: a multi-output op goes where its results go
+        out = []
+        for u in n.users:
+            if u not in fw_set:
+                continue
+            out.extend(users(u) if u.target is operator.getitem else [u])
+        return out
+
+    for n in reversed(unknown):
+        if n.target is operator.getitem:
+            continue
+        us = users(n)
+        rs = {region.get(u, -1) for u in us}
+        if us and len(rs) == 1 and None not in rs and -1 not in rs:
+            region[n] = rs.pop()
+    for n in fw:
+        if n.target is operator.getitem and isinstance(n.args[0], fx.Node) and n.args[0] in region:
+            region[n] = region[n.args[0]]  # a getitem is where its op is
+        elif n not in region:
+            rs = [region[a] for a in n.all_input_nodes if region.get(a) is not None]
+            region[n] = max(rs) if rs else None
+    return {n: r for n, r in region.items() if r is not None}
 
 
 def rewrite_dropout_for_recompute(joint: fx.GraphModule) -> int:
@@ -104,6 +238,58 @@ def rewrite_dropout_for_recompute(joint: fx.GraphModule) -> int:
         count += 1
     joint.graph.eliminate_dead_code()
     joint.recompile()
+    return count
+
+
+_MASK_ARG = {graphtrain_ops.attention: 3, graphtrain_ops.attention_backward: 4}
+
+
+def _reads_only_as_mask(u: fx.Node, mask: fx.Node) -> bool:
+    i = _MASK_ARG.get(_packet(u))
+    return i is not None and len(u.args) > i and u.args[i] is mask and \
+        sum(a is mask for a in u.args) + sum(a is mask for a in u.kwargs.values()) == 1
+
+
+def shrink_attention_masks(joint: fx.GraphModule) -> int:
+    """An additive mask built as ``masked_fill(zeros_like(scores), bool_mask, -inf)`` and read only as
+    graphtrain::attention's (and its backward's) mask becomes ``masked_fill(zeros(bool_mask.shape), bool_mask, -inf)``.
+
+    The attention op broadcasts its mask, so the values it sees are the same; but the full-size mask
+    is batch x heads x seq x seq floats that the backward reads (saved for backward: as much memory as
+    the probabilities the fused op exists to avoid saving), and ``zeros_like(scores)`` kept the score
+    matmul q @ k^T alive in the forward only for its shape. Measured on gpt2-small seq 256: six
+    [1, 8, 256, 256] fp32 masks saved, one per layer, and six dead bmm. Returns how many were rewritten."""
+    g, count = joint.graph, 0
+    for z in list(g.nodes):
+        if z.op != "call_function" or z.target is not aten.zeros_like.default or len(z.users) != 1:
+            continue
+        mf = next(iter(z.users))
+        if mf.target is not aten.masked_fill.Scalar or mf.args[0] is not z or not isinstance(mf.args[1], fx.Node):
+            continue
+        if not mf.users or not all(_reads_only_as_mask(u, mf) for u in mf.users):
+            continue
+        zval, m = z.meta["val"], mf.args[1]
+        mshape = tuple(m.meta["val"].shape)
+        if len(mshape) > zval.dim() or tuple(torch.broadcast_shapes(mshape, tuple(zval.shape))) != tuple(zval.shape) \
+                or mf.meta["val"].numel() <= m.meta["val"].numel():
+            continue
+        fake = detect_fake_mode([zval])
+        with g.inserting_before(z):
+            z2 = g.call_function(aten.zeros.default, (list(mshape),),
+                                 {"dtype": zval.dtype, "device": zval.device, "pin_memory": False})
+        with g.inserting_after(z2):
+            mf2 = g.call_function(aten.masked_fill.Scalar, (z2, m, mf.args[2]))
+        with fake:
+            z2.meta["val"] = torch.zeros(mshape, dtype=zval.dtype, device=zval.device)
+            mf2.meta["val"] = aten.masked_fill.Scalar(z2.meta["val"], m.meta["val"], mf.args[2])
+        for key in ("stack_trace", "nn_module_stack", "seq_nr", "custom"):
+            if key in mf.meta:
+                z2.meta[key] = mf2.meta[key] = mf.meta[key]
+        mf.replace_all_uses_with(mf2)
+        count += 1
+    if count:
+        joint.graph.eliminate_dead_code()
+        joint.recompile()
     return count
 
 
@@ -161,13 +347,15 @@ class RecomputeChoice:
     recomputed_ops: dict[str, int]
     predicted_peak: int | None = None
     fits: bool | None = None
+    what: str = ""  # the regions this mode recomputes, e.g. "4 attention cores" or "11 of 12 layers"
 
     def __str__(self) -> str:
         ops = ", ".join(f"{k} x{v}" for k, v in sorted(self.recomputed_ops.items(), key=lambda kv: -kv[1])[:6])
         peak = "" if self.predicted_peak is None else f", peak {self.predicted_peak / MiB:,.0f} MiB" + \
             ("" if self.fits is None else (" fits" if self.fits else " over budget"))
         return (f"{self.name:<12} saved {self.saved_bytes / MiB:9,.1f} MiB (-{self.bytes_saved / MiB:,.1f}), "
-                f"+{self.flops_added / 1e9:.3f} GFLOP recomputed{peak}" + (f" [{ops}]" if ops else ""))
+                f"+{self.flops_added / 1e9:.3f} GFLOP recomputed{peak}" + (f" ({self.what})" if self.what else "") +
+                (f" [{ops}]" if ops else ""))
 
 
 @dataclass
@@ -178,7 +366,9 @@ class RecomputeRecord:
     budget: float | None = None
     choices: list[RecomputeChoice] = field(default_factory=list)
     chosen: str | None = None
-    dropout_rewrites: int = 0
+    dropout_rewrites: int = 0  # aten dropouts rewritten to x * saved mask * scale
+    seeded_dropouts: int = 0  # graphtrain fused dropouts split into seed draw + deterministic op (seeded.py)
+    masks_shrunk: int = 0  # full-size additive attention masks rebuilt at their broadcast size
     dead_random_dropped: int = 0  # unused random ops removed from the backward (see drop_dead_random_ops)
 
     def __str__(self) -> str:
@@ -187,16 +377,64 @@ class RecomputeRecord:
                                                                for c in self.choices])
 
 
+def _save(n: fx.Node) -> None:
+    n.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+
+
+def tag_for_recompute(joint: fx.GraphModule, how: str) -> dict[str, Any]:
+    """Set checkpoint policies on the forward nodes of `joint` for mode `how` (selective|full).
+
+    Returns what was found: attention cores recomputed, layers checkpointed (and which one was left)."""
+    bw = backward_region(joint)
+    fw = [n for n in joint.graph.nodes if n.op == "call_function" and n not in bw]
+    info: dict[str, Any] = {"attention_cores": 0, "layers": 0,
+                            "fused_attention": sum(_packet(n) is graphtrain_ops.attention for n in fw)}
+    never = {n for n in fw if is_random(n) or _is_unknown_custom(n)}
+    never |= {n for n in fw if n.target is operator.getitem and n.args[0] in never}  # a mask, a seed
+    for n in never:
+        _save(n)
+    if how == "selective":
+        core = set()
+        for c in attention_cores(joint, bw):
+            core.update(c)
+            info["attention_cores"] += 1
+        for n in fw:
+            if n in never:
+                continue
+            if n in core:
+                n.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
+            elif not is_cheap(n) or _packet(n) in COMPUTE_INTENSIVE:
+                _save(n)
+        return info
+    regions = layer_regions(joint, bw)
+    last = max(regions.values(), default=-1)
+    checkpointed = {n: r for n, r in regions.items() if r != last and n not in never}
+    for n in fw:
+        if n in never:
+            continue
+        r = checkpointed.get(n)
+        if r is None:
+            if _packet(n) in COMPUTE_INTENSIVE:
+                _save(n)
+            continue
+        n.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
+        n.meta["ac_graph_id"] = r + 1
+    for n, r in checkpointed.items():  # the layer's outputs read by later code: the checkpoint boundary
+        if isinstance(n.meta.get("val"), torch.Tensor) and \
+                any(u.op == "call_function" and u not in bw and regions.get(u) != r for u in n.users):
+            _save(n)
+    info["layers"] = len(set(checkpointed.values()))
+    info["layers_total"] = last + 1
+    return info
+
+
 def _partition(joint: fx.GraphModule, joint_inputs: Any, num_fwd_outputs: int, how: str,
-               budget_fraction: float = 1.0) -> tuple[fx.GraphModule, fx.GraphModule]:
+               budget_fraction: float = 1.0, info: dict | None = None) -> tuple[fx.GraphModule, fx.GraphModule]:
     if how == "none":
         return default_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs)
-    bw = backward_region(joint)
-    for n in joint.graph.nodes:
-        if n.op != "call_function" or n in bw:
-            continue
-        if is_random(n) or _packet(n) in COMPUTE_INTENSIVE or (how == "selective" and not is_cheap(n)):
-            n.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+    found = tag_for_recompute(joint, how)
+    if info is not None:
+        info.update(found)
     with fconfig.patch(aggressive_recomputation=True, ban_recompute_reductions=False,
                        activation_memory_budget=budget_fraction):
         return min_cut_rematerialization_partition(joint, joint_inputs, compiler="graphtrain",
@@ -216,6 +454,19 @@ def describe(name: str, fw_gm: fx.GraphModule, bw_gm: fx.GraphModule,
     return RecomputeChoice(name, saved, (none_saved - saved) if none_saved is not None else 0, flops, dict(ops))
 
 
+def _what(how: str, info: dict[str, Any]) -> str:
+    if how == "selective":
+        what = f"{info.get('attention_cores', 0)} attention cores recomputed"
+        if info.get("fused_attention"):  # graphtrain::attention rebuilds its probabilities in its own backward
+            what += f", {info['fused_attention']} fused attention ops (nothing seq x seq saved)"
+        return what
+    if how == "full":
+        if not info.get("layers"):
+            return "no repeated layers found: min-cut without matmul recompute"
+        return f"{info['layers']} of {info['layers_total']} layers checkpointed (the last is not)"
+    return ""
+
+
 def make_partition_fn(engine_cfg: Any, *, n_params_bytes: int = 0, n_param_inputs: int | None = None,
                       optimizer: str = "adamw", device_memory: int | None = None,
                       records: list[RecomputeRecord] | None = None, **predict_kw: Any) -> Callable[..., Any]:
@@ -233,11 +484,13 @@ def make_partition_fn(engine_cfg: Any, *, n_params_bytes: int = 0, n_param_input
 
     def partition_fn(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int, **kw: Any):
         rec = RecomputeRecord(mode, budget)
+        rec.masks_shrunk = shrink_attention_masks(joint)
         none_saved = None
         if mode != "none":  # the reference: what mode none would save
             ref_fw, _ = _partition(_copy(joint), joint_inputs, num_fwd_outputs, "none")
             none_saved = saved_activation_bytes(ref_fw, num_fwd_outputs)
             rec.dropout_rewrites = rewrite_dropout_for_recompute(joint)
+            rec.seeded_dropouts = split_fused_dropout(joint)
         bw_nodes = backward_region(joint)
         for n in joint.graph.nodes:  # copied nodes keep their meta: marks recomputed ones in the backward
             if n.op == "call_function" and n not in bw_nodes:
@@ -248,9 +501,11 @@ def make_partition_fn(engine_cfg: Any, *, n_params_bytes: int = 0, n_param_input
         best = None
         for name, frac in ladder:
             how = "full" if name.startswith("budget") else name
-            fw, bw = _partition(_copy(joint), joint_inputs, num_fwd_outputs, how, frac)
+            info: dict[str, Any] = {}
+            fw, bw = _partition(_copy(joint), joint_inputs, num_fwd_outputs, how, frac, info)
             rec.dead_random_dropped = drop_dead_random_ops(bw)
             choice = describe(name, fw, bw, num_fwd_outputs, none_saved)
+            choice.what = _what(how, info)
             if name == "none":
                 none_saved = choice.saved_bytes
             if budget is not None:
