@@ -1,7 +1,10 @@
 """Measure a training step's peak memory in a fresh subprocess (CPU: resident set; CUDA: allocator).
 
 ``python -m graphtrain.memory.measure --model gpt2-mini --seq 128 --batch 16 --mode graphtrain
---recompute none`` prints one JSON line. Method on CPU: build the model and AdamW, run warm-up
+--recompute none`` prints one JSON line. Modes: ``eager``, ``compile`` (torch.compile, Inductor),
+``graphtrain`` (``capture.compile_train_step``: the memory optimizer alone, no fusion passes) and
+``accelerate`` (``graphtrain.accelerate(model, provider=..., recompute=..., memory_budget=...)``: the
+whole engine with its default passes, what users run). Method on CPU: build the model and AdamW, run warm-up
 steps (compile, optimizer state), then ``gc.collect()`` + glibc ``malloc_trim(0)``, note the
 resident set, reset the kernel's high-water mark (``echo 5 > /proc/self/clear_refs``) and run the
 timed steps. ``peak_rss`` is the absolute high-water mark of those steps; ``peak_tensor_bytes``
@@ -20,7 +23,7 @@ import sys
 import time
 from typing import Any
 
-MODES = ("eager", "compile", "graphtrain")
+MODES = ("eager", "compile", "graphtrain", "accelerate")
 
 
 def _rss_kib(field: str = "VmRSS") -> int:
@@ -57,7 +60,7 @@ def build(model: str, seq: int, batch: int, dropout: float | None = None) -> tup
 def _child(a: argparse.Namespace) -> dict[str, Any]:
     import torch
     torch.set_num_threads(a.threads)
-    if a.pin_malloc or (a.mode == "graphtrain" and not a.no_pin_malloc):
+    if a.pin_malloc or (a.mode in ("graphtrain", "accelerate") and not a.no_pin_malloc):
         from graphtrain.memory.allocator import pin_mmap_threshold
         pin_mmap_threshold()
     base_kib = _rss_kib()
@@ -67,6 +70,9 @@ def _child(a: argparse.Namespace) -> dict[str, Any]:
         step_fn = model
     elif a.mode == "compile":
         step_fn = torch.compile(model)
+    elif a.mode == "accelerate":
+        import graphtrain
+        step_fn = graphtrain.accelerate(model, provider=a.provider, recompute=a.recompute, memory_budget=a.budget)
     else:
         from graphtrain.config import EngineConfig
         from graphtrain.memory.capture import compile_train_step
@@ -82,8 +88,12 @@ def _child(a: argparse.Namespace) -> dict[str, Any]:
         opt.zero_grad(set_to_none=True)
         return float(loss)
 
-    for _ in range(a.warmup):
-        step()
+    saved_bytes = None
+    for i in range(a.warmup):
+        if i == a.warmup - 1 and a.mode in ("eager", "graphtrain", "accelerate"):
+            saved_bytes = _saved_bytes(step, model)
+        else:
+            step()
     _trim()
     state = sum(t.numel() * t.element_size() for t in model.parameters())
     state += sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values()
@@ -99,11 +109,43 @@ def _child(a: argparse.Namespace) -> dict[str, Any]:
         times.append(time.perf_counter() - t0)
     hwm = _rss_kib("VmHWM") * 1024
     times.sort()
+    predicted, phases, chose = None, None, None
+    if a.mode == "accelerate":
+        import graphtrain
+        graphs = graphtrain.report(model).graphs
+        if graphs and graphs[0].get("predicted_memory"):
+            predicted = graphs[0]["predicted_memory"]["peak"]
+            phases = graphs[0]["predicted_memory"]["phase_totals"]
+        if graphs and graphs[0].get("recompute"):
+            r = graphs[0]["recompute"]
+            chose = next((f"{c['name']}: {c['what']}" for c in r["choices"] if c["name"] == r["chosen"]), None)
     return {"model": a.model, "seq": a.seq, "batch": a.batch, "mode": a.mode, "recompute": a.recompute,
             "inplace": a.inplace, "boxed": not a.unboxed,
-            "pinned_malloc": bool(a.pin_malloc or (a.mode == "graphtrain" and not a.no_pin_malloc)), "base_rss": base_kib * 1024, "rss_before_steps": rss0_kib * 1024,
+            "pinned_malloc": bool(a.pin_malloc or (a.mode in ("graphtrain", "accelerate") and not a.no_pin_malloc)), "base_rss": base_kib * 1024, "rss_before_steps": rss0_kib * 1024,
             "state_bytes": state, "peak_rss": hwm, "peak_tensor_bytes": hwm - (rss0_kib * 1024 - state),
-            "step_s": times[len(times) // 2], "step_s_all": times}
+            "step_s": times[len(times) // 2], "step_s_all": times, "saved_bytes": saved_bytes,
+            "param_bytes": sum(t.numel() * t.element_size() for t in model.parameters()),
+            "provider": a.provider if a.mode == "accelerate" else None, "predicted_peak": predicted,
+            "predicted_phases": phases, "recompute_chose": chose}
+
+
+def _saved_bytes(step: Any, model: Any) -> int:
+    """Run `step` once and return the bytes of distinct storages autograd saved for backward (eager's
+    activations; for a compiled step, what its forward graph returns for the backward), parameters
+    and their views (a linear saves weight.t()) excluded."""
+    import torch
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: Any) -> Any:
+        if isinstance(t, torch.Tensor):
+            st = t.untyped_storage()
+            if st.data_ptr() not in params:
+                seen[st.data_ptr()] = max(seen.get(st.data_ptr(), 0), st.nbytes())
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        step()
+    return sum(seen.values())
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -114,6 +156,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", choices=MODES, default="graphtrain")
     p.add_argument("--recompute", default="none", choices=("none", "selective", "full", "auto"))
     p.add_argument("--budget", type=float, default=None, help="memory_budget for recompute=auto (bytes)")
+    p.add_argument("--provider", default="aten", choices=("aten", "inductor", "auto"), help="accelerate mode only")
     p.add_argument("--inplace", action="store_true", help="run the in-place elementwise pass")
     p.add_argument("--unboxed", action="store_true", help="hold backward inputs until it returns")
     p.add_argument("--pin-malloc", action="store_true", help="pin glibc's mmap threshold (graphtrain does by default)")
