@@ -53,8 +53,11 @@ def test_whole_step_matches_eager_adamw_with_clipping(provider):
         assert_close(out["loss"], le, name=f"{provider} loss")
         assert_close(out["grad_norm"], torch.tensor(ne), name=f"{provider} grad norm")
         assert ne > 0.5 and out["skipped"] is False
+    # Weights after 4 AdamW steps: Adam divides by sqrt(v) + eps, so for a near-zero gradient an fp32
+    # reduction-order difference in g moves the update by a visible fraction of lr. Measured worst case:
+    # 2.3e-5 on one of 16,384 elements (Inductor, AMD EPYC AVX-512); 2e-5 held on an AMX Xeon.
     for (n, p), q in zip(model.named_parameters(), ref.parameters()):
-        assert_close(p, q, name=f"{provider} weight {n}", atol=2e-5, rtol=1e-4)
+        assert_close(p, q, name=f"{provider} weight {n}", atol=5e-5, rtol=1e-4)
     assert step.provider == provider
     if provider == "aten":  # one graph holds the backward and the update
         targets = {str(n.target) for n in step.graph.graph.nodes if n.op == "call_function"}
