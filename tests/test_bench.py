@@ -164,3 +164,15 @@ def test_tiny_suite_end_to_end(tmp_path):
     assert all(r["tokens_s"] > 0 and r["mfu"] > 0 for r in rows)
     text = docs.read_text()
     assert "# Benchmarks" in text and "--device cuda" in text and "gpt2-tiny b2 s32" in text
+
+
+def test_checkpointing_variant_reaches_the_engine():
+    """graphtrain-ckpt-* variants run accelerate(recompute="full"): the report shows layers checkpointed."""
+    import graphtrain
+    from graphtrain.bench.case import build_workload
+    v = suites.VARIANTS["graphtrain-ckpt-fp32"]
+    assert v.recompute == "full" and suites.VARIANTS["graphtrain-fp32"].recompute == "none"
+    work, _ = build_workload(suites.Case("gpt2-tiny", 2, 32), v)
+    work.step()
+    rec = graphtrain.report(work.model).graphs[0]["recompute"]
+    assert rec["mode"] == "full" and "layers checkpointed" in rec["choices"][0]["what"], rec

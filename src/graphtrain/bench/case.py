@@ -141,7 +141,7 @@ def wrap_model(model: torch.nn.Module, variant: Variant) -> torch.nn.Module:
             accelerate = graphtrain.accelerate
         except (ImportError, AttributeError) as e:
             raise Skip(f"graphtrain.accelerate is not available in this checkout ({e})") from None
-        out = accelerate(model, precision=variant.precision)
+        out = accelerate(model, precision=variant.precision, recompute=variant.recompute)
         return out if isinstance(out, torch.nn.Module) else model
     if variant.mode == "ortmodule":
         try:

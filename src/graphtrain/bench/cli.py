@@ -19,7 +19,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="bench_results", metavar="DIR",
                         help="results folder: <suite>-<time>.json/.md, <suite>-latest.md, results.jsonl, logs/")
     parser.add_argument("--variants", nargs="+", metavar="NAME", choices=list(VARIANTS),
-                        help=f"variants to compare (default: {' '.join(DEFAULT_VARIANTS)}); "
+                        help=f"variants to compare (default: the suite's; for most {' '.join(DEFAULT_VARIANTS)}); "
                              + "; ".join(f"{v.name}: {v.doc}" for v in VARIANTS.values()))
     parser.add_argument("--cases", nargs="+", metavar="PATTERN",
                         help="only cases whose name contains one of these, e.g. gpt2-small or 'b8 s128'")
@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         suite = suites.with_overrides(suites.get_suite(args.suite), steps=args.steps, repeats=args.repeats,
                                       warmup=args.warmup, cap_gib=args.cap_gib)
-        variants = suites.resolve_variants(args.variants)
+        variants = suites.resolve_variants(args.variants, suite)
         cases = suites.select_cases(suite, args.cases)
     except ValueError as e:
         print(f"graphtrain bench: {e}", file=sys.stderr)

@@ -22,6 +22,8 @@ class Variant:
     precision: Literal["fp32", "bf16"]
     """bf16: autocast for eager/compile, `accelerate(precision="bf16")` (a graph pass) for graphtrain."""
     doc: str
+    recompute: Literal["none", "selective", "full"] = "none"
+    """graphtrain only: `accelerate(recompute=...)`, the memory optimizer's activation recompute."""
 
 
 VARIANTS: dict[str, Variant] = {v.name: v for v in (
@@ -31,6 +33,10 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
     Variant("compile-bf16", "compile", "bf16", "torch.compile(model) under torch.autocast(bfloat16)"),
     Variant("graphtrain-fp32", "graphtrain", "fp32", "graphtrain.accelerate(model)"),
     Variant("graphtrain-bf16", "graphtrain", "bf16", 'graphtrain.accelerate(model, precision="bf16")'),
+    Variant("graphtrain-ckpt-fp32", "graphtrain", "fp32",
+            'graphtrain.accelerate(model, recompute="full"): every layer but the last checkpointed', "full"),
+    Variant("graphtrain-ckpt-bf16", "graphtrain", "bf16",
+            'graphtrain.accelerate(model, precision="bf16", recompute="full")', "full"),
     Variant("graphtrain-step-fp32", "graphtrain-step", "fp32",
             "graphtrain.compile_step(model): forward, backward, clip and AdamW as one graph"),
     Variant("graphtrain-step-bf16", "graphtrain-step", "bf16", 'graphtrain.compile_step(model, precision="bf16")'),
@@ -74,6 +80,8 @@ class Suite:
     """Memory cap for the largest-batch search."""
     max_workers: int = 8
     """Variants of one case alive (and interleaved) at once; lower it for models whose copies do not fit."""
+    variants: tuple[str, ...] = DEFAULT_VARIANTS
+    """What runs when `--variants` is not given."""
 
 
 SUITES: dict[str, Suite] = {s.name: s for s in (
@@ -89,7 +97,10 @@ SUITES: dict[str, Suite] = {s.name: s for s in (
                   "(seq 1024), at CPU-sized batches, plus the largest batch under the memory cap",
           (Case("bert-large", 4, 128, maxbatch=True), Case("bert-large", 1, 512, maxbatch=True),
            Case("gpt2-medium", 1, 1024, maxbatch=True)),
-          steps=2, repeats=3, warmup=1, cap_gib=12.0, max_workers=2),
+          steps=2, repeats=3, warmup=1, cap_gib=12.0, max_workers=1,
+          variants=DEFAULT_VARIANTS + ("graphtrain-ckpt-fp32", "graphtrain-ckpt-bf16")),
+    # max_workers=1: one gpt2-medium worker at seq 1024 peaks at 12.6 GB (eager fp32, batch 1), so two side
+    # by side can exhaust a 24 GiB machine; variants run one after another on an otherwise idle machine.
 )}
 
 
@@ -101,9 +112,9 @@ def get_suite(name: str) -> Suite:
     return SUITES[name]
 
 
-def resolve_variants(names: list[str] | None) -> list[Variant]:
-    """The requested variants in the canonical order (the reference first when present)."""
-    names = list(names or DEFAULT_VARIANTS)
+def resolve_variants(names: list[str] | None, suite: Suite | None = None) -> list[Variant]:
+    """The requested variants (default: the suite's) in the canonical order (the reference first when present)."""
+    names = list(names or (suite.variants if suite is not None else DEFAULT_VARIANTS))
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
         raise ValueError(f"unknown variant(s) {', '.join(unknown)}: choose from {', '.join(VARIANTS)}")
