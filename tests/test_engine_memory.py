@@ -249,3 +249,24 @@ def test_trainer_config_selects_layer_checkpointing(tmp_path, monkeypatch):
     r = rep.graphs[0]["recompute"]
     assert r["mode"] == "full" and r["chosen"] == "full" and "1 of 2 layers checkpointed" in r["choices"][0]["what"]
     assert "layers checkpointed" in str(rep)
+
+
+def test_inductor_recompute_partitioner_pickles_as_its_uuid():
+    """Inductor's FX graph cache pickles custom_partitioner_fn into its key (torch 2.13). graphtrain's
+    partitioner pickles as its uuid, so recompute under Inductor is cached instead of logging
+    "Failed to pickle cache key" on every compile; the uuid follows the mode and the budget."""
+    import pickle
+
+    from graphtrain.config import EngineConfig
+    from graphtrain.engine.providers import _inductor_partitioner, _StepLayout
+    from graphtrain.engine.state import EngineState, GraphRecord
+
+    def make(**kw):
+        cfg = EngineConfig(**kw)
+        rec = GraphRecord(name="g0", frame="forward", frame_compile=0, input_shapes=[], input_kinds=[])
+        return _inductor_partitioner(cfg, _StepLayout(1024, 2, [2]), rec, EngineState(cfg))
+
+    p = make(recompute="selective")
+    assert pickle.loads(pickle.dumps(p)) == p.uuid()
+    assert make(recompute="full").uuid() != p.uuid()
+    assert make(recompute="auto", memory_budget=1e9).uuid() != make(recompute="auto", memory_budget=2e9).uuid()
