@@ -278,7 +278,11 @@ blog compared (batch 64 vs 128 for BERT-Large phase 1 on a 32 GB V100).
 * **Loss@N** is the loss after N steps from the same seed on one fixed batch. It is a sanity check
   (finite, falling), not a parity check: memorizing one batch at lr 1e-3 amplifies differences in
   dropout random streams (eager, Inductor and graphtrain's fused dropout each draw their own) and
-  bf16 rounding, and measured values after 19 steps differ by up to 3x between variants. Parity with
+  bf16 rounding, and measured values after 19 steps differ by up to 3x between variants. At lr 1e-3
+  the seed models are unstable even in eager PyTorch: bert-large at seq 512 with dropout 0 went
+  10.45, 9.36, 7.50, 6.17, then 14.23 at step 5, and `graphtrain.accelerate` gave the same five
+  losses to 4 decimals (batch 1 from `bench.case.make_batch`, the bench's optimizers, 2026-11-23).
+  With dropout on, where each variant lands after 4 steps depends on its random stream. Parity with
   eager is what the test suite checks, forward and backward, per pass and per model.
 * **Largest batch under a cap** (`maxbatch.py`): a fresh process per trial batch measures its
   whole-process peak; a line fitted through the measurements nearest the cap predicts the largest
