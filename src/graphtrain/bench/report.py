@@ -147,9 +147,13 @@ def markdown(run: dict[str, Any], heading: str = "##") -> str:
              + (f", transformers {env['transformers']}" if env.get("transformers") else "")
              + f", git `{(env.get('git_sha') or '?')[:12]}`{' (uncommitted changes)' if env.get('git_dirty') else ''}.",
              "",
-             f"Protocol: {s.get('warmup')} warmup steps after the first, then {s.get('repeats')} interleaved rounds of "
-             f"{s.get('steps')} steps per variant (order rotated each round); ratios are ref time / time "
-             "(> 1 is faster), the range in brackets is the spread of the per-round ratios.", "",
+             f"Protocol: {s.get('warmup')} warmup steps after the first, then {s.get('repeats')} "
+             + ("rounds of " if s.get("max_workers") == 1 else "interleaved rounds of ")
+             + f"{s.get('steps')} steps per variant "
+             + ("(one variant's process at a time, each alone on the machine)" if s.get("max_workers") == 1
+                else "(order rotated each round)")
+             + "; ratios are ref time / time (> 1 is faster), the range in brackets is the spread of the "
+             "per-round ratios.", "",
              f"MFU = model FLOPs / step time / measured matmul peak: fp32 {_f(peak.get('fp32'), '.3g')} FLOP/s, "
              f"bf16 {_f(peak.get('bf16'), '.3g')} FLOP/s (`{peak.get('command', flops.PEAK_COMMAND)}`); "
              f"FLOPs per step = `{FLOP_FORMULA}`, N = parameters minus position/token-type embeddings.", ""]
@@ -271,7 +275,8 @@ blog compared (batch 64 vs 128 for BERT-Large phase 1 on a 32 GB V100).
   steps, and the order rotates (A B C, B C A, ...). The table gives the median step time over
   rounds with min-max and IQR; each ratio comes with the min-max of its per-round ratios. Timings
   on this kind of machine vary by up to a third run to run, so a ratio whose range straddles 1.0
-  is not a result.
+  is not a result. The `seed` suite is the exception: a GPT-2 Medium worker at seq 1024 holds
+  about 12 GB, so its variants run one at a time (`max_workers=1`), each alone on the machine.
 * **Memory** is the peak resident set (VmHWM) of the variant's process, including imports (about
   250-400 MiB for torch, more with transformers) and compile-time transients; the value in brackets
   is the peak during the timed steps only (the kernel's high-water mark is reset before round 1).
