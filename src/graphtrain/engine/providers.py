@@ -235,19 +235,17 @@ def _inductor_partitioner(config: EngineConfig, layout: _StepLayout, rec: GraphR
                            layout.batch_inputs)).encode())
             return h.digest()
 
-        def __reduce__(self) -> tuple[Any, tuple[bytes]]:
-            # torch 2.13 pickles inductor's whole config into the FX graph cache key, custom_partitioner_fn
-            # included (it is not on _cache_config_ignore_prefix). This closure cannot be pickled: every
-            # compile logged "Failed to pickle cache key" with a traceback and bypassed the cache. Pickled
-            # as its uuid, the key depends on exactly what decides the partition.
-            return _partitioner_uuid, (self.uuid(),)
+        def __reduce__(self) -> Any:
+            # torch 2.13 pickles Inductor's whole config into the FX graph cache key, custom_partitioner_fn
+            # included (it is not on _cache_config_ignore_prefix). This closure does not pickle, so every
+            # compile logged "Failed to pickle cache key" with a traceback. Made picklable, the cache hit
+            # and skipped this partitioner: the recompute decision and the record graphtrain.report shows
+            # were lost. So recompute modes bypass the FX graph cache on purpose, quietly (Inductor logs
+            # the bypass at info level).
+            from torch._inductor.codecache import BypassFxGraphCache
+            raise BypassFxGraphCache("graphtrain recompute decides the partition, and records it, at compile time")
 
     return RecomputePartitioner()
-
-
-def _partitioner_uuid(uuid: bytes) -> bytes:
-    """What a pickled RecomputePartitioner unpickles to (only the FX graph cache key pickles it)."""
-    return uuid
 
 
 def _replace_graph(graph: fx.Graph, new: fx.Graph) -> None:
