@@ -250,27 +250,3 @@ def test_trainer_config_selects_layer_checkpointing(tmp_path, monkeypatch):
     assert r["mode"] == "full" and r["chosen"] == "full" and "1 of 2 layers checkpointed" in r["choices"][0]["what"]
     assert "layers checkpointed" in str(rep)
 
-
-def test_inductor_recompute_bypasses_the_fx_graph_cache_quietly():
-    """Inductor's FX graph cache pickles custom_partitioner_fn into its key (torch 2.13). A cache hit would
-    skip graphtrain's partitioner and with it the recompute record the report shows, so the partitioner
-    refuses to pickle with BypassFxGraphCache (a quiet bypass), not a pickling error (a logged traceback).
-    Its uuid still follows the mode and the budget."""
-    import pickle
-
-    from torch._inductor.codecache import BypassFxGraphCache
-
-    from graphtrain.config import EngineConfig
-    from graphtrain.engine.providers import _inductor_partitioner, _StepLayout
-    from graphtrain.engine.state import EngineState, GraphRecord
-
-    def make(**kw):
-        cfg = EngineConfig(**kw)
-        rec = GraphRecord(name="g0", frame="forward", frame_compile=0, input_shapes=[], input_kinds=[])
-        return _inductor_partitioner(cfg, _StepLayout(1024, 2, [2]), rec, EngineState(cfg))
-
-    p = make(recompute="selective")
-    with pytest.raises(BypassFxGraphCache):
-        pickle.dumps(p)
-    assert make(recompute="full").uuid() != p.uuid()
-    assert make(recompute="auto", memory_budget=1e9).uuid() != make(recompute="auto", memory_budget=2e9).uuid()

@@ -235,16 +235,6 @@ def _inductor_partitioner(config: EngineConfig, layout: _StepLayout, rec: GraphR
                            layout.batch_inputs)).encode())
             return h.digest()
 
-        def __reduce__(self) -> Any:
-            # torch 2.13 pickles Inductor's whole config into the FX graph cache key, custom_partitioner_fn
-            # included (it is not on _cache_config_ignore_prefix). This closure does not pickle, so every
-            # compile logged "Failed to pickle cache key" with a traceback. Made picklable, the cache hit
-            # and skipped this partitioner: the recompute decision and the record graphtrain.report shows
-            # were lost. So recompute modes bypass the FX graph cache on purpose, quietly (Inductor logs
-            # the bypass at info level).
-            from torch._inductor.codecache import BypassFxGraphCache
-            raise BypassFxGraphCache("graphtrain recompute decides the partition, and records it, at compile time")
-
     return RecomputePartitioner()
 
 
