@@ -19,17 +19,17 @@ from torch.fx.experimental.proxy_tensor import make_fx
 def trace_aten_forward(fn: Callable[..., Any], example_inputs: Sequence[Any]) -> fx.GraphModule:
     """Trace `fn(*example_inputs)` (no autograd recorded) into the functional aten forward IR."""
     fake_mode = detect_fake_mode(example_inputs)
+    if isinstance(fn, fx.GraphModule):
+        # Run the Dynamo graph node by node with node meta preserved, so each aten node keeps the
+        # nn_module_stack of the node it came from (recompute=full finds the model's layers by it).
+        gm_in = fn
+        fn = lambda *a: fx.Interpreter(gm_in).run(*a)  # noqa: E731
     functional = torch.func.functionalize(fn, remove="mutations")
     if fake_mode is None:
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         inputs = [fake_mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in example_inputs]
     else:  # inside a Dynamo backend: reuse its fake mode (and shape env), as AOTAutograd does
         inputs = fakify_like_dynamo(fake_mode, example_inputs)
-    if isinstance(fn, fx.GraphModule):
-        # Run the Dynamo graph node by node with node meta preserved, so each aten node keeps the
-        # nn_module_stack of the node it came from (recompute=full finds the model's layers by it).
-        gm_in = fn
-        functional = torch.func.functionalize(lambda *a: fx.Interpreter(gm_in).run(*a), remove="mutations")
     with fake_mode, torch.no_grad(), fx.traceback.preserve_node_meta():
         gm = make_fx(functional, tracing_mode="real", pre_dispatch=False)(*inputs)
     gm.graph.eliminate_dead_code()

@@ -63,7 +63,7 @@ def annotate_layers(model: torch.nn.Module) -> Iterator[None]:
     enter/exit ``torch.fx.traceback.annotate``), and everything else with None; outer lists win over
     nested ones."""
     from torch.fx import traceback as fx_traceback
-    handles, stack = [], contextlib.ExitStack()
+    handles = []
     claimed: set[str] = set()
     for name, mod in model.named_modules():
         if not isinstance(mod, torch.nn.ModuleList) or len(mod) < 2 or any(name.startswith(c + ".") for c in claimed):
@@ -82,8 +82,7 @@ def annotate_layers(model: torch.nn.Module) -> Iterator[None]:
                 frames.pop().close()
             handles += [layer.register_forward_pre_hook(pre), layer.register_forward_hook(post)]
     try:
-        with stack:
-            stack.enter_context(fx_traceback.annotate({"graphtrain_layer": None}))  # outside every layer
+        with fx_traceback.annotate({"graphtrain_layer": None}):  # outside every layer
             yield
     finally:
         for h in handles:
