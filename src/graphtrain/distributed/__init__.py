@@ -31,8 +31,7 @@ from graphtrain.distributed import checkpoint as ckpt
 from graphtrain.distributed.data_parallel import (apply_data_parallel, apply_replicate, broadcast_parameters,
                                                   grad_sync)
 from graphtrain.distributed.mesh import DistEnv, check_layout, init_distributed, shutdown
-from graphtrain.distributed.tensor_parallel import (apply_tensor_parallel, local_loss, loss_context,
-                                                   split_mixed_param_groups)
+from graphtrain.distributed.tensor_parallel import apply_tensor_parallel, split_mixed_param_groups
 from graphtrain.distributed.zero import optimizer_state_bytes, shard_optimizer
 
 __all__ = ["DistEnv", "Parallelized", "check_layout", "init_distributed", "parallelize", "shutdown",
@@ -74,10 +73,10 @@ class Parallelized:
             if micro_step == micro_steps - 1:  # once per optimizer step: the sum covers every accumulation step
                 sync_tied_grads(self.model, self._tied_group)
             return loss
-        with grad_sync(self.model, sync=micro_step == micro_steps - 1), loss_context(self.model):
+        with grad_sync(self.model, sync=micro_step == micro_steps - 1):
             loss = self.model(input_ids, labels=labels, **model_kwargs)
             (loss / micro_steps).backward()
-        return local_loss(loss.detach())
+        return loss.detach()
 
     def accelerate(self, engine: Any = None) -> nn.Module:
         """Compile this rank's module with the graphtrain engine, composed with DDP; returns the module.
@@ -108,8 +107,7 @@ class Parallelized:
         if self.schedule is not None:
             from graphtrain.distributed.pipeline import pipeline_eval
             return pipeline_eval(self.schedule, self.model, input_ids, labels, self.env.group("pp"))
-        with loss_context(self.model):
-            return local_loss(self.model(input_ids, labels=labels, **model_kwargs)).detach()
+        return self.model(input_ids, labels=labels, **model_kwargs).detach()
 
     def clip_grad_norm_(self, max_norm: float | None) -> torch.Tensor:
         """Clip by the global gradient norm across tp shards and pp stages; returns the norm before clipping."""

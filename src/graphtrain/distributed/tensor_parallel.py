@@ -1,19 +1,33 @@
-"""Megatron-style tensor parallelism with DTensor (`torch.distributed.tensor.parallel`).
+"""Megatron-style tensor parallelism on plain local tensors, parameters kept as DTensors.
 
 Per transformer block (graphtrain's reference GPT-2 and BERT):
 
-* attention: the fused `attn.qkv` Linear is split into three Linears q, k, v, each
-  `ColwiseParallel` (so each rank owns n_head / tp whole heads); `attn.proj` is `RowwiseParallel`
-  (its output all-reduced). One all-reduce forward and one backward per attention.
-* MLP: `mlp.fc` `ColwiseParallel`, `mlp.proj` `RowwiseParallel` (again one all-reduce each way).
-* vocabulary: the word embedding is `RowwiseParallel` (vocab-parallel: each rank owns V / tp rows,
-  out-of-range ids give zeros, the partial embeddings are all-reduced); the tied LM head is
-  `ColwiseParallel` with logits left sharded on the vocab dim, and GPT-2's cross-entropy runs
-  under `loss_parallel()`, so the [B, T, V] logits are never gathered. BERT's MLM decoder adds a
-  bias after the tied matmul, so its logits are gathered (Replicate) before the loss.
+* attention: the fused `attn.qkv` Linear is split into three column-parallel Linears q, k, v
+  (each rank owns n_head / tp whole heads); `attn.proj` is row-parallel. One all-reduce forward
+  (after proj) and one backward (of the block input's gradient) per attention.
+* MLP: `mlp.fc` column-parallel, `mlp.proj` row-parallel (again one all-reduce each way).
+* vocabulary: the word embedding is vocab-parallel (each rank owns V / tp rows; ids outside the
+  rank's range give zeros; the partial embeddings are all-reduced); the tied LM head / MLM decoder
+  is column-parallel over the vocabulary and the cross-entropy is vocab-parallel
+  (`vocab_parallel_cross_entropy`), so the [B, T, V] logits are never gathered for the loss.
 
-LayerNorms, position embeddings and biases of row-parallel layers stay replicated plain tensors:
-every tp rank computes the same values and the same gradients for them.
+How it is built, and why not with `torch.distributed.tensor.parallel`'s ColwiseParallel /
+RowwiseParallel: those keep the linears' inputs and outputs as DTensors and put the collectives in
+DTensor's autograd (`from_local`'s backward all-reduces). graphtrain's engine optimizes the forward
+graph *before* autodiff on plain aten ops; tracing a DTensor program to plain ops keeps the forward
+collectives and loses the backward ones. Here every activation is a plain tensor and the two
+Megatron collectives are `torch.library` custom ops with their own autograd
+(`graphtrain::tp_copy`: identity forward, all-reduce backward; `graphtrain::tp_reduce`:
+all-reduce forward, identity backward), so a forward graph holds them as ordinary nodes that
+AOTAutograd differentiates, and the engine's fusion passes see the local attention, GELU and
+LayerNorm of every block. Parameters stay DTensors (Shard(0) column-parallel, Shard(1)
+row-parallel weights): modules read `weight.to_local()`, whose backward hands the gradient back as
+a DTensor, so optimizers, gradient clipping, FSDP2 `replicate` and DCP checkpoints see the usual
+DTensor layout. The collectives themselves are torch.distributed's (`dist.all_reduce` /
+`all_gather_into_tensor` on the tp group).
+
+LayerNorms, position embeddings and the biases of row-parallel layers stay replicated plain
+tensors: every tp rank computes the same values and the same gradients for them.
 
 The fused qkv is split into q/k/v because a contiguous column shard of [Wq; Wk; Wv] would mix
 q, k and v. `checkpoint.py` re-fuses them (`FUSED_ATTR`) so checkpoints keep the unsharded
@@ -21,44 +35,205 @@ model's parameter names and shapes and load under any layout.
 """
 from __future__ import annotations
 
-import contextlib
+import functools
 
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, loss_parallel,
-                                               parallelize_module)
+from torch.distributed.tensor import DTensor, Shard
 
 # model attribute: {fused fqn prefix ("blocks.0.attn.qkv"): [part prefixes (".q", ".k", ".v")]}
 FUSED_ATTR = "_graphtrain_fused"
 
 
-class SplitQKV(nn.Module):
-    """q, k, v as three Linears; output [q_local | k_local | v_local] (each tp rank's heads)."""
+def _group(name: str) -> dist.ProcessGroup:
+    return dist.distributed_c10d._resolve_process_group(name)
 
-    def __init__(self, fused: nn.Linear) -> None:
+
+# --- the collectives, as custom ops with autograd -------------------------------------------------------
+# Custom ops may not return an alias of an input, so tp_copy's identity forward is a copy (one
+# activation-sized memcpy per attention / MLP, small beside their matmuls).
+
+@torch.library.custom_op("graphtrain::tp_reduce", mutates_args=())
+def tp_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
+    """Sum over the tp group (forward); the gradient passes through unchanged (Megatron's g)."""
+    out = x.contiguous().clone()
+    dist.all_reduce(out, group=_group(group))
+    return out
+
+
+@torch.library.custom_op("graphtrain::tp_copy", mutates_args=())
+def tp_copy(x: torch.Tensor, group: str) -> torch.Tensor:
+    """Identity forward; the gradient is summed over the tp group (Megatron's f)."""
+    return x.clone()
+
+
+@torch.library.custom_op("graphtrain::tp_max", mutates_args=())
+def tp_max(x: torch.Tensor, group: str) -> torch.Tensor:
+    """Elementwise max over the tp group (no gradient: used for the softmax shift, a constant)."""
+    out = x.contiguous().clone()
+    dist.all_reduce(out, op=dist.ReduceOp.MAX, group=_group(group))
+    return out
+
+
+@torch.library.custom_op("graphtrain::tp_gather_last", mutates_args=())
+def tp_gather_last(x: torch.Tensor, group: str) -> torch.Tensor:
+    """Concatenate the ranks' tensors along the last dim (forward); backward keeps this rank's slice."""
+    g = _group(group)
+    n = dist.get_world_size(g)
+    out = torch.empty((n,) + tuple(x.shape), dtype=x.dtype, device=x.device)
+    dist.all_gather_into_tensor(out, x.contiguous(), group=g)
+    return out.movedim(0, -2).reshape(*x.shape[:-1], n * x.shape[-1]).contiguous()
+
+
+for _op in (tp_reduce, tp_copy, tp_max):
+    _op.register_fake(lambda x, group: torch.empty_like(x))
+
+
+@tp_gather_last.register_fake
+def _(x: torch.Tensor, group: str) -> torch.Tensor:
+    n = dist.get_world_size(_group(group))
+    return x.new_empty(*x.shape[:-1], n * x.shape[-1])
+
+
+def _save_group(ctx, inputs, output) -> None:
+    ctx.group = inputs[1]
+
+
+tp_reduce.register_autograd(lambda ctx, g: (g, None), setup_context=_save_group)
+tp_copy.register_autograd(lambda ctx, g: (tp_reduce(g, ctx.group), None), setup_context=_save_group)
+
+
+def _gather_backward(ctx, g):
+    grp = _group(ctx.group)
+    n, r = dist.get_world_size(grp), dist.get_rank(grp)
+    return g.chunk(n, dim=-1)[r].contiguous(), None
+
+
+tp_gather_last.register_autograd(_gather_backward, setup_context=_save_group)
+
+
+# --- the parallel layers ----------------------------------------------------------------------------
+
+def _local(t: torch.Tensor | None) -> torch.Tensor | None:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _shard_param(p: nn.Parameter, mesh: DeviceMesh, dim: int) -> nn.Parameter:
+    """This rank's chunk of `p` along `dim` (a copy: the full tensor can be freed), as a Shard(dim) DTensor."""
+    local = p.detach().chunk(mesh.size(), dim=dim)[mesh.get_local_rank()].clone()
+    return nn.Parameter(DTensor.from_local(local, mesh, [Shard(dim)], run_check=False), requires_grad=p.requires_grad)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y_local = x @ W_local^T + b_local, W sharded on the output dim. `copy_input`: put tp_copy on x
+    (off when the caller already did, as SplitQKV does once for q, k and v)."""
+
+    def __init__(self, linear: nn.Linear, mesh: DeviceMesh, copy_input: bool = True) -> None:
         super().__init__()
-        d_in, d_out = fused.in_features, fused.out_features // 3
-        bias = fused.bias is not None
-        self.q, self.k, self.v = (nn.Linear(d_in, d_out, bias=bias) for _ in range(3))
-        with torch.no_grad():
-            for i, lin in enumerate((self.q, self.k, self.v)):
-                lin.weight.copy_(fused.weight[i * d_out:(i + 1) * d_out])
-                if bias:
-                    lin.bias.copy_(fused.bias[i * d_out:(i + 1) * d_out])
+        self.group, self.copy_input = mesh.get_group().group_name, copy_input
+        self.weight = _shard_param(linear.weight, mesh, 0)
+        self.bias = _shard_param(linear.bias, mesh, 0) if linear.bias is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.copy_input:
+            x = tp_copy(x, self.group)
+        return F.linear(x, self.weight.to_local(), _local(self.bias))
+
+
+class RowParallelLinear(nn.Module):
+    """y = allreduce(x_local @ W_local^T) + b, W sharded on the input dim, b replicated."""
+
+    def __init__(self, linear: nn.Linear, mesh: DeviceMesh) -> None:
+        super().__init__()
+        self.group = mesh.get_group().group_name
+        self.weight = _shard_param(linear.weight, mesh, 1)
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = tp_reduce(F.linear(x, self.weight.to_local()), self.group)
+        return y if self.bias is None else y + self.bias
+
+
+class SplitQKV(nn.Module):
+    """q, k, v as three column-parallel Linears; output [q_local | k_local | v_local] (this rank's heads)."""
+
+    def __init__(self, fused: nn.Linear, mesh: DeviceMesh) -> None:
+        super().__init__()
+        self.group = mesh.get_group().group_name
+        d_out = fused.out_features // 3
+        parts = []
+        for i in range(3):
+            lin = nn.Linear(fused.in_features, d_out, bias=fused.bias is not None, device="meta")
+            lin.weight = nn.Parameter(fused.weight.detach()[i * d_out:(i + 1) * d_out])
+            if fused.bias is not None:
+                lin.bias = nn.Parameter(fused.bias.detach()[i * d_out:(i + 1) * d_out])
+            parts.append(ColumnParallelLinear(lin, mesh, copy_input=False))
+        self.q, self.k, self.v = parts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = tp_copy(x, self.group)
         return torch.cat([self.q(x), self.k(x), self.v(x)], dim=-1)
 
 
-def _blocks_and_vocab(model: nn.Module) -> tuple[str, nn.ModuleList, str, str, bool]:
-    """(blocks attr, blocks, embedding fqn, head fqn, loss_parallel ok) for graphtrain's reference models."""
+class VocabParallelEmbedding(nn.Module):
+    """Each rank embeds the ids in its V / tp rows (others give zeros); the partial sums are all-reduced."""
+
+    def __init__(self, emb: nn.Embedding, mesh: DeviceMesh) -> None:
+        super().__init__()
+        self.group = mesh.get_group().group_name
+        self.weight = _shard_param(emb.weight, mesh, 0)
+        rows = emb.num_embeddings // mesh.size()
+        self.start, self.end = mesh.get_local_rank() * rows, (mesh.get_local_rank() + 1) * rows
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        outside = (ids < self.start) | (ids >= self.end)
+        local = (ids - self.start).masked_fill(outside, 0)
+        e = F.embedding(local, self.weight.to_local()).masked_fill(outside.unsqueeze(-1), 0.0)
+        return tp_reduce(e, self.group)
+
+
+class VocabParallelMLMHead(nn.Module):
+    """BERT's MLM head with the tied decoder column-parallel over the vocabulary and its bias sharded alike."""
+
+    def __init__(self, head: nn.Module, mesh: DeviceMesh) -> None:
+        super().__init__()
+        self.dense, self.ln = head.dense, head.ln
+        self.decoder = ColumnParallelLinear(head.decoder, mesh)
+        self.bias = _shard_param(head.bias, mesh, 0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.decoder(self.ln(F.gelu(self.dense(x)))) + self.bias.to_local()
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, *, group: str, start: int,
+                                 ignore_index: int = -100) -> torch.Tensor:
+    """Mean cross-entropy over labels != ignore_index, from vocab-sharded logits [..., V / tp] (Megatron's
+    vocab-parallel loss): the max, the sum of exponentials and the target logit are reduced over the tp
+    group instead of gathering the logits."""
+    logits = logits.float().reshape(-1, logits.size(-1))
+    labels = labels.reshape(-1)
+    shift = tp_max(logits.detach().amax(dim=-1), group)
+    z = logits - shift.unsqueeze(-1)
+    sum_exp = tp_reduce(z.exp().sum(dim=-1), group)
+    local = labels - start
+    mine = (local >= 0) & (local < logits.size(-1))
+    picked = z.gather(-1, local.clamp(0, logits.size(-1) - 1).unsqueeze(-1)).squeeze(-1)
+    target = tp_reduce(torch.where(mine, picked, torch.zeros_like(picked)), group)
+    valid = labels != ignore_index
+    per_token = torch.where(valid, sum_exp.log() - target, torch.zeros_like(target))
+    return per_token.sum() / valid.sum()
+
+
+def _blocks_and_vocab(model: nn.Module) -> tuple[nn.ModuleList, str]:
+    """(blocks, word-embedding fqn) for graphtrain's reference models."""
     family = getattr(model, "family", None)
     if family == "gpt2":
-        return "blocks", model.blocks, "wte", "lm_head", True
+        return model.blocks, "wte"
     if family == "bert":
-        return "layers", model.layers, "embeddings.word", "mlm.decoder", False
+        return model.layers, "embeddings.word"
     raise ValueError(
         f"tensor parallelism has a plan for graphtrain's reference GPT-2 and BERT (graphtrain.models), "
         f"not for {type(model).__name__}. Hugging Face GPT-2 fuses q/k/v in one Conv1D (c_attn) and has "
@@ -77,44 +252,39 @@ def check_tp(model: nn.Module, tp: int) -> None:
                                 if "vocab" in what else ""))
 
 
+def _set(model: nn.Module, fqn: str, module: nn.Module) -> None:
+    parent, _, name = fqn.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, name, module)
+
+
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
     """Shard `model` in place over the 1-D `tp_mesh`; returns it. Weights must already be identical on all tp ranks."""
     tp = tp_mesh.size()
     if tp == 1:
         return model
-    _, blocks, emb_fqn, head_fqn, vocab_loss = _blocks_and_vocab(model)
+    blocks, emb_fqn = _blocks_and_vocab(model)
     check_tp(model, tp)
     prefix = "blocks" if model.family == "gpt2" else "layers"
     fused: dict[str, list[str]] = {}
     for i, block in enumerate(blocks):
-        attn = block.attn
-        attn.qkv = SplitQKV(attn.qkv)
+        block.attn.qkv = SplitQKV(block.attn.qkv, tp_mesh)
         fused[f"{prefix}.{i}.attn.qkv"] = [".q", ".k", ".v"]
-        parallelize_module(block, tp_mesh, {
-            "attn.qkv.q": ColwiseParallel(), "attn.qkv.k": ColwiseParallel(), "attn.qkv.v": ColwiseParallel(),
-            "attn.proj": RowwiseParallel(),
-            "mlp.fc": ColwiseParallel(), "mlp.proj": RowwiseParallel(),
-        })
-    head_style = (ColwiseParallel(output_layouts=Shard(-1), use_local_output=False) if vocab_loss
-                  else ColwiseParallel(output_layouts=Replicate()))
-    parallelize_module(model, tp_mesh, {emb_fqn: RowwiseParallel(input_layouts=Replicate()), head_fqn: head_style})
-    # parallelize_module replaced each module's Parameter: re-tie the head to the (sharded) embedding.
-    emb, head = model.get_submodule(emb_fqn), model.get_submodule(head_fqn)
-    head.weight = emb.weight
+        block.attn.proj = RowParallelLinear(block.attn.proj, tp_mesh)
+        block.mlp.fc = ColumnParallelLinear(block.mlp.fc, tp_mesh)
+        block.mlp.proj = RowParallelLinear(block.mlp.proj, tp_mesh)
+    emb = VocabParallelEmbedding(model.get_submodule(emb_fqn), tp_mesh)
+    _set(model, emb_fqn, emb)
+    if model.family == "gpt2":
+        model.lm_head = ColumnParallelLinear(model.lm_head, tp_mesh)
+        model.lm_head.weight = emb.weight  # the tied matrix, one sharded Parameter
+    else:
+        model.mlm = VocabParallelMLMHead(model.mlm, tp_mesh)
+        model.mlm.decoder.weight = emb.weight
+    group = tp_mesh.get_group().group_name
+    model.loss_fn = functools.partial(vocab_parallel_cross_entropy, group=group, start=emb.start)
+    model.logits_fn = functools.partial(tp_gather_last, group=group)  # full logits when asked without labels
     setattr(model, FUSED_ATTR, fused)
-    model._graphtrain_loss_parallel = vocab_loss
     return model
-
-
-def loss_context(model: nn.Module) -> contextlib.AbstractContextManager:
-    """Wrap forward *and* backward in this: `loss_parallel()` when the logits are vocab-sharded."""
-    inner = getattr(model, "module", model)
-    return loss_parallel() if getattr(inner, "_graphtrain_loss_parallel", False) else contextlib.nullcontext()
-
-
-def local_loss(loss: torch.Tensor) -> torch.Tensor:
-    """A DTensor loss (replicated) as a plain tensor, for logging."""
-    return loss.full_tensor() if hasattr(loss, "full_tensor") else loss
 
 
 def split_mixed_param_groups(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -123,7 +293,6 @@ def split_mixed_param_groups(optimizer: torch.optim.Optimizer) -> torch.optim.Op
     Foreach/fused optimizer kernels refuse a mix of torch.Tensor and DTensor in one call; the two
     halves keep the group's hyper-parameters. Must run before the first step (no state yet).
     """
-    from torch.distributed.tensor import DTensor
     groups = []
     for g in optimizer.param_groups:
         sharded = [p for p in g["params"] if isinstance(p, DTensor)]

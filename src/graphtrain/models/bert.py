@@ -11,7 +11,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from graphtrain.models.layers import (MLP, AttentionImpl, SelfAttention, check_input_ids, check_seq_len,
+from graphtrain.models.layers import (MLP, AttentionImpl, SelfAttention, identity, check_input_ids, check_seq_len,
                                       language_model_loss, padding_mask)
 from graphtrain.models.presets import ModelSpec
 
@@ -74,6 +74,9 @@ class BERT(nn.Module):
         self.embeddings = Embeddings(spec)
         self.layers = nn.ModuleList(EncoderLayer(spec, attention) for _ in range(spec.n_layer))
         self.mlm = MLMHead(spec)
+        # Tensor parallelism (graphtrain.distributed.tensor_parallel) swaps these for the vocab-parallel loss
+        # and the gather of vocab-sharded logits.
+        self.loss_fn, self.logits_fn = language_model_loss, identity
         self.reset_parameters()
 
     def tie_weights(self) -> None:
@@ -120,5 +123,5 @@ class BERT(nn.Module):
             x = layer(x, mask)
         logits = self.mlm(x)
         if labels is None:
-            return logits
-        return language_model_loss(logits, labels)
+            return self.logits_fn(logits)
+        return self.loss_fn(logits, labels)

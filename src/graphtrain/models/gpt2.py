@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from graphtrain.models.layers import (MLP, AttentionImpl, SelfAttention, check_input_ids, check_seq_len,
+from graphtrain.models.layers import (MLP, AttentionImpl, SelfAttention, identity, check_input_ids, check_seq_len,
                                       language_model_loss)
 from graphtrain.models.presets import ModelSpec
 
@@ -50,6 +50,9 @@ class GPT2(nn.Module):
         self.blocks = nn.ModuleList(Block(spec, attention) for _ in range(spec.n_layer))
         self.ln_f = nn.LayerNorm(spec.d_model, eps=spec.layer_norm_eps)
         self.lm_head = nn.Linear(spec.d_model, spec.vocab_size, bias=False)
+        # Tensor parallelism (graphtrain.distributed.tensor_parallel) swaps these for the vocab-parallel loss
+        # and the gather of vocab-sharded logits.
+        self.loss_fn, self.logits_fn = language_model_loss, identity
         self.reset_parameters()
 
     def tie_weights(self) -> None:
@@ -89,11 +92,11 @@ class GPT2(nn.Module):
             x = block(x)
         logits = self.lm_head(self.ln_f(x))
         if labels is None:
-            return logits
+            return self.logits_fn(logits)
         if labels.shape != input_ids.shape:
             raise ValueError(f"labels must have the shape of input_ids {tuple(input_ids.shape)}, "
                              f"got {tuple(labels.shape)}")
-        return language_model_loss(logits, labels)
+        return self.loss_fn(logits, labels)
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
