@@ -13,6 +13,7 @@ from test_distributed_mesh import ATOL, RTOL, batch, optim_factory, reference_ru
 
 pytestmark = pytest.mark.dist
 STEPS = 3
+ENGINE = {"provider": "aten", "fallback": "error"}  # aten: compiles in about a second
 
 
 def _full_grads(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -23,8 +24,10 @@ def _full_grads(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return g
 
 
-def _worker(layout: dict, name: str) -> dict:
+def _worker(layout: dict, name: str, engine: dict | None = None) -> dict:
     par = parallelize(tiny(name), optim_factory(), ParallelConfig(timeout_s=60, **layout))
+    if engine is not None:
+        par.accelerate(engine)
     out = {"losses": []}
     for s in range(STEPS):
         ids, labels = batch(4, seed=s)
@@ -33,6 +36,12 @@ def _worker(layout: dict, name: str) -> dict:
             out["grads0"] = _full_grads(par.module)
         par.optimizer.step()
         par.optimizer.zero_grad()
+    if engine is not None:
+        from graphtrain.engine.report import report
+        rep = report(par.module)
+        out["passes"] = {f"{p['stage']}/{p['name']}": p["rewrites"] for p in rep.passes}
+        out["graphs"], out["fallbacks"] = len(rep.graphs), len(rep.fallbacks)
+        out["notes"] = [n for g in rep.graphs for n in g["notes"]]
     return out
 
 
@@ -55,15 +64,42 @@ def test_tensor_parallel_matches_single_process(name):
     _check(run_ranks(_worker, 2, {"tp": 2}, name), name)
 
 
+@pytest.mark.parametrize("name", ["gpt2-tiny", "bert-tiny"])
+def test_tensor_parallel_composes_with_the_engine(name):
+    """tp=2 through the graph engine (aten provider): the DTensor parameters are traced on their local shards, the
+    fusion passes rewrite every block's LayerNorm, attention and bias-GELU on the local heads, and forward,
+    backward and 3-step losses still equal the single eager process."""
+    results = run_ranks(_worker, 2, {"tp": 2}, name, ENGINE)
+    _check(results, name)
+    n_layer = tiny(name).spec.n_layer
+    for out in results:
+        assert out["graphs"] == 1 and out["fallbacks"] == 0
+        assert any("DTensor parameters traced on their local shards" in n for n in out["notes"]), out["notes"]
+        assert out["passes"]["pre_autodiff/fuse_attention"] == n_layer, out["passes"]
+        assert out["passes"]["pre_autodiff/fuse_bias_gelu"] >= n_layer, out["passes"]
+        assert out["passes"]["pre_autodiff/fuse_layer_norm"] >= 2 * n_layer, out["passes"]
+
+
+def test_pipeline_parallel_composes_with_the_engine():
+    """pp=2 (1F1B): each rank's stage module runs through the engine; gradients and losses equal one process."""
+    results = run_ranks(_worker, 2, {"pp": 2, "microbatches": 2}, "gpt2-tiny", ENGINE)
+    _check(results)
+    for out in results:
+        assert out["graphs"] == 1 and out["fallbacks"] == 0
+        assert out["passes"]["pre_autodiff/fuse_attention"] == 1, out["passes"]  # one of gpt2-tiny's 2 blocks
+
+
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 def test_pipeline_matches_single_process(schedule):
     _check(run_ranks(_worker, 2, {"pp": 2, "microbatches": 2, "schedule": schedule}, "gpt2-tiny"))
 
 
-def _dp_composed_worker(layout: dict, name: str, n: int, accum: int) -> dict:
+def _dp_composed_worker(layout: dict, name: str, n: int, accum: int, engine: dict | None = None) -> dict:
     """Each dp rank takes its n/dp rows of every step's batch, in `accum` accumulation micro-steps."""
     import torch.distributed as dist
     par = parallelize(tiny(name), optim_factory(), ParallelConfig(timeout_s=60, **layout))
+    if engine is not None:
+        par.accelerate(engine)
     dp, r = par.env.parallel.dp, par.env.dp_rank
     per = n // dp // accum
     out = {"losses": [], "replicated_blocks": sum(type(m).__name__.startswith("Replicate") for m in par.module.modules())}
@@ -79,6 +115,10 @@ def _dp_composed_worker(layout: dict, name: str, n: int, accum: int) -> dict:
             out["grads0"] = _full_grads(par.module)
         par.optimizer.step()
         par.optimizer.zero_grad()
+    if engine is not None:
+        from graphtrain.engine.report import report
+        rep = report(par.module)
+        out["graphs"], out["fallbacks"], out["recompiles"] = len(rep.graphs), len(rep.fallbacks), len(rep.recompiles)
     return out
 
 
@@ -94,9 +134,13 @@ def test_dp_composed_with_tp_or_pp_matches_single_process(layout, name, accum):
     losses equal the single-process full-batch (8 samples) run, within the fp32 tolerance RTOL/ATOL. With
     accumulation the pipeline's gradients are scaled by the loss, not by the schedule (whose scale_grads would
     also rescale earlier accumulation steps), and the tied embedding is summed across stages once per step."""
+    _run_composed(layout, name, accum)
+
+
+def _run_composed(layout: dict, name: str, accum: int, engine: dict | None = None) -> list[dict]:
     n = 8
     nproc = layout.get("dp", 1) * layout.get("tp", 1) * layout.get("pp", 1)
-    results = run_ranks(_dp_composed_worker, nproc, layout, name, n, accum)
+    results = run_ranks(_dp_composed_worker, nproc, layout, name, n, accum, engine)
     ref = tiny(name)
     ids, labels = batch(n, seed=0)
     ref(ids, labels=labels).backward()
@@ -110,6 +154,20 @@ def test_dp_composed_with_tp_or_pp_matches_single_process(layout, name, accum):
             if k == "lm_head.weight" and "wte.weight" not in out["grads0"]:
                 k = "wte.weight"  # pipeline last stage: its copy of the tied matrix
             assert_close(g, ref_grads[k].grad, name=f"rank {r} grad of {k}", rtol=RTOL, atol=ATOL)
+    return results
+
+
+@pytest.mark.parametrize("layout", [
+    {"dp": 2, "tp": 2},
+    pytest.param({"dp": 2, "pp": 2, "microbatches": 2}, marks=pytest.mark.slow),
+])
+def test_dp_composed_with_tp_or_pp_through_the_engine(layout):
+    """dp composed with tp or pp through the engine: each transformer block's forward is compiled (FSDP2
+    replicate's hooks run eagerly between blocks), all blocks share one graph (no recompile per block), and
+    gradients after 2 accumulation steps and 3-step losses still equal the single process."""
+    results = _run_composed(layout, "gpt2-tiny", 2, ENGINE)
+    for out in results:
+        assert (out["graphs"], out["fallbacks"], out["recompiles"]) == (1, 0, 0), out
 
 
 @pytest.mark.parametrize("layout", [{"tp": 2, "dp": 2}, {"pp": 2, "dp": 2, "microbatches": 2}])

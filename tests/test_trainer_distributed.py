@@ -87,7 +87,19 @@ def test_nproc_2_data_parallel_with_the_engine_matches_single_eager_process(tmp_
     proc, dist = _train(tmp_path, cache, "dp2", "parallel.dp=2", "train.accelerate=true", "engine.provider=aten",
                         "engine.fallback=error", *accum, "--nproc", "2")
     assert "graphtrain engine\n" in proc.stdout or ", graphtrain engine" in proc.stdout, proc.stdout[-2000:]
-    assert "graphtrain engine under DDP: 1 graph(s) captured per rank" in proc.stdout, proc.stdout[-2000:]
+    assert "graphtrain engine, distributed: 1 graph(s) captured per rank" in proc.stdout, proc.stdout[-2000:]
+    assert "eager fallbacks on 0 of 2 ranks" in proc.stdout
+    _assert_same_run(single, dist)
+
+
+@pytest.mark.parametrize("layout", [("parallel.tp=2",), ("parallel.pp=2", "parallel.microbatches=2")])
+def test_nproc_2_tensor_or_pipeline_parallel_with_the_engine_matches_single_eager_process(tmp_path, cache, layout):
+    """tp=2 or pp=2 with train.accelerate on: each rank's module (tensor-parallel model, pipeline stage) runs
+    through the graph engine on every rank with no eager fallback, and the losses equal one eager process's."""
+    _, single = _train(tmp_path, cache, "single", "train.threads=1")
+    proc, dist = _train(tmp_path, cache, "dist", *layout, "train.accelerate=true", "engine.provider=aten",
+                        "engine.fallback=error", "--nproc", "2")
+    assert "graphtrain engine, distributed: 1 graph(s) captured per rank" in proc.stdout, proc.stdout[-2000:]
     assert "eager fallbacks on 0 of 2 ranks" in proc.stdout
     _assert_same_run(single, dist)
 

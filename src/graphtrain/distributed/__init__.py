@@ -9,11 +9,11 @@
         par.clip_grad_norm_(cfg.optim.grad_clip); par.optimizer.step(); par.optimizer.zero_grad()
     par.save(path, extra) / par.load(path)
 
-Layouts: dp (DDP; `par.accelerate(engine)` composes it with the graph engine), dp + zero_stage=1
-(ZeroRedundancyOptimizer), tp (DTensor Megatron plan), pp (pipelining 1F1B/GPipe), dp x tp and
-dp x pp (dp through FSDP2 `replicate` over the mesh's dp dim: DDP takes neither DTensor parameters
-nor pipelined micro-batches). Not supported yet (clear ValueError): tp with pp, ZeRO-1 with tp,
-ZeRO-1 with dp x pp; the graph engine with tp or pp.
+Layouts: dp (DDP), dp + zero_stage=1 (ZeroRedundancyOptimizer), tp (Megatron plan, DTensor parameters),
+pp (pipelining 1F1B/GPipe), dp x tp and dp x pp (dp through FSDP2 `replicate` over the mesh's dp dim:
+DDP takes neither DTensor parameters nor pipelined micro-batches). `par.accelerate(engine)` composes
+each with the graph engine. Not supported yet (clear ValueError): tp with pp, ZeRO-1 with tp,
+ZeRO-1 with dp x pp.
 """
 from __future__ import annotations
 
@@ -79,26 +79,40 @@ class Parallelized:
         return loss.detach()
 
     def accelerate(self, engine: Any = None) -> nn.Module:
-        """Compile this rank's module with the graphtrain engine, composed with DDP; returns the module.
+        """Compile this rank's module with the graphtrain engine, composed with the layout; returns the module.
 
-        The module inside DDP is accelerated (in place), not the DDP wrapper: DDP's forward calls
-        `self.module(...)` inside `_inside_ddp_forward`, which Dynamo does not trace but which marks
-        the DDP module active, so the frame compiled there (this module's `_call_impl`) goes through
-        Dynamo's DDPOptimizer: the graph is split at DDP's bucket boundaries, each piece compiled by
-        the graphtrain backend, and each bucket's all-reduce starts as soon as its piece's backward
-        is done. That is what `torch.compile(ddp_model)` does as well; accelerating the wrapper gives
-        the same graphs but also traces DDP's own forward, records a graph break at
-        `_inside_ddp_forward`, and fails under engine.fallback=error (fullgraph) (measured, torch 2.13,
-        2 gloo ranks). `no_sync()` keeps working: DDP's forward runs eagerly around the compiled module.
-        `engine` is what `graphtrain.accelerate` takes (EngineConfig, dict, Config or None)."""
-        par = self.env.parallel
-        if par.tp > 1 or par.pp > 1:
-            raise ValueError("the graph engine composes with data parallelism (DDP) only: with parallel.tp>1 or "
-                             "parallel.pp>1 train eagerly (train.accelerate=false)")
+        `engine` is what `graphtrain.accelerate` takes (EngineConfig, dict, Config or None).
+
+        * dp (DDP): the module inside DDP is accelerated (in place), not the DDP wrapper: DDP's forward calls
+          `self.module(...)` inside `_inside_ddp_forward`, which Dynamo does not trace but which marks the DDP
+          module active, so the frame compiled there goes through Dynamo's DDPOptimizer: the graph is split at
+          DDP's bucket boundaries, each piece compiled by the graphtrain backend, and each bucket's all-reduce
+          starts as soon as its piece's backward is done (what `torch.compile(ddp_model)` does too;
+          accelerating the wrapper records a graph break at `_inside_ddp_forward` and fails under
+          engine.fallback=error, measured with torch 2.13 on 2 gloo ranks). `no_sync()` keeps working.
+        * tp: the whole module; its DTensor parameters are traced on their local shards (engine/trace.localize),
+          so every pass sees the rank's local attention, GELU and LayerNorm, with the tp collectives as nodes.
+        * pp: this rank's stage module, in place, so the pipeline schedule runs the compiled stage.
+        * dp composed with tp or pp (FSDP2 `replicate`): each transformer block's forward, with replicate's
+          hooks (which Dynamo cannot trace) running eagerly between blocks, as torchtitan compiles per block
+          under FSDP2; the embeddings, head and loss run eagerly. `graphtrain.report(par.module)` covers all."""
         from graphtrain.config import resolve_engine_config
-        from graphtrain.engine.api import accelerate
-        check_engine_under_ddp(resolve_engine_config(engine, {}), self.module)
-        return accelerate(self.module, engine)
+        from graphtrain.engine.api import accelerate, compile_in_place, new_state
+        from graphtrain.distributed.data_parallel import is_replicated
+        cfg = resolve_engine_config(engine, {})
+        module = self.module
+        if not is_replicated(module):
+            check_engine_under_ddp(cfg, module)
+            return accelerate(module, cfg)
+        state = new_state(cfg)
+        module._graphtrain = state
+        blocks = []
+        for name in ("blocks", "layers"):
+            found = getattr(module, name, None)
+            if isinstance(found, (nn.ModuleList, nn.ModuleDict)):
+                blocks += list(found.values() if isinstance(found, nn.ModuleDict) else found)
+        compile_in_place(blocks, state, hooks_outside=True)
+        return module
 
     def eval_loss(self, input_ids: torch.Tensor, labels: torch.Tensor, **model_kwargs: Any) -> torch.Tensor:
         """Forward only (call under torch.no_grad()): this dp rank's mean loss, a plain tensor on every rank.

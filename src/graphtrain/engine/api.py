@@ -8,6 +8,7 @@ to this module, and applies the fallback policy when capture itself fails.
 """
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any
 
@@ -27,19 +28,49 @@ def accelerate(module: torch.nn.Module, config: Config | EngineConfig | dict | N
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"graphtrain.accelerate takes a torch.nn.Module, got {type(module).__name__}")
     cfg = resolve_engine_config(config, overrides)
-    from graphtrain.engine.backend import make_backend
+    state = new_state(cfg)
+    module._graphtrain = state  # type: ignore[assignment]
+    compile_in_place(module, state)
+    return module
+
+
+def new_state(cfg: EngineConfig) -> EngineState:
+    """Validate `cfg`'s pass names (now, not at the first step), point the compile caches, and start a record."""
     from graphtrain.engine.cache import configure_cache
     from graphtrain.passes.manager import pipeline
 
     for stage in ("pre_autodiff", "forward", "backward"):
-        pipeline(stage, cfg)  # validates engine.passes names now, not at the first step
+        pipeline(stage, cfg)
     configure_cache(cfg)
-    state = EngineState(cfg)
-    module._graphtrain = state  # type: ignore[assignment]
-    compiled = torch.compile(module._call_impl, backend=make_backend(cfg, state), dynamic=cfg.dynamic,
-                             fullgraph=cfg.fallback == "error")
-    module._compiled_call_impl = _CallWrapper(module, compiled, state)  # type: ignore[assignment]
-    return module
+    return EngineState(cfg)
+
+
+def compile_in_place(modules: torch.nn.Module | list[torch.nn.Module], state: EngineState, *,
+                     hooks_outside: bool = False) -> None:
+    """Compile each module's call (hooks included) with the engine, recording into `state`.
+
+    `hooks_outside`: compile `module.forward` only, so the module's own forward hooks run eagerly around the
+    compiled code; for modules under FSDP2 `replicate` (its hooks are `torch._dynamo.disable`d and would
+    break the graph), the way torchtitan compiles each transformer block under FSDP2. Modules of one class
+    then share one compiled function (the class's forward, the module an argument): Dynamo guards on their
+    structure, not their identity, so a model's blocks share one graph instead of compiling once each
+    (and counting towards the recompile limit)."""
+    from graphtrain.engine.backend import make_backend
+
+    cfg = state.config
+    options = {"backend": make_backend(cfg, state), "dynamic": cfg.dynamic, "fullgraph": cfg.fallback == "error"}
+    shared: dict[Any, Any] = {}
+    for module in modules if isinstance(modules, list) else [modules]:
+        if hooks_outside:
+            forward = type(module).forward
+            if forward not in shared:
+                shared[forward] = torch.compile(forward, **options)
+            eager = module.forward
+            compiled = functools.partial(shared[forward], module)
+            module.forward = _CallWrapper(module, compiled, state, eager=eager)  # type: ignore[method-assign]
+        else:
+            compiled = torch.compile(module._call_impl, **options)
+            module._compiled_call_impl = _CallWrapper(module, compiled, state, eager=module._call_impl)
 
 
 def _graph_break_reasons() -> list[Any]:
@@ -50,13 +81,13 @@ def _graph_break_reasons() -> list[Any]:
 class _CallWrapper:
     """Runs the compiled call; records breaks and first-step time; falls back to eager if capture fails."""
 
-    def __init__(self, module: torch.nn.Module, compiled: Any, state: EngineState) -> None:
-        self.module, self.compiled, self.state = module, compiled, state
+    def __init__(self, module: torch.nn.Module, compiled: Any, state: EngineState, eager: Any) -> None:
+        self.module, self.compiled, self.state, self.eager = module, compiled, state, eager
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         state = self.state
         if state.eager_only:
-            return self.module._call_impl(*args, **kwargs)
+            return self.eager(*args, **kwargs)
         reasons = _graph_break_reasons()
         n_before = len(reasons)
         t0 = time.perf_counter()
@@ -95,4 +126,4 @@ class _CallWrapper:
         report_fallback(f"capture of {name}", reason, self.state.config, what="runs eagerly from now on",
                         sink=self.state.fallbacks)
         self.state.eager_only = True
-        return self.module._call_impl(*args, **kwargs)
+        return self.eager(*args, **kwargs)

@@ -84,7 +84,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Eng
                   state: EngineState) -> Callable[..., Any]:
     """Compile one Dynamo graph (the backend body); records a GraphRecord on `state`."""
     from graphtrain.engine.providers import PROVIDERS, resolve_provider
-    from graphtrain.engine.trace import trace_aten_forward
+    from graphtrain.engine.trace import delocalize, dtensor_inputs, localize, trace_aten_forward
 
     t0 = time.perf_counter()
     _pin_cpu_allocator_once(example_inputs, config)
@@ -106,22 +106,30 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Eng
     sink = state.fallbacks
 
     # 1. the pre-autodiff IR and its passes
+    # Tensor-parallel DTensor parameters: trace and optimize the graph on their local shards, then hand the
+    # provider a graph that takes the DTensors again (trace.localize / delocalize).
     graph = gm
+    sharded = dtensor_inputs(example_inputs)
     if _has_grad_mode_changes(gm):
         rec.notes.append("graph switches grad mode inside (no_grad region): pre-autodiff passes skipped")
     else:
         try:
-            graph = trace_aten_forward(gm, example_inputs)
+            local, trace_inputs = localize(gm, example_inputs, sharded) if sharded else (gm, list(example_inputs))
+            traced = trace_aten_forward(local, trace_inputs)
         except Exception as e:  # noqa: BLE001 - any tracing failure degrades to the Dynamo graph
             report_fallback(f"tracing {rec.name} ({frame}) to aten", f"{type(e).__name__}: {e}", config,
                             what="is compiled without pre-autodiff passes", sink=sink)
         else:
-            rec.ops_captured = sum(op_counts(graph).values())
+            rec.ops_captured = sum(op_counts(traced).values())
             ctx = PassContext(config=config, stage="pre_autodiff", graph_name=rec.name,
-                              example_inputs=list(example_inputs), input_kinds=kinds)
-            graph = run_pipeline(graph, ctx)
+                              example_inputs=trace_inputs, input_kinds=kinds)
+            traced = run_pipeline(traced, ctx)
             state.passes.extend(ctx.records)
-            rec.ops_pre_autodiff = sum(op_counts(graph).values())
+            rec.ops_pre_autodiff = sum(op_counts(traced).values())
+            graph = delocalize(traced, sharded) if sharded else traced
+            if sharded:
+                rec.notes.append(f"{len(sharded)} DTensor parameters traced on their local shards")
+    rec.dtensor_inputs = len(sharded)
 
     # 2. autodiff + provider
     order = [provider] + (["aten"] if provider != "aten" else [])

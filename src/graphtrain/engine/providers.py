@@ -77,7 +77,11 @@ def _record_backward(gm: fx.GraphModule, rec: GraphRecord) -> None:
     grads = list(out.args[0]) if isinstance(out.args[0], (list, tuple)) else [out.args[0]]
     rec.grads_computed = sum(g is not None for g in grads)
     kinds = rec.input_kinds
-    if len(grads) >= len(kinds):
+    if rec.dtensor_inputs:
+        # AOTAutograd returns a DTensor input's gradient as two outputs (its flattened inner tensor and a
+        # second flattened entry), so outputs no longer line up with the inputs one to one.
+        rec.grads_computed -= rec.dtensor_inputs
+    elif len(grads) >= len(kinds):
         offset = len(grads) - len(kinds)  # folded constants (module buffers) come first
         rec.frozen_inputs_with_grad = sum(grads[offset + i] is not None for i, k in enumerate(kinds)
                                           if k in ("frozen", "buffer"))

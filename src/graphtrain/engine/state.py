@@ -34,6 +34,7 @@ class GraphRecord:
     saved_activation_bytes: int | None = None   # forward outputs kept for backward that are not parameters
     saved_tensors: int | None = None
     batch: int | None = None        # leading dim of the first user input (for per-sample figures)
+    dtensor_inputs: int = 0         # tensor-parallel DTensor parameters among the inputs
     # The recompute decision of this graph's partition (a graphtrain.memory.recompute.RecomputeRecord: mode,
     # every candidate tried with bytes saved and FLOPs added, the one kept); None when Inductor's own
     # partitioner ran (recompute none under the inductor provider).

@@ -7,6 +7,7 @@ AOTAutograd builds the gradient graph from it.
 """
 from __future__ import annotations
 
+import copy
 from typing import Any, Callable, Sequence
 
 import torch
@@ -48,8 +49,9 @@ def fakify_like_dynamo(fake_mode: FakeTensorMode, example_inputs: Sequence[Any])
             out.append(x if x.fake_mode is fake_mode else fake_mode.from_tensor(x))
         elif isinstance(x, torch.Tensor):
             sc = ctx.tensor_to_context.get(x) if ctx is not None else None
+            # A tensor Dynamo did not see (a DTensor parameter's local shard, engine/trace.localize) is static.
             out.append(fake_mode.from_tensor(x, symbolic_context=sc, source=sc.tensor_source if sc else None,
-                                             static_shapes=shape_env is None))
+                                             static_shapes=shape_env is None or sc is None))
         elif isinstance(x, int) and not isinstance(x, bool) and shape_env is not None:
             from torch._dynamo.source import ConstantSource
             src = ConstantSource(f"graphtrain_sym_{i}")
@@ -77,3 +79,59 @@ def module_as_function(module: torch.nn.Module) -> tuple[Callable[..., Any], lis
         return torch.func.functional_call(module, state, tuple(args[len(names):]), tie_weights=True)
 
     return f, tensors, kinds
+
+
+def dtensor_inputs(example_inputs: Sequence[Any]) -> list[int]:
+    """Positions of DTensor inputs (tensor-parallel parameters) among a Dynamo graph's inputs."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch built without distributed
+        return []
+    return [i for i, x in enumerate(example_inputs) if isinstance(x, DTensor)]
+
+
+def localize(gm: fx.GraphModule, example_inputs: Sequence[Any],
+             positions: Sequence[int]) -> tuple[fx.GraphModule, list[Any]]:
+    """The Dynamo graph on local shards: each DTensor input at `positions` becomes a plain input (its local
+    tensor) and the graph's `.to_local()` calls on it are dropped; returns (graph, example inputs).
+
+    graphtrain's tensor parallelism (distributed/tensor_parallel.py) reads its DTensor parameters only
+    through `.to_local()` and runs every activation and collective on plain tensors, so the result is an
+    ordinary single-rank graph the pre-autodiff passes work on. Any other use of a DTensor (DTensor
+    arithmetic, `redistribute`, torch's ColwiseParallel hooks) raises ValueError."""
+    gm = fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    inputs = list(example_inputs)
+    for i in positions:
+        ph = placeholders[i]
+        for user in list(ph.users):
+            if not (user.op == "call_method" and user.target == "to_local" and len(user.args) == 1
+                    and not user.kwargs):
+                raise ValueError(
+                    f"DTensor input {ph.target} is used by `{user.format_node()}`: graphtrain's passes run on "
+                    f"plain local tensors, which needs DTensor parameters read through .to_local() only "
+                    f"(graphtrain.distributed.tensor_parallel's layers; torch's ColwiseParallel/RowwiseParallel "
+                    f"keep activations as DTensors)")
+            user.replace_all_uses_with(ph)
+            gm.graph.erase_node(user)
+        inputs[i] = example_inputs[i].to_local()
+    gm.recompile()
+    return gm, inputs
+
+
+def delocalize(local: fx.GraphModule, positions: Sequence[int]) -> fx.GraphModule:
+    """`local` (a graph from `localize`, after passes) taking the DTensor inputs again: `.to_local()` on each
+    input at `positions`, then `local`'s nodes. AOTAutograd unwraps DTensor inputs itself and
+    differentiates `.to_local()` (the gradient comes back as a DTensor with the parameter's placements)."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for i, node in enumerate(n for n in local.graph.nodes if n.op == "placeholder"):
+        ph = graph.placeholder(node.name)
+        if i in positions:
+            env[node] = graph.call_method("to_local", (ph,))
+            env[node].meta = dict(node.meta)
+        else:
+            ph.meta = dict(node.meta)
+            env[node] = ph
+    graph.output(graph.graph_copy(local.graph, env))
+    return fx.GraphModule(local, graph)

@@ -284,6 +284,7 @@ def param_bytes(params: Iterable[torch.Tensor]) -> int:
     seen: dict[int, int] = {}
     for p in params:
         if p.requires_grad:
+            p = p.to_local() if hasattr(p, "to_local") else p  # a tensor-parallel DTensor: this rank's shard
             seen[storage_key(p)] = storage_bytes(p)
     return sum(seen.values())
 

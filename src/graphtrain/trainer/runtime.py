@@ -146,15 +146,9 @@ def config_lr(step: Any) -> float:
     return float(step.optim.lr)
 
 
-def distributed_engine_supported(config: Config) -> bool:
-    """The graph engine composes with data parallelism through DDP (parallel.dp>1 alone, with or without ZeRO-1)."""
-    par = config.parallel
-    return par.tp == 1 and par.pp == 1
-
-
-def accelerate_under_ddp(par, config: Config) -> torch.nn.Module:
-    """The graph engine under DDP: `Parallelized.accelerate` (the module inside DDP, in place; see its docstring
-    for why not the wrapper). Without the engine in this install, engine.fallback decides (as maybe_accelerate)."""
+def accelerate_distributed(par, config: Config) -> torch.nn.Module:
+    """The graph engine on this rank's part of the model (`Parallelized.accelerate`: in place, per layout).
+    Without the engine in this install, engine.fallback decides (as maybe_accelerate)."""
     if importlib.util.find_spec("graphtrain.engine.api") is None:
         return maybe_accelerate(par.module, config)
     return par.accelerate(config.engine)
@@ -173,7 +167,7 @@ def check_distributed_capture(module: torch.nn.Module, wrapper: torch.nn.Module,
     dist.all_gather_object(every, mine)
     graphs = sorted({g for g, _, _ in every})
     bucket = getattr(wrapper, "bucket_bytes_cap", None)
-    line = (f"graphtrain engine under DDP: {'/'.join(map(str, graphs))} graph(s) captured per rank"
+    line = (f"graphtrain engine, distributed: {'/'.join(map(str, graphs))} graph(s) captured per rank"
             + (f" (Dynamo's DDPOptimizer splits at DDP's {bucket / 2**20:g} MiB gradient buckets)" if bucket else "")
             + f", eager fallbacks on {sum(1 for _, e, f in every if e or f)} of {len(every)} ranks")
     if any(g == 0 or e for g, e, _ in every):
@@ -183,17 +177,6 @@ def check_distributed_capture(module: torch.nn.Module, wrapper: torch.nn.Module,
         if config.engine.fallback == "warn" and dist.get_rank() == 0:
             warnings.warn(msg, RuntimeWarning, stacklevel=2)
     return line
-
-
-def distributed_eager_fallback(config: Config) -> None:
-    """tp / pp layouts train the parallelized model eagerly for now; engine.fallback decides how loudly."""
-    msg = ("train.accelerate=true composes with data parallelism (parallel.dp) only: with parallel.tp>1 or "
-           "parallel.pp>1 the graph engine does not capture the tensor-parallel (DTensor) / pipeline-stage modules "
-           "yet; set train.accelerate=false (--no-accelerate)")
-    if config.engine.fallback == "error":
-        raise ValueError(msg)
-    if config.engine.fallback == "warn" and int(os.environ.get("RANK", "0")) == 0:
-        warnings.warn(msg + "; training eagerly", RuntimeWarning, stacklevel=3)
 
 
 def is_accelerated(model: torch.nn.Module) -> bool:

@@ -15,8 +15,8 @@ rank draws the same full batch from `get_batch` and keeps its data-parallel rank
 loss is averaged over dp ranks. Only rank 0 logs, prints, shows the progress bar and samples;
 checkpoints are sharded folders (`ckpt-NNNNNNN/`, written atomically by `Parallelized.save`) and
 evaluation averages each rank's share of the validation batches across dp ranks. With train.accelerate
-and data parallelism alone, the module inside DDP runs through the graph engine (`Parallelized.accelerate`;
-after the first step rank 0 logs how many graphs each rank captured). With pp > 1 training and
+each rank's part of the model runs through the graph engine, per layout (`Parallelized.accelerate`; after
+the first step rank 0 logs how many graphs each rank captured). With pp > 1 training and
 evaluation run the pipeline schedule over parallel.microbatches, and `sample()` reads the whole model
 from the latest checkpoint on rank 0.
 
@@ -106,15 +106,15 @@ class Trainer:
             self._module = self.model
         else:
             from graphtrain.distributed import parallelize
-            engine = tc.accelerate and runtime.distributed_engine_supported(config)
-            if tc.accelerate and not engine:
-                runtime.distributed_eager_fallback(config)
             self.par = parallelize(model, lambda m: build_optimizer(m, config.optim), config.parallel, self.env)
             self.model, self.optimizer, self._module = self.par.model, self.par.optimizer, self.par.module
-            if engine:  # the module inside DDP, in place (Parallelized.accelerate says why)
-                runtime.accelerate_under_ddp(self.par, config)
-            if self.env.rank:  # rank 0 keeps a single process's RNG stream; other ranks draw their own dropout
-                runtime.seed_everything(tc.seed + 1_000_003 * self.env.rank)
+            if tc.accelerate:  # per layout (Parallelized.accelerate says how)
+                runtime.accelerate_distributed(self.par, config)
+            # Data-parallel replica 0 keeps a single process's RNG stream; other replicas draw their own dropout.
+            # Tensor-parallel ranks of one replica share theirs: dropout on replicated activations (after a
+            # row-parallel all-reduce) must drop the same elements on every tp rank.
+            if self.env.dp_rank:
+                runtime.seed_everything(tc.seed + 1_000_003 * self.env.dp_rank)
         # fp16 only: dynamic loss scaling (inside the step graph with train.whole_step)
         self.scaler = make_loss_scaler(config.engine) if self.whole_step is None else None
         self.out_dir = Path(tc.out_dir)
