@@ -38,6 +38,11 @@ __all__ = ["DistEnv", "Parallelized", "check_layout", "init_distributed", "paral
            "optimizer_state_bytes"]
 
 
+def _loss_of(out: Any) -> torch.Tensor:
+    """The loss a model returned: a tensor (graphtrain's models) or an output with `.loss` (Hugging Face)."""
+    return out if isinstance(out, torch.Tensor) else out.loss
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
@@ -74,7 +79,7 @@ class Parallelized:
                 sync_tied_grads(self.model, self._tied_group)
             return loss
         with grad_sync(self.model, sync=micro_step == micro_steps - 1):
-            loss = self.model(input_ids, labels=labels, **model_kwargs)
+            loss = _loss_of(self.model(input_ids, labels=labels, **model_kwargs))
             (loss / micro_steps).backward()
         return loss.detach()
 
@@ -98,7 +103,7 @@ class Parallelized:
           under FSDP2; the embeddings, head and loss run eagerly. `graphtrain.report(par.module)` covers all."""
         from graphtrain.config import resolve_engine_config
         from graphtrain.engine.api import accelerate, compile_in_place, new_state
-        from graphtrain.distributed.data_parallel import is_replicated
+        from graphtrain.distributed.data_parallel import is_replicated, transformer_blocks
         cfg = resolve_engine_config(engine, {})
         module = self.module
         if not is_replicated(module):
@@ -106,12 +111,7 @@ class Parallelized:
             return accelerate(module, cfg)
         state = new_state(cfg)
         module._graphtrain = state
-        blocks = []
-        for name in ("blocks", "layers"):
-            found = getattr(module, name, None)
-            if isinstance(found, (nn.ModuleList, nn.ModuleDict)):
-                blocks += list(found.values() if isinstance(found, nn.ModuleDict) else found)
-        compile_in_place(blocks, state, hooks_outside=True)
+        compile_in_place(transformer_blocks(module), state, hooks_outside=True)
         return module
 
     def eval_loss(self, input_ids: torch.Tensor, labels: torch.Tensor, **model_kwargs: Any) -> torch.Tensor:
@@ -121,7 +121,7 @@ class Parallelized:
         if self.schedule is not None:
             from graphtrain.distributed.pipeline import pipeline_eval
             return pipeline_eval(self.schedule, self.model, input_ids, labels, self.env.group("pp"))
-        return self.model(input_ids, labels=labels, **model_kwargs).detach()
+        return _loss_of(self.model(input_ids, labels=labels, **model_kwargs)).detach()
 
     def clip_grad_norm_(self, max_norm: float | None) -> torch.Tensor:
         """Clip by the global gradient norm across tp shards and pp stages; returns the norm before clipping."""

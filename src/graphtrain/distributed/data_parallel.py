@@ -58,12 +58,21 @@ def apply_replicate(model: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
     if dp_mesh.size() == 1:
         return model
     from torch.distributed._composable.replicate_with_fsdp import replicate
-    for name in ("blocks", "layers"):
-        blocks = getattr(model, name, None)
-        if isinstance(blocks, (nn.ModuleList, nn.ModuleDict)):
-            for block in (blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks):
-                replicate(block, mesh=dp_mesh)
+    for block in transformer_blocks(model):
+        replicate(block, mesh=dp_mesh)
     return replicate(model, mesh=dp_mesh)
+
+
+def transformer_blocks(model: nn.Module) -> list[nn.Module]:
+    """The model's repeated blocks: the children of its longest ModuleList / ModuleDict of one module type
+    (graphtrain's `blocks` / `layers`, a pipeline stage's `blocks`, Hugging Face's `encoder.layer` or `h`)."""
+    best: list[nn.Module] = []
+    for m in model.modules():
+        if isinstance(m, (nn.ModuleList, nn.ModuleDict)):
+            kids = list(m.values() if isinstance(m, nn.ModuleDict) else m)
+            if len(kids) > len(best) and len({type(k) for k in kids}) == 1:
+                best = kids
+    return best
 
 
 def is_replicated(model: nn.Module) -> bool:

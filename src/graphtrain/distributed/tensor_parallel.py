@@ -82,10 +82,9 @@ def tp_max(x: torch.Tensor, group: str) -> torch.Tensor:
 def tp_gather_last(x: torch.Tensor, group: str) -> torch.Tensor:
     """Concatenate the ranks' tensors along the last dim (forward); backward keeps this rank's slice."""
     g = _group(group)
-    n = dist.get_world_size(g)
-    out = torch.empty((n,) + tuple(x.shape), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(out, x.contiguous(), group=g)
-    return out.movedim(0, -2).reshape(*x.shape[:-1], n * x.shape[-1]).contiguous()
+    parts = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(dist.get_world_size(g))]
+    dist.all_gather(parts, x.contiguous(), group=g)
+    return torch.cat(parts, dim=-1)
 
 
 for _op in (tp_reduce, tp_copy, tp_max):
@@ -129,18 +128,21 @@ def _shard_param(p: nn.Parameter, mesh: DeviceMesh, dim: int) -> nn.Parameter:
 
 class ColumnParallelLinear(nn.Module):
     """y_local = x @ W_local^T + b_local, W sharded on the output dim. `copy_input`: put tp_copy on x
-    (off when the caller already did, as SplitQKV does once for q, k and v)."""
+    (off when the caller already did, as SplitQKV does once for q, k and v). `gather_output`: all-gather
+    y along its last dim (for a head whose model computes the loss itself, e.g. Hugging Face's)."""
 
-    def __init__(self, linear: nn.Linear, mesh: DeviceMesh, copy_input: bool = True) -> None:
+    def __init__(self, linear: nn.Linear, mesh: DeviceMesh, copy_input: bool = True,
+                 gather_output: bool = False) -> None:
         super().__init__()
-        self.group, self.copy_input = mesh.get_group().group_name, copy_input
+        self.group, self.copy_input, self.gather_output = mesh.get_group().group_name, copy_input, gather_output
         self.weight = _shard_param(linear.weight, mesh, 0)
         self.bias = _shard_param(linear.bias, mesh, 0) if linear.bias is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.copy_input:
             x = tp_copy(x, self.group)
-        return F.linear(x, self.weight.to_local(), _local(self.bias))
+        y = F.linear(x, self.weight.to_local(), _local(self.bias))
+        return tp_gather_last(y, self.group) if self.gather_output else y
 
 
 class RowParallelLinear(nn.Module):
@@ -187,11 +189,13 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = _shard_param(emb.weight, mesh, 0)
         rows = emb.num_embeddings // mesh.size()
         self.start, self.end = mesh.get_local_rank() * rows, (mesh.get_local_rank() + 1) * rows
+        pad = emb.padding_idx  # its row gets no gradient, on the rank that holds it
+        self.padding_idx = pad - self.start if pad is not None and self.start <= pad < self.end else None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         outside = (ids < self.start) | (ids >= self.end)
         local = (ids - self.start).masked_fill(outside, 0)
-        e = F.embedding(local, self.weight.to_local()).masked_fill(outside.unsqueeze(-1), 0.0)
+        e = F.embedding(local, self.weight.to_local(), self.padding_idx).masked_fill(outside.unsqueeze(-1), 0.0)
         return tp_reduce(e, self.group)
 
 
@@ -227,24 +231,30 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, *, 
     return per_token.sum() / valid.sum()
 
 
-def _blocks_and_vocab(model: nn.Module) -> tuple[nn.ModuleList, str]:
-    """(blocks, word-embedding fqn) for graphtrain's reference models."""
-    family = getattr(model, "family", None)
-    if family == "gpt2":
-        return model.blocks, "wte"
-    if family == "bert":
-        return model.layers, "embeddings.word"
+def _is_hf_bert(model: nn.Module) -> bool:
+    return type(model).__name__ == "BertForMaskedLM" and hasattr(model, "bert") and hasattr(model, "cls")
+
+
+def _dims(model: nn.Module) -> tuple[int, int, int]:
+    """(attention heads, MLP width, vocabulary) of a model that has a tensor-parallel plan, else ValueError."""
+    if getattr(model, "family", None) in ("gpt2", "bert"):
+        spec = model.spec
+        return spec.n_head, spec.d_ff, spec.vocab_size
+    if _is_hf_bert(model):
+        c = model.config
+        return c.num_attention_heads, c.intermediate_size, c.vocab_size
     raise ValueError(
-        f"tensor parallelism has a plan for graphtrain's reference GPT-2 and BERT (graphtrain.models), "
-        f"not for {type(model).__name__}. Hugging Face GPT-2 fuses q/k/v in one Conv1D (c_attn) and has "
-        f"no plan; use parallel.tp=1 (data/pipeline parallel work with any model) or a graphtrain model")
+        f"tensor parallelism has a plan for graphtrain's reference GPT-2 and BERT (graphtrain.models) and Hugging "
+        f"Face BertForMaskedLM, not for {type(model).__name__}. Hugging Face GPT-2 fuses q/k/v in one Conv1D "
+        f"(c_attn) and has no plan; use parallel.tp=1 (data/pipeline parallel work with any model) or a model "
+        f"with a plan")
 
 
 def check_tp(model: nn.Module, tp: int) -> None:
-    """Raise ValueError unless heads, hidden sizes and the vocabulary divide by tp."""
-    spec = model.spec
-    for what, n in (("attention heads (n_head)", spec.n_head), ("MLP width (d_ff)", spec.d_ff),
-                    ("vocabulary (vocab_size)", spec.vocab_size)):
+    """Raise ValueError unless the model has a plan and its heads, MLP width and vocabulary divide by tp."""
+    n_head, d_ff, vocab = _dims(model)
+    for what, n in (("attention heads (n_head)", n_head), ("MLP width (d_ff)", d_ff),
+                    ("vocabulary (vocab_size)", vocab)):
         if n % tp:
             fix = [d for d in range(tp, 0, -1) if n % d == 0][0]
             raise ValueError(f"parallel.tp={tp} must divide the model's {what} = {n}: use parallel.tp={fix}"
@@ -262,8 +272,10 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
     tp = tp_mesh.size()
     if tp == 1:
         return model
-    blocks, emb_fqn = _blocks_and_vocab(model)
     check_tp(model, tp)
+    if _is_hf_bert(model):
+        return _apply_hf_bert(model, tp_mesh)
+    blocks, emb_fqn = (model.blocks, "wte") if model.family == "gpt2" else (model.layers, "embeddings.word")
     prefix = "blocks" if model.family == "gpt2" else "layers"
     fused: dict[str, list[str]] = {}
     for i, block in enumerate(blocks):
@@ -284,6 +296,38 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
     model.loss_fn = functools.partial(vocab_parallel_cross_entropy, group=group, start=emb.start)
     model.logits_fn = functools.partial(tp_gather_last, group=group)  # full logits when asked without labels
     setattr(model, FUSED_ATTR, fused)
+    return model
+
+
+def _copy_first_input(group: str):
+    """A forward pre-hook putting tp_copy on a module's hidden_states (positional or keyword)."""
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if args:
+            return (tp_copy(args[0], group),) + tuple(args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": tp_copy(kwargs["hidden_states"], group)}
+    return hook
+
+
+def _apply_hf_bert(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
+    """The Megatron plan on Hugging Face BertForMaskedLM (separate query/key/value Linears, heads reshaped with
+    -1, so each rank's attention runs on its n_head / tp heads unchanged). The word embedding is vocab-parallel;
+    the tied decoder is column-parallel over the vocabulary with its output gathered, because the model computes
+    its own cross-entropy on [B, T, V] logits."""
+    group = tp_mesh.get_group().group_name
+    for layer in model.bert.encoder.layer:
+        sa = layer.attention.self
+        for name in ("query", "key", "value"):
+            setattr(sa, name, ColumnParallelLinear(getattr(sa, name), tp_mesh, copy_input=False))
+        sa.register_forward_pre_hook(_copy_first_input(group), with_kwargs=True)  # one backward all-reduce for q, k, v
+        layer.attention.output.dense = RowParallelLinear(layer.attention.output.dense, tp_mesh)
+        layer.intermediate.dense = ColumnParallelLinear(layer.intermediate.dense, tp_mesh)
+        layer.output.dense = RowParallelLinear(layer.output.dense, tp_mesh)
+    emb = VocabParallelEmbedding(model.bert.embeddings.word_embeddings, tp_mesh)
+    model.bert.embeddings.word_embeddings = emb
+    head = model.cls.predictions
+    head.decoder = ColumnParallelLinear(head.decoder, tp_mesh, gather_output=True)
+    head.decoder.weight = emb.weight
+    head.bias = head.decoder.bias  # Hugging Face ties the two
     return model
 
 
