@@ -44,7 +44,13 @@ def test_checkpoint_reshards_dp2_to_dp1_and_tp2(tmp_path):
     run_ranks(_train_and_save, 2, path, {"dp": 2, "zero_stage": 1}, 2)
     assert (tmp_path / "ckpt" / ".metadata").is_file() and not (tmp_path / "ckpt.tmp").exists()
     _, ref_losses = reference_run(4)
-    # dp=1: this process, no process group
+    _resume_here(path, ref_losses)
+    for r, got in enumerate(run_ranks(_resume_one_step, 2, path, {"tp": 2}, 2)):
+        torch.testing.assert_close(got, ref_losses[2:], rtol=RTOL, atol=0, msg=f"tp rank {r}")
+
+
+def _resume_here(path: str, ref_losses: list[float]) -> None:
+    """dp=1: load into this process (no process group) and check steps 2 and 3 against the reference."""
     model = tiny()
     opt = optim_factory()(model)
     load_checkpoint(path, model, opt)
@@ -57,8 +63,14 @@ def test_checkpoint_reshards_dp2_to_dp1_and_tp2(tmp_path):
         opt.zero_grad()
         losses.append(loss.item())
     torch.testing.assert_close(losses, ref_losses[2:], rtol=RTOL, atol=0)
-    for r, got in enumerate(run_ranks(_resume_one_step, 2, path, {"tp": 2}, 2)):
-        torch.testing.assert_close(got, ref_losses[2:], rtol=RTOL, atol=0, msg=f"tp rank {r}")
+
+
+def test_checkpoint_saved_under_tp2_x_pp2_resumes_in_one_process(tmp_path):
+    """4 ranks on the (pp=2, dp=1, tp=2) mesh each save their stage's tp shard (the last stage its shard of the
+    tied head copy); one process loads the whole model and optimizer and continues the reference run."""
+    path = str(tmp_path / "ckpt")
+    run_ranks(_train_and_save, 4, path, {"tp": 2, "pp": 2, "microbatches": 2}, 2)
+    _resume_here(path, reference_run(4)[1])
 
 
 def test_incomplete_checkpoint_is_refused(tmp_path):

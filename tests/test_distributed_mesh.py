@@ -79,7 +79,9 @@ _DYING_RANK = textwrap.dedent("""
         dist.barrier()
     except Exception as e:
         print(f"ERROR after {time.monotonic() - t0:.1f}s: {type(e).__name__}", flush=True)
-        sys.exit(1)
+        # os._exit, not sys.exit: interpreter teardown with gloo's thread still joinable sometimes aborts
+        # ("terminate called without an active exception", SIGABRT), which hides the exit code checked here.
+        os._exit(1)
     print("NO ERROR", flush=True)
 """)
 

@@ -170,6 +170,18 @@ def test_dp_composed_with_tp_or_pp_through_the_engine(layout):
         assert (out["graphs"], out["fallbacks"], out["recompiles"]) == (1, 0, 0), out
 
 
+@pytest.mark.parametrize("engine", [None, ENGINE], ids=["eager", "engine"])
+def test_tp_x_pp_matches_single_process(engine):
+    """tp=2 x pp=2 on 4 ranks: each pipeline stage is tensor-parallel (the first stage's vocab-parallel
+    embedding, the last stage's column-parallel head copy and vocab-parallel loss, the tied gradients summed
+    per tp shard across the two stages); step-0 gradients after 2 accumulation steps and 3-step losses equal
+    one process, eagerly and with each stage through the engine."""
+    results = _run_composed({"tp": 2, "pp": 2, "microbatches": 2}, "gpt2-tiny", 2, engine)
+    if engine is not None:
+        for out in results:
+            assert (out["graphs"], out["fallbacks"]) == (1, 0), out
+
+
 @pytest.mark.parametrize("layout", [{"tp": 2, "dp": 2}, {"pp": 2, "dp": 2, "microbatches": 2}])
 def test_zero1_with_dp_composed_is_a_clear_error(layout):
     # dp composed with tp/pp runs through FSDP2 replicate (DTensor parameters), which ZeroRedundancyOptimizer

@@ -12,8 +12,8 @@
 Layouts: dp (DDP), dp + zero_stage=1 (ZeroRedundancyOptimizer), tp (Megatron plan, DTensor parameters),
 pp (pipelining 1F1B/GPipe), dp x tp and dp x pp (dp through FSDP2 `replicate` over the mesh's dp dim:
 DDP takes neither DTensor parameters nor pipelined micro-batches). `par.accelerate(engine)` composes
-each with the graph engine. Not supported yet (clear ValueError): tp with pp, ZeRO-1 with tp,
-ZeRO-1 with dp x pp.
+each with the graph engine, and tp x pp (x dp) on the 3-D mesh. Not supported yet (clear ValueError):
+ZeRO-1 with tp, ZeRO-1 with dp x pp.
 """
 from __future__ import annotations
 
@@ -125,10 +125,16 @@ class Parallelized:
 
     def clip_grad_norm_(self, max_norm: float | None) -> torch.Tensor:
         """Clip by the global gradient norm across tp shards and pp stages; returns the norm before clipping."""
-        params = [p for p in self.module.parameters() if p.grad is not None]
+        inner = self.module
+        # The last pipeline stage's copy of the tied embedding holds the same (summed) gradient as stage 0's
+        # matrix after sync_tied_grads: it is counted once, on stage 0.
+        copy = inner.lm_head.weight if getattr(inner, "is_last", False) and not getattr(inner, "is_first", True) else None
+        params = [p for p in inner.parameters() if p.grad is not None]
         sq = torch.zeros((), dtype=torch.float32, device=self.env.device)
         sharded = torch.zeros_like(sq)
         for p in params:
+            if p is copy:
+                continue
             g = p.grad
             if isinstance(g, DTensor):
                 local = g.to_local().float().pow(2).sum()
@@ -142,9 +148,6 @@ class Parallelized:
             dist.all_reduce(sharded, group=self.env.group("tp"))
         sq += sharded
         if self.env.parallel.pp > 1:
-            inner = self.module
-            if getattr(inner, "is_last", False) and not getattr(inner, "is_first", True):
-                sq -= _local(inner.lm_head.weight.grad).float().pow(2).sum()  # the tied copy is counted on stage 0
             dist.all_reduce(sq, group=self.env.group("pp"))
         norm = sq.sqrt()
         if max_norm is not None:
@@ -189,8 +192,6 @@ def parallelize(model: nn.Module, optimizer_factory: Callable[[nn.Module], torch
     """
     parallel = parallel.parallel if isinstance(parallel, Config) else parallel
     env = env or init_distributed(parallel)
-    if parallel.tp > 1 and parallel.pp > 1:
-        raise ValueError("parallel.tp>1 together with parallel.pp>1 is not supported yet: use tp or pp (each with dp)")
     composed = parallel.dp > 1 and (parallel.tp > 1 or parallel.pp > 1)
     if composed and parallel.zero_stage == 1:
         # dp with tp/pp runs through FSDP2 replicate, whose parameters are DTensors; ZeroRedundancyOptimizer

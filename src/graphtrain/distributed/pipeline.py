@@ -45,13 +45,17 @@ def stage_layers(n_layer: int, n_stages: int) -> list[range]:
 
 
 class GPT2Stage(nn.Module):
-    """One pipeline stage of graphtrain's GPT-2; FQNs match the full model's."""
+    """One pipeline stage of graphtrain's GPT-2; FQNs match the full model's. `loss_fn` is the loss the
+    pipeline schedule applies to the last stage's logits (the vocab-parallel one under tensor parallelism)."""
+
+    family = "gpt2"
 
     def __init__(self, model: nn.Module, stage: int, n_stages: int) -> None:
         super().__init__()
         if getattr(model, "family", None) != "gpt2":
             raise ValueError(f"pipeline parallelism has a split for graphtrain's reference GPT-2 only, not "
                              f"{type(model).__name__}: use parallel.pp=1 for this model")
+        self.spec, self.loss_fn = model.spec, model.loss_fn
         self.stage, self.n_stages = stage, n_stages
         self.is_first, self.is_last = stage == 0, stage == n_stages - 1
         self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in stage_layers(len(model.blocks), n_stages)[stage]})
@@ -143,8 +147,9 @@ def build_schedule(stage_module: nn.Module, stage: int, n_stages: int, pp_group:
                          f"{microbatches}: raise parallel.microbatches or use parallel.schedule=gpipe")
     pipe_stage = PipelineStage(stage_module, stage, n_stages, device, group=pp_group)
     cls = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[schedule]
-    return cls(pipe_stage, n_microbatches=microbatches, loss_fn=loss_fn or ScaledLMLoss(microbatches=microbatches),
-               scale_grads=False)
+    inner = getattr(stage_module, "module", stage_module)
+    loss_fn = loss_fn or ScaledLMLoss(getattr(inner, "loss_fn", language_model_loss), microbatches=microbatches)
+    return cls(pipe_stage, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
 
 
 def pipeline_step(schedule, stage_module: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor,

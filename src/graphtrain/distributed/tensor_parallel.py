@@ -268,35 +268,51 @@ def _set(model: nn.Module, fqn: str, module: nn.Module) -> None:
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
-    """Shard `model` in place over the 1-D `tp_mesh`; returns it. Weights must already be identical on all tp ranks."""
+    """Shard `model` in place over the 1-D `tp_mesh`; returns it. Weights must already be identical on all tp ranks.
+
+    `model` is a graphtrain GPT-2 / BERT, a pipeline stage of a graphtrain GPT-2 (`pipeline.GPT2Stage`: its
+    blocks, plus the embedding on the first stage and the LM head on the last), or Hugging Face BertForMaskedLM."""
     tp = tp_mesh.size()
     if tp == 1:
         return model
     check_tp(model, tp)
     if _is_hf_bert(model):
         return _apply_hf_bert(model, tp_mesh)
-    blocks, emb_fqn = (model.blocks, "wte") if model.family == "gpt2" else (model.layers, "embeddings.word")
-    prefix = "blocks" if model.family == "gpt2" else "layers"
+    gpt2 = model.family == "gpt2"
+    prefix, blocks = ("blocks", model.blocks) if gpt2 else ("layers", model.layers)
     fused: dict[str, list[str]] = {}
-    for i, block in enumerate(blocks):
+    for i, block in (blocks.items() if isinstance(blocks, nn.ModuleDict) else enumerate(blocks)):
         block.attn.qkv = SplitQKV(block.attn.qkv, tp_mesh)
         fused[f"{prefix}.{i}.attn.qkv"] = [".q", ".k", ".v"]
         block.attn.proj = RowParallelLinear(block.attn.proj, tp_mesh)
         block.mlp.fc = ColumnParallelLinear(block.mlp.fc, tp_mesh)
         block.mlp.proj = RowParallelLinear(block.mlp.proj, tp_mesh)
-    emb = VocabParallelEmbedding(model.get_submodule(emb_fqn), tp_mesh)
-    _set(model, emb_fqn, emb)
-    if model.family == "gpt2":
+    emb_fqn = "wte" if gpt2 else "embeddings.word"
+    emb = None
+    if _has(model, emb_fqn):  # a pipeline stage other than the first has none
+        emb = VocabParallelEmbedding(model.get_submodule(emb_fqn), tp_mesh)
+        _set(model, emb_fqn, emb)
+    if gpt2 and hasattr(model, "lm_head"):  # the last stage's head is its own copy of the tied matrix
         model.lm_head = ColumnParallelLinear(model.lm_head, tp_mesh)
-        model.lm_head.weight = emb.weight  # the tied matrix, one sharded Parameter
-    else:
+        if emb is not None:
+            model.lm_head.weight = emb.weight  # the tied matrix, one sharded Parameter
+    elif not gpt2:
         model.mlm = VocabParallelMLMHead(model.mlm, tp_mesh)
         model.mlm.decoder.weight = emb.weight
     group = tp_mesh.get_group().group_name
-    model.loss_fn = functools.partial(vocab_parallel_cross_entropy, group=group, start=emb.start)
+    start = tp_mesh.get_local_rank() * (model.spec.vocab_size // tp)  # this rank's first vocabulary row
+    model.loss_fn = functools.partial(vocab_parallel_cross_entropy, group=group, start=start)
     model.logits_fn = functools.partial(tp_gather_last, group=group)  # full logits when asked without labels
     setattr(model, FUSED_ATTR, fused)
     return model
+
+
+def _has(model: nn.Module, fqn: str) -> bool:
+    try:
+        model.get_submodule(fqn)
+    except AttributeError:
+        return False
+    return True
 
 
 def _copy_first_input(group: str):

@@ -210,3 +210,58 @@ def remove_noop_ops_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
             removed += 1
     ctx.count(removed)
     return gm
+
+
+# Ops that only reinterpret their input's storage (no data movement).
+_VIEW_OPS = (aten.view.default, aten._unsafe_view.default, aten.t.default, aten.transpose.int,
+             aten.permute.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims,
+             aten.squeeze.default, aten.alias.default)
+_RESHAPES = (aten.view.default, aten._unsafe_view.default)
+
+
+def _layout(v: Any) -> tuple | None:
+    if not isinstance(v, torch.Tensor):
+        return None
+    return v.dtype, v.device, tuple(v.shape), tuple(v.stride()), v.storage_offset()
+
+
+def _same_layout(a: Any, b: Any) -> bool:
+    la, lb = _layout(a), _layout(b)
+    return (la is not None and lb is not None and la[:2] == lb[:2] and _same(la[2], lb[2])
+            and _same(la[3], lb[3]) and statically_known_true(la[4] == lb[4]))
+
+
+@register_pass(("pre_autodiff", "forward", "backward"), order=32)
+def fold_view_chains_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """Collapse chains of views (transpose, permute, view, squeeze, ...): a chain that ends where it started
+    (``t(t(x))``, a transpose of a transposed gradient, a view back to the input's shape) is replaced by its
+    root; a chain of reshapes (``view(view(x))``) becomes one view of the root. AOTAutograd's backward graphs
+    are full of both (the gradient of ``x @ w.t()`` transposes twice). Views move no data, so numerics are
+    bitwise unchanged; each node removed is one less dispatch on the aten provider."""
+    folded = 0
+    for n in list(gm.graph.nodes):
+        if n.op != "call_function" or n.target not in _VIEW_OPS or not n.args or not isinstance(n.args[0], fx.Node):
+            continue
+        src = n.args[0]
+        if not (src.op == "call_function" and src.target in _VIEW_OPS and isinstance(src.args[0], fx.Node)):
+            continue  # not a chain
+        root = src
+        while root.op == "call_function" and root.target in _VIEW_OPS and isinstance(root.args[0], fx.Node):
+            root = root.args[0]
+            if _same_layout(n.meta.get("val"), root.meta.get("val")):
+                break
+        out = n.meta.get("val")
+        if _same_layout(out, root.meta.get("val")):
+            if any(u.op == "output" for u in n.users) and root.op == "placeholder":
+                continue  # returning the input itself would change what aliases what for the caller
+            n.replace_all_uses_with(root)
+            gm.graph.erase_node(n)
+            folded += 1
+        elif n.target in _RESHAPES and src.target in _RESHAPES:
+            # view(view(x, a), b) == view(x, b): both views of one contiguous buffer
+            n.args = (src.args[0],) + tuple(n.args[1:])
+            folded += 1
+    if folded:
+        gm.graph.eliminate_dead_code()
+    ctx.count(folded)
+    return gm

@@ -19,13 +19,11 @@ def check_supported(config: Config) -> None:
     """Reject settings the Trainer cannot honour (yet), naming the fix.
 
     parallel.dp*tp*pp > 1 runs through graphtrain.distributed (launch with `graphtrain train --nproc N`):
-    dp (optionally ZeRO-1), tp, pp, dp x tp and dp x pp; not tp x pp, not ZeRO-1 with tp or with dp x pp, not fp16
+    dp (optionally ZeRO-1), tp, pp and their products; not ZeRO-1 with tp or with dp x pp, not fp16
     loss scaling across ranks.
     """
     par, tc = config.parallel, config.train
     if par.world_size > 1:
-        if par.tp > 1 and par.pp > 1:
-            raise ValueError("parallel.tp>1 together with parallel.pp>1 is not supported yet: use tp or pp")
         if par.zero_stage == 1 and par.tp > 1:
             raise ValueError("parallel.zero_stage=1 with parallel.tp>1 is not supported yet: set "
                              "parallel.zero_stage=0 or parallel.tp=1")
