@@ -280,3 +280,17 @@ def test_tensor_parallel_logits_without_labels_are_gathered(name):
     ref = tiny(name)(batch(2)[0]).detach()
     for r, logits in enumerate(run_ranks(_logits_worker, 2, name)):
         assert_close(logits, ref, name=f"rank {r} logits", rtol=RTOL, atol=ATOL)
+
+
+def test_tensor_parallel_communication_volume_is_megatrons():
+    """The bench's tp=2 byte count equals Megatron's per-step volume: forward, an all-reduce of [B, T, d] after the
+    vocab-parallel embedding and after each block's attention and MLP; backward, one of each block's two
+    column-parallel inputs and of the LM head's input; the vocab-parallel loss reduces 3 [B*T] vectors."""
+    from graphtrain.bench.distributed import BATCH, SEQ, _work
+    spec = tiny().spec
+    out = run_ranks(_work, 2, {"tp": 2}, "gpt2-tiny", 2)
+    act = BATCH * SEQ * spec.d_model * 4
+    expected = (1 + 2 * spec.n_layer) * act + (2 * spec.n_layer + 1) * act + 3 * BATCH * SEQ * 4
+    for r in out:
+        assert r["tp_bytes"] == expected, (r["tp_bytes"], expected)
+        assert r["param_bytes"] < sum(p.numel() * 4 for p in tiny().parameters()) * 0.6  # sharded

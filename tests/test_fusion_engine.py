@@ -164,3 +164,27 @@ def test_default_fusions_cover_every_layer_inductor(kind):
     assert passes["fuse_layer_norm"]["rewrites"] >= 2 * n_layer
     text = str(graphtrain.report(m))
     assert "left to inductor's fused kernels" in text
+
+
+def test_mlm_head_becomes_linear_bias_cross_entropy(kind="bert-tiny"):
+    """BERT's MLM decoder (the tied matrix, then its own bias) and the masked cross-entropy become one chunked
+    graphtrain::linear_bias_cross_entropy: the [B*T, V] logits, their softmax and gradient are never
+    materialized. check_parity above covers the numerics on this model and on HF BERT (whose decoder is a Linear
+    with bias, addmm: the other spelling, checked on a graph in test_fusion_passes.py); HF's forward has
+    data-dependent checks that only Dynamo (graph breaks) traces, so it is not traced whole here."""
+    from graphtrain.engine.trace import trace_aten_forward
+    from graphtrain.passes.fuse_cross_entropy import fuse_cross_entropy_pass
+    from graphtrain.passes.manager import PassContext
+    m, kw, _ = _make(kind)
+    named = dict(m.named_parameters())
+    keys = ("input_ids", "attention_mask", "labels")
+
+    def fn(*a):
+        state = dict(zip(named, a[:len(named)]))
+        out = torch.func.functional_call(m, state, (), dict(zip(keys, a[len(named):])))
+        return out if isinstance(out, torch.Tensor) else out.loss
+    gm = trace_aten_forward(fn, [p.detach() for p in named.values()] + [kw[k] for k in keys])
+    ctx = PassContext(config=graphtrain.EngineConfig(provider="aten"), stage="pre_autodiff")
+    gm = fuse_cross_entropy_pass(gm, ctx)
+    assert ctx.rewrites == 1
+    assert [n for n in gm.graph.nodes if n.target is torch.ops.graphtrain.linear_bias_cross_entropy.default]

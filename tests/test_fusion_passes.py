@@ -229,6 +229,42 @@ def test_cross_entropy_and_linear_cross_entropy():
     assert not any(n.target == torch.ops.graphtrain.linear_cross_entropy.default for n in after.graph.nodes)
 
 
+def test_linear_cross_entropy_with_a_bias():
+    """An LM head with a bias becomes graphtrain::linear_bias_cross_entropy in both spellings: a Linear with bias
+    (addmm, Hugging Face BERT's decoder) and a tied matmul plus a separate bias (graphtrain BERT's MLM head), with
+    ignored (-100) rows; forward and backward (hidden, weight and bias) match the unfused graph."""
+    def addmm_head(h, w, b, t):
+        return F.cross_entropy(F.linear(h, w, b).view(-1, 17), t.view(-1))
+
+    def mm_plus_bias(h, w, b, t):
+        return F.cross_entropy((F.linear(h, w) + b).view(-1, 17), t.view(-1))
+    t = torch.randint(0, 17, (2, 5))
+    t[0, 1] = t[1, 3] = -100
+    for fn in (addmm_head, mm_plus_bias):
+        after, _ = check_parity(fn, [torch.randn(2, 5, 9), torch.randn(17, 9), torch.randn(17), t],
+                                {"fuse_cross_entropy": 1})
+        assert any(n.target == torch.ops.graphtrain.linear_bias_cross_entropy.default for n in after.graph.nodes)
+
+
+def test_linear_bias_cross_entropy_kernel_matches_reference():
+    from graphtrain.kernels import linear_cross_entropy
+    from graphtrain.kernels.linear_cross_entropy import linear_cross_entropy_reference
+    torch.manual_seed(0)
+    h, w, b = (torch.randn(*s, dtype=torch.float64, requires_grad=True) for s in ((7, 5), (11, 5), (11,)))
+    t = torch.randint(0, 11, (7,))
+    t[2] = -100
+    for red in ("mean", "sum"):
+        got = linear_cross_entropy(h, w, t, reduction=red, chunk_rows=3, bias=b)
+        ref = linear_cross_entropy_reference(h, w, t, -100, {"mean": 1, "sum": 2}[red], b)
+        gg = torch.autograd.grad(got * 1.7, (h, w, b))
+        gr = torch.autograd.grad(ref * 1.7, (h, w, b))
+        assert_close(got, ref, name=f"loss {red}")
+        for name, a, e in zip("hwb", gg, gr):
+            assert_close(a, e, name=f"d{name} {red}")
+    with pytest.raises(ValueError, match=r"bias must be \[11\]"):
+        linear_cross_entropy(h, w, t, bias=b[:3])
+
+
 def test_passes_registered_and_switchable():
     from graphtrain.passes.manager import pipeline
     names = [s.name for s in pipeline("pre_autodiff", EngineConfig(provider="aten"))]

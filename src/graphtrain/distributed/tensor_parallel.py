@@ -35,6 +35,7 @@ model's parameter names and shapes and load under any layout.
 """
 from __future__ import annotations
 
+import collections
 import functools
 
 import torch
@@ -52,6 +53,15 @@ def _group(name: str) -> dist.ProcessGroup:
     return dist.distributed_c10d._resolve_process_group(name)
 
 
+# Bytes this process has sent into tensor-parallel collectives, by op (graphtrain.bench.distributed reads it:
+# the communication volume per step). One increment per call, on eager and compiled paths alike.
+COMM_BYTES: collections.Counter = collections.Counter()
+
+
+def _sent(op: str, x: torch.Tensor) -> None:
+    COMM_BYTES[op] += x.numel() * x.element_size()
+
+
 # --- the collectives, as custom ops with autograd -------------------------------------------------------
 # Custom ops may not return an alias of an input, so tp_copy's identity forward is a copy (one
 # activation-sized memcpy per attention / MLP, small beside their matmuls).
@@ -60,6 +70,7 @@ def _group(name: str) -> dist.ProcessGroup:
 def tp_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
     """Sum over the tp group (forward); the gradient passes through unchanged (Megatron's g)."""
     out = x.contiguous().clone()
+    _sent("all_reduce", out)
     dist.all_reduce(out, group=_group(group))
     return out
 
@@ -74,6 +85,7 @@ def tp_copy(x: torch.Tensor, group: str) -> torch.Tensor:
 def tp_max(x: torch.Tensor, group: str) -> torch.Tensor:
     """Elementwise max over the tp group (no gradient: used for the softmax shift, a constant)."""
     out = x.contiguous().clone()
+    _sent("all_reduce", out)
     dist.all_reduce(out, op=dist.ReduceOp.MAX, group=_group(group))
     return out
 
@@ -83,6 +95,7 @@ def tp_gather_last(x: torch.Tensor, group: str) -> torch.Tensor:
     """Concatenate the ranks' tensors along the last dim (forward); backward keeps this rank's slice."""
     g = _group(group)
     parts = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(dist.get_world_size(g))]
+    _sent("all_gather", x)
     dist.all_gather(parts, x.contiguous(), group=g)
     return torch.cat(parts, dim=-1)
 

@@ -25,8 +25,9 @@ def _acc(x: Tensor) -> torch.dtype:
 
 
 def linear_cross_entropy_reference(hidden: Tensor, weight: Tensor, target: Tensor, ignore_index: int,
-                                   reduction: int) -> Tensor:
-    logits = (hidden @ weight.t()).to(_acc(hidden))
+                                   reduction: int, bias: Tensor | None = None) -> Tensor:
+    logits = hidden @ weight.t()
+    logits = (logits if bias is None else logits + bias).to(_acc(hidden))
     return torch.nn.functional.cross_entropy(logits, target, ignore_index=ignore_index,
                                              reduction={1: "mean", 2: "sum"}[reduction]).to(hidden.dtype)
 
@@ -36,17 +37,18 @@ def default_chunk_rows(n: int, v: int) -> int:
     return max(1, min(n, (32 << 20) // (4 * max(v, 1))))
 
 
-def _chunked(hidden, weight, target, ignore_index, reduction, chunk):
+def _chunked(hidden, weight, target, ignore_index, reduction, chunk, bias=None):
     n = hidden.shape[0]
     valid = target != ignore_index
     denom = valid.sum().to(_acc(hidden)) if reduction == 1 else torch.ones((), dtype=_acc(hidden))
     use_triton = _supports_triton(hidden, target)
     dh = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device)
     dw = torch.zeros(weight.shape, dtype=_acc(hidden), device=weight.device)
+    db = torch.zeros(weight.shape[:1], dtype=_acc(hidden), device=weight.device) if bias is not None else None
     total = torch.zeros((), dtype=_acc(hidden), device=hidden.device)
     for s in range(0, n, chunk):
         h, t = hidden[s:s + chunk], target[s:s + chunk]
-        logits = h @ weight.t()
+        logits = h @ weight.t() if bias is None else torch.addmm(bias, h, weight.t())
         if use_triton:
             losses, lse = ce_fwd_triton(logits, t, ignore_index)
             rg = torch.full((h.shape[0],), 1.0, device=h.device) / denom
@@ -63,7 +65,10 @@ def _chunked(hidden, weight, target, ignore_index, reduction, chunk):
         total += losses.sum()
         dh[s:s + chunk] = dlogits @ weight
         dw += (dlogits.t() @ h).to(dw.dtype)
-    return (total / denom).to(hidden.dtype), dh, dw.to(weight.dtype).contiguous()
+        if db is not None:
+            db += dlogits.sum(0, dtype=db.dtype)
+    out = ((total / denom).to(hidden.dtype), dh, dw.to(weight.dtype).contiguous())
+    return out if db is None else out + (db.to(bias.dtype),)
 
 
 @torch.library.custom_op("graphtrain::linear_cross_entropy", mutates_args=())
@@ -90,9 +95,36 @@ def _backward(ctx, grad, _ddh, _ddw):
 _linear_cross_entropy_op.register_autograd(_backward, setup_context=_setup)
 
 
+@torch.library.custom_op("graphtrain::linear_bias_cross_entropy", mutates_args=())
+def _linear_bias_cross_entropy_op(hidden: Tensor, weight: Tensor, bias: Tensor, target: Tensor, ignore_index: int,
+                                  reduction: int, chunk_rows: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """cross_entropy(hidden @ weight^T + bias, target), chunked: BERT's MLM decoder (a tied matrix plus its own
+    bias). Outputs (loss, d hidden, d weight, d bias) for a unit upstream gradient, like the op above."""
+    chunk = chunk_rows if chunk_rows > 0 else default_chunk_rows(hidden.shape[0], weight.shape[0])
+    return _chunked(hidden, weight, target, ignore_index, reduction, chunk, bias)
+
+
+@_linear_bias_cross_entropy_op.register_fake
+def _(hidden, weight, bias, target, ignore_index, reduction, chunk_rows):
+    return hidden.new_empty(()), dense_empty(hidden), dense_empty(weight), dense_empty(bias)
+
+
+def _setup_bias(ctx, inputs, output):
+    ctx.save_for_backward(output[1], output[2], output[3])
+
+
+def _backward_bias(ctx, grad, _ddh, _ddw, _ddb):
+    dh, dw, db = ctx.saved_tensors
+    return (dh * grad.to(dh.dtype), dw * grad.to(dw.dtype), db * grad.to(db.dtype), None, None, None, None)
+
+
+_linear_bias_cross_entropy_op.register_autograd(_backward_bias, setup_context=_setup_bias)
+
+
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, ignore_index: int = -100,
-                         reduction: str = "mean", chunk_rows: int = 0) -> Tensor:
-    """cross_entropy(hidden @ weight.T, target) without materializing the logits; hidden [..., H], weight [V, H]."""
+                         reduction: str = "mean", chunk_rows: int = 0, bias: Tensor | None = None) -> Tensor:
+    """cross_entropy(hidden @ weight.T (+ bias), target) without materializing the logits; hidden [..., H],
+    weight [V, H], bias [V] or None."""
     if reduction not in ("mean", "sum"):
         raise ValueError(f"linear_cross_entropy: reduction must be 'mean' or 'sum', got {reduction!r}")
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
@@ -100,9 +132,14 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, ignore_
     if tuple(target.shape) != tuple(hidden.shape[:-1]):
         raise ValueError(f"linear_cross_entropy: target shape {tuple(target.shape)} must equal hidden's leading shape "
                          f"{tuple(hidden.shape[:-1])}")
-    return torch.ops.graphtrain.linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), weight,
-                                                     target.reshape(-1).long(), int(ignore_index),
-                                                     REDUCTIONS[reduction], int(chunk_rows))[0]
+    h2, t1 = hidden.reshape(-1, hidden.shape[-1]), target.reshape(-1).long()
+    if bias is not None:
+        if tuple(bias.shape) != tuple(weight.shape[:1]):
+            raise ValueError(f"linear_cross_entropy: bias must be [{weight.shape[0]}], got {tuple(bias.shape)}")
+        return torch.ops.graphtrain.linear_bias_cross_entropy(h2, weight, bias, t1, int(ignore_index),
+                                                              REDUCTIONS[reduction], int(chunk_rows))[0]
+    return torch.ops.graphtrain.linear_cross_entropy(h2, weight, t1, int(ignore_index), REDUCTIONS[reduction],
+                                                     int(chunk_rows))[0]
 
 
 SPEC = register_kernel_spec(KernelSpec(

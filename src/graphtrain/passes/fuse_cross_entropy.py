@@ -5,8 +5,10 @@ logits are never materialized).
 Spellings: aten._log_softmax(x, 1|-1) feeding aten.nll_loss_forward(., target, None, reduction,
 ignore_index) (what F.cross_entropy and HF's ForCausalLMLoss / MaskedLM loss trace to), only the loss
 output used, no class weights, 2-D logits. Linear CE when the logits are
-view/_unsafe_view(mm(h, t(W))) (tied or untied LM head without bias) with single users all the way
-and a mean/sum reduction. Same function; only rounding differs.
+view/_unsafe_view(mm(h, t(W))) (tied or untied LM head without bias), and with a bias
+(graphtrain::linear_bias_cross_entropy) when they are addmm(b, h, t(W)) (a Linear with bias, HF BERT's
+MLM decoder) or add(view(mm(h, t(W))), b) (graphtrain BERT's tied decoder plus its own bias), with
+single users all the way and a mean/sum reduction. Same function; only rounding differs.
 """
 from __future__ import annotations
 
@@ -21,17 +23,35 @@ from graphtrain.passes.manager import PassContext, register_pass
 import graphtrain.kernels  # noqa: F401
 
 
-def _lm_head(x: fx.Node):
-    """logits node -> (hidden 2-D, weight [V, H] node or None-needs-transpose, mm) if an LM-head matmul."""
-    cur = x
+def _strip_views(cur: fx.Node) -> fx.Node:
     while is_op(cur, aten.view, aten._unsafe_view, aten.reshape) and len(cur.users) == 1:
         cur = cur.args[0]
-    if not is_op(cur, aten.mm) or len(cur.users) != 1:
-        return None
-    h, wt = cur.args
+    return cur
+
+
+def _lm_head(x: fx.Node):
+    """logits node -> (hidden 2-D, weight^T node, bias [V] node or None) if an LM-head matmul (plus bias)."""
+    cur, bias = _strip_views(x), None
+    if is_op(cur, aten.addmm) and len(cur.users) == 1 and len(cur.args) == 3 and not cur.kwargs:
+        bias, h, wt = cur.args  # Linear with bias (Hugging Face's MLM decoder)
+    else:
+        if is_op(cur, aten.add) and len(cur.users) == 1 and len(cur.args) == 2 and not cur.kwargs:
+            a, b = cur.args  # mm + a separate bias (graphtrain BERT's MLM head)
+            for mm_side, b_side in ((a, b), (b, a)):
+                if isinstance(b_side, fx.Node) and shape(b_side) is not None and len(shape(b_side)) == 1:
+                    cur, bias = _strip_views(mm_side), b_side
+                    break
+            else:
+                return None
+        if not is_op(cur, aten.mm) or len(cur.users) != 1:
+            return None
+        h, wt = cur.args
     if shape(h) is None or len(shape(h)) != 2:
         return None
-    return h, wt
+    if bias is not None and (shape(bias) is None or len(shape(bias)) != 1 or shape(x) is None
+                             or shape(bias)[0] != shape(x)[-1]):
+        return None
+    return h, wt, bias
 
 
 @register_pass("pre_autodiff", default=True, order=50, providers=("aten",))
@@ -52,9 +72,14 @@ def fuse_cross_entropy_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphMod
         head = _lm_head(x) if reduction in (1, 2) and len(x.users) == 1 else None
         with g.inserting_before(node):
             if head is not None:
-                h, wt = head
+                h, wt, bias = head
                 w = wt.args[0] if is_op(wt, aten.t) else call(g, aten.t.default, wt)
-                fused = call(g, torch.ops.graphtrain.linear_cross_entropy.default, h, w, target, ignore, reduction, 0)
+                if bias is None:
+                    fused = call(g, torch.ops.graphtrain.linear_cross_entropy.default, h, w, target, ignore,
+                                 reduction, 0)
+                else:
+                    fused = call(g, torch.ops.graphtrain.linear_bias_cross_entropy.default, h, w, bias, target,
+                                 ignore, reduction, 0)
             else:
                 fused = call(g, torch.ops.graphtrain.cross_entropy.default, x, target, ignore, reduction)
             out = getitem(g, fused, 0)

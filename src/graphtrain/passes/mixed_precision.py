@@ -62,6 +62,7 @@ PRECISION_POLICY: dict[str, str] = {
     "graphtrain::layer_norm": FP32,
     "graphtrain::cross_entropy": FP32,
     "graphtrain::linear_cross_entropy": FP32,
+    "graphtrain::linear_bias_cross_entropy": FP32,
     "graphtrain::bias_gelu": FOLLOW,
     "graphtrain::bias_dropout_add": FOLLOW,
 }
