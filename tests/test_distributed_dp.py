@@ -9,7 +9,7 @@ from graphtrain.config import ParallelConfig
 from graphtrain.distributed import parallelize
 from graphtrain.distributed.spawn import run_ranks
 from graphtrain.testing import assert_close
-from test_distributed_mesh import ATOL, RTOL, batch, optim_factory, reference_run, tiny
+from test_distributed_mesh import ATOL, RTOL, batch, optim_factory, reference_run, tiny, train_reference
 
 pytestmark = pytest.mark.dist
 STEPS = 3
@@ -137,17 +137,7 @@ def test_engine_under_ddp_splits_at_buckets_and_matches_full_batch():
     equal the single-process eager full-batch run."""
     results = run_ranks(_dp_engine_worker, 2)
     ref = _big_vocab_model()
-    opt = optim_factory()(ref)
-    ref_losses = []
-    for s in range(STEPS):
-        ids, labels = batch(4, seed=s, vocab=BIG_VOCAB)
-        loss = ref(ids, labels=labels)
-        loss.backward()
-        if s == 0:
-            ref_grads = {n: p.grad.clone() for n, p in ref.named_parameters()}
-        opt.step()
-        opt.zero_grad()
-        ref_losses.append(loss.item())
+    ref_losses, ref_grads = train_reference(ref, [batch(4, seed=s, vocab=BIG_VOCAB) for s in range(STEPS)])
     n_params = len(list(ref.parameters()))
     for r, out in enumerate(results):
         assert not out["eager_only"] and not out["fallbacks"] and out["calls"] == 2 * STEPS, out

@@ -43,18 +43,28 @@ def optim_factory(lr: float = 1e-2):
     return lambda m: build_optimizer(m, cfg)
 
 
-def reference_run(steps: int, n: int = 4, name: str = "gpt2-tiny") -> tuple[torch.nn.Module, list[float]]:
-    """Single-process AdamW run on the full batch of each step; returns the model and per-step losses."""
-    model = tiny(name)
+def train_reference(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]
+                    ) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Single-process AdamW steps of `model` on (ids, labels) batches: per-step losses and step-0 gradients.
+    Models returning an output object (Hugging Face) give their `.loss`."""
     opt = optim_factory()(model)
-    losses = []
-    for s in range(steps):
-        ids, labels = batch(n, seed=s)
-        loss = model(ids, labels=labels)
+    losses, grads0 = [], {}
+    for s, (ids, labels) in enumerate(batches):
+        out = model(input_ids=ids, labels=labels)
+        loss = out if isinstance(out, torch.Tensor) else out.loss
         loss.backward()
+        if s == 0:
+            grads0 = {n: p.grad.clone() for n, p in model.named_parameters()}
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
+    return losses, grads0
+
+
+def reference_run(steps: int, n: int = 4, name: str = "gpt2-tiny") -> tuple[torch.nn.Module, list[float]]:
+    """Single-process AdamW run on the full batch of each step; returns the model and per-step losses."""
+    model = tiny(name)
+    losses, _ = train_reference(model, [batch(n, seed=s) for s in range(steps)])
     return model, losses
 
 

@@ -9,7 +9,7 @@ from graphtrain.distributed import parallelize
 from graphtrain.distributed.spawn import run_ranks
 from graphtrain.distributed.tensor_parallel import check_tp
 from graphtrain.testing import assert_close
-from test_distributed_mesh import ATOL, RTOL, batch, optim_factory, reference_run, tiny
+from test_distributed_mesh import ATOL, RTOL, batch, optim_factory, reference_run, tiny, train_reference
 
 pytestmark = pytest.mark.dist
 STEPS = 3
@@ -239,18 +239,7 @@ def test_tensor_parallel_plan_on_hugging_face_bert(engine):
     decoder column-parallel with its logits gathered for HF's own loss): step-0 gradients and 3-step losses at
     tp=2 equal one process, eagerly and through the engine (which fuses every layer's attention on local heads)."""
     results = run_ranks(_hf_worker, 2, engine)
-    ref = _hf_bert()
-    opt = optim_factory()(ref)
-    ref_losses = []
-    for s in range(STEPS):
-        ids, labels = _mlm_batch(s)
-        loss = ref(input_ids=ids, labels=labels).loss
-        loss.backward()
-        if s == 0:
-            ref_grads = {n: p.grad.clone() for n, p in ref.named_parameters()}
-        opt.step()
-        opt.zero_grad()
-        ref_losses.append(loss.item())
+    ref_losses, ref_grads = train_reference(_hf_bert(), [_mlm_batch(s) for s in range(STEPS)])
     for r, out in enumerate(results):
         torch.testing.assert_close(out["losses"], ref_losses, rtol=RTOL, atol=0, msg=f"rank {r} losses")
         assert sorted(out["grads0"]) == sorted(ref_grads)
