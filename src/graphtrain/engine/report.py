@@ -118,8 +118,10 @@ class Report:
                      f"{g['ops_pre_autodiff']}; forward {fw}, backward {bw}")
             if g["grads_computed"] is not None:
                 n_frozen = sum(k in ("frozen", "buffer") for k in g["input_kinds"])
+                work = g["frozen_inputs_with_grad"]
                 L.append(f"    gradients computed: {g['grads_computed']} of {len(g['input_kinds'])} inputs; "
-                         f"frozen params/buffers: {n_frozen}, with gradient work: {g['frozen_inputs_with_grad']}")
+                         f"frozen params/buffers: {n_frozen}, with gradient work: "
+                         f"{'not counted' if work is None else work}")
             if g["saved_activation_bytes"] is not None:
                 L.append(f"    saved for backward: {g['saved_tensors']} tensors, {_mib(g['saved_activation_bytes'])}"
                          f" (batch {g['batch']})")
