@@ -66,13 +66,17 @@ def _sent(op: str, x: torch.Tensor) -> None:
 # Custom ops may not return an alias of an input, so tp_copy's identity forward is a copy (one
 # activation-sized memcpy per attention / MLP, small beside their matmuls).
 
+def _all_reduce(x: torch.Tensor, group: str, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
+    out = x.contiguous().clone()  # custom ops must not return (or write) their input
+    _sent("all_reduce", out)
+    dist.all_reduce(out, op=op, group=_group(group))
+    return out
+
+
 @torch.library.custom_op("graphtrain::tp_reduce", mutates_args=())
 def tp_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
     """Sum over the tp group (forward); the gradient passes through unchanged (Megatron's g)."""
-    out = x.contiguous().clone()
-    _sent("all_reduce", out)
-    dist.all_reduce(out, group=_group(group))
-    return out
+    return _all_reduce(x, group)
 
 
 @torch.library.custom_op("graphtrain::tp_copy", mutates_args=())
@@ -84,10 +88,7 @@ def tp_copy(x: torch.Tensor, group: str) -> torch.Tensor:
 @torch.library.custom_op("graphtrain::tp_max", mutates_args=())
 def tp_max(x: torch.Tensor, group: str) -> torch.Tensor:
     """Elementwise max over the tp group (no gradient: used for the softmax shift, a constant)."""
-    out = x.contiguous().clone()
-    _sent("all_reduce", out)
-    dist.all_reduce(out, op=dist.ReduceOp.MAX, group=_group(group))
-    return out
+    return _all_reduce(x, group, dist.ReduceOp.MAX)
 
 
 @torch.library.custom_op("graphtrain::tp_gather_last", mutates_args=())
@@ -133,10 +134,16 @@ def _local(t: torch.Tensor | None) -> torch.Tensor | None:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _shard_param(p: nn.Parameter, mesh: DeviceMesh, dim: int) -> nn.Parameter:
+def _shard_param(p: torch.Tensor, mesh: DeviceMesh, dim: int) -> nn.Parameter:
     """This rank's chunk of `p` along `dim` (a copy: the full tensor can be freed), as a Shard(dim) DTensor."""
     local = p.detach().chunk(mesh.size(), dim=dim)[mesh.get_local_rank()].clone()
     return nn.Parameter(DTensor.from_local(local, mesh, [Shard(dim)], run_check=False), requires_grad=p.requires_grad)
+
+
+def _vocab_range(vocab_size: int, mesh: DeviceMesh) -> tuple[int, int]:
+    """[start, end) of the vocabulary rows this tp rank holds."""
+    rows = vocab_size // mesh.size()
+    return mesh.get_local_rank() * rows, (mesh.get_local_rank() + 1) * rows
 
 
 class ColumnParallelLinear(nn.Module):
@@ -145,11 +152,12 @@ class ColumnParallelLinear(nn.Module):
     y along its last dim (for a head whose model computes the loss itself, e.g. Hugging Face's)."""
 
     def __init__(self, linear: nn.Linear, mesh: DeviceMesh, copy_input: bool = True,
-                 gather_output: bool = False) -> None:
+                 gather_output: bool = False, rows: slice = slice(None)) -> None:
+        """`rows`: shard only these output rows of `linear` (one of q, k, v of a fused projection)."""
         super().__init__()
         self.group, self.copy_input, self.gather_output = mesh.get_group().group_name, copy_input, gather_output
-        self.weight = _shard_param(linear.weight, mesh, 0)
-        self.bias = _shard_param(linear.bias, mesh, 0) if linear.bias is not None else None
+        self.weight = _shard_param(linear.weight[rows], mesh, 0)
+        self.bias = _shard_param(linear.bias[rows], mesh, 0) if linear.bias is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.copy_input:
@@ -178,15 +186,9 @@ class SplitQKV(nn.Module):
     def __init__(self, fused: nn.Linear, mesh: DeviceMesh) -> None:
         super().__init__()
         self.group = mesh.get_group().group_name
-        d_out = fused.out_features // 3
-        parts = []
-        for i in range(3):
-            lin = nn.Linear(fused.in_features, d_out, bias=fused.bias is not None, device="meta")
-            lin.weight = nn.Parameter(fused.weight.detach()[i * d_out:(i + 1) * d_out])
-            if fused.bias is not None:
-                lin.bias = nn.Parameter(fused.bias.detach()[i * d_out:(i + 1) * d_out])
-            parts.append(ColumnParallelLinear(lin, mesh, copy_input=False))
-        self.q, self.k, self.v = parts
+        d = fused.out_features // 3
+        self.q, self.k, self.v = (ColumnParallelLinear(fused, mesh, copy_input=False, rows=slice(i * d, (i + 1) * d))
+                                  for i in range(3))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = tp_copy(x, self.group)
@@ -200,8 +202,7 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.group = mesh.get_group().group_name
         self.weight = _shard_param(emb.weight, mesh, 0)
-        rows = emb.num_embeddings // mesh.size()
-        self.start, self.end = mesh.get_local_rank() * rows, (mesh.get_local_rank() + 1) * rows
+        self.start, self.end = _vocab_range(emb.num_embeddings, mesh)
         pad = emb.padding_idx  # its row gets no gradient, on the rank that holds it
         self.padding_idx = pad - self.start if pad is not None and self.start <= pad < self.end else None
 
@@ -313,7 +314,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
         model.mlm = VocabParallelMLMHead(model.mlm, tp_mesh)
         model.mlm.decoder.weight = emb.weight
     group = tp_mesh.get_group().group_name
-    start = tp_mesh.get_local_rank() * (model.spec.vocab_size // tp)  # this rank's first vocabulary row
+    start, _ = _vocab_range(model.spec.vocab_size, tp_mesh)  # also on a pipeline stage without the embedding
     model.loss_fn = functools.partial(vocab_parallel_cross_entropy, group=group, start=start)
     model.logits_fn = functools.partial(tp_gather_last, group=group)  # full logits when asked without labels
     setattr(model, FUSED_ATTR, fused)

@@ -170,6 +170,19 @@ def _same(a: Any, b: Any) -> bool:
     return len(a) == len(b) and all(statically_known_true(x == y) for x, y in zip(a, b))
 
 
+def _layout(v: Any) -> tuple | None:
+    if not isinstance(v, torch.Tensor):
+        return None
+    return v.dtype, v.device, tuple(v.shape), tuple(v.stride()), v.storage_offset()
+
+
+def _same_layout(a: Any, b: Any, offset: bool = True) -> bool:
+    """Same dtype, device, shape and strides (and storage offset unless `offset` is False)."""
+    la, lb = _layout(a), _layout(b)
+    return (la is not None and lb is not None and la[:2] == lb[:2] and _same(la[2], lb[2])
+            and _same(la[3], lb[3]) and (not offset or statically_known_true(la[4] == lb[4])))
+
+
 def _noop_source(n: fx.Node, functional: bool) -> fx.Node | None:
     """The node `n` can be replaced by, or None when `n` really does something."""
     if n.op != "call_function" or not n.args or not isinstance(n.args[0], fx.Node):
@@ -178,9 +191,7 @@ def _noop_source(n: fx.Node, functional: bool) -> fx.Node | None:
     out, inp = n.meta.get("val"), src.meta.get("val")
     if not isinstance(out, torch.Tensor) or not isinstance(inp, torch.Tensor):
         return None
-    same_tensor_layout = (out.dtype == inp.dtype and out.device == inp.device and _same(out.shape, inp.shape)
-                          and _same(out.stride(), inp.stride()))
-    if not same_tensor_layout:
+    if not _same_layout(out, inp, offset=False):
         return None
     views = (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default,
              aten.alias.default)
@@ -217,18 +228,6 @@ _VIEW_OPS = (aten.view.default, aten._unsafe_view.default, aten.t.default, aten.
              aten.permute.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims,
              aten.squeeze.default, aten.alias.default)
 _RESHAPES = (aten.view.default, aten._unsafe_view.default)
-
-
-def _layout(v: Any) -> tuple | None:
-    if not isinstance(v, torch.Tensor):
-        return None
-    return v.dtype, v.device, tuple(v.shape), tuple(v.stride()), v.storage_offset()
-
-
-def _same_layout(a: Any, b: Any) -> bool:
-    la, lb = _layout(a), _layout(b)
-    return (la is not None and lb is not None and la[:2] == lb[:2] and _same(la[2], lb[2])
-            and _same(la[3], lb[3]) and statically_known_true(la[4] == lb[4]))
 
 
 @register_pass(("pre_autodiff", "forward", "backward"), order=32)
