@@ -139,3 +139,29 @@ def test_report_str_and_dict():
         assert section in text, text
     d = rep.to_dict()
     assert d["params"]["trained"] == sum(p.numel() for p in m.parameters()) and d["first_step_seconds"] > 0
+
+
+def test_engine_cache_dir_receives_the_compile_cache(tmp_path, monkeypatch):
+    """engine.cache_dir is where Inductor's caches go. Regression: importing torch._dynamo writes torch's
+    default folder into TORCHINDUCTOR_CACHE_DIR, which the engine took for a user's choice and kept."""
+    import os
+
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
+    monkeypatch.delenv("_GRAPHTRAIN_SET_CACHE", raising=False)
+    class Tiny(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return torch.nn.functional.gelu(self.lin(x))
+    m = graphtrain.accelerate(Tiny(), provider="inductor", fallback="error", cache_dir=str(tmp_path / "cache"))
+    m(torch.randn(4, 8)).sum().backward()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "cache")
+    assert (tmp_path / "cache" / "fxgraph").is_dir()
+    # a folder the user chose themselves is kept
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    monkeypatch.delenv("_GRAPHTRAIN_SET_CACHE", raising=False)
+    graphtrain.accelerate(nn.Linear(2, 2), cache_dir=str(tmp_path / "ours"))
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
