@@ -191,8 +191,26 @@ def test_linear_cross_entropy_vs_eager(chunk):
                    lambda h, w: F.cross_entropy((h @ w.t()).view(-1, 31), t.view(-1)), h, w)
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_cross_entropy_skips_ignored_rows(reduction, with_bias):
+    """Masked-LM labels (most rows ignored): only labelled rows are computed; loss, d hidden (zero on ignored
+    rows), d weight and d bias still match eager, in fp32 (oneDNN GEMMs where they win) and chunked."""
+    g = torch.Generator().manual_seed(5)
+    h, w, b = torch.randn(3, 40, 24, generator=g), torch.randn(97, 24, generator=g), torch.randn(97, generator=g)
+    t = torch.randint(0, 97, (3, 40), generator=g)
+    t[torch.rand(3, 40, generator=g) > 0.15] = -100
+    t[0, 0] = 7  # at least one labelled row
+    for chunk in (0, 3):
+        check_vs_eager(
+            lambda h, w, b: linear_cross_entropy(h, w, t, reduction=reduction, chunk_rows=chunk,
+                                                 bias=b if with_bias else None) + 0 * b.sum(),
+            lambda h, w, b: F.cross_entropy((h @ w.t() + (b if with_bias else 0)).view(-1, 97), t.view(-1),
+                                            reduction=reduction) + 0 * b.sum(), h, w, b)
+
+
 def test_registry_and_torch_compile():
-    assert set(KERNELS) == {"attention", "bias_dropout_add", "bias_gelu", "cross_entropy", "layer_norm",
+    assert set(KERNELS) == {"attention", "bias_dropout_add", "bias_gelu", "cross_entropy", "gemm", "layer_norm",
                             "linear_cross_entropy", "rms_norm"}
     x, w = torch.randn(4, 8), torch.randn(8)
 

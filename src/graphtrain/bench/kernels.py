@@ -6,8 +6,9 @@ CPU, fp32, realistic shapes of the GPT-2/BERT small presets ([8*128, 512] rows, 
 attention). Variants run interleaved (A B C A B C ...) and we report the median over repeats and the
 spread (max/min), forward and forward+backward time, the MiB autograd saves for backward (activation
 memory; not measurable this way for compiled code), and achieved GB/s
-(bytes of the minimal read/write traffic) or GFLOP/s for attention (4*B*H*S*S*D fwd, x2.5 fwd+bwd),
-against the machine's peaks (fp32 matmul ~127 GFLOP/s, bf16 ~395 on the 2-core EPYC).
+(bytes of the minimal read/write traffic) or GFLOP/s for the matmul ops (attention 4*B*H*S*S*D fwd;
+linears 2*M*K*N fwd, x3 fwd+bwd), against the machine's peaks (``python -m graphtrain.bench.flops``:
+on the 2-core Zen 5 EPYC fp32 ~220 GFLOP/s through aten/MKL, ~480 through oneDNN; bf16 ~870).
 """
 from __future__ import annotations
 
@@ -74,11 +75,24 @@ def _setup(name, dtype=torch.float32):
         h, w, t = _randn(R, N), _randn(16384, N), torch.randint(0, 16384, (R,))
         return (lambda h, w: K.linear_cross_entropy(h, w, t), lambda h, w: F.cross_entropy(h @ w.t(), t), [h, w],
                 0, 2 * R * N * 16384)
+    if name == "linear_cross_entropy_mlm":  # BERT's MLM labels: 15% of rows carry a target
+        h, w, t = _randn(R, N), _randn(16384, N), torch.randint(0, 16384, (R,))
+        t[torch.rand(R) > 0.15] = -100
+        return (lambda h, w: K.linear_cross_entropy(h, w, t), lambda h, w: F.cross_entropy(h @ w.t(), t), [h, w],
+                0, 2 * R * N * 16384)
+    if name in ("gemm_linear", "gemm_lm_head"):  # a Linear's addmm (d_ff = 4 d_model), the LM head's mm
+        n_out = 4 * N if name == "gemm_linear" else 16384
+        x, w, b = _randn(R, N), _randn(n_out, N), _randn(n_out)
+        if name == "gemm_lm_head":
+            return (lambda x, w: K.gemm(x, w.t()), lambda x, w: x @ w.t(), [x, w], 0, 2 * R * N * n_out)
+        return (lambda x, w, b: K.gemm(x, w.t(), b), lambda x, w, b: F.linear(x, w, b), [x, w, b], 0,
+                2 * R * N * n_out)
     raise ValueError(f"unknown benchmark {name!r}")
 
 
 OPS = ["layer_norm", "layer_norm_handwritten", "rms_norm", "bias_gelu_erf", "bias_gelu_tanh", "bias_dropout_add",
-       "attention_nodropout", "attention_dropout", "cross_entropy", "linear_cross_entropy"]
+       "attention_nodropout", "attention_dropout", "cross_entropy", "linear_cross_entropy", "linear_cross_entropy_mlm",
+       "gemm_linear", "gemm_lm_head"]
 
 
 def _time(fn, inputs, backward, iters):

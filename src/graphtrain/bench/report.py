@@ -154,8 +154,10 @@ def markdown(run: dict[str, Any], heading: str = "##") -> str:
                 else "(order rotated each round)")
              + "; ratios are ref time / time (> 1 is faster), the range in brackets is the spread of the "
              "per-round ratios.", "",
-             f"MFU = model FLOPs / step time / measured matmul peak: fp32 {_f(peak.get('fp32'), '.3g')} FLOP/s, "
-             f"bf16 {_f(peak.get('bf16'), '.3g')} FLOP/s (`{peak.get('command', flops.PEAK_COMMAND)}`); "
+             f"MFU = model FLOPs / step time / measured matmul peak: fp32 {_f(peak.get('fp32'), '.3g')} FLOP/s"
+             + (f" (the better of aten/MKL {_f(peak.get('fp32_aten'), '.3g')} and oneDNN "
+                f"{_f(peak.get('fp32_onednn'), '.3g')})" if peak.get("fp32_onednn") else "")
+             + f", bf16 {_f(peak.get('bf16'), '.3g')} FLOP/s (`{peak.get('command', flops.PEAK_COMMAND)}`); "
              f"FLOPs per step = `{FLOP_FORMULA}`, N = parameters minus position/token-type embeddings.", ""]
     rows = summarize(run)
     for case in run["cases"]:
@@ -307,7 +309,10 @@ def _mfu_text(runs: dict[str, dict[str, Any]]) -> str:
     peak = next((r.get("peak") for r in runs.values() if r.get("peak") and "fp32" in r["peak"]), None)
     measured = ("" if peak is None else
                 f" On this machine the peak measured with `{peak.get('command', flops.PEAK_COMMAND)}` "
-                f"({peak.get('threads')} threads) was {peak['fp32'] / 1e9:.0f} GFLOP/s fp32 and "
+                f"({peak.get('threads')} threads) was {peak['fp32'] / 1e9:.0f} GFLOP/s fp32"
+                + (f" (aten's MKL path {peak['fp32_aten'] / 1e9:.0f}, oneDNN {peak['fp32_onednn'] / 1e9:.0f}: the fp32 "
+                   "peak is the better of the two)" if peak.get("fp32_onednn") else "")
+                + " and "
                 f"{peak['bf16'] / 1e9:.0f} GFLOP/s bf16 (best of {peak.get('repeats')} timed n x n matmuls, "
                 f"n in {peak.get('sizes')}); each run re-measures it and prints it above its tables.")
     return ("## MFU\n\nFLOPs per step = `" + FLOP_FORMULA + "`, with N the trainable parameters except "

@@ -94,6 +94,8 @@ class Report:
     compile_seconds: float
     calls: int
     eager_only: bool
+    cpu_gemm: dict[str, Any] | None = None
+    """The once-per-process GEMM probe behind lower_gemm_onednn (None: not run in this process)."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -141,6 +143,12 @@ class Report:
               for r in self.recompiles]
         L.append(f"fallbacks: {len(self.fallbacks)}")
         L += [f"  - {part}: {why}" for part, why in self.fallbacks]
+        if self.cpu_gemm:
+            g = self.cpu_gemm
+            m, k, n = g["shape"]
+            L.append(f"cpu fp32 GEMM: {'oneDNN' if g['onednn_used'] else 'aten'} (probe {m}x{k}x{n}: oneDNN "
+                     f"{g['onednn']:.0f} GFLOP/s, aten/MKL {g['aten']:.0f} GFLOP/s; oneDNN is used when "
+                     f"{g['margin']}x faster)")
         L.append("passes (summed over graphs):   rewrites      ms   ops before -> after")
         for r in self.passes:
             err = f"   FAILED: {r['error']}" if r["error"] else ""
@@ -179,7 +187,14 @@ def report(module: torch.nn.Module | None = None) -> Report:
         fallbacks=list(state.fallbacks), passes=list(agg.values()), params=_param_stats(module),
         saved_activation_bytes=saved_total, saved_activation_bytes_per_sample=per_sample,
         first_step_seconds=state.first_call_seconds, compile_seconds=sum(g.compile_seconds for g in state.graphs),
-        calls=state.calls, eager_only=state.eager_only)
+        calls=state.calls, eager_only=state.eager_only, cpu_gemm=_gemm_probe_result())
+
+
+def _gemm_probe_result() -> dict[str, Any] | None:
+    from graphtrain.kernels.gemm import WIN_MARGIN, gemm_probe, onednn_gemm_wins
+    if gemm_probe.cache_info().currsize == 0:
+        return None
+    return dict(gemm_probe(), onednn_used=onednn_gemm_wins(), margin=WIN_MARGIN)
 
 
 def report_for_config(config: Any) -> Report:

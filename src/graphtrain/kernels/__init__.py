@@ -11,6 +11,7 @@ from graphtrain.kernels.attention import attention
 from graphtrain.kernels.bias_dropout_add import bias_dropout_add
 from graphtrain.kernels.bias_gelu import bias_gelu
 from graphtrain.kernels.cross_entropy import cross_entropy
+from graphtrain.kernels.gemm import gemm
 from graphtrain.kernels.layer_norm import layer_norm
 from graphtrain.kernels.linear_cross_entropy import linear_cross_entropy
 from graphtrain.kernels.rms_norm import rms_norm
@@ -24,4 +25,4 @@ def implementation_for(name: str, device: str, *args) -> str:
 
 
 __all__ = ["HAS_TRITON", "KERNELS", "KernelSpec", "attention", "bias_dropout_add", "bias_gelu", "cross_entropy",
-           "implementation_for", "layer_norm", "linear_cross_entropy", "rms_norm"]
+           "gemm", "implementation_for", "layer_norm", "linear_cross_entropy", "rms_norm"]

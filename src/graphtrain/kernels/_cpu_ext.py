@@ -1,6 +1,6 @@
 """Hand-written CPU kernels (C++ via torch.utils.cpp_extension.load_inline), built once and cached.
 
-Why C++ here: on the 2-core EPYC (Zen 4) aten's Bernoulli sampler costs ~5 ns/element (2.6 ms for
+Why C++ here: on the 2-core EPYC aten's Bernoulli sampler costs ~5 ns/element (2.6 ms for
 a [1024, 512] fp32 mask, 50x an elementwise add), so dropout dominates every fused op that contains
 it. These kernels draw the keep-mask from a counter-based hash of (seed, element index): it is
 reproducible, so backward regenerates the mask instead of saving it (0 bytes of saved mask), and
@@ -293,9 +293,23 @@ void attn_probs_bwd(torch::Tensor s, torch::Tensor dp, torch::Tensor mask, torch
     });
   });
 }
+
+// oneDNN's matmul as aten calls it for bf16/fp16 (declared in ATen/native/mkldnn/Matmul.h, exported by
+// libtorch_cpu, header not shipped in the wheel). aten's fp32 mm goes to MKL instead, see gemm.py.
+namespace at { namespace native {
+TORCH_API void mkldnn_matmul(const at::Tensor& mat1, const at::Tensor& mat2, const at::Tensor& result,
+                             float beta, float alpha);
+}}
+
+// out = beta * out + a @ b; a, b, out 2-D (or 3-D: batched), each contiguous or with its last two dims
+// transposed (others are copied by aten first); out must be contiguous.
+void onednn_matmul(const at::Tensor& a, const at::Tensor& b, const at::Tensor& out, double beta) {
+  TORCH_CHECK(out.is_contiguous(), "onednn_matmul: out must be contiguous");
+  at::native::mkldnn_matmul(a, b, out, (float)beta, 1.f);
+}
 """
 
-_DECLS = ["bias_dropout_add_fwd", "dropout_bwd", "dropout_mask", "attn_probs_fwd", "attn_probs_bwd"]
+_DECLS = ["bias_dropout_add_fwd", "dropout_bwd", "dropout_mask", "attn_probs_fwd", "attn_probs_bwd", "onednn_matmul"]
 
 _lock = threading.Lock()
 _module = None
@@ -312,7 +326,7 @@ def load():
             try:
                 from torch.utils.cpp_extension import load_inline
                 _module = load_inline(
-                    name="graphtrain_cpu_kernels_v5", cpp_sources=[_CPP], functions=_DECLS,
+                    name="graphtrain_cpu_kernels_v6", cpp_sources=[_CPP], functions=_DECLS,
                     extra_cflags=["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
             except Exception as e:  # no compiler / headers: correctness first, reference path
                 _failed = f"{type(e).__name__}: {e}"

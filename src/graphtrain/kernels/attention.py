@@ -8,7 +8,8 @@ nothing of size Sq x Sk is saved.
 
 Implementations: `attention_reference` (plain PyTorch, materialized scores: the specification);
 CPU, dropout 0: aten's flash kernel for CPU (what SDPA itself uses; never materializes [Sq, Sk]
-for all heads); CPU, dropout > 0 (fp32, bf16, fp16): aten's batched matmuls around one C++ pass
+for all heads); CPU, dropout > 0 (fp32, bf16, fp16): batched matmuls (gemm.matmul: oneDNN for fp32 where it beats aten's
+MKL path) around one C++ pass
 (_cpu_ext.py) that does scale, mask, softmax and hash-RNG dropout in place on the scores; the
 [B, H, Sq, Sk] scores exist only transiently (forward: until P @ V; backward: recomputed from q
 and k, one extra batched matmul), so the saved activations are q, k, v, out and lse as in flash
@@ -26,6 +27,7 @@ from torch import Tensor
 from graphtrain.kernels import _cpu_ext
 from graphtrain.kernels._common import (HAS_TRITON, KernelSpec, check_dropout_p, dense_empty, dropout_keep_mask,
                                         new_seed, register_kernel_spec, triton, triton_ok)
+from graphtrain.kernels.gemm import matmul
 
 
 def _acc(x: Tensor) -> torch.dtype:
@@ -112,10 +114,10 @@ def _flat(t: Tensor) -> Tensor:
 def _cpu_fwd(q, k, v, mask, scale, is_causal, p, seed):
     B, H, Sq, _ = q.shape
     m = _mask4d(mask, q, k)
-    s = torch.bmm(_flat(q), _flat(k).transpose(1, 2)).contiguous()
+    s = matmul(_flat(q), _flat(k).transpose(1, 2)).contiguous()
     probs, lse = _cpu_ext.load().attn_probs_fwd(s, m if m is not None else q.new_empty(0), H, scale, is_causal, p,
                                                 int(seed.item()))
-    out = torch.bmm(probs, _flat(v))
+    out = matmul(probs, _flat(v))
     return out.reshape(B, H, Sq, v.shape[-1]), lse.reshape(B, H, Sq)
 
 
@@ -123,14 +125,14 @@ def _cpu_bwd(dout, q, k, v, mask, out, lse, scale, is_causal, p, seed):
     H, Sq = q.shape[1], q.shape[2]
     m = _mask4d(mask, q, k)
     qf, kf, vf, dof = _flat(q), _flat(k), _flat(v), _flat(dout)
-    s = torch.bmm(qf, kf.transpose(1, 2)).contiguous()
-    dp = torch.bmm(dof, vf.transpose(1, 2)).contiguous()
+    s = matmul(qf, kf.transpose(1, 2)).contiguous()
+    dp = matmul(dof, vf.transpose(1, 2)).contiguous()
     delta = (dout.float() * out.float()).sum(-1).reshape(-1, Sq).contiguous()  # rowsum(dO * O) = rowsum(P * dP)
     _cpu_ext.load().attn_probs_bwd(s, dp, m if m is not None else q.new_empty(0), lse.reshape(-1, Sq).contiguous(),
                                    delta, H, scale, is_causal, p, int(seed.item()))
-    dv = torch.bmm(s.transpose(1, 2), dof)  # s now holds the dropped probabilities, dp holds dS * scale
-    dq = torch.bmm(dp, kf)
-    dk = torch.bmm(dp.transpose(1, 2), qf)
+    dv = matmul(s.transpose(1, 2), dof)  # s now holds the dropped probabilities, dp holds dS * scale
+    dq = matmul(dp, kf)
+    dk = matmul(dp.transpose(1, 2), qf)
     return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape)
 
 

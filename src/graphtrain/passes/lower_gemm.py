@@ -1,0 +1,73 @@
+"""lower_gemm_onednn: the partitioned graphs' fp32 CPU mm/addmm -> graphtrain::gemm (oneDNN).
+
+A post-autodiff pass, so it reaches every GEMM of the step: the forward's linears, and the backward's
+input- and weight-gradient products, which exist only after AOTAutograd. See kernels/gemm.py for why
+(MKL's AVX2 path on AMD CPUs vs oneDNN's AVX-512 one) and for the numerics (IEEE fp32 both ways; the
+summation order differs, so the pass is registered as changing numerics).
+
+On by default under the Inductor provider when the once-per-process probe measured oneDNN at least
+``WIN_MARGIN`` faster than aten.mm on this CPU; ``engine.passes.lower_gemm_onednn: true`` forces it
+(no probe), ``false`` switches it off. The ``aten`` provider, graphtrain's bitwise reference, leaves
+matmuls to aten unless the pass is switched on by name. Rewritten: aten.mm(a, b) and
+aten.addmm(bias, a, b) with alpha = beta = 1, a and b 2-D fp32 on CPU (each a node's fake value says so).
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from graphtrain.passes.fuse_utils import aten, call, finish, is_op, val
+from graphtrain.passes.manager import PassContext, register_pass
+
+import graphtrain.kernels  # noqa: F401  (registers torch.ops.graphtrain.gemm)
+from graphtrain.kernels.gemm import onednn_available, onednn_gemm_wins
+
+
+def _fp32_cpu_2d(n: object) -> bool:
+    v = val(n)
+    return (isinstance(v, torch.Tensor) and v.dim() == 2 and v.dtype == torch.float32
+            and v.device.type == "cpu")
+
+
+def _bias_ok(n: object) -> bool:
+    v = val(n)
+    return (isinstance(v, torch.Tensor) and v.dim() <= 2 and v.dtype == torch.float32
+            and v.device.type == "cpu")
+
+
+def gemm_operands(node: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node | None] | None:
+    """(a, b, bias) if `node` is an mm/addmm this pass rewrites, else None."""
+    if is_op(node, aten.mm) and len(node.args) == 2 and not node.kwargs:
+        a, b = node.args
+        bias = None
+    elif is_op(node, aten.addmm) and len(node.args) == 3 and all(node.kwargs.get(k, 1) == 1 for k in ("alpha", "beta")):
+        bias, a, b = node.args
+        if not _bias_ok(bias):
+            return None
+    else:
+        return None
+    if not (_fp32_cpu_2d(a) and _fp32_cpu_2d(b) and _fp32_cpu_2d(node)):
+        return None
+    return a, b, bias
+
+
+@register_pass(("forward", "backward"), default=True, changes_numerics=True, order=80, providers=("inductor",))
+def lower_gemm_onednn_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """Rewrite fp32 CPU mm/addmm to graphtrain::gemm where oneDNN beats aten.mm on this CPU."""
+    if not onednn_available():
+        return gm
+    if ctx.config.passes.get("lower_gemm_onednn") is not True and not onednn_gemm_wins():
+        return gm
+    g, n = gm.graph, 0
+    for node in list(g.nodes):
+        ops = gemm_operands(node)
+        if ops is None:
+            continue
+        a, b, bias = ops
+        with g.inserting_before(node):
+            new = call(g, torch.ops.graphtrain.gemm.default, a, b, bias)
+        node.replace_all_uses_with(new)
+        g.erase_node(node)
+        n += 1
+    ctx.count(n)
+    return finish(gm) if n else gm
