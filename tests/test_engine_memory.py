@@ -15,7 +15,8 @@ from graphtrain.models import build_model
 from graphtrain.testing import assert_close, assert_grads_close
 
 # Fusion passes are other engineers' (with their own parity tests); these tests check the memory wiring.
-NO_FUSION = {n: False for n in ("fuse_attention", "fuse_cross_entropy", "fuse_bias_dropout_add", "fuse_bias_gelu",
+NO_FUSION = {n: False for n in ("fuse_attention", "fuse_cross_entropy", "fuse_linear_cross_entropy",
+                                "fuse_bias_dropout_add", "fuse_bias_gelu",
                                 "fuse_layer_norm", "fuse_rms_norm")}
 
 

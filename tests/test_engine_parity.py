@@ -78,7 +78,8 @@ def _loss(out):
 
 # The fusion engineers' passes (in flux in this checkout, with their own parity tests) are switched off
 # here: these tests check the engine itself (capture, cleanup passes, autodiff, partition, providers).
-ENGINE_ONLY = {name: False for name in ("fuse_attention", "fuse_cross_entropy", "fuse_bias_dropout_add",
+ENGINE_ONLY = {name: False for name in ("fuse_attention", "fuse_cross_entropy", "fuse_linear_cross_entropy",
+                                        "fuse_bias_dropout_add",
                                         "fuse_bias_gelu", "fuse_layer_norm", "fuse_rms_norm", "inplace_elementwise")}
 
 

@@ -13,7 +13,7 @@ from graphtrain.passes.manager import PassContext, registered_passes
 from graphtrain.testing import assert_close
 
 FUSIONS = ["fuse_layer_norm", "fuse_rms_norm", "fuse_attention", "fuse_bias_gelu", "fuse_bias_dropout_add",
-           "fuse_cross_entropy"]
+           "fuse_linear_cross_entropy", "fuse_cross_entropy"]
 
 
 def run_passes(gm, names=FUSIONS):
@@ -90,7 +90,7 @@ def test_hf_models_every_op_fused(kind, impl):
     ln = 2 * 2 + 1 if kind == "gpt2" else 2 * 2 + 2  # GPT-2: 2 per block + final; BERT: embeddings + 2 per block + head
     gelu = 2 if kind == "gpt2" else 3
     after, _ = check_parity(f, inputs, {"fuse_layer_norm": ln, "fuse_attention": 2, "fuse_bias_gelu": gelu,
-                                        "fuse_cross_entropy": 1})
+                                        "fuse_linear_cross_entropy": 1, "fuse_cross_entropy": 0})
     ops = graph_ops(after)
     assert not any(o.startswith(("aten._softmax", "aten._safe_softmax", "aten.native_layer_norm", "aten.tanh",
                                  "aten.gelu", "aten._log_softmax")) for o in ops), ops
@@ -222,10 +222,10 @@ def test_cross_entropy_and_linear_cross_entropy():
     after, _ = check_parity(ce, [torch.randn(10, 17), t], {"fuse_cross_entropy": 1})
     assert any(n.target == torch.ops.graphtrain.cross_entropy.default for n in after.graph.nodes)
     after, _ = check_parity(lce, [torch.randn(2, 5, 9), torch.randn(17, 9), torch.randint(0, 17, (2, 5))],
-                            {"fuse_cross_entropy": 1})
+                            {"fuse_linear_cross_entropy": 1, "fuse_cross_entropy": 0})
     assert any(n.target == torch.ops.graphtrain.linear_cross_entropy.default for n in after.graph.nodes)
     after, _ = check_parity(lce_logits_used, [torch.randn(10, 9), torch.randn(17, 9), torch.randint(0, 17, (10,))],
-                            {"fuse_cross_entropy": 1})
+                            {"fuse_linear_cross_entropy": 0, "fuse_cross_entropy": 1})
     assert not any(n.target == torch.ops.graphtrain.linear_cross_entropy.default for n in after.graph.nodes)
 
 
@@ -242,7 +242,7 @@ def test_linear_cross_entropy_with_a_bias():
     t[0, 1] = t[1, 3] = -100
     for fn in (addmm_head, mm_plus_bias):
         after, _ = check_parity(fn, [torch.randn(2, 5, 9), torch.randn(17, 9), torch.randn(17), t],
-                                {"fuse_cross_entropy": 1})
+                                {"fuse_linear_cross_entropy": 1})
         assert any(n.target == torch.ops.graphtrain.linear_bias_cross_entropy.default for n in after.graph.nodes)
 
 

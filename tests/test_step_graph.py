@@ -16,6 +16,7 @@ from graphtrain.testing import assert_close
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 NO_FUSIONS = {n: False for n in ("fuse_attention", "fuse_layer_norm", "fuse_bias_gelu", "fuse_cross_entropy",
+                                 "fuse_linear_cross_entropy",
                                  "fuse_bias_dropout_add")}
 
 

@@ -1,6 +1,14 @@
-"""fuse_cross_entropy: log_softmax + nll_loss -> graphtrain::cross_entropy, or, when the logits come
-from an LM-head matmul used nowhere else, -> graphtrain::linear_cross_entropy (chunked: the full
-logits are never materialized).
+"""Softmax cross-entropy fusions, two passes over one matcher:
+
+- fuse_linear_cross_entropy: LM head + log_softmax + nll_loss -> graphtrain::linear_cross_entropy /
+  linear_bias_cross_entropy (chunked: the full logits are never materialized, and rows whose target
+  is ignored are never computed). On under every provider: measured under Inductor (fp32, batch 8,
+  seq 128, 2-core EPYC, `graphtrain.accelerate` step with fused AdamW) bert-small 585 -> 461 ms/step
+  (the MLM head runs on the 15% labelled rows), gpt2-small 552 -> 561 ms/step (all rows labelled:
+  equal within noise, and no [N, V] logits, their log-probabilities or gradient held).
+- fuse_cross_entropy: log_softmax + nll_loss on any other logits -> graphtrain::cross_entropy. Under
+  Inductor it is left to Inductor's generated reduction kernels (on by default under aten only); it
+  also takes the LM-head form when fuse_linear_cross_entropy is switched off.
 
 Spellings: aten._log_softmax(x, 1|-1) feeding aten.nll_loss_forward(., target, None, reduction,
 ignore_index) (what F.cross_entropy and HF's ForCausalLMLoss / MaskedLM loss trace to), only the loss
@@ -54,9 +62,7 @@ def _lm_head(x: fx.Node):
     return h, wt, bias
 
 
-@register_pass("pre_autodiff", default=True, order=50, providers=("aten",))
-def fuse_cross_entropy_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    """Rewrite softmax cross-entropy (and an LM head feeding it) to graphtrain's fused ops."""
+def _fuse(gm: fx.GraphModule, ctx: PassContext, linear_only: bool) -> fx.GraphModule:
     g, n = gm.graph, 0
     for node in list(g.nodes):
         if not is_op(node, aten.nll_loss_forward) or getattr(node, "_erased", False):
@@ -70,6 +76,8 @@ def fuse_cross_entropy_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphMod
         if any(not (is_op(u, operator.getitem) and u.args[1] == 0) for u in node.users):
             continue
         head = _lm_head(x) if reduction in (1, 2) and len(x.users) == 1 else None
+        if linear_only and head is None:
+            continue
         with g.inserting_before(node):
             if head is not None:
                 h, wt, bias = head
@@ -91,3 +99,15 @@ def fuse_cross_entropy_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphMod
     g.eliminate_dead_code()
     ctx.count(n)
     return finish(gm)
+
+
+@register_pass("pre_autodiff", default=True, order=49)
+def fuse_linear_cross_entropy_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """Rewrite an LM head (matmul, optional bias) feeding softmax cross-entropy to graphtrain's chunked op."""
+    return _fuse(gm, ctx, linear_only=True)
+
+
+@register_pass("pre_autodiff", default=True, order=50, providers=("aten",))
+def fuse_cross_entropy_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """Rewrite softmax cross-entropy (and an LM head feeding it, if still there) to graphtrain's fused ops."""
+    return _fuse(gm, ctx, linear_only=False)

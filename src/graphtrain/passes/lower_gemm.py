@@ -1,9 +1,21 @@
-"""lower_gemm_onednn: the partitioned graphs' fp32 CPU mm/addmm -> graphtrain::gemm (oneDNN).
+"""lower_gemm_onednn: fp32 CPU mm/addmm -> graphtrain::gemm (oneDNN), before autodiff.
 
-A post-autodiff pass, so it reaches every GEMM of the step: the forward's linears, and the backward's
-input- and weight-gradient products, which exist only after AOTAutograd. See kernels/gemm.py for why
-(MKL's AVX2 path on AMD CPUs vs oneDNN's AVX-512 one) and for the numerics (IEEE fp32 both ways; the
-summation order differs, so the pass is registered as changing numerics).
+Rewriting the forward graph reaches every GEMM of the step: AOTAutograd builds the backward's input-
+and weight-gradient products from graphtrain::gemm's own backward, which is graphtrain::gemm again.
+(As a pass on the partitioned graphs it would also work, but its rewrites would vanish from the
+report on a compile-cache hit, since Inductor skips its post-grad passes then.) See kernels/gemm.py
+for why (MKL's AVX2 path on AMD CPUs vs oneDNN's AVX-512 one) and for the numerics (IEEE fp32 both
+ways; the summation order differs, so the pass is registered as changing numerics).
+
+It runs after apply_mixed_precision (order 500), so under bf16/fp16 it sees the matmuls that pass
+left in fp32 and leaves the low-precision ones to aten (which sends them to oneDNN already).
+
+Graphs with Inductor-lowered random ops (dropout left as aten.bernoulli / native_dropout, i.e. with
+fuse_bias_dropout_add switched off) are left unchanged: with ``fallback_random`` (eager's RNG stream)
+and these extern GEMMs in between, torch 2.13's Inductor scheduled a dropout's in-place
+``bernoulli_`` after the kernel that reads the mask (seen in the generated code; the loss of
+tests/test_engine_parity.py's TinyGPT moved by 3%). graphtrain's own dropout ops draw from their
+hash RNG and are unaffected, so by default (dropouts fused) the pass applies.
 
 On by default under the Inductor provider when the once-per-process probe measured oneDNN at least
 ``WIN_MARGIN`` faster than aten.mm on this CPU; ``engine.passes.lower_gemm_onednn: true`` forces it
@@ -35,6 +47,13 @@ def _bias_ok(n: object) -> bool:
             and v.device.type == "cpu")
 
 
+def has_seeded_random_ops(gm: fx.GraphModule) -> bool:
+    """Whether the graph has ops that draw from torch's RNG (tagged nondeterministic_seeded: bernoulli,
+    native_dropout, rand, ...)."""
+    return any(n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
+               and torch.Tag.nondeterministic_seeded in n.target.tags for n in gm.graph.nodes)
+
+
 def gemm_operands(node: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node | None] | None:
     """(a, b, bias) if `node` is an mm/addmm this pass rewrites, else None."""
     if is_op(node, aten.mm) and len(node.args) == 2 and not node.kwargs:
@@ -51,12 +70,15 @@ def gemm_operands(node: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node | None] | No
     return a, b, bias
 
 
-@register_pass(("forward", "backward"), default=True, changes_numerics=True, order=80, providers=("inductor",))
+@register_pass("pre_autodiff", default=True, changes_numerics=True, order=510, providers=("inductor",))
 def lower_gemm_onednn_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    """Rewrite fp32 CPU mm/addmm to graphtrain::gemm where oneDNN beats aten.mm on this CPU."""
+    """Rewrite fp32 CPU mm/addmm to graphtrain::gemm where oneDNN beats aten.mm on this CPU (not in graphs with
+    aten random ops, see the module docstring)."""
     if not onednn_available():
         return gm
     if ctx.config.passes.get("lower_gemm_onednn") is not True and not onednn_gemm_wins():
+        return gm
+    if has_seeded_random_ops(gm):  # see the module docstring
         return gm
     g, n = gm.graph, 0
     for node in list(g.nodes):
@@ -70,4 +92,7 @@ def lower_gemm_onednn_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModu
         g.erase_node(node)
         n += 1
     ctx.count(n)
-    return finish(gm) if n else gm
+    if n:
+        gm.graph.lint()
+        gm.recompile()
+    return gm
