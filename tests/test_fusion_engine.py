@@ -98,7 +98,8 @@ def check_parity(kind: str, provider: str, steps: int = 2):
     counts = _rewrites(m)
     # the loss is fused by one of the two cross-entropy passes: with its LM head where the head is in the same
     # graph (HF GPT-2's forward breaks the graph between head and loss under Dynamo, so there it is the plain one)
-    counts["fuse_linear_cross_entropy"] = counts.get("fuse_linear_cross_entropy", 0) + counts.get("fuse_cross_entropy", 0)
+    counts["fuse_linear_cross_entropy"] = (counts.get("fuse_linear_cross_entropy", 0)
+                                           + counts.get("fuse_cross_entropy", 0))
     missing = [f for f in EXPECTED_FUSIONS if counts.get(f, 0) == 0]
     assert not missing, f"{kind}: no rewrites by {missing}: {counts}"
 

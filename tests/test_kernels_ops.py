@@ -209,6 +209,21 @@ def test_linear_cross_entropy_skips_ignored_rows(reduction, with_bias):
                                             reduction=reduction) + 0 * b.sum(), h, w, b)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_linear_cross_entropy_low_precision_and_bad_targets(dtype):
+    """bf16/fp16 hidden and weight (fp32 softmax math inside) against eager on the same rounded inputs in fp32,
+    and a target outside the vocabulary is a clear error, not a wrong loss."""
+    g = torch.Generator().manual_seed(9)
+    h, w = torch.randn(37, 16, generator=g).to(dtype), torch.randn(53, 16, generator=g).to(dtype)
+    t = torch.randint(0, 53, (37,), generator=g)
+    t[5] = -100
+    check_vs_eager(lambda h, w: linear_cross_entropy(h, w, t, chunk_rows=8).float(),
+                   lambda h, w: F.cross_entropy(h.float() @ w.float().t(), t), h, w, atol=3e-2, rtol=3e-2)
+    t[3] = 53
+    with pytest.raises((RuntimeError, IndexError), match="out of (range|bounds)"):
+        linear_cross_entropy(h, w, t)
+
+
 def test_registry_and_torch_compile():
     assert set(KERNELS) == {"attention", "bias_dropout_add", "bias_gelu", "cross_entropy", "gemm", "layer_norm",
                             "linear_cross_entropy", "rms_norm"}

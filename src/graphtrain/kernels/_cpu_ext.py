@@ -294,6 +294,55 @@ void attn_probs_bwd(torch::Tensor s, torch::Tensor dp, torch::Tensor mask, torch
   });
 }
 
+// Softmax cross-entropy over the rows of x [n, v] (contiguous), in place: losses[r] = logsumexp(x[r]) - x[r, t[r]]
+// (0 where t[r] == ignore_index), and x[r] becomes (softmax(x[r]) - onehot(t[r])) * scale (all 0 where ignored),
+// i.e. the loss and its gradient in one call. A row stays in cache across its passes (max, sum of exp, write),
+// where the torch sequence (logsumexp, gather, sub, exp, scatter, mul, cast) streams the chunk through memory
+// about eight times. fp32 math for fp32/bf16/fp16 inputs.
+void ce_fwd_bwd_inplace(torch::Tensor x, torch::Tensor target, int64_t ignore_index, double scale,
+                        torch::Tensor losses) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "ce_fwd_bwd_inplace: x must be a contiguous [n, v] tensor");
+  TORCH_CHECK(target.scalar_type() == at::kLong && target.is_contiguous() && target.numel() == x.size(0),
+              "ce_fwd_bwd_inplace: target must be int64 [n]");
+  TORCH_CHECK(losses.scalar_type() == at::kFloat && losses.is_contiguous() && losses.numel() == x.size(0),
+              "ce_fwd_bwd_inplace: losses must be fp32 [n]");
+  const int64_t n = x.size(0), v = x.size(1);
+  const int64_t* tp = target.data_ptr<int64_t>();
+  float* lp = losses.data_ptr<float>();
+  for (int64_t r = 0; r < n; ++r)
+    TORCH_CHECK(tp[r] == ignore_index || (tp[r] >= 0 && tp[r] < v), "cross_entropy: target ", tp[r],
+                " is out of range for ", v, " classes");
+  const float sc = (float)scale;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "ce_fwd_bwd_inplace", [&] {
+    scalar_t* xp = x.data_ptr<scalar_t>();
+    at::parallel_for(0, n, 1, [&](int64_t r0, int64_t r1) {
+      std::vector<float> buf(std::is_same_v<scalar_t, float> ? 0 : v);
+      for (int64_t r = r0; r < r1; ++r) {
+        scalar_t* row = xp + r * v;
+        const int64_t t = tp[r];
+        if (t == ignore_index) {
+          lp[r] = 0.f;
+          std::memset((void*)row, 0, v * sizeof(scalar_t));
+          continue;
+        }
+        float* f = const_cast<float*>(as_f32(row, v, buf.data()));
+        float m = -INFINITY;
+_Pragma("omp simd reduction(max:m)")
+        for (int64_t j = 0; j < v; ++j) m = f[j] > m ? f[j] : m;
+        float s = 0.f;
+_Pragma("omp simd reduction(+:s)")
+        for (int64_t j = 0; j < v; ++j) s += gt_exp(f[j] - m);
+        const float lse = m + std::log(s);
+        lp[r] = lse - f[t];
+_Pragma("omp simd")
+        for (int64_t j = 0; j < v; ++j) f[j] = gt_exp(f[j] - lse) * sc;
+        f[t] -= sc;
+        store_f32(f, row, v);
+      }
+    });
+  });
+}
+
 // oneDNN's matmul as aten calls it for bf16/fp16 (declared in ATen/native/mkldnn/Matmul.h, exported by
 // libtorch_cpu, header not shipped in the wheel). aten's fp32 mm goes to MKL instead, see gemm.py.
 namespace at { namespace native {
@@ -309,7 +358,8 @@ void onednn_matmul(const at::Tensor& a, const at::Tensor& b, const at::Tensor& o
 }
 """
 
-_DECLS = ["bias_dropout_add_fwd", "dropout_bwd", "dropout_mask", "attn_probs_fwd", "attn_probs_bwd", "onednn_matmul"]
+_DECLS = ["bias_dropout_add_fwd", "dropout_bwd", "dropout_mask", "attn_probs_fwd", "attn_probs_bwd", "onednn_matmul",
+          "ce_fwd_bwd_inplace"]
 
 _lock = threading.Lock()
 _module = None
@@ -326,7 +376,7 @@ def load():
             try:
                 from torch.utils.cpp_extension import load_inline
                 _module = load_inline(
-                    name="graphtrain_cpu_kernels_v6", cpp_sources=[_CPP], functions=_DECLS,
+                    name="graphtrain_cpu_kernels_v7", cpp_sources=[_CPP], functions=_DECLS,
                     extra_cflags=["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
             except Exception as e:  # no compiler / headers: correctness first, reference path
                 _failed = f"{type(e).__name__}: {e}"

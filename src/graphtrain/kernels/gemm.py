@@ -81,7 +81,8 @@ def matmul(a: Tensor, b: Tensor, bias: Optional[Tensor] = None) -> Tensor:
     """a @ b (+ bias) for 2-D or batched 3-D operands, through oneDNN where `onednn_gemm_wins()` (fp32 CPU),
     else torch.matmul: graphtrain's own CPU kernels (attention, chunked linear cross-entropy) call this."""
     if (a.dim() == b.dim() and a.dim() in (2, 3) and a.shape[:-2] == b.shape[:-2] and a.shape[-1] == b.shape[-2]
-            and a.numel() > 0 and b.numel() > 0 and _fp32_cpu(a, b, bias) and onednn_available() and onednn_gemm_wins()):
+            and a.numel() > 0 and b.numel() > 0 and _fp32_cpu(a, b, bias) and onednn_available()
+            and onednn_gemm_wins()):
         return gemm_onednn(a, b, bias)
     return gemm_reference(a, b, bias)
 

@@ -12,15 +12,18 @@ Rows whose target is ignore_index are dropped before the loop (their gradient ro
 heads then run on the ~15% of positions that carry a label, the sparse-prediction trick of NVIDIA's and
 ORT's BERT pretraining, found here from the labels at run time instead of written into the model.
 
-Implementations: chunk loop in PyTorch (matmuls in the input dtype through gemm.matmul, i.e. oneDNN for
-fp32 on CPUs where it wins, written straight into d hidden / accumulated into d weight; softmax math in
-fp32) with the cross_entropy reference on CPU, or its Triton row kernels on CUDA.
+Implementations: a chunk loop (matmuls in the input dtype through gemm.matmul, i.e. oneDNN for fp32 on
+CPUs where it wins, written straight into d hidden / accumulated into d weight); per chunk the softmax
+cross-entropy and its gradient in one C++ call on CPU (_cpu_ext.ce_fwd_bwd_inplace: fp32 math, the
+logits overwritten by their gradient), the plain-PyTorch reference math without the C++ module, and
+Triton row kernels on CUDA.
 """
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
+from graphtrain.kernels import _cpu_ext
 from graphtrain.kernels._common import KernelSpec, dense_empty, register_kernel_spec
 from graphtrain.kernels.cross_entropy import REDUCTIONS, _supports_triton, ce_bwd_triton, ce_fwd_triton
 from graphtrain.kernels.gemm import _fp32_cpu, gemm_onednn, matmul, onednn_available, onednn_gemm_wins
@@ -30,17 +33,30 @@ def _acc(x: Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
+def _loss_dtype(hidden: Tensor) -> torch.dtype:
+    """The loss comes out in fp32 for bf16/fp16 inputs (as under autocast: the matmuls run in the low
+    precision, the softmax cross-entropy and its result in fp32), else in the inputs' dtype."""
+    return torch.float32 if hidden.dtype in (torch.bfloat16, torch.float16) else hidden.dtype
+
+
 def linear_cross_entropy_reference(hidden: Tensor, weight: Tensor, target: Tensor, ignore_index: int,
                                    reduction: int, bias: Tensor | None = None) -> Tensor:
     logits = hidden @ weight.t()
     logits = (logits if bias is None else logits + bias).to(_acc(hidden))
     return torch.nn.functional.cross_entropy(logits, target, ignore_index=ignore_index,
-                                             reduction={1: "mean", 2: "sum"}[reduction]).to(hidden.dtype)
+                                             reduction={1: "mean", 2: "sum"}[reduction]).to(_loss_dtype(hidden))
 
 
-def default_chunk_rows(n: int, v: int) -> int:
-    """Rows per chunk: ~32 MiB of fp32 logits per chunk (a few L2-sized matmul panels), at least 1."""
-    return max(1, min(n, (32 << 20) // (4 * max(v, 1))))
+def _default_chunk(hidden: Tensor, weight: Tensor) -> int:
+    return default_chunk_rows(hidden.shape[0], weight.shape[0], hidden.element_size())
+
+
+def default_chunk_rows(n: int, v: int, itemsize: int = 4) -> int:
+    """Rows per chunk: ~32 MiB of logits in the compute dtype per chunk (a few L2-sized matmul panels), at least 1."""
+    return max(1, min(n, (32 << 20) // (itemsize * max(v, 1))))
+
+
+_CPP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _mm_into(a: Tensor, b: Tensor, out: Tensor, accumulate: bool) -> None:
@@ -59,6 +75,8 @@ def _chunked(hidden, weight, target, ignore_index, reduction, chunk, bias=None):
     n_valid = int(valid.sum())
     denom = torch.tensor(float(n_valid), dtype=_acc(hidden)) if reduction == 1 else torch.ones((), dtype=_acc(hidden))
     use_triton = _supports_triton(hidden, target)
+    use_cpp = (not use_triton and hidden.device.type == "cpu" and hidden.dtype in _CPP_DTYPES
+               and _cpu_ext.load() is not None)
     rows = None
     if 0 < n_valid < n:
         # A row whose target is ignored adds nothing to the loss or to any gradient (its d logits row is 0), so
@@ -67,7 +85,9 @@ def _chunked(hidden, weight, target, ignore_index, reduction, chunk, bias=None):
         rows = valid.nonzero()[:, 0]
         hidden, target = hidden.index_select(0, rows), target.index_select(0, rows)
     dh = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device)
-    dw = torch.zeros(weight.shape, dtype=_acc(hidden), device=weight.device)
+    single = hidden.shape[0] <= chunk
+    # one chunk: d weight is that chunk's product, in the weight's dtype; several: accumulated (fp32 for fp32/bf16)
+    dw = None if single else torch.zeros(weight.shape, dtype=_acc(hidden), device=weight.device)
     db = torch.zeros(weight.shape[:1], dtype=_acc(hidden), device=weight.device) if bias is not None else None
     total = torch.zeros((), dtype=_acc(hidden), device=hidden.device)
     for s in range(0, hidden.shape[0], chunk):
@@ -77,6 +97,11 @@ def _chunked(hidden, weight, target, ignore_index, reduction, chunk, bias=None):
             losses, lse = ce_fwd_triton(logits, t, ignore_index)
             rg = torch.full((h.shape[0],), 1.0, device=h.device) / denom
             dlogits = ce_bwd_triton(rg, logits, t, lse, ignore_index)
+        elif use_cpp:
+            logits, losses = logits.contiguous(), torch.empty(h.shape[0], dtype=torch.float32)
+            scale = 1.0 / float(denom) if float(denom) else float("nan")  # no labelled row: NaN loss, as eager
+            _cpu_ext.load().ce_fwd_bwd_inplace(logits, t.contiguous(), ignore_index, scale, losses)
+            dlogits = logits  # now holds d loss / d logits
         else:
             x = logits.to(_acc(hidden))
             lse = torch.logsumexp(x, -1)
@@ -88,25 +113,30 @@ def _chunked(hidden, weight, target, ignore_index, reduction, chunk, bias=None):
             dlogits = x.mul_((torch.where(v, 1.0, 0.0) / denom)[:, None]).to(hidden.dtype)
         total += losses.sum()
         _mm_into(dlogits, weight, dh[s:s + chunk], accumulate=False)
-        _mm_into(dlogits.t(), h, dw, accumulate=True)
+        if single:
+            dw = matmul(dlogits.t(), h)
+        else:
+            _mm_into(dlogits.t(), h, dw, accumulate=True)
         if db is not None:
             db += dlogits.sum(0, dtype=db.dtype)
     if rows is not None:
         dh = torch.zeros((n, hidden.shape[1]), dtype=hidden.dtype, device=hidden.device).index_copy_(0, rows, dh)
-    out = ((total / denom).to(hidden.dtype), dh, dw.to(weight.dtype).contiguous())
+    if dw is None:  # no row at all
+        dw = torch.zeros(weight.shape, dtype=weight.dtype, device=weight.device)
+    out = ((total / denom).to(_loss_dtype(hidden)), dh, dw.to(weight.dtype).contiguous())
     return out if db is None else out + (db.to(bias.dtype),)
 
 
 @torch.library.custom_op("graphtrain::linear_cross_entropy", mutates_args=())
 def _linear_cross_entropy_op(hidden: Tensor, weight: Tensor, target: Tensor, ignore_index: int, reduction: int,
                              chunk_rows: int) -> tuple[Tensor, Tensor, Tensor]:
-    chunk = chunk_rows if chunk_rows > 0 else default_chunk_rows(hidden.shape[0], weight.shape[0])
+    chunk = chunk_rows if chunk_rows > 0 else _default_chunk(hidden, weight)
     return _chunked(hidden, weight, target, ignore_index, reduction, chunk)
 
 
 @_linear_cross_entropy_op.register_fake
 def _(hidden, weight, target, ignore_index, reduction, chunk_rows):
-    return hidden.new_empty(()), dense_empty(hidden), dense_empty(weight)
+    return hidden.new_empty((), dtype=_loss_dtype(hidden)), dense_empty(hidden), dense_empty(weight)
 
 
 def _setup(ctx, inputs, output):
@@ -126,13 +156,14 @@ def _linear_bias_cross_entropy_op(hidden: Tensor, weight: Tensor, bias: Tensor, 
                                   reduction: int, chunk_rows: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """cross_entropy(hidden @ weight^T + bias, target), chunked: BERT's MLM decoder (a tied matrix plus its own
     bias). Outputs (loss, d hidden, d weight, d bias) for a unit upstream gradient, like the op above."""
-    chunk = chunk_rows if chunk_rows > 0 else default_chunk_rows(hidden.shape[0], weight.shape[0])
+    chunk = chunk_rows if chunk_rows > 0 else _default_chunk(hidden, weight)
     return _chunked(hidden, weight, target, ignore_index, reduction, chunk, bias)
 
 
 @_linear_bias_cross_entropy_op.register_fake
 def _(hidden, weight, bias, target, ignore_index, reduction, chunk_rows):
-    return hidden.new_empty(()), dense_empty(hidden), dense_empty(weight), dense_empty(bias)
+    return (hidden.new_empty((), dtype=_loss_dtype(hidden)), dense_empty(hidden), dense_empty(weight),
+            dense_empty(bias))
 
 
 def _setup_bias(ctx, inputs, output):

@@ -2,10 +2,11 @@
 
 - fuse_linear_cross_entropy: LM head + log_softmax + nll_loss -> graphtrain::linear_cross_entropy /
   linear_bias_cross_entropy (chunked: the full logits are never materialized, and rows whose target
-  is ignored are never computed). On under every provider: measured under Inductor (fp32, batch 8,
-  seq 128, 2-core EPYC, `graphtrain.accelerate` step with fused AdamW) bert-small 585 -> 461 ms/step
-  (the MLM head runs on the 15% labelled rows), gpt2-small 552 -> 561 ms/step (all rows labelled:
-  equal within noise, and no [N, V] logits, their log-probabilities or gradient held).
+  is ignored are never computed). On under every provider. Measured under Inductor (batch 8, seq 128,
+  2-core EPYC, `graphtrain.accelerate` step with fused AdamW, on vs off): bert-small fp32 461 vs 585
+  ms/step (the MLM head runs on the 15% labelled rows; before the C++ row kernel below); gpt2-small (every row labelled) fp32 542 vs
+  570, bf16 318 vs 310 ms/step, i.e. even within noise, without the [N, V] logits, their
+  log-probabilities and gradient in memory.
 - fuse_cross_entropy: log_softmax + nll_loss on any other logits -> graphtrain::cross_entropy. Under
   Inductor it is left to Inductor's generated reduction kernels (on by default under aten only); it
   also takes the LM-head form when fuse_linear_cross_entropy is switched off.

@@ -61,8 +61,9 @@ PRECISION_POLICY: dict[str, str] = {
     "graphtrain::attention": LOW,
     "graphtrain::layer_norm": FP32,
     "graphtrain::cross_entropy": FP32,
-    "graphtrain::linear_cross_entropy": FP32,
-    "graphtrain::linear_bias_cross_entropy": FP32,
+    # the LM head's matmuls in the low precision, the softmax cross-entropy and the loss in fp32 inside the op
+    "graphtrain::linear_cross_entropy": LOW,
+    "graphtrain::linear_bias_cross_entropy": LOW,
     "graphtrain::bias_gelu": FOLLOW,
     "graphtrain::bias_dropout_add": FOLLOW,
 }
