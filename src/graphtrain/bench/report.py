@@ -320,7 +320,8 @@ def _mfu_text(runs: dict[str, dict[str, Any]]) -> str:
             "6 N per token for the forward and backward matmuls, plus 12 n_layer seq d_model per token for "
             "attention's two matmuls (the causal mask is not subtracted). Softmax, norms, GELU and the optimizer "
             "are not counted. MFU = FLOPs per step / step time / the measured matmul peak of the variant's "
-            "precision (bf16 variants against the bf16 peak)." + measured + "\n")
+            "precision (bf16 variants against the bf16 peak). graphtrain computes a masked-LM head only on the rows "
+            "that carry a label, so on BERT its MFU counts FLOPs it does not run (an upper bound)." + measured + "\n")
 
 
 def render_docs(runs: dict[str, dict[str, Any]]) -> str:

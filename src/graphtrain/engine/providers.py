@@ -212,9 +212,6 @@ class StagePasses(CustomGraphPass):
             for spec in pipeline(stage, self.config):
                 h.update(f"{stage}:{spec.name}:".encode())
                 h.update(inspect.getsource(inspect.getmodule(spec.fn)).encode())
-                if spec.name == "lower_gemm_onednn":  # what it does depends on the CPU it probed
-                    from graphtrain.kernels.gemm import onednn_gemm_wins
-                    h.update(repr(onednn_gemm_wins()).encode())
         return h.digest()
 
 

@@ -5,9 +5,10 @@ code path, whatever the CPU supports; on this machine (2-core AMD EPYC, Zen 5, A
 ~220 GFLOP/s, while oneDNN, which PyTorch also ships (and uses for bf16 matmuls), dispatches on the
 ISA and runs the same IEEE fp32 GEMM with AVX-512 at 430-490 GFLOP/s on the GPT-2/BERT shapes
 (``python -m graphtrain.bench.kernels --ops gemm_linear,gemm_lm_head``). Training graphs never
-reach it on their own: eager and Inductor both lower fp32 mm/addmm to aten. The post-autodiff pass
-``lower_gemm_onednn`` (passes/lower_gemm.py) rewrites the forward and backward graphs' fp32 CPU
-mm/addmm nodes to this op when `onednn_gemm_wins()` measured oneDNN faster on the running CPU.
+reach it on their own: eager and Inductor both lower fp32 mm/addmm to aten. The pre-autodiff pass
+``lower_gemm_onednn`` (passes/lower_gemm.py) rewrites the step's fp32 CPU mm/addmm nodes to this op
+(its backward is this op again, so the gradient GEMMs follow) when `onednn_gemm_wins()` measured
+oneDNN faster on the running CPU.
 
 Numerics: fp32 in, fp32 accumulate, fp32 out (no bf16/tf32 down-conversion: torch's default
 ``torch.backends.mkldnn.matmul.fp32_precision`` keeps oneDNN's math mode strict; the tests check the
