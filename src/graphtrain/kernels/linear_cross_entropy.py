@@ -61,7 +61,8 @@ _CPP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 def _mm_into(a: Tensor, b: Tensor, out: Tensor, accumulate: bool) -> None:
     """out (+)= a @ b: oneDNN straight into `out` for fp32 CPU where it wins (gemm.py), else aten."""
-    if out.is_contiguous() and out.dtype == a.dtype and _fp32_cpu(a, b) and onednn_available() and onednn_gemm_wins():
+    if (out.is_contiguous() and out.dtype == a.dtype and _fp32_cpu(a, b) and onednn_available()
+            and onednn_gemm_wins()):
         gemm_onednn(a, b, out=out, accumulate=accumulate)
     elif accumulate:
         out.add_((a @ b).to(out.dtype))

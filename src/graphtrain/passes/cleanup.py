@@ -26,7 +26,7 @@ aten = torch.ops.aten
 MAX_FOLD_NUMEL = 1 << 24
 
 
-def _is_random(n: fx.Node) -> bool:
+def is_random(n: fx.Node) -> bool:
     t = n.target
     return isinstance(t, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in t.tags
 
@@ -44,7 +44,7 @@ _UNINITIALIZED = ("empty", "empty_like", "empty_strided", "new_empty", "new_empt
 
 def _is_pure_op(n: fx.Node) -> bool:
     """A call whose result depends only on its arguments and which has no side effect."""
-    return (n.op == "call_function" and not _is_random(n) and not _is_mutating(n) and not n.is_impure())
+    return (n.op == "call_function" and not is_random(n) and not _is_mutating(n) and not n.is_impure())
 
 
 def _graph_is_functional(gm: fx.GraphModule) -> bool:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from graphtrain.passes.cleanup import is_random
 from graphtrain.passes.fuse_utils import aten, call, finish, is_op, val
 from graphtrain.passes.manager import PassContext, register_pass
 
@@ -35,23 +36,11 @@ import graphtrain.kernels  # noqa: F401  (registers torch.ops.graphtrain.gemm)
 from graphtrain.kernels.gemm import onednn_available, onednn_gemm_wins
 
 
-def _fp32_cpu_2d(n: object) -> bool:
-    v = val(n)
-    return (isinstance(v, torch.Tensor) and v.dim() == 2 and v.dtype == torch.float32
-            and v.device.type == "cpu")
-
-
-def _bias_ok(n: object) -> bool:
+def _fp32_cpu(n: object) -> bool:
+    """An fp32 CPU tensor of at most 2 dimensions (by the node's fake value)."""
     v = val(n)
     return (isinstance(v, torch.Tensor) and v.dim() <= 2 and v.dtype == torch.float32
             and v.device.type == "cpu")
-
-
-def has_seeded_random_ops(gm: fx.GraphModule) -> bool:
-    """Whether the graph has ops that draw from torch's RNG (tagged nondeterministic_seeded: bernoulli,
-    native_dropout, rand, ...)."""
-    return any(n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
-               and torch.Tag.nondeterministic_seeded in n.target.tags for n in gm.graph.nodes)
 
 
 def gemm_operands(node: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node | None] | None:
@@ -59,13 +48,14 @@ def gemm_operands(node: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node | None] | No
     if is_op(node, aten.mm) and len(node.args) == 2 and not node.kwargs:
         a, b = node.args
         bias = None
-    elif is_op(node, aten.addmm) and len(node.args) == 3 and all(node.kwargs.get(k, 1) == 1 for k in ("alpha", "beta")):
+    elif (is_op(node, aten.addmm) and len(node.args) == 3
+          and all(node.kwargs.get(k, 1) == 1 for k in ("alpha", "beta"))):
         bias, a, b = node.args
-        if not _bias_ok(bias):
+        if not _fp32_cpu(bias):
             return None
     else:
         return None
-    if not (_fp32_cpu_2d(a) and _fp32_cpu_2d(b) and _fp32_cpu_2d(node)):
+    if not all(_fp32_cpu(x) and val(x).dim() == 2 for x in (a, b, node)):
         return None
     return a, b, bias
 
@@ -78,7 +68,7 @@ def lower_gemm_onednn_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModu
         return gm
     if ctx.config.passes.get("lower_gemm_onednn") is not True and not onednn_gemm_wins():
         return gm
-    if has_seeded_random_ops(gm):  # see the module docstring
+    if any(is_random(n) for n in gm.graph.nodes):  # see the module docstring
         return gm
     g, n = gm.graph, 0
     for node in list(g.nodes):
@@ -92,7 +82,4 @@ def lower_gemm_onednn_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModu
         g.erase_node(node)
         n += 1
     ctx.count(n)
-    if n:
-        gm.graph.lint()
-        gm.recompile()
-    return gm
+    return finish(gm) if n else gm
