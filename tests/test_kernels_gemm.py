@@ -10,22 +10,24 @@ import torch
 
 import graphtrain
 from graphtrain.config import EngineConfig
-from graphtrain.kernels.gemm import gemm, gemm_onednn, gemm_probe, onednn_available, onednn_gemm_wins
+from graphtrain.engine.fallback import GraphtrainFallbackWarning
+from graphtrain.kernels.gemm import gemm, gemm_onednn, gemm_probe, onednn_available, onednn_fp32, onednn_gemm_wins
 from graphtrain.testing import assert_close, assert_grads_close
 
-needs_onednn = pytest.mark.skipif(not onednn_available(), reason="torch without oneDNN or no C++ compiler")
+needs_onednn = pytest.mark.skipif(not onednn_available(),
+                                  reason=f"oneDNN's fp32 matmul is not usable here: {onednn_fp32()[1]}")
 
 
 def _operand(rows: int, cols: int, transposed: bool, g: torch.Generator) -> torch.Tensor:
     return torch.randn(cols, rows, generator=g).t() if transposed else torch.randn(rows, cols, generator=g)
 
 
-@needs_onednn
 @pytest.mark.parametrize("m,k,n", [(1, 1, 1), (7, 5, 3), (33, 17, 65), (256, 1024, 96)])
 @pytest.mark.parametrize("a_t", [False, True])
 @pytest.mark.parametrize("b_t", [False, True])
 @pytest.mark.parametrize("bias", [None, "row", "full", "col"])
 def test_gemm_is_fp32_accurate_in_every_layout(m, k, n, a_t, b_t, bias):
+    """On oneDNN where it runs, on aten.mm/addmm elsewhere (an AVX2-only CPU): the same contract either way."""
     g = torch.Generator().manual_seed(m * 1000 + k + n)
     a, b = _operand(m, k, a_t, g), _operand(k, n, b_t, g)
     c = {None: None, "row": torch.randn(n, generator=g), "full": torch.randn(m, n, generator=g),
@@ -84,12 +86,29 @@ def test_gemm_rejects_bad_inputs():
         gemm(torch.randn(3, 4), torch.randn(4, 2, dtype=torch.float64))
 
 
-def test_probe_reports_both_rates():
+def test_probe_reports_both_rates_or_why_it_did_not_run():
     p = gemm_probe()
-    assert set(p) == {"aten", "onednn", "shape"}
+    assert {"aten", "onednn", "shapes", "cached"} <= set(p)
     if onednn_available():
-        assert p["aten"] > 0 and p["onednn"] > 0
-    assert onednn_gemm_wins() == (p["onednn"] > 1.15 * p["aten"] > 0)
+        assert p["aten"] > 0 and p["onednn"] > 0 and len(p["shapes"]) >= 2
+        assert onednn_gemm_wins() == (p["onednn"] > 1.15 * p["aten"] > 0)
+    else:  # nothing timed, the reason names the missing capability
+        assert p["aten"] is None and p["skipped"] == onednn_fp32()[1] and not onednn_gemm_wins()
+
+
+def test_lower_gemm_forced_without_onednn_reports_why(monkeypatch):
+    """Asked for by name where oneDNN's fp32 path does not run (simulated AVX2 CPU): the fallback policy says
+    why, and the step still trains on aten's matmuls."""
+    from graphtrain.kernels import capability
+    with capability.simulate("avx2"):
+        assert not onednn_available()
+        m = graphtrain.accelerate(_tiny_gpt2(), provider="inductor", passes={"lower_gemm_onednn": True})
+        ids = torch.randint(0, 512, (2, 16))
+        with pytest.warns(GraphtrainFallbackWarning, match="AVX-512"):
+            m(input_ids=ids, labels=ids).backward()
+        rep = graphtrain.report(m)
+        assert any("lower_gemm_onednn" in part and "AVX-512" in why for part, why in rep.fallbacks)
+        assert "oneDNN's fp32 GEMM unavailable" in str(rep)
 
 
 def _gemm_rewrites(m) -> int:

@@ -139,6 +139,9 @@ def _report(trainer, s: dict) -> None:
           f"{_num(s['tokens_per_s'], ',.0f')} tok/s, {_num(s['ms_per_step'], '.0f')} ms/step, "
           f"peak mem {_mb(s['peak_mem_bytes'])}")
     print(f"checkpoint: {s['checkpoint']}\nmetrics: {Path(s['out_dir']) / 'metrics.jsonl'}")
+    if hasattr(trainer.model, "_graphtrain"):
+        from graphtrain.engine.report import report
+        print(report(trainer.model).summary())
     tc = trainer.config.train
     if trainer.family == "gpt2" and tc.sample_tokens > 0 and trainer.config.parallel.tp == 1:
         print(f"\ncompletion of {tc.sample_prompt!r} ({tc.sample_tokens} tokens, top-k 20, T 0.8, seed {tc.seed}):")

@@ -16,7 +16,7 @@ The FLOP formula (the nanoGPT / PaLM-appendix-B estimate) for one training step:
 
 MFU is ``flops_per_step / step_seconds / peak``, where ``peak`` is the best rate of a large square
 matmul in the same precision on this machine, measured by :func:`measure_peak`
-(``python -m graphtrain.bench.flops``), never a datasheet number. On CPU the fp32 peak is the better of
+(``python -m graphtrain.bench.flops``: time-bounded, cached per machine), never a datasheet number. On CPU the fp32 peak is the better of
 aten's ``a @ b`` (MKL) and oneDNN (graphtrain.kernels.gemm): on AMD CPUs MKL runs its AVX2 path at about
 half of what the cores do with AVX-512, and a peak taken from it alone would put graphtrain's fp32 MFU
 above 100%. Both rates are kept in the output (``fp32_aten``, ``fp32_onednn``).
@@ -32,7 +32,12 @@ from typing import Any
 # Substrings of parameter names that are embedding lookups without a matmul behind them.
 _LOOKUP_ONLY = ("wpe", "position", "token_type", "segment")
 
-PEAK_COMMAND = "python -m graphtrain.bench.flops --sizes 2048 4096 --repeats 5"
+PEAK_COMMAND = "python -m graphtrain.bench.flops"
+
+DEFAULT_SIZES = (512, 1024, 2048, 4096)
+DEFAULT_BUDGET_S = 4.0
+"""Seconds per dtype and library. Sizes grow while the next one is predicted to fit: on the AVX2 EPYC a bf16
+matmul runs at ~1.4 GFLOP/s (emulated), so bf16 stops at 1024 there, where 4096^3 x 7 would take ~11 min."""
 
 
 def step_flops(n_params: int, n_layer: int, seq: int, d_model: int, tokens: int) -> int:
@@ -86,44 +91,73 @@ def mfu(flops: float, seconds: float, peak_flops: float | None) -> float | None:
     return flops / seconds / peak_flops
 
 
-def measure_peak(sizes: tuple[int, ...] = (2048, 4096), repeats: int = 5, threads: int | None = None,
-                 device: str = "cpu") -> dict[str, Any]:
-    """Best achieved FLOP/s of an n x n x n matmul in fp32 and bf16 (the MFU denominators)."""
+def measure_peak(sizes: tuple[int, ...] = DEFAULT_SIZES, repeats: int = 5, threads: int | None = None,
+                 device: str = "cpu", budget_s: float = DEFAULT_BUDGET_S) -> dict[str, Any]:
+    """Best achieved FLOP/s of an n x n x n matmul in fp32 and bf16 (the MFU denominators), each dtype and
+    library within `budget_s` seconds: sizes are tried smallest first and a size is skipped once its
+    predicted time (at the best rate so far) no longer fits. The result says which sizes ran."""
     import os
 
     import torch
 
     torch.set_num_threads(threads or os.cpu_count() or 1)
-    out: dict[str, Any] = {"threads": torch.get_num_threads(), "sizes": list(sizes), "repeats": repeats,
-                           "device": device, "command": PEAK_COMMAND}
-    def best_rate(dtype: torch.dtype, mm: Any) -> float:
-        best = 0.0
-        for n in sizes:
+    out: dict[str, Any] = {"threads": torch.get_num_threads(), "repeats": repeats, "device": device,
+                           "budget_s": budget_s, "command": PEAK_COMMAND, "sizes_run": {}}
+
+    def best_rate(label: str, dtype: torch.dtype, mm: Any) -> float:
+        best, spent, ran = 0.0, 0.0, []
+        for n in sorted(sizes):
+            flop = 2.0 * n ** 3
+            if best and flop / best * (repeats + 2) > budget_s - spent:
+                break  # the next size would not fit the budget
             g = torch.Generator(device="cpu").manual_seed(0)
             a = torch.randn(n, n, generator=g).to(device=device, dtype=dtype)
             b = torch.randn(n, n, generator=g).to(device=device, dtype=dtype)
             c = torch.empty(n, n, device=device, dtype=dtype)
-            for _ in range(2):  # warm up the GEMM path (and oneDNN's kernel selection)
-                mm(a, b, c)
-            for _ in range(repeats):
+            t_start = time.perf_counter()
+            for i in range(repeats + 1):  # the first call warms up the GEMM path (oneDNN's kernel selection)
                 _sync(device)
                 t0 = time.perf_counter()
                 mm(a, b, c)
                 _sync(device)
-                best = max(best, 2 * n ** 3 / (time.perf_counter() - t0))
+                dt = time.perf_counter() - t0
+                if i:
+                    best = max(best, flop / dt)
+                else:
+                    best = max(best, flop / dt / 1.5)  # a floor for the size check until a timed call ran
+                if time.perf_counter() - t_start > budget_s - spent:
+                    break
+            spent += time.perf_counter() - t_start
+            ran.append(n)
+        out["sizes_run"][label] = ran
         return best
 
     def aten_mm(a: Any, b: Any, c: Any) -> None:
         torch.mm(a, b, out=c)
 
-    out["bf16"] = best_rate(torch.bfloat16, aten_mm)
-    out["fp32_aten"] = out["fp32"] = best_rate(torch.float32, aten_mm)
+    out["bf16"] = best_rate("bf16", torch.bfloat16, aten_mm)
+    out["fp32_aten"] = out["fp32"] = best_rate("fp32_aten", torch.float32, aten_mm)
     if device == "cpu":
-        from graphtrain.kernels.gemm import gemm_onednn, onednn_available
-        if onednn_available():
-            out["fp32_onednn"] = best_rate(torch.float32, lambda a, b, c: gemm_onednn(a, b, out=c))
+        from graphtrain.kernels.gemm import gemm_onednn, onednn_fp32
+        ok, why = onednn_fp32()
+        if ok:
+            out["fp32_onednn"] = best_rate("fp32_onednn", torch.float32, lambda a, b, c: gemm_onednn(a, b, out=c))
             out["fp32"] = max(out["fp32"], out["fp32_onednn"])
+        else:
+            out["fp32_onednn"] = None
+            out["fp32_onednn_skipped"] = why
     return out
+
+
+def machine_peak(device: str = "cpu", refresh: bool = False) -> dict[str, Any]:
+    """measure_peak() with the defaults, measured once per machine and cached (kernels.capability.cached_probe);
+    `refresh` measures again and replaces the cached figure."""
+    from graphtrain.kernels import capability
+    if refresh:
+        result = measure_peak(device=device)
+        capability.store_probe(f"matmul_peak_{device}", result)
+        return dict(result, cached=False)
+    return capability.cached_probe(f"matmul_peak_{device}", lambda: measure_peak(device=device))
 
 
 def _sync(device: str) -> None:
@@ -133,13 +167,21 @@ def _sync(device: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="Measure the fp32 and bf16 matmul peak (FLOP/s) as JSON.")
-    p.add_argument("--sizes", type=int, nargs="+", default=[2048, 4096], help="square matmul sizes")
+    p = argparse.ArgumentParser(description="Measure the fp32 and bf16 matmul peak (FLOP/s) as JSON. With no "
+                                "options the result is cached per machine; --refresh measures again.")
+    p.add_argument("--sizes", type=int, nargs="+", default=None, help=f"square matmul sizes (default {DEFAULT_SIZES})")
     p.add_argument("--repeats", type=int, default=5, help="timed matmuls per size; the best one counts")
+    p.add_argument("--budget", type=float, default=DEFAULT_BUDGET_S, help="seconds per dtype and library")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--refresh", action="store_true", help="measure again and replace the cached figure")
     a = p.parse_args(argv)
-    json.dump(measure_peak(tuple(a.sizes), a.repeats, a.threads, a.device), sys.stdout)
+    custom = a.sizes is not None or a.repeats != 5 or a.budget != DEFAULT_BUDGET_S or a.threads is not None
+    if custom:
+        result = measure_peak(tuple(a.sizes or DEFAULT_SIZES), a.repeats, a.threads, a.device, a.budget)
+    else:
+        result = machine_peak(a.device, refresh=a.refresh)
+    json.dump(result, sys.stdout)
     sys.stdout.write("\n")
     return 0
 

@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 
 from graphtrain.config import EngineConfig
-from graphtrain.engine.fallback import report_fallback
+from graphtrain.engine.fallback import apply_policy, report_fallback
 from graphtrain.engine.state import GLOBAL_STATE, EngineState, GraphRecord
 from graphtrain.passes.manager import PassContext, op_counts, run_pipeline
 
@@ -83,14 +83,16 @@ def _pin_cpu_allocator_once(example_inputs: Sequence[Any], config: EngineConfig)
 def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: EngineConfig,
                   state: EngineState) -> Callable[..., Any]:
     """Compile one Dynamo graph (the backend body); records a GraphRecord on `state`."""
-    from graphtrain.engine.providers import PROVIDERS, resolve_provider
+    from graphtrain.engine.providers import PROVIDERS, resolve_runtime
     from graphtrain.engine.trace import delocalize, dtensor_inputs, localize, trace_aten_forward
 
     t0 = time.perf_counter()
+    apply_policy(config)
     _pin_cpu_allocator_once(example_inputs, config)
-    # Passes see the provider that runs the graph, never "auto" (inplace_elementwise runs for aten only).
-    provider = resolve_provider(config, example_inputs)
-    config = dataclasses.replace(config, provider=provider)
+    # Passes see the provider and precision that run the graph, never "auto" (inplace_elementwise runs for
+    # aten only; mixed precision needs a dtype).
+    config = resolve_runtime(config, example_inputs)
+    provider = config.provider
     frame, raw_compile_id = _frame_info(gm)
     # Dynamo counts compiles per code object across all instances; count this module's own compiles.
     ids = sorted({g.notes_compile_id for g in state.graphs if g.frame == frame} | {raw_compile_id})
@@ -101,6 +103,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Eng
                       compile_reason=str(getattr(gm, "compile_subgraph_reason", "") or ""))
     user = [x for x, k in zip(example_inputs, kinds) if k == "input" and x.dim() > 0]
     rec.batch = int(user[0].shape[0]) if user and isinstance(user[0].shape[0], int) else None
+    rec.precision = config.precision
     rec.notes_compile_id = raw_compile_id
     state.graphs.append(rec)
     sink = state.fallbacks
@@ -122,7 +125,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Eng
         else:
             rec.ops_captured = sum(op_counts(traced).values())
             ctx = PassContext(config=config, stage="pre_autodiff", graph_name=rec.name,
-                              example_inputs=trace_inputs, input_kinds=kinds)
+                              example_inputs=trace_inputs, input_kinds=kinds, fallbacks=sink)
             traced = run_pipeline(traced, ctx)
             state.passes.extend(ctx.records)
             rec.ops_pre_autodiff = sum(op_counts(traced).values())

@@ -17,8 +17,10 @@ graphs.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import inspect
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -28,6 +30,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from graphtrain.config import EngineConfig
 from graphtrain.engine.state import EngineState, GraphRecord
+from graphtrain.kernels import capability
 from graphtrain.passes.manager import PassContext, op_counts, pipeline, run_pipeline
 
 
@@ -46,9 +49,40 @@ def resolve_provider(config: EngineConfig, example_inputs: Sequence[Any]) -> str
     return "inductor"
 
 
+class SlowPrecisionWarning(UserWarning):
+    """The requested precision runs much slower than fp32 on this machine."""
+
+
+_WARNED_SLOW: set[str] = set()
+
+
+def _device_of(example_inputs: Sequence[Any]) -> str:
+    for x in example_inputs:
+        if isinstance(x, torch.Tensor):
+            return x.device.type
+    return "cpu"
+
+
+def resolve_runtime(config: EngineConfig, example_inputs: Sequence[Any]) -> EngineConfig:
+    """`config` with what the graph's device decides filled in: the provider (`auto` -> resolve_provider) and
+    the precision (`auto` -> bf16 where the hardware has it, else fp32). bf16 asked for on a device without
+    native bf16 runs as asked, with one warning saying what to use instead."""
+    device = _device_of(example_inputs)
+    precision = capability.resolve_precision(config.precision, device)
+    if precision == "bf16":
+        fast, why = capability.bf16_is_fast(device)
+        if not fast and device not in _WARNED_SLOW:
+            _WARNED_SLOW.add(device)
+            warnings.warn(f"graphtrain: precision=bf16 will be much slower than fp32 here: {why}. Use "
+                          f"engine.precision=fp32, or auto (bf16 only where the hardware has it)",
+                          SlowPrecisionWarning, stacklevel=2)
+    return dataclasses.replace(config, provider=resolve_provider(config, example_inputs), precision=precision)
+
+
 def _stage_passes(gm: fx.GraphModule, stage: str, config: EngineConfig, rec: GraphRecord,
                   state: EngineState, example_inputs: Sequence[Any]) -> fx.GraphModule:
-    ctx = PassContext(config=config, stage=stage, graph_name=rec.name, example_inputs=list(example_inputs))
+    ctx = PassContext(config=config, stage=stage, graph_name=rec.name, example_inputs=list(example_inputs),
+                      fallbacks=state.fallbacks)
     gm = run_pipeline(gm, ctx)
     state.passes.extend(ctx.records)
     n_ops = sum(op_counts(gm).values())

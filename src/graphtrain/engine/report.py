@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from graphtrain.engine.state import GLOBAL_STATE, EngineState, GraphRecord
+from graphtrain.kernels import capabilities
 
 
 def _mib(n: float) -> str:
@@ -94,11 +95,25 @@ class Report:
     compile_seconds: float
     calls: int
     eager_only: bool
-    cpu_gemm: dict[str, Any] | None = None
-    """The once-per-process GEMM probe behind lower_gemm_onednn (None: not run in this process)."""
+    machine: dict[str, Any] | None = None
+    """graphtrain.kernels.capabilities(): the CPU, what each capability selected and why, and the fused ops
+    that failed at run time and fell back to their reference implementation."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def summary(self) -> str:
+        """Two lines for the end of a run: what the engine ran, and on which machine."""
+        latest = [g for g in self.graphs if g["frame_compile"] == max(
+            h["frame_compile"] for h in self.graphs if h["frame"] == g["frame"])]
+        providers = "/".join(sorted({g["provider"] for g in latest})) or "-"
+        precisions = "/".join(sorted({g["precision"] for g in latest if g["precision"]})) or "-"
+        kernel_fb = len((self.machine or {}).get("runtime_fallbacks") or [])
+        eng = (f"engine: {len(latest)} graph(s), provider {providers}, precision {precisions}, graph breaks "
+               f"{len(self.graph_breaks)}, fallbacks {len(self.fallbacks)}, fused-op fallbacks {kernel_fb}"
+               + (" (CAPTURE FAILED: ran eagerly)" if self.eager_only else ""))
+        return eng + ("\n" + _machine_lines(self.machine)[0] + "; cpu fp32 GEMM: " + self.machine["cpu_fp32_gemm"]
+                      if self.machine else "")
 
     def __str__(self) -> str:
         L = [f"graphtrain report ({self.source}; provider={self.config['provider']}, "
@@ -114,8 +129,8 @@ class Report:
         for g in self.graphs:
             fw = "-" if g["ops_forward"] is None else g["ops_forward"]
             bw = "-" if g["ops_backward"] is None else g["ops_backward"]
-            L.append(f"  {g['name']}: {g['frame']} compile #{g['frame_compile']} -> {g['provider']} "
-                     f"({g['partitioner'] or 'no'} partition), {g['compile_seconds']:.2f} s")
+            L.append(f"  {g['name']}: {g['frame']} compile #{g['frame_compile']} -> {g['provider']}, precision "
+                     f"{g['precision'] or '?'} ({g['partitioner'] or 'no'} partition), {g['compile_seconds']:.2f} s")
             L.append(f"    aten ops: captured {g['ops_captured']} -> after pre-autodiff passes "
                      f"{g['ops_pre_autodiff']}; forward {fw}, backward {bw}")
             if g["grads_computed"] is not None:
@@ -143,12 +158,8 @@ class Report:
               for r in self.recompiles]
         L.append(f"fallbacks: {len(self.fallbacks)}")
         L += [f"  - {part}: {why}" for part, why in self.fallbacks]
-        if self.cpu_gemm:
-            g = self.cpu_gemm
-            m, k, n = g["shape"]
-            L.append(f"cpu fp32 GEMM: {'oneDNN' if g['onednn_used'] else 'aten'} (probe {m}x{k}x{n}: oneDNN "
-                     f"{g['onednn']:.0f} GFLOP/s, aten/MKL {g['aten']:.0f} GFLOP/s; oneDNN is used when "
-                     f"{g['margin']}x faster)")
+        if self.machine:
+            L += _machine_lines(self.machine)
         L.append("passes (summed over graphs):   rewrites      ms   ops before -> after")
         for r in self.passes:
             err = f"   FAILED: {r['error']}" if r["error"] else ""
@@ -187,14 +198,21 @@ def report(module: torch.nn.Module | None = None) -> Report:
         fallbacks=list(state.fallbacks), passes=list(agg.values()), params=_param_stats(module),
         saved_activation_bytes=saved_total, saved_activation_bytes_per_sample=per_sample,
         first_step_seconds=state.first_call_seconds, compile_seconds=sum(g.compile_seconds for g in state.graphs),
-        calls=state.calls, eager_only=state.eager_only, cpu_gemm=_gemm_probe_result())
+        calls=state.calls, eager_only=state.eager_only, machine=capabilities())
 
 
-def _gemm_probe_result() -> dict[str, Any] | None:
-    from graphtrain.kernels.gemm import WIN_MARGIN, gemm_probe, onednn_gemm_wins
-    if gemm_probe.cache_info().currsize == 0:
-        return None
-    return dict(gemm_probe(), onednn_used=onednn_gemm_wins(), margin=WIN_MARGIN)
+def _machine_lines(m: dict[str, Any]) -> list[str]:
+    sim = f", simulated {m['simulated']}" if m.get("simulated") else ""
+    yes = {True: "yes", False: "no"}
+    L = [f"machine: {m['cpu']} ({m['arch']}, {m['isa']}{sim}; aten dispatch {m['torch_isa']})",
+         f"  c++ kernels: {m['cpp_kernels']}",
+         f"  cpu fp32 GEMM: {m['cpu_fp32_gemm']}",
+         f"  native bf16: {yes[m['native_bf16']['ok']]} ({m['native_bf16']['why']})",
+         f"  triton: {yes[m['triton']['ok']]} ({m['triton']['why']}); cuda: {yes[m['cuda']['ok']]} ({m['cuda']['why']})"]
+    fb = m.get("runtime_fallbacks") or []
+    L.append(f"  fused ops that fell back to their reference at run time: {len(fb)}")
+    L += [f"    - {f['op']} ({f['implementation']}): {f['reason']}" for f in fb]
+    return L
 
 
 def report_for_config(config: Any) -> Report:

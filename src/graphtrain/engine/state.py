@@ -28,6 +28,7 @@ class GraphRecord:
     ops_forward: int | None = None  # ops of the partitioned forward / backward graphs after their passes
     ops_backward: int | None = None
     provider: str = ""              # what ran the fw/bw graphs (aten | inductor | eager)
+    precision: str = ""             # the compute precision the graph ran in (`auto` resolved)
     partitioner: str = ""
     grads_computed: int | None = None        # backward outputs that are real gradients
     frozen_inputs_with_grad: int | None = None  # must be 0: frozen params/buffers get no gradient work

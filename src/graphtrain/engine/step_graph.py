@@ -127,7 +127,8 @@ class CompiledStep:
         return fwd
 
     def _build(self, batch: dict[str, Tensor]) -> None:
-        from graphtrain.engine.providers import resolve_provider
+        from graphtrain.engine.fallback import apply_policy
+        from graphtrain.engine.providers import resolve_runtime
         from graphtrain.engine.trace import trace_aten_forward
         from graphtrain.passes.manager import PassContext, run_pipeline
 
@@ -135,8 +136,9 @@ class CompiledStep:
         names = list(batch)
         inputs = [batch[k] for k in names]
         example = self._tensors + inputs
-        provider = resolve_provider(self.engine, example)
-        cfg = dataclasses.replace(self.engine, provider=provider)
+        apply_policy(self.engine)
+        cfg = resolve_runtime(self.engine, example)
+        provider = cfg.provider
         kinds = ["param" if (i < len(self._tensors) and isinstance(t, nn.Parameter) and t.requires_grad)
                  else "frozen" if isinstance(t, nn.Parameter) else "buffer" for i, t in enumerate(self._tensors)]
         kinds += ["input"] * len(inputs)

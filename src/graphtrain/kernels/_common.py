@@ -1,4 +1,5 @@
-"""Shared pieces of graphtrain's fused ops: the Triton import guard, the dropout hash, the registry.
+"""Shared pieces of graphtrain's fused ops: the Triton import guard, the dropout hash, the registry,
+and the run-time fallback every fast path goes through (`guarded`).
 
 Dropout masks in every implementation (reference, C++ CPU, Triton) come from one counter-based hash
 of (seed, flat element index), so a mask is reproducible from an int64 seed: backward regenerates
@@ -7,10 +8,15 @@ it instead of saving it, and the implementations agree bit for bit (tests check 
 from __future__ import annotations
 
 import os
+import threading
+import warnings
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import torch
+
+from graphtrain import fallback
+from graphtrain.fallback import GraphtrainFallbackWarning  # noqa: F401  (re-exported for kernels' users)
 
 try:  # graphtrain works without triton; the CUDA fast paths then fall back to the references
     import triton  # noqa: F401
@@ -114,3 +120,86 @@ def register_kernel_spec(spec: KernelSpec) -> KernelSpec:
     assert spec.name not in KERNELS or KERNELS[spec.name].functional is spec.functional, spec.name
     KERNELS[spec.name] = spec
     return spec
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Run-time fallback. A fast path was chosen because its checker accepted the inputs, but it can still fail
+# on a machine or input nobody tested (a oneDNN primitive the CPU lacks, a Triton compile error). Then the
+# op's reference implementation runs instead, once per (op, implementation) a warning says so, and that fast
+# path stays off for the rest of the process; only the `error` policy (engine.fallback: error) stops the run.
+# If the reference fails too, the input itself is bad: the reference's error is raised, as eager would.
+
+
+class KernelFallbackError(RuntimeError):
+    """A fused op's fast path failed under the `error` fallback policy."""
+
+
+@dataclass(frozen=True)
+class KernelFallback:
+    op: str
+    implementation: str
+    reason: str
+
+
+_FALLBACKS: list[KernelFallback] = []
+_DISABLED: set[tuple[str, str]] = set()
+_FALLBACK_LOCK = threading.Lock()
+
+
+def set_fallback_policy(policy: str) -> None:
+    """warn (default) | silent | error: what a failing fast path does (graphtrain.fallback.set_policy)."""
+    fallback.set_policy(policy)
+
+
+def runtime_fallbacks() -> list[KernelFallback]:
+    """Every fast path that failed at run time in this process, in order (graphtrain.report lists them)."""
+    return list(_FALLBACKS)
+
+
+def fast_path_disabled(op: str, implementation: str) -> bool:
+    return (op, implementation) in _DISABLED
+
+
+def reset_runtime_fallbacks() -> None:
+    """Forget the failures (tests; a process that fixed its environment)."""
+    with _FALLBACK_LOCK:
+        _FALLBACKS.clear()
+        _DISABLED.clear()
+
+
+def guarded(op: str, implementation: str, fast: Callable[[], Any], reference: Callable[[], Any]) -> Any:
+    """fast(), or reference() when fast raises (see above). Both closures compute the same op on the same
+    inputs; `fast` must not have mutated them when it raises (graphtrain's kernels write into fresh buffers)."""
+    if (op, implementation) in _DISABLED:
+        return reference()
+    try:
+        return fast()
+    except Exception as e:  # noqa: BLE001 - any failure of an optional fast path
+        reason = " ".join(f"{type(e).__name__}: {e}".split())[:400]
+        policy = fallback.policy()
+        if policy == "error":
+            raise KernelFallbackError(
+                f"graphtrain::{op}: its {implementation} implementation failed: {reason}. Set engine.fallback=warn "
+                f"to run the op's reference implementation instead") from e
+        try:
+            out = reference()
+        except Exception as ref_error:  # the inputs are bad, not the fast path: say what the reference says
+            raise ref_error from e
+        with _FALLBACK_LOCK:
+            first = (op, implementation) not in _DISABLED
+            _DISABLED.add((op, implementation))
+            if first:
+                _FALLBACKS.append(KernelFallback(op, implementation, reason))
+        if first and policy == "warn":
+            warnings.warn(f"graphtrain: fused op {op}: its {implementation} implementation failed ({reason}); "
+                          f"running its reference implementation from now on", GraphtrainFallbackWarning, stacklevel=2)
+        return out
+
+
+def dispatch(op: str, candidates: list[tuple[str, bool, Callable[[], Any]]], reference: Callable[[], Any]) -> Any:
+    """Run the first candidate (implementation name, its checker's answer, closure) that is accepted and not
+    switched off by an earlier failure, `guarded` by the reference; the reference when none is."""
+    for name, accepted, fn in candidates:
+        if accepted and (op, name) not in _DISABLED:
+            return guarded(op, name, fn, reference)
+    return reference()

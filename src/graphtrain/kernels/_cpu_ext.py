@@ -4,8 +4,15 @@ Why C++ here: on the 2-core EPYC aten's Bernoulli sampler costs ~5 ns/element (2
 a [1024, 512] fp32 mask, 50x an elementwise add), so dropout dominates every fused op that contains
 it. These kernels draw the keep-mask from a counter-based hash of (seed, element index): it is
 reproducible, so backward regenerates the mask instead of saving it (0 bytes of saved mask), and
-it vectorizes (AVX-512 64-bit multiplies). Keep decision: hash32(seed, i) >= p * 2^32, i.e.
+it vectorizes (on AVX-512 with native 64-bit multiplies). Keep decision: hash32(seed, i) >= p * 2^32, i.e.
 P(keep) = 1 - p up to 2^-32; kept values are scaled by 1/(1-p).
+
+Portability: the source is plain C++ (no intrinsics); gcc vectorizes it for the ISA level it is
+built for. One build per level, named after it (`_ISA_FLAGS`): AVX-512 (F/BW/VL/DQ), AVX2 + FMA, or
+the compiler's baseline. Never ``-march=native``: torch's extension cache keys builds by source and
+flags, not by CPU, so a native build cached on an AVX-512 machine would die of SIGILL on an AVX2 one
+that shares the cache. On AVX2 the hash's 64-bit multiplies are emulated from 32-bit ones (there is
+no vpmullq), which changes speed, never bits: tests compare every build with the reference bit for bit.
 
 `load()` returns the module or None (no compiler, build failure): callers then run the reference.
 The build takes ~40 s the first time and is cached under TORCH_EXTENSIONS_DIR afterwards.
@@ -15,6 +22,8 @@ from __future__ import annotations
 import os
 import threading
 import warnings
+
+from graphtrain.kernels import capability
 
 _CPP = r"""
 #include <torch/extension.h>
@@ -361,24 +370,60 @@ void onednn_matmul(const at::Tensor& a, const at::Tensor& b, const at::Tensor& o
 _DECLS = ["bias_dropout_add_fwd", "dropout_bwd", "dropout_mask", "attn_probs_fwd", "attn_probs_bwd", "onednn_matmul",
           "ce_fwd_bwd_inplace"]
 
+# Compiler flags per ISA level (explicit -m flags rather than -march=x86-64-v3/v4 so older compilers work).
+_ISA_FLAGS: dict[str, list[str]] = {
+    "avx512": ["-mavx2", "-mfma", "-mf16c", "-mbmi", "-mbmi2", "-mavx512f", "-mavx512bw", "-mavx512vl",
+               "-mavx512dq", "-mavx512cd", "-mprefer-vector-width=512"],
+    "avx2": ["-mavx2", "-mfma", "-mf16c", "-mbmi", "-mbmi2"],
+    "baseline": [],
+}
+
 _lock = threading.Lock()
-_module = None
-_failed: str | None = None
+_modules: dict[str, object] = {}
+_failed: dict[str, str] = {}
 
 
-def load():
-    """The compiled module, or None if it cannot be built here (then the reference runs)."""
-    global _module, _failed
-    if _module is not None or _failed is not None or os.environ.get("GRAPHTRAIN_NO_CPP") == "1":
-        return _module
+def isa_level() -> str:
+    """The build level for this CPU (after any capability.simulate): avx512, avx2 or baseline."""
+    c = capability.cpu()
+    if c.arch not in ("x86_64", "AMD64"):
+        return "baseline"
+    return "avx512" if c.avx512 else ("avx2" if c.avx2 else "baseline")
+
+
+def load(level: str | None = None):
+    """The compiled module for `level` (default: this CPU's), or None if it cannot be built here (then the
+    reference runs)."""
+    if os.environ.get("GRAPHTRAIN_NO_CPP") == "1":
+        return None
+    level = level or isa_level()
+    if level in _modules or level in _failed:
+        return _modules.get(level)
+    if level not in _ISA_FLAGS:
+        raise ValueError(f"unknown ISA level {level!r}; known: {', '.join(_ISA_FLAGS)}")
     with _lock:
-        if _module is None and _failed is None:
+        if level not in _modules and level not in _failed:
             try:
                 from torch.utils.cpp_extension import load_inline
-                _module = load_inline(
-                    name="graphtrain_cpu_kernels_v7", cpp_sources=[_CPP], functions=_DECLS,
-                    extra_cflags=["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+                _modules[level] = load_inline(
+                    name=f"graphtrain_cpu_kernels_v8_{level}", cpp_sources=[_CPP], functions=_DECLS,
+                    extra_cflags=["-O3", *_ISA_FLAGS[level], "-fopenmp"], extra_ldflags=["-fopenmp"],
+                    verbose=False)
             except Exception as e:  # no compiler / headers: correctness first, reference path
-                _failed = f"{type(e).__name__}: {e}"
-                warnings.warn(f"graphtrain: CPU kernels could not be built, using reference ops: {_failed[:300]}")
-    return _module
+                _failed[level] = f"{type(e).__name__}: {e}"
+                warnings.warn(f"graphtrain: CPU kernels ({level}) could not be built, using reference ops: "
+                              f"{_failed[level][:300]}")
+    return _modules.get(level)
+
+
+def build_error(level: str | None = None) -> str | None:
+    """Why `load(level)` returned None (None if it did not fail, or was not tried)."""
+    if os.environ.get("GRAPHTRAIN_NO_CPP") == "1":
+        return "GRAPHTRAIN_NO_CPP=1"
+    return _failed.get(level or isa_level())
+
+
+def loaded_variant() -> str | None:
+    """A label of the build the current CPU uses, if it is loaded (for the report)."""
+    level = isa_level()
+    return f"c++ ({level} build)" if level in _modules else None

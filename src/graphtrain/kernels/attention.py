@@ -25,8 +25,8 @@ import torch
 from torch import Tensor
 
 from graphtrain.kernels import _cpu_ext
-from graphtrain.kernels._common import (HAS_TRITON, KernelSpec, check_dropout_p, dense_empty, dropout_keep_mask,
-                                        new_seed, register_kernel_spec, triton, triton_ok)
+from graphtrain.kernels._common import (HAS_TRITON, KernelSpec, check_dropout_p, dense_empty, dispatch,
+                                        dropout_keep_mask, new_seed, register_kernel_spec, triton, triton_ok)
 from graphtrain.kernels.gemm import matmul
 
 
@@ -140,19 +140,20 @@ def _cpu_bwd(dout, q, k, v, mask, out, lse, scale, is_causal, p, seed):
 def _attention_op(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: float, is_causal: bool,
                   p: float) -> tuple[Tensor, Tensor, Tensor]:
     seed = new_seed()
-    B, H, Sq, _ = q.shape
-    if _supports_triton(q, k, v, mask):
+
+    def triton_path():
         from graphtrain.kernels._attention_triton import attention_fwd_triton
-        out, lse = attention_fwd_triton(q, k, v, _mask4d(mask, q, k), scale, is_causal, p, int(seed.item()))
-        return out.contiguous(), lse.contiguous(), seed
-    if _cpu_flash_ok(q, k, v, mask, p):
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, is_causal, attn_mask=_mask4d(mask, q, k), scale=scale)
-        return out.contiguous(), lse.contiguous(), seed  # flash returns a [B, S, H, D]-strided view
-    if _cpu_cpp_ok(q, k, v, mask, p):
-        out, lse = _cpu_fwd(q, k, v, mask, scale, is_causal, p, seed)
-        return out.contiguous(), lse.contiguous(), seed
-    out, lse = attention_reference(q, k, v, mask, scale, is_causal, p, seed)
+        return attention_fwd_triton(q, k, v, _mask4d(mask, q, k), scale, is_causal, p, int(seed.item()))
+
+    def flash():  # returns a [B, S, H, D]-strided view; made contiguous below
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, is_causal, attn_mask=_mask4d(mask, q, k), scale=scale)[:2]
+
+    out, lse = dispatch("attention", [
+        ("triton", _supports_triton(q, k, v, mask), triton_path),
+        ("cpu flash", _cpu_flash_ok(q, k, v, mask, p), flash),
+        ("c++", _cpu_cpp_ok(q, k, v, mask, p), lambda: _cpu_fwd(q, k, v, mask, scale, is_causal, p, seed)),
+    ], lambda: attention_reference(q, k, v, mask, scale, is_causal, p, seed))
     return out.contiguous(), lse.contiguous(), seed
 
 
@@ -168,20 +169,21 @@ def _(q, k, v, mask, scale, is_causal, p):
 def _attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], out: Tensor,
                            lse: Tensor, seed: Tensor, scale: float, is_causal: bool,
                            p: float) -> tuple[Tensor, Tensor, Tensor]:
-    B, H, Sq, _ = q.shape
-    if _supports_triton(q, k, v, mask):
+    def triton_path():
         from graphtrain.kernels._attention_triton import attention_bwd_triton
-        dq, dk, dv = attention_bwd_triton(dout, q, k, v, _mask4d(mask, q, k), out, lse, scale, is_causal, p,
-                                          int(seed.item()))
-        return dq.contiguous(), dk.contiguous(), dv.contiguous()
-    if _cpu_flash_ok(q, k, v, mask, p):
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        return attention_bwd_triton(dout, q, k, v, _mask4d(mask, q, k), out, lse, scale, is_causal, p,
+                                    int(seed.item()))
+
+    def flash():
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout.contiguous(), q, k, v, out, lse, 0.0, is_causal, attn_mask=_mask4d(mask, q, k), scale=scale)
-        return dq.contiguous(), dk.contiguous(), dv.contiguous()
-    if _cpu_cpp_ok(q, k, v, mask, p):
-        dq, dk, dv = _cpu_bwd(dout, q, k, v, mask, out, lse, scale, is_causal, p, seed)
-        return dq.contiguous(), dk.contiguous(), dv.contiguous()
-    dq, dk, dv = attention_backward_reference(dout, q, k, v, mask, out, lse, scale, is_causal, p, seed)
+
+    dq, dk, dv = dispatch("attention_backward", [
+        ("triton", _supports_triton(q, k, v, mask), triton_path),
+        ("cpu flash", _cpu_flash_ok(q, k, v, mask, p), flash),
+        ("c++", _cpu_cpp_ok(q, k, v, mask, p),
+         lambda: _cpu_bwd(dout, q, k, v, mask, out, lse, scale, is_causal, p, seed)),
+    ], lambda: attention_backward_reference(dout, q, k, v, mask, out, lse, scale, is_causal, p, seed))
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 

@@ -18,8 +18,9 @@ import torch
 from torch import Tensor
 
 from graphtrain.kernels import _cpu_ext
-from graphtrain.kernels._common import (HAS_TRITON, KernelSpec, check_dropout_p, dense_empty, dropout_keep_mask,
-                                        keep_threshold, new_seed, register_kernel_spec, tl, triton, triton_ok)
+from graphtrain.kernels._common import (HAS_TRITON, KernelSpec, check_dropout_p, dense_empty, dispatch,
+                                        dropout_keep_mask, keep_threshold, new_seed, register_kernel_spec, tl, triton,
+                                        triton_ok)
 
 
 def bias_dropout_add_reference(x: Tensor, bias: Optional[Tensor], residual: Optional[Tensor], p: float,
@@ -84,16 +85,21 @@ def _supports_cpu(x, bias=None, residual=None, *rest) -> bool:
 @torch.library.custom_op("graphtrain::bias_dropout_add", mutates_args=())
 def _bias_dropout_add_op(x: Tensor, bias: Optional[Tensor], residual: Optional[Tensor], p: float) -> tuple[Tensor, Tensor]:
     seed = new_seed()
-    if _supports_triton(x, bias, residual):
-        return _bda_triton(x, bias, residual, p, seed), seed
-    if _supports_cpu(x, bias, residual):
+
+    def cpu():
         empty = x.new_empty(0)
-        out = _cpu_ext.load().bias_dropout_add_fwd(x, bias if bias is not None else empty,
-                                                   residual if residual is not None else empty, p, int(seed.item()))
-        return out.contiguous(), seed
-    out = bias_dropout_add_reference(x, bias, residual, p, seed)
-    # p == 0 without bias and residual gives x itself: a custom op's output must not alias its input
-    return (x.clone(memory_format=torch.contiguous_format) if out is x else out.contiguous()), seed
+        return _cpu_ext.load().bias_dropout_add_fwd(x, bias if bias is not None else empty,
+                                                    residual if residual is not None else empty, p, int(seed.item()))
+
+    def reference():
+        out = bias_dropout_add_reference(x, bias, residual, p, seed)
+        # p == 0 without bias and residual gives x itself: a custom op's output must not alias its input
+        return x.clone(memory_format=torch.contiguous_format) if out is x else out
+
+    out = dispatch("bias_dropout_add", [("triton", _supports_triton(x, bias, residual),
+                                         lambda: _bda_triton(x, bias, residual, p, seed)),
+                                        ("c++", _supports_cpu(x, bias, residual), cpu)], reference)
+    return out.contiguous(), seed
 
 
 @_bias_dropout_add_op.register_fake
@@ -103,11 +109,10 @@ def _(x, bias, residual, p):
 
 @torch.library.custom_op("graphtrain::dropout_backward", mutates_args=())
 def _dropout_backward_op(g: Tensor, p: float, seed: Tensor) -> Tensor:
-    if p > 0 and _supports_triton(g):
-        return _bda_triton(g, None, None, p, seed)
-    if p > 0 and _supports_cpu(g):
-        return _cpu_ext.load().dropout_bwd(g, p, int(seed.item())).contiguous()
-    return dropout_backward_reference(g.contiguous(), p, seed).contiguous()
+    return dispatch("dropout_backward", [
+        ("triton", p > 0 and _supports_triton(g), lambda: _bda_triton(g, None, None, p, seed)),
+        ("c++", p > 0 and _supports_cpu(g), lambda: _cpu_ext.load().dropout_bwd(g, p, int(seed.item()))),
+    ], lambda: dropout_backward_reference(g.contiguous(), p, seed)).contiguous()
 
 
 @_dropout_backward_op.register_fake

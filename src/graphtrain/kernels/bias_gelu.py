@@ -14,7 +14,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from graphtrain.kernels._common import HAS_TRITON, KernelSpec, dense_empty, register_kernel_spec, tl, triton, triton_ok
+from graphtrain.kernels._common import (HAS_TRITON, KernelSpec, dense_empty, dispatch, register_kernel_spec, tl, triton,
+                                        triton_ok)
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
@@ -97,11 +98,11 @@ def _check_approx(approximate: str) -> None:
 
 @torch.library.custom_op("graphtrain::bias_gelu", mutates_args=())
 def _bias_gelu_op(x: Tensor, bias: Optional[Tensor], approximate: str) -> Tensor:
-    if _supports_triton(x, bias):
-        return _gelu_triton(x, bias, approximate)
-    if _supports_cpu(x, bias):
-        return torch.ops.aten.gelu(x + bias if bias is not None else x, approximate=approximate).contiguous()
-    return bias_gelu_reference(x, bias, approximate).contiguous()
+    return dispatch("bias_gelu", [
+        ("triton", _supports_triton(x, bias), lambda: _gelu_triton(x, bias, approximate)),
+        ("cpu", _supports_cpu(x, bias),
+         lambda: torch.ops.aten.gelu(x + bias if bias is not None else x, approximate=approximate).contiguous()),
+    ], lambda: bias_gelu_reference(x, bias, approximate).contiguous())
 
 
 @_bias_gelu_op.register_fake
@@ -111,12 +112,11 @@ def _(x, bias, approximate):
 
 @torch.library.custom_op("graphtrain::bias_gelu_backward", mutates_args=())
 def _bias_gelu_backward_op(dy: Tensor, x: Tensor, bias: Optional[Tensor], approximate: str) -> Tensor:
-    if _supports_triton(x, bias):
-        return _gelu_triton(x, bias, approximate, dy)
-    if _supports_cpu(x, bias):
-        return torch.ops.aten.gelu_backward(dy, x + bias if bias is not None else x,
-                                            approximate=approximate).contiguous()
-    return bias_gelu_backward_reference(dy, x, bias, approximate).contiguous()
+    return dispatch("bias_gelu_backward", [
+        ("triton", _supports_triton(x, bias), lambda: _gelu_triton(x, bias, approximate, dy)),
+        ("cpu", _supports_cpu(x, bias), lambda: torch.ops.aten.gelu_backward(
+            dy, x + bias if bias is not None else x, approximate=approximate).contiguous()),
+    ], lambda: bias_gelu_backward_reference(dy, x, bias, approximate).contiguous())
 
 
 @_bias_gelu_backward_op.register_fake

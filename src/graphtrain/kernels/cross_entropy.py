@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from graphtrain.kernels._common import HAS_TRITON, KernelSpec, dense_empty, register_kernel_spec, tl, triton, triton_ok
+from graphtrain.kernels._common import (HAS_TRITON, KernelSpec, dense_empty, dispatch, register_kernel_spec, tl, triton,
+                                        triton_ok)
 
 REDUCTIONS = {"none": 0, "mean": 1, "sum": 2}
 
@@ -120,11 +121,15 @@ def _supports_triton(logits, target, *rest) -> bool:
 
 @torch.library.custom_op("graphtrain::cross_entropy", mutates_args=())
 def _cross_entropy_op(logits: Tensor, target: Tensor, ignore_index: int, reduction: int) -> tuple[Tensor, Tensor]:
-    if _supports_triton(logits, target):
+    def triton_path():
         losses, lse = ce_fwd_triton(logits, target, ignore_index)
         return _reduce(losses, target != ignore_index, reduction).to(logits.dtype), lse
-    loss, lse = cross_entropy_reference(logits, target, ignore_index, reduction)
-    return loss.contiguous(), lse.contiguous()
+
+    def reference():
+        loss, lse = cross_entropy_reference(logits, target, ignore_index, reduction)
+        return loss.contiguous(), lse.contiguous()
+
+    return dispatch("cross_entropy", [("triton", _supports_triton(logits, target), triton_path)], reference)
 
 
 @_cross_entropy_op.register_fake
@@ -136,10 +141,13 @@ def _(logits, target, ignore_index, reduction):
 @torch.library.custom_op("graphtrain::cross_entropy_backward", mutates_args=())
 def _cross_entropy_backward_op(grad: Tensor, logits: Tensor, target: Tensor, lse: Tensor, ignore_index: int,
                                reduction: int) -> Tensor:
-    if _supports_triton(logits, target):
+    def triton_path():
         rg = _row_grad(grad, target != ignore_index, reduction, logits.shape[0])
         return ce_bwd_triton(rg, logits, target, lse, ignore_index)
-    return cross_entropy_backward_reference(grad, logits, target, lse, ignore_index, reduction).contiguous()
+
+    return dispatch("cross_entropy_backward", [("triton", _supports_triton(logits, target), triton_path)],
+                    lambda: cross_entropy_backward_reference(grad, logits, target, lse, ignore_index,
+                                                             reduction).contiguous())
 
 
 @_cross_entropy_backward_op.register_fake

@@ -20,8 +20,11 @@ for fp32. It reads contiguous and transposed operands in place (no copies for th
 product dY^T @ X), writes into a given output (chunked callers fill slices of one buffer) and can
 accumulate into it (beta = 1: addmm's bias, and += without a temporary).
 
-Other dtypes and devices (and CPUs without oneDNN) use aten.mm/addmm: bf16/fp16 CPU matmuls already
-go through oneDNN there, and CUDA uses cuBLAS.
+Other dtypes and devices use aten.mm/addmm: bf16/fp16 CPU matmuls already go through oneDNN there,
+and CUDA uses cuBLAS. CPUs where oneDNN's fp32 matmul does not run (it needs AVX-512 BW/VL/DQ or
+AVX-NE-CONVERT: an AVX2-only EPYC raises) or does not win use aten as well: `onednn_fp32()` checks
+the capability and makes a trial call before the probe times anything, and a oneDNN call that still
+fails at run time falls back to aten (`_common.guarded`).
 """
 from __future__ import annotations
 
@@ -32,8 +35,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from graphtrain.kernels import _cpu_ext
-from graphtrain.kernels._common import KernelSpec, register_kernel_spec
+from graphtrain.kernels import _cpu_ext, capability
+from graphtrain.kernels._common import KernelSpec, guarded, register_kernel_spec
 
 
 def gemm_reference(a: Tensor, b: Tensor, bias: Optional[Tensor] = None) -> Tensor:
@@ -41,9 +44,39 @@ def gemm_reference(a: Tensor, b: Tensor, bias: Optional[Tensor] = None) -> Tenso
     return out if bias is None else out + bias
 
 
+@functools.lru_cache(maxsize=None)
+def _onednn_trial(level: str) -> Optional[str]:
+    """None if oneDNN's fp32 matmul runs here (a 2x2 trial call through the `level` build), else why not."""
+    mod = _cpu_ext.load(level)
+    if mod is None:
+        return f"graphtrain's C++ kernels are not built ({_cpu_ext.build_error(level) or 'disabled'})"
+    a, b, out = torch.ones(2, 2), torch.ones(2, 2), torch.empty(2, 2)
+    try:
+        mod.onednn_matmul(a, b, out, 0.0)
+    except Exception as e:  # noqa: BLE001 - torch raises RuntimeError; anything else means no as well
+        return " ".join(str(e).split())[:200]
+    return None if torch.equal(out, torch.full((2, 2), 2.0)) else "the trial call returned a wrong result"
+
+
+@functools.lru_cache(maxsize=None)
+def onednn_fp32() -> tuple[bool, str]:
+    """(usable, why) for oneDNN's fp32 matmul on this CPU: torch built with oneDNN, a CPU with AVX-512
+    BW/VL/DQ or AVX-NE-CONVERT (what at::native::mkldnn_matmul checks; on an AVX2-only EPYC it raises
+    "mkldnn_matmul bf16 path needs the cpu support avx_ne_convert or avx512bw, avx512vl and avx512dq"),
+    the C++ wrapper built, and a trial call that runs."""
+    if not torch.backends.mkldnn.is_available():
+        return False, "torch was built without oneDNN"
+    c = capability.cpu()
+    if c.arch in ("x86_64", "AMD64") and not (c.avx512 or "avx_ne_convert" in c.flags):
+        sim = f", simulated {c.simulated}" if c.simulated else ""
+        return False, f"needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT; this CPU has {c.isa.upper()}{sim}"
+    err = _onednn_trial(_cpu_ext.isa_level())
+    return err is None, err or "available (trial call ran)"
+
+
 def onednn_available() -> bool:
-    """oneDNN is built into torch and the C++ wrapper compiled (no compiler: aten.mm serves)."""
-    return bool(torch.backends.mkldnn.is_available()) and _cpu_ext.load() is not None
+    """oneDNN's fp32 matmul runs on this machine (`onednn_fp32`); otherwise aten.mm serves every GEMM."""
+    return onednn_fp32()[0]
 
 
 def _fp32_cpu(*ts: Optional[Tensor]) -> bool:
@@ -62,7 +95,8 @@ def _takes(a: Tensor, b: Tensor, bias: Optional[Tensor]) -> bool:
 def gemm_onednn(a: Tensor, b: Tensor, bias: Optional[Tensor] = None, out: Optional[Tensor] = None,
                 accumulate: bool = False) -> Tensor:
     """out = a @ b (+ bias) (+ out if `accumulate`) through oneDNN's fp32 GEMM; a, b 2-D (or 3-D, batched).
-    `out` (contiguous) is allocated when not given. The caller checked the inputs (fp32 CPU)."""
+    `out` (contiguous) is allocated when not given. The caller checked the inputs (fp32 CPU) and
+    `onednn_available()`; callers that can fall back go through `matmul` / `mm_into` instead."""
     shape = (*a.shape[:-1], b.shape[-1])
     if out is None:
         out = a.new_empty(shape)
@@ -84,16 +118,35 @@ def matmul(a: Tensor, b: Tensor, bias: Optional[Tensor] = None) -> Tensor:
     if (a.dim() == b.dim() and a.dim() in (2, 3) and a.shape[:-2] == b.shape[:-2] and a.shape[-1] == b.shape[-2]
             and a.numel() > 0 and b.numel() > 0 and _fp32_cpu(a, b, bias) and onednn_available()
             and onednn_gemm_wins()):
-        return gemm_onednn(a, b, bias)
+        return guarded("gemm", "onednn", lambda: gemm_onednn(a, b, bias), lambda: gemm_reference(a, b, bias))
     return gemm_reference(a, b, bias)
+
+
+def mm_into(a: Tensor, b: Tensor, out: Tensor, accumulate: bool) -> None:
+    """out (+)= a @ b: oneDNN straight into `out` for fp32 CPU where it wins, else aten."""
+    def aten() -> None:
+        if accumulate:
+            out.add_((a @ b).to(out.dtype))
+        else:
+            out.copy_(a @ b)
+
+    if (out.is_contiguous() and out.dtype == a.dtype and _fp32_cpu(a, b) and onednn_available()
+            and onednn_gemm_wins()):
+        # beta = 1 reads `out`; a oneDNN failure raises before it writes (primitive creation), so the retry
+        # through aten sees the same `out`
+        guarded("gemm", "onednn", lambda: gemm_onednn(a, b, out=out, accumulate=accumulate), aten)
+    else:
+        aten()
 
 
 @torch.library.custom_op("graphtrain::gemm", mutates_args=())
 def _gemm_op(a: Tensor, b: Tensor, bias: Optional[Tensor]) -> Tensor:
+    def aten() -> Tensor:
+        return (torch.mm(a, b) if bias is None else torch.addmm(bias, a, b)).contiguous()
+
     if _takes(a, b, bias):
-        return gemm_onednn(a, b, bias)
-    out = torch.mm(a, b) if bias is None else torch.addmm(bias, a, b)
-    return out.contiguous()
+        return guarded("gemm", "onednn", lambda: gemm_onednn(a, b, bias), aten)
+    return aten()
 
 
 @_gemm_op.register_fake
@@ -132,30 +185,60 @@ def gemm(a: Tensor, b: Tensor, bias: Optional[Tensor] = None) -> Tensor:
     return torch.ops.graphtrain.gemm(a, b, bias)
 
 
-def _time(fn, reps: int) -> float:
+def _time(fn, budget_s: float, max_reps: int = 5) -> float:
+    """Best time of up to `max_reps` calls after a warm-up, stopping once `budget_s` is spent."""
+    t0 = time.perf_counter()
     fn()  # warm up (oneDNN builds and caches its primitive on the first call)
-    best = float("inf")
-    for _ in range(reps):
+    best = time.perf_counter() - t0
+    spent = best
+    for _ in range(max_reps):
+        if spent > budget_s:
+            break
         t0 = time.perf_counter()
         fn()
-        best = min(best, time.perf_counter() - t0)
+        dt = time.perf_counter() - t0
+        best, spent = min(best, dt), spent + dt
     return best
 
 
-@functools.lru_cache(maxsize=None)
-def gemm_probe(m: int = 1024, k: int = 512, n: int = 512, reps: int = 5) -> dict[str, float]:
-    """GFLOP/s of aten.mm (MKL) and oneDNN on one fp32 GEMM of transformer-layer size, measured once per
-    process (~50 ms). `onednn_gemm_wins` reads it."""
-    if not onednn_available():
-        return {"aten": 0.0, "onednn": 0.0, "shape": (m, k, n)}
+PROBE_SHAPES = ((1024, 512, 512), (1024, 512, 2048), (1024, 2048, 512))
+"""(m, k, n) of a transformer layer's GEMMs at 1024 tokens, width 512: projection, MLP up, MLP down."""
+
+
+def _measure(shapes=PROBE_SHAPES, budget_s: float = 0.6) -> dict:
     g = torch.Generator().manual_seed(0)
-    a, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g).t()
-    out = a.new_empty((m, n))
-    flop = 2.0 * m * k * n
+    per_shape, t_aten, t_dnn, flop = [], 0.0, 0.0, 0.0
     with torch.no_grad():
-        t_aten = _time(lambda: torch.mm(a, b, out=out), reps)
-        t_dnn = _time(lambda: gemm_onednn(a, b, out=out), reps)
-    return {"aten": flop / t_aten / 1e9, "onednn": flop / t_dnn / 1e9, "shape": (m, k, n)}
+        for m, k, n in shapes:
+            a, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g).t()
+            out = a.new_empty((m, n))
+            budget = budget_s / (2 * len(shapes))
+            ta = _time(lambda: torch.mm(a, b, out=out), budget)
+            td = _time(lambda: gemm_onednn(a, b, out=out), budget)
+            f = 2.0 * m * k * n
+            per_shape.append({"shape": [m, k, n], "aten": round(f / ta / 1e9, 1), "onednn": round(f / td / 1e9, 1)})
+            t_aten, t_dnn, flop = t_aten + ta, t_dnn + td, flop + f
+    # GFLOP/s over the sampled shapes as a whole (time-weighted, as a step spends it)
+    return {"aten": flop / t_aten / 1e9, "onednn": flop / t_dnn / 1e9, "shapes": per_shape}
+
+
+def gemm_probe() -> dict:
+    """GFLOP/s of aten.mm (MKL) and oneDNN on fp32 GEMMs of transformer-layer shapes (PROBE_SHAPES), measured
+    once per machine (at most ~0.6 s) and cached (capability.cached_probe); `onednn_gemm_wins` reads it.
+    Without a usable oneDNN fp32 path nothing is timed and the result says why."""
+    return _probe_result()
+
+
+@functools.lru_cache(maxsize=None)
+def _probe_result() -> dict:
+    ok, why = onednn_fp32()
+    if not ok:
+        return {"aten": None, "onednn": None, "shapes": [], "skipped": why, "cached": False}
+    return capability.cached_probe("gemm_onednn_vs_aten", _measure)
+
+
+def gemm_probe_ran() -> bool:
+    return _probe_result.cache_info().currsize > 0
 
 
 WIN_MARGIN = 1.15
@@ -164,9 +247,15 @@ WIN_MARGIN = 1.15
 
 
 def onednn_gemm_wins() -> bool:
-    """Whether fp32 CPU GEMMs should go through oneDNN on this machine (probed once per process)."""
+    """Whether fp32 CPU GEMMs should go through oneDNN on this machine (probed once per machine)."""
     p = gemm_probe()
-    return p["onednn"] > WIN_MARGIN * p["aten"] > 0
+    return p["onednn"] is not None and p["onednn"] > WIN_MARGIN * p["aten"] > 0
+
+
+@capability.on_change
+def _forget() -> None:
+    onednn_fp32.cache_clear()
+    _probe_result.cache_clear()
 
 
 SPEC = register_kernel_spec(KernelSpec(

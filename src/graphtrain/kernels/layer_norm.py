@@ -14,7 +14,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from graphtrain.kernels._common import HAS_TRITON, KernelSpec, dense_empty, register_kernel_spec, tl, triton, triton_ok
+from graphtrain.kernels._common import (HAS_TRITON, KernelSpec, dense_empty, dispatch, register_kernel_spec, tl, triton,
+                                        triton_ok)
 
 
 def _acc(x: Tensor) -> torch.dtype:
@@ -131,13 +132,16 @@ def _supports_cpu(x, *rest) -> bool:
 
 @torch.library.custom_op("graphtrain::layer_norm", mutates_args=())
 def _layer_norm_op(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float) -> tuple[Tensor, Tensor, Tensor]:
-    if _supports_triton(x, weight, bias):
-        return _ln_fwd_triton(x, weight, bias, eps)
-    if _supports_cpu(x):
+    def cpu():
         y, mean, rstd = torch.ops.aten.native_layer_norm(x, [x.shape[-1]], weight, bias, eps)
         return y.contiguous(), mean.reshape(-1).contiguous(), rstd.reshape(-1).contiguous()
-    y, mean, rstd = layer_norm_reference(x, weight, bias, eps)
-    return y.contiguous(), mean.contiguous(), rstd.contiguous()
+
+    def reference():
+        y, mean, rstd = layer_norm_reference(x, weight, bias, eps)
+        return y.contiguous(), mean.contiguous(), rstd.contiguous()
+
+    return dispatch("layer_norm", [("triton", _supports_triton(x, weight, bias), lambda: _ln_fwd_triton(x, weight, bias, eps)),
+                                   ("cpu", _supports_cpu(x), cpu)], reference)
 
 
 @_layer_norm_op.register_fake
@@ -149,15 +153,16 @@ def _(x, weight, bias, eps):
 @torch.library.custom_op("graphtrain::layer_norm_backward", mutates_args=())
 def _layer_norm_backward_op(dy: Tensor, x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], mean: Tensor,
                             rstd: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    if _supports_triton(x, weight, bias):
-        dx, dw, db = _ln_bwd_triton(dy, x, weight, mean, rstd)
-    elif _supports_cpu(x):
+    def cpu():
         shape = list(x.shape[:-1]) + [1]
-        dx, dw, db = torch.ops.aten.native_layer_norm_backward(
+        return torch.ops.aten.native_layer_norm_backward(
             dy.contiguous(), x, [x.shape[-1]], mean.reshape(shape), rstd.reshape(shape), weight, bias,
             [True, weight is not None, bias is not None])
-    else:
-        dx, dw, db = layer_norm_backward_reference(dy, x, weight, mean, rstd)
+
+    dx, dw, db = dispatch("layer_norm_backward", [
+        ("triton", _supports_triton(x, weight, bias), lambda: _ln_bwd_triton(dy, x, weight, mean, rstd)),
+        ("cpu", _supports_cpu(x), cpu),
+    ], lambda: layer_norm_backward_reference(dy, x, weight, mean, rstd))
     n = x.shape[-1]
     dw = dw if dw is not None else x.new_zeros(n)
     db = db.to(bias.dtype) if (bias is not None and db is not None) else x.new_zeros(n)

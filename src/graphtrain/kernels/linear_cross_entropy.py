@@ -24,9 +24,9 @@ import torch
 from torch import Tensor
 
 from graphtrain.kernels import _cpu_ext
-from graphtrain.kernels._common import KernelSpec, dense_empty, register_kernel_spec
+from graphtrain.kernels._common import KernelSpec, dense_empty, dispatch, register_kernel_spec
 from graphtrain.kernels.cross_entropy import REDUCTIONS, _supports_triton, ce_bwd_triton, ce_fwd_triton
-from graphtrain.kernels.gemm import _fp32_cpu, gemm_onednn, matmul, onednn_available, onednn_gemm_wins
+from graphtrain.kernels.gemm import matmul, mm_into
 
 
 def _acc(x: Tensor) -> torch.dtype:
@@ -59,25 +59,24 @@ def default_chunk_rows(n: int, v: int, itemsize: int = 4) -> int:
 _CPP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _mm_into(a: Tensor, b: Tensor, out: Tensor, accumulate: bool) -> None:
-    """out (+)= a @ b: oneDNN straight into `out` for fp32 CPU where it wins (gemm.py), else aten."""
-    if (out.is_contiguous() and out.dtype == a.dtype and _fp32_cpu(a, b) and onednn_available()
-            and onednn_gemm_wins()):
-        gemm_onednn(a, b, out=out, accumulate=accumulate)
-    elif accumulate:
-        out.add_((a @ b).to(out.dtype))
-    else:
-        out.copy_(a @ b)
-
-
 def _chunked(hidden, weight, target, ignore_index, reduction, chunk, bias=None):
+    """The op on the fastest row kernel that takes these inputs (Triton, C++), guarded by the torch math."""
+    use_triton = _supports_triton(hidden, target)
+    use_cpp = (not use_triton and hidden.device.type == "cpu" and hidden.dtype in _CPP_DTYPES
+               and _cpu_ext.load() is not None)
+
+    def run(impl):
+        return lambda: _chunk_loop(hidden, weight, target, ignore_index, reduction, chunk, bias, impl)
+    return dispatch("linear_cross_entropy", [("triton", use_triton, run("triton")), ("c++", use_cpp, run("c++"))],
+                    run("torch"))
+
+
+def _chunk_loop(hidden, weight, target, ignore_index, reduction, chunk, bias, impl):
     n = hidden.shape[0]
     valid = target != ignore_index
     n_valid = int(valid.sum())
     denom = torch.tensor(float(n_valid), dtype=_acc(hidden)) if reduction == 1 else torch.ones((), dtype=_acc(hidden))
-    use_triton = _supports_triton(hidden, target)
-    use_cpp = (not use_triton and hidden.device.type == "cpu" and hidden.dtype in _CPP_DTYPES
-               and _cpu_ext.load() is not None)
+    use_triton, use_cpp = impl == "triton", impl == "c++"
     rows = None
     if 0 < n_valid < n:
         # A row whose target is ignored adds nothing to the loss or to any gradient (its d logits row is 0), so
@@ -113,11 +112,11 @@ def _chunked(hidden, weight, target, ignore_index, reduction, chunk, bias=None):
             x.scatter_add_(1, tt, -torch.ones_like(lse[:, None]))
             dlogits = x.mul_((torch.where(v, 1.0, 0.0) / denom)[:, None]).to(hidden.dtype)
         total += losses.sum()
-        _mm_into(dlogits, weight, dh[s:s + chunk], accumulate=False)
+        mm_into(dlogits, weight, dh[s:s + chunk], accumulate=False)
         if single:
             dw = matmul(dlogits.t(), h)
         else:
-            _mm_into(dlogits.t(), h, dw, accumulate=True)
+            mm_into(dlogits.t(), h, dw, accumulate=True)
         if db is not None:
             db += dlogits.sum(0, dtype=db.dtype)
     if rows is not None:

@@ -11,7 +11,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from graphtrain.kernels._common import HAS_TRITON, KernelSpec, dense_empty, register_kernel_spec, tl, triton, triton_ok
+from graphtrain.kernels._common import (HAS_TRITON, KernelSpec, dense_empty, dispatch, register_kernel_spec, tl, triton,
+                                        triton_ok)
 
 
 def _acc(x: Tensor) -> torch.dtype:
@@ -83,18 +84,25 @@ def _supports_cpu(x, *rest) -> bool:
 @torch.library.custom_op("graphtrain::rms_norm", mutates_args=())
 def _rms_norm_op(x: Tensor, weight: Optional[Tensor], eps: float) -> tuple[Tensor, Tensor]:
     n = x.shape[-1]
-    if _supports_triton(x, weight):
+
+    def triton_path():
         x2 = x.reshape(-1, n).contiguous()
         y = torch.empty_like(x2)
         rstd = torch.empty(x2.shape[0], dtype=torch.float32, device=x.device)
         _rms_fwd_kernel[(x2.shape[0],)](x2, weight if weight is not None else x2, y, rstd, n, eps,
                                         HAS_W=weight is not None, BLOCK=triton.next_power_of_2(n))
         return y.reshape(x.shape).contiguous(), rstd
-    if _supports_cpu(x):
+
+    def cpu():
         y, rstd = torch.ops.aten._fused_rms_norm(x, [n], weight, eps)
         return y.contiguous(), rstd.reshape(-1).float().contiguous()
-    y, rstd = rms_norm_reference(x, weight, eps)
-    return y.contiguous(), rstd.contiguous()
+
+    def reference():
+        y, rstd = rms_norm_reference(x, weight, eps)
+        return y.contiguous(), rstd.contiguous()
+
+    return dispatch("rms_norm", [("triton", _supports_triton(x, weight), triton_path),
+                                 ("cpu", _supports_cpu(x), cpu)], reference)
 
 
 @_rms_norm_op.register_fake
@@ -106,7 +114,8 @@ def _(x, weight, eps):
 @torch.library.custom_op("graphtrain::rms_norm_backward", mutates_args=())
 def _rms_norm_backward_op(dy: Tensor, x: Tensor, weight: Optional[Tensor], rstd: Tensor) -> tuple[Tensor, Tensor]:
     n = x.shape[-1]
-    if _supports_triton(x, weight):
+
+    def triton_path():
         x2, dy2 = x.reshape(-1, n).contiguous(), dy.reshape(-1, n).contiguous()
         rows = x2.shape[0]
         rows_per = triton.cdiv(rows, max(1, min(rows, 128)))
@@ -115,9 +124,11 @@ def _rms_norm_backward_op(dy: Tensor, x: Tensor, weight: Optional[Tensor], rstd:
         dw = torch.empty(progs, n, dtype=torch.float32, device=x.device)
         _rms_bwd_kernel[(progs,)](dy2, x2, weight if weight is not None else x2, rstd, dx, dw, rows, n, rows_per,
                                   HAS_W=weight is not None, BLOCK=triton.next_power_of_2(n))
-        dx, dw = dx.reshape(x.shape), dw.sum(0)
-    else:  # CPU too: aten._fused_rms_norm_backward has no CPU kernel in torch 2.13
-        dx, dw = rms_norm_backward_reference(dy, x, weight, rstd)
+        return dx.reshape(x.shape), dw.sum(0)
+
+    # CPU too runs the reference: aten._fused_rms_norm_backward has no CPU kernel in torch 2.13
+    dx, dw = dispatch("rms_norm_backward", [("triton", _supports_triton(x, weight), triton_path)],
+                      lambda: rms_norm_backward_reference(dy, x, weight, rstd))
     dw = dw.to(weight.dtype) if (weight is not None and dw is not None) else x.new_zeros(n)
     return dx.contiguous(), dw.contiguous()
 

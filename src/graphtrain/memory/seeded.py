@@ -27,7 +27,7 @@ import torch.fx as fx
 from torch import Tensor
 
 import graphtrain.kernels  # noqa: F401  (registers graphtrain::bias_dropout_add)
-from graphtrain.kernels._common import dense_empty, new_seed
+from graphtrain.kernels._common import dense_empty, dispatch, new_seed
 
 _bda = importlib.import_module("graphtrain.kernels.bias_dropout_add")  # the package re-exports a function by that name
 
@@ -49,16 +49,19 @@ def _(salt: int) -> Tensor:
 def _bias_dropout_add_seeded(x: Tensor, bias: Optional[Tensor], residual: Optional[Tensor], p: float,
                              seed: Tensor) -> Tensor:
     """graphtrain::bias_dropout_add's output for a given seed (the same kernels, so the same bits)."""
-    if _bda._supports_triton(x, bias, residual):
-        return _bda._bda_triton(x, bias, residual, p, seed)
-    if _bda._supports_cpu(x, bias, residual):
+    def cpu():
         empty = x.new_empty(0)
-        out = _bda._cpu_ext.load().bias_dropout_add_fwd(x, bias if bias is not None else empty,
-                                                        residual if residual is not None else empty, p,
-                                                        int(seed.item()))
-        return out.contiguous()
-    out = _bda.bias_dropout_add_reference(x, bias, residual, p, seed)
-    return x.clone(memory_format=torch.contiguous_format) if out is x else out.contiguous()
+        return _bda._cpu_ext.load().bias_dropout_add_fwd(x, bias if bias is not None else empty,
+                                                         residual if residual is not None else empty, p,
+                                                         int(seed.item()))
+
+    def reference():
+        out = _bda.bias_dropout_add_reference(x, bias, residual, p, seed)
+        return x.clone(memory_format=torch.contiguous_format) if out is x else out
+
+    return dispatch("bias_dropout_add", [
+        ("triton", _bda._supports_triton(x, bias, residual), lambda: _bda._bda_triton(x, bias, residual, p, seed)),
+        ("c++", _bda._supports_cpu(x, bias, residual), cpu)], reference).contiguous()
 
 
 @_bias_dropout_add_seeded.register_fake

@@ -17,9 +17,10 @@ and these extern GEMMs in between, torch 2.13's Inductor scheduled a dropout's i
 tests/test_engine_parity.py's TinyGPT moved by 3%). graphtrain's own dropout ops draw from their
 hash RNG and are unaffected, so by default (dropouts fused) the pass applies.
 
-On by default under the Inductor provider when the once-per-process probe measured oneDNN at least
-``WIN_MARGIN`` faster than aten.mm on this CPU; ``engine.passes.lower_gemm_onednn: true`` forces it
-(no probe), ``false`` switches it off. The ``aten`` provider, graphtrain's bitwise reference, leaves
+On by default under the Inductor provider when oneDNN's fp32 matmul runs on this CPU (gemm.onednn_fp32:
+not on AVX2-only CPUs) and the once-per-machine probe measured it at least ``WIN_MARGIN`` faster than
+aten.mm; ``engine.passes.lower_gemm_onednn: true`` forces it (no probe; where oneDNN's fp32 path does not
+run, the fallback policy says so), ``false`` switches it off. The ``aten`` provider, graphtrain's bitwise reference, leaves
 matmuls to aten unless the pass is switched on by name. Rewritten: aten.mm(a, b) and
 aten.addmm(bias, a, b) with alpha = beta = 1, a and b 2-D fp32 on CPU (each a node's fake value says so).
 """
@@ -33,7 +34,7 @@ from graphtrain.passes.fuse_utils import aten, call, finish, is_op, val
 from graphtrain.passes.manager import PassContext, register_pass
 
 import graphtrain.kernels  # noqa: F401  (registers torch.ops.graphtrain.gemm)
-from graphtrain.kernels.gemm import onednn_available, onednn_gemm_wins
+from graphtrain.kernels.gemm import onednn_available, onednn_fp32, onednn_gemm_wins
 
 
 def _fp32_cpu(n: object) -> bool:
@@ -64,9 +65,12 @@ def gemm_operands(node: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node | None] | No
 def lower_gemm_onednn_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Rewrite fp32 CPU mm/addmm to graphtrain::gemm where oneDNN beats aten.mm on this CPU (not in graphs with
     aten random ops, see the module docstring)."""
+    forced = ctx.config.passes.get("lower_gemm_onednn") is True
     if not onednn_available():
+        if forced:  # asked for by name: the fallback policy reports (or raises) why it cannot apply
+            raise RuntimeError(f"oneDNN's fp32 matmul is not usable on this machine: {onednn_fp32()[1]}")
         return gm
-    if ctx.config.passes.get("lower_gemm_onednn") is not True and not onednn_gemm_wins():
+    if not forced and not onednn_gemm_wins():
         return gm
     if any(is_random(n) for n in gm.graph.nodes):  # see the module docstring
         return gm

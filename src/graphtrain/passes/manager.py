@@ -26,6 +26,7 @@ import torch
 import torch.fx as fx
 
 from graphtrain.config import EngineConfig
+from graphtrain.fallback import report_fallback
 
 STAGES = ("pre_autodiff", "forward", "backward")
 
@@ -76,6 +77,8 @@ class PassContext:
     # Set by the engine for pre_autodiff graphs: which placeholder indices are trainable parameters,
     # frozen parameters or buffers, and user inputs. Constant folding reads this.
     input_kinds: list[str] | None = None
+    fallbacks: list[tuple[str, str]] | None = None
+    """Where a failed pass's fallback is recorded (the module's EngineState.fallbacks: the report reads it)."""
     rewrites: int = 0
 
     def count(self, n: int = 1) -> None:
@@ -169,8 +172,6 @@ def _backup(gm: fx.GraphModule) -> fx.GraphModule:
 
 def run_pipeline(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Run every enabled pass of ctx.stage on gm, checking and recording each."""
-    from graphtrain.engine.fallback import report_fallback  # lazy: engine imports passes
-
     for spec in pipeline(ctx.stage, ctx.config):
         before_counts = op_counts(gm)
         before_sig = _output_signature(gm)
@@ -192,7 +193,8 @@ def run_pipeline(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             error = f"{type(e).__name__}: {e}"
             gm = backup  # type: ignore[assignment]
             ctx.rewrites = 0
-            report_fallback(f"pass {spec.name}", error, ctx.config, what=f"{ctx.graph_name} keeps the graph from before the pass")
+            report_fallback(f"pass {spec.name}", error, ctx.config,
+                            what=f"{ctx.graph_name} keeps the graph from before the pass", sink=ctx.fallbacks)
         dt = time.perf_counter() - t0
         after_counts = op_counts(gm)
         diff = {k: after_counts[k] - before_counts[k] for k in set(before_counts) | set(after_counts)
