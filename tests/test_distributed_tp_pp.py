@@ -1,6 +1,8 @@
 """Tensor parallel (DTensor Megatron plan) and pipeline parallel (1F1B, GPipe) against one process."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -197,11 +199,11 @@ def test_tp_needs_heads_divisible():
         check_tp(tiny(), 3)
 
 
-def _hf_bert() -> torch.nn.Module:
+def _hf_bert(dropout: float = 0.0) -> torch.nn.Module:
     transformers = pytest.importorskip("transformers")
     cfg = transformers.BertConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                  intermediate_size=128, max_position_embeddings=64, hidden_dropout_prob=0.0,
-                                  attention_probs_dropout_prob=0.0, attn_implementation="eager")
+                                  intermediate_size=128, max_position_embeddings=64, hidden_dropout_prob=dropout,
+                                  attention_probs_dropout_prob=dropout, attn_implementation="eager")
     torch.manual_seed(0)
     return transformers.BertForMaskedLM(cfg)
 
@@ -283,3 +285,71 @@ def test_tensor_parallel_communication_volume_is_megatrons():
     for r in out:
         assert r["tp_bytes"] == expected, (r["tp_bytes"], expected)
         assert r["param_bytes"] < sum(p.numel() * 4 for p in tiny().parameters()) * 0.6  # sharded
+
+
+# --- dropout under tensor parallelism -------------------------------------------------------------------
+TP_DROPOUT = 0.1
+
+
+def _dropout_masks_worker(name: str, engine: dict | None) -> dict:
+    """One recorded training step of `name` (dropout TP_DROPOUT) at tp=2: every dropout mask drawn, in order;
+    then the same step again from the same generator state (what a resumed run replays)."""
+    from graphtrain.config import ModelConfig
+    from graphtrain.models import build_model
+    from test_dropout_statistics import DropoutDraws
+    torch.manual_seed(0)
+    model = _hf_bert(TP_DROPOUT) if name == "hf-bert" else build_model(ModelConfig(name=name, dropout=TP_DROPOUT))
+    par = parallelize(model, optim_factory(), ParallelConfig(timeout_s=60, tp=2))
+    ids, labels = batch(4, t=32, seed=0)
+    if engine is not None:
+        par.accelerate(engine)
+        par.forward_backward(ids, labels)  # compile outside the recording
+    out = {}
+    state = torch.get_rng_state()
+    for run in ("first", "again"):
+        torch.set_rng_state(state)
+        with DropoutDraws() as rec:
+            par.forward_backward(ids, labels)
+        out[run] = [(d.op, d.kind, d.keep) for d in rec.draws]
+    return out
+
+
+@pytest.mark.parametrize("name,engine", [("gpt2-tiny", None), ("gpt2-tiny", ENGINE), ("hf-bert", None)],
+                         ids=["gpt2-eager", "gpt2-engine", "hf-bert-eager"])
+def test_tensor_parallel_dropout_masks(name, engine):
+    """tp=2 with dropout: (a) every dropout on replicated activations (embedding, after each row-parallel
+    all-reduce) drops the same elements on both tp ranks, else the replicas diverge; (b) attention dropout,
+    which runs on each rank's own heads, draws independent masks: rank 0's local head h and rank 1's local head
+    h (different heads of the model) agree on a fraction (1-p)^2 + p^2 of elements, not all of them. Both
+    masks are a function of the default generator's state (which checkpoints save): replaying from the same
+    state draws them again bit for bit. Hugging Face BERT's attention is hooked apart from graphtrain's models
+    (tensor_parallel._apply_hf_bert), hence its own case."""
+    if name == "hf-bert":
+        pytest.importorskip("transformers")
+    r0, r1 = run_ranks(_dropout_masks_worker, 2, name, engine)
+    n_layer = 2  # gpt2-tiny's and _hf_bert's
+    kinds = [k for _, k, _ in r0["first"]]
+    assert kinds == [k for _, k, _ in r1["first"]], (r0["first"], r1["first"])
+    assert kinds.count("attention") == n_layer and kinds.count("hidden") == 1 + 2 * n_layer, [
+        (op, k) for op, k, _ in r0["first"]]
+    if engine is not None:  # the engine's masks come from the fused ops (attention fused on the local heads)
+        assert {op for op, _, _ in r0["first"]} == {"graphtrain.attention.default",
+                                                    "graphtrain.bias_dropout_add.default"}, r0["first"]
+    for (op, kind, m0), (_, _, m1) in zip(r0["first"], r1["first"]):
+        if kind == "hidden":
+            assert torch.equal(m0, m1), f"{op}: a dropout on replicated activations differs between tp ranks"
+    att0 = torch.cat([m.flatten() for _, k, m in r0["first"] if k == "attention"])
+    att1 = torch.cat([m.flatten() for _, k, m in r1["first"] if k == "attention"])
+    agree, n = (att0 == att1).double().mean().item(), att0.numel()
+    expected = (1 - TP_DROPOUT) ** 2 + TP_DROPOUT ** 2
+    sigma = math.sqrt(expected * (1 - expected) / n)  # n independent element pairs, each agreeing w.p. expected
+    print(f"attention-dropout agreement between tp ranks: {agree:.4f} over {n} elements "
+          f"(independent: {expected:.4f} +- {sigma:.4f})")
+    assert abs(agree - expected) <= 5 * sigma, (
+        f"attention dropout masks of tp ranks 0 and 1 agree on {agree:.4f} of {n} elements; independent masks "
+        f"agree on {expected:.4f} +- {sigma:.4f} (5 sigma bound)")
+    for r, out in enumerate((r0, r1)):
+        keep_rate = torch.cat([m.flatten() for _, k, m in out["first"] if k == "attention"]).double().mean().item()
+        assert abs(keep_rate - (1 - TP_DROPOUT)) <= 5 * math.sqrt(TP_DROPOUT * (1 - TP_DROPOUT) / n), keep_rate
+        for (op, _, a), (_, _, b) in zip(out["first"], out["again"]):
+            assert torch.equal(a, b), f"rank {r} {op}: replaying from the same generator state drew another mask"

@@ -29,6 +29,12 @@ DTensor layout. The collectives themselves are torch.distributed's (`dist.all_re
 LayerNorms, position embeddings and the biases of row-parallel layers stay replicated plain
 tensors: every tp rank computes the same values and the same gradients for them.
 
+Dropout: every tp rank of a replica shares the default generator's state, so dropout on replicated
+activations (embeddings, after each row-parallel all-reduce) drops the same elements on every rank.
+Attention dropout runs on each rank's own heads and must not: `LocalHeadsRNG` gives it a stream per
+tp rank in eager mode, and graphtrain::attention salts its seed with the tp rank in compiled graphs
+(kernels/_common.py, `set_sharded_dropout_salt`). docs/distributed.md states the design.
+
 The fused qkv is split into q/k/v because a contiguous column shard of [Wq; Wk; Wv] would mix
 q, k and v. `checkpoint.py` re-fuses them (`FUSED_ATTR`) so checkpoints keep the unsharded
 model's parameter names and shapes and load under any layout.
@@ -44,6 +50,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
+
+from graphtrain.kernels._common import new_seed, salted_seed, set_sharded_dropout_salt
 
 # model attribute: {fused fqn prefix ("blocks.0.attn.qkv"): [part prefixes (".q", ".k", ".v")]}
 FUSED_ATTR = "_graphtrain_fused"
@@ -126,6 +134,60 @@ def _gather_backward(ctx, g):
 
 
 tp_gather_last.register_autograd(_gather_backward, setup_context=_save_group)
+
+
+# --- dropout on this rank's heads ------------------------------------------------------------------
+
+class LocalHeadsRNG:
+    """Eager attention dropout on this tp rank's heads, drawn from a random stream of the rank's own.
+
+    Every tp rank of a replica runs from the same default-generator state (dropout on replicated activations
+    must agree across tp ranks), so attention dropout on the ranks' equally shaped local heads would draw
+    the same masks. `enter` (a forward pre-hook where the attention core starts) draws one seed from the
+    default generator -- the same draw on every tp rank, so the shared stream stays aligned -- and reseeds
+    the generators with it salted by the tp rank (`salted_seed`, as graphtrain::attention does); `exit`
+    (where the core ends) restores the default generator to its state after that draw. The stream is
+    therefore a function of the default generator's state: checkpoints, which save that state, need
+    nothing more, and a resumed run draws the same masks. Under torch.compile both hooks do nothing: the
+    engine fuses the attention into graphtrain::attention, which salts its own seed. Skipped in eval and
+    at p = 0, so a run without dropout draws exactly what it did before."""
+
+    def __init__(self, salt: int, device_type: str, p_of) -> None:
+        self.salt, self.p_of = salt, p_of  # p_of(attention module) -> its attention-dropout probability
+        self.cuda = [torch.cuda.current_device()] if device_type == "cuda" else []  # this rank's GPU
+        self._fork = None
+
+    def enter(self, module: nn.Module, args: tuple) -> None:
+        if torch.compiler.is_compiling() or not module.training or self.p_of(module) == 0:
+            return
+        self.exit()  # a forward that raised inside the region left it open
+        seed = salted_seed(int(new_seed().item()), self.salt)
+        self._fork = torch.random.fork_rng(devices=self.cuda, device_type="cuda")
+        self._fork.__enter__()
+        torch.default_generator.manual_seed(seed)
+        for index in self.cuda:
+            torch.cuda.default_generators[index].manual_seed(seed)
+
+    def exit(self, *_: object) -> None:
+        if torch.compiler.is_compiling() or self._fork is None:
+            return
+        fork, self._fork = self._fork, None
+        fork.__exit__(None, None, None)
+
+
+def _attention_dropout_on_local_heads(tp_mesh: DeviceMesh, regions: list[tuple[nn.Module, nn.Module, bool]],
+                                      p_of) -> None:
+    """Salt this rank's attention dropout: the fused op (process-wide) and, for eager, `LocalHeadsRNG` over each
+    (module where the core starts, module at whose entry (True) or exit (False) it ends) in `regions`."""
+    salt = tp_mesh.get_local_rank()
+    set_sharded_dropout_salt(salt)
+    rng = LocalHeadsRNG(salt, tp_mesh.device_type, p_of)
+    for start, end, at_entry in regions:
+        start.register_forward_pre_hook(rng.enter)
+        if at_entry:
+            end.register_forward_pre_hook(rng.exit)
+        else:
+            end.register_forward_hook(rng.exit)
 
 
 # --- the parallel layers ----------------------------------------------------------------------------
@@ -295,12 +357,17 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
     gpt2 = model.family == "gpt2"
     prefix, blocks = ("blocks", model.blocks) if gpt2 else ("layers", model.layers)
     fused: dict[str, list[str]] = {}
+    regions = []
     for i, block in (blocks.items() if isinstance(blocks, nn.ModuleDict) else enumerate(blocks)):
         block.attn.qkv = SplitQKV(block.attn.qkv, tp_mesh)
         fused[f"{prefix}.{i}.attn.qkv"] = [".q", ".k", ".v"]
         block.attn.proj = RowParallelLinear(block.attn.proj, tp_mesh)
         block.mlp.fc = ColumnParallelLinear(block.mlp.fc, tp_mesh)
         block.mlp.proj = RowParallelLinear(block.mlp.proj, tp_mesh)
+        # SelfAttention's local-head part (explicit softmax-dropout or SDPA) runs between its entry and its
+        # row-parallel output projection; the residual dropout after that is on replicated activations.
+        regions.append((block.attn, block.attn.proj, True))
+    _attention_dropout_on_local_heads(tp_mesh, regions, lambda attn: attn.dropout_p)
     emb_fqn = "wte" if gpt2 else "embeddings.word"
     emb = None
     if _has(model, emb_fqn):  # a pipeline stage other than the first has none
@@ -344,14 +411,17 @@ def _apply_hf_bert(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
     the tied decoder is column-parallel over the vocabulary with its output gathered, because the model computes
     its own cross-entropy on [B, T, V] logits."""
     group = tp_mesh.get_group().group_name
+    regions = []
     for layer in model.bert.encoder.layer:
         sa = layer.attention.self
         for name in ("query", "key", "value"):
             setattr(sa, name, ColumnParallelLinear(getattr(sa, name), tp_mesh, copy_input=False))
         sa.register_forward_pre_hook(_copy_first_input(group), with_kwargs=True)  # one backward all-reduce for q, k, v
+        regions.append((sa, sa, False))  # BertSelfAttention holds only local-head work (its output dense is apart)
         layer.attention.output.dense = RowParallelLinear(layer.attention.output.dense, tp_mesh)
         layer.intermediate.dense = ColumnParallelLinear(layer.intermediate.dense, tp_mesh)
         layer.output.dense = RowParallelLinear(layer.output.dense, tp_mesh)
+    _attention_dropout_on_local_heads(tp_mesh, regions, lambda sa: sa.dropout.p)
     emb = VocabParallelEmbedding(model.bert.embeddings.word_embeddings, tp_mesh)
     model.bert.embeddings.word_embeddings = emb
     head = model.cls.predictions

@@ -1,5 +1,5 @@
 """Shared pieces of graphtrain's fused ops: the Triton import guard, the dropout hash, the registry,
-and the run-time fallback every fast path goes through (`guarded`).
+the run-time fallback every fast path goes through (`guarded`), and `force_reference` (diagnosis).
 
 Dropout masks in every implementation (reference, C++ CPU, Triton) come from one counter-based hash
 of (seed, flat element index), so a mask is reproducible from an int64 seed: backward regenerates
@@ -7,6 +7,7 @@ it instead of saving it, and the implementations agree bit for bit (tests check 
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import warnings
@@ -70,6 +71,56 @@ def dense_empty(like: torch.Tensor, shape=None, dtype: torch.dtype | None = None
 def new_seed() -> torch.Tensor:
     """A fresh dropout seed from torch's default CPU generator (so torch.manual_seed reproduces it)."""
     return torch.randint(0, 2**62, (1,), dtype=torch.int64)
+
+
+# --- dropout on tensor-parallel shards ---------------------------------------------------------------------
+# Every tp rank of a data-parallel replica runs from the same default-generator state, because a dropout on
+# replicated activations (after a row-parallel all-reduce) must drop the same elements on every tp rank. So
+# every rank draws the same seed for a given op. Attention dropout, however, runs on each rank's *own* heads
+# (at equal local shapes): with that shared seed, rank 0's local head h and rank 1's local head h would get
+# the same mask (measured on gpt2-tiny at tp=2 before this salt: the ranks' attention masks agreed on 100% of
+# elements instead of (1-p)^2 + p^2). Megatron draws that dropout from a separate RNG seeded per tp rank;
+# here the seed is still drawn from the shared generator (so every rank's stream stays aligned and
+# checkpoints need nothing new) and graphtrain::attention hashes it with the process's tp salt, which
+# distributed.tensor_parallel sets to the tp rank when it shards a model. Salt 0 (one process, or tp rank 0)
+# leaves the seed as drawn, so results without tensor parallelism are unchanged bit for bit.
+_SHARDED_DROPOUT_SALT = 0
+_M64 = (1 << 64) - 1
+
+
+def set_sharded_dropout_salt(salt: int) -> None:
+    """Mix `salt` (the tp rank) into the seed of every later graphtrain::attention call in this process."""
+    global _SHARDED_DROPOUT_SALT
+    if not isinstance(salt, int) or salt < 0:
+        raise ValueError(f"the sharded-dropout salt must be an int >= 0 (the tensor-parallel rank), got {salt!r}")
+    _SHARDED_DROPOUT_SALT = salt
+
+
+def sharded_dropout_salt() -> int:
+    return _SHARDED_DROPOUT_SALT
+
+
+def _mix64(z: int) -> int:
+    """splitmix64 (a bijection of 64-bit ints whose outputs look independent for related inputs)."""
+    z = (z + 0x9E3779B97F4A7C15) & _M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return z ^ (z >> 31)
+
+
+def salted_seed(seed: int, salt: int) -> int:
+    """`seed` for salt 0, else a hash of (seed, salt) in new_seed's range [0, 2^62) (what every implementation
+    takes). A hash, not seed + salt: the mask hashes seed + (i + 1) * golden, so seeds that differ by a small
+    multiple of the golden ratio constant would give shifted copies of one mask."""
+    return seed if salt == 0 else _mix64(seed ^ _mix64(salt)) & ((1 << 62) - 1)
+
+
+def sharded_dropout_seed() -> torch.Tensor:
+    """new_seed(), salted with this process's tp salt: the seed of a dropout on a tensor-parallel shard."""
+    seed = new_seed()
+    if _SHARDED_DROPOUT_SALT == 0:
+        return seed
+    return torch.tensor([salted_seed(int(seed.item()), _SHARDED_DROPOUT_SALT)], dtype=torch.int64)
 
 
 def check_dropout_p(p: float, what: str) -> None:
@@ -170,7 +221,7 @@ def reset_runtime_fallbacks() -> None:
 def guarded(op: str, implementation: str, fast: Callable[[], Any], reference: Callable[[], Any]) -> Any:
     """fast(), or reference() when fast raises (see above). Both closures compute the same op on the same
     inputs; `fast` must not have mutated them when it raises (graphtrain's kernels write into fresh buffers)."""
-    if (op, implementation) in _DISABLED:
+    if (op, implementation) in _DISABLED or _forced(op, implementation):
         return reference()
     try:
         return fast()
@@ -203,3 +254,43 @@ def dispatch(op: str, candidates: list[tuple[str, bool, Callable[[], Any]]], ref
         if accepted and (op, name) not in _DISABLED:
             return guarded(op, name, fn, reference)
     return reference()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Forcing references, for diagnosis (`graphtrain bisect`): inside `force_reference(...)` the named ops run their
+# reference instead of the fast path their checker chose, so one graph can run with and without a fast path and
+# the two be compared. Process-wide, not per thread, because fused ops' backward runs in autograd's threads.
+
+
+@dataclass
+class _Forcing:
+    ops: frozenset[str] | None       # None: every op
+    except_for: frozenset[str]
+    chosen: set[tuple[str, str]]     # (op, implementation) fast paths chosen inside the block, forced or not
+
+
+_FORCING: list[_Forcing] = []  # a stack: the innermost block decides
+
+
+@contextlib.contextmanager
+def force_reference(ops: Any = None, *, except_for: Any = ()) -> Any:
+    """Run the reference implementation of fused ops inside the block instead of their fast paths.
+
+    `ops` and `except_for` are iterables of the names ops dispatch under (``layer_norm``, ``layer_norm_backward``,
+    ``attention``, ``gemm``, ...; see `dispatch`); ``ops=None`` forces every op except those in `except_for`.
+    Yields a set that collects every (op, implementation) fast path chosen inside the block, forced or not:
+    which fast paths a model exercises. Diagnosis only: the switch is process-wide."""
+    forcing = _Forcing(None if ops is None else frozenset(ops), frozenset(except_for), set())
+    _FORCING.append(forcing)
+    try:
+        yield forcing.chosen
+    finally:
+        _FORCING.remove(forcing)
+
+
+def _forced(op: str, implementation: str) -> bool:
+    if not _FORCING:
+        return False
+    f = _FORCING[-1]
+    f.chosen.add((op, implementation))
+    return (f.ops is None or op in f.ops) and op not in f.except_for

@@ -26,7 +26,8 @@ from torch import Tensor
 
 from graphtrain.kernels import _cpu_ext
 from graphtrain.kernels._common import (HAS_TRITON, KernelSpec, check_dropout_p, dense_empty, dispatch,
-                                        dropout_keep_mask, new_seed, register_kernel_spec, triton, triton_ok)
+                                        dropout_keep_mask, register_kernel_spec, sharded_dropout_seed, triton,
+                                        triton_ok)
 from graphtrain.kernels.gemm import matmul
 
 
@@ -139,7 +140,9 @@ def _cpu_bwd(dout, q, k, v, mask, out, lse, scale, is_causal, p, seed):
 @torch.library.custom_op("graphtrain::attention", mutates_args=())
 def _attention_op(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: float, is_causal: bool,
                   p: float) -> tuple[Tensor, Tensor, Tensor]:
-    seed = new_seed()
+    # Salted with the tp rank under tensor parallelism (each rank's heads differ: see _common.py); the op
+    # returns the salted seed, so backward regenerates the same mask.
+    seed = sharded_dropout_seed()
 
     def triton_path():
         from graphtrain.kernels._attention_triton import attention_fwd_triton

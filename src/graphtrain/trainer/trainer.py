@@ -112,7 +112,9 @@ class Trainer:
                 runtime.accelerate_distributed(self.par, config)
             # Data-parallel replica 0 keeps a single process's RNG stream; other replicas draw their own dropout.
             # Tensor-parallel ranks of one replica share theirs: dropout on replicated activations (after a
-            # row-parallel all-reduce) must drop the same elements on every tp rank.
+            # row-parallel all-reduce) must drop the same elements on every tp rank. Attention dropout, on each
+            # rank's own heads, salts that shared stream with the tp rank (docs/distributed.md, "Dropout under
+            # tensor parallelism").
             if self.env.dp_rank:
                 runtime.seed_everything(tc.seed + 1_000_003 * self.env.dp_rank)
         # fp16 only: dynamic loss scaling (inside the step graph with train.whole_step)
