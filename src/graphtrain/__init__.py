@@ -5,6 +5,7 @@ Public API::
     model = graphtrain.accelerate(model)            # drop-in module, trains through the graph engine
     torch.compile(model, backend="graphtrain")      # or as a torch.compile backend
     print(graphtrain.report(model))                 # what was captured, fused, recomputed, and why
+    print(graphtrain.bisect(make_model, batch))     # the first pass/fused op/provider that leaves eager's tolerance
     step = graphtrain.compile_step(model, config)   # forward+backward+clip+AdamW as one graph; step(**batch)
     graphtrain.Trainer(graphtrain.Config()).fit()   # the trainer behind `graphtrain train`
 """
@@ -20,6 +21,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "accelerate": "graphtrain.engine.api",
     "report": "graphtrain.engine.report",
+    "bisect": "graphtrain.engine.bisect",
     "compile_step": "graphtrain.engine.step_graph",
     "Trainer": "graphtrain.trainer.trainer",
 }

@@ -4,6 +4,7 @@
     graphtrain train configs/x.yaml train.steps=50 --out runs/x
     graphtrain train --out runs/x --resume        continue that run from its latest checkpoint
     graphtrain config                             every config key with its default and documentation
+    graphtrain bisect configs/x.yaml              the first optimization that leaves eager's tolerance
 
 Subcommands live in `SUBCOMMANDS`: name -> (help, add_arguments, run). Adding one is one entry
 and two functions. A user mistake (bad config key or value, missing data, corrupt checkpoint...)
@@ -189,6 +190,46 @@ def run_report(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------------- bisect ----
+
+BISECT_EPILOG = """\
+Runs a few SGD steps of the configured model on the first batch of its data in eager PyTorch, then with
+the engine's optimizations switched on one at a time (no passes; each pass of the pipeline; each fused
+op's fast implementation; the provider), comparing the loss and every gradient with eager at each step
+under graphtrain.testing.TOLERANCES. Dropout is switched off unless --keep-dropout: graphtrain's fused
+dropout draws its masks from its own RNG. Exit status: 0 when every configuration is within tolerance,
+1 when a culprit is named, 2 on a usage error.
+
+examples:
+  graphtrain bisect configs/gpt2-tiny-test.yaml --provider aten
+  graphtrain bisect configs/x.yaml engine.precision=bf16 --steps 2 --json
+"""
+
+
+def add_bisect_arguments(p: argparse.ArgumentParser) -> None:
+    _add_config_items(p)
+    p.add_argument("--steps", type=int, default=3, metavar="N",
+                   help="SGD steps compared per configuration (default 3)")
+    p.add_argument("--provider", choices=("aten", "inductor"),
+                   help="the provider to end on (default: the config's engine.provider; auto is inductor)")
+    p.add_argument("--keep-dropout", action="store_true",
+                   help="keep dropout on; configurations whose random stream differs from eager's are then "
+                        "reported, not judged")
+    p.add_argument("--alone", action="store_true", help="also run each pass on its own")
+    p.add_argument("--json", action="store_true", help="print the result as JSON instead of text")
+
+
+def run_bisect(args: argparse.Namespace) -> int:
+    import json
+
+    from graphtrain.engine.bisect import bisect_for_config
+
+    rep = bisect_for_config(load_config(args.items), steps=args.steps, provider=args.provider,
+                            keep_dropout=args.keep_dropout, alone=args.alone)
+    print(json.dumps(rep.to_dict(), indent=2, default=str) if args.json else rep)
+    return 0 if rep.ok else 1
+
+
 def _bench_arguments(p: argparse.ArgumentParser) -> None:
     from graphtrain.bench import cli as bench_cli
     bench_cli.add_arguments(p)
@@ -208,10 +249,12 @@ SUBCOMMANDS: dict[str, Subcommand] = {
                          "and/or overrides, print the resolved job instead", add_config_arguments, run_config),
     "report": Subcommand("build the configured model, run one accelerated training step and print what the engine "
                          "did: graphs, breaks, passes, providers, memory", add_report_arguments, run_report),
+    "bisect": Subcommand("find the first pass, fused op or provider that takes the configured model's loss or "
+                         "gradients out of tolerance of eager PyTorch", add_bisect_arguments, run_bisect),
     "bench": Subcommand("compare eager PyTorch, torch.compile and graphtrain training steps side by side",
                         _bench_arguments, _bench_run),
 }
-EPILOGS = {"train": TRAIN_EPILOG}
+EPILOGS = {"train": TRAIN_EPILOG, "bisect": BISECT_EPILOG}
 
 
 def build_parser() -> argparse.ArgumentParser:
