@@ -274,3 +274,37 @@ def test_passes_registered_and_switchable():
     assert "fuse_attention" not in [s.name for s in pipeline("pre_autodiff", off)]
     inductor = [s.name for s in pipeline("pre_autodiff", EngineConfig(provider="inductor"))]
     assert "fuse_attention" in inductor and "fuse_bias_dropout_add" in inductor and "fuse_layer_norm" not in inductor
+
+
+def test_sparse_lm_head_skips_unlabelled_rows_and_is_switchable(monkeypatch):
+    """fuse_linear_cross_entropy emits the dense op; sparse_lm_head lets it skip rows whose label is ignored
+    (masked-LM: most of them). Same loss and gradients either way; the LM-head matmul sees only the labelled
+    rows with the pass on, all rows with it off."""
+    import importlib
+    lce = importlib.import_module("graphtrain.kernels.linear_cross_entropy")  # the package re-exports a function
+    rows_seen = []
+    real = lce.matmul
+    monkeypatch.setattr(lce, "matmul", lambda a, b, bias=None: (rows_seen.append(a.shape[0]), real(a, b, bias))[1])
+
+    def head(h, w, b, t):
+        return F.cross_entropy((F.linear(h, w) + b).view(-1, 17), t.view(-1))
+    g = torch.Generator().manual_seed(4)
+    t = torch.randint(0, 17, (3, 20), generator=g)
+    t[torch.rand(3, 20, generator=g) > 0.2] = -100
+    t[0, 0] = 5
+    labelled = int((t != -100).sum())
+    inputs = [torch.randn(3, 20, 9, generator=g), torch.randn(17, 9, generator=g), torch.randn(17, generator=g), t]
+    names = FUSIONS[:-1] + ["sparse_lm_head"]
+    dense, counts = run_passes(trace_aten_forward(head, inputs), FUSIONS[:-1])
+    sparse, counts_s = run_passes(trace_aten_forward(head, inputs), names)
+    assert counts["fuse_linear_cross_entropy"] == 1 and counts_s["sparse_lm_head"] == 1
+    rows_seen.clear()
+    od, gd = run_with_grads(dense, inputs)
+    assert rows_seen[0] == 60, rows_seen  # the logits matmul sees every row (3 x 20); then d weight's product
+    rows_seen.clear()
+    os_, gs = run_with_grads(sparse, inputs)
+    assert rows_seen[0] == labelled, (rows_seen, labelled)
+    assert_close(os_, od, name="loss")
+    for i, (a, b) in enumerate(zip(gs, gd)):
+        assert_close(a, b, name=f"grad {i}")
+    assert "sparse_lm_head" in registered_passes() and registered_passes()["sparse_lm_head"].default

@@ -80,7 +80,7 @@ def build_model(case: Case) -> tuple[torch.nn.Module, int, bool]:
         return (*_build_hf(case), True)
     from graphtrain.config import ModelConfig
     from graphtrain.models import build_model as build_reference
-    model = build_reference(ModelConfig(name=case.model))
+    model = build_reference(ModelConfig(name=case.model, attention=case.attention))
     return model, model.spec.vocab_size, False
 
 
@@ -132,7 +132,7 @@ def wrap_model(model: torch.nn.Module, variant: Variant) -> torch.nn.Module:
     if variant.mode == "eager":
         return model
     if variant.mode == "compile":
-        return torch.compile(model)
+        return torch.compile(model, mode=variant.compile_mode)
     if variant.mode == "graphtrain-step":  # the step graph is built in build_workload
         return model
     if variant.mode == "graphtrain":
@@ -141,7 +141,8 @@ def wrap_model(model: torch.nn.Module, variant: Variant) -> torch.nn.Module:
             accelerate = graphtrain.accelerate
         except (ImportError, AttributeError) as e:
             raise Skip(f"graphtrain.accelerate is not available in this checkout ({e})") from None
-        out = accelerate(model, precision=variant.precision, recompute=variant.recompute)
+        out = accelerate(model, precision=variant.precision, recompute=variant.recompute,
+                         passes=passes_off(variant))
         return out if isinstance(out, torch.nn.Module) else model
     if variant.mode == "ortmodule":
         try:
@@ -152,20 +153,38 @@ def wrap_model(model: torch.nn.Module, variant: Variant) -> torch.nn.Module:
     raise ValueError(f"unknown variant mode {variant.mode!r}")
 
 
+def passes_off(variant: Variant) -> dict[str, bool]:
+    """The engine.passes switches of an ablation variant (`fuse_*` names every fusion pass)."""
+    if not variant.passes_off:
+        return {}
+    from graphtrain.passes.manager import registered_passes
+    names = registered_passes()
+    off: dict[str, bool] = {}
+    for pat in variant.passes_off:
+        hits = [n for n in names if n.startswith(pat[:-1])] if pat.endswith("*") else [pat]
+        unknown = [n for n in hits if n not in names]
+        if unknown or not hits:
+            raise ValueError(f"variant {variant.name}: no engine pass matches {pat!r}")
+        off.update({n: False for n in hits})
+    return off
+
+
 def make_optimizer(model: torch.nn.Module, variant: Variant | None = None) -> torch.optim.Optimizer:
     """AdamW with the same hyperparameters for every variant (lr 1e-3, betas (0.9, 0.95), decay 0.01 on
-    matrices only), each the way its user gets it: eager and torch.compile variants use
-    `torch.optim.AdamW` with PyTorch's default implementation (on CPU the per-parameter for-loop;
-    compiling the model does not compile the optimizer); graphtrain variants use
-    `graphtrain.optim.build_optimizer`, i.e. what `graphtrain train` runs (fused AdamW, one pass over
-    p, g, m, v per tensor). The optimizer's share of the step is reported separately (`opt_ms`) so
-    the two contributions can be told apart."""
+    matrices only), each at the strongest setting its user gets with one flag: eager and torch.compile
+    variants use `torch.optim.AdamW(fused=True)` (one vectorized pass over p, g, m, v per tensor);
+    graphtrain variants use `graphtrain.optim.build_optimizer`, i.e. what `graphtrain train` runs
+    (FusedAdamW: the same kernel). `variant.optimizer == "loop"` gives torch.optim.AdamW's default
+    per-parameter loop instead (on CPU ~5x slower for gpt2-small: an extra column and an ablation). The
+    optimizer's share of the step is reported separately (`opt_ms`)."""
     from graphtrain.config import OptimConfig
     from graphtrain.optim import build_optimizer, param_groups
     cfg = OptimConfig()
-    if variant is not None and variant.mode in ("graphtrain", "graphtrain-step"):
+    loop = variant is not None and variant.optimizer == "loop"
+    if variant is not None and variant.mode in ("graphtrain", "graphtrain-step") and not loop:
         return build_optimizer(model, cfg)
-    return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
+    return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
+                             foreach=False if loop else None, fused=None if loop else True)
 
 
 def build_workload(case: Case, variant: Variant, device: str = "cpu") -> tuple[Workload, dict[str, Any]]:
@@ -239,8 +258,9 @@ def reset_peak_memory(device: torch.device) -> bool:
 class Worker:
     """Serves the runner's commands for one (case, variant) inside this process."""
 
-    def __init__(self, case: Case, variant: Variant, device: str) -> None:
+    def __init__(self, case: Case, variant: Variant, device: str, pin_mmap: bool = False) -> None:
         self.case, self.variant, self.device = case, variant, torch.device(device)
+        self.pin_mmap = pin_mmap
         self.work: Workload | None = None
         self.steps_done = 0
         self.loss: float | None = None
@@ -253,6 +273,9 @@ class Worker:
 
     def setup(self) -> dict[str, Any]:
         torch.set_num_threads(os.cpu_count() or 1)
+        if self.pin_mmap:  # the same process environment as graphtrain's recompute variants (runner decides)
+            from graphtrain.memory.allocator import pin_mmap_threshold
+            pin_mmap_threshold()
         t0 = time.perf_counter()
         self.work, info = build_workload(self.case, self.variant, str(self.device))
         info["setup_mem_mib"] = current_memory_mib(self.device)
@@ -295,8 +318,8 @@ class Worker:
                 "steps_done": self.steps_done, "final_loss": self.loss}
 
 
-def serve(case: Case, variant: Variant, device: str, stdin: Any, channel: Any) -> None:
-    worker = Worker(case, variant, device)
+def serve(case: Case, variant: Variant, device: str, stdin: Any, channel: Any, pin_mmap: bool = False) -> None:
+    worker = Worker(case, variant, device, pin_mmap)
     for line in stdin:
         cmd = json.loads(line)
         op = cmd.get("op")
@@ -329,7 +352,8 @@ def main(argv: list[str] | None = None) -> int:
     case = Case(**spec["case"])
     channel = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # stray prints from libraries go to the worker's log, not the reply channel
-    serve(case, VARIANTS[spec["variant"]], spec.get("device", "cpu"), sys.stdin, channel)
+    serve(case, VARIANTS[spec["variant"]], spec.get("device", "cpu"), sys.stdin, channel,
+          bool(spec.get("pin_mmap")))
     return 0
 
 

@@ -37,6 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "suite in --out; with no SUITE, only regenerate it")
     parser.add_argument("--partial", action="store_true",
                         help="with --docs: also use an interrupted run's cases (<suite>-<time>.partial.json)")
+    parser.add_argument("--allow-slow-bf16", action="store_true",
+                        help="run bf16 variants on a CPU without native bf16 too (emulated: ~30x slower than fp32 on "
+                             "an AVX2 EPYC; skipped by default with the reason)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--list", action="store_true", help="list suites, cases and variants, then exit")
 
@@ -84,7 +87,8 @@ def run(args: argparse.Namespace) -> int:
     command = "graphtrain bench " + " ".join(shlex.quote(a) for a in argv)
     result = runner.run_suite(suite, variants, cases, device=args.device, out_dir=out, maxbatch=args.maxbatch,
                               progress=not args.no_progress, command=command,
-                              on_case=lambda partial: report.save_partial(partial, out))
+                              on_case=lambda partial: report.save_partial(partial, out),
+                              allow_slow_bf16=args.allow_slow_bf16)
     paths = report.save(result, out)
     print(report.terminal_table(result))
     print(f"results: {paths['json']}\nreport:  {paths['md']}\nlogs:    {result['log_dir']}")

@@ -44,10 +44,11 @@ def available_mib() -> float | None:
     return None
 
 
-def measure_peak(case: Case, variant: Variant, batch: int, device: str, log_dir: Path) -> tuple[float | None, str]:
+def measure_peak(case: Case, variant: Variant, batch: int, device: str, log_dir: Path,
+                 pin_mmap: bool = False) -> tuple[float | None, str]:
     """(whole-process peak MiB, "") for one trial batch, or (None, reason) when the trial failed."""
     w = WorkerProc(dataclasses.replace(case, batch=batch), variant, device,
-                   log_dir / f"maxbatch.{case.model}.s{case.seq}.b{batch}.{variant.name}.log")
+                   log_dir / f"maxbatch.{case.model}.s{case.seq}.b{batch}.{variant.name}.log", pin_mmap=pin_mmap)
     try:
         for op, args, timeout in (("setup", {}, SETUP_TIMEOUT_S),
                                   ("steps", {"n": TRIAL_STEPS}, 60 + STEP_TIMEOUT_S * TRIAL_STEPS),
@@ -81,7 +82,7 @@ def predict(points: dict[int, float], cap_mib: float) -> int:
 
 def search(case: Case, variant: Variant, cap_gib: float, device: str, log_dir: Path,
            known: dict[int, float] | None = None, tick: Callable[[str], None] = lambda s: None,
-           max_trials: int = MAX_TRIALS) -> dict[str, Any]:
+           max_trials: int = MAX_TRIALS, pin_mmap: bool = False) -> dict[str, Any]:
     """Largest batch (at case.seq) with peak memory <= cap_gib, by measure, extrapolate, bisect."""
     cap = cap_gib * 1024
     points: dict[int, float] = {b: p for b, p in (known or {}).items() if p is not None}
@@ -90,7 +91,7 @@ def search(case: Case, variant: Variant, cap_gib: float, device: str, log_dir: P
 
     def trial(b: int) -> bool:
         tick(f"{case.model} s{case.seq} | {variant.name} | max batch: trying {b}")
-        peak, why = measure_peak(case, variant, b, device, log_dir)
+        peak, why = measure_peak(case, variant, b, device, log_dir, pin_mmap=pin_mmap)
         trials.append({"batch": b, "peak_mib": peak, **({"failed": why} if why else {})})
         points[b] = peak if peak is not None else math.inf  # a trial that died counts as over the cap
         return peak is not None

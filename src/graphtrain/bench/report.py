@@ -59,14 +59,42 @@ def summarize(run: dict[str, Any]) -> list[dict[str, Any]]:
                            final_loss=rec.get("final_loss"), steps_done=rec.get("steps_done"),
                            opt_ms=statistics.median(rec["opt_s"]) * 1e3 if rec.get("opt_s") else None,
                            optimizer=setup.get("optimizer"))
-                for key, ref_name in (("vs_eager", REFERENCE), ("vs_compile", f"compile-{prec}")):
-                    ref = recs.get(ref_name, {})
+                for key, ref_name in (("vs_eager", REFERENCE), ("vs_compile", f"compile-{prec}"),
+                                      ("vs_best", _best_baseline(recs, prec))):
+                    ref = recs.get(ref_name, {}) if ref_name else {}
                     if ref.get("status") == "ok" and ref.get("step_s"):
                         row[key], row[key + "_min"], row[key + "_max"] = _ratios(ref["step_s"], times)
+                        if key == "vs_best":
+                            row["best_baseline"] = ref_name
+                ab = VARIANTS[name].ablates if name in VARIANTS else None
+                base = recs.get("graphtrain-fp32", {})
+                if ab and base.get("status") == "ok" and base.get("step_s"):
+                    # < 1: graphtrain is that much slower without the lever
+                    row["ablates"] = ab
+                    row["vs_graphtrain"], row["vs_graphtrain_min"], row["vs_graphtrain_max"] = _ratios(
+                        base["step_s"], times)
             if rec.get("maxbatch"):
                 row["maxbatch"] = rec["maxbatch"]
             rows.append(row)
     return rows
+
+
+BASELINE_MODES = ("eager", "compile")
+
+
+def _best_baseline(recs: dict[str, Any], prec: str) -> str | None:
+    """The fastest baseline variant (eager or torch.compile in any mode, fused AdamW) of this precision that ran:
+    'vs best baseline' compares with it."""
+    best, best_t = None, float("inf")
+    for name, rec in recs.items():
+        v = VARIANTS.get(name)
+        if (v is None or v.mode not in BASELINE_MODES or v.precision != prec or v.optimizer != "fused"
+                or rec.get("status") != "ok" or not rec.get("step_s")):
+            continue
+        t = statistics.median(rec["step_s"])
+        if t < best_t:
+            best, best_t = name, t
+    return best
 
 
 # ---------------------------------------------------------------------------- formatting ----
@@ -91,7 +119,8 @@ def _maxbatch(row: dict[str, Any]) -> str:
 
 
 COLUMNS = ("variant", "ms/step median (min-max)", "IQR ms", "samples/s", "tokens/s", "vs eager fp32",
-           "vs compile same prec", "MFU", "optimizer ms", "peak MiB (steps)", "1st step s", "loss@N", "max batch")
+           "vs compile same prec", "vs best baseline same prec", "MFU", "optimizer ms", "peak MiB (steps)",
+           "1st step s", "loss@N", "max batch")
 
 
 def row_cells(row: dict[str, Any]) -> list[str]:
@@ -102,7 +131,8 @@ def row_cells(row: dict[str, Any]) -> list[str]:
     loss = f"{row['final_loss']:.4f}@{row['steps_done']}" if row.get("final_loss") is not None else "-"
     mfu = "-" if row.get("mfu") is None else f"{100 * row['mfu']:.{1 if row['mfu'] >= 0.01 else 2}f}%"
     return [row["variant"], ms, f"{(row['q3_s'] - row['q1_s']) * 1e3:.1f}", f"{row['samples_s']:.1f}",
-            f"{row['tokens_s']:.0f}", _ratio(row, "vs_eager"), _ratio(row, "vs_compile"), mfu,
+            f"{row['tokens_s']:.0f}", _ratio(row, "vs_eager"), _ratio(row, "vs_compile"),
+            _ratio(row, "vs_best") + (f" {row['best_baseline']}" if row.get("best_baseline") else ""), mfu,
             _f(row.get("opt_ms"), ".1f") + (f" {row['optimizer']}" if row.get("optimizer") else ""), mem,
             _f(row.get("ttfs_s"), ".1f"), loss, _maxbatch(row)]
 
@@ -137,8 +167,12 @@ def markdown(run: dict[str, Any], heading: str = "##") -> str:
              f"Command: `{run.get('command', '?')}`", "",
              *([f"**Partial run**: interrupted after {len(run['cases'])} case(s); only those are shown.", ""]
                if "finished" not in run else []),
-             f"Machine: {env.get('cpu', '?')}, {env.get('cores', '?')} cores"
-             + (f", GPU {env['gpu']}" if env.get("gpu") else "") + f", ISA: {', '.join(env.get('cpu_flags', []))}; "
+             f"Machine: {env.get('cpu', '?')}"
+             + (f" ({env['cpu_family_model']})" if env.get("cpu_family_model") else "")
+             + f", {env.get('cores', '?')} cores"
+             + (f", GPU {env['gpu']}" if env.get("gpu") else "")
+             + (f", CPU capability {env['isa']} (aten dispatch {env.get('torch_isa')})" if env.get("isa") else "")
+             + f", flags: {', '.join(env.get('cpu_flags', [])) or 'no avx2/avx512/amx'}; "
              f"{s.get('threads', env.get('cores', '?'))} torch threads, device `{env.get('device', 'cpu')}`"
              + (f"; load average {env['loadavg_start'][0]:.1f} at start, "
                 f"{(env.get('loadavg_end') or ['?'])[0]} at end (other work on the machine adds noise)"
@@ -153,7 +187,10 @@ def markdown(run: dict[str, Any], heading: str = "##") -> str:
              + ("(one variant's process at a time, each alone on the machine)" if s.get("max_workers") == 1
                 else "(order rotated each round)")
              + "; ratios are ref time / time (> 1 is faster), the range in brackets is the spread of the "
-             "per-round ratios.", "",
+             "per-round ratios. Every variant uses fused AdamW (eager and torch.compile: torch.optim.AdamW(fused=True)) "
+             "unless its name says loop-adamw; glibc's mmap threshold is "
+             + ("pinned in every variant's process (a recompute variant ran, and graphtrain pins it for recompute)"
+                if s.get("pin_mmap") else "left at glibc's default in every process") + ".", "",
              f"MFU = model FLOPs / step time / measured matmul peak: fp32 {_f(peak.get('fp32'), '.3g')} FLOP/s"
              + (f" (the better of aten/MKL {_f(peak.get('fp32_aten'), '.3g')} and oneDNN "
                 f"{_f(peak.get('fp32_onednn'), '.3g')})" if peak.get("fp32_onednn") else "")
@@ -172,10 +209,31 @@ def markdown(run: dict[str, Any], heading: str = "##") -> str:
         lines.append("")
         lines += [f"* {n}" for n in notes(rows, case["name"])]
         lines += [""] if notes(rows, case["name"]) else []
+        lines += ablation_table(rows, case["name"])
     lines += ["Peak MiB: whole-process peak RSS (VmHWM; CUDA: max allocated), including compile; in brackets the "
               "peak during the timed steps only. Max batch: largest measured batch whose peak stays under the cap "
               "(`+`: a measured lower bound, the search ran out of trials).", ""]
     return "\n".join(lines)
+
+
+def ablation_table(rows: list[dict[str, Any]], case: str) -> list[str]:
+    """Where the speed comes from: graphtrain fp32 with one lever switched off at a time (empty without ablations)."""
+    abl = [r for r in rows if r["case"] == case and r.get("ablates")]
+    base = next((r for r in rows if r["case"] == case and r["variant"] == "graphtrain-fp32" and "median_s" in r), None)
+    if not abl or base is None:
+        return []
+    lines = ["Ablation (graphtrain fp32, one lever off at a time; speed relative to graphtrain with every lever on, "
+             "< 1 = slower without it):", "",
+             "| lever switched off | variant | ms/step | vs graphtrain (all on) | vs eager fp32 | vs best baseline | "
+             "peak MiB |", "|---|---|---|---|---|---|---|",
+             f"| (none) | graphtrain-fp32 | {base['median_s'] * 1e3:.1f} | 1.00x | {_ratio(base, 'vs_eager')} | "
+             f"{_ratio(base, 'vs_best')} | {_f(base.get('peak_mem_mib'), '.0f')} |"]
+    for r in abl:
+        if "median_s" not in r:
+            continue
+        lines.append(f"| {r['ablates']} | {r['variant']} | {r['median_s'] * 1e3:.1f} | {_ratio(r, 'vs_graphtrain')} | "
+                     f"{_ratio(r, 'vs_eager')} | {_ratio(r, 'vs_best')} | {_f(r.get('peak_mem_mib'), '.0f')} |")
+    return lines + [""]
 
 
 def _stem(run: dict[str, Any]) -> str:
@@ -225,7 +283,7 @@ def latest_runs(out_dir: Path, include_partial: bool = False) -> dict[str, dict[
 
 # ------------------------------------------------------------------ docs/benchmarks.md ----
 
-SUITE_ORDER = ("small", "hf", "seed", "tiny")
+SUITE_ORDER = ("small", "hf", "ablation", "seed", "seed-ablation", "tiny")
 
 INTRO = """# Benchmarks
 
@@ -314,7 +372,8 @@ def _mfu_text(runs: dict[str, dict[str, Any]]) -> str:
                    "peak is the better of the two)" if peak.get("fp32_onednn") else "")
                 + " and "
                 f"{peak['bf16'] / 1e9:.0f} GFLOP/s bf16 (best of {peak.get('repeats')} timed n x n matmuls, "
-                f"n in {peak.get('sizes')}); each run re-measures it and prints it above its tables.")
+                f"n in {peak.get('sizes_run') or peak.get('sizes')}: sizes grow while they fit a time budget); "
+                "it is measured once per machine and cached, and each run prints it above its tables.")
     return ("## MFU\n\nFLOPs per step = `" + FLOP_FORMULA + "`, with N the trainable parameters except "
             "position and token-type embeddings (a tied token embedding counts once, as the LM head's matmul): "
             "6 N per token for the forward and backward matmuls, plus 12 n_layer seq d_model per token for "
@@ -330,7 +389,7 @@ def render_docs(runs: dict[str, dict[str, Any]]) -> str:
         if name in runs:
             parts.append(f"{SUITES[name].doc[0].upper()}{SUITES[name].doc[1:]}.\n" if name in SUITES else "")
             parts.append(markdown(runs[name], heading="###"))
-    missing = [s for s in SUITE_ORDER[:3] if s not in runs]
+    missing = [s for s in ("small", "hf", "ablation", "seed") if s not in runs]
     if missing:
         parts.append("Not yet recorded here: " + ", ".join(f"`{s}`" for s in missing)
                      + " (run `graphtrain bench SUITE --docs docs/benchmarks.md`).\n")

@@ -31,8 +31,8 @@ STEP_TIMEOUT_S = 600.0  # per step, on top of a fixed minute
 class WorkerProc:
     """A `python -m graphtrain.bench.case` process and its JSON-lines channel."""
 
-    def __init__(self, case: Case, variant: Variant, device: str, log_path: Path) -> None:
-        spec = json.dumps({"case": case.__dict__, "variant": variant.name, "device": device})
+    def __init__(self, case: Case, variant: Variant, device: str, log_path: Path, pin_mmap: bool = False) -> None:
+        spec = json.dumps({"case": case.__dict__, "variant": variant.name, "device": device, "pin_mmap": pin_mmap})
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self.log_path = log_path
         self._log = open(log_path, "w")
@@ -98,16 +98,39 @@ def _failed(reply: dict[str, Any]) -> dict[str, Any]:
     return {"status": "error", "reason": reply.get("error", "unknown error")}
 
 
+def pins_mmap(variants: list[Variant]) -> bool:
+    """Whether this run's workers pin glibc's mmap threshold: all of them when any variant uses graphtrain's
+    recompute (which pins it, engine/backend.py), none otherwise, so every variant of a table runs in the same
+    process environment."""
+    return any(v.recompute != "none" for v in variants)
+
+
+def skip_reason(variant: Variant, device: str, allow_slow_bf16: bool = False) -> str | None:
+    """Why `variant` is not run on this machine (None: it runs)."""
+    if variant.precision == "bf16" and not allow_slow_bf16:
+        from graphtrain.kernels import capability
+        fast, why = capability.bf16_is_fast(device)
+        if not fast:
+            return f"bf16 not measured here: {why} (--allow-slow-bf16 runs it anyway)"
+    return None
+
+
 def run_case(case: Case, variants: list[Variant], suite: Suite, device: str, log_dir: Path,
-             tick: Callable[[str], None]) -> dict[str, Any]:
+             tick: Callable[[str], None], pin_mmap: bool = False,
+             allow_slow_bf16: bool = False) -> dict[str, Any]:
     """Set up, warm up and time every variant of one case, interleaved; returns per-variant records."""
     records: dict[str, dict[str, Any]] = {v.name: {"variant": v.name} for v in variants}
+    for v in variants:
+        why = skip_reason(v, device, allow_slow_bf16)
+        if why:
+            records[v.name].update(status="skipped", reason=why)
+    variants = [v for v in variants if "status" not in records[v.name]]
     for start in range(0, len(variants), suite.max_workers):
         group = variants[start:start + suite.max_workers]
         live: list[tuple[Variant, WorkerProc]] = []
         for v in group:
             tick(f"{case.name} | {v.name} | setup (first step, compiles)")
-            w = WorkerProc(case, v, device, log_dir / f"{_slug(case.name)}.{v.name}.log")
+            w = WorkerProc(case, v, device, log_dir / f"{_slug(case.name)}.{v.name}.log", pin_mmap=pin_mmap)
             reply = w.call("setup", SETUP_TIMEOUT_S)
             if reply.get("ok"):
                 records[v.name].update(status="ok", setup={k: x for k, x in reply.items() if k != "ok"}, step_s=[],
@@ -164,10 +187,13 @@ def environment(device: str) -> dict[str, Any]:
 
     import graphtrain
 
+    from graphtrain.kernels import capability
+    c = capability.cpu()
     env: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
                            "graphtrain": graphtrain.__version__, "platform": platform.platform(),
                            "cpu": _cpu_model(), "cores": os.cpu_count(), "device": device,
-                           "cpu_flags": _cpu_flags(), "git_sha": _git("rev-parse", "HEAD"),
+                           "cpu_flags": _cpu_flags(), "cpu_family_model": _cpu_family_model(),
+                           "isa": c.isa, "torch_isa": c.torch_isa, "git_sha": _git("rev-parse", "HEAD"),
                            "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
                            "loadavg_start": _loadavg()}
     try:
@@ -197,6 +223,21 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown"
+
+
+def _cpu_family_model() -> str | None:
+    """"family F model M" from /proc/cpuinfo (which EPYC generation, e.g. family 23 = Zen 1, 25 = Zen 3/4)."""
+    fields: dict[str, str] = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key = line.split(":", 1)[0].strip()
+            if key in ("cpu family", "model") and key not in fields:
+                fields[key] = line.split(":", 1)[1].strip()
+            if len(fields) == 2:
+                break
+    except OSError:
+        return None
+    return f"family {fields.get('cpu family', '?')} model {fields.get('model', '?')}" if fields else None
 
 
 def _cpu_flags() -> list[str]:
@@ -239,7 +280,8 @@ def now_iso() -> str:
 def run_suite(suite: Suite, variants: list[Variant], cases: tuple[Case, ...], device: str = "cpu",
               out_dir: Path = Path("bench_results"), maxbatch: bool | None = None, progress: bool = True,
               command: str = "", measure_peak: bool = True,
-              on_case: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+              on_case: Callable[[dict[str, Any]], None] | None = None,
+              allow_slow_bf16: bool = False) -> dict[str, Any]:
     """Run `cases` x `variants` of `suite`; returns the run record (see report.summarize).
 
     `on_case(run)` is called after every case with the partial record, so a long run that is
@@ -253,7 +295,8 @@ def run_suite(suite: Suite, variants: list[Variant], cases: tuple[Case, ...], de
     run: dict[str, Any] = {"suite": suite.name, "started": started, "command": command, "env": environment(device),
                            "settings": {"steps": suite.steps, "repeats": suite.repeats, "warmup": suite.warmup,
                                         "cap_gib": suite.cap_gib, "device": device, "max_workers": suite.max_workers,
-                                        "threads": os.cpu_count(), "variants": [v.name for v in variants]},
+                                        "threads": os.cpu_count(), "variants": [v.name for v in variants],
+                                        "pin_mmap": pins_mmap(variants)},
                            "log_dir": str(log_dir), "cases": []}
     total = sum(len(variants) * (suite.repeats + 2) for _ in cases)
     bar = tqdm(total=total, desc=f"bench {suite.name}", unit="op", disable=not progress, dynamic_ncols=True)
@@ -272,7 +315,8 @@ def run_suite(suite: Suite, variants: list[Variant], cases: tuple[Case, ...], de
                 bar.update(1)
                 tick(what)
 
-            records = run_case(case, variants, suite, device, log_dir, step_tick)
+            records = run_case(case, variants, suite, device, log_dir, step_tick, pin_mmap=pins_mmap(variants),
+                               allow_slow_bf16=allow_slow_bf16)
             bar.n = done_before + len(variants) * (suite.repeats + 2)  # skipped variants tick less
             bar.refresh()
             if maxbatch if maxbatch is not None else case.maxbatch:
@@ -281,7 +325,8 @@ def run_suite(suite: Suite, variants: list[Variant], cases: tuple[Case, ...], de
                     if rec.get("status") != "ok":
                         continue
                     known = {case.batch: rec["peak_mem_mib"]} if rec.get("peak_mem_mib") else None
-                    rec["maxbatch"] = mb.search(case, v, suite.cap_gib, device, log_dir, known, tick)
+                    rec["maxbatch"] = mb.search(case, v, suite.cap_gib, device, log_dir, known, tick,
+                                                pin_mmap=pins_mmap(variants))
             run["cases"].append({"name": case.name, "case": dict(case.__dict__), "variants": records})
             if on_case is not None:
                 on_case(run)

@@ -8,9 +8,10 @@ scales them: the same matmul FLOPs as eager (3 per token: logits, d hidden, d we
 O(chunk x V) instead of O(N x V) logits + log-probs + their grads. Reductions: mean (over
 non-ignored rows) or sum. The op computes gradients in forward, so it is meant for training graphs.
 
-Rows whose target is ignore_index are dropped before the loop (their gradient rows are zero): masked-LM
-heads then run on the ~15% of positions that carry a label, the sparse-prediction trick of NVIDIA's and
-ORT's BERT pretraining, found here from the labels at run time instead of written into the model.
+With `skip_ignored` (the pass sparse_lm_head sets it; the public functional's default), rows whose target
+is ignore_index are dropped before the loop (their gradient rows are zero): masked-LM heads then run on
+the ~15% of positions that carry a label, the sparse-prediction trick of NVIDIA's and ORT's BERT
+pretraining, found here from the labels at run time instead of written into the model.
 
 Implementations: a chunk loop (matmuls in the input dtype through gemm.matmul, i.e. oneDNN for fp32 on
 CPUs where it wins, written straight into d hidden / accumulated into d weight); per chunk the softmax
@@ -59,26 +60,26 @@ def default_chunk_rows(n: int, v: int, itemsize: int = 4) -> int:
 _CPP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _chunked(hidden, weight, target, ignore_index, reduction, chunk, bias=None):
+def _chunked(hidden, weight, target, ignore_index, reduction, chunk, bias=None, skip_ignored=True):
     """The op on the fastest row kernel that takes these inputs (Triton, C++), guarded by the torch math."""
     use_triton = _supports_triton(hidden, target)
     use_cpp = (not use_triton and hidden.device.type == "cpu" and hidden.dtype in _CPP_DTYPES
                and _cpu_ext.load() is not None)
 
     def run(impl):
-        return lambda: _chunk_loop(hidden, weight, target, ignore_index, reduction, chunk, bias, impl)
+        return lambda: _chunk_loop(hidden, weight, target, ignore_index, reduction, chunk, bias, impl, skip_ignored)
     return dispatch("linear_cross_entropy", [("triton", use_triton, run("triton")), ("c++", use_cpp, run("c++"))],
                     run("torch"))
 
 
-def _chunk_loop(hidden, weight, target, ignore_index, reduction, chunk, bias, impl):
+def _chunk_loop(hidden, weight, target, ignore_index, reduction, chunk, bias, impl, skip_ignored):
     n = hidden.shape[0]
     valid = target != ignore_index
     n_valid = int(valid.sum())
     denom = torch.tensor(float(n_valid), dtype=_acc(hidden)) if reduction == 1 else torch.ones((), dtype=_acc(hidden))
     use_triton, use_cpp = impl == "triton", impl == "c++"
     rows = None
-    if 0 < n_valid < n:
+    if skip_ignored and 0 < n_valid < n:
         # A row whose target is ignored adds nothing to the loss or to any gradient (its d logits row is 0), so
         # its logits are never computed: for masked-LM labels (15% of rows valid) this skips ~85% of the LM
         # head's three matmuls. Same function, same values up to rounding.
@@ -129,13 +130,13 @@ def _chunk_loop(hidden, weight, target, ignore_index, reduction, chunk, bias, im
 
 @torch.library.custom_op("graphtrain::linear_cross_entropy", mutates_args=())
 def _linear_cross_entropy_op(hidden: Tensor, weight: Tensor, target: Tensor, ignore_index: int, reduction: int,
-                             chunk_rows: int) -> tuple[Tensor, Tensor, Tensor]:
+                             chunk_rows: int, skip_ignored: bool = True) -> tuple[Tensor, Tensor, Tensor]:
     chunk = chunk_rows if chunk_rows > 0 else _default_chunk(hidden, weight)
-    return _chunked(hidden, weight, target, ignore_index, reduction, chunk)
+    return _chunked(hidden, weight, target, ignore_index, reduction, chunk, skip_ignored=skip_ignored)
 
 
 @_linear_cross_entropy_op.register_fake
-def _(hidden, weight, target, ignore_index, reduction, chunk_rows):
+def _(hidden, weight, target, ignore_index, reduction, chunk_rows, skip_ignored=True):
     return hidden.new_empty((), dtype=_loss_dtype(hidden)), dense_empty(hidden), dense_empty(weight)
 
 
@@ -145,7 +146,7 @@ def _setup(ctx, inputs, output):
 
 def _backward(ctx, grad, _ddh, _ddw):
     dh, dw = ctx.saved_tensors
-    return dh * grad.to(dh.dtype), dw * grad.to(dw.dtype), None, None, None, None
+    return dh * grad.to(dh.dtype), dw * grad.to(dw.dtype), None, None, None, None, None
 
 
 _linear_cross_entropy_op.register_autograd(_backward, setup_context=_setup)
@@ -153,15 +154,16 @@ _linear_cross_entropy_op.register_autograd(_backward, setup_context=_setup)
 
 @torch.library.custom_op("graphtrain::linear_bias_cross_entropy", mutates_args=())
 def _linear_bias_cross_entropy_op(hidden: Tensor, weight: Tensor, bias: Tensor, target: Tensor, ignore_index: int,
-                                  reduction: int, chunk_rows: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                                  reduction: int, chunk_rows: int,
+                                  skip_ignored: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """cross_entropy(hidden @ weight^T + bias, target), chunked: BERT's MLM decoder (a tied matrix plus its own
     bias). Outputs (loss, d hidden, d weight, d bias) for a unit upstream gradient, like the op above."""
     chunk = chunk_rows if chunk_rows > 0 else _default_chunk(hidden, weight)
-    return _chunked(hidden, weight, target, ignore_index, reduction, chunk, bias)
+    return _chunked(hidden, weight, target, ignore_index, reduction, chunk, bias, skip_ignored)
 
 
 @_linear_bias_cross_entropy_op.register_fake
-def _(hidden, weight, bias, target, ignore_index, reduction, chunk_rows):
+def _(hidden, weight, bias, target, ignore_index, reduction, chunk_rows, skip_ignored=True):
     return (hidden.new_empty((), dtype=_loss_dtype(hidden)), dense_empty(hidden), dense_empty(weight),
             dense_empty(bias))
 
@@ -172,7 +174,7 @@ def _setup_bias(ctx, inputs, output):
 
 def _backward_bias(ctx, grad, _ddh, _ddw, _ddb):
     dh, dw, db = ctx.saved_tensors
-    return (dh * grad.to(dh.dtype), dw * grad.to(dw.dtype), db * grad.to(db.dtype), None, None, None, None)
+    return (dh * grad.to(dh.dtype), dw * grad.to(dw.dtype), db * grad.to(db.dtype), None, None, None, None, None)
 
 
 _linear_bias_cross_entropy_op.register_autograd(_backward_bias, setup_context=_setup_bias)
