@@ -275,3 +275,14 @@ def test_whole_step_refuses_what_it_cannot_do(tmp_path):
         Trainer(tiny(tmp_path, "train.accelerate=true", "train.whole_step=true", "train.grad_accum=2"))
     with pytest.raises(ValueError, match="optim.name=adamw"):
         Trainer(tiny(tmp_path, "train.accelerate=true", "train.whole_step=true", "optim.name=lamb"))
+
+
+def test_rank_seeds_differ_per_replica_and_stage_and_agree_across_tp():
+    """Every data-parallel replica and pipeline stage draws its own dropout stream (a shared one would repeat
+    stage 0's hash masks in stage 1's layers); tensor-parallel ranks are seeded alike (the seed does not take the
+    tp rank); rank (0, 0) keeps the single-process stream."""
+    from graphtrain.trainer.runtime import rank_seed
+    seeds = {(dp, pp): rank_seed(1337, dp, pp) for dp in range(8) for pp in range(8)}
+    assert len(set(seeds.values())) == len(seeds) and seeds[0, 0] == 1337
+    with pytest.raises(ValueError, match="stages"):
+        rank_seed(1, 0, 5000)

@@ -80,6 +80,18 @@ def setup(tc: TrainConfig) -> None:
         torch.backends.cudnn.benchmark = False
 
 
+def rank_seed(seed: int, dp_rank: int, pp_rank: int) -> int:
+    """The seed of one rank's random stream. Data-parallel replicas draw different dropout; so do pipeline
+    stages, which hold different layers: with one shared stream stage 1 would draw stage 0's seeds in the
+    same order, and graphtrain's hash dropout would give its layers stage 0's masks wherever the shapes match.
+    Tensor-parallel ranks of one stage share the stream (dropout on replicated activations must agree; attention
+    dropout on each rank's heads is salted by tp rank, distributed/tensor_parallel.py). Rank (0, 0) keeps the
+    single-process stream."""
+    if pp_rank >= 1009:
+        raise ValueError(f"pipeline rank {pp_rank}: at most 1009 stages are supported")
+    return seed + 1_000_003 * dp_rank + 1_009 * pp_rank
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)

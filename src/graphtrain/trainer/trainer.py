@@ -110,13 +110,13 @@ class Trainer:
             self.model, self.optimizer, self._module = self.par.model, self.par.optimizer, self.par.module
             if tc.accelerate:  # per layout (Parallelized.accelerate says how)
                 runtime.accelerate_distributed(self.par, config)
-            # Data-parallel replica 0 keeps a single process's RNG stream; other replicas draw their own dropout.
-            # Tensor-parallel ranks of one replica share theirs: dropout on replicated activations (after a
-            # row-parallel all-reduce) must drop the same elements on every tp rank. Attention dropout, on each
-            # rank's own heads, salts that shared stream with the tp rank (docs/distributed.md, "Dropout under
-            # tensor parallelism").
-            if self.env.dp_rank:
-                runtime.seed_everything(tc.seed + 1_000_003 * self.env.dp_rank)
+            # Each data-parallel replica and each pipeline stage draws its own dropout (runtime.rank_seed); the
+            # first stage of replica 0 keeps a single process's stream. Tensor-parallel ranks of one stage share
+            # theirs: dropout on replicated activations (after a row-parallel all-reduce) must drop the same
+            # elements on every tp rank. Attention dropout, on each rank's own heads, salts that shared stream with
+            # the tp rank (docs/distributed.md, "Dropout under tensor parallelism").
+            if self.env.dp_rank or self.env.pp_rank:
+                runtime.seed_everything(runtime.rank_seed(tc.seed, self.env.dp_rank, self.env.pp_rank))
         # fp16 only: dynamic loss scaling (inside the step graph with train.whole_step)
         self.scaler = make_loss_scaler(config.engine) if self.whole_step is None else None
         self.out_dir = Path(tc.out_dir)
@@ -400,10 +400,14 @@ class Trainer:
             raise ValueError(f"checkpoint {str(path)!r} does not fit this model/optimizer "
                              f"({str(e).splitlines()[0]}); use the config it was trained with, or a new out_dir") from None
         rngs = extra.get("rng") or []
-        if len(rngs) == self.env.world_size:
+        saved_layout = {k: (extra.get("config") or {}).get("parallel", {}).get(k) for k in ("dp", "tp", "pp")}
+        layout = {k: getattr(self.config.parallel, k) for k in ("dp", "tp", "pp")}
+        if len(rngs) == self.env.world_size and saved_layout == layout:
             set_rng_state(rngs[self.env.rank])
-        else:  # another world size: every rank reseeds from (seed, step, rank)
-            runtime.seed_everything(self.config.train.seed + 1_000_003 * self.env.rank + int(extra["step"]))
+        else:  # another layout: every rank reseeds from (seed, step, its replica and stage), tp ranks alike
+            step = int(extra["step"])
+            runtime.seed_everything(runtime.rank_seed(self.config.train.seed, self.env.dp_rank, self.env.pp_rank)
+                                    + (1 << 31) * step)
         self.step = int(extra["step"])
         return self.step
 
