@@ -3,8 +3,12 @@
     python -m graphtrain.bench.memory --model gpt2-small --seq 1024 --batch 2 --cap-gib 4 --rounds 2
 
 Each variant runs in its own fresh subprocess (graphtrain.memory.measure): warm-up steps, then
-the resident high-water mark over the timed steps (CPU) -- absolute ``peak_rss`` and the step's
-tensor part ``peak_tensor``. Variants ``none``/``selective``/``full`` are
+the resident high-water mark over the timed steps (CPU) -- absolute ``peak_rss`` (VmHWM, the figure the
+docs quote) and the step's tensor part ``peak_tensor``. For the graphtrain variants the engine's step
+prediction becomes a predicted process peak (the resident set measured before the timed steps, less the
+parameters, optimizer state and batch in it, plus the predicted step peak: memory/process.py), recorded
+with its error against ``peak_rss`` in every JSON row (``predicted_process_peak``, ``process_peak_error``)
+and the table. Variants ``none``/``selective``/``full`` are
 ``graphtrain.accelerate(model, provider="aten", recompute=...)`` with the default passes (what users
 run); ``graphtrain-*`` variants are the memory optimizer alone (``capture.compile_train_step``, no
 fusion). ``--rounds N`` interleaves the variants N times (eager, compile, none, ..., eager, ...) and
@@ -28,7 +32,6 @@ MiB = 2**20
 # name -> measure() keywords
 VARIANTS: dict[str, dict] = {
     "eager": dict(mode="eager"),
-    "eager+pinned-malloc": dict(mode="eager", pin_malloc=True),
     "compile": dict(mode="compile"),
     "none": dict(mode="accelerate", recompute="none"),
     "selective": dict(mode="accelerate", recompute="selective"),
@@ -38,6 +41,16 @@ VARIANTS: dict[str, dict] = {
     "graphtrain-full": dict(mode="graphtrain", recompute="full"),
 }
 DEFAULT = "eager,compile,none,selective,full"
+RECOMPUTING = ("selective", "full", "graphtrain-selective", "graphtrain-full")
+
+
+def malloc_pinned(names: list[str], malloc: str) -> bool:
+    """One allocator setting for every variant of a table (issue: the same process environment for every
+    variant). `auto`: glibc's mmap threshold pinned in every process when a recompute variant is in the table
+    (graphtrain's engine pins it for recompute, engine/backend.py), glibc's default in every process otherwise."""
+    if malloc == "auto":
+        return any(n in RECOMPUTING for n in names)
+    return malloc == "pinned"
 
 
 def run(a: argparse.Namespace) -> list[dict]:
@@ -45,7 +58,10 @@ def run(a: argparse.Namespace) -> list[dict]:
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
         raise SystemExit(f"unknown variants {unknown}: choose from {', '.join(VARIANTS)}")
-    common = dict(model=a.model, seq=a.seq, warmup=a.warmup, dropout=a.dropout)
+    pinned = malloc_pinned(names, a.malloc)
+    print(f"glibc mmap threshold: {'pinned' if pinned else 'default'} in every variant's process", file=sys.stderr)
+    common = dict(model=a.model, seq=a.seq, warmup=a.warmup, dropout=a.dropout, pin_malloc=pinned,
+                  no_pin_malloc=not pinned)
     runs: dict[str, list[dict]] = {n: [] for n in names}
     for rnd in range(a.rounds):
         for name in names:
@@ -65,6 +81,13 @@ def run(a: argparse.Namespace) -> list[dict]:
         r["step_s_rounds"] = [x["step_s"] for x in runs[name]]
         r["peak_rss"] = max(x["peak_rss"] for x in runs[name])
         r["peak_tensor_bytes"] = max(x["peak_tensor_bytes"] for x in runs[name])
+        errs = [x["process_peak_error"] for x in runs[name] if x.get("process_peak_error") is not None]
+        if errs:  # each round's prediction against that round's own peak; the worst one is the row's
+            r["process_peak_error_rounds"] = errs
+            worst = max(runs[name], key=lambda x: abs(x.get("process_peak_error") or 0))
+            for k in ("predicted_process_peak", "process_peak_error"):
+                r[k] = worst[k]
+            r["process_peak_error_measured"] = worst["peak_rss"]
         if a.cap_gib:
             half = measure(batch=max(1, a.batch // 2), steps=1, **common, **VARIANTS[name])
             if "error" not in half and half["batch"] != r["batch"]:
@@ -151,15 +174,19 @@ def interleaved_step_times(model: str, seq: int, batch: int, variants: list[str]
 
 def table(rows: list[dict], cap_gib: float | None = None) -> str:
     eager = next((r for r in rows if r["variant"] == "eager"), None)
-    out = ["| variant | peak RSS MiB | vs eager | step tensors MiB | vs eager | saved for backward MiB | predicted MiB | "
-           "step s (median) | eager/this | max batch under cap |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+    out = ["| variant | peak RSS MiB | vs eager | step tensors MiB | vs eager | saved for backward MiB | "
+           "predicted step MiB | predicted process MiB | error vs peak RSS | step s (median) | eager/this | "
+           "max batch under cap |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         rel = f"{r['peak_rss'] / eager['peak_rss']:.2f}x" if eager else "-"
         relt = f"{r['peak_tensor_bytes'] / eager['peak_tensor_bytes']:.2f}x" if eager else "-"
         tp = f"{eager['step_s'] / r['step_s']:.2f}x" if eager else "-"
         saved = f"{r['saved_bytes'] / MiB:,.0f}" if r.get("saved_bytes") is not None else "-"
         pred = f"{r['predicted_peak'] / MiB:,.0f}" if r.get("predicted_peak") else "-"
+        proc, err = "-", "-"
+        if r.get("predicted_process_peak"):
+            proc, err = f"{r['predicted_process_peak'] / MiB:,.0f}", f"{100 * r['process_peak_error']:+.2f}%"
         mb = r.get("max_batch_under_cap", "-")
         if r.get("cap_method") == "predicted slope":
             mb = f"{mb} (predicted slope)"
@@ -168,7 +195,7 @@ def table(rows: list[dict], cap_gib: float | None = None) -> str:
             if "max_batch_refit" in r:
                 mb += f" -> {r['max_batch_refit']} refit"
         out.append(f"| {r['variant']} | {r['peak_rss'] / MiB:,.0f} | {rel} | {r['peak_tensor_bytes'] / MiB:,.0f} | {relt} | "
-                   f"{saved} | {pred} | {r['step_s']:.2f} | {tp} | {mb} |")
+                   f"{saved} | {pred} | {proc} | {err} | {r['step_s']:.2f} | {tp} | {mb} |")
     return "\n".join(out)
 
 
@@ -184,6 +211,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--dropout", type=float, default=None)
+    p.add_argument("--malloc", choices=("auto", "pinned", "default"), default="auto",
+                   help="glibc's mmap threshold in every variant's process: auto pins it when a recompute variant "
+                        "runs (as graphtrain does for recompute), else glibc's default; never per variant")
     p.add_argument("--out", default=None, help="append the JSON rows to this file")
     p.add_argument("--timing", action="store_true",
                    help="only step times, all variants in one process, interleaved step by step")
@@ -204,8 +234,10 @@ def main(argv: list[str] | None = None) -> None:
                 f.write(json.dumps({"timing": times, "model": a.model, "seq": a.seq, "batch": a.batch}) + "\n")
         return
     rows = run(a)
-    print(f"\n{a.model} seq {a.seq} batch {a.batch} (CPU peak resident memory; step tensors = peak minus "
-          f"the non-tensor resident baseline; cap {a.cap_gib} GiB)\n" + table(rows, a.cap_gib))
+    print(f"\n{a.model} seq {a.seq} batch {a.batch} on {rows[0]['machine'] if rows else '?'} (CPU peak resident "
+          f"memory, VmHWM; step tensors = peak minus the non-tensor resident baseline; predicted process = the "
+          f"resident set before the step, less its parameters, optimizer state and batch, plus the predicted step "
+          f"peak; error = (predicted process - peak RSS) / peak RSS; cap {a.cap_gib} GiB)\n" + table(rows, a.cap_gib))
     if a.out:
         with open(a.out, "a") as f:
             for r in rows:

@@ -2,6 +2,7 @@
 
     print(graphtrain.report(model))     # text
     graphtrain.report(model).to_dict()  # the same facts, machine-readable
+    graphtrain.report(model, optimizer=opt).process_peak  # + the next step's predicted peak RSS of the process
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 
 from graphtrain.engine.state import GLOBAL_STATE, EngineState, GraphRecord
 from graphtrain.kernels import capabilities
+from graphtrain.memory.process import predict_process_peak
 
 
 def _mib(n: float) -> str:
@@ -79,6 +81,15 @@ def _memory_lines(m: dict[str, Any]) -> list[str]:
             "      by phase: " + ", ".join(f"{k} {_mib(v)}" for k, v in m["phase_totals"].items())]
 
 
+def _process_lines(p: dict[str, Any]) -> list[str]:
+    """ProcessPeak.to_dict(): the step peak put on top of what is resident now and not predicted."""
+    opt = "" if p["optimizer_measured"] else (" (optimizer state not measured, counted as not yet allocated: an upper "
+                                              "bound once it exists; pass graphtrain.report(model, optimizer=opt))")
+    return [f"    predicted process peak (next step, peak RSS): {_mib(p['process_peak'])} = resident now "
+            f"{_mib(p['baseline_rss'])} - the step's tensors already in it {_mib(p['resident_state'])} + predicted "
+            f"step peak {_mib(p['step_peak'])}" + opt]
+
+
 @dataclass
 class Report:
     source: str
@@ -98,6 +109,11 @@ class Report:
     machine: dict[str, Any] | None = None
     """graphtrain.kernels.capabilities(): the CPU, what each capability selected and why, and the fused ops
     that failed at run time and fell back to their reference implementation."""
+    process_peak: dict[str, Any] | None = None
+    """The next step's predicted peak resident memory of the whole process (bytes, a
+    graphtrain.memory.process.ProcessPeak as a dict): the resident set measured now, less the trained
+    parameters, gradients, optimizer state and batch measured in it, plus the largest predicted step peak of
+    the latest graphs (``graph``: its name). None without a step prediction or off Linux."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -146,6 +162,8 @@ class Report:
                 L += _recompute_lines(g["recompute"])
             if g.get("predicted_memory"):
                 L += _memory_lines(g["predicted_memory"])
+                if self.process_peak and self.process_peak["graph"] == g["name"]:
+                    L += _process_lines(self.process_peak)
             for note in g["notes"]:
                 L.append(f"    note: {note}")
         if self.saved_activation_bytes_per_sample is not None:
@@ -173,8 +191,13 @@ class Report:
         return "\n".join(L)
 
 
-def report(module: torch.nn.Module | None = None) -> Report:
-    """The engine report for an accelerated module (or for the process-wide torch.compile backend)."""
+def report(module: torch.nn.Module | None = None, *, optimizer: torch.optim.Optimizer | None = None,
+           batch: Any = ()) -> Report:
+    """The engine report for an accelerated module (or for the process-wide torch.compile backend).
+
+    optimizer, batch: the training step's optimizer and batch tensors, for the predicted peak resident memory
+    of the whole process (``Report.process_peak``): their tensors allocated now are measured and counted once.
+    Call it between steps, after ``zero_grad``: it reads the resident set now (after gc and malloc_trim)."""
     state, source = _state_of(module)
     agg: dict[tuple[str, str], dict[str, Any]] = collections.OrderedDict()
     for r in state.passes:
@@ -190,6 +213,16 @@ def report(module: torch.nn.Module | None = None) -> Report:
     batches = {g.batch for g in latest if g.saved_activation_bytes is not None and g.batch}
     saved_total = sum(saved) if saved else None
     per_sample = saved_total / batches.pop() if saved_total is not None and len(batches) == 1 else None
+    predicted = [g for g in latest if g.predicted_memory]
+    process = None
+    if predicted:
+        top = max(predicted, key=lambda g: g.predicted_memory["peak"])
+        tensors = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else (batch,)
+        try:
+            pp = predict_process_peak(top.predicted_memory, model=module, optimizer=optimizer, batch=tensors)
+        except Exception:  # noqa: BLE001 - an estimate only (odd tensor subclasses): the report goes on without it
+            pp = None
+        process = {**pp.to_dict(), "graph": top.name} if pp is not None else None
     return Report(
         source=source, config=dataclasses.asdict(state.config),
         graphs=[dataclasses.asdict(g) for g in state.graphs], graph_breaks=list(state.graph_breaks),
@@ -198,7 +231,7 @@ def report(module: torch.nn.Module | None = None) -> Report:
         fallbacks=list(state.fallbacks), passes=list(agg.values()), params=_param_stats(module),
         saved_activation_bytes=saved_total, saved_activation_bytes_per_sample=per_sample,
         first_step_seconds=state.first_call_seconds, compile_seconds=sum(g.compile_seconds for g in state.graphs),
-        calls=state.calls, eager_only=state.eager_only, machine=capabilities())
+        calls=state.calls, eager_only=state.eager_only, machine=capabilities(), process_peak=process)
 
 
 def _machine_lines(m: dict[str, Any]) -> list[str]:

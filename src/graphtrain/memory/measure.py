@@ -7,14 +7,17 @@
 whole engine with its default passes, what users run). Method on CPU: build the model and AdamW, run warm-up
 steps (compile, optimizer state), then ``gc.collect()`` + glibc ``malloc_trim(0)``, note the
 resident set, reset the kernel's high-water mark (``echo 5 > /proc/self/clear_refs``) and run the
-timed steps. ``peak_rss`` is the absolute high-water mark of those steps; ``peak_tensor_bytes``
-subtracts what was resident before them but is not a tensor (interpreter, libraries, compile
-caches), i.e. it is the step's peak counted the way ``predict_peak`` counts it.
+timed steps. ``peak_rss`` is the absolute high-water mark of those steps (the figure the README and
+docs/memory.md quote); ``peak_tensor_bytes`` subtracts what was resident before them but is not a tensor
+(interpreter, libraries, compile caches), i.e. it is the step's peak counted the way ``predict_peak``
+counts it. For ``accelerate`` the engine's prediction is also turned into a predicted process peak
+(``memory.process.predict_process_peak``: the resident set before the timed steps, less the parameters,
+optimizer state and batch measured in it, plus the predicted step peak) and compared with ``peak_rss``:
+``process_peak_error`` = (predicted - measured) / measured.
 """
 from __future__ import annotations
 
 import argparse
-import ctypes
 import gc
 import json
 import os
@@ -23,23 +26,38 @@ import sys
 import time
 from typing import Any
 
+from graphtrain.memory.allocator import trim
+from graphtrain.memory.process import predict_process_peak, reset_peak_rss, rss_bytes
+
 MODES = ("eager", "compile", "graphtrain", "accelerate")
 
 
 def _rss_kib(field: str = "VmRSS") -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
+    b = rss_bytes(field)
+    if b is None:
+        raise RuntimeError(f"{field} not in /proc/self/status")
+    return b // 1024
 
 
 def _trim() -> None:
     gc.collect()
+    trim()
+
+
+def machine() -> str:
+    """The CPU these figures come from: /proc/cpuinfo's model name, family and model, the cores, aten's ISA."""
+    import torch
+    info: dict[str, str] = {}
     try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                k, _, v = line.partition(":")
+                info.setdefault(k.strip(), v.strip())
     except OSError:
         pass
+    return (f"{info.get('model name', 'unknown CPU')} (family {info.get('cpu family', '?')}, model "
+            f"{info.get('model', '?')}), {os.cpu_count()} cores, aten ISA {torch.backends.cpu.get_cpu_capability()}, "
+            f"torch {torch.__version__}")
 
 
 def build(model: str, seq: int, batch: int, dropout: float | None = None) -> tuple[Any, tuple]:
@@ -57,10 +75,19 @@ def build(model: str, seq: int, batch: int, dropout: float | None = None) -> tup
     return m, (ids, labels)
 
 
+def _pinned(a: argparse.Namespace) -> bool:
+    """glibc's mmap threshold pinned in this measurement's process: as asked (--pin-malloc / --no-pin-malloc; the
+    memory benchmark sets one of them for every variant alike), else as graphtrain would (accelerate pins it for
+    recompute and memory budgets, engine/backend.py)."""
+    if a.pin_malloc or a.no_pin_malloc:
+        return bool(a.pin_malloc)
+    return a.mode in ("graphtrain", "accelerate") and (a.recompute != "none" or a.budget is not None)
+
+
 def _child(a: argparse.Namespace) -> dict[str, Any]:
     import torch
     torch.set_num_threads(a.threads)
-    if a.pin_malloc or (a.mode in ("graphtrain", "accelerate") and not a.no_pin_malloc):
+    if _pinned(a):
         from graphtrain.memory.allocator import pin_mmap_threshold
         pin_mmap_threshold()
     base_kib = _rss_kib()
@@ -100,8 +127,14 @@ def _child(a: argparse.Namespace) -> dict[str, Any]:
                  if isinstance(t, torch.Tensor))
     state += sum(t.numel() * t.element_size() for t in batch if isinstance(t, torch.Tensor))
     rss0_kib = _rss_kib()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+    # The prediction was made when the step compiled; its process peak needs only the baseline, taken here.
+    process = None
+    if a.mode == "accelerate":
+        pred = _predicted_memory(model)
+        if pred is not None:
+            process = predict_process_peak(pred, model=model, optimizer=opt, batch=batch, baseline_rss=rss0_kib * 1024)
+    if not reset_peak_rss():
+        raise RuntimeError("cannot reset the resident high-water mark (/proc/self/clear_refs)")
     times = []
     for _ in range(a.steps):
         t0 = time.perf_counter()
@@ -121,12 +154,23 @@ def _child(a: argparse.Namespace) -> dict[str, Any]:
             chose = next((f"{c['name']}: {c['what']}" for c in r["choices"] if c["name"] == r["chosen"]), None)
     return {"model": a.model, "seq": a.seq, "batch": a.batch, "mode": a.mode, "recompute": a.recompute,
             "inplace": a.inplace, "boxed": not a.unboxed,
-            "pinned_malloc": bool(a.pin_malloc or (a.mode in ("graphtrain", "accelerate") and not a.no_pin_malloc)), "base_rss": base_kib * 1024, "rss_before_steps": rss0_kib * 1024,
+            "pinned_malloc": _pinned(a), "base_rss": base_kib * 1024, "rss_before_steps": rss0_kib * 1024,
             "state_bytes": state, "peak_rss": hwm, "peak_tensor_bytes": hwm - (rss0_kib * 1024 - state),
             "step_s": times[len(times) // 2], "step_s_all": times, "saved_bytes": saved_bytes,
             "param_bytes": sum(t.numel() * t.element_size() for t in model.parameters()),
             "provider": a.provider if a.mode == "accelerate" else None, "predicted_peak": predicted,
-            "predicted_phases": phases, "recompute_chose": chose}
+            "predicted_phases": phases, "recompute_chose": chose,
+            "machine": machine(), "threads": a.threads,
+            "predicted_process_peak": process.process_peak if process else None,
+            "predicted_increment": process.increment if process else None,
+            "measured_increment": hwm - rss0_kib * 1024,
+            "process_peak_error": process.relative_error(hwm) if process else None}
+
+
+def _predicted_memory(model: Any) -> dict | None:
+    """The engine's step prediction for the accelerated model's first graph (as graphtrain.report shows it)."""
+    graphs = getattr(getattr(model, "_graphtrain", None), "graphs", None) or []
+    return graphs[0].predicted_memory if graphs else None
 
 
 def _saved_bytes(step: Any, model: Any) -> int:
@@ -159,8 +203,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--provider", default="aten", choices=("aten", "inductor", "auto"), help="accelerate mode only")
     p.add_argument("--inplace", action="store_true", help="run the in-place elementwise pass")
     p.add_argument("--unboxed", action="store_true", help="hold backward inputs until it returns")
-    p.add_argument("--pin-malloc", action="store_true", help="pin glibc's mmap threshold (graphtrain does by default)")
-    p.add_argument("--no-pin-malloc", action="store_true", help="graphtrain mode: keep glibc's dynamic threshold")
+    p.add_argument("--pin-malloc", action="store_true",
+                   help="pin glibc's mmap threshold (default: as graphtrain would, i.e. for recompute or a budget)")
+    p.add_argument("--no-pin-malloc", action="store_true", help="keep glibc's dynamic threshold")
     p.add_argument("--dropout", type=float, default=None)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=3)
