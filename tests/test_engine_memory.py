@@ -44,14 +44,14 @@ def _passes(**extra):
 @pytest.fixture
 def boxed_graphs(monkeypatch):
     """Every fw/bw graph the aten provider hands to to_boxed (after the stage passes)."""
-    import graphtrain.memory.capture as capture
+    import graphtrain.engine.pipeline as pipeline
     seen: list[torch.fx.GraphModule] = []
-    real = capture.to_boxed
+    real = pipeline.to_boxed
 
     def spy(gm):
         seen.append(gm)
         return real(gm)
-    monkeypatch.setattr(capture, "to_boxed", spy)
+    monkeypatch.setattr(pipeline, "to_boxed", spy)
     return seen
 
 
@@ -157,7 +157,7 @@ def test_inductor_recompute_mode_uses_graphtrain_partitioner():
 
 
 def test_report_for_config(tmp_path, monkeypatch):
-    from graphtrain.engine.report import report_for_config
+    from graphtrain.cli import report_for_config
     monkeypatch.setenv("GRAPHTRAIN_CACHE", str(tmp_path))
     cfg = {"model": {"name": "gpt2-tiny"}, "data": {"max_bytes": 300000, "vocab_size": 512}}
     # gpt2-tiny has 64 positions and data.seq_len defaults to 128: the Trainer's error, before any compile
@@ -242,7 +242,7 @@ def test_auto_through_accelerate_picks_the_first_mode_that_fits():
 
 def test_trainer_config_selects_layer_checkpointing(tmp_path, monkeypatch):
     """engine.recompute in a job config reaches the partitioner through the Trainer (report_for_config)."""
-    from graphtrain.engine.report import report_for_config
+    from graphtrain.cli import report_for_config
     monkeypatch.setenv("GRAPHTRAIN_CACHE", str(tmp_path))
     cfg = {"model": {"name": "gpt2-tiny"}, "data": {"max_bytes": 300000, "vocab_size": 512, "seq_len": 64},
            "engine": {"provider": "aten", "recompute": "full"}}

@@ -30,12 +30,12 @@ TOLERANCE = 0.02
 @pytest.mark.parametrize("model,recompute", [("gpt2-mini", "none"), ("bert-mini", "selective")])
 def test_predicted_process_peak_matches_measured_vmhwm(model, recompute):
     """One warm-up step (compile, AdamW state), then one step whose VmHWM is measured, in a fresh process
-    (graphtrain.memory.measure, the benchmark's harness); the predicted process peak is the resident set
+    (graphtrain.engine.measure, the benchmark's harness); the predicted process peak is the resident set
     before that step, less the parameters, optimizer state and batch measured in it, plus the step peak the
     engine predicted when it compiled. glibc's mmap threshold is pinned (freed buffers go back to the OS, as
     graphtrain sets it for recompute and memory budgets): the prediction models no allocator cache, and with
     glibc's default dynamic threshold a process holds up to ~9% more (docs/memory.md)."""
-    from graphtrain.memory.measure import measure
+    from graphtrain.engine.measure import measure
     r = measure(model=model, seq=128, batch=16, mode="accelerate", recompute=recompute, steps=1, warmup=1,
                 pin_malloc=True, timeout=600)
     assert "error" not in r, r.get("error")

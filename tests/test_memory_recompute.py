@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from graphtrain.config import EngineConfig, ModelConfig
-from graphtrain.memory.capture import capture_graphs, compile_train_step
+from graphtrain.engine.capture import capture_graphs, compile_train_step
 from graphtrain.memory.predict import MiB
 from graphtrain.models import build_model
 from graphtrain.testing import assert_close

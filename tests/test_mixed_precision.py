@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from graphtrain.config import EngineConfig, ModelConfig
-from graphtrain.engine.trace import module_as_function, trace_aten_forward
+from graphtrain.engine.functional import module_as_function
+from graphtrain.engine.trace import trace_aten_forward
+from graphtrain.kernels.registry import op_descriptor
 from graphtrain.models import build_model
 from graphtrain.passes import PassContext, pipeline
 from graphtrain.passes.mixed_precision import (FOLLOW, FP32, LOW, PRECISION_POLICY, apply_mixed_precision_pass,
@@ -55,7 +57,7 @@ def test_pass_is_registered_after_fusions_and_does_nothing_in_fp32():
     names = [s.name for s in pipeline("pre_autodiff", EngineConfig(precision="bf16"))]
     assert names[-1] == "apply_mixed_precision" or "apply_mixed_precision" in names
     spec = next(s for s in pipeline("pre_autodiff", EngineConfig()) if s.name == "apply_mixed_precision")
-    assert spec.changes_numerics and spec.order >= 500
+    assert spec.changes_numerics and spec.phase == "precision"
     model = tiny_gpt()
     ids, labels = batch(model)
     gm, ctx, _ = traced(model, (ids, labels), precision="fp32")
@@ -142,8 +144,12 @@ def test_policy_table_is_extensible_and_validated():
             PRECISION_POLICY.pop("aten::gelu")
         else:
             PRECISION_POLICY["aten::gelu"] = old
-    assert PRECISION_POLICY["graphtrain::layer_norm"] == FP32 and PRECISION_POLICY["graphtrain::attention"] == LOW
-    assert PRECISION_POLICY.get("graphtrain::bias_gelu") == FOLLOW
+    # graphtrain's fused ops: from their descriptors (rms_norm like layer_norm: normalization statistics in fp32)
+    policy = {name: op_descriptor(name).precision for name in ("layer_norm", "rms_norm", "attention", "bias_gelu")}
+    assert policy == {"layer_norm": FP32, "rms_norm": FP32, "attention": LOW, "bias_gelu": FOLLOW}
+    assert not [k for k in PRECISION_POLICY if k.startswith("graphtrain::")]
+    with pytest.raises(ValueError, match="descriptor"):
+        set_precision_policy("graphtrain::layer_norm", LOW)
     with pytest.raises(ValueError, match="policy must be"):
         set_precision_policy("aten::mm", "half")
     with pytest.raises(ValueError, match="namespace"):

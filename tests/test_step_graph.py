@@ -154,3 +154,27 @@ def test_user_errors_are_clear():
             return {"out": self.w * x}
     with pytest.raises(TypeError, match="must return the loss"):
         graphtrain.compile_step(NoLoss(), Config(), provider="aten")(x=torch.ones(3))
+
+
+def test_report_shows_the_step_graph_passes_and_fallbacks(monkeypatch):
+    """compile_step records like accelerate: graphtrain.report(model) lists the step graph, its passes and a
+    provider fallback (here Inductor made to fail: the step runs on aten, and says so)."""
+    from graphtrain.engine.step_graph import CompiledStep
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(name="gpt2-tiny", dropout=0.0))
+    real = CompiledStep._compile
+
+    def broken(graph, args, provider):
+        if provider == "inductor":
+            raise RuntimeError("inductor is broken in this test")
+        return real(graph, args, provider)
+    monkeypatch.setattr(CompiledStep, "_compile", staticmethod(broken))
+    step = graphtrain.compile_step(model, Config(), provider="inductor", fallback="silent")
+    step(**_batch())
+    assert step.provider == "aten"
+    rep = graphtrain.report(model)
+    g = rep.graphs[0]
+    assert g["name"] == "step" and g["provider"] == "aten" and g["ops_captured"] > g["ops_pre_autodiff"] > 0
+    assert [part for part, _ in rep.fallbacks] == ["provider inductor on step (compile_step(GPT2))"]
+    assert "inductor is broken" in str(rep)
+    assert {p["name"] for p in rep.passes} >= {"fuse_attention", "fuse_layer_norm"}

@@ -10,6 +10,7 @@ import torch
 
 from graphtrain.config import Config, OptimConfig
 from graphtrain.trainer import Trainer, list_checkpoints, lr_at
+from graphtrain.trainer.strategies import WholeStepGraph
 
 TINY = ["model.name=gpt2-tiny", "data.seq_len=32", "data.vocab_size=512", "data.max_bytes=300000",
         "train.batch_size=4", "train.steps=6", "train.eval_every=3", "train.eval_batches=2", "train.log_every=2",
@@ -170,7 +171,7 @@ def test_auto_batch_size_fits_the_budget(tmp_path):
                            "train.steps=1"))
     chosen = trainer.config.train.batch_size
     assert isinstance(chosen, int) and chosen > 1 and trainer.config.train.grad_accum == 2  # accum kept
-    from graphtrain.memory.autobatch import pick_batch_size
+    from graphtrain.engine.autobatch import pick_batch_size
     from graphtrain.models import build_model
     plan = pick_batch_size(lambda: build_model(trainer.config.model, vocab_size=512), 32, budget)
     assert plan.micro_batch == chosen and plan.predicted_peak <= budget
@@ -247,7 +248,7 @@ def test_whole_step_graph_matches_eager_and_resumes_exactly(tmp_path):
     eager.fit()
     whole = Trainer(tiny(tmp_path / "whole", *common, "train.accelerate=true", "train.whole_step=true",
                          "engine.fallback=error"))
-    assert whole.whole_step is not None
+    assert isinstance(whole.strategy, WholeStepGraph)
     whole.fit()
     assert _train_losses(tmp_path / "whole") == pytest.approx(_train_losses(tmp_path / "eager"), rel=1e-4)
     for (name, a), b in zip(eager.model.state_dict().items(), whole.model.state_dict().values()):
@@ -275,6 +276,8 @@ def test_whole_step_refuses_what_it_cannot_do(tmp_path):
         Trainer(tiny(tmp_path, "train.accelerate=true", "train.whole_step=true", "train.grad_accum=2"))
     with pytest.raises(ValueError, match="optim.name=adamw"):
         Trainer(tiny(tmp_path, "train.accelerate=true", "train.whole_step=true", "optim.name=lamb"))
+    with pytest.raises(ValueError, match=r"one process \(parallel.dp=tp=pp=1\)"):  # before any process group
+        Trainer(tiny(tmp_path, "train.accelerate=true", "train.whole_step=true", "parallel.dp=2"))
 
 
 def test_rank_seeds_differ_per_replica_and_stage_and_agree_across_tp():

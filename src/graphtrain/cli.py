@@ -16,7 +16,7 @@ import argparse
 import math
 import sys
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 from graphtrain.config import Config, describe_all
 
@@ -183,11 +183,53 @@ def add_report_arguments(p: argparse.ArgumentParser) -> None:
 def run_report(args: argparse.Namespace) -> int:
     import json
 
-    from graphtrain.engine.report import report_for_config
-
     rep = report_for_config(load_config(args.items))
     print(json.dumps(rep.to_dict(), indent=2, default=str) if args.json else rep)
     return 0
+
+
+def report_for_config(config: Config) -> Any:
+    """Build the configured model, accelerate it, run one training step on real data, return the engine's
+    report (``graphtrain report CONFIG``)."""
+    import torch
+
+    from graphtrain.engine.api import accelerate
+    from graphtrain.engine.report import report
+    from graphtrain.models import build_model
+
+    torch.manual_seed(_check_job(config, "report_for_config").train.seed)
+    data = _job_data(config)
+    model = build_model(config.model, vocab_size=data.vocab_size)
+    model.train()
+    model = accelerate(model, config)
+    loss = model(**_first_batch(config, data))
+    loss.backward()
+    return report(model)
+
+
+def _check_job(config: Config, who: str) -> Config:
+    """The Trainer's checks, before anything is built or compiled."""
+    from graphtrain.models import resolve_spec
+
+    if not isinstance(config, Config):
+        raise TypeError(f"{who} expects a graphtrain.Config, got {type(config).__name__}")
+    spec = resolve_spec(config.model)
+    if config.data.seq_len > spec.max_seq_len:
+        raise ValueError(f"data.seq_len={config.data.seq_len} is longer than model {config.model.name!r} supports "
+                         f"(max_seq_len={spec.max_seq_len}): lower data.seq_len, or set "
+                         f"model.max_seq_len={config.data.seq_len}")
+    return config
+
+
+def _job_data(config: Config) -> Any:
+    from graphtrain.data import build_data
+    from graphtrain.models import resolve_spec
+    return build_data(config, family=resolve_spec(config.model).family)
+
+
+def _first_batch(config: Config, data: Any) -> dict:
+    """The first training batch `report` and `bisect` run (`train.batch_size: auto`: 8)."""
+    return data.train.get_batch(0, config.train.batch_size if config.train.batch_size != "auto" else 8)
 
 
 # ---------------------------------------------------------------------------------- bisect ----
@@ -222,12 +264,30 @@ def add_bisect_arguments(p: argparse.ArgumentParser) -> None:
 def run_bisect(args: argparse.Namespace) -> int:
     import json
 
-    from graphtrain.engine.bisect import bisect_for_config
-
     rep = bisect_for_config(load_config(args.items), steps=args.steps, provider=args.provider,
                             keep_dropout=args.keep_dropout, alone=args.alone)
     print(json.dumps(rep.to_dict(), indent=2, default=str) if args.json else rep)
     return 0 if rep.ok else 1
+
+
+def bisect_for_config(config: Config, *, steps: int = 3, provider: str | None = None, keep_dropout: bool = False,
+                      alone: bool = False) -> Any:
+    """Bisect the configured model on the first batch of its data (``graphtrain bisect CONFIG``), model and batch
+    built as ``report_for_config`` builds them; `provider` None means the config's engine.provider."""
+    import torch
+
+    from graphtrain.engine.bisect import bisect
+    from graphtrain.models import build_model
+
+    data = _job_data(_check_job(config, "bisect_for_config"))
+
+    def factory() -> torch.nn.Module:
+        torch.manual_seed(config.train.seed)
+        return build_model(config.model, vocab_size=data.vocab_size)
+
+    return bisect(factory, _first_batch(config, data), steps=steps, provider=provider or config.engine.provider,
+                  precision=config.engine.precision, seed=config.train.seed, keep_dropout=keep_dropout, alone=alone,
+                  engine=config.engine, name=config.model.name)
 
 
 def _bench_arguments(p: argparse.ArgumentParser) -> None:

@@ -136,14 +136,8 @@ def wrap_model(model: torch.nn.Module, variant: Variant) -> torch.nn.Module:
     if variant.mode == "graphtrain-step":  # the step graph is built in build_workload
         return model
     if variant.mode == "graphtrain":
-        try:
-            import graphtrain
-            accelerate = graphtrain.accelerate
-        except (ImportError, AttributeError) as e:
-            raise Skip(f"graphtrain.accelerate is not available in this checkout ({e})") from None
-        out = accelerate(model, precision=variant.precision, recompute=variant.recompute,
-                         passes=passes_off(variant))
-        return out if isinstance(out, torch.nn.Module) else model
+        from graphtrain.engine.api import accelerate
+        return accelerate(model, precision=variant.precision, recompute=variant.recompute, passes=passes_off(variant))
     if variant.mode == "ortmodule":
         try:
             from onnxruntime.training.ortmodule import ORTModule

@@ -26,7 +26,7 @@ import math
 from pathlib import Path
 from typing import Any, Callable
 
-from graphtrain.bench.runner import SETUP_TIMEOUT_S, STEP_TIMEOUT_S, WorkerProc
+from graphtrain.bench.worker import SETUP_TIMEOUT_S, STEP_TIMEOUT_S, WorkerProc
 from graphtrain.bench.suites import Case, Variant
 
 MAX_TRIALS = 5

@@ -2,7 +2,7 @@
 
     python -m graphtrain.bench.memory --model gpt2-small --seq 1024 --batch 2 --cap-gib 4 --rounds 2
 
-Each variant runs in its own fresh subprocess (graphtrain.memory.measure): warm-up steps, then
+Each variant runs in its own fresh subprocess (graphtrain.engine.measure): warm-up steps, then
 the resident high-water mark over the timed steps (CPU) -- absolute ``peak_rss`` (VmHWM, the figure the
 docs quote) and the step's tensor part ``peak_tensor``. For the graphtrain variants the engine's step
 prediction becomes a predicted process peak (the resident set measured before the timed steps, less the
@@ -10,7 +10,7 @@ parameters, optimizer state and batch in it, plus the predicted step peak: memor
 with its error against ``peak_rss`` in every JSON row (``predicted_process_peak``, ``process_peak_error``)
 and the table. Variants ``none``/``selective``/``full`` are
 ``graphtrain.accelerate(model, provider="aten", recompute=...)`` with the default passes (what users
-run); ``graphtrain-*`` variants are the memory optimizer alone (``capture.compile_train_step``, no
+run); ``graphtrain-*`` variants are the memory optimizer alone (``engine.capture.compile_train_step``, no
 fusion). ``--rounds N`` interleaves the variants N times (eager, compile, none, ..., eager, ...) and
 reports the median step time over rounds: on a shared machine load drifts over minutes, so
 interleaving keeps the ratios fair. The largest batch under ``--cap-gib`` (absolute resident memory)
@@ -25,7 +25,7 @@ import statistics
 import sys
 import time
 
-from graphtrain.memory.measure import measure
+from graphtrain.engine.measure import measure
 
 GiB = 2**30
 MiB = 2**20
@@ -139,7 +139,7 @@ def interleaved_step_times(model: str, seq: int, batch: int, variants: list[str]
     import torch
 
     from graphtrain.memory.allocator import pin_mmap_threshold
-    from graphtrain.memory.measure import build
+    from graphtrain.engine.measure import build
     torch.set_num_threads(threads)
     if any(v in ("selective", "full", "auto") for v in variants):
         pin_mmap_threshold()  # what accelerate does for these modes; applies to every variant in this process

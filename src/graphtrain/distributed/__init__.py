@@ -33,14 +33,10 @@ from graphtrain.distributed.data_parallel import (apply_data_parallel, apply_rep
 from graphtrain.distributed.mesh import DistEnv, check_layout, init_distributed, shutdown
 from graphtrain.distributed.tensor_parallel import apply_tensor_parallel, split_mixed_param_groups
 from graphtrain.distributed.zero import optimizer_state_bytes, shard_optimizer
+from graphtrain.engine.functional import loss_of
 
 __all__ = ["DistEnv", "Parallelized", "check_layout", "init_distributed", "parallelize", "shutdown",
            "optimizer_state_bytes"]
-
-
-def _loss_of(out: Any) -> torch.Tensor:
-    """The loss a model returned: a tensor (graphtrain's models) or an output with `.loss` (Hugging Face)."""
-    return out if isinstance(out, torch.Tensor) else out.loss
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -79,7 +75,7 @@ class Parallelized:
                 sync_tied_grads(self.model, self._tied_group)
             return loss
         with grad_sync(self.model, sync=micro_step == micro_steps - 1):
-            loss = _loss_of(self.model(input_ids, labels=labels, **model_kwargs))
+            loss = loss_of(self.model(input_ids, labels=labels, **model_kwargs))
             (loss / micro_steps).backward()
         return loss.detach()
 
@@ -121,7 +117,7 @@ class Parallelized:
         if self.schedule is not None:
             from graphtrain.distributed.pipeline import pipeline_eval
             return pipeline_eval(self.schedule, self.model, input_ids, labels, self.env.group("pp"))
-        return _loss_of(self.model(input_ids, labels=labels, **model_kwargs)).detach()
+        return loss_of(self.model(input_ids, labels=labels, **model_kwargs)).detach()
 
     def clip_grad_norm_(self, max_norm: float | None) -> torch.Tensor:
         """Clip by the global gradient norm across tp shards and pp stages; returns the norm before clipping."""

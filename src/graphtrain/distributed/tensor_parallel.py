@@ -52,6 +52,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from graphtrain.kernels._common import new_seed, salted_seed, set_sharded_dropout_salt
+from graphtrain.kernels.registry import COLLECTIVE, FOLLOW, NEVER, OpDescriptor, no_workspace, register_ops
 
 # model attribute: {fused fqn prefix ("blocks.0.attn.qkv"): [part prefixes (".q", ".k", ".v")]}
 FUSED_ATTR = "_graphtrain_fused"
@@ -117,6 +118,12 @@ for _op in (tp_reduce, tp_copy, tp_max):
 def _(x: torch.Tensor, group: str) -> torch.Tensor:
     n = dist.get_world_size(_group(group))
     return x.new_empty(*x.shape[:-1], n * x.shape[-1])
+
+
+# Never recomputed (a re-run would add communication); dtype follows the input.
+register_ops(*(OpDescriptor(name, role=COLLECTIVE, random=False, recompute=NEVER, precision=FOLLOW,
+                            workspace_bytes=no_workspace, cpp=())
+               for name in ("tp_reduce", "tp_copy", "tp_max", "tp_gather_last")), owner=__name__)
 
 
 def _save_group(ctx, inputs, output) -> None:

@@ -1,7 +1,7 @@
 """The "graphtrain" torch.compile backend: one Dynamo graph in, a trainable compiled callable out.
 
-Per Dynamo graph:  trace to the pre-autodiff aten IR (trace.py)  ->  ``pre_autodiff`` passes  ->
-AOTAutograd (gradient graph, partition)  ->  ``forward``/``backward`` passes  ->  provider.
+Per Dynamo graph, the stages of pipeline.py:  trace to the pre-autodiff aten IR (trace.py)  ->  ``pre_autodiff``
+passes  ->  AOTAutograd (gradient graph, partition)  ->  ``forward``/``backward`` passes  ->  provider.
 Each stage that fails falls back to the stage before it (no pre-autodiff passes; aten instead of
 inductor; the Dynamo graph run eagerly) and says so once, or raises under ``fallback: error``.
 """
@@ -17,8 +17,7 @@ import torch.fx as fx
 
 from graphtrain.config import EngineConfig
 from graphtrain.engine.fallback import apply_policy, report_fallback
-from graphtrain.engine.state import GLOBAL_STATE, EngineState, GraphRecord
-from graphtrain.passes.manager import PassContext, op_counts, run_pipeline
+from graphtrain.engine.state import GLOBAL_STATE, EngineState
 
 
 def _input_kinds(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> list[str]:
@@ -53,12 +52,6 @@ def _frame_info(gm: fx.GraphModule) -> tuple[str, int]:
     return frame, (cid.frame_compile_id or 0) if cid is not None else 0
 
 
-def _shapes(example_inputs: Sequence[Any]) -> list[Any]:
-    def dim(d: Any) -> Any:
-        return d if type(d) is int else str(d)
-    return [tuple(dim(d) for d in x.shape) if isinstance(x, torch.Tensor) else dim(x) for x in example_inputs]
-
-
 _ALLOCATOR_PINNED = False
 
 
@@ -82,9 +75,10 @@ def _pin_cpu_allocator_once(example_inputs: Sequence[Any], config: EngineConfig)
 
 def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: EngineConfig,
                   state: EngineState) -> Callable[..., Any]:
-    """Compile one Dynamo graph (the backend body); records a GraphRecord on `state`."""
+    """Compile one Dynamo graph (the backend body) through the pipeline; records a GraphRecord on `state`."""
+    from graphtrain.engine.pipeline import compile_with_fallback, new_record, run_passes, trace
     from graphtrain.engine.providers import PROVIDERS, resolve_runtime
-    from graphtrain.engine.trace import delocalize, dtensor_inputs, localize, trace_aten_forward
+    from graphtrain.engine.trace import delocalize, dtensor_inputs, localize
 
     t0 = time.perf_counter()
     apply_policy(config)
@@ -98,17 +92,14 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Eng
     ids = sorted({g.notes_compile_id for g in state.graphs if g.frame == frame} | {raw_compile_id})
     frame_compile = ids.index(raw_compile_id)
     kinds = _input_kinds(gm, example_inputs)
-    rec = GraphRecord(name=f"graph{len(state.graphs)}", frame=frame, frame_compile=frame_compile,
-                      input_shapes=_shapes(example_inputs), input_kinds=kinds,
-                      compile_reason=str(getattr(gm, "compile_subgraph_reason", "") or ""))
+    rec = new_record(f"graph{len(state.graphs)}", frame, example_inputs, kinds, state, frame_compile=frame_compile,
+                     compile_reason=str(getattr(gm, "compile_subgraph_reason", "") or ""))
     user = [x for x, k in zip(example_inputs, kinds) if k == "input" and x.dim() > 0]
     rec.batch = int(user[0].shape[0]) if user and isinstance(user[0].shape[0], int) else None
     rec.precision = config.precision
     rec.notes_compile_id = raw_compile_id
-    state.graphs.append(rec)
-    sink = state.fallbacks
 
-    # 1. the pre-autodiff IR and its passes
+    # 1-2. the pre-autodiff IR and its passes
     # Tensor-parallel DTensor parameters: trace and optimize the graph on their local shards, then hand the
     # provider a graph that takes the DTensors again (trace.localize / delocalize).
     graph = gm
@@ -118,39 +109,23 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Eng
     else:
         try:
             local, trace_inputs = localize(gm, example_inputs, sharded) if sharded else (gm, list(example_inputs))
-            traced = trace_aten_forward(local, trace_inputs)
+            traced = trace(local, trace_inputs, rec)
         except Exception as e:  # noqa: BLE001 - any tracing failure degrades to the Dynamo graph
             report_fallback(f"tracing {rec.name} ({frame}) to aten", f"{type(e).__name__}: {e}", config,
-                            what="is compiled without pre-autodiff passes", sink=sink)
+                            what="is compiled without pre-autodiff passes", sink=state.fallbacks)
         else:
-            rec.ops_captured = sum(op_counts(traced).values())
-            ctx = PassContext(config=config, stage="pre_autodiff", graph_name=rec.name,
-                              example_inputs=trace_inputs, input_kinds=kinds, fallbacks=sink)
-            traced = run_pipeline(traced, ctx)
-            state.passes.extend(ctx.records)
-            rec.ops_pre_autodiff = sum(op_counts(traced).values())
+            traced = run_passes(traced, "pre_autodiff", config, state, rec, example_inputs=trace_inputs,
+                                input_kinds=kinds)
             graph = delocalize(traced, sharded) if sharded else traced
             if sharded:
                 rec.notes.append(f"{len(sharded)} DTensor parameters traced on their local shards")
     rec.dtensor_inputs = len(sharded)
 
-    # 2. autodiff + provider
+    # 3-5. autodiff + provider, falling back inductor -> aten -> eager
     order = [provider] + (["aten"] if provider != "aten" else [])
-    compiled = None
-    for p in order:
-        try:
-            compiled = PROVIDERS[p](graph, example_inputs, dataclasses.replace(config, provider=p), rec, state)
-            rec.provider = p
-            break
-        except Exception as e:  # noqa: BLE001
-            if type(e).__name__ == "GraphtrainCaptureError":
-                raise
-            nxt = "aten" if p != "aten" else "eager"
-            report_fallback(f"provider {p} on {rec.name} ({frame})", f"{type(e).__name__}: {str(e)[:500]}", config,
-                            what=f"runs on {nxt} instead", sink=sink)
-    if compiled is None:
-        rec.provider = "eager"
-        compiled = gm.forward
+    compiled, rec.provider = compile_with_fallback(
+        order, lambda p: PROVIDERS[p](graph, example_inputs, dataclasses.replace(config, provider=p), rec, state),
+        part=f"{rec.name} ({frame})", config=config, state=state, eager=gm.forward)
     rec.compile_seconds = time.perf_counter() - t0
     return compiled
 

@@ -36,6 +36,7 @@ import torch
 from graphtrain import fallback as fallback_policy
 from graphtrain.config import EngineConfig, resolve_engine_config
 from graphtrain.engine.api import accelerate
+from graphtrain.engine.functional import loss_of
 from graphtrain.kernels import KERNELS, capability
 from graphtrain.kernels._common import force_reference, runtime_fallbacks
 from graphtrain.passes.manager import STAGES, pipeline, registered_passes
@@ -203,13 +204,15 @@ def _call(model: torch.nn.Module, batch: Any) -> Any:
                     f"got {type(batch).__name__}")
 
 
-def _loss_of(out: Any, loss_fn: Callable[[Any], torch.Tensor] | None) -> torch.Tensor:
+def _training_loss(out: Any, loss_fn: Callable[[Any], torch.Tensor] | None) -> torch.Tensor:
     if loss_fn is not None:
         loss, source = loss_fn(out), "loss_fn"
     else:
-        loss, source = out, "the model"
-        if not isinstance(out, torch.Tensor):
-            loss = out.get("loss") if isinstance(out, dict) else getattr(out, "loss", None)
+        source = "the model"
+        try:
+            loss = loss_of(out)
+        except TypeError:
+            loss = None
     if not (isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.is_floating_point()):
         if isinstance(loss, torch.Tensor):
             got = f"a {loss.dtype} tensor of shape {tuple(loss.shape)}"
@@ -303,7 +306,7 @@ def _train(model: torch.nn.Module, batch: Any, loss_fn: Any, steps: int, seed: i
     for step in range(steps):
         opt.zero_grad(set_to_none=True)
         torch.manual_seed(seed + step)
-        loss = _loss_of(_call(model, batch), loss_fn)
+        loss = _training_loss(_call(model, batch), loss_fn)
         loss.backward()
         out.append(_Step(loss.detach().clone(), {n: None if p.grad is None else p.grad.detach().clone()
                                                  for n, p in named}, _rng_state(device)))
@@ -606,32 +609,3 @@ def _bisect(model_factory: Callable[[], torch.nn.Module], batch: Any, *, name: s
     b.scan()
     n_params = sum(p.numel() for p in b.eager_model.parameters() if p.requires_grad)
     return b.report(f"{name or type(b.eager_model).__name__} ({n_params:,} trained parameters)")
-
-
-def bisect_for_config(config: Any, *, steps: int = 3, provider: str | None = None, keep_dropout: bool = False,
-                      alone: bool = False) -> BisectReport:
-    """Bisect the configured model on the first batch of its data (backs ``graphtrain bisect CONFIG``): the model
-    and batch are built as ``graphtrain report`` builds them; `provider` None means the config's
-    engine.provider."""
-    from graphtrain.config import Config
-    from graphtrain.data import build_data
-    from graphtrain.models import build_model, resolve_spec
-
-    if not isinstance(config, Config):
-        raise TypeError(f"bisect_for_config expects a graphtrain.Config, got {type(config).__name__}")
-    spec = resolve_spec(config.model)
-    if config.data.seq_len > spec.max_seq_len:  # the Trainer's check
-        raise ValueError(f"data.seq_len={config.data.seq_len} is longer than model {config.model.name!r} supports "
-                         f"(max_seq_len={spec.max_seq_len}): lower data.seq_len, or set "
-                         f"model.max_seq_len={config.data.seq_len}")
-    data = build_data(config, family=spec.family)
-
-    def factory() -> torch.nn.Module:
-        torch.manual_seed(config.train.seed)
-        return build_model(config.model, vocab_size=data.vocab_size)
-
-    bs = config.train.batch_size if config.train.batch_size != "auto" else 8
-    batch = data.train.get_batch(0, bs)
-    return bisect(factory, batch, steps=steps, provider=provider or config.engine.provider,
-                  precision=config.engine.precision, seed=config.train.seed, keep_dropout=keep_dropout, alone=alone,
-                  engine=config.engine, name=config.model.name)

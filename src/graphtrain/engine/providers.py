@@ -4,9 +4,10 @@ Both providers take the optimized pre-autodiff aten graph and let AOTAutograd bu
 (we never write autodiff), then run graphtrain's ``forward``/``backward`` stage passes on the partitioned
 graphs.
 
-- ``aten``: ``aot_module_simplified`` with no decompositions, so the graphs hold the same aten ops eager
-  autograd would run; fw/bw compilers run our stage passes and execute the FX code op by op. It is the
-  reference: deterministic and, with the RNG untouched, bitwise equal to eager.
+- ``aten``: the pipeline's autodiff stage (engine/pipeline.py ``autodiff``): ``aot_module_simplified`` with no
+  decompositions, so the graphs hold the same aten ops eager autograd would run; fw/bw compilers run our stage
+  passes and execute the FX code op by op. It is the reference: deterministic and, with the RNG untouched,
+  bitwise equal to eager.
 - ``inductor``: ``compile_fx`` on the optimized aten graph. We chose this over calling ``compile_fx_inner``
   per fw/bw graph ourselves because compile_fx brings Inductor's decomposition table, joint-graph passes,
   min-cut partitioner, AOTAutograd cache and FX-graph cache, which a hand-built pipeline would have to
@@ -21,17 +22,23 @@ import dataclasses
 import hashlib
 import inspect
 import warnings
-from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
+import graphtrain.memory.predict as predict
+import graphtrain.memory.recompute as recompute
+import graphtrain.memory.seeded as seeded
 from graphtrain.config import EngineConfig
+from graphtrain.engine.fallback import report_fallback
+from graphtrain.engine.pipeline import StepLayout, autodiff, partition_fn, run_passes, user_outputs
+from graphtrain.engine.pipeline import layout as step_layout
 from graphtrain.engine.state import EngineState, GraphRecord
 from graphtrain.kernels import capability
-from graphtrain.passes.manager import PassContext, op_counts, pipeline, run_pipeline
+from graphtrain.memory.predict import predict_peak
+from graphtrain.passes.manager import pipeline
 
 
 def resolve_provider(config: EngineConfig, example_inputs: Sequence[Any]) -> str:
@@ -79,103 +86,12 @@ def resolve_runtime(config: EngineConfig, example_inputs: Sequence[Any]) -> Engi
     return dataclasses.replace(config, provider=resolve_provider(config, example_inputs), precision=precision)
 
 
-def _stage_passes(gm: fx.GraphModule, stage: str, config: EngineConfig, rec: GraphRecord,
-                  state: EngineState, example_inputs: Sequence[Any]) -> fx.GraphModule:
-    ctx = PassContext(config=config, stage=stage, graph_name=rec.name, example_inputs=list(example_inputs),
-                      fallbacks=state.fallbacks)
-    gm = run_pipeline(gm, ctx)
-    state.passes.extend(ctx.records)
-    n_ops = sum(op_counts(gm).values())
-    if stage == "forward":
-        rec.ops_forward = n_ops
-    else:
-        rec.ops_backward = n_ops
-        _record_backward(gm, rec)
-    return gm
-
-
-def _record_backward(gm: fx.GraphModule, rec: GraphRecord) -> None:
-    """Saved activations are the backward's non-tangent inputs that are not forward inputs (primals_*);
-    gradients computed are its non-None outputs, aligned with the forward inputs."""
-    saved_bytes, saved = 0, 0
-    for n in gm.graph.nodes:
-        if n.op != "placeholder" or n.name.startswith(("tangents_", "primals_")):
-            continue
-        v = n.meta.get("val")
-        if isinstance(v, torch.Tensor):
-            saved += 1
-            numel = v.numel()
-            saved_bytes += int(numel) * v.element_size() if isinstance(numel, int) else 0
-    rec.saved_activation_bytes, rec.saved_tensors = saved_bytes, saved
-    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
-    grads = list(out.args[0]) if isinstance(out.args[0], (list, tuple)) else [out.args[0]]
-    rec.grads_computed = sum(g is not None for g in grads)
-    kinds = rec.input_kinds
-    if rec.dtensor_inputs:
-        # AOTAutograd returns a DTensor input's gradient as two outputs (its flattened inner tensor and a
-        # second flattened entry), so outputs no longer line up with the inputs one to one.
-        rec.grads_computed -= rec.dtensor_inputs
-    elif len(grads) >= len(kinds):
-        offset = len(grads) - len(kinds)  # folded constants (module buffers) come first
-        rec.frozen_inputs_with_grad = sum(grads[offset + i] is not None for i, k in enumerate(kinds)
-                                          if k in ("frozen", "buffer"))
-
-
-@dataclass
-class _StepLayout:
-    """Where the parameters, buffers and batch sit among the partitioned forward graph's inputs.
-
-    AOTAutograd (``aot_module_simplified``) lifts the graph module's own parameters and buffers (the
-    constants fold_constants registered) in front of the Dynamo graph's inputs, which Dynamo orders by
-    first use, so the batch is not necessarily last."""
-
-    n_params_bytes: int   # trainable parameter bytes (tied weights once)
-    n_param_inputs: int   # parameters + buffers among the forward inputs
-    batch_inputs: list[int]
-
-
-def _layout(gm: fx.GraphModule, example_inputs: Sequence[Any], kinds: Sequence[str]) -> _StepLayout:
-    from graphtrain.memory.predict import param_bytes
-    n_lifted = len(dict(gm.named_parameters(remove_duplicate=False))) + \
-        len(dict(gm.named_buffers(remove_duplicate=False)))
-    trained = [x for x, k in zip(example_inputs, kinds) if k == "param"]
-    return _StepLayout(param_bytes(trained), n_lifted + sum(k in ("param", "frozen", "buffer") for k in kinds),
-                       [n_lifted + i for i, k in enumerate(kinds) if k == "input"])
-
-
-def _recompute_partition_fn(config: EngineConfig, layout: _StepLayout, rec: GraphRecord,
-                            state: EngineState) -> Callable[..., Any]:
-    """graphtrain.memory.recompute's partitioner for config.recompute; links its decision record to `rec`.
-
-    Every mode, `none` included, goes through it: on top of the mode's partition it drops the dead random
-    ops AOTAutograd's partitioners copy into the backward (which would re-run work and consume RNG)."""
-    from graphtrain.memory.recompute import make_partition_fn
-    inner = make_partition_fn(config, n_params_bytes=layout.n_params_bytes, n_param_inputs=layout.n_param_inputs,
-                              records=state.recompute, batch_inputs=layout.batch_inputs)
-
-    def partition_fn(joint: fx.GraphModule, joint_inputs: Any, **kw: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
-        n = len(state.recompute)
-        fw, bw = inner(joint, joint_inputs, **kw)
-        if len(state.recompute) > n:
-            rec.recompute = state.recompute[-1]
-        return fw, bw
-    return partition_fn
-
-
-def _partitioner_name(config: EngineConfig) -> str:
-    return "default" if config.recompute == "none" else f"min_cut (recompute={config.recompute})"
-
-
-def predict_memory(fw: fx.GraphModule, bw: fx.GraphModule, layout: _StepLayout, rec: GraphRecord) -> None:
+def predict_memory(fw: fx.GraphModule, bw: fx.GraphModule, layout: StepLayout, rec: GraphRecord) -> None:
     """Store predict_peak's estimate (AdamW, boxed backward) of a step through this graph on `rec`."""
-    from graphtrain.memory.predict import predict_peak
     try:
-        fw_out = next(n for n in reversed(fw.graph.nodes) if n.op == "output").args[0]
-        bw_ph = [n for n in bw.graph.nodes if n.op == "placeholder"]
-        n_saved = sum(not n.name.startswith("tangents_") for n in bw_ph)
-        n_user = len(torch.utils._pytree.tree_leaves(fw_out)) - n_saved  # fw returns (*user outputs, *saved)
-        est = predict_peak(fw, bw, layout.n_params_bytes, optimizer="adamw", num_user_outputs=max(n_user, 1),
-                           n_param_inputs=layout.n_param_inputs, batch_inputs=layout.batch_inputs)
+        est = predict_peak(fw, bw, layout.n_params_bytes, optimizer="adamw",
+                           num_user_outputs=max(user_outputs(fw, bw), 1), n_param_inputs=layout.n_param_inputs,
+                           batch_inputs=layout.batch_inputs)
     except Exception as e:  # noqa: BLE001 - an estimate only; say why it is missing
         rec.notes.append(f"peak-memory prediction failed: {type(e).__name__}: {str(e)[:200]}")
         return
@@ -189,40 +105,16 @@ def predict_memory(fw: fx.GraphModule, bw: fx.GraphModule, layout: _StepLayout, 
 
 def compile_aten(gm: fx.GraphModule, example_inputs: Sequence[Any], config: EngineConfig, rec: GraphRecord,
                  state: EngineState) -> Callable[..., Any]:
-    from torch._functorch.aot_autograd import aot_module_simplified
-
-    from graphtrain.memory.capture import to_boxed
-
-    layout = _layout(gm, example_inputs, rec.input_kinds)
-    graphs: dict[str, fx.GraphModule] = {}
-
-    def fw_compiler(fgm: fx.GraphModule, ins: Sequence[Any]) -> Callable[..., Any]:
-        fgm = _stage_passes(fgm, "forward", config, rec, state, ins)
-        graphs["forward"] = fgm
-        if "backward" in graphs:
-            predict_memory(fgm, graphs.pop("backward"), layout, rec)
-        return to_boxed(fgm)
-
-    def bw_compiler(bgm: fx.GraphModule, ins: Sequence[Any]) -> Callable[..., Any]:
-        bgm = _stage_passes(bgm, "backward", config, rec, state, ins)
-        if "forward" in graphs:  # AOTAutograd compiles the forward first (the backward maybe lazily)
-            predict_memory(graphs.pop("forward"), bgm, layout, rec)
-        else:
-            graphs["backward"] = bgm
-        # Boxed: the backward takes its argument list and clears it, so each saved activation is freed after
-        # its last use instead of when the backward returns (FX code drops intermediates the same way).
-        return to_boxed(bgm)
-
-    rec.partitioner = _partitioner_name(config)
-    return aot_module_simplified(gm, example_inputs, fw_compiler=fw_compiler, bw_compiler=bw_compiler,
-                                 partition_fn=_recompute_partition_fn(config, layout, rec, state), decompositions={})
+    """The pipeline's autodiff stage as is (FX code run op by op), with the step's peak memory predicted."""
+    return autodiff(gm, example_inputs, config, state, rec,
+                    on_graphs=lambda fw, bw, lay: predict_memory(fw, bw, lay, rec))
 
 
 class StagePasses(CustomGraphPass):
     """graphtrain's forward/backward passes as an Inductor post-grad pass (cache-safe through uuid())."""
 
     def __init__(self, config: EngineConfig, rec: GraphRecord, state: EngineState,
-                 layout: _StepLayout | None = None) -> None:
+                 layout: StepLayout | None = None) -> None:
         self.config, self.rec, self.state, self.layout = config, rec, state, layout
         self._forward: fx.GraphModule | None = None
 
@@ -230,7 +122,7 @@ class StagePasses(CustomGraphPass):
         gm = graph.owning_module
         stage = "backward" if any(n.op == "placeholder" and n.name.startswith("tangents_")
                                   for n in graph.nodes) else "forward"
-        out = _stage_passes(gm, stage, self.config, self.rec, self.state, [])
+        out = run_passes(gm, stage, self.config, self.state, self.rec)
         if out is not gm:  # a pass failed and the pipeline handed back its backup: restore it in place
             _replace_graph(graph, out.graph)
         if self.layout is not None:  # predict from the post-grad graphs (Inductor plans buffers below them)
@@ -249,22 +141,19 @@ class StagePasses(CustomGraphPass):
         return h.digest()
 
 
-def _inductor_partitioner(config: EngineConfig, layout: _StepLayout, rec: GraphRecord, state: EngineState) -> Any:
+def _inductor_partitioner(config: EngineConfig, layout: StepLayout, rec: GraphRecord, state: EngineState) -> Any:
     """graphtrain's recompute partitioner as Inductor's ``custom_partitioner_fn`` (runs after Inductor's
     joint-graph passes, in place of its min-cut partitioner), cache-safe through uuid()."""
     from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
     class RecomputePartitioner(CustomPartitionerFn):
         def __init__(self) -> None:
-            self.fn = _recompute_partition_fn(config, layout, rec, state)
+            self.fn = partition_fn(config, state, rec, layout)
 
         def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[object], **kw: Any):
             return self.fn(gm, joint_inputs, **kw)
 
         def uuid(self) -> bytes:
-            import graphtrain.memory.predict as predict
-            import graphtrain.memory.recompute as recompute
-            import graphtrain.memory.seeded as seeded
             h = hashlib.sha256()
             for mod in (recompute, predict, seeded):
                 h.update(inspect.getsource(mod).encode())
@@ -295,9 +184,7 @@ def compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], config: 
     import torch._inductor.config as inductor_config
     from torch._inductor.compile_fx import compile_fx
 
-    from graphtrain.engine.fallback import report_fallback
-
-    layout = _layout(gm, example_inputs, rec.input_kinds)
+    layout = step_layout(gm, example_inputs, rec.input_kinds)
     patches: dict[str, Any] = {"fallback_random": True,
                                "post_grad_custom_post_pass": StagePasses(config, rec, state, layout)}
     rec.partitioner = "min_cut (inductor)"  # with fusion, recomputing pointwise ops is nearly free

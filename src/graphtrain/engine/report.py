@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from graphtrain.engine.state import GLOBAL_STATE, EngineState, GraphRecord
-from graphtrain.kernels import capabilities
+from graphtrain.kernels import capabilities, op_descriptor
 from graphtrain.memory.process import predict_process_peak
 
 
@@ -114,6 +114,9 @@ class Report:
     graphtrain.memory.process.ProcessPeak as a dict): the resident set measured now, less the trained
     parameters, gradients, optimizer state and batch measured in it, plus the largest predicted step peak of
     the latest graphs (``graph``: its name). None without a step prediction or off Linux."""
+    fused_ops: list[dict[str, Any]] | None = None
+    """The graphtrain ops the passes put into the graphs (``count``, summed over graphs), each with what its
+    descriptor tells recompute, mixed precision and the memory predictor (kernels/registry.py)."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -178,16 +181,21 @@ class Report:
         L += [f"  - {part}: {why}" for part, why in self.fallbacks]
         if self.machine:
             L += _machine_lines(self.machine)
-        L.append("passes (summed over graphs):   rewrites      ms   ops before -> after")
+        L.append("passes (summed over graphs), stage/phase/pass:                rewrites      ms   ops before -> after")
         for r in self.passes:
             err = f"   FAILED: {r['error']}" if r["error"] else ""
+            where = f"{r['stage']:>12}/{r.get('phase') or '-':<13} {r['name']:<34}"
             if r.get("left_to"):
                 if r["rewrites"]:
-                    L.append(f"  {r['stage']:>12}/{r['name']:<34} {r['rewrites']:>6} {r['seconds'] * 1e3:>8.1f}   "
+                    L.append(f"  {where} {r['rewrites']:>6} {r['seconds'] * 1e3:>8.1f}   "
                              f"found, left to {r['left_to']}'s fused kernels (graph unchanged)")
                 continue
-            L.append(f"  {r['stage']:>12}/{r['name']:<34} {r['rewrites']:>6} {r['seconds'] * 1e3:>8.1f}   "
+            L.append(f"  {where} {r['rewrites']:>6} {r['seconds'] * 1e3:>8.1f}   "
                      f"{r['ops_before']:>6} -> {r['ops_after']}{err}")
+        if self.fused_ops:
+            L.append("fused ops in the graphs (count; random, recompute, precision, c++):")
+            L += [f"  {f['name']} x{f['count']}: {'random' if f['random'] else 'deterministic'}, "
+                  f"{f['recompute']}, {f['precision']}, {'+'.join(f['cpp']) or '-'}" for f in self.fused_ops]
         return "\n".join(L)
 
 
@@ -201,8 +209,9 @@ def report(module: torch.nn.Module | None = None, *, optimizer: torch.optim.Opti
     state, source = _state_of(module)
     agg: dict[tuple[str, str], dict[str, Any]] = collections.OrderedDict()
     for r in state.passes:
-        a = agg.setdefault((r.stage, r.name), dict(stage=r.stage, name=r.name, rewrites=0, seconds=0.0,
-                                                   ops_before=0, ops_after=0, error=None, left_to=r.left_to))
+        a = agg.setdefault((r.stage, r.name), dict(stage=r.stage, phase=r.phase, name=r.name, rewrites=0,
+                                                   seconds=0.0, ops_before=0, ops_after=0, error=None,
+                                                   left_to=r.left_to))
         a["rewrites"] += r.rewrites
         a["seconds"] += r.seconds
         a["ops_before"] += r.ops_before
@@ -231,7 +240,24 @@ def report(module: torch.nn.Module | None = None, *, optimizer: torch.optim.Opti
         fallbacks=list(state.fallbacks), passes=list(agg.values()), params=_param_stats(module),
         saved_activation_bytes=saved_total, saved_activation_bytes_per_sample=per_sample,
         first_step_seconds=state.first_call_seconds, compile_seconds=sum(g.compile_seconds for g in state.graphs),
-        calls=state.calls, eager_only=state.eager_only, machine=capabilities(), process_peak=process)
+        calls=state.calls, eager_only=state.eager_only, machine=capabilities(), process_peak=process,
+        fused_ops=_fused_ops(state.passes))
+
+
+def _fused_ops(records: list[Any]) -> list[dict[str, Any]]:
+    """The graphtrain ops the passes added (net over every pass and graph), with their descriptors' facts."""
+    counts: collections.Counter = collections.Counter()
+    for r in records:
+        for op, n in r.op_diff.items():
+            if op.startswith("graphtrain."):
+                counts[op.removeprefix("graphtrain.")] += n
+    out = []
+    for name, n in sorted(counts.items()):
+        d = op_descriptor(name) if n > 0 else None
+        if d is not None:
+            out.append(dict(name=name, count=n, random=d.random, recompute=d.recompute, precision=d.precision,
+                            cpp=list(d.cpp)))
+    return out
 
 
 def _machine_lines(m: dict[str, Any]) -> list[str]:
@@ -246,30 +272,3 @@ def _machine_lines(m: dict[str, Any]) -> list[str]:
     L.append(f"  fused ops that fell back to their reference at run time: {len(fb)}")
     L += [f"    - {f['op']} ({f['implementation']}): {f['reason']}" for f in fb]
     return L
-
-
-def report_for_config(config: Any) -> Report:
-    """Build the configured model, accelerate it, run one training step on real data, return the report
-    (backs ``graphtrain report CONFIG``)."""
-    from graphtrain.config import Config
-    from graphtrain.data import build_data
-    from graphtrain.engine.api import accelerate
-    from graphtrain.models import build_model, resolve_spec
-
-    if not isinstance(config, Config):
-        raise TypeError(f"report_for_config expects a graphtrain.Config, got {type(config).__name__}")
-    torch.manual_seed(config.train.seed)
-    family = resolve_spec(config.model).family
-    data = build_data(config, family=family)
-    model = build_model(config.model, vocab_size=data.vocab_size)
-    if config.data.seq_len > model.spec.max_seq_len:  # the Trainer's check: report what `train` would run
-        raise ValueError(f"data.seq_len={config.data.seq_len} is longer than model {config.model.name!r} supports "
-                         f"(max_seq_len={model.spec.max_seq_len}): lower data.seq_len, or set "
-                         f"model.max_seq_len={config.data.seq_len}")
-    model.train()
-    model = accelerate(model, config)
-    bs = config.train.batch_size if config.train.batch_size != "auto" else 8
-    batch = data.train.get_batch(0, bs)
-    loss = model(**batch)
-    loss.backward()
-    return report(model)

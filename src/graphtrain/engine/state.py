@@ -6,7 +6,6 @@ one ``GraphRecord`` per Dynamo graph; ``graphtrain.report`` turns the state into
 """
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,7 +59,6 @@ class EngineState:
     calls: int = 0
     first_call_seconds: float | None = None
     eager_only: bool = False        # capture failed; the module runs eagerly from now on
-    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
     def recompiles(self) -> list[GraphRecord]:

@@ -5,11 +5,11 @@ and the AdamW update, traced once and compiled by the provider.
     for batch in batches:
         out = step(lr=schedule(i), **batch)                # {"loss", "grad_norm", "skipped", "scale"}
 
-How it is built (``CompiledStep._build``):
+How it is built (``CompiledStep._build``, on the stages of engine/pipeline.py):
 
-1. The model's forward (``functional_call`` on its parameters and buffers, returning the loss) is
-   traced to graphtrain's pre-autodiff IR and optimized by the same pass pipeline as ``accelerate``
-   (fusions, mixed precision), so the gradient graph is built from the fused ops.
+1. The model's forward (``module_as_function(model, loss=True)``) is traced to graphtrain's pre-autodiff
+   IR and optimized by the same pass pipeline as ``accelerate`` (fusions, mixed precision), so the
+   gradient graph is built from the fused ops.
 2. A step function is traced with ``make_fx`` on fake tensors into one FX graph: that forward,
    ``torch.autograd.grad`` of the (fp16: scaled) loss w.r.t. the trainable parameters, one
    ``_foreach_norm`` reduction over all gradients (it is both the global norm for clipping and the
@@ -17,9 +17,13 @@ How it is built (``CompiledStep._build``):
    ``grad_scale = loss_scale * max(1, norm / max_norm)`` (unscale and clip folded into the update
    kernel's one pass over p, g, m, v) and ``found_inf`` (the kernel skips the update on overflow),
    and the dynamic loss-scale update with hysteresis as tensor arithmetic.
-3. The graph is compiled by Inductor (or run op by op by the aten provider). Parameters, moments,
-   step counters and the loss-scale state are graph inputs updated in place: the update works on
-   buffers the graph owns, no parameter copy is made and nothing returns to Python until the loss.
+3. The graph is compiled by Inductor (or run op by op by the aten provider; a failed Inductor compile
+   falls back to it). Parameters, moments, step counters and the loss-scale state are graph inputs
+   updated in place: the update works on buffers the graph owns, no parameter copy is made and nothing
+   returns to Python until the loss.
+
+Passes, fallbacks and compiles are recorded like ``accelerate``'s, on an EngineState set as the model's
+``_graphtrain``: ``graphtrain.report(model)`` shows them.
 
 The design keeps sharding open: gradients are graph values, so a ZeRO-1 step would insert a
 reduce-scatter after the gradients and an all-gather after the update (not built here).
@@ -41,16 +45,11 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from graphtrain.config import Config, EngineConfig, OptimConfig
-
-
-def _loss_of(out: Any) -> Tensor:
-    if isinstance(out, Tensor):
-        return out
-    loss = getattr(out, "loss", None)
-    if isinstance(loss, Tensor):
-        return loss
-    raise TypeError(f"compile_step: the model's forward must return the loss (a tensor, or an object with a "
-                    f".loss tensor such as a Hugging Face output given labels=); got {type(out).__name__}")
+from graphtrain.engine.api import new_state
+from graphtrain.engine.fallback import apply_policy
+from graphtrain.engine.functional import module_as_function
+from graphtrain.engine.pipeline import compile_with_fallback, new_record, run_passes, trace
+from graphtrain.engine.providers import resolve_runtime
 
 
 def _adamw_math(params: list[Tensor], grads: list[Tensor], exp_avg: list[Tensor], exp_avg_sq: list[Tensor],
@@ -89,11 +88,9 @@ class CompiledStep:
             raise ValueError(f"compile_step builds AdamW into the step graph; optim.name={config.optim.name!r} "
                              f"is not supported there: use graphtrain.accelerate + graphtrain.optim.build_optimizer")
         self.model, self.engine, self.optim = model, config.engine, config.optim
-        named_params = list(dict(model.named_parameters()).items())
-        named_buffers = list(dict(model.named_buffers()).items())
-        self._names = [n for n, _ in named_params] + [n for n, _ in named_buffers]
-        self._tensors = [t for _, t in named_params] + [t for _, t in named_buffers]
-        self._train_idx = [i for i, (_, p) in enumerate(named_params) if p.requires_grad]
+        _, self._tensors, self._kinds = module_as_function(model)
+        self._train_idx = [i for i, k in enumerate(self._kinds) if k == "param"]
+        self._train_names = [n for n, p in model.named_parameters() if p.requires_grad]  # same order
         if not self._train_idx:
             raise ValueError("compile_step: the model has no trainable parameters (requires_grad=True)")
         params = [self._tensors[i] for i in self._train_idx]
@@ -111,27 +108,17 @@ class CompiledStep:
         self._key: Any = None
         self._batch_names: list[str] = []
         self.provider: str | None = None
+        # What graphtrain.report(model) shows: the step graph's passes, fallbacks and compiles; the compile
+        # caches are pointed where accelerate points them.
+        self.state = new_state(self.engine)
+        model._graphtrain = self.state  # type: ignore[assignment]
         self.pass_records: list[Any] = []
         self.compile_seconds = 0.0
         self.steps = 0
         self.skipped_steps = 0
 
     # ----------------------------------------------------------------------------------- build --
-    def _forward_fn(self, batch_names: list[str]):
-        model, names, n = self.model, self._names, len(self._names)
-
-        def fwd(*args: Tensor) -> Tensor:
-            state = dict(zip(names, args[:n]))
-            kwargs = dict(zip(batch_names, args[n:]))
-            return _loss_of(torch.func.functional_call(model, state, (), kwargs, tie_weights=True))
-        return fwd
-
     def _build(self, batch: dict[str, Tensor]) -> None:
-        from graphtrain.engine.fallback import apply_policy
-        from graphtrain.engine.providers import resolve_runtime
-        from graphtrain.engine.trace import trace_aten_forward
-        from graphtrain.passes.manager import PassContext, run_pipeline
-
         t0 = time.perf_counter()
         names = list(batch)
         inputs = [batch[k] for k in names]
@@ -139,14 +126,14 @@ class CompiledStep:
         apply_policy(self.engine)
         cfg = resolve_runtime(self.engine, example)
         provider = cfg.provider
-        kinds = ["param" if (i < len(self._tensors) and isinstance(t, nn.Parameter) and t.requires_grad)
-                 else "frozen" if isinstance(t, nn.Parameter) else "buffer" for i, t in enumerate(self._tensors)]
-        kinds += ["input"] * len(inputs)
-        fwd = trace_aten_forward(self._forward_fn(names), example)
-        ctx = PassContext(config=cfg, stage="pre_autodiff", graph_name="step", example_inputs=example,
-                          input_kinds=kinds)
-        fwd = run_pipeline(fwd, ctx)
-        self.pass_records = ctx.records
+        kinds = self._kinds + ["input"] * len(inputs)
+        rec = new_record("step", f"compile_step({type(self.model).__name__})", example, kinds, self.state,
+                         frame_compile=sum(g.name == "step" for g in self.state.graphs), precision=cfg.precision)
+        fn, _, _ = module_as_function(self.model, input_names=names, loss=True)
+        fwd = trace(fn, example, rec)
+        n_records = len(self.state.passes)
+        fwd = run_passes(fwd, "pre_autodiff", cfg, self.state, rec, example_inputs=example, input_kinds=kinds)
+        self.pass_records = self.state.passes[n_records:]
         # aten runs torch's fused AdamW kernel in the graph; Inductor cannot trace that kernel's
         # tensor-lr overload (no fake implementation in torch 2.13), so it gets the same update as
         # elementwise math, which it fuses into one kernel per parameter.
@@ -158,10 +145,14 @@ class CompiledStep:
         fake_args = [fake_mode.from_tensor(a) for a in args]
         with fake_mode:
             graph = make_fx(step_fn, tracing_mode="real")(*fake_args)
-        self._compiled, self.provider = self._compile(graph, args, provider)
+        self._compiled, self.provider = compile_with_fallback(
+            ["inductor", "aten"] if provider == "inductor" else ["aten"], lambda p: self._compile(graph, args, p),
+            part=f"{rec.name} ({rec.frame})", config=cfg, state=self.state)
+        rec.provider = self.provider
         self._batch_names = names
         self.graph = graph
-        self.compile_seconds += time.perf_counter() - t0
+        rec.compile_seconds = time.perf_counter() - t0
+        self.compile_seconds += rec.compile_seconds
 
     def _args(self, inputs: list[Tensor]) -> list[Tensor]:
         return [*self._tensors, *inputs, *self.exp_avg, *self.exp_avg_sq, *self.state_steps, self.lr, self.scale,
@@ -226,18 +217,14 @@ class CompiledStep:
             return loss.detach(), true_norm, torch.zeros_like(norm)
         return step
 
-    def _compile(self, graph: torch.fx.GraphModule, args: list[Tensor], provider: str) -> tuple[Any, str]:
-        from graphtrain.engine.fallback import report_fallback
+    @staticmethod
+    def _compile(graph: torch.fx.GraphModule, args: list[Tensor], provider: str) -> Any:
+        """The step graph as `provider` runs it: Inductor's code (eager's RNG kept), or the FX graph op by op."""
         if provider == "inductor":
-            try:
-                from torch._inductor.compile_fx import compile_fx
-                with torch._inductor.config.patch(fallback_random=True):
-                    fn = compile_fx(graph, args)
-                return fn, "inductor"
-            except Exception as err:  # noqa: BLE001 - degrade to the op-by-op graph, loudly
-                report_fallback("provider inductor on the step graph", f"{type(err).__name__}: {str(err)[:400]}",
-                                self.engine, what="runs op by op (aten) instead")
-        return graph, "aten"
+            from torch._inductor.compile_fx import compile_fx
+            with torch._inductor.config.patch(fallback_random=True):
+                return compile_fx(graph, args)
+        return graph
 
     # ------------------------------------------------------------------------------------ call --
     def __call__(self, lr: float | None = None, **batch: Tensor) -> dict[str, Any]:
@@ -262,14 +249,14 @@ class CompiledStep:
     # ------------------------------------------------------------------------------ state I/O --
     def state_dict(self) -> dict[str, Any]:
         """Optimizer and loss-scale state (the model's weights are in model.state_dict())."""
-        names = [self._names[i] for i in self._train_idx]
+        names = self._train_names
         return {"exp_avg": dict(zip(names, self.exp_avg)), "exp_avg_sq": dict(zip(names, self.exp_avg_sq)),
                 "step": dict(zip(names, self.state_steps)), "scale": self.scale.clone(),
                 "growth_tracker": self.growth_tracker.clone(), "hysteresis_left": self.hysteresis_left.clone(),
                 "steps": self.steps, "skipped_steps": self.skipped_steps}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        names = [self._names[i] for i in self._train_idx]
+        names = self._train_names
         for key in ("exp_avg", "exp_avg_sq", "step"):
             missing = [n for n in names if n not in state.get(key, {})]
             if missing:

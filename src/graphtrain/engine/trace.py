@@ -62,25 +62,6 @@ def fakify_like_dynamo(fake_mode: FakeTensorMode, example_inputs: Sequence[Any])
     return out
 
 
-def module_as_function(module: torch.nn.Module) -> tuple[Callable[..., Any], list[torch.Tensor], list[str]]:
-    """Turn `module` into f(*params_and_buffers, *inputs) for tracing; returns (f, tensors, kinds).
-
-    kinds[i] is "param" (trainable), "frozen" (parameter without requires_grad) or "buffer"."""
-    named = dict(module.named_parameters(remove_duplicate=False))
-    named_params = list(dict(module.named_parameters()).items())
-    named_buffers = list(dict(module.named_buffers()).items())
-    names = [n for n, _ in named_params] + [n for n, _ in named_buffers]
-    tensors = [t for _, t in named_params] + [t for _, t in named_buffers]
-    kinds = ["param" if t.requires_grad else "frozen" for _, t in named_params] + ["buffer"] * len(named_buffers)
-    del named
-
-    def f(*args: Any) -> Any:
-        state = dict(zip(names, args[: len(names)]))
-        return torch.func.functional_call(module, state, tuple(args[len(names):]), tie_weights=True)
-
-    return f, tensors, kinds
-
-
 def dtensor_inputs(example_inputs: Sequence[Any]) -> list[int]:
     """Positions of DTensor inputs (tensor-parallel parameters) among a Dynamo graph's inputs."""
     try:

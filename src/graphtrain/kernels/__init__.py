@@ -2,12 +2,15 @@
 
 Every op (one file each) has a plain-PyTorch reference (the specification and fallback), a CPU path
 where one measurably wins, a Triton path for CUDA and an autograd rule, registered once with
-torch.library so AOTAutograd, both providers and torch.compile understand it. `KERNELS` says which
-ops exist and which implementation serves each device; a checker claims an input only where the
-fast path supports it, else the reference runs. Importing this works without triton installed.
+torch.library so AOTAutograd, both providers and torch.compile understand it. `KERNELS` (registry.py) says
+which ops exist, which implementation serves each device, and what the rest of graphtrain needs to know
+about each custom op (`OPS`, `op_descriptor`: random, recompute cost, precision policy, workspace bytes, C++
+functions); a checker claims an input only where the fast path supports it, else the reference runs.
+Importing this works without triton installed.
 """
 from graphtrain.kernels import _cpu_ext, capability
-from graphtrain.kernels._common import HAS_TRITON, KERNELS, KernelSpec, runtime_fallbacks
+from graphtrain.kernels._common import HAS_TRITON, runtime_fallbacks
+from graphtrain.kernels.registry import KERNELS, OPS, KernelSpec, OpDescriptor, op_descriptor
 from graphtrain.kernels.attention import attention
 from graphtrain.kernels.bias_dropout_add import bias_dropout_add
 from graphtrain.kernels.bias_gelu import bias_gelu
@@ -54,5 +57,6 @@ def capabilities() -> dict:
                            for f in runtime_fallbacks()])
 
 
-__all__ = ["capabilities", "HAS_TRITON", "KERNELS", "KernelSpec", "attention", "bias_dropout_add", "bias_gelu", "cross_entropy",
-           "gemm", "implementation_for", "layer_norm", "linear_cross_entropy", "rms_norm"]
+__all__ = ["capabilities", "HAS_TRITON", "KERNELS", "KernelSpec", "OPS", "OpDescriptor", "op_descriptor", "attention",
+           "bias_dropout_add", "bias_gelu", "cross_entropy", "gemm", "implementation_for", "layer_norm",
+           "linear_cross_entropy", "rms_norm"]

@@ -1,5 +1,5 @@
-"""Shared pieces of graphtrain's fused ops: the Triton import guard, the dropout hash, the registry,
-the run-time fallback every fast path goes through (`guarded`), and `force_reference` (diagnosis).
+"""Shared pieces of graphtrain's fused ops: the Triton import guard, the dropout hash, the run-time fallback
+every fast path goes through (`guarded`), and `force_reference` (diagnosis). The op registry is registry.py.
 
 Dropout masks in every implementation (reference, C++ CPU, Triton) come from one counter-based hash
 of (seed, flat element index), so a mask is reproducible from an int64 seed: backward regenerates
@@ -11,7 +11,7 @@ import contextlib
 import os
 import threading
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -140,37 +140,6 @@ def triton_ok(*tensors: torch.Tensor | None) -> bool:
     if interpret_mode():
         return all(t.device.type == "cpu" for t in ts)
     return all(t.device.type == "cuda" for t in ts)
-
-
-@dataclass
-class KernelSpec:
-    """One fused op: its public functional, reference, and which implementation serves each device."""
-
-    name: str
-    functional: Callable
-    reference: Callable
-    implementations: dict[str, str]
-    # device -> checker(*args) -> True if that device's fast path takes these inputs
-    checkers: dict[str, Callable[..., bool]] = field(default_factory=dict)
-
-    @property
-    def op(self):
-        return getattr(torch.ops.graphtrain, self.name)
-
-    def implementation_for(self, device: str, *args) -> str:
-        chk = self.checkers.get(device)
-        if chk is not None and chk(*args):
-            return self.implementations[device]
-        return "reference"
-
-
-KERNELS: dict[str, KernelSpec] = {}
-
-
-def register_kernel_spec(spec: KernelSpec) -> KernelSpec:
-    assert spec.name not in KERNELS or KERNELS[spec.name].functional is spec.functional, spec.name
-    KERNELS[spec.name] = spec
-    return spec
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -25,10 +25,11 @@ import torch
 from torch import Tensor
 
 from graphtrain.kernels import _cpu_ext
-from graphtrain.kernels._common import (HAS_TRITON, KernelSpec, check_dropout_p, dense_empty, dispatch,
-                                        dropout_keep_mask, register_kernel_spec, sharded_dropout_seed, triton,
-                                        triton_ok)
+from graphtrain.kernels._common import (HAS_TRITON, check_dropout_p, dense_empty, dispatch, dropout_keep_mask,
+                                        sharded_dropout_seed, triton, triton_ok)
 from graphtrain.kernels.gemm import matmul
+from graphtrain.kernels.registry import (BACKWARD, COMPUTE_BOUND, FOLLOW, FORWARD, LOW, KernelSpec, OpDescriptor,
+                                         hint_int, register_kernel_spec)
 
 
 def _acc(x: Tensor) -> torch.dtype:
@@ -233,7 +234,33 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor] = None, sc
     return torch.ops.graphtrain.attention(q, k, v, mask, scale, bool(is_causal), float(dropout_p) if training else 0.0)[0]
 
 
+def _cpu_scores_bytes(q: torch.fx.Node, k: torch.fx.Node, p: float, copies: int) -> int:
+    """The [B*H, Sq, Sk] scores the CPU path with dropout allocates inside the op, invisible to the graph (forward:
+    one buffer the probabilities overwrite; backward: scores and d-probabilities). The CPU flash kernel (no
+    dropout) and the Triton kernels work in tiles."""
+    qv, kv = q.meta["val"], k.meta["val"]
+    if qv.device.type != "cpu" or not p:
+        return 0
+    b, h, sq = (hint_int(d) for d in qv.shape[:3])
+    return copies * b * h * sq * hint_int(kv.shape[2]) * qv.element_size()
+
+
+def _forward_workspace(n: torch.fx.Node) -> int:
+    return _cpu_scores_bytes(n.args[0], n.args[1], n.args[6] if len(n.args) > 6 else n.kwargs.get("p", 0.0), 1)
+
+
+def _backward_workspace(n: torch.fx.Node) -> int:
+    return _cpu_scores_bytes(n.args[1], n.args[2], n.args[10] if len(n.args) > 10 else n.kwargs.get("p", 0.0), 2)
+
+
 SPEC = register_kernel_spec(KernelSpec(
     "attention", attention, attention_reference,
     {"cpu": "aten flash (p=0) / aten bmm + c++ softmax-dropout (p>0)", "cuda": "triton flash"},
-    {"cpu": _supports_cpu, "cuda": _supports_triton}))
+    {"cpu": _supports_cpu, "cuda": _supports_triton},
+    ops=(
+        # random: draws its dropout seed inside (never recomputed: it has no seeded variant yet, so it is saved)
+        OpDescriptor("attention", role=FORWARD, random=True, recompute=COMPUTE_BOUND, precision=LOW,
+                     workspace_bytes=_forward_workspace, cpp=("attn_probs_fwd", "onednn_matmul")),
+        OpDescriptor("attention_backward", role=BACKWARD, random=False, recompute=COMPUTE_BOUND, precision=FOLLOW,
+                     workspace_bytes=_backward_workspace, cpp=("attn_probs_bwd", "onednn_matmul")),
+    )))

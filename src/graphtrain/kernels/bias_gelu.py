@@ -14,8 +14,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from graphtrain.kernels._common import (HAS_TRITON, KernelSpec, dense_empty, dispatch, register_kernel_spec, tl, triton,
-                                        triton_ok)
+from graphtrain.kernels._common import HAS_TRITON, dense_empty, dispatch, tl, triton, triton_ok
+from graphtrain.kernels.registry import (BACKWARD, CHEAP, FOLLOW, FORWARD, KernelSpec, OpDescriptor, no_workspace,
+                                         register_kernel_spec)
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
@@ -151,4 +152,10 @@ def bias_gelu(x: Tensor, bias: Optional[Tensor] = None, approximate: str = "none
 
 SPEC = register_kernel_spec(KernelSpec(
     "bias_gelu", bias_gelu, bias_gelu_reference, {"cpu": "aten.gelu", "cuda": "triton"},
-    {"cpu": _supports_cpu, "cuda": _supports_triton}))
+    {"cpu": _supports_cpu, "cuda": _supports_triton},
+    ops=(
+        OpDescriptor("bias_gelu", role=FORWARD, random=False, recompute=CHEAP, precision=FOLLOW,
+                     workspace_bytes=no_workspace, cpp=()),
+        OpDescriptor("bias_gelu_backward", role=BACKWARD, random=False, recompute=CHEAP, precision=FOLLOW,
+                     workspace_bytes=no_workspace, cpp=()),
+    )))

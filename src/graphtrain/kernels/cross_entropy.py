@@ -14,8 +14,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from graphtrain.kernels._common import (HAS_TRITON, KernelSpec, dense_empty, dispatch, register_kernel_spec, tl, triton,
-                                        triton_ok)
+from graphtrain.kernels._common import HAS_TRITON, dense_empty, dispatch, tl, triton, triton_ok
+from graphtrain.kernels.registry import (BACKWARD, FOLLOW, FORWARD, FP32, REDUCTION, KernelSpec, OpDescriptor,
+                                         no_workspace, register_kernel_spec)
 
 REDUCTIONS = {"none": 0, "mean": 1, "sum": 2}
 
@@ -185,4 +186,10 @@ def cross_entropy(logits: Tensor, target: Tensor, ignore_index: int = -100, redu
 
 SPEC = register_kernel_spec(KernelSpec(
     "cross_entropy", cross_entropy, cross_entropy_reference, {"cpu": "reference (logsumexp + gather)", "cuda": "triton"},
-    {"cuda": _supports_triton}))
+    {"cuda": _supports_triton},
+    ops=(
+        OpDescriptor("cross_entropy", role=FORWARD, random=False, recompute=REDUCTION, precision=FP32,
+                     workspace_bytes=no_workspace, cpp=()),
+        OpDescriptor("cross_entropy_backward", role=BACKWARD, random=False, recompute=REDUCTION, precision=FOLLOW,
+                     workspace_bytes=no_workspace, cpp=()),
+    )))

@@ -36,7 +36,9 @@ import torch
 from torch import Tensor
 
 from graphtrain.kernels import _cpu_ext, capability
-from graphtrain.kernels._common import KernelSpec, guarded, register_kernel_spec
+from graphtrain.kernels._common import guarded
+from graphtrain.kernels.registry import (FOLLOW, FORWARD, NEVER, KernelSpec, OpDescriptor, no_workspace,
+                                         register_kernel_spec)
 
 
 def gemm_reference(a: Tensor, b: Tensor, bias: Optional[Tensor] = None) -> Tensor:
@@ -261,4 +263,12 @@ def _forget() -> None:
 SPEC = register_kernel_spec(KernelSpec(
     "gemm", gemm, gemm_reference,
     {"cpu": "oneDNN fp32 GEMM (at::native::mkldnn_matmul)", "cuda": "aten (cuBLAS)"},
-    {"cpu": lambda a, b, bias=None: _takes(a, b, bias)}))
+    {"cpu": lambda a, b, bias=None: _takes(a, b, bias)},
+    ops=(
+        # Its backward is graphtrain::gemm again. recompute=never keeps what the partitioner did before the
+        # registry (gemm was not among recompute's deterministic ops, so it was always saved); compute-bound, like
+        # aten.mm, would let recompute=full re-run it inside checkpointed layers. precision=follow: the pass that
+        # inserts it (lower_gemm_onednn) runs after mixed precision, on fp32 matmuls only.
+        OpDescriptor("gemm", role=FORWARD, random=False, recompute=NEVER, precision=FOLLOW,
+                     workspace_bytes=no_workspace, cpp=("onednn_matmul",)),
+    )))

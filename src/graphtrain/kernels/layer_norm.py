@@ -14,8 +14,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from graphtrain.kernels._common import (HAS_TRITON, KernelSpec, dense_empty, dispatch, register_kernel_spec, tl, triton,
-                                        triton_ok)
+from graphtrain.kernels._common import HAS_TRITON, dense_empty, dispatch, tl, triton, triton_ok
+from graphtrain.kernels.registry import (BACKWARD, CHEAP, FOLLOW, FORWARD, FP32, KernelSpec, OpDescriptor,
+                                         no_workspace, register_kernel_spec)
 
 
 def _acc(x: Tensor) -> torch.dtype:
@@ -205,4 +206,10 @@ def layer_norm(x: Tensor, weight: Optional[Tensor] = None, bias: Optional[Tensor
 SPEC = register_kernel_spec(KernelSpec(
     "layer_norm", layer_norm, layer_norm_reference,
     {"cpu": "aten.native_layer_norm", "cuda": "triton"},
-    {"cpu": _supports_cpu, "cuda": _supports_triton}))
+    {"cpu": _supports_cpu, "cuda": _supports_triton},
+    ops=(
+        OpDescriptor("layer_norm", role=FORWARD, random=False, recompute=CHEAP, precision=FP32,
+                     workspace_bytes=no_workspace, cpp=()),
+        OpDescriptor("layer_norm_backward", role=BACKWARD, random=False, recompute=CHEAP, precision=FOLLOW,
+                     workspace_bytes=no_workspace, cpp=()),
+    )))

@@ -25,9 +25,11 @@ import torch
 from torch import Tensor
 
 from graphtrain.kernels import _cpu_ext
-from graphtrain.kernels._common import KernelSpec, dense_empty, dispatch, register_kernel_spec
+from graphtrain.kernels._common import dense_empty, dispatch
 from graphtrain.kernels.cross_entropy import REDUCTIONS, _supports_triton, ce_bwd_triton, ce_fwd_triton
-from graphtrain.kernels.gemm import matmul, mm_into
+from graphtrain.kernels.gemm import gemm_probe_ran, matmul, mm_into, onednn_gemm_wins
+from graphtrain.kernels.registry import (COMPUTE_BOUND, FORWARD, LOW, KernelSpec, OpDescriptor, hint_int,
+                                         register_kernel_spec)
 
 
 def _acc(x: Tensor) -> torch.dtype:
@@ -201,7 +203,35 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, ignore_
                                                      int(chunk_rows))[0]
 
 
+def _workspace(n: torch.fx.Node, bias: bool) -> int:
+    """The logits of one chunk of rows (~32 MiB), which the CPU loop turns into their gradient in place. Live at
+    once, at the next chunk's matmul: the previous chunk's logits (still referenced) when there is more than
+    one chunk, the new logits, and with a bias the product before ``+ bias`` (aten's path; oneDNN fuses the
+    bias, counted only once its probe has chosen oneDNN). Measured with the VmHWM of a step (2-core EPYC,
+    AVX2, fp32, aten GEMMs): gpt2-mini batch 16 x 128 (2 chunks, no bias) peaks 64 MiB above its graph,
+    batch 8 (1 chunk) 32 MiB; bert-mini batch 16 (2 chunks, bias) 96 MiB. Rows whose label is ignored are
+    skipped at run time: counting every row is an upper bound. On CUDA (Triton) the gradient is a second
+    buffer."""
+    h, w = n.args[0].meta["val"], n.args[1].meta["val"]
+    rows, vocab, item = hint_int(h.shape[0]), hint_int(w.shape[0]), h.element_size()
+    if h.device.type != "cpu":
+        return 2 * min(rows * vocab * 4, max(1, (32 << 20) // (4 * max(vocab, 1))) * vocab * 4)
+    i_chunk = 6 if bias else 5
+    given = n.args[i_chunk] if len(n.args) > i_chunk else n.kwargs.get("chunk_rows", 0)
+    chunk = hint_int(given) if given and hint_int(given) > 0 else default_chunk_rows(rows, vocab, item)
+    buffers = 1 + (rows > chunk) + (bias and not (gemm_probe_ran() and onednn_gemm_wins()))
+    return buffers * min(rows, chunk) * vocab * item
+
+
 SPEC = register_kernel_spec(KernelSpec(
     "linear_cross_entropy", linear_cross_entropy, linear_cross_entropy_reference,
     {"cpu": "chunked torch (reference CE math)", "cuda": "chunked matmul + triton CE"},
-    {"cuda": _supports_triton}))
+    {"cuda": _supports_triton},
+    ops=(
+        # Each computes its gradients in the forward: the backward only scales them (no backward op).
+        # precision=low: the LM head's matmuls in the low precision, the softmax cross-entropy and loss in fp32 inside.
+        OpDescriptor("linear_cross_entropy", role=FORWARD, random=False, recompute=COMPUTE_BOUND, precision=LOW,
+                     workspace_bytes=lambda n: _workspace(n, bias=False), cpp=("ce_fwd_bwd_inplace", "onednn_matmul")),
+        OpDescriptor("linear_bias_cross_entropy", role=FORWARD, random=False, recompute=COMPUTE_BOUND, precision=LOW,
+                     workspace_bytes=lambda n: _workspace(n, bias=True), cpp=("ce_fwd_bwd_inplace", "onednn_matmul")),
+    )))

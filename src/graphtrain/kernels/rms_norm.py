@@ -11,8 +11,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from graphtrain.kernels._common import (HAS_TRITON, KernelSpec, dense_empty, dispatch, register_kernel_spec, tl, triton,
-                                        triton_ok)
+from graphtrain.kernels._common import HAS_TRITON, dense_empty, dispatch, tl, triton, triton_ok
+from graphtrain.kernels.registry import (BACKWARD, CHEAP, FOLLOW, FORWARD, FP32, KernelSpec, OpDescriptor,
+                                         no_workspace, register_kernel_spec)
 
 
 def _acc(x: Tensor) -> torch.dtype:
@@ -162,4 +163,11 @@ def rms_norm(x: Tensor, weight: Optional[Tensor] = None, eps: float = 1e-6) -> T
 
 SPEC = register_kernel_spec(KernelSpec(
     "rms_norm", rms_norm, rms_norm_reference, {"cpu": "aten._fused_rms_norm", "cuda": "triton"},
-    {"cpu": _supports_cpu, "cuda": _supports_triton}))
+    {"cpu": _supports_cpu, "cuda": _supports_triton},
+    ops=(
+        # fp32 like layer_norm (and aten's rms_norm in the mixed-precision table): normalization statistics
+        OpDescriptor("rms_norm", role=FORWARD, random=False, recompute=CHEAP, precision=FP32,
+                     workspace_bytes=no_workspace, cpp=()),
+        OpDescriptor("rms_norm_backward", role=BACKWARD, random=False, recompute=CHEAP, precision=FOLLOW,
+                     workspace_bytes=no_workspace, cpp=()),
+    )))

@@ -19,7 +19,8 @@ Step timeline modelled (per AOTAutograd's calling convention, ``zero_grad(set_to
 
 The peak is the largest of the three. Fused ops that allocate scratch memory inside themselves
 (graphtrain::attention's CPU scores with dropout, linear_cross_entropy's logits chunks) add it at
-their node (``op_workspace_bytes``): the graph only shows their outputs.
+their node (``op_workspace_bytes``, from each op's descriptor beside its kernel): the graph only shows
+their outputs.
 """
 from __future__ import annotations
 
@@ -30,8 +31,8 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from graphtrain.kernels.gemm import gemm_probe_ran, onednn_gemm_wins
-from graphtrain.kernels.linear_cross_entropy import default_chunk_rows
+import graphtrain.kernels  # noqa: F401  (registers the fused ops' descriptors)
+from graphtrain.kernels.registry import hint_int, op_descriptor
 
 MiB = 1024 * 1024
 
@@ -48,15 +49,6 @@ def storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
-def hint_int(x: Any) -> int:
-    """An int without guarding: a SymInt (dynamic shapes) gives its size hint, never a new guard (``int()``
-    on a SymInt would specialize the compiled graph to the example's size)."""
-    if isinstance(x, torch.SymInt):
-        h = getattr(x.node, "hint", None)
-        return int(h) if h is not None else 0
-    return int(x)
-
-
 def storage_bytes(t: torch.Tensor) -> int:
     try:
         return hint_int(t.untyped_storage().nbytes())
@@ -69,60 +61,16 @@ def node_keys(n: fx.Node) -> list[tuple[int, int]]:
     return [(storage_key(t), storage_bytes(t)) for t in _tensors(n.meta.get("val"))]
 
 
-def _attention_workspace(n: fx.Node, copies: int) -> int:
-    """graphtrain::attention on CPU with dropout: the [B*H, Sq, Sk] scores (forward: one buffer the probs
-    overwrite; backward: scores and d-probs) are allocated inside the op, invisible to the graph."""
-    q, k = n.args[0], n.args[1]
-    p = n.args[6] if len(n.args) > 6 else n.kwargs.get("p", 0.0)
-    if n.target.overloadpacket is torch.ops.graphtrain.attention_backward:
-        q, k = n.args[1], n.args[2]
-        p = n.args[10] if len(n.args) > 10 else n.kwargs.get("p", 0.0)
-    qv, kv = q.meta["val"], k.meta["val"]
-    if qv.device.type != "cpu" or not p:
-        return 0  # CPU flash kernel (no dropout) and the Triton kernels work in tiles
-    b, h, sq = (hint_int(d) for d in qv.shape[:3])
-    return copies * b * h * sq * hint_int(kv.shape[2]) * qv.element_size()
-
-
-def _linear_ce_workspace(n: fx.Node, bias: bool) -> int:
-    """graphtrain::linear_cross_entropy / linear_bias_cross_entropy (kernels/linear_cross_entropy.py): the
-    logits of one chunk of rows (~32 MiB), which the CPU loop turns into their gradient in place. Live at
-    once, at the next chunk's matmul: the previous chunk's logits (still referenced) when there is more than
-    one chunk, the new logits, and with a bias the product before ``+ bias`` (aten's path; oneDNN fuses the
-    bias, counted only once its probe has chosen oneDNN). Measured with the VmHWM of a step (2-core EPYC,
-    AVX2, fp32, aten GEMMs): gpt2-mini batch 16 x 128 (2 chunks, no bias) peaks 64 MiB above its graph,
-    batch 8 (1 chunk) 32 MiB; bert-mini batch 16 (2 chunks, bias) 96 MiB. Rows whose label is ignored are
-    skipped at run time: counting every row is an upper bound. On CUDA (Triton) the gradient is a second
-    buffer."""
-    h, w = n.args[0].meta["val"], n.args[1].meta["val"]
-    rows, vocab, item = hint_int(h.shape[0]), hint_int(w.shape[0]), h.element_size()
-    if h.device.type != "cpu":
-        return 2 * min(rows * vocab * 4, max(1, (32 << 20) // (4 * max(vocab, 1))) * vocab * 4)
-    i_chunk = 6 if bias else 5
-    given = n.args[i_chunk] if len(n.args) > i_chunk else n.kwargs.get("chunk_rows", 0)
-    chunk = hint_int(given) if given and hint_int(given) > 0 else default_chunk_rows(rows, vocab, item)
-    buffers = 1 + (rows > chunk) + (bias and not (gemm_probe_ran() and onednn_gemm_wins()))
-    return buffers * min(rows, chunk) * vocab * item
-
-
 def op_workspace_bytes(n: fx.Node) -> int:
-    """Bytes a fused op allocates and frees inside itself (its graph node shows only its outputs)."""
-    pk = getattr(n.target, "overloadpacket", None)
-    if pk is None or not hasattr(torch.ops, "graphtrain"):
+    """Bytes a fused op allocates and frees inside itself (its graph node shows only its outputs): its
+    descriptor's ``workspace_bytes`` (kernels/<op>.py); 0 for other ops, or when the node lacks what it reads."""
+    d = op_descriptor(n.target)
+    if d is None:
         return 0
-    g = torch.ops.graphtrain
     try:
-        if pk is getattr(g, "attention", None):
-            return _attention_workspace(n, 1)
-        if pk is getattr(g, "attention_backward", None):
-            return _attention_workspace(n, 2)
-        if pk is getattr(g, "linear_cross_entropy", None):
-            return _linear_ce_workspace(n, bias=False)
-        if pk is getattr(g, "linear_bias_cross_entropy", None):
-            return _linear_ce_workspace(n, bias=True)
+        return d.workspace_bytes(n)
     except (AttributeError, IndexError, KeyError, TypeError):
         return 0
-    return 0
 
 
 @dataclass
@@ -269,7 +217,7 @@ def predict_peak(fw_gm: fx.GraphModule, bw_gm: fx.GraphModule, n_params_bytes: i
     the batch); None treats every forward input as a parameter or batch alike (both external).
     boxed_backward: the backward graph frees each saved activation at its last use.
     optimizer_temp_bytes: the optimizer's transient bytes (CPU AdamW runs per tensor, so about the
-    largest parameter: predict_for_model passes that; default here 1/8 of the parameters).
+    largest parameter: engine/capture.py's predict_for_model passes that; default here 1/8 of the parameters).
     grads_kept: gradients stay allocated through forward (zero_grad(set_to_none=False)).
     batch_inputs: indices of the forward placeholders that are the batch, when they are not simply the
     ones after the first n_param_inputs (a Dynamo graph orders its inputs by first use)."""
@@ -306,14 +254,3 @@ def param_bytes(params: Iterable[torch.Tensor]) -> int:
             p = p.to_local() if hasattr(p, "to_local") else p  # a tensor-parallel DTensor: this rank's shard
             seen[storage_key(p)] = storage_bytes(p)
     return sum(seen.values())
-
-
-def predict_for_model(model: torch.nn.Module, example_batch: tuple, engine_cfg: Any = None, *,
-                      optimizer: str = "adamw", **kw: Any) -> MemoryEstimate:
-    """Capture `model(*example_batch) -> loss` with AOTAutograd on fake tensors (nothing runs, no
-    activation memory is used) under engine_cfg's recompute mode, and predict the step's peak."""
-    from graphtrain.memory.capture import capture_graphs
-    cap = capture_graphs(model, example_batch, engine_cfg)
-    opt_temp = kw.pop("optimizer_temp_bytes", max((storage_bytes(p) for p in model.parameters()), default=0))
-    return predict_peak(cap.fw_gm, cap.bw_gm, cap.param_bytes, optimizer=optimizer, n_param_inputs=cap.n_state_inputs,
-                        optimizer_temp_bytes=opt_temp, **kw)

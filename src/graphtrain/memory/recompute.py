@@ -9,8 +9,8 @@ regions are compiled):
   q @ k^T and what follows it up to the matmul with v: scale, mask, softmax, dropout) is recomputed,
   which removes the seq x seq x heads tensors that dominate activation memory at long sequences for
   one extra batched matmul per layer; beyond that the min-cut may recompute cheap ops (pointwise,
-  views, layer norm, graphtrain's deterministic fused ops). Other matmuls, reductions, embeddings
-  and random draws are saved.
+  views, layer norm, graphtrain's fused ops whose descriptor says ``recompute="cheap"``). Other
+  matmuls, reductions, embeddings and random draws are saved.
 - ``full``: whole-layer checkpointing. Each repeated layer (a child of an ``nn.ModuleList``, found from
   the nodes' ``nn_module_stack`` or the layer annotation ``capture.py`` adds) is a checkpoint region:
   its inputs from earlier layers are saved (``MUST_SAVE``), everything inside is recomputed in the
@@ -22,7 +22,9 @@ regions are compiled):
   falling budgets, and keeps the first whose predicted step peak fits ``memory_budget``: least
   added compute first.
 
-Random ops are never recomputed. ATen dropout: the joint graph is rewritten so dropout's output is
+What graphtrain's own ops allow comes from their descriptors (kernels/registry.py): ``random``, and
+``recompute`` (cheap / reduction / compute-bound / never); a custom op without a descriptor is always
+saved. Random ops are never recomputed. ATen dropout: the joint graph is rewritten so dropout's output is
 ``x * mask * scale`` from the saved bool mask (bitwise what ATen's CPU ``native_dropout`` computes,
 checked in tests), so the 1-byte mask is saved and the 4-byte output can be recomputed.
 graphtrain's fused dropout (``graphtrain::bias_dropout_add``, hash RNG) is split into its seed draw
@@ -46,24 +48,20 @@ from torch._functorch.partitioners import default_partition, min_cut_remateriali
 from torch._guards import detect_fake_mode
 from torch.utils.checkpoint import CheckpointPolicy
 
+from graphtrain.kernels.registry import CHEAP, COMPUTE_BOUND, NEVER, op_descriptor
 from graphtrain.memory.predict import MiB, hint_int, predict_peak, saved_activation_bytes
-from graphtrain.memory.seeded import FUSED_RANDOM, split_fused_dropout
+from graphtrain.memory.seeded import split_fused_dropout
+from graphtrain.passes.graph_utils import is_random
 
 aten = torch.ops.aten
 graphtrain_ops = torch.ops.graphtrain
-# Never recomputed by selective (outside the attention core): their outputs are what a checkpoint keeps.
+# ATen ops never recomputed by selective (outside the attention core): their outputs are what a checkpoint
+# keeps. graphtrain's own: descriptor recompute="compute-bound".
 COMPUTE_INTENSIVE = {aten.mm, aten.bmm, aten.addmm, aten.baddbmm, aten.convolution, aten._convolution,
                      aten._scaled_dot_product_flash_attention_for_cpu, aten._scaled_dot_product_efficient_attention,
-                     aten._scaled_dot_product_flash_attention, aten.linear, aten.matmul,
-                     graphtrain_ops.linear_cross_entropy, graphtrain_ops.attention}
-SELECTIVE_EXTRA = {aten.native_layer_norm, aten.clone, aten._to_copy, aten.expand, aten.slice, aten.select,
-                   graphtrain_ops.layer_norm, graphtrain_ops.rms_norm, graphtrain_ops.bias_gelu,
-                   graphtrain_ops.bias_dropout_add_seeded}
-# graphtrain's fused forward ops that are deterministic functions of their inputs (may be recomputed).
-# Any other non-ATen op is saved, never recomputed: its schema cannot tell us it is not random.
-DETERMINISTIC_CUSTOM = {graphtrain_ops.layer_norm, graphtrain_ops.rms_norm, graphtrain_ops.bias_gelu,
-                        graphtrain_ops.bias_dropout_add_seeded, graphtrain_ops.cross_entropy,
-                        graphtrain_ops.linear_cross_entropy}
+                     aten._scaled_dot_product_flash_attention, aten.linear, aten.matmul}
+# Not pointwise, yet cheap: selective may recompute them. graphtrain's own: descriptor recompute="cheap".
+SELECTIVE_EXTRA = {aten.native_layer_norm, aten.clone, aten._to_copy, aten.expand, aten.slice, aten.select}
 # The attention core: what may follow the score matmul before the matmul with v.
 SOFTMAX = {aten._softmax, aten._safe_softmax, aten.softmax}
 AUTO_BUDGETS = (0.8, 0.6, 0.4, 0.25, 0.1, 0.02)  # activation_memory_budget fractions auto tries
@@ -73,30 +71,34 @@ def _packet(n: fx.Node) -> Any:
     return getattr(n.target, "overloadpacket", None)
 
 
-def is_random(n: fx.Node) -> bool:
-    """Draws random numbers: ATen ops tagged nondeterministic_seeded, and graphtrain's fused dropout and
-    attention (they draw their seed inside the op; their schema does not say so)."""
-    if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
-        return False
-    return torch.Tag.nondeterministic_seeded in n.target.tags or n.target in FUSED_RANDOM or \
-        _packet(n) is graphtrain_ops.attention
+def _recompute_class(n: fx.Node) -> str | None:
+    """A graphtrain op's descriptor's `recompute` (cheap | reduction | compute-bound | never), else None."""
+    d = op_descriptor(n.target)
+    return None if d is None else d.recompute
 
 
-def _is_unknown_custom(n: fx.Node) -> bool:
+def _is_compute_intensive(n: fx.Node) -> bool:
+    return _packet(n) in COMPUTE_INTENSIVE or _recompute_class(n) == COMPUTE_BOUND
+
+
+def _never_recomputed(n: fx.Node) -> bool:
+    """A custom (non-ATen) op that is always saved: its descriptor says so, or it has none (its schema cannot
+    tell us it is not random)."""
     t = n.target
     return isinstance(t, torch._ops.OpOverload) and t.namespace not in ("aten", "prims") and \
-        t.overloadpacket not in DETERMINISTIC_CUSTOM
+        _recompute_class(n) in (None, NEVER)
 
 
 def is_cheap(n: fx.Node) -> bool:
-    """Selective mode may recompute this: pointwise, views, getitem, layer norm, deterministic fused ops."""
+    """Selective mode may recompute this: pointwise, views, getitem, layer norm, cheap fused ops."""
     if n.op != "call_function" or is_random(n):
         return False
     if n.target is operator.getitem:
         return True
     t = n.target
     if isinstance(t, torch._ops.OpOverload):
-        return torch.Tag.pointwise in t.tags or t.is_view or t.overloadpacket in SELECTIVE_EXTRA
+        return (torch.Tag.pointwise in t.tags or t.is_view or t.overloadpacket in SELECTIVE_EXTRA
+                or _recompute_class(n) == CHEAP)
     return False
 
 
@@ -389,7 +391,7 @@ def tag_for_recompute(joint: fx.GraphModule, how: str) -> dict[str, Any]:
     fw = [n for n in joint.graph.nodes if n.op == "call_function" and n not in bw]
     info: dict[str, Any] = {"attention_cores": 0, "layers": 0,
                             "fused_attention": sum(_packet(n) is graphtrain_ops.attention for n in fw)}
-    never = {n for n in fw if is_random(n) or _is_unknown_custom(n)}
+    never = {n for n in fw if is_random(n) or _never_recomputed(n)}
     never |= {n for n in fw if n.target is operator.getitem and n.args[0] in never}  # a mask, a seed
     for n in never:
         _save(n)
@@ -403,7 +405,7 @@ def tag_for_recompute(joint: fx.GraphModule, how: str) -> dict[str, Any]:
                 continue
             if n in core:
                 n.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
-            elif not is_cheap(n) or _packet(n) in COMPUTE_INTENSIVE:
+            elif not is_cheap(n) or _is_compute_intensive(n):
                 _save(n)
         return info
     regions = layer_regions(joint, bw)
@@ -414,7 +416,7 @@ def tag_for_recompute(joint: fx.GraphModule, how: str) -> dict[str, Any]:
             continue
         r = checkpointed.get(n)
         if r is None:
-            if _packet(n) in COMPUTE_INTENSIVE:
+            if _is_compute_intensive(n):
                 _save(n)
             continue
         n.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE

@@ -14,77 +14,46 @@ than the forward used, i.e. wrong gradients (measured before this module: gpt2-t
 
 which draws the same number from the same generator (so the forward's mask, the RNG state after the
 step and every result are bitwise those of the fused op) and lets the partitioner save 8 bytes of
-seed instead of an activation: the output is recomputed from its inputs and the seed.
+seed instead of an activation: the output is recomputed from its inputs and the seed. Both ops are
+registered in kernels/bias_dropout_add.py, whose descriptors name them (roles SEED and SEEDED).
 """
 from __future__ import annotations
 
-import importlib
 import operator
-from typing import Optional
 
 import torch
 import torch.fx as fx
-from torch import Tensor
 
-import graphtrain.kernels  # noqa: F401  (registers graphtrain::bias_dropout_add)
-from graphtrain.kernels._common import dense_empty, dispatch, new_seed
-
-_bda = importlib.import_module("graphtrain.kernels.bias_dropout_add")  # the package re-exports a function by that name
+import graphtrain.kernels  # noqa: F401  (registers the kernels and their descriptors)
+from graphtrain.kernels.registry import FORWARD, KERNELS, SEED, SEEDED
 
 
-@torch.library.custom_op("graphtrain::dropout_seed", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,))
-def _dropout_seed(salt: int) -> Tensor:
-    """A fresh seed, as graphtrain::bias_dropout_add draws it. `salt` is unused: it makes each call site
-    distinct, so common-subexpression elimination (which only knows ATen's random ops) cannot merge two
-    draws into one."""
-    return new_seed()
-
-
-@_dropout_seed.register_fake
-def _(salt: int) -> Tensor:
-    return torch.empty(1, dtype=torch.int64)
-
-
-@torch.library.custom_op("graphtrain::bias_dropout_add_seeded", mutates_args=())
-def _bias_dropout_add_seeded(x: Tensor, bias: Optional[Tensor], residual: Optional[Tensor], p: float,
-                             seed: Tensor) -> Tensor:
-    """graphtrain::bias_dropout_add's output for a given seed (the same kernels, so the same bits)."""
-    def cpu():
-        empty = x.new_empty(0)
-        return _bda._cpu_ext.load().bias_dropout_add_fwd(x, bias if bias is not None else empty,
-                                                         residual if residual is not None else empty, p,
-                                                         int(seed.item()))
-
-    def reference():
-        out = _bda.bias_dropout_add_reference(x, bias, residual, p, seed)
-        return x.clone(memory_format=torch.contiguous_format) if out is x else out
-
-    return dispatch("bias_dropout_add", [
-        ("triton", _bda._supports_triton(x, bias, residual), lambda: _bda._bda_triton(x, bias, residual, p, seed)),
-        ("c++", _bda._supports_cpu(x, bias, residual), cpu)], reference).contiguous()
-
-
-@_bias_dropout_add_seeded.register_fake
-def _(x, bias, residual, p, seed):
-    return dense_empty(x)
-
-
-FUSED_RANDOM = {torch.ops.graphtrain.bias_dropout_add.default}
-SEEDED = {torch.ops.graphtrain.bias_dropout_add_seeded.default}
+def seeded_variants() -> dict[torch._ops.OpOverload, tuple[torch._ops.OpOverload, torch._ops.OpOverload]]:
+    """Random fused op -> (its seed draw, its seeded variant), for each kernel whose descriptors name both
+    (registry.SEED / SEEDED roles; today graphtrain::bias_dropout_add's)."""
+    out = {}
+    for spec in KERNELS.values():
+        fwd, seed, seeded = spec.op_with_role(FORWARD), spec.op_with_role(SEED), spec.op_with_role(SEEDED)
+        if fwd is not None and fwd.random and seed is not None and seeded is not None:
+            out[fwd.op.default] = (seed.op.default, seeded.op.default)
+    return out
 
 
 def split_fused_dropout(joint: fx.GraphModule) -> int:
-    """Rewrite every graphtrain::bias_dropout_add in `joint` into dropout_seed + bias_dropout_add_seeded."""
+    """Rewrite every random fused op that has a seeded variant (graphtrain::bias_dropout_add) in `joint` into its
+    seed draw + its seeded variant (dropout_seed + bias_dropout_add_seeded)."""
     g, count = joint.graph, 0
+    variants = seeded_variants()
     for n in list(g.nodes):
-        if n.op != "call_function" or n.target not in FUSED_RANDOM:
+        if n.op != "call_function" or n.target not in variants:
             continue
         outs = [u for u in n.users if u.target is operator.getitem]
         if len(outs) != len(n.users):
             continue
+        draw, seeded = variants[n.target]
         with g.inserting_before(n):
-            seed = g.call_function(torch.ops.graphtrain.dropout_seed.default, (count,))
-            out = g.call_function(torch.ops.graphtrain.bias_dropout_add_seeded.default, (*n.args, seed), dict(n.kwargs))
+            seed = g.call_function(draw, (count,))
+            out = g.call_function(seeded, (*n.args, seed), dict(n.kwargs))
         val = n.meta.get("val")
         seed.meta["val"], out.meta["val"] = val[1], val[0]
         for key in ("stack_trace", "nn_module_stack", "seq_nr", "partitioner_tag", "custom"):

@@ -6,6 +6,7 @@
 """
 from graphtrain.models.bert import BERT
 from graphtrain.models.gpt2 import GPT2
-from graphtrain.models.presets import PRESETS, ModelSpec, build_model, count_parameters, get_spec, resolve_spec
+from graphtrain.models.presets import PRESETS, build_model, count_parameters, get_spec, resolve_spec
+from graphtrain.models.spec import ModelSpec
 
 __all__ = ["BERT", "GPT2", "PRESETS", "ModelSpec", "build_model", "count_parameters", "get_spec", "resolve_spec"]

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from graphtrain.models.layers import (MLP, AttentionImpl, SelfAttention, identity, check_input_ids, check_seq_len,
                                       language_model_loss, padding_mask)
-from graphtrain.models.presets import ModelSpec
+from graphtrain.models.spec import ModelSpec
 
 
 class Embeddings(nn.Module):

@@ -15,7 +15,7 @@ from torch import nn
 
 from graphtrain.models.layers import (MLP, AttentionImpl, SelfAttention, identity, check_input_ids, check_seq_len,
                                       language_model_loss)
-from graphtrain.models.presets import ModelSpec
+from graphtrain.models.spec import ModelSpec
 
 
 class Block(nn.Module):

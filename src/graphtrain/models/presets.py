@@ -8,45 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-from dataclasses import dataclass
-from typing import Literal
 
 from torch import nn
 
 from graphtrain.config import ModelConfig
-
-
-@dataclass(kw_only=True)
-class ModelSpec:
-    """The shape of a reference model; everything `GPT2` and `BERT` need to build themselves."""
-
-    family: Literal["gpt2", "bert"]
-    n_layer: int
-    n_head: int
-    d_model: int
-    d_ff: int | None = None  # None: 4 * d_model
-    vocab_size: int
-    max_seq_len: int
-    dropout: float = 0.1
-    layer_norm_eps: float = 1e-5
-    type_vocab_size: int = 2  # BERT only: segment (token type) embeddings
-
-    def __post_init__(self) -> None:
-        if self.family not in ("gpt2", "bert"):
-            raise ValueError(f"ModelSpec.family must be 'gpt2' or 'bert', got {self.family!r}")
-        if self.d_ff is None:
-            self.d_ff = 4 * self.d_model
-        for name in ("n_layer", "n_head", "d_model", "d_ff", "vocab_size", "max_seq_len", "type_vocab_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"ModelSpec.{name} must be >= 1, got {getattr(self, name)}")
-        if self.d_model % self.n_head:
-            raise ValueError(f"ModelSpec.d_model ({self.d_model}) must be divisible by n_head ({self.n_head})")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"ModelSpec.dropout must be in [0, 1), got {self.dropout}")
-
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_head
+from graphtrain.models.bert import BERT
+from graphtrain.models.gpt2 import GPT2
+from graphtrain.models.spec import ModelSpec
 
 
 def _gpt2(n_layer: int, n_head: int, d_model: int, vocab_size: int, max_seq_len: int) -> ModelSpec:
@@ -119,9 +87,7 @@ def build_model(cfg: ModelConfig, vocab_size: int | None = None) -> nn.Module:
     """
     spec = resolve_spec(cfg, vocab_size)
     if spec.family == "gpt2":
-        from graphtrain.models.gpt2 import GPT2
         return GPT2(spec, attention=cfg.attention)
-    from graphtrain.models.bert import BERT
     return BERT(spec, attention=cfg.attention)
 
 

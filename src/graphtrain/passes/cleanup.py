@@ -1,8 +1,9 @@
 """Cleanup passes: dead code, common subexpressions, constants, no-op views/casts/clones.
 
 All four keep numerics bitwise: they delete or share work, never reorder arithmetic. Random ops
-(any op tagged ``nondeterministic_seeded``: bernoulli, rand, dropout, ...) are never deleted, merged or
-folded, so the generator is consumed exactly as in eager mode and dropout masks match eager bitwise.
+(``graph_utils.is_random``: any op tagged ``nondeterministic_seeded`` -- bernoulli, rand, dropout, ... -- and
+graphtrain's fused ops whose descriptor says random) are never deleted, merged or folded, so the generator
+is consumed exactly as in eager mode and dropout masks match eager bitwise.
 
 Constant-folding rule: only values that depend on no graph input at all (iota/arange/full/triu masks,
 tensors Dynamo lifted as constants). Frozen parameters and buffers are *not* folded: Dynamo does not guard
@@ -18,17 +19,13 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from graphtrain.passes.graph_utils import is_random
 from graphtrain.passes.manager import PassContext, register_pass
 
 aten = torch.ops.aten
 
 # Folded constants larger than this stay computed in the graph (memory held for the model's lifetime).
 MAX_FOLD_NUMEL = 1 << 24
-
-
-def is_random(n: fx.Node) -> bool:
-    t = n.target
-    return isinstance(t, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in t.tags
 
 
 def _is_mutating(n: fx.Node) -> bool:
@@ -56,7 +53,7 @@ def _graph_is_functional(gm: fx.GraphModule) -> bool:
     return True
 
 
-@register_pass(("pre_autodiff", "forward", "backward"), order=90)
+@register_pass(("pre_autodiff", "forward", "backward"), phase="cleanup")
 def eliminate_dead_code_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Delete calls whose results nobody uses. Keeps impure and random calls (RNG stream as in eager)."""
     removed = 0
@@ -87,7 +84,7 @@ def _key(n: fx.Node, rep: dict[fx.Node, fx.Node]) -> Any:
     return (n.target, norm(n.args), norm(n.kwargs))
 
 
-@register_pass(("pre_autodiff", "forward", "backward"), order=50)
+@register_pass(("pre_autodiff", "forward", "backward"), phase="dedupe")
 def eliminate_common_subexpressions_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Merge identical pure calls on identical arguments. Never merges random ops (two dropouts draw two
     masks) and does nothing on graphs with mutations (a value could change between two reads)."""
@@ -115,7 +112,8 @@ def eliminate_common_subexpressions_pass(gm: fx.GraphModule, ctx: PassContext) -
     return gm
 
 
-@register_pass("pre_autodiff", order=40)
+# after the views are simplified (as the numbered pipeline ran them)
+@register_pass("pre_autodiff", phase="simplify", after="fold_view_chains")
 def fold_constants_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Evaluate subgraphs that depend on no input once, at compile time, and keep the result as a buffer.
 
@@ -207,7 +205,7 @@ def _noop_source(n: fx.Node, functional: bool) -> fx.Node | None:
     return None
 
 
-@register_pass(("pre_autodiff", "forward", "backward"), order=30)
+@register_pass(("pre_autodiff", "forward", "backward"), phase="simplify")
 def remove_noop_ops_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Drop views/reshapes/expands to the same shape, casts to the same dtype and device, and clones whose
     removal cannot change what aliases a graph input or output."""
@@ -230,7 +228,8 @@ _VIEW_OPS = (aten.view.default, aten._unsafe_view.default, aten.t.default, aten.
 _RESHAPES = (aten.view.default, aten._unsafe_view.default)
 
 
-@register_pass(("pre_autodiff", "forward", "backward"), order=32)
+# on the views remove_noop_ops left (as the numbered pipeline ran them)
+@register_pass(("pre_autodiff", "forward", "backward"), phase="simplify", after="remove_noop_ops")
 def fold_view_chains_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Collapse chains of views (transpose, permute, view, squeeze, ...): a chain that ends where it started
     (``t(t(x))``, a transpose of a transposed gradient, a view back to the input's shape) is replaced by its

@@ -182,7 +182,8 @@ def _fuse_sdpa_node(gm: fx.GraphModule, node: fx.Node) -> bool:
 # Reproduce: `python -m graphtrain.bench.kernels --ops attention_dropout [--dtype bf16]`. An
 # earlier per-head C++ kernel was slower than the unfused ops (gpt2-mini fp32 0.389 vs 0.358
 # s/step) and was replaced.
-@register_pass("pre_autodiff", default=True, order=20)
+# after the normalizations, as the numbered pipeline ran them (the fusions are independent)
+@register_pass("pre_autodiff", phase="fuse", after="fuse_rms_norm")
 def fuse_attention_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Rewrite each softmax-attention subgraph to graphtrain::attention (see module docstring)."""
     n = 0

@@ -103,13 +103,13 @@ def _fuse(gm: fx.GraphModule, ctx: PassContext, linear_only: bool) -> fx.GraphMo
     return finish(gm)
 
 
-@register_pass("pre_autodiff", default=True, order=49)
+@register_pass("pre_autodiff", phase="fuse_epilogue")
 def fuse_linear_cross_entropy_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Rewrite an LM head (matmul, optional bias) feeding softmax cross-entropy to graphtrain's chunked op."""
     return _fuse(gm, ctx, linear_only=True)
 
 
-@register_pass("pre_autodiff", default=True, order=50, providers=("aten",))
+@register_pass("pre_autodiff", phase="fuse_loss", providers=("aten",))
 def fuse_cross_entropy_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Rewrite softmax cross-entropy (and an LM head feeding it, if still there) to graphtrain's fused ops."""
     return _fuse(gm, ctx, linear_only=False)
@@ -119,7 +119,8 @@ _LINEAR_CE = {torch.ops.graphtrain.linear_cross_entropy.default: 6,
               torch.ops.graphtrain.linear_bias_cross_entropy.default: 7}  # op -> index of skip_ignored
 
 
-@register_pass("pre_autodiff", default=True, order=52)
+# it flags the LM-head ops both fusions above insert
+@register_pass("pre_autodiff", phase="fuse_loss", after="fuse_cross_entropy")
 def sparse_lm_head_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Let the fused LM-head losses skip rows whose label is ignore_index (the sparse masked-LM head: ~85% of
     BERT's rows; see kernels/linear_cross_entropy.py). Same loss and gradients up to summation order; the rows

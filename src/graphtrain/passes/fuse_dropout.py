@@ -12,32 +12,14 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from graphtrain.passes.fuse_utils import aten, call, erase_dead, finish, getitem, is_op, match_dropout, only_user, shape
+from graphtrain.passes.fuse_utils import (aten, call, erase_dead, finish, getitem, is_op, match_dropout, only_user,
+                                         shape, split_linear_bias)
 from graphtrain.passes.manager import PassContext, register_pass
 
 import graphtrain.kernels  # noqa: F401
 
 
-def split_linear_bias(g: fx.Graph, x: fx.Node):
-    """x = view(addmm(b, a, W)) or addmm(...) with single users -> (view(mm(a, W)), b); else (x, None)."""
-    if is_op(x, aten.add) and isinstance(x.args[1], fx.Node) and len(shape(x.args[1]) or ()) == 1 \
-            and shape(x.args[1])[0] == shape(x)[-1] and shape(x.args[0]) == shape(x):
-        return x.args[0], x.args[1]
-    v = x if is_op(x, aten.view, aten._unsafe_view) else None
-    mm = v.args[0] if v is not None else x
-    if not is_op(mm, aten.addmm) or len(mm.users) != 1 or (v is not None and len(v.users) != 1):
-        return x, None
-    b, a, w = mm.args[:3]
-    if mm.kwargs.get("beta", 1) != 1 or mm.kwargs.get("alpha", 1) != 1 or len(shape(b) or ()) != 1:
-        return x, None
-    with g.inserting_before(mm):
-        new = call(g, aten.mm.default, a, w)
-        if v is not None:
-            new = call(g, v.target, new, *v.args[1:])
-    return new, b
-
-
-@register_pass("pre_autodiff", default=True, order=40)
+@register_pass("pre_autodiff", phase="fuse_epilogue")
 def fuse_bias_dropout_add_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Rewrite dropout (with its bias and residual add where present) to graphtrain::bias_dropout_add."""
     g, n = gm.graph, 0

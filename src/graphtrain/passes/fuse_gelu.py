@@ -14,8 +14,8 @@ import math
 import torch
 import torch.fx as fx
 
-from graphtrain.passes.fuse_dropout import split_linear_bias
-from graphtrain.passes.fuse_utils import aten, call, erase_dead, finish, is_op, number, only_user, scalar_operand
+from graphtrain.passes.fuse_utils import (aten, call, erase_dead, finish, is_op, number, only_user, scalar_operand,
+                                         split_linear_bias)
 from graphtrain.passes.manager import PassContext, register_pass
 
 import graphtrain.kernels  # noqa: F401
@@ -65,7 +65,8 @@ def _match_formula(t: fx.Node):
     return x, approx, out
 
 
-@register_pass("pre_autodiff", default=True, order=30, providers=("aten",))
+# after the normalizations, as the numbered pipeline ran them (the fusions are independent)
+@register_pass("pre_autodiff", phase="fuse", after="fuse_rms_norm", providers=("aten",))
 def fuse_bias_gelu_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Rewrite GELUs (aten.gelu or the spelled-out erf/tanh formulas) and their bias to graphtrain::bias_gelu."""
     g, n = gm.graph, 0

@@ -69,7 +69,7 @@ def _replace(g: fx.Graph, last: fx.Node, target, *args) -> None:
 # Under inductor, norm/GELU/cross-entropy fusions stay off by default: Inductor fuses these itself and an
 # opaque custom op blocks it. Measured gpt2-mini b16 s128 bf16, 2-core Xeon (AMX): inductor with all
 # graphtrain fusions 0.263 s/step (no attention fusion), with only fuse_bias_dropout_add 0.160.
-@register_pass("pre_autodiff", default=True, order=10, providers=("aten",))
+@register_pass("pre_autodiff", phase="fuse", providers=("aten",))
 def fuse_layer_norm_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Rewrite LayerNorms (aten or hand-written) to graphtrain::layer_norm."""
     g, n = gm.graph, 0
@@ -121,7 +121,8 @@ def fuse_layer_norm_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
     return finish(gm)
 
 
-@register_pass("pre_autodiff", default=True, order=11, providers=("aten",))
+# after fuse_layer_norm: a hand-written LayerNorm contains an RMSNorm pattern (the RMSNorm of x - mean)
+@register_pass("pre_autodiff", phase="fuse", after="fuse_layer_norm", providers=("aten",))
 def fuse_rms_norm_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Rewrite RMSNorms (x * rsqrt(mean(x^2) + eps) [* w], aten._fused_rms_norm) to graphtrain::rms_norm."""
     g, n = gm.graph, 0

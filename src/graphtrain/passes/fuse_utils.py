@@ -155,6 +155,25 @@ def finish(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
+def split_linear_bias(g: fx.Graph, x: fx.Node):
+    """x = view(addmm(b, a, W)) or addmm(...) with single users -> (view(mm(a, W)), b); else (x, None)."""
+    if is_op(x, aten.add) and isinstance(x.args[1], fx.Node) and len(shape(x.args[1]) or ()) == 1 \
+            and shape(x.args[1])[0] == shape(x)[-1] and shape(x.args[0]) == shape(x):
+        return x.args[0], x.args[1]
+    v = x if is_op(x, aten.view, aten._unsafe_view) else None
+    mm = v.args[0] if v is not None else x
+    if not is_op(mm, aten.addmm) or len(mm.users) != 1 or (v is not None and len(v.users) != 1):
+        return x, None
+    b, a, w = mm.args[:3]
+    if mm.kwargs.get("beta", 1) != 1 or mm.kwargs.get("alpha", 1) != 1 or len(shape(b) or ()) != 1:
+        return x, None
+    with g.inserting_before(mm):
+        new = call(g, aten.mm.default, a, w)
+        if v is not None:
+            new = call(g, v.target, new, *v.args[1:])
+    return new, b
+
+
 _ERASABLE = VIEWS | {aten.empty.memory_format, aten.empty_like.default, aten.bernoulli.p, aten.bernoulli_.float,
                      aten.div.Scalar, aten.div_.Scalar, aten.div.Tensor, aten.mul.Tensor}
 

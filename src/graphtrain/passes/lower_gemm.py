@@ -7,8 +7,9 @@ report on a compile-cache hit, since Inductor skips its post-grad passes then.) 
 for why (MKL's AVX2 path on AMD CPUs vs oneDNN's AVX-512 one) and for the numerics (IEEE fp32 both
 ways; the summation order differs, so the pass is registered as changing numerics).
 
-It runs after apply_mixed_precision (order 500), so under bf16/fp16 it sees the matmuls that pass
-left in fp32 and leaves the low-precision ones to aten (which sends them to oneDNN already).
+It runs after apply_mixed_precision (phase ``lower`` follows phase ``precision``), so under bf16/fp16 it sees
+the matmuls that pass left in fp32 and leaves the low-precision ones to aten (which sends them to oneDNN
+already).
 
 Graphs with Inductor-lowered random ops (dropout left as aten.bernoulli / native_dropout, i.e. with
 fuse_bias_dropout_add switched off) are left unchanged: with ``fallback_random`` (eager's RNG stream)
@@ -29,8 +30,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from graphtrain.passes.cleanup import is_random
 from graphtrain.passes.fuse_utils import aten, call, finish, is_op, val
+from graphtrain.passes.graph_utils import has_random_tag
 from graphtrain.passes.manager import PassContext, register_pass
 
 import graphtrain.kernels  # noqa: F401  (registers torch.ops.graphtrain.gemm)
@@ -61,7 +62,7 @@ def gemm_operands(node: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node | None] | No
     return a, b, bias
 
 
-@register_pass("pre_autodiff", default=True, changes_numerics=True, order=510, providers=("inductor",))
+@register_pass("pre_autodiff", phase="lower", changes_numerics=True, providers=("inductor",))
 def lower_gemm_onednn_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Rewrite fp32 CPU mm/addmm to graphtrain::gemm where oneDNN beats aten.mm on this CPU (not in graphs with
     aten random ops, see the module docstring)."""
@@ -72,7 +73,7 @@ def lower_gemm_onednn_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModu
         return gm
     if not forced and not onednn_gemm_wins():
         return gm
-    if any(is_random(n) for n in gm.graph.nodes):  # see the module docstring
+    if any(has_random_tag(n) for n in gm.graph.nodes):  # aten's random ops: see the module docstring
         return gm
     g, n = gm.graph, 0
     for node in list(g.nodes):

@@ -3,15 +3,16 @@
 A pass is ``<verb>_<object>_pass(gm, ctx) -> gm``. It rewrites an FX ``GraphModule`` (in place
 or by returning a new one), adds the number of rewrites it made with ``ctx.count(n)``, and must
 keep the graph's inputs and outputs (count, order, shapes, dtypes) unchanged. Passes are
-registered by name with the stages they run in:
+registered by name with the stages they run in and their phase (``PHASES``):
 
 - ``pre_autodiff``: the captured forward graph (aten ops, parameters as inputs) before AOTAutograd
   builds the gradient graph; fusions here give the backward graph the fused ops' own gradients.
 - ``forward`` / ``backward``: the partitioned graphs after autodiff, before the provider lowers them.
 
-The driver times each pass, counts ops before and after, lints the graph and checks the output
-signature. A pass that raises is skipped under ``fallback: warn|silent`` (the graph from before it
-is kept) and re-raised under ``fallback: error``.
+Within a stage passes run phase by phase; inside a phase, in an order that keeps every ``after=`` /
+``before=`` constraint, other ties by name (`pass_order`). The driver times each pass, counts ops before and
+after, lints the graph and checks the output signature. A pass that raises is skipped under
+``fallback: warn|silent`` (the graph from before it is kept) and re-raised under ``fallback: error``.
 """
 from __future__ import annotations
 
@@ -30,6 +31,18 @@ from graphtrain.fallback import report_fallback
 
 STAGES = ("pre_autodiff", "forward", "backward")
 
+PHASES: dict[str, str] = {  # in the order they run; a pass names one, and orders itself inside it with after/before
+    "fuse": "fusions matched on the graph as traced: normalizations, attention, GELU",
+    "simplify": "no-op views, casts and clones removed, view chains collapsed, constant subgraphs folded",
+    "fuse_epilogue": "fusions matched on the simplified graph: bias + dropout + residual, the LM head and its loss",
+    "dedupe": "identical pure calls merged (common subexpressions)",
+    "fuse_loss": "the softmax cross-entropy left unfused; fused LM heads told to skip unlabelled rows",
+    "cleanup": "dead code removed",
+    "precision": "mixed precision",
+    "lower": "ops moved to a faster implementation of the same math (oneDNN GEMMs)",
+    "memory": "buffers reused in place",
+}
+
 PassFn = Callable[[fx.GraphModule, "PassContext"], fx.GraphModule]
 
 
@@ -40,7 +53,9 @@ class PassSpec:
     stages: tuple[str, ...]
     default: bool
     changes_numerics: bool
-    order: int
+    phase: str
+    after: tuple[str, ...] = ()  # passes of the same phase (in a stage where both run) this one runs after
+    before: tuple[str, ...] = ()
     providers: tuple[str, ...] | None = None  # on by default only under these providers (None: all)
 
     def on_by_default(self, provider: str) -> bool:
@@ -63,6 +78,8 @@ class PassRecord:
     left_to: str | None = None
     """Set when the pass only looked: its patterns were found (``rewrites``) and left to this provider,
     whose own code generation fuses them (the graph was not changed)."""
+    phase: str = ""
+    """The pass's phase (``PHASES``)."""
 
 
 @dataclass
@@ -88,20 +105,26 @@ class PassContext:
 _REGISTRY: dict[str, PassSpec] = {}
 
 
-def register_pass(stages: str | tuple[str, ...], *, default: bool = True, changes_numerics: bool = False,
-                  order: int = 100, providers: tuple[str, ...] | None = None) -> Callable[[PassFn], PassFn]:
+def register_pass(stages: str | tuple[str, ...], *, phase: str, after: str | tuple[str, ...] = (),
+                  before: str | tuple[str, ...] = (), default: bool = True, changes_numerics: bool = False,
+                  providers: tuple[str, ...] | None = None) -> Callable[[PassFn], PassFn]:
     """Register a pass; its name is the function's name without the trailing ``_pass``.
-    Lower ``order`` runs earlier within a stage. ``providers`` limits where the pass is on by default
-    (e.g. a fusion Inductor already does better itself); ``engine.passes`` overrides it either way."""
+    It runs in `phase` (one of ``PHASES``); ``after`` / ``before`` name passes it must follow or precede where
+    the order inside the phase matters. ``providers`` limits where the pass is on by default (e.g. a fusion
+    Inductor already does better itself); ``engine.passes`` overrides it either way."""
     stages = (stages,) if isinstance(stages, str) else tuple(stages)
     for s in stages:
         assert s in STAGES, s
+    if phase not in PHASES:
+        raise ValueError(f"unknown pass phase {phase!r}; phases, in order: {', '.join(PHASES)}")
+    after = (after,) if isinstance(after, str) else tuple(after)
+    before = (before,) if isinstance(before, str) else tuple(before)
 
     def deco(fn: PassFn) -> PassFn:
         assert fn.__name__.endswith("_pass"), f"pass functions end in _pass: {fn.__name__}"
         name = fn.__name__[: -len("_pass")]
         assert name not in _REGISTRY or _REGISTRY[name].fn.__qualname__ == fn.__qualname__, f"duplicate pass {name}"
-        _REGISTRY[name] = PassSpec(name, fn, stages, default, changes_numerics, order, providers)
+        _REGISTRY[name] = PassSpec(name, fn, stages, default, changes_numerics, phase, after, before, providers)
         return fn
 
     return deco
@@ -128,8 +151,47 @@ def pipeline(stage: str, config: EngineConfig) -> list[PassSpec]:
     def on(s: PassSpec) -> bool:
         return config.passes.get(s.name, s.default if provider == "auto" else s.on_by_default(provider))
 
-    chosen = [s for s in specs.values() if stage in s.stages and on(s)]
-    return sorted(chosen, key=lambda s: (s.order, s.name))
+    return [s for s in pass_order(stage) if on(s)]
+
+
+def pass_order(stage: str) -> list[PassSpec]:
+    """Every registered pass of `stage` in the order they run (switched on or not): phase by phase (``PHASES``),
+    and inside a phase in an order that keeps each ``after``/``before`` constraint between two passes of the
+    stage, other ties broken by name. Raises ValueError for a constraint naming an unknown pass, one that
+    contradicts the phase order, or constraints that form a cycle."""
+    everything = registered_passes()
+    specs = {n: s for n, s in everything.items() if stage in s.stages}
+    rank = {p: i for i, p in enumerate(PHASES)}
+    preds: dict[str, set[str]] = {n: set() for n in specs}  # pass -> passes that must run before it
+    for s in everything.values():
+        for other in (*s.after, *s.before):
+            if other not in everything:
+                raise ValueError(f"pass {s.name!r} is ordered against {other!r}, which is not a registered pass; "
+                                 f"known passes: {', '.join(sorted(everything))}")
+        if s.name not in specs:
+            continue
+        preds[s.name].update(a for a in s.after if a in specs)
+        for b in s.before:
+            if b in specs:
+                preds[b].add(s.name)
+    for n, ps in preds.items():
+        for p in ps:
+            if rank[specs[p].phase] > rank[specs[n].phase]:
+                raise ValueError(f"pass {n!r} (phase {specs[n].phase!r}) is constrained to run after {p!r} (phase "
+                                 f"{specs[p].phase!r}), but phases run in the order {', '.join(PHASES)}")
+    order: list[PassSpec] = []
+    for phase in PHASES:
+        todo = {n: {p for p in preds[n] if specs[p].phase == phase} for n, s in specs.items() if s.phase == phase}
+        while todo:
+            ready = sorted(n for n, ps in todo.items() if not ps)
+            if not ready:
+                raise ValueError(f"the after/before constraints of passes {', '.join(sorted(todo))} (phase "
+                                 f"{phase!r}, stage {stage!r}) form a cycle")
+            order.append(specs[ready[0]])
+            del todo[ready[0]]
+            for ps in todo.values():
+                ps.discard(ready[0])
+    return order
 
 
 def op_counts(gm: fx.GraphModule) -> collections.Counter:
@@ -200,7 +262,7 @@ def run_pipeline(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         diff = {k: after_counts[k] - before_counts[k] for k in set(before_counts) | set(after_counts)
                 if after_counts[k] != before_counts[k]}
         rec = PassRecord(spec.name, ctx.stage, ctx.graph_name, ctx.rewrites, dt,
-                         sum(before_counts.values()), sum(after_counts.values()), diff, error)
+                         sum(before_counts.values()), sum(after_counts.values()), diff, error, phase=spec.phase)
         ctx.records.append(rec)
         if ctx.config.debug:
             warnings.warn(f"[graphtrain] {ctx.stage}/{spec.name} on {ctx.graph_name}: {rec.rewrites} rewrites, "
@@ -228,7 +290,7 @@ def _detect_provider_fusions(gm: fx.GraphModule, ctx: PassContext) -> None:
             continue
         n = sum(op_counts(gm).values())
         ctx.records.append(PassRecord(spec.name, ctx.stage, ctx.graph_name, ctx.rewrites, time.perf_counter() - t0,
-                                      n, n, {}, None, left_to=provider))
+                                      n, n, {}, None, left_to=provider, phase=spec.phase))
     ctx.rewrites = 0
 
 
@@ -242,9 +304,10 @@ def _load_builtin_passes() -> None:
         return
     _LOADED = True
     import importlib
+    import os
     import pkgutil
 
-    import graphtrain.passes as pkg
-    for m in pkgutil.iter_modules(pkg.__path__):
+    package = __name__.rpartition(".")[0]  # this folder's modules (not `import graphtrain.passes`: its parent)
+    for m in pkgutil.iter_modules([os.path.dirname(__file__)]):
         if m.name != "manager" and not m.name.startswith("_"):
-            importlib.import_module(f"graphtrain.passes.{m.name}")
+            importlib.import_module(f"{package}.{m.name}")

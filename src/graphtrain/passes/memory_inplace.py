@@ -94,7 +94,7 @@ def inplace_candidates(gm: fx.GraphModule) -> list[fx.Node]:
     return chosen
 
 
-@register_pass(("forward", "backward"), order=900)
+@register_pass(("forward", "backward"), phase="memory")
 def inplace_elementwise_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Write elementwise ops into their dead input's buffer (aten provider only; see module doc)."""
     if getattr(ctx.config, "provider", "aten") != "aten":

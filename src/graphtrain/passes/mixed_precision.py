@@ -4,8 +4,8 @@
 derives a backward graph that is mixed precision too, with fp32 gradients for the fp32 parameters
 (master weights): the gradient of a cast is a cast back.
 
-The policy is a table, ``PRECISION_POLICY``, keyed by op schema name (``"aten::mm"``,
-``"graphtrain::layer_norm"``):
+The policy of graphtrain's fused ops is their descriptor's ``precision`` (kernels/<op>.py); for every
+other op it is a table, ``PRECISION_POLICY``, keyed by op schema name (``"aten::mm"``):
 
 - ``LOW``: compute in the low dtype; fp32 inputs are cast down (matmul family, conv, attention).
 - ``FP32``: compute in fp32; low inputs are cast up (softmax, normalization, reductions, losses).
@@ -20,7 +20,7 @@ a value's own earlier dtype reuses that value. Graph outputs are cast back to th
 so the output signature never changes. Only fp32 values change; fp64 graphs are left alone.
 
 Numerics change (``changes_numerics=True``); the pass does nothing when ``precision == "fp32"``.
-Other passes register their ops' policy with ``set_precision_policy(name, policy)``.
+Ops of other libraries get a policy with ``set_precision_policy(name, policy)``.
 """
 from __future__ import annotations
 
@@ -32,9 +32,8 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
+from graphtrain.kernels.registry import FOLLOW, FP32, LOW, op_descriptor
 from graphtrain.passes.manager import PassContext, register_pass
-
-LOW, FP32, FOLLOW = "low", "fp32", "follow"
 
 PRECISION_POLICY: dict[str, str] = {
     # matmul family, convolution, attention: the work the low dtype speeds up
@@ -57,15 +56,6 @@ PRECISION_POLICY: dict[str, str] = {
         "l1_loss", "smooth_l1_loss", "huber_loss", "binary_cross_entropy", "binary_cross_entropy_with_logits",
         "kl_div", "soft_margin_loss", "multilabel_margin_loss_forward", "cosine_embedding_loss",
         "exp", "log", "pow", "rsqrt", "erfinv")},
-    # graphtrain's fused ops (registered by the fusion passes, which run before this one)
-    "graphtrain::attention": LOW,
-    "graphtrain::layer_norm": FP32,
-    "graphtrain::cross_entropy": FP32,
-    # the LM head's matmuls in the low precision, the softmax cross-entropy and the loss in fp32 inside the op
-    "graphtrain::linear_cross_entropy": LOW,
-    "graphtrain::linear_bias_cross_entropy": LOW,
-    "graphtrain::bias_gelu": FOLLOW,
-    "graphtrain::bias_dropout_add": FOLLOW,
 }
 
 # Shape-only ops a cast may be hoisted above (same elements, or fewer before an expand).
@@ -78,7 +68,11 @@ def set_precision_policy(op: str | torch._ops.OpOverload | torch._ops.OpOverload
     """Declare how the mixed-precision pass treats an op: LOW, FP32 or FOLLOW (by op or schema name)."""
     if policy not in (LOW, FP32, FOLLOW):
         raise ValueError(f"precision policy must be {LOW!r}, {FP32!r} or {FOLLOW!r}, got {policy!r}")
-    PRECISION_POLICY[_op_key(op)] = policy
+    key = _op_key(op)
+    if key.startswith("graphtrain::"):
+        raise ValueError(f"{key}'s precision policy is its descriptor's `precision`, beside its kernel "
+                         f"(graphtrain/kernels/); set it there")
+    PRECISION_POLICY[key] = policy
 
 
 def _op_key(op: Any) -> str:
@@ -94,8 +88,10 @@ def _op_key(op: Any) -> str:
 
 
 def policy_of(node: fx.Node) -> str:
+    """LOW, FP32 or FOLLOW: a graphtrain op's descriptor, else the table (FOLLOW for ops not in it)."""
     if isinstance(node.target, torch._ops.OpOverload):
-        return PRECISION_POLICY.get(node.target._schema.name, FOLLOW)
+        d = op_descriptor(node.target)
+        return d.precision if d is not None else PRECISION_POLICY.get(node.target._schema.name, FOLLOW)
     return FOLLOW
 
 
@@ -119,7 +115,7 @@ def _dtype(node: Any) -> torch.dtype | None:
     return v.dtype if isinstance(v, torch.Tensor) else None
 
 
-@register_pass("pre_autodiff", default=True, changes_numerics=True, order=500)
+@register_pass("pre_autodiff", phase="precision", changes_numerics=True)
 def apply_mixed_precision_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Run matmuls and most elementwise ops in ``ctx.config.precision``; see the module docstring."""
     if ctx.config.precision == "fp32":

@@ -202,6 +202,34 @@ def load_sharded_meta(path: str | Path, config: Any = None, model_spec: dict[str
     return state
 
 
+def load_weights(model: torch.nn.Module, init_from: str, config: Any, model_spec: dict[str, Any]) -> tuple[Path, int]:
+    """train.init_from: load only the model weights of a checkpoint file, sharded folder or run folder (its
+    latest) into `model` (shapes must match; seq_len may differ). Returns the checkpoint and its step."""
+    source = Path(init_from).expanduser()
+    if source.is_dir() and not is_sharded(source):
+        found = latest_checkpoint(source)
+        if found is None:
+            raise ValueError(f"train.init_from={init_from!r}: no checkpoint (ckpt-*) in that folder; point it "
+                             f"at a finished run's out_dir or a checkpoint file")
+        source = found
+    elif not source.exists():
+        raise ValueError(f"train.init_from={init_from!r} does not exist: point it at a checkpoint file or a "
+                         f"finished run's out_dir (e.g. the previous phase's train.out_dir)")
+    try:
+        if is_sharded(source):
+            from graphtrain.distributed.checkpoint import load_checkpoint as load_sharded
+            step = load_sharded_meta(source, config, model_spec)["step"]
+            load_sharded(source, model, None)
+        else:
+            state = load_checkpoint(source, config, model_spec)
+            step = state["step"]
+            model.load_state_dict(state["model"])
+    except RuntimeError as e:
+        raise ValueError(f"train.init_from={init_from!r}: the checkpoint's weights do not fit this model "
+                         f"({str(e).splitlines()[0]})") from None
+    return source, step
+
+
 def check_compatible(state: dict[str, Any], config: Any = None, model_spec: dict[str, Any] | None = None,
                      path: str | Path = "checkpoint") -> None:
     """Raise ValueError listing every model-defining key that differs between checkpoint and config.

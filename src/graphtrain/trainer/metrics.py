@@ -117,11 +117,6 @@ class MetricsLog:
             f.write(json.dumps(record) + "\n")
         return record
 
-    def read(self) -> list[dict[str, Any]]:
-        if not self.path.is_file():
-            return []
-        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
-
 
 def _jsonable(v: Any) -> Any:
     if isinstance(v, torch.Tensor):

@@ -1,18 +1,18 @@
-"""Process setup for a training run: device, threads, determinism, seeds, the graph engine."""
+"""Process setup for a training run: what is supported, device, threads, determinism, seeds, data, batch size."""
 from __future__ import annotations
 
-from typing import Any
-
-import importlib.util
 import os
 import random
-import warnings
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
 from graphtrain.config import Config, TrainConfig
+from graphtrain.data import build_data
+from graphtrain.models import build_model
+from graphtrain.trainer.metrics import format_bytes
 
 
 def check_supported(config: Config) -> None:
@@ -20,9 +20,19 @@ def check_supported(config: Config) -> None:
 
     parallel.dp*tp*pp > 1 runs through graphtrain.distributed (launch with `graphtrain train --nproc N`):
     dp (optionally ZeRO-1), tp, pp and their products; not ZeRO-1 with tp or with dp x pp, not fp16
-    loss scaling across ranks.
+    loss scaling across ranks. train.whole_step (graphtrain.compile_step): AdamW, one micro-batch, one
+    process, through the engine.
     """
     par, tc = config.parallel, config.train
+    if tc.whole_step:
+        problems = [msg for bad, msg in (
+            (par.world_size > 1, "one process (parallel.dp=tp=pp=1)"),
+            (tc.grad_accum != 1, f"train.grad_accum=1 (got {tc.grad_accum})"),
+            (config.optim.name != "adamw", f"optim.name=adamw (got {config.optim.name!r})"),
+            (not tc.accelerate, "train.accelerate=true")) if bad]
+        if problems:
+            raise ValueError(f"train.whole_step=true needs {', '.join(problems)}; set train.whole_step=false to train "
+                             f"with the graph engine and a separate optimizer step")
     if par.world_size > 1:
         if par.zero_stage == 1 and par.tp > 1:
             raise ValueError("parallel.zero_stage=1 with parallel.tp>1 is not supported yet: set "
@@ -63,6 +73,39 @@ def memory_budget_bytes(config: Config, device: torch.device) -> float:
     return budget * total
 
 
+def auto_batch_size(config: Config, model: torch.nn.Module | None, vocab_size: int,
+                    device: torch.device) -> tuple[Config, str]:
+    """train.batch_size=auto -> the config with the largest micro-batch fitting engine.memory_budget (per rank,
+    times parallel.dp; grad_accum kept), and the line saying so."""
+    from graphtrain.engine.autobatch import pick_batch_size
+    budget = memory_budget_bytes(config, device)
+    if model is not None:
+        factory = (lambda: model)
+    else:
+        def factory() -> torch.nn.Module:
+            return build_model(config.model, vocab_size=vocab_size)
+    with torch.random.fork_rng(devices=[]):  # building probe models must not move the weights' seed
+        plan = pick_batch_size(factory, config.data.seq_len, budget, engine_cfg=config.engine)
+    dp = config.parallel.dp
+    chosen = plan.micro_batch * dp
+    line = (f"train.batch_size=auto: micro-batch {plan.micro_batch}"
+            f"{f' per rank x {dp} dp ranks = {chosen}' if dp > 1 else ''} (predicted step peak "
+            f"{format_bytes(plan.predicted_peak)} of the {format_bytes(int(budget))} engine.memory_budget), "
+            f"grad_accum {config.train.grad_accum}: {chosen * config.train.grad_accum} samples per step")
+    return config.with_overrides({"train.batch_size": chosen}), line
+
+
+def load_data(config: Config, family: str, env: Any) -> Any:
+    """The run's data. Distributed (`env`), rank 0 builds (or reads) the cached tokenizer and tokens first; the
+    others then read its cache."""
+    if env is None:
+        return build_data(config, family)
+    import torch.distributed as dist
+    data = build_data(config, family) if env.is_main else None
+    dist.barrier()
+    return data if data is not None else build_data(config, family)
+
+
 def pick_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
@@ -96,97 +139,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)  # also seeds every CUDA device
-
-
-def maybe_accelerate(model: torch.nn.Module, config: Config) -> torch.nn.Module:
-    """`graphtrain.accelerate(model, config.engine)` when train.accelerate is on and the engine exists.
-
-    Without the engine in this install, `engine.fallback` decides: error raises, warn trains
-    eagerly with a warning, silent trains eagerly.
-    """
-    if not config.train.accelerate:
-        return model
-    if importlib.util.find_spec("graphtrain.engine.api") is None:
-        msg = ("train.accelerate=true but the graphtrain engine (graphtrain.engine.api) is not in this install; "
-               "set train.accelerate=false (--no-accelerate) to train eagerly")
-        if config.engine.fallback == "error":
-            raise ValueError(msg)
-        if config.engine.fallback == "warn":
-            warnings.warn(msg + "; training eagerly", RuntimeWarning, stacklevel=3)
-        return model
-    from graphtrain.engine.api import accelerate
-    return accelerate(model, config.engine)
-
-
-def build_whole_step(model: torch.nn.Module, config: Config) -> Any:
-    """graphtrain.compile_step for train.whole_step, after checking the run can use it."""
-    tc = config.train
-    problems = [msg for bad, msg in (
-        (config.parallel.world_size > 1, "one process (parallel.dp=tp=pp=1)"),
-        (tc.grad_accum != 1, f"train.grad_accum=1 (got {tc.grad_accum})"),
-        (config.optim.name != "adamw", f"optim.name=adamw (got {config.optim.name!r})"),
-        (not tc.accelerate, "train.accelerate=true")) if bad]
-    if problems:
-        raise ValueError(f"train.whole_step=true needs {', '.join(problems)}; set train.whole_step=false to train "
-                         f"with the graph engine and a separate optimizer step")
-    from graphtrain.engine.step_graph import compile_step
-    return compile_step(model, config)
-
-
-class StepGraphOptimizer:
-    """What the Trainer needs of an optimizer when the step graph owns the update: the learning rate it
-    sets (passed to the graph each step), state_dict/load_state_dict (the graph's moments, step counts and
-    loss-scale state) and a zero_grad with nothing to do (gradients never leave the graph)."""
-
-    def __init__(self, step: Any) -> None:
-        self.step_graph = step
-        self.param_groups = [{"lr": config_lr(step)}]
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        return None
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.step_graph.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.step_graph.load_state_dict(state)
-
-
-def config_lr(step: Any) -> float:
-    return float(step.optim.lr)
-
-
-def accelerate_distributed(par, config: Config) -> torch.nn.Module:
-    """The graph engine on this rank's part of the model (`Parallelized.accelerate`: in place, per layout).
-    Without the engine in this install, engine.fallback decides (as maybe_accelerate)."""
-    if importlib.util.find_spec("graphtrain.engine.api") is None:
-        return maybe_accelerate(par.module, config)
-    return par.accelerate(config.engine)
-
-
-def check_distributed_capture(module: torch.nn.Module, wrapper: torch.nn.Module, config: Config) -> str:
-    """After the first distributed step: did the engine capture graphs on every rank (no silent eager run)?
-
-    Collective (all ranks call it). Returns the line rank 0 logs; a rank that fell back to eager raises
-    under engine.fallback=error and warns otherwise."""
-    import torch.distributed as dist
-    from graphtrain.engine.report import report
-    rep = report(module)
-    mine = (len(rep.graphs), bool(rep.eager_only), len(rep.fallbacks))
-    every: list = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
-    graphs = sorted({g for g, _, _ in every})
-    bucket = getattr(wrapper, "bucket_bytes_cap", None)
-    line = (f"graphtrain engine, distributed: {'/'.join(map(str, graphs))} graph(s) captured per rank"
-            + (f" (Dynamo's DDPOptimizer splits at DDP's {bucket / 2**20:g} MiB gradient buckets)" if bucket else "")
-            + f", eager fallbacks on {sum(1 for _, e, f in every if e or f)} of {len(every)} ranks")
-    if any(g == 0 or e for g, e, _ in every):
-        msg = f"{line}: the distributed model is not running through the graph engine"
-        if config.engine.fallback == "error":
-            raise ValueError(msg)
-        if config.engine.fallback == "warn" and dist.get_rank() == 0:
-            warnings.warn(msg, RuntimeWarning, stacklevel=2)
-    return line
 
 
 def is_accelerated(model: torch.nn.Module) -> bool:

@@ -1,8 +1,8 @@
 """Measure a training step's peak memory in a fresh subprocess (CPU: resident set; CUDA: allocator).
 
-``python -m graphtrain.memory.measure --model gpt2-mini --seq 128 --batch 16 --mode graphtrain
+``python -m graphtrain.engine.measure --model gpt2-mini --seq 128 --batch 16 --mode graphtrain
 --recompute none`` prints one JSON line. Modes: ``eager``, ``compile`` (torch.compile, Inductor),
-``graphtrain`` (``capture.compile_train_step``: the memory optimizer alone, no fusion passes) and
+``graphtrain`` (``engine.capture.compile_train_step``: the memory optimizer alone, no fusion passes) and
 ``accelerate`` (``graphtrain.accelerate(model, provider=..., recompute=..., memory_budget=...)``: the
 whole engine with its default passes, what users run). Method on CPU: build the model and AdamW, run warm-up
 steps (compile, optimizer state), then ``gc.collect()`` + glibc ``malloc_trim(0)``, note the
@@ -98,11 +98,11 @@ def _child(a: argparse.Namespace) -> dict[str, Any]:
     elif a.mode == "compile":
         step_fn = torch.compile(model)
     elif a.mode == "accelerate":
-        import graphtrain
-        step_fn = graphtrain.accelerate(model, provider=a.provider, recompute=a.recompute, memory_budget=a.budget)
+        from graphtrain.engine.api import accelerate
+        step_fn = accelerate(model, provider=a.provider, recompute=a.recompute, memory_budget=a.budget)
     else:
         from graphtrain.config import EngineConfig
-        from graphtrain.memory.capture import compile_train_step
+        from graphtrain.engine.capture import compile_train_step
         from graphtrain.passes.memory_inplace import inplace_elementwise_pass
         cfg = EngineConfig(recompute=a.recompute, memory_budget=a.budget)
         passes = [inplace_elementwise_pass] if a.inplace else []
@@ -144,8 +144,8 @@ def _child(a: argparse.Namespace) -> dict[str, Any]:
     times.sort()
     predicted, phases, chose = None, None, None
     if a.mode == "accelerate":
-        import graphtrain
-        graphs = graphtrain.report(model).graphs
+        from graphtrain.engine.report import report
+        graphs = report(model).graphs
         if graphs and graphs[0].get("predicted_memory"):
             predicted = graphs[0]["predicted_memory"]["peak"]
             phases = graphs[0]["predicted_memory"]["phase_totals"]
@@ -215,7 +215,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def measure(timeout: float = 1800, **kw: Any) -> dict[str, Any]:
     """Run one measurement in a fresh subprocess; kw are the CLI flags (inplace=True, etc.)."""
-    args = [sys.executable, "-m", "graphtrain.memory.measure"]
+    args = [sys.executable, "-m", "graphtrain.engine.measure"]
     for k, v in kw.items():
         if v is None or v is False:
             continue

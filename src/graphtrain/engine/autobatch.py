@@ -17,7 +17,9 @@ from typing import Any, Callable
 
 import torch
 
-from graphtrain.memory.predict import MemoryEstimate, predict_for_model
+from graphtrain.engine.capture import predict_for_model
+from graphtrain.engine.measure import measure
+from graphtrain.memory.predict import MemoryEstimate
 
 
 def _vocab(model: torch.nn.Module) -> int:
@@ -57,7 +59,7 @@ def pick_batch_size(model_factory: Callable[[], torch.nn.Module], seq_len: int, 
 
     global_batch: samples per optimizer step; the micro-batch is then the largest divisor of it
     that fits, and grad_accum = global_batch / micro_batch. confirm_model: a preset name to run one
-    real step of in a subprocess (graphtrain.memory.measure); if it measures over budget the
+    real step of in a subprocess (graphtrain.engine.measure); if it measures over budget the
     micro-batch is scaled down by the measured/predicted ratio."""
     model = model_factory()
     probes: dict[int, int] = {}
@@ -89,7 +91,6 @@ def pick_batch_size(model_factory: Callable[[], torch.nn.Module], seq_len: int, 
     micro, accum = _split(b, global_batch)
     plan = BatchPlan(micro, accum, peak(micro), budget_bytes, per_sample, fixed, probes)
     if confirm_model is not None:
-        from graphtrain.memory.measure import measure
         cfg = engine_cfg
         r = measure(model=confirm_model, seq=seq_len, batch=micro, mode="graphtrain", steps=1, warmup=1,
                     recompute=getattr(cfg, "recompute", "none"), budget=getattr(cfg, "memory_budget", None))

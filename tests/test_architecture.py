@@ -1,0 +1,178 @@
+"""Imports point one way, down the layers, with no cycle (docs/architecture.md, "Layers").
+
+Every `import` in every module of the package counts, at module level and inside functions alike: a lazy
+import that dodges a cycle is the cycle all the same. The files are read with `ast`, nothing is imported.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "src" / "graphtrain"
+
+# Top to bottom. A module may import its own layer and the layers below it.
+LAYERS: list[tuple[str, ...]] = [
+    ("cli", "__main__"),
+    ("bench",),
+    ("trainer",),
+    ("distributed",),
+    ("engine",),
+    ("memory",),
+    ("optim", "passes", "models", "data"),
+    ("kernels",),
+    ("testing",),
+    ("config", "fallback"),
+]
+RANK = {name: i for i, names in enumerate(LAYERS) for name in names}
+
+# `graphtrain/__init__.py` is the public facade (graphtrain.accelerate, .report, .Trainer, ...): it may point at
+# any layer (lazily, so `import graphtrain` stays light) and is exempt. Importing *it* counts as importing what
+# it exposes: `from graphtrain import NAME` is an edge to NAME's module, a bare `import graphtrain` an edge to
+# the highest layer the facade reaches.
+FACADE = "graphtrain"
+
+# (importer, imported) edges allowed against the layering, each with the reason it cannot go. Keep it empty.
+ALLOWED_UPWARD: dict[tuple[str, str], str] = {}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _resolve(name: str) -> str:
+    """The module `name` refers to: itself, or the nearest enclosing module (an attribute of a module)."""
+    while name not in MODULES and "." in name:
+        name = name.rpartition(".")[0]
+    return name
+
+
+def _facade_names() -> tuple[dict[str, str], int]:
+    """The facade's names -> the modules they come from, and the highest layer (lowest rank) it reaches."""
+    tree = ast.parse(MODULES[FACADE].read_text())
+    names: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("graphtrain."):
+            names.update({a.asname or a.name: node.module for a in node.names})
+        elif isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "_LAZY" for t in node.targets):
+            lazy = ast.literal_eval(node.value)
+            names.update(lazy)
+    top = min(RANK[_layer(_resolve(m))] for m in names.values())
+    return names, top
+
+
+def _layer(module: str) -> str:
+    return module.split(".")[1]
+
+
+def _imports(module: str, path: Path) -> list[tuple[int, str]]:
+    """(line, imported module) for every graphtrain import in `module`, wherever it stands."""
+    out = []
+    is_package = path.name == "__init__.py"
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names if a.name.split(".")[0] == "graphtrain"]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: from the module's package, one level up per extra dot
+                base = module if is_package else module.rpartition(".")[0]
+                for _ in range(node.level - 1):
+                    base = base.rpartition(".")[0]
+                source = f"{base}.{node.module}" if node.module else base
+            else:
+                source = node.module or ""
+            if source.split(".")[0] != "graphtrain":
+                continue
+            for a in node.names:  # `from pkg import submodule` imports the submodule; the facade's names resolve later
+                full = f"{source}.{a.name}"
+                out.append((node.lineno, full if full in MODULES or source == FACADE else source))
+    return out
+
+
+def _edges() -> list[tuple[str, int, str]]:
+    """(importer, line, imported module) over the whole package; imports of the facade resolved through it."""
+    facade_names, _ = _facade_names()
+    edges = []
+    for module, path in MODULES.items():
+        if module == FACADE:
+            continue
+        for line, target in _imports(module, path):
+            if _resolve(target) == FACADE:  # `import graphtrain` or `from graphtrain import NAME`
+                target = facade_names.get(target[len(FACADE) + 1:], FACADE)
+            edges.append((module, line, _resolve(target)))
+    return edges
+
+
+def test_every_module_has_a_layer():
+    unplaced = sorted(m for m in MODULES if m != FACADE and _layer(m) not in RANK)
+    assert not unplaced, f"place these in LAYERS (and docs/architecture.md): {unplaced}"
+
+
+def test_imports_point_down():
+    _, facade_rank = _facade_names()
+    upward = []
+    for module, line, target in _edges():
+        rank = facade_rank if target == FACADE else RANK[_layer(target)]
+        if rank < RANK[_layer(module)] and (module, target) not in ALLOWED_UPWARD:
+            upward.append(f"{MODULES[module].relative_to(PACKAGE.parent)}:{line} ({_layer(module)}) imports "
+                          f"{target} ({'the facade' if target == FACADE else _layer(target)})")
+    assert not upward, "imports above their own layer (move the shared piece down instead):\n" + "\n".join(upward)
+
+
+def test_allow_list_is_current():
+    edges = {(m, t) for m, _, t in _edges()}
+    stale = [e for e in ALLOWED_UPWARD if e not in edges]
+    assert not stale, f"ALLOWED_UPWARD names edges that no longer exist: {stale}"
+
+
+def test_no_import_cycles():
+    """No module reaches itself through imports (lazy ones included); a package's modules never import the
+    package itself (its __init__ imports them)."""
+    graph: dict[str, set[str]] = {m: set() for m in MODULES}
+    for module, _, target in _edges():
+        if target != module:
+            graph[module].add(target)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                cycles.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    assert not cycles, f"import cycles (move the shared piece into a module both can import): {cycles}"
+
+
+def test_the_checker_sees_lazy_and_relative_imports(tmp_path):
+    """The walk finds imports inside functions and resolves relative ones (what the rules above rely on)."""
+    src = tmp_path / "m.py"
+    src.write_text("import torch\n\ndef f():\n    from graphtrain.engine.api import accelerate\n"
+                   "    from . import predict\n    from .. import fallback\n    import graphtrain\n")
+    found = sorted(t for _, t in _imports("graphtrain.memory.m", src))
+    assert found == ["graphtrain", "graphtrain.engine.api", "graphtrain.fallback", "graphtrain.memory.predict"], found
+    names, top = _facade_names()
+    assert names["accelerate"] == "graphtrain.engine.api" and LAYERS[top] == ("trainer",)  # graphtrain.Trainer

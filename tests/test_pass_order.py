@@ -1,0 +1,110 @@
+"""The order passes run in: pinned per stage and provider (it was pinned before passes moved from numeric
+`order=` to named phases and before/after constraints, and must not change unnoticed)."""
+from __future__ import annotations
+
+import pytest
+
+from graphtrain.config import EngineConfig
+from graphtrain.passes.manager import STAGES, pipeline, registered_passes
+
+CLEANUPS = ["remove_noop_ops", "fold_view_chains", "eliminate_common_subexpressions", "eliminate_dead_code",
+            "inplace_elementwise"]
+EVERY_PASS = {
+    "pre_autodiff": ["fuse_layer_norm", "fuse_rms_norm", "fuse_attention", "fuse_bias_gelu", "remove_noop_ops",
+                     "fold_view_chains", "fold_constants", "fuse_bias_dropout_add", "fuse_linear_cross_entropy",
+                     "eliminate_common_subexpressions", "fuse_cross_entropy", "sparse_lm_head", "eliminate_dead_code",
+                     "apply_mixed_precision", "lower_gemm_onednn"],
+    "forward": CLEANUPS,
+    "backward": CLEANUPS,
+}
+DEFAULT_PRE_AUTODIFF = {
+    "aten": [n for n in EVERY_PASS["pre_autodiff"] if n != "lower_gemm_onednn"],
+    "inductor": ["fuse_attention", "remove_noop_ops", "fold_view_chains", "fold_constants", "fuse_bias_dropout_add",
+                 "fuse_linear_cross_entropy", "eliminate_common_subexpressions", "sparse_lm_head",
+                 "eliminate_dead_code", "apply_mixed_precision", "lower_gemm_onednn"],
+    "auto": EVERY_PASS["pre_autodiff"],
+}
+
+
+def names(stage: str, **kw) -> list[str]:
+    return [s.name for s in pipeline(stage, EngineConfig(**kw))]
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_every_pass_runs_in_the_pinned_order(stage):
+    every = {n: True for n in registered_passes()}
+    assert names(stage, passes=every) == EVERY_PASS[stage]
+
+
+@pytest.mark.parametrize("provider", ["aten", "inductor", "auto"])
+def test_default_pipelines_per_provider(provider):
+    assert names("pre_autodiff", provider=provider) == DEFAULT_PRE_AUTODIFF[provider]
+    for stage in ("forward", "backward"):
+        assert names(stage, provider=provider) == CLEANUPS
+
+
+def test_switching_passes_off_keeps_the_others_order():
+    off = {"fold_view_chains": False, "fuse_linear_cross_entropy": False, "apply_mixed_precision": False}
+    want = [n for n in EVERY_PASS["pre_autodiff"] if n not in off]
+    assert names("pre_autodiff", passes={**{n: True for n in registered_passes()}, **off}) == want
+
+
+@pytest.fixture
+def temporary_passes():
+    """Register test-only passes (name -> register_pass kwargs), removed afterwards."""
+    from graphtrain.passes.manager import _REGISTRY, register_pass
+    added = []
+
+    def add(name: str, **kw):
+        def fn(gm, ctx):
+            return gm
+        fn.__name__ = fn.__qualname__ = f"{name}_pass"
+        register_pass("pre_autodiff", **kw)(fn)
+        added.append(name)
+    yield add
+    for name in added:
+        _REGISTRY.pop(name, None)
+
+
+def test_constraints_place_a_pass_inside_its_phase(temporary_passes):
+    temporary_passes("aa_check_for_test", phase="simplify", after="fold_view_chains", before="fold_constants")
+    order = names("pre_autodiff", passes={n: True for n in registered_passes()})
+    assert order[order.index("fold_view_chains") + 1] == "aa_check_for_test"
+    assert order.index("aa_check_for_test") + 1 == order.index("fold_constants")
+
+
+def test_ordering_errors_are_clear(temporary_passes):
+    with pytest.raises(ValueError, match="unknown pass phase 'fusion'; phases, in order: fuse, simplify"):
+        temporary_passes("bad_phase_for_test", phase="fusion")
+    temporary_passes("cycle_a_for_test", phase="fuse", after="cycle_b_for_test")
+    temporary_passes("cycle_b_for_test", phase="fuse", after="cycle_a_for_test")
+    with pytest.raises(ValueError, match="passes cycle_a_for_test, cycle_b_for_test .* form a cycle"):
+        names("pre_autodiff")
+
+
+def test_unknown_or_contradicting_constraints_are_errors(temporary_passes):
+    from graphtrain.passes.manager import _REGISTRY
+    temporary_passes("typo_for_test", phase="fuse", after="fuse_layernorm")
+    with pytest.raises(ValueError, match="ordered against 'fuse_layernorm', which is not a registered pass"):
+        names("forward")  # checked whatever the stage: a typo never goes unnoticed
+    _REGISTRY.pop("typo_for_test")
+    temporary_passes("early_for_test", phase="fuse", after="apply_mixed_precision")
+    with pytest.raises(ValueError, match="phase 'fuse'.* after 'apply_mixed_precision' .*phase 'precision'"):
+        names("pre_autodiff")
+
+
+def test_pass_modules_do_not_import_each_other():
+    """Shared helpers live in fuse_utils.py / graph_utils.py (and the manager); a pass module never imports from
+    another pass module."""
+    import pathlib
+    import re
+
+    import graphtrain.passes as pkg
+    folder = pathlib.Path(pkg.__file__).parent
+    shared = {"manager", "fuse_utils", "graph_utils"}
+    offenders = []
+    for path in folder.glob("*.py"):
+        for m in re.findall(r"(?:from|import)\s+graphtrain\.passes\.(\w+)", path.read_text()):
+            if m not in shared:
+                offenders.append(f"{path.name} imports passes.{m}")
+    assert not offenders, offenders
