@@ -60,7 +60,7 @@ def run(a: argparse.Namespace) -> list[dict]:
         raise SystemExit(f"unknown variants {unknown}: choose from {', '.join(VARIANTS)}")
     pinned = malloc_pinned(names, a.malloc)
     print(f"glibc mmap threshold: {'pinned' if pinned else 'default'} in every variant's process", file=sys.stderr)
-    common = dict(model=a.model, seq=a.seq, warmup=a.warmup, dropout=a.dropout, pin_malloc=pinned,
+    common = dict(model=a.model, seq=a.seq, warmup=a.warmup, dropout=a.dropout, attention=a.attention, pin_malloc=pinned,
                   no_pin_malloc=not pinned)
     runs: dict[str, list[dict]] = {n: [] for n in names}
     for rnd in range(a.rounds):
@@ -129,7 +129,8 @@ def _max_batch(r: dict, half: dict, cap: float) -> tuple[int | None, str]:
 
 
 def interleaved_step_times(model: str, seq: int, batch: int, variants: list[str], steps: int = 5, warmup: int = 2,
-                           threads: int = 2, dropout: float | None = None) -> dict[str, list[float]]:
+                           threads: int = 2, dropout: float | None = None,
+                           attention: str = "sdpa") -> dict[str, list[float]]:
     """Step times of several variants in one process, alternating one step of each: load on a shared machine
     drifts over minutes, so back-to-back steps compare under the same load. Memory is not measured here
     (one process holds every model); use run() for that. Variants: eager, compile, or a recompute mode
@@ -144,7 +145,7 @@ def interleaved_step_times(model: str, seq: int, batch: int, variants: list[str]
     if any(v in ("selective", "full", "auto") for v in variants):
         pin_mmap_threshold()  # what accelerate does for these modes; applies to every variant in this process
     torch.manual_seed(0)
-    base, data = build(model, seq, batch, dropout)
+    base, data = build(model, seq, batch, dropout, attention)
     steps_fn = {}
     for v in variants:
         m = copy.deepcopy(base)
@@ -155,7 +156,7 @@ def interleaved_step_times(model: str, seq: int, batch: int, variants: list[str]
         else:
             import graphtrain
             fn = graphtrain.accelerate(m, provider="aten", recompute=v)
-        opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True)
 
         def step(fn=fn, opt=opt) -> None:
             fn(*data).backward()
@@ -211,6 +212,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--dropout", type=float, default=None)
+    p.add_argument("--attention", choices=("sdpa", "explicit"), default="sdpa",
+                   help="reference models' attention: SDPA (the headline baseline) or hand-written (second rows)")
     p.add_argument("--malloc", choices=("auto", "pinned", "default"), default="auto",
                    help="glibc's mmap threshold in every variant's process: auto pins it when a recompute variant "
                         "runs (as graphtrain does for recompute), else glibc's default; never per variant")
@@ -222,7 +225,7 @@ def main(argv: list[str] | None = None) -> None:
         names = (a.only or DEFAULT).split(",")
         names = [n for n in names if n in ("eager", "compile", "none", "selective", "full")]
         times = interleaved_step_times(a.model, a.seq, a.batch, names, steps=a.steps, warmup=a.warmup,
-                                       dropout=a.dropout)
+                                       dropout=a.dropout, attention=a.attention)
         ref = statistics.median(times[names[0]])
         print(f"{a.model} seq {a.seq} batch {a.batch}: step time, variants interleaved step by step in one process")
         print("| variant | median step s | vs " + names[0] + " | all |\n|---|---|---|---|")

@@ -60,11 +60,14 @@ def machine() -> str:
             f"torch {torch.__version__}")
 
 
-def build(model: str, seq: int, batch: int, dropout: float | None = None) -> tuple[Any, tuple]:
+def build(model: str, seq: int, batch: int, dropout: float | None = None,
+          attention: str = "sdpa") -> tuple[Any, tuple]:
+    """A reference model and a batch; attention `sdpa` (F.scaled_dot_product_attention, what users write: the
+    memory claims' baseline) or `explicit` (hand-written matmul-softmax-dropout-matmul)."""
     import torch
     from graphtrain.config import ModelConfig
     from graphtrain.models import build_model
-    m = build_model(ModelConfig(name=model, dropout=dropout, max_seq_len=max(seq, 64)))
+    m = build_model(ModelConfig(name=model, dropout=dropout, max_seq_len=max(seq, 64), attention=attention))
     m.train()
     g = torch.Generator().manual_seed(0)
     vocab = m.get_input_embeddings().num_embeddings if hasattr(m, "get_input_embeddings") else 512
@@ -91,8 +94,8 @@ def _child(a: argparse.Namespace) -> dict[str, Any]:
         from graphtrain.memory.allocator import pin_mmap_threshold
         pin_mmap_threshold()
     base_kib = _rss_kib()
-    model, batch = build(a.model, a.seq, a.batch, a.dropout)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model, batch = build(a.model, a.seq, a.batch, a.dropout, a.attention)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)  # the strongest one-flag setting, every variant
     if a.mode == "eager":
         step_fn = model
     elif a.mode == "compile":
@@ -207,6 +210,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="pin glibc's mmap threshold (default: as graphtrain would, i.e. for recompute or a budget)")
     p.add_argument("--no-pin-malloc", action="store_true", help="keep glibc's dynamic threshold")
     p.add_argument("--dropout", type=float, default=None)
+    p.add_argument("--attention", choices=("sdpa", "explicit"), default="sdpa",
+                   help="the reference model's attention: SDPA (what users write) or hand-written")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
