@@ -26,3 +26,17 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def tiny_env(tmp_path_factory, monkeypatch):
+    """Trainer tests: a data cache shared by the whole session (the tokenizer trains once); the
+    process settings a Trainer changes (threads, deterministic algorithms) restored after."""
+    import torch
+    cache = tmp_path_factory.getbasetemp() / "graphtrain-cache"
+    cache.mkdir(exist_ok=True)
+    monkeypatch.setenv("GRAPHTRAIN_CACHE", str(cache))
+    threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    yield
+    torch.set_num_threads(threads)
+    torch.use_deterministic_algorithms(deterministic)

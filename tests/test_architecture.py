@@ -21,7 +21,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("optim", "passes", "models", "data"),
     ("kernels",),
     ("testing",),
-    ("config", "fallback"),
+    ("config", "fallback", "checksums"),
 ]
 RANK = {name: i for i, names in enumerate(LAYERS) for name in names}
 

@@ -54,7 +54,9 @@ def test_crash_mid_write_keeps_previous_checkpoint(tmp_path, monkeypatch):
     monkeypatch.undo()
 
     assert path.read_bytes() == before
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-0000005.pt"]  # no temp file, no ckpt-6
+    # no temp file, no ckpt-6 (nor its checksum file); ckpt-5 still verifies
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-0000005.pt", "ckpt-0000005.pt.sha256"]
+    assert ck.verify_checkpoint(path) is True
     assert ck.latest_checkpoint(tmp_path) == path
     assert ck.load_checkpoint(path)["step"] == 5
 
@@ -81,8 +83,8 @@ def test_garbage_checkpoint(tmp_path, content):
 def test_not_a_graphtrain_checkpoint(tmp_path):
     path = tmp_path / "other.pt"
     torch.save({"weights": torch.zeros(2)}, path)
-    with pytest.raises(ValueError, match="not a graphtrain checkpoint"):
-        ck.load_checkpoint(path)
+    with pytest.raises(ValueError, match="not a graphtrain checkpoint"), pytest.warns(UserWarning, match="unverified"):
+        ck.load_checkpoint(path)  # no checksum file beside it: warned once
     torch.save({**make_state(1), "format_version": 99}, path)
     with pytest.raises(ValueError, match="format version 99"):
         ck.load_checkpoint(path)

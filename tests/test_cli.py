@@ -99,15 +99,24 @@ BAD_INPUTS = {
 }
 
 
-def test_nproc_passes_the_command_on_to_torchrun(monkeypatch):
+def test_nproc_passes_the_command_on_to_torchrun(monkeypatch, tmp_path):
     import graphtrain.distributed.launch as launch
     seen = {}
-    monkeypatch.setattr(launch, "launch", lambda n, argv: seen.update(n=n, argv=argv) or 0)
-    assert main(["train", "job.yaml", "parallel.dp=2", "--nproc", "2", "--out", "o", "--no-accelerate"]) == 2  # no job.yaml
-    code = main(["train", *TINY, "parallel.dp=2", "--nproc", "2", "--out", "o", "--resume", "--no-accelerate"])
-    assert code == 0 and seen["n"] == 2
-    assert seen["argv"] == [*TINY, "parallel.dp=2", "--out", "o", "--resume", "--no-accelerate"]
+    monkeypatch.setattr(launch, "launch", lambda n, argv, **kw: seen.update(n=n, argv=argv, **kw) or 0)
+    o = str(tmp_path / "o")
+    assert main(["train", "job.yaml", "parallel.dp=2", "--nproc", "2", "--out", o, "--no-accelerate"]) == 2  # no yaml
+    code = main(["train", *TINY, "parallel.dp=2", "--nproc", "2", "--out", o, "--resume", "--no-accelerate"])
+    assert code == 0 and seen["n"] == 2 and seen["max_restarts"] == 0
+    assert seen["argv"] == [*TINY, "parallel.dp=2", "--out", o, "--resume", "--no-accelerate"]
+    assert seen["shutdown_timeout_s"] == 30 + 15  # train.preempt_grace_s plus the workers' exit margin
     assert "--nproc" not in launch.torchrun_command(2, seen["argv"])[3:]
+    # --max-restarts: torchrun's elastic agent, also for one process; --resume auto and the allowed changes pass on
+    code = main(["train", *TINY, "--max-restarts", "3", "--out", o, "--resume", "auto", "--allow-config-change",
+                 "train.steps", "train.preempt_grace_s=5"])
+    assert code == 0 and seen["n"] == 1 and seen["max_restarts"] == 3 and seen["shutdown_timeout_s"] == 20
+    assert seen["argv"][-6:] == ["--out", o, "--allow-config-change", "train.steps", "--resume", "auto"]
+    cmd = launch.torchrun_command(1, seen["argv"], max_restarts=3, shutdown_timeout_s=20)
+    assert "--max-restarts=3" in cmd and "--shutdown-timeout=20" in cmd
 
 
 @pytest.mark.parametrize("case", list(BAD_INPUTS))
@@ -138,12 +147,14 @@ def test_bad_checkpoint_exits_2(damage, tmp_path, capsys):
     if damage == "corrupt":
         out_dir.mkdir()
         (out_dir / "ckpt-0000002.pt").write_bytes(b"\x00" * 100)
-        expected = "ckpt-0000002.pt' is unreadable or corrupt"
+        expected = "none of the 1 checkpoints in"  # each named on the line before, with its reason
     else:
         _fake_checkpoint(out_dir, "gpt2-mini")
         expected = "model.name: checkpoint 'gpt2-mini', current 'gpt2-tiny'"
-    code, _, err = run(capsys, "train", *TINY, "--no-accelerate", "--out", str(out_dir), "--resume")
-    assert code == 2 and err.startswith("error: ") and expected in err, err
+    code, out, err = run(capsys, "train", *TINY, "--no-accelerate", "--out", str(out_dir), "--resume")
+    assert code == 2 and err.startswith("error: ") and err.count("\n") == 1 and expected in err, err
+    if damage == "corrupt":
+        assert "ckpt-0000002.pt: it is corrupt" in out
     code, _, err = run(capsys, "train", *TINY, "--no-accelerate", "--out", str(out_dir))  # no --resume
     assert code == 2 and "already holds checkpoints" in err and "--resume" in err
     assert [s for s, _ in ck.list_checkpoints(out_dir)] == [2]  # untouched
@@ -162,3 +173,12 @@ def test_report_prints_what_the_engine_did(capsys):
     assert "graphs captured: 1" in out and "fuse_bias_dropout_add" in out and "predicted step peak" in out
     code, out, err = run(capsys, "report", *TINY, "engine.provider=aten", "--json")
     assert code == 0 and '"graphs"' in out, err
+
+
+def test_resume_takes_auto_and_leaves_other_arguments_alone(tmp_path, capsys):
+    """`--resume` takes an optional `auto`; an item right after it (a YAML path or an override) stays an item."""
+    out = str(tmp_path / "run")
+    code, _, err = run(capsys, "train", "--resume", "train.steps=3", *TINY, "--no-accelerate", "--out", out)
+    assert code == 2 and "no checkpoint" in err                      # --resume alone: the latest checkpoint
+    code, _, err = run(capsys, "train", "--resume", str(tmp_path / "job.yaml"), *TINY, "--out", out)
+    assert code == 2 and "job.yaml' does not exist" in err           # the YAML path stayed the job file

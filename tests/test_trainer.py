@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from graphtrain.config import Config, OptimConfig
-from graphtrain.trainer import Trainer, list_checkpoints, lr_at
+from graphtrain.trainer import Trainer, TrainingFailed, list_checkpoints, lr_at
 from graphtrain.trainer.strategies import WholeStepGraph
 
 TINY = ["model.name=gpt2-tiny", "data.seq_len=32", "data.vocab_size=512", "data.max_bytes=300000",
@@ -18,16 +18,7 @@ TINY = ["model.name=gpt2-tiny", "data.seq_len=32", "data.vocab_size=512", "data.
         "optim.warmup_steps=2"]
 
 
-@pytest.fixture(autouse=True)
-def tiny_env(tmp_path_factory, monkeypatch):
-    """A data cache shared by the whole session (the tokenizer trains once); process settings restored."""
-    cache = tmp_path_factory.getbasetemp() / "graphtrain-cache"
-    cache.mkdir(exist_ok=True)
-    monkeypatch.setenv("GRAPHTRAIN_CACHE", str(cache))
-    threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
-    yield
-    torch.set_num_threads(threads)
-    torch.use_deterministic_algorithms(deterministic)
+pytestmark = pytest.mark.usefixtures("tiny_env")  # conftest.py: shared data cache, settings restored
 
 
 def tiny(out_dir, *overrides: str) -> Config:
@@ -147,10 +138,11 @@ def test_user_mistakes_are_clear(tmp_path):
         Trainer(tiny(tmp_path, "parallel.dp=2"))
     with pytest.raises(TypeError, match="graphtrain.Config"):
         Trainer({"model": {"name": "gpt2-tiny"}})
-    diverging = Trainer(tiny(tmp_path / "nan"))
+    diverging = Trainer(tiny(tmp_path / "nan", "train.max_bad_steps=2"))
     with torch.no_grad():
         next(diverging.model.parameters()).fill_(float("nan"))
-    with pytest.raises(ValueError, match="training diverged: the loss is nan at step 1.*lower optim.lr"):
+    with pytest.raises(TrainingFailed, match=r"training diverged at step 2: 2 bad steps in a row \(steps 1-2; "
+                                             r"last: the loss is nan\).*Lower optim.lr"):
         diverging.fit()
     assert list_checkpoints(tmp_path / "nan") == []
     bert = Trainer(tiny(tmp_path, "model.name=bert-tiny"))

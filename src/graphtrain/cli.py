@@ -3,24 +3,44 @@
     graphtrain train                              train the default job (gpt2-mini on the Python stdlib)
     graphtrain train configs/x.yaml train.steps=50 --out runs/x
     graphtrain train --out runs/x --resume        continue that run from its latest checkpoint
+    graphtrain train --out runs/x --resume auto   continue it if it has a valid checkpoint, else start it
     graphtrain config                             every config key with its default and documentation
     graphtrain bisect configs/x.yaml              the first optimization that leaves eager's tolerance
 
 Subcommands live in `SUBCOMMANDS`: name -> (help, add_arguments, run). Adding one is one entry
-and two functions. A user mistake (bad config key or value, missing data, corrupt checkpoint...)
-prints one ``error: ...`` line and exits with code 2; ``--debug`` shows the traceback instead.
+and two functions.
+
+Exit status, so that a scheduler can tell what to do:
+    0    done
+    2    usage error: the command as given cannot run, whatever the machine (an unknown flag or config
+         key, a bad value, a missing or corrupt file it names, an out_dir that cannot be written or
+         already holds another run). Found before the first step; fix the command and run it again.
+         Raised as ValueError/TypeError (argparse errors too).
+    1    runtime failure: the job started and then failed (training diverged, out of memory, disk
+         full or another I/O error while saving, a worker died). Raised as TrainingFailed or OSError.
+         Checkpoints written before are kept: fix the cause and continue with --resume auto.
+    75   preempted (SIGTERM, or a first Ctrl-C): the step in flight finished and its checkpoint was
+         written (or, past train.preempt_grace_s, the last checkpoint stands); run the same command with
+         --resume auto to continue. 75 is EX_TEMPFAIL of sysexits.h: "try again later".
+    130  a second Ctrl-C: stopped at once; checkpoints already written are kept.
+Every error is one ``error: ...`` line naming the problem and the fix, without a traceback;
+``--debug`` shows the traceback instead. A traceback without --debug is a bug in graphtrain.
 """
 from __future__ import annotations
 
 import argparse
+import errno
 import math
+import os
+import signal
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
 from graphtrain.config import Config, describe_all
 
-EXIT_USAGE = 2
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_PREEMPTED, EXIT_INTERRUPTED = 0, 1, 2, 75, 130
 
 
 class Subcommand(NamedTuple):
@@ -30,6 +50,14 @@ class Subcommand(NamedTuple):
 
 
 # ----------------------------------------------------------------------------- shared bits ----
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line usage errors: ``error: <what> (see graphtrain train --help)``, exit status 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        print(f"error: {message} (see `{self.prog} --help`)", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE)
+
 
 def _add_config_items(p: argparse.ArgumentParser) -> None:
     p.usage = f"{p.prog} [CONFIG.yaml] [section.key=value ...] [options]"
@@ -64,43 +92,92 @@ examples:
   graphtrain train configs/gpt2-tiny-test.yaml         a few-second smoke run
   graphtrain train model.name=gpt2-tiny data.seq_len=64 train.steps=50 --out runs/tiny
   graphtrain train --out runs/tiny --resume --steps 100   continue runs/tiny up to step 100
+  graphtrain train configs/x.yaml --out runs/x --resume auto   the same command starts or continues
+                                                       the run: what a scheduler re-runs after preemption
+  graphtrain train configs/x.yaml parallel.dp=2 --nproc 2 --max-restarts 3   restart failed workers (up to
+                                                       3 times); they continue from the last checkpoint
   graphtrain train data.path=~/src/myproject           train on your own folder of text/code files
   graphtrain train configs/x.yaml parallel.dp=2 --nproc 2   data-parallel on 2 processes (torchrun)
 
 output: out_dir/ckpt-NNNNNNN.pt (last 3 kept; distributed runs: sharded ckpt-NNNNNNN/ folders),
 out_dir/metrics.jsonl, out_dir/config.yaml
+
+SIGTERM or Ctrl-C: the current step finishes, its checkpoint is written (within train.preempt_grace_s)
+and the run exits with status 75; continue with --resume auto. Exit status: 0 done, 1 runtime failure
+(diverged, out of memory, disk full), 2 usage error, 75 preempted, 130 a second Ctrl-C.
 """
 
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
     _add_config_items(p)
-    p.add_argument("--resume", action="store_true",
-                   help="continue from the latest checkpoint in out_dir (weights, optimizer, step, RNG)")
+    p.add_argument("--resume", nargs="?", const="latest", metavar="auto",
+                   help="continue from the latest checkpoint in out_dir (weights, optimizer, step, RNG); "
+                        "`--resume auto`: continue from the latest valid checkpoint if there is one, else "
+                        "start fresh (the same command starts and continues a run)")
     p.add_argument("--resume-from", metavar="CKPT",
                    help="continue from this checkpoint file (or the latest one in this run folder)")
     p.add_argument("--no-accelerate", action="store_true",
                    help="train with plain eager PyTorch instead of the graphtrain engine (train.accelerate=false)")
     p.add_argument("--out", metavar="DIR", help="output folder for checkpoints and metrics (train.out_dir)")
     p.add_argument("--steps", type=int, metavar="N", help="optimizer steps in total (train.steps)")
+    p.add_argument("--allow-config-change", metavar="KEY[,KEY]",
+                   help="when resuming, accept these config keys differing from the checkpoint's (e.g. "
+                        "train.steps,optim.lr); any other difference refuses the resume")
     p.add_argument("--nproc", type=int, metavar="N",
                    help="run on N local processes under torchrun (parallel.dp*tp*pp must equal N, e.g. "
                         "parallel.dp=N); the same command runs in every worker, without --nproc")
+    p.add_argument("--max-restarts", type=int, metavar="K",
+                   help="torchrun's elastic agent restarts the workers up to K times when one fails; restarted "
+                        "workers continue from the latest valid checkpoint (--resume auto). Default 0; "
+                        "without --nproc, N is parallel.dp*tp*pp")
 
 
 def _worker_argv(args: argparse.Namespace) -> list[str]:
-    """The `graphtrain train` arguments each torchrun worker gets: this command's, minus --nproc."""
+    """The `graphtrain train` arguments each torchrun worker gets: this command's, minus --nproc and
+    --max-restarts. (A restarted worker resumes by itself: see `_resume_mode`.)"""
     argv = list(args.items)
-    for flag, value in (("--resume-from", args.resume_from), ("--out", args.out), ("--steps", args.steps)):
+    for flag, value in (("--resume-from", args.resume_from), ("--out", args.out), ("--steps", args.steps),
+                        ("--allow-config-change", args.allow_config_change)):
         if value is not None:
             argv += [flag, str(value)]
-    argv += [flag for flag, on in (("--resume", args.resume), ("--no-accelerate", args.no_accelerate)) if on]
+    if args.resume == "auto":
+        argv += ["--resume", "auto"]
+    elif args.resume is not None:
+        argv.append("--resume")
+    if args.no_accelerate:
+        argv.append("--no-accelerate")
     if getattr(args, "debug", False):
         argv.append("--debug")
     return argv
 
 
+def _resume_mode(args: argparse.Namespace) -> "bool | str | Path":
+    """What Trainer(resume=) gets. A worker that torchrun's elastic agent restarted (TORCHELASTIC_RESTART_COUNT
+    > 0) always continues from the latest valid checkpoint: it is the same run, started again."""
+    if args.resume is not None and args.resume_from:
+        raise ValueError("give either --resume (latest checkpoint in out_dir) or --resume-from CKPT, not both")
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
+        return "auto"
+    if args.resume_from:
+        return Path(args.resume_from)
+    return {"latest": True, "auto": "auto", None: False}[args.resume]
+
+
+def _check_out_dir(out_dir: str) -> None:
+    """The output folder must be creatable and writable before anything is trained (usage error otherwise)."""
+    path = Path(out_dir).expanduser()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        raise ValueError(f"train.out_dir {str(path)!r} cannot be written ({e.strerror or e}): choose a folder you "
+                         f"can write with --out DIR (or train.out_dir=...)") from None
+
+
 def run_train(args: argparse.Namespace) -> int:
-    from graphtrain.trainer import Trainer
+    from graphtrain.trainer import Trainer, TrainingPreempted
+    from graphtrain.trainer.resume import allowed_keys
 
     overrides: dict[str, object] = {}
     if args.steps is not None:
@@ -112,27 +189,78 @@ def run_train(args: argparse.Namespace) -> int:
     config = load_config(args.items)
     if overrides:
         config = config.with_overrides(overrides)
-    if args.resume and args.resume_from:
-        raise ValueError("give either --resume (latest checkpoint in out_dir) or --resume-from CKPT, not both")
-    resume: bool | Path = Path(args.resume_from) if args.resume_from else args.resume
-    if args.nproc is not None:
-        if args.nproc < 1:
-            raise ValueError(f"--nproc must be >= 1, got {args.nproc}")
-        if config.parallel.world_size != args.nproc:
-            raise ValueError(f"--nproc {args.nproc} but parallel.dp*tp*pp = {config.parallel.world_size}: set "
-                             f"parallel.dp={args.nproc} (or a dp, tp, pp whose product is {args.nproc})")
-        if args.nproc > 1:
-            from graphtrain.distributed.launch import launch
-            return launch(args.nproc, _worker_argv(args))
+    resume = _resume_mode(args)
+    # checked here too, so that a typo under --nproc is one error line, not one per worker
+    allowed = allowed_keys(args.allow_config_change or (), config)
+    if args.max_restarts is not None and args.max_restarts < 0:
+        raise ValueError(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    if args.nproc is not None or args.max_restarts:
+        nproc = args.nproc if args.nproc is not None else config.parallel.world_size
+        if nproc < 1:
+            raise ValueError(f"--nproc must be >= 1, got {nproc}")
+        if config.parallel.world_size != nproc:
+            raise ValueError(f"--nproc {nproc} but parallel.dp*tp*pp = {config.parallel.world_size}: set "
+                             f"parallel.dp={nproc} (or a dp, tp, pp whose product is {nproc})")
+        if nproc > 1 or args.max_restarts:
+            from graphtrain.trainer.runtime import check_supported
+            check_supported(config)  # here, once, rather than as an error line from every worker
+            _check_out_dir(config.train.out_dir)
+            return _launch(nproc, args, config)
+    _check_out_dir(config.train.out_dir)
 
-    trainer = Trainer(config, resume=resume)
+    trainer = Trainer(config, resume=resume, allow_config_change=allowed)
     try:
         s = trainer.fit()
         if trainer.is_main:
             _report(trainer, s)
+    except TrainingPreempted as e:
+        if trainer.is_main:
+            print(f"preempted: {e}; continue with --resume auto", file=sys.stderr)
+        return EXIT_PREEMPTED
     finally:
         trainer.close()
     return 0
+
+
+def _launch(nproc: int, args: argparse.Namespace, config: Config) -> int:
+    """Run the workers under torchrun's elastic agent (in this process: it forwards SIGTERM/SIGINT to them and
+    waits train.preempt_grace_s plus a margin before killing them); returns this command's exit status."""
+    import time
+
+    from graphtrain.distributed.launch import launch
+    started = time.time()
+    code = launch(nproc, _worker_argv(args), max_restarts=args.max_restarts or 0,
+                  shutdown_timeout_s=math.ceil(config.train.preempt_grace_s) + 15)
+    if code in (EXIT_OK, EXIT_USAGE, EXIT_FAILURE):  # the workers said why (one error line each)
+        return code
+    record = _last_record(Path(config.train.out_dir) / "metrics.jsonl", since=started)
+    if record is not None and record.get("kind") == "preempted":
+        where = record.get("checkpoint") or "no checkpoint"
+        print(f"preempted: {record.get('signal')} at step {record['step']}, {where}; continue with --resume auto",
+              file=sys.stderr)
+        return EXIT_PREEMPTED
+    if code in (EXIT_PREEMPTED, 128 + signal.SIGTERM, 128 + signal.SIGINT):  # stopped before training began
+        print("preempted before the first step; continue with --resume auto", file=sys.stderr)
+        return EXIT_PREEMPTED
+    print(f"error: the workers stopped with status {code} (torchrun's log above says which rank and why); the "
+          f"checkpoints already written are kept: continue with --resume auto", file=sys.stderr)
+    return EXIT_FAILURE
+
+
+def _last_record(path: Path, since: float) -> dict | None:
+    """The last complete record of metrics.jsonl written after `since` (time.time()), if any."""
+    import json
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        return record if record.get("time", 0) >= since else None
+    return None
 
 
 def _report(trainer, s: dict) -> None:
@@ -318,10 +446,10 @@ EPILOGS = {"train": TRAIN_EPILOG, "bisect": BISECT_EPILOG}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="graphtrain", description="Faster PyTorch training by capturing the "
+    parser = _Parser(prog="graphtrain", description="Faster PyTorch training by capturing the "
                                      "training step as one optimized static graph.")
     parser.add_argument("--debug", action="store_true", help="show full tracebacks for errors")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for name, cmd in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=cmd.help, description=cmd.help, epilog=EPILOGS.get(name),
                            formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -340,9 +468,15 @@ def main(argv: list[str] | None = None) -> int:
         args, extra = parser.parse_known_args(argv)
         unknown = [a for a in extra if a.startswith("-") or not hasattr(args, "items")]
         if unknown:
-            parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+            command = f"{parser.prog} {args.command}" if args.command else parser.prog
+            print(f"error: unrecognized arguments: {' '.join(unknown)} (see `{command} --help`)", file=sys.stderr)
+            return EXIT_USAGE
         if extra:
             args.items += extra
+        resume = getattr(args, "resume", None)
+        if resume not in (None, "latest", "auto"):  # `--resume job.yaml ...`: argparse took an item as its value
+            args.items.insert(1 if "=" in resume and args.items and "=" not in args.items[0] else 0, resume)
+            args.resume = "latest"
     except SystemExit as e:  # --help (0) or an argparse usage error (2, message already printed)
         return e.code if isinstance(e.code, int) else (0 if e.code is None else EXIT_USAGE)
     if args.command is None:
@@ -351,13 +485,42 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.run(args)
     except KeyboardInterrupt:
-        print("interrupted: checkpoints already saved are kept; continue with --resume", file=sys.stderr)
-        return 130
-    except (ValueError, TypeError, OSError) as e:
-        if args.debug:
-            raise
-        print(f"error: {e}", file=sys.stderr)
+        print("interrupted: checkpoints already saved are kept; continue with --resume auto", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as e:
+        code = exit_status(e)
+        if code is None or args.debug:
+            raise  # a bug in graphtrain (or --debug): the traceback
+        print(f"error: {_os_error(e) if isinstance(e, OSError) else _one_line(e)}", file=sys.stderr)
+        return code
+
+
+def exit_status(e: BaseException) -> int | None:
+    """The exit status for an error (the rule in the module docstring); None: not a user-facing error."""
+    # The trainer's own exceptions can only come from a command that loaded it (`graphtrain config` stays light).
+    faults = sys.modules.get("graphtrain.trainer.faults")
+    if faults is not None and isinstance(e, faults.TrainingFailed):
+        return EXIT_FAILURE
+    if isinstance(e, (ValueError, TypeError)):
         return EXIT_USAGE
+    if isinstance(e, OSError):
+        return EXIT_FAILURE
+    return None
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+def _os_error(e: OSError) -> str:
+    """An I/O failure while running, with the file and the fix."""
+    where = f" {e.filename!r}" if e.filename else ""
+    if e.errno == errno.ENOSPC:
+        return (f"no space left on the device writing{where}: free space or use another folder (--out DIR, "
+                f"data.cache_dir); checkpoints written before are kept, continue with --resume auto")
+    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return f"cannot write{where} ({e.strerror}): check its permissions, or use another folder"
+    return f"{e.strerror or _one_line(e)}{where}; checkpoints written before are kept, continue with --resume auto"
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import ast
 import dataclasses
 import difflib
 import inspect
+import math
 import textwrap
 import types
 import typing
@@ -68,8 +69,9 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         _validate(self)
-        if self.memory_budget is not None and self.memory_budget <= 0:
-            raise ValueError("engine.memory_budget must be positive: bytes (> 1) or a fraction in (0, 1]")
+        if self.memory_budget is not None and not (0 < self.memory_budget <= 1 or self.memory_budget >= 2**20):
+            raise ValueError(f"engine.memory_budget={self.memory_budget:g} is out of range: give a fraction of device "
+                             f"memory in (0, 1], e.g. 0.5, or bytes (at least 1 MiB), e.g. 2000000000")
         if self.loss_scale_backoff <= 0 or self.loss_scale_backoff >= 1:
             raise ValueError("engine.loss_scale_backoff must be in (0, 1), e.g. 0.5")
         if self.loss_scale_growth <= 1:
@@ -166,6 +168,18 @@ class OptimConfig:
             raise ValueError(f"optim.betas must be in [0, 1), got {self.betas}")
         if self.warmup_steps < 0:
             raise ValueError("optim.warmup_steps must be >= 0")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"optim.min_lr_ratio must be in [0, 1] (the schedule ends at lr * min_lr_ratio), "
+                             f"got {self.min_lr_ratio}")
+        if self.grad_clip is not None and self.grad_clip <= 0:
+            raise ValueError(f"optim.grad_clip must be positive (a global gradient norm), or null for no clipping; "
+                             f"got {self.grad_clip}")
+        if self.weight_decay < 0:
+            raise ValueError(f"optim.weight_decay must be >= 0, got {self.weight_decay}")
+        if self.eps <= 0:
+            raise ValueError(f"optim.eps must be positive, e.g. 1e-8, got {self.eps}")
+        if self.poly_power <= 0:
+            raise ValueError(f"optim.poly_power must be positive, got {self.poly_power}")
 
 
 @dataclass
@@ -212,16 +226,36 @@ class TrainConfig:
     run folder: its latest checkpoint), at step 0 with a fresh optimizer and this config's schedule.
     The model must have the same shapes (model.name, max_seq_len, vocab); data.seq_len may differ.
     Not together with --resume (which continues a run: weights, optimizer, step and RNG)."""
+    preempt_grace_s: float = 30.0
+    """On SIGTERM or SIGINT: seconds to finish the current step and write its checkpoint before exiting
+    with status 75 (re-run with --resume auto to continue). A step still running then is abandoned:
+    the run exits from the last checkpoint, saying so. A second SIGINT stops at once (status 130)."""
+    max_bad_steps: int = 5
+    """A step whose loss or gradient norm is not finite (or a loss spike) is skipped: no weight is
+    updated. After this many such steps in a row the run stops with an error naming the step."""
+    loss_spike_factor: float | None = None
+    """Also skip a step whose loss exceeds this times the median of the last 50 updated steps' losses
+    (from the 10th on), e.g. 3.0; null: off."""
+    trust_checkpoint: bool = False
+    """Allow --resume-from and train.init_from to load a sharded checkpoint folder from outside
+    train.out_dir. Its DCP .metadata is a Python pickle: graphtrain reads it with an allow-list of
+    DCP's own classes, but refuses foreign folders unless you set this (only for folders you trust)."""
 
     def __post_init__(self) -> None:
         _validate(self)
-        for name in ("steps", "grad_accum", "eval_batches", "log_every"):
+        if self.preempt_grace_s <= 0:
+            raise ValueError(f"train.preempt_grace_s must be positive (seconds), got {self.preempt_grace_s}")
+        if self.loss_spike_factor is not None and self.loss_spike_factor <= 1:
+            raise ValueError(f"train.loss_spike_factor must be > 1 (a multiple of the median loss), e.g. 3.0, or "
+                             f"null (off); got {self.loss_spike_factor}")
+        for name in ("steps", "grad_accum", "eval_batches", "log_every", "max_bad_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
         if self.batch_size != "auto" and self.batch_size < 1:
             raise ValueError(f"train.batch_size must be >= 1 or 'auto', got {self.batch_size}")
-        if self.eval_every < 0 or self.ckpt_every < 0:
-            raise ValueError("train.eval_every and train.ckpt_every must be >= 0")
+        for name in ("eval_every", "ckpt_every"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"train.{name} must be >= 0 (0: only at the end), got {getattr(self, name)}")
         if self.init_from is not None and not self.init_from.strip():
             raise ValueError("train.init_from must be a checkpoint file or run folder, or null (random init)")
 
@@ -283,7 +317,11 @@ class Config:
         try:
             d = yaml.safe_load(path.read_text())
         except yaml.YAMLError as e:
-            raise ValueError(f"config file {str(path)!r} is not valid YAML: {e}") from None
+            mark = getattr(e, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            problem = " ".join(str(getattr(e, "problem", None) or e).split())
+            raise ValueError(f"config file {str(path)!r} is not valid YAML{where}: {problem}; fix the syntax there "
+                             f"(`graphtrain config {path}` checks a file without training)") from None
         if d is not None and not isinstance(d, dict):
             raise ValueError(f"config file {str(path)!r} must hold a mapping of sections (model:, train:, ...)")
         return cls.from_dict(d)
@@ -339,7 +377,9 @@ def _section_name(cls: type) -> str:
 
 def _from_dict(cls: type, d: Any, prefix: str) -> Any:
     if not isinstance(d, dict):
-        raise TypeError(f"config section {prefix.rstrip('.') or 'root'!r} must be a mapping, got {type(d).__name__}")
+        section = prefix.rstrip('.') or 'root'
+        raise TypeError(f"config section {section!r} must be a mapping of keys, got {type(d).__name__} {d!r}; e.g. "
+                        f"{section if section != 'root' else 'train'}: {{steps: 50}}")
     names = {f.name: f for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
     kwargs = {}
@@ -368,7 +408,10 @@ def _check(value: Any, tp: Any, key: str) -> Any:
             try:
                 return _check(value, arm, key)
             except (TypeError, ValueError) as e:
-                errors.append(str(e))
+                errors.append(e)
+        right_type = [e for e in errors if isinstance(e, ValueError) and "finite" in str(e)]
+        if right_type:  # a number, but nan or inf
+            raise right_type[0]
         raise TypeError(f"{key} must be {_describe(tp)}, got {value!r}")
     if origin is Literal:
         allowed = typing.get_args(tp)
@@ -388,8 +431,15 @@ def _check(value: Any, tp: Any, key: str) -> Any:
             raise TypeError(f"{key} must be an integer, got {value!r}")
         return value
     if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string; the user meant a number
+            try:
+                value = float(value)
+            except ValueError:
+                pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise TypeError(f"{key} must be a number, got {value!r}")
+        if not math.isfinite(value):
+            raise ValueError(f"{key} must be a finite number, got {value!r}")
         return float(value)
     if tp is str:
         if not isinstance(value, str):

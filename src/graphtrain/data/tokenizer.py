@@ -145,18 +145,42 @@ class TokenizedCorpus:
     stats: dict  # sizes and timings of the build (or of the build that made the cache)
 
 
+def _check_cache_is_this_corpus(cached: TokenizedCorpus, cfg: DataConfig, root: Path, key: str) -> None:
+    """A cache folder is named by the hash of its corpus; refuse one whose contents say otherwise (copied from
+    another run or machine, or edited): training on another corpus's token ids would silently mix runs."""
+    meta, vocab = cached.stats, cached.tokenizer.vocab_size
+    problems = []
+    if meta.get("key", key) != key:
+        problems.append(f"its key is {meta.get('key')}, this corpus's {key}")
+    if meta.get("root") != str(root):
+        problems.append(f"built from {meta.get('root')!r}, not {str(root)!r}")
+    if meta.get("vocab_size") != vocab or vocab > cfg.vocab_size:
+        problems.append(f"its tokenizer has {vocab} tokens, data.vocab_size is {cfg.vocab_size}")
+    top = max(int(cached.train.max(initial=0)), int(cached.val.max(initial=0)))
+    if top >= vocab:
+        problems.append(f"its token ids reach {top}, past its tokenizer's {vocab}")
+    if problems:
+        raise ValueError(f"the data cache {str(cached.cache_dir)!r} was built from another corpus "
+                         f"({'; '.join(problems)}): delete that folder (graphtrain builds it again) or set "
+                         f"data.cache_dir to an empty folder")
+
+
 def load_or_build(cfg: DataConfig) -> TokenizedCorpus:
     """The tokenizer and token ids of both splits, from the cache or built (then cached)."""
     root, files = list_files(cfg)
-    folder = cache_root(cfg) / cache_key(cfg, root, files)
+    key = cache_key(cfg, root, files)
+    folder = cache_root(cfg) / key
     meta_path = folder / "meta.json"
     if meta_path.is_file():  # meta.json is written last: its presence means the folder is complete
         try:
-            return TokenizedCorpus(tokenizer=CodeTokenizer.load(folder / "tokenizer.json"),
-                                   train=np.load(folder / "train.npy"), val=np.load(folder / "val.npy"),
-                                   cache_dir=folder, from_cache=True, stats=json.loads(meta_path.read_text()))
+            cached = TokenizedCorpus(tokenizer=CodeTokenizer.load(folder / "tokenizer.json"),
+                                     train=np.load(folder / "train.npy"), val=np.load(folder / "val.npy"),
+                                     cache_dir=folder, from_cache=True, stats=json.loads(meta_path.read_text()))
         except Exception:  # tokenizers raises plain Exception; any unreadable cache is rebuilt
-            pass
+            cached = None
+        if cached is not None:
+            _check_cache_is_this_corpus(cached, cfg, root, key)
+            return cached
 
     t0 = time.perf_counter()
     corpus: Corpus = load_corpus(cfg, files=(root, files))
@@ -165,7 +189,7 @@ def load_or_build(cfg: DataConfig) -> TokenizedCorpus:
     t2 = time.perf_counter()
     train_ids, val_ids = encode_split(tokenizer, corpus.train), encode_split(tokenizer, corpus.val)
     t3 = time.perf_counter()
-    stats = {"root": str(root), "train_files": len(corpus.train), "val_files": len(corpus.val),
+    stats = {"key": key, "root": str(root), "train_files": len(corpus.train), "val_files": len(corpus.val),
              "bytes": corpus.n_bytes, "vocab_size": tokenizer.vocab_size, "train_tokens": int(train_ids.size),
              "val_tokens": int(val_ids.size), "read_s": round(t1 - t0, 3), "tokenizer_train_s": round(t2 - t1, 3),
              "encode_s": round(t3 - t2, 3)}

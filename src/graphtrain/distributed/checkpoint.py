@@ -6,19 +6,29 @@ are written once (DCP de-duplicates them). Keys are the *unsharded* model's para
 shapes, so a checkpoint saved under one layout (dp, tp, pp, zero) loads under any other: DCP
 reads, for each rank, exactly the slices that rank needs.
 
-Layout of a checkpoint folder: DCP's `.metadata` and `__<rank>_*.distcp` files, plus `extra.pt`
-(small Python state: step, LR schedule, config; written by rank 0).
+Layout of a checkpoint folder: DCP's `.metadata` and `__<rank>_*.distcp` files, `extra.pt` (small
+state: step, config, RNG; tensors and plain values only, written by rank 0) and `SHA256SUMS` (the
+SHA-256 of every other file, `sha256sum` format; graphtrain.checksums).
 
     model.<fqn>                     parameters and persistent buffers
     optim.<fqn>.<key>               per-parameter optimizer state (AdamW: step, exp_avg, exp_avg_sq)
 
-Atomic: all ranks write into `<path>.tmp`; after a barrier rank 0 renames it to `<path>`
-(replacing an older checkpoint there), so `<path>` is either the previous complete checkpoint or
-the new complete one, never a half-written one. Multi-node jobs need `<path>` on a shared filesystem.
+Atomic: all ranks write into `<path>.tmp`; after a barrier rank 0 writes `SHA256SUMS` and renames the
+folder to `<path>` (replacing an older checkpoint there through `<path>.old`), so `<path>` is either
+the previous complete checkpoint or the new complete one, never a half-written one, and always has its
+checksums. Multi-node jobs need `<path>` on a shared filesystem.
+
+Loading runs no code from the folder. DCP's `.metadata` is a Python pickle, which torch's own reader
+unpickles without restriction; `SafeFileSystemReader` reads it instead, allowing only DCP's metadata
+classes, torch dtypes, `torch.Size` and paths (anything else is refused), every requested entry must be
+a tensor (DCP would unpickle a "bytes" entry), tensors are read with `weights_only=True`, and so is
+`extra.pt`. Folders written before SHA256SUMS existed load without the checksum check.
 """
 from __future__ import annotations
 
 import os
+import pathlib
+import pickle
 import shutil
 from pathlib import Path
 from typing import Any
@@ -26,9 +36,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import torch.distributed.checkpoint.metadata as dcp_metadata
 from torch import nn
+from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.tensor import DTensor, Shard
 
+from graphtrain.checksums import SUMS_NAME, fsync_dir, sha256_file, verify_sums, write_sums
 from graphtrain.distributed.tensor_parallel import FUSED_ATTR
 from graphtrain.distributed.zero import local_optimizer
 
@@ -109,16 +122,138 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
     dcp.save(_state_entries(model, optimizer), checkpoint_id=str(tmp))
     if rank == 0:
         torch.save(extra or {}, tmp / "extra.pt")
+        _fsync_file(tmp / "extra.pt")
     _barrier()
-    if rank == 0:
+    if rank == 0:  # every rank's files are complete: checksum them, then make the folder visible
+        write_sums(tmp / SUMS_NAME, [(f.relative_to(tmp).as_posix(), sha256_file(f))
+                                     for f in sorted(tmp.rglob("*")) if f.is_file() and f.name != SUMS_NAME])
         old = path.with_name(path.name + ".old")
         shutil.rmtree(old, ignore_errors=True)
         if path.exists():
             path.rename(old)
         tmp.rename(path)
         shutil.rmtree(old, ignore_errors=True)
+        fsync_dir(path.parent)
     _barrier()
     return path
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def verify_folder(path: str | os.PathLike) -> bool:
+    """Check every file of a checkpoint folder against its SHA256SUMS: True when verified, False when the folder
+    has none (written before graphtrain recorded checksums). Raises checksums.ChecksumMismatch naming the file."""
+    path = Path(path)
+    if not (path / SUMS_NAME).is_file():
+        return False
+    verify_sums(path / SUMS_NAME, path)
+    return True
+
+
+def _check_integrity(path: Path) -> None:
+    try:
+        verify_folder(path)
+    except ValueError as e:
+        raise ValueError(f"checkpoint {str(path)!r} is corrupt: {e}; resume from an earlier checkpoint") from None
+
+
+# ------------------------------------------------------------------------------ safe reading ----
+
+class _Refused(pickle.UnpicklingError):
+    """The pickle names a global outside the allow-list."""
+
+
+def _allowed_globals() -> dict[tuple[str, str], Any]:
+    """What a DCP .metadata pickle may name: DCP's metadata classes (dataclasses and an enum), torch dtypes,
+    torch.Size, the layout lookup and pathlib paths. Constructing any of them runs no code of the file's."""
+    allowed: dict[tuple[str, str], Any] = {
+        (dcp_metadata.__name__, n): obj for n, obj in vars(dcp_metadata).items()
+        if isinstance(obj, type) and obj.__module__ == dcp_metadata.__name__}
+    allowed[(_StorageInfo.__module__, _StorageInfo.__name__)] = _StorageInfo
+    allowed.update({("torch", n): getattr(torch, n) for n in dir(torch) if isinstance(getattr(torch, n), torch.dtype)})
+    allowed[("torch", "Size")] = torch.Size
+    allowed[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
+    allowed.update({("pathlib", n): getattr(pathlib, n)
+                    for n in ("Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath")})
+    return allowed
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    _allowed: dict[tuple[str, str], Any] | None = None
+
+    def find_class(self, module: str, name: str) -> Any:
+        if _MetadataUnpickler._allowed is None:
+            _MetadataUnpickler._allowed = _allowed_globals()
+        obj = _MetadataUnpickler._allowed.get((module, name))
+        if obj is None:
+            raise _Refused(f"{module}.{name}")
+        return obj
+
+
+def read_metadata(path: str | os.PathLike, file: str = ".metadata") -> dcp_metadata.Metadata:
+    """A checkpoint folder's DCP metadata, unpickled with the allow-list only. Raises ValueError when the file
+    names anything else (a crafted pickle: nothing of it runs) or is unreadable."""
+    path = Path(path)
+    try:
+        with open(path / file, "rb") as f:
+            meta = _MetadataUnpickler(f).load()
+    except _Refused as e:
+        raise ValueError(f"checkpoint {str(path)!r}: its DCP {file} names {e}, which is not part of DCP's checkpoint "
+                         f"metadata; graphtrain refuses to unpickle it (a pickle can run code): load only "
+                         f"checkpoints graphtrain wrote") from None
+    except Exception as e:  # truncated or not a pickle: EOFError, UnpicklingError, ...
+        raise ValueError(f"checkpoint {str(path)!r}: its DCP {file} is unreadable or corrupt ({type(e).__name__}); "
+                         f"resume from an earlier checkpoint instead") from None
+    if not isinstance(meta, dcp_metadata.Metadata):
+        raise ValueError(f"checkpoint {str(path)!r}: its DCP {file} holds a {type(meta).__name__}, not DCP metadata")
+    return meta
+
+
+class SafeFileSystemReader(dcp.FileSystemReader):
+    """DCP's file reader with `.metadata` read by `read_metadata` (the allow-list) instead of `pickle.load`."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
+        rank = kwargs.get("rank")
+        meta = read_metadata(Path(str(self.path)), ".metadata" if rank is None else f"__{rank}.metadata")
+        if getattr(meta, "storage_meta", None) is None:
+            meta.storage_meta = dcp_metadata.StorageMeta()
+        meta.storage_meta.load_id = self.load_id
+        return meta
+
+
+def read_extra(path: str | os.PathLike) -> dict[str, Any]:
+    """`extra.pt` of a checkpoint folder ({} when absent), read with weights_only=True: tensors and plain values.
+    Raises ValueError when it holds other objects; other read errors propagate."""
+    file = Path(path) / "extra.pt"
+    if not file.is_file():
+        return {}
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        if "weights only" not in str(e).lower():
+            raise
+        raise ValueError(f"checkpoint {str(Path(path))!r}: extra.pt holds Python objects other than tensors and plain "
+                         f"values ({_first_line(e)}); graphtrain does not unpickle those (a pickle can run code): "
+                         f"load only checkpoints graphtrain wrote") from None
+
+
+def _first_line(e: BaseException) -> str:
+    return " ".join(str(e).split())[:160]
+
+
+def _tensor_entries(path: Path, meta: dict[str, Any], keys: list[str]) -> None:
+    """DCP unpickles an entry stored as bytes (weights_only=False): every entry read must be a tensor."""
+    for key in keys:
+        if not isinstance(meta.get(key), dcp_metadata.TensorStorageMetadata):
+            raise ValueError(f"checkpoint {str(path)!r}: entry {key!r} is stored as "
+                             f"{type(meta.get(key)).__name__}, not a tensor; graphtrain reads only tensors from "
+                             f"sharded checkpoints (other entries are pickles, which can run code)")
 
 
 def _shard_of(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -165,7 +300,8 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module,
     if not (path / ".metadata").is_file():
         raise ValueError(f"{path} is not a complete graphtrain checkpoint (no .metadata): pass the folder "
                          f"save_checkpoint wrote (an interrupted save leaves only {path.name}.tmp)")
-    meta = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    _check_integrity(path)
+    meta = read_metadata(path).state_dict_metadata
     if optimizer is not None:
         _allocate_optimizer_state(model, optimizer, meta)
     request: dict[str, torch.Tensor] = {}
@@ -178,9 +314,10 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module,
         if key not in meta:
             raise ValueError(f"checkpoint {path} has no entry {key!r}: it was saved from a different model")
         request[key] = t
-    dcp.load(request, checkpoint_id=str(path))
+    _tensor_entries(path, meta, list(request))
+    dcp.load(request, storage_reader=SafeFileSystemReader(str(path)))
     _scatter_fused(model, optimizer, request)
-    return torch.load(path / "extra.pt", weights_only=False) if (path / "extra.pt").is_file() else {}
+    return read_extra(path)
 
 
 def _scatter_fused(model: nn.Module, optimizer: torch.optim.Optimizer | None,
@@ -213,8 +350,10 @@ def load_model_weights_local(path: str | os.PathLike, model: nn.Module) -> None:
     path = Path(path)
     if not (path / ".metadata").is_file():
         raise ValueError(f"{path} is not a complete graphtrain checkpoint (no .metadata)")
+    _check_integrity(path)
     request = {f"model.{k}": v for k, v in model.state_dict().items()}
+    _tensor_entries(path, read_metadata(path).state_dict_metadata, list(request))
     import warnings
     with warnings.catch_warnings():  # DCP says it assumes a single process: that is the point here
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(request, checkpoint_id=str(path), no_dist=True)
+        dcp.load(request, storage_reader=SafeFileSystemReader(str(path)), no_dist=True)

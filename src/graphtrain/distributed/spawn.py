@@ -2,13 +2,16 @@
 
 `run_ranks(fn, nproc, *args)` spawns N processes with the torchrun environment variables set
 (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR=127.0.0.1, a free MASTER_PORT), one intra-op thread
-each, calls `fn(*args)` in each and returns the list of per-rank return values (rank order).
+each, calls `fn(*args)` in each and returns the list of per-rank return values (rank order). A rank's
+value travels through a file read with `torch.load(weights_only=True)`: return tensors and plain values
+(numbers, strings, lists, tuples, dicts).
 A rank that raises fails the whole call with its traceback; a run past `timeout_s` is killed and
 raises TimeoutError, so a broken collective can never hang a test suite.
 """
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import sys
 import tempfile
@@ -60,4 +63,13 @@ def run_ranks(fn: Callable[..., Any], nproc: int, *args: Any, timeout_s: float =
                 if p.is_alive():
                     p.kill()
                     p.join()
-        return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(nproc)]
+        return [_result(out_dir, r) for r in range(nproc)]
+
+
+def _result(out_dir: str, rank: int) -> Any:
+    try:
+        return torch.load(os.path.join(out_dir, f"rank{rank}.pt"), weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise TypeError(f"run_ranks: rank {rank} returned objects other than tensors and plain values "
+                        f"({' '.join(str(e).split())[:200]}); return tensors, numbers, strings, lists, tuples and "
+                        f"dicts") from None

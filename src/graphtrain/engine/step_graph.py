@@ -16,7 +16,10 @@ How it is built (``CompiledStep._build``, on the stages of engine/pipeline.py):
    inf/nan check: a non-finite gradient makes the norm non-finite), ``torch._fused_adamw_`` with
    ``grad_scale = loss_scale * max(1, norm / max_norm)`` (unscale and clip folded into the update
    kernel's one pass over p, g, m, v) and ``found_inf`` (the kernel skips the update on overflow),
-   and the dynamic loss-scale update with hysteresis as tensor arithmetic.
+   and the dynamic loss-scale update with hysteresis as tensor arithmetic. In every precision
+   ``found_inf`` is also set by a non-finite loss and by a loss above ``max_loss`` (the Trainer's
+   loss-spike guard; +inf when off), so a NaN never reaches the weights or the moments and a skipped
+   step does not advance AdamW's step counts.
 3. The graph is compiled by Inductor (or run op by op by the aten provider; a failed Inductor compile
    falls back to it). Parameters, moments, step counters and the loss-scale state are graph inputs
    updated in place: the update works on buffers the graph owns, no parameter copy is made and nothing
@@ -101,6 +104,7 @@ class CompiledStep:
         dev = params[0].device
         self.fp16 = self.engine.precision == "fp16"
         self.lr = torch.zeros((), dtype=torch.float32, device=dev)
+        self.max_loss = torch.full((), float("inf"), dtype=torch.float32, device=dev)
         self.scale = torch.full((), self.engine.loss_scale_init if self.fp16 else 1.0, dtype=torch.float32, device=dev)
         self.growth_tracker = torch.zeros((), dtype=torch.int64, device=dev)
         self.hysteresis_left = torch.full((), self.engine.loss_scale_hysteresis, dtype=torch.int64, device=dev)
@@ -155,8 +159,8 @@ class CompiledStep:
         self.compile_seconds += rec.compile_seconds
 
     def _args(self, inputs: list[Tensor]) -> list[Tensor]:
-        return [*self._tensors, *inputs, *self.exp_avg, *self.exp_avg_sq, *self.state_steps, self.lr, self.scale,
-                self.growth_tracker, self.hysteresis_left]
+        return [*self._tensors, *inputs, *self.exp_avg, *self.exp_avg_sq, *self.state_steps, self.lr, self.max_loss,
+                self.scale, self.growth_tracker, self.hysteresis_left]
 
     def _step_fn(self, fwd: torch.fx.GraphModule, n_inputs: int, fused_kernel: bool):
         n_t, train_idx, n_p = len(self._tensors), list(self._train_idx), len(self._train_idx)
@@ -168,7 +172,7 @@ class CompiledStep:
             tensors, rest = list(args[:n_t]), args[n_t:]
             inputs, rest = rest[:n_inputs], rest[n_inputs:]
             m, v, steps = rest[:n_p], rest[n_p:2 * n_p], rest[2 * n_p:3 * n_p]
-            lr, scale, tracker, hyst = rest[3 * n_p:]
+            lr, max_loss, scale, tracker, hyst = rest[3 * n_p:]
             params = [tensors[i] for i in train_idx]
             with torch.enable_grad():
                 leaves = [p.detach().requires_grad_(True) for p in params]
@@ -183,11 +187,11 @@ class CompiledStep:
             grad_scale = scale if fp16 else torch.ones_like(scale)
             if max_norm is not None:
                 grad_scale = grad_scale * torch.clamp(true_norm / max_norm, min=1.0)
-            found_inf = (~torch.isfinite(norm)).to(torch.float32) if fp16 else None
-            if found_inf is not None:  # counters advance only on steps that update
-                torch._foreach_add_(steps, [1.0 - found_inf] * len(steps))
-            else:
-                torch._foreach_add_(steps, 1.0)
+            # skip the update on a non-finite norm (fp16: overflow) or loss, or a loss spike
+            bad_loss = ~torch.isfinite(loss.detach()) | (loss.detach() > max_loss)
+            overflow = ~torch.isfinite(norm)
+            found_inf = (overflow | bad_loss).to(torch.float32)
+            torch._foreach_add_(steps, [1.0 - found_inf] * len(steps))  # counters advance only on steps that update
             for wd, sel in ((o.weight_decay, True), (0.0, False)):
                 idx = [i for i in range(n_p) if decay[i] == sel]
                 if not idx:
@@ -203,7 +207,7 @@ class CompiledStep:
                             _adamw_math(*group, lr=lr, betas=o.betas, weight_decay=wd, eps=o.eps,
                                     grad_scale=grad_scale, found_inf=found_inf)
             if fp16:  # DynamicLossScaler.update as tensor arithmetic (same hysteresis semantics)
-                inf = found_inf > 0
+                inf = overflow
                 grow = (~inf) & (tracker + 1 >= e.loss_scale_interval)
                 new_hyst = torch.where(inf, hyst - 1, torch.where(grow, torch.full_like(hyst, e.loss_scale_hysteresis),
                                                                   hyst))
@@ -213,8 +217,7 @@ class CompiledStep:
                 tracker.copy_(torch.where(inf | grow, torch.zeros_like(tracker), tracker + 1))
                 hyst.copy_(new_hyst)
                 scale.copy_(new_scale)
-                return loss.detach(), true_norm, found_inf
-            return loss.detach(), true_norm, torch.zeros_like(norm)
+            return loss.detach(), true_norm, found_inf
         return step
 
     @staticmethod
@@ -227,7 +230,8 @@ class CompiledStep:
         return graph
 
     # ------------------------------------------------------------------------------------ call --
-    def __call__(self, lr: float | None = None, **batch: Tensor) -> dict[str, Any]:
+    def __call__(self, lr: float | None = None, max_loss: float | None = None, **batch: Tensor) -> dict[str, Any]:
+        """One step; `max_loss` (default: none) skips the update when the loss exceeds it."""
         if not batch:
             raise TypeError("call the step with the batch as keyword arguments, e.g. step(input_ids=x, labels=y)")
         bad = [k for k, v in batch.items() if not isinstance(v, Tensor)]
@@ -238,9 +242,10 @@ class CompiledStep:
             self._build(batch)
             self._key = key
         self.lr.fill_(self.optim.lr if lr is None else float(lr))
+        self.max_loss.fill_(float("inf") if max_loss is None else float(max_loss))
         with torch.no_grad():
             loss, norm, found_inf = self._compiled(*self._args([batch[k] for k in self._batch_names]))
-        skipped = bool(found_inf.item()) if self.fp16 else False
+        skipped = bool(found_inf.item())
         self.steps += 1
         self.skipped_steps += skipped
         return {"loss": loss, "grad_norm": norm, "skipped": skipped,

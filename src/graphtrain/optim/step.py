@@ -8,7 +8,9 @@
 
 On overflow (fp16 only) the gradients are not clipped and the optimizer does not step; the caller
 still zeroes the gradients and moves on (its learning-rate schedule may advance or not: skipped
-steps are counted in ``scaler.skipped_steps``).
+steps are counted in ``scaler.skipped_steps``). Without a scaler (fp32, bf16) a non-finite global
+gradient norm skips the step the same way (``skip_nonfinite``): a NaN is never written into the
+weights or the optimizer's moments.
 """
 from __future__ import annotations
 
@@ -21,7 +23,8 @@ from graphtrain.optim.loss_scale import DynamicLossScaler
 
 
 def optimizer_step(optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor],
-                   scaler: DynamicLossScaler | None = None, grad_clip: float | None = None) -> dict[str, Any]:
+                   scaler: DynamicLossScaler | None = None, grad_clip: float | None = None,
+                   skip_nonfinite: bool = True) -> dict[str, Any]:
     """Unscale and check (with a scaler), clip by global norm (with grad_clip), then step or skip.
 
     Returns ``{"grad_norm": float (before clipping, nan on a skipped step), "skipped": bool,
@@ -42,5 +45,8 @@ def optimizer_step(optimizer: torch.optim.Optimizer, params: Iterable[torch.Tens
         norm = torch.nn.utils.clip_grad_norm_(params, grad_clip, foreach=True)
     else:
         norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True) if params else torch.zeros(())
+    norm = float(norm)
+    if skip_nonfinite and not math.isfinite(norm):
+        return {"grad_norm": norm, "skipped": True, "scale": None if scaler is None else scaler.scale_value}
     optimizer.step()
-    return {"grad_norm": float(norm), "skipped": False, "scale": None if scaler is None else scaler.scale_value}
+    return {"grad_norm": norm, "skipped": False, "scale": None if scaler is None else scaler.scale_value}

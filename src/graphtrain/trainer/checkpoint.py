@@ -1,33 +1,47 @@
-"""Checkpoints: atomic saves, `latest` by scanning, validated loads, keep-last-N pruning.
+"""Checkpoints: atomic, checksummed saves, `latest` by scanning, verified and validated loads, keep-last-N pruning.
 
 Layout of a run folder::
 
-    out_dir/ckpt-0000100.pt     one file per saved step (zero-padded, so names sort by step)
-    out_dir/ckpt-0000200.pt     the latest is the highest step: found by scanning, no pointer file
-    out_dir/ckpt-0000300/       distributed runs: a sharded checkpoint folder (graphtrain.distributed.checkpoint,
-                                DCP files + extra.pt holding the same metadata as a .pt file, minus the tensors)
+    out_dir/ckpt-0000100.pt         one file per saved step (zero-padded, so names sort by step)
+    out_dir/ckpt-0000100.pt.sha256  its SHA-256 (`sha256sum` format: `sha256sum -c ckpt-0000100.pt.sha256`)
+    out_dir/ckpt-0000200.pt         the latest is the highest step: found by scanning, no pointer file
+    out_dir/ckpt-0000300/           distributed runs: a sharded checkpoint folder (graphtrain.distributed.checkpoint:
+                                    DCP files, extra.pt holding the same metadata as a .pt file minus the tensors,
+                                    SHA256SUMS listing every file)
 
 A checkpoint is a dict (see `FORMAT_VERSION`) holding the model and optimizer state dicts, the
 number of completed optimizer steps, every RNG state (torch CPU, CUDA, python, numpy) and the
 resolved config. It holds only tensors and plain Python values, so it loads with
-``torch.load(weights_only=True)``: loading a checkpoint never runs pickled code.
+``torch.load(weights_only=True)``: loading a checkpoint never runs pickled code (a file holding other
+objects is refused, saying so).
 
-Safety: a save writes a temporary file in the same folder, fsyncs it and renames it over the
-target (`os.replace` is atomic), so a crash mid-save leaves the previous checkpoints untouched
-and never a half-written `ckpt-*.pt`. Pruning runs only after a save succeeded.
+Safety: a save writes a temporary file in the same folder and fsyncs it, writes its checksum file
+(atomically), then renames the checkpoint into place (`os.replace` is atomic): a crash mid-save leaves
+the previous checkpoints untouched, never a half-written `ckpt-*.pt`, and a visible checkpoint always
+has its checksum file (a killed save may leave a temporary file, or a checksum file without its
+checkpoint: the next start cleans them, trainer/resume.py). Every load verifies the checksum first and
+names a file that differs, with the fix; `latest_valid_checkpoint` skips such files, saying why.
+Checkpoints written before checksums existed load with one warning (checked against their zip CRC-32s
+only). Pruning runs only after a save succeeded.
 """
 from __future__ import annotations
 
 import os
+import pickle
 import random
 import re
 import shutil
 import tempfile
+import warnings
+import zipfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
+
+from graphtrain.checksums import (ChecksumMismatch, digests_reused, fsync_dir, sha256_file, sidecar_path, verify_sums,
+                                  write_sums)
 
 FORMAT_VERSION = 1
 KEEP_LAST = 3
@@ -68,9 +82,11 @@ def latest_checkpoint(out_dir: str | Path) -> Path | None:
 # ------------------------------------------------------------------------------------ save ----
 
 def save_checkpoint(path: str | Path, state: dict[str, Any]) -> Path:
-    """Write `state` to `path` atomically: temp file in the same folder, fsync, rename."""
+    """Write `state` to `path` atomically: temp file in the same folder, fsync, checksum file, rename."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    sums = sidecar_path(path)
+    replacing = path.is_file()
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
@@ -78,29 +94,21 @@ def save_checkpoint(path: str | Path, state: dict[str, Any]) -> Path:
             torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())
+        digest = sha256_file(tmp)
+        # The checksum file goes first, so a checkpoint is never visible without it. Replacing a file of the same
+        # name, it lists the old digest too until the rename is done: either file verifies meanwhile.
+        old = [(path.name, sha256_file(path))] if replacing else []
+        write_sums(sums, [(path.name, digest), *old])
         os.replace(tmp, path)
+        if old:
+            write_sums(sums, [(path.name, digest)])
     except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
+        Path(tmp).unlink(missing_ok=True)
+        if not replacing:
+            sums.unlink(missing_ok=True)
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
     return path
-
-
-def _fsync_dir(folder: Path) -> None:
-    """Make the rename itself durable (POSIX); a no-op where directories cannot be opened."""
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def prune_checkpoints(out_dir: str | Path, keep: int = KEEP_LAST, protect: Path | None = None) -> list[Path]:
@@ -112,7 +120,8 @@ def prune_checkpoints(out_dir: str | Path, keep: int = KEEP_LAST, protect: Path 
         if p.is_dir():
             shutil.rmtree(p, ignore_errors=True)
         else:
-            p.unlink(missing_ok=True)
+            p.unlink(missing_ok=True)  # the checkpoint first: a checksum file left alone is cleaned next start
+            sidecar_path(p).unlink(missing_ok=True)
     return doomed
 
 
@@ -146,28 +155,101 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+# ---------------------------------------------------------------------------------- verify ----
+
+_warned_unverified: set[str] = set()
+
+
+def verify_checkpoint(path: str | Path) -> bool:
+    """Check a checkpoint (file or sharded folder) against its recorded SHA-256s: True when verified, False when it
+    has no checksum file (written before graphtrain recorded them, or copied without it: a file is then checked
+    against its zip CRC-32s). Raises ValueError naming the file that differs, and the fix."""
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"checkpoint {str(path)!r} does not exist{_alternatives(path)}")
+    try:
+        return _verify(path)
+    except ChecksumMismatch as e:
+        what = "corrupt" if is_sharded(path) or sidecar_path(path).is_file() else "unreadable or corrupt"
+        raise ValueError(f"checkpoint {str(path)!r} is {what}: {e}{_alternatives(path)}") from None
+
+
+def _verify(path: Path) -> bool:
+    if is_sharded(path):
+        from graphtrain.distributed.checkpoint import verify_folder
+        return verify_folder(path)
+    if sidecar_path(path).is_file():
+        verify_sums(sidecar_path(path), path.parent)
+        return True
+    _check_zip(path)
+    return False
+
+
+def _check_zip(path: Path) -> None:
+    """A checkpoint without a checksum file: the CRC-32 of every member of its zip container (torch.load checks none)."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            bad = z.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError) as e:
+        raise ChecksumMismatch(path, f"it is not a complete zip container ({type(e).__name__})") from None
+    if bad is not None:
+        raise ChecksumMismatch(path, f"its member {bad} fails its CRC-32 check (the file changed after it was written)")
+
+
+def _warn_unverified(path: Path) -> None:
+    key = str(path.resolve())
+    if key in _warned_unverified:
+        return
+    _warned_unverified.add(key)
+    what = f"{path.name}/SHA256SUMS" if is_sharded(path) else sidecar_path(path).name
+    warnings.warn(f"checkpoint {str(path)!r} has no checksum file ({what}): it was written before graphtrain recorded "
+                  f"checksums, or copied without it, so it loads unverified", UserWarning, stacklevel=3)
+
+
+def latest_valid_checkpoint(out_dir: str | Path, log: Callable[[str], None] | None = None) -> Path | None:
+    """The newest checkpoint in `out_dir` that verifies (see `verify_checkpoint`; one without a checksum file counts,
+    unverified), or None; each newer one skipped is logged with the reason, one line each."""
+    for _, path in reversed(list_checkpoints(out_dir)):
+        try:
+            _verify(path)
+        except ChecksumMismatch as e:
+            if log is not None:
+                log(f"skipping checkpoint {path}: it is corrupt ({e})")
+            continue
+        return path
+    return None
+
+
 # ------------------------------------------------------------------------------------ load ----
 
-def load_checkpoint(path: str | Path, config: Any = None, model_spec: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Read and validate a checkpoint; with `config` (a Config) and/or `model_spec` (the built model's
-    spec as a dict), also check the checkpoint was trained for the same model.
+def load_checkpoint(path: str | Path, config: Any = None, model_spec: dict[str, Any] | None = None,
+                    mmap: bool = False) -> dict[str, Any]:
+    """Verify, read and validate a checkpoint; with `config` (a Config) and/or `model_spec` (the built model's
+    spec as a dict), also check the checkpoint was trained for the same model. `mmap`: map the tensors instead
+    of reading them (to look at the metadata).
 
-    Raises ValueError naming the file and the fix when it is missing, unreadable, truncated, not a
-    graphtrain checkpoint, from another format version, or built for a different model.
+    Raises ValueError naming the file and the fix when it is missing, corrupt (its checksum differs),
+    unreadable, truncated, holds objects other than tensors and plain values, is not a graphtrain
+    checkpoint, is from another format version, or was built for a different model.
     """
     path = Path(path)
     if is_sharded(path):
         raise ValueError(f"checkpoint {str(path)!r} is a sharded checkpoint folder written by a distributed run: "
                          f"resume it with a distributed launch (graphtrain train --nproc N parallel.dp=N ...), or "
                          f"start from its weights with train.init_from")
-    if not path.is_file():
-        raise ValueError(f"checkpoint {str(path)!r} does not exist{_alternatives(path)}")
+    if not verify_checkpoint(path):
+        _warn_unverified(path)
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # torch raises RuntimeError, EOFError, UnpicklingError, zipfile errors...
-        reason = " ".join(str(e).split())[:200] or type(e).__name__
-        raise ValueError(f"checkpoint {str(path)!r} is unreadable or corrupt ({type(e).__name__}: {reason})"
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as e:
+        if "weights only" not in str(e).lower():
+            raise _unreadable(path, e) from None
+        raise ValueError(f"{str(path)!r} holds Python objects other than tensors and plain values "
+                         f"({_first_line(e, 160)}); graphtrain never unpickles those (a pickle can run code), and "
+                         f"its own checkpoints hold none, so this file was not written by graphtrain"
                          f"{_alternatives(path)}") from None
+    except Exception as e:  # torch raises RuntimeError, EOFError, zipfile errors...
+        raise _unreadable(path, e) from None
     if not isinstance(state, dict) or "format_version" not in state:
         raise ValueError(f"{str(path)!r} is not a graphtrain checkpoint (no format_version){_alternatives(path)}")
     if state["format_version"] != FORMAT_VERSION:
@@ -183,16 +265,32 @@ def load_checkpoint(path: str | Path, config: Any = None, model_spec: dict[str, 
     return state
 
 
+def _unreadable(path: Path, e: BaseException) -> ValueError:
+    return ValueError(f"checkpoint {str(path)!r} is unreadable or corrupt ({type(e).__name__}: {_first_line(e, 200)})"
+                      f"{_alternatives(path)}")
+
+
+def _first_line(e: BaseException, limit: int) -> str:
+    return " ".join(str(e).split())[:limit] or type(e).__name__
+
+
 def load_sharded_meta(path: str | Path, config: Any = None, model_spec: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The metadata (`extra.pt`: step, RNG, config, model spec) of a sharded checkpoint folder, validated
-    like `load_checkpoint` does for a file; the tensors are read by `Parallelized.load` / DCP."""
+    """The metadata (`extra.pt`: step, RNG, config, model spec) of a sharded checkpoint folder, verified and
+    validated like `load_checkpoint` does for a file; the tensors are read by `Parallelized.load` / DCP."""
     path = Path(path)
     if not is_sharded(path):
         raise ValueError(f"{str(path)!r} is not a sharded checkpoint folder (no .metadata){_alternatives(path)}")
+    if not verify_checkpoint(path):
+        _warn_unverified(path)
+    from graphtrain.distributed.checkpoint import read_extra
+    if not (path / "extra.pt").is_file():
+        raise ValueError(f"checkpoint {str(path)!r}: extra.pt is missing{_alternatives(path)}")
     try:
-        state = torch.load(path / "extra.pt", map_location="cpu", weights_only=False)
+        state = read_extra(path)
+    except ValueError as e:  # objects other than tensors and plain values
+        raise ValueError(f"{e}{_alternatives(path)}") from None
     except Exception as e:
-        raise ValueError(f"checkpoint {str(path)!r}: extra.pt is unreadable or missing ({type(e).__name__})"
+        raise ValueError(f"checkpoint {str(path)!r}: extra.pt is unreadable ({type(e).__name__})"
                          f"{_alternatives(path)}") from None
     if not isinstance(state, dict) or state.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"checkpoint {str(path)!r} is not a graphtrain trainer checkpoint of format version "
@@ -202,32 +300,62 @@ def load_sharded_meta(path: str | Path, config: Any = None, model_spec: dict[str
     return state
 
 
-def load_weights(model: torch.nn.Module, init_from: str, config: Any, model_spec: dict[str, Any]) -> tuple[Path, int]:
+def checkpoint_meta(path: str | Path, config: Any = None, model_spec: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A checkpoint's step, config, model spec, metrics (all but its tensors), verified and validated like a load."""
+    if is_sharded(path):
+        return load_sharded_meta(path, config, model_spec)
+    state = load_checkpoint(path, config, model_spec, mmap=True)
+    return {k: v for k, v in state.items() if k not in ("model", "optimizer")}
+
+
+def load_weights(model: torch.nn.Module, init_from: str, config: Any, model_spec: dict[str, Any],
+                 log: Callable[[str], None] | None = None) -> tuple[Path, int]:
     """train.init_from: load only the model weights of a checkpoint file, sharded folder or run folder (its
-    latest) into `model` (shapes must match; seq_len may differ). Returns the checkpoint and its step."""
+    latest valid one) into `model` (shapes must match; seq_len may differ). Returns the checkpoint and its step.
+    A sharded folder outside train.out_dir needs train.trust_checkpoint (trainer/resume.py, `check_trusted`)."""
     source = Path(init_from).expanduser()
     if source.is_dir() and not is_sharded(source):
-        found = latest_checkpoint(source)
+        found = latest_valid_checkpoint(source, log)
         if found is None:
-            raise ValueError(f"train.init_from={init_from!r}: no checkpoint (ckpt-*) in that folder; point it "
-                             f"at a finished run's out_dir or a checkpoint file")
+            what = "no valid checkpoint" if list_checkpoints(source) else "no checkpoint (ckpt-*)"
+            raise ValueError(f"train.init_from={init_from!r}: {what} in that folder; point it at a finished run's "
+                             f"out_dir or a checkpoint file")
         source = found
     elif not source.exists():
         raise ValueError(f"train.init_from={init_from!r} does not exist: point it at a checkpoint file or a "
                          f"finished run's out_dir (e.g. the previous phase's train.out_dir)")
+    check_trusted(source, config, "train.init_from")
     try:
-        if is_sharded(source):
-            from graphtrain.distributed.checkpoint import load_checkpoint as load_sharded
-            step = load_sharded_meta(source, config, model_spec)["step"]
-            load_sharded(source, model, None)
-        else:
-            state = load_checkpoint(source, config, model_spec)
-            step = state["step"]
-            model.load_state_dict(state["model"])
+        with digests_reused():
+            if is_sharded(source):
+                from graphtrain.distributed.checkpoint import load_checkpoint as load_sharded
+                step = load_sharded_meta(source, config, model_spec)["step"]
+                load_sharded(source, model, None)
+            else:
+                state = load_checkpoint(source, config, model_spec)
+                step = state["step"]
+                model.load_state_dict(state["model"])
     except RuntimeError as e:
         raise ValueError(f"train.init_from={init_from!r}: the checkpoint's weights do not fit this model "
                          f"({str(e).splitlines()[0]})") from None
     return source, step
+
+
+def check_trusted(path: str | Path, config: Any, what: str) -> None:
+    """A sharded checkpoint folder from outside this run's train.out_dir loads only with train.trust_checkpoint.
+
+    Its DCP `.metadata` is a Python pickle. graphtrain reads it with an allow-list of DCP's own metadata classes
+    (distributed/checkpoint.py, `read_metadata`) and reads only tensors from the shards, so nothing of the folder
+    runs; a folder someone else made is refused all the same unless the user says it is trusted."""
+    path = Path(path)
+    if not is_sharded(path) or getattr(config.train, "trust_checkpoint", False):
+        return
+    if path.resolve().is_relative_to(Path(config.train.out_dir).expanduser().resolve()):
+        return
+    raise ValueError(f"{what}: {str(path)!r} is a sharded checkpoint folder outside this run's train.out_dir "
+                     f"({config.train.out_dir!r}); its DCP .metadata is a Python pickle, which could run code if "
+                     f"someone crafted it. If you trust the folder (your own run's), set train.trust_checkpoint=true; "
+                     f"otherwise do not load it")
 
 
 def check_compatible(state: dict[str, Any], config: Any = None, model_spec: dict[str, Any] | None = None,

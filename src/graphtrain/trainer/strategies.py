@@ -13,10 +13,16 @@ Each owns what differs between the modes (`StepStrategy`): building and wrapping
 optimizer, one optimizer step over the train.grad_accum micro-batches, the validation loss, the
 checkpoint state, and the whole model for sampling. Batches come from the Trainer, full-size and on
 the device; the learning rate too (`lr_at(step)`).
+
+Every strategy refuses a bad update before it is written (trainer/faults.py): a non-finite loss or
+global gradient norm, or a loss above `max_loss` (the loss-spike guard), skips the optimizer step and
+is reported in `StepResult.rejected`; the weights and optimizer moments stay as they were. fp16
+overflows (finite loss) are skipped by the loss scaler as before, without counting as bad steps.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterable, Protocol
@@ -31,6 +37,7 @@ from graphtrain.trainer import runtime
 from graphtrain.trainer.checkpoint import (KEEP_LAST, checkpoint_path, is_sharded, latest_checkpoint, load_checkpoint,
                                            load_sharded_meta, prune_checkpoints, rng_state, save_checkpoint,
                                            set_rng_state)
+from graphtrain.trainer.faults import rejection
 from graphtrain.trainer.schedule import set_lr
 
 Batch = dict[str, torch.Tensor]
@@ -42,8 +49,9 @@ class StepResult:
 
     loss: torch.Tensor          # mean loss over the step's micro-batches (distributed: over dp ranks too)
     grad_norm: float            # global gradient norm before clipping (nan on a skipped step)
-    skipped: bool = False       # fp16: the step overflowed and the update was skipped
+    skipped: bool = False       # the update was skipped (fp16 overflow, or `rejected`)
     scale: float | None = None  # fp16: the loss scale after the step
+    rejected: str | None = None  # why the update was refused: non-finite loss or gradient norm, loss spike
 
 
 class StepStrategy(Protocol):
@@ -51,8 +59,9 @@ class StepStrategy(Protocol):
     module: nn.Module   # the user's module (this rank's part) without wrappers: its parameters, engine state
     optimizer: Any      # state_dict() / load_state_dict(); under WholeStepGraph the step graph itself
 
-    def step(self, micro_batches: Iterable[Batch], lr: float) -> StepResult:
-        """One optimizer step at learning rate `lr` over train.grad_accum micro-batches; gradients zeroed after."""
+    def step(self, micro_batches: Iterable[Batch], lr: float, max_loss: float = math.inf) -> StepResult:
+        """One optimizer step at learning rate `lr` over train.grad_accum micro-batches; gradients zeroed after.
+        No update when the loss or gradient norm is not finite or the loss exceeds `max_loss`."""
 
     def eval_loss(self, batches: Iterable[Batch]) -> float:
         """Mean loss over `batches` (the caller sets eval mode and no_grad); distributed: over dp ranks."""
@@ -90,7 +99,7 @@ class SingleProcessStep:
         self.optimizer = build_optimizer(model, config.optim)
         self.scaler = make_loss_scaler(config.engine)  # fp16 only: dynamic loss scaling
 
-    def step(self, micro_batches: Iterable[Batch], lr: float) -> StepResult:
+    def step(self, micro_batches: Iterable[Batch], lr: float, max_loss: float = math.inf) -> StepResult:
         set_lr(self.optimizer, lr)
         accum = self.config.train.grad_accum
         loss_sum = torch.zeros((), device=self.device)
@@ -98,10 +107,17 @@ class SingleProcessStep:
             loss = self.model(**batch) / accum
             (loss if self.scaler is None else self.scaler.scale(loss)).backward()
             loss_sum += loss.detach()
-        # unscale and skip on overflow (fp16), clip to optim.grad_clip, optimizer.step()
+        loss_value = loss_sum.item()
+        refused = rejection(loss_value, 0.0, max_loss, overflow_is_scalers=True)  # the loss, before any update
+        if refused is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+            return StepResult(loss_sum, math.nan, skipped=True, rejected=refused,
+                              scale=None if self.scaler is None else self.scaler.scale_value)
+        # unscale and skip on overflow (fp16) or a non-finite norm, clip to optim.grad_clip, optimizer.step()
         info = optimizer_step(self.optimizer, self.model.parameters(), self.scaler, self.config.optim.grad_clip)
         self.optimizer.zero_grad(set_to_none=True)
-        return StepResult(loss_sum, **info)
+        refused = rejection(loss_value, info["grad_norm"], max_loss, overflow_is_scalers=self.scaler is not None)
+        return StepResult(loss_sum, **info, rejected=refused)
 
     def eval_loss(self, batches: Iterable[Batch]) -> float:
         losses = [self.model(**batch).detach().float() for batch in batches]
@@ -146,10 +162,13 @@ class WholeStepGraph(SingleProcessStep):
         self.optimizer = self.step_graph = compile_step(model, config)
         self.scaler = None  # fp16 loss scaling runs inside the graph
 
-    def step(self, micro_batches: Iterable[Batch], lr: float) -> StepResult:
+    def step(self, micro_batches: Iterable[Batch], lr: float, max_loss: float = math.inf) -> StepResult:
         (batch,) = micro_batches  # one micro-batch per step
-        out = self.step_graph(lr=lr, **batch)  # gradients never leave the graph: nothing to zero
-        return StepResult(out["loss"], float(out["grad_norm"]), out["skipped"], out["scale"])
+        # gradients never leave the graph: nothing to zero; the graph skips non-finite and spiking steps itself
+        out = self.step_graph(lr=lr, max_loss=max_loss, **batch)
+        norm = float(out["grad_norm"])
+        refused = rejection(out["loss"].item(), norm, max_loss, overflow_is_scalers=self.step_graph.fp16)
+        return StepResult(out["loss"], norm, out["skipped"], out["scale"], refused)
 
 
 class DistributedStep:
@@ -174,8 +193,10 @@ class DistributedStep:
             runtime.seed_everything(runtime.rank_seed(config.train.seed, env.dp_rank, env.pp_rank))
         self._capture_checked = False
 
-    def step(self, micro_batches: Iterable[Batch], lr: float) -> StepResult:
-        """Forward/backward every micro-batch (gradients all-reduced on the last), clip by the global norm, step."""
+    def step(self, micro_batches: Iterable[Batch], lr: float, max_loss: float = math.inf) -> StepResult:
+        """Forward/backward every micro-batch (gradients all-reduced on the last), clip by the global norm, step.
+        The norm (reduced over tp and pp, equal on dp ranks) and the dp-mean loss are the same on every rank,
+        so every rank takes or skips the update alike."""
         set_lr(self.optimizer, lr)
         accum = self.config.train.grad_accum
         loss_sum = torch.zeros((), device=self.env.device)
@@ -184,15 +205,17 @@ class DistributedStep:
             ids, labels = batch.pop("input_ids"), batch.pop("labels")
             loss = self.par.forward_backward(ids, labels, micro_step=micro, micro_steps=accum, **batch)
             loss_sum += loss.float() / accum
-        norm = self.par.clip_grad_norm_(self.config.optim.grad_clip)
-        self.optimizer.step()
+        norm = float(self.par.clip_grad_norm_(self.config.optim.grad_clip))
         loss_sum = self._dp_mean(loss_sum)
+        refused = rejection(loss_sum.item(), norm, max_loss, overflow_is_scalers=False)
+        if refused is None:
+            self.optimizer.step()
         if not self._capture_checked:
             self._capture_checked = True
             if runtime.is_accelerated(self.module):
                 self.log(self._check_capture())
         self.optimizer.zero_grad(set_to_none=True)
-        return StepResult(loss_sum, float(norm))
+        return StepResult(loss_sum, norm, skipped=refused is not None, rejected=refused)
 
     def eval_loss(self, batches: Iterable[Batch]) -> float:
         """Each dp rank evaluates its rows of every batch (pp > 1: the pipeline's forward-only schedule)."""

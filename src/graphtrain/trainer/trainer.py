@@ -34,6 +34,7 @@ folder) before training starts at step 0 with a fresh optimizer (BERT phase 2 fr
 from __future__ import annotations
 
 import dataclasses
+import errno
 import math
 import time
 from pathlib import Path
@@ -45,9 +46,13 @@ from tqdm.auto import tqdm
 from graphtrain.config import Config
 from graphtrain.models import build_model, get_spec
 from graphtrain.trainer import runtime
-from graphtrain.trainer.checkpoint import (FORMAT_VERSION, is_sharded, latest_checkpoint, list_checkpoints,
-                                           load_weights)
+from graphtrain.checksums import digests_reused
+from graphtrain.trainer.checkpoint import (FORMAT_VERSION, check_trusted, checkpoint_meta, is_sharded,
+                                           latest_checkpoint, latest_valid_checkpoint, list_checkpoints, load_weights)
+from graphtrain.trainer.faults import (NumericsGuard, PreemptionGuard, TrainingFailed, TrainingPreempted,
+                                       is_grace_expired)
 from graphtrain.trainer.metrics import MetricsLog, Throughput, format_bytes, peak_memory_bytes
+from graphtrain.trainer.resume import allowed_keys, check_config_changes, clean_orphans, supersede_later
 from graphtrain.trainer.schedule import lr_at
 from graphtrain.trainer.strategies import build_strategy
 
@@ -60,17 +65,24 @@ class Trainer:
     """Train `config.model` on `config.data`; `model`/`data` may be passed in instead of built.
 
     `resume`: False (fresh run; refuses an out_dir that already holds checkpoints), True (continue
-    from the latest checkpoint in out_dir) or a checkpoint file / run folder to continue from.
+    from the latest valid checkpoint in out_dir; an error when there is none), "auto" (the same, or a fresh
+    start when out_dir holds no checkpoint: one command starts and continues a run; with train.init_from,
+    init_from applies to the fresh start only) or a checkpoint file / run folder to continue from. Corrupt
+    checkpoints are skipped, saying so; later checkpoints than the one resumed move aside (trainer/resume.py).
+
+    `allow_config_change`: config keys ("optim.lr,train.batch_size" or a sequence) that may differ from
+    the resumed checkpoint's; any other difference, bar the free keys of `resume.is_free`, refuses the resume.
     """
 
     def __init__(self, config: Config, model: torch.nn.Module | None = None, data: Any = None,
-                 resume: bool | str | Path = False) -> None:
+                 resume: bool | str | Path = False, allow_config_change: str | tuple[str, ...] | list[str] = ()) -> None:
         if not isinstance(config, Config):
             raise TypeError(f"Trainer expects a graphtrain.Config, got {type(config).__name__}; "
                             f"build one with Config() or Config.from_yaml(path)")
         runtime.check_supported(config)
-        if config.train.init_from is not None and resume:
+        if config.train.init_from is not None and resume and not _is_auto(resume):
             raise ValueError(_INIT_FROM_AND_RESUME)
+        self.allow_config_change = allowed_keys(allow_config_change, config)
         self.config, self.resume = config, resume
         self.env = None
         if config.parallel.world_size > 1:
@@ -95,8 +107,9 @@ class Trainer:
                              f"(max_seq_len={self.spec.max_seq_len}): lower data.seq_len, or set "
                              f"model.max_seq_len={config.data.seq_len}")
         self.init_source = None
-        if config.train.init_from is not None:
-            self.init_source, step = load_weights(model, config.train.init_from, config, self._model_spec())
+        if config.train.init_from is not None and not (_is_auto(resume) and
+                                                       latest_valid_checkpoint(config.train.out_dir) is not None):
+            self.init_source, step = load_weights(model, config.train.init_from, config, self._model_spec(), self._log)
             self._log(f"initialised weights from {self.init_source} (step {step} of that run); optimizer and step "
                       f"start fresh")
         self.strategy = build_strategy(model, config, self.device, self.env, self._log)
@@ -108,55 +121,84 @@ class Trainer:
 
     # ------------------------------------------------------------------------------ training ----
     def fit(self, resume: bool | str | Path | None = None) -> dict[str, Any]:
-        """Train to `train.steps`, evaluating and checkpointing on the way; returns a summary."""
-        cfg, tc = self.config, self.config.train
-        self.step = self._start_run(self.resume if resume is None else resume)
-        accum = tc.grad_accum
-        tokens_per_step = tc.batch_size * accum * cfg.data.seq_len
-        speed = Throughput(tokens_per_step)
-        recent: list[float] = []  # train losses since the last log line
-        train_loss = val_loss = math.nan
-        saved: Path | None = None
-        self.model.train()
-        bar = tqdm(total=tc.steps, initial=self.step, disable=not (tc.progress and self.is_main), unit="step",
-                   dynamic_ncols=True, desc=f"train {cfg.model.name}")
-        try:
-            for step in range(self.step, tc.steps):
-                t0 = time.perf_counter()
-                lr = lr_at(step, cfg.optim, tc.steps)
-                out = self.strategy.step(self._batches(self.data.train, step * accum, accum), lr)
-                step_loss = out.loss.item()  # also waits for the device, so the timing is real
-                speed.add(time.perf_counter() - t0)
-                self.step = done = step + 1
-                if not math.isfinite(step_loss):
-                    clip = " and set optim.grad_clip=1.0" if cfg.optim.grad_clip is None else ""
-                    raise ValueError(f"training diverged: the loss is {step_loss} at step {done} (nothing saved for "
-                                     f"this step); lower optim.lr (now {cfg.optim.lr}){clip}, then resume from the "
-                                     f"last checkpoint (--resume-from) or start fresh")
-                recent.append(step_loss)
-                bar.update(1)
+        """Train to `train.steps`, evaluating and checkpointing on the way; returns a summary.
 
-                if self.is_main and (done % tc.log_every == 0 or done == tc.steps):
-                    ms, tok_s = speed.window()
-                    mem = peak_memory_bytes(self.device)
-                    train_loss = sum(recent) / len(recent)
-                    recent.clear()
-                    self.metrics.write("train", done, loss=train_loss, lr=lr, tokens_per_s=tok_s, ms_per_step=ms,
-                                       peak_mem_bytes=mem, grad_norm=out.grad_norm, skipped=out.skipped,
-                                       loss_scale=out.scale)
-                    bar.set_postfix(loss=f"{train_loss:.3f}", tok_s=f"{tok_s:,.0f}", mem=format_bytes(mem))
-                    if not tc.progress:
-                        print(f"step {done:>6}/{tc.steps}  loss {train_loss:.4f}  lr {lr:.2e}  {tok_s:,.0f} tok/s  "
-                              f"{ms:.0f} ms/step  peak mem {format_bytes(mem)}", flush=True)
-                if (tc.eval_every and done % tc.eval_every == 0) or done == tc.steps:
-                    val_loss = self.evaluate()
-                    if self.is_main:
-                        self.metrics.write("eval", done, val_loss=val_loss)
-                    self._log(f"step {done}: val loss {val_loss:.4f}")
-                if (tc.ckpt_every and done % tc.ckpt_every == 0) or done == tc.steps:
-                    saved = self.save_checkpoint(metrics={"train_loss": train_loss, "val_loss": val_loss})
-        finally:
-            bar.close()
+        Faults (trainer/faults.py): on SIGTERM/SIGINT the step in flight finishes, its checkpoint is written
+        and `TrainingPreempted` is raised. A step with a non-finite loss or gradient norm (or a loss spike)
+        is skipped, no weight written; `train.max_bad_steps` of them in a row raise `TrainingFailed`, as do
+        running out of memory and a failed save (disk full). Checkpoints already written are never touched.
+        """
+        cfg, tc = self.config, self.config.train
+        numerics = NumericsGuard(tc.max_bad_steps, tc.loss_spike_factor)
+        bar = None
+        with PreemptionGuard(tc.preempt_grace_s, self._log) as preempt:
+            try:
+                self.step = self._start_run(self.resume if resume is None else resume)
+                self._first_step = self.step
+                saved_step = self.step if self.step > 0 else None  # the step the latest checkpoint on disk holds
+                accum = tc.grad_accum
+                tokens_per_step = tc.batch_size * accum * cfg.data.seq_len
+                speed = Throughput(tokens_per_step)
+                recent: list[float] = []  # train losses of updated steps since the last log line
+                skipped = 0  # skipped updates since the last log line
+                train_loss = val_loss = math.nan
+                saved: Path | None = None
+                self.model.train()
+                bar = tqdm(total=tc.steps, initial=self.step, disable=not (tc.progress and self.is_main), unit="step",
+                           dynamic_ncols=True, desc=f"train {cfg.model.name}")
+                for step in range(self.step, tc.steps):
+                    preempt.phase = "step"
+                    t0 = time.perf_counter()
+                    lr = lr_at(step, cfg.optim, tc.steps)
+                    out = self._train_step(step, lr, numerics.max_loss())
+                    step_loss = out.loss.item()  # also waits for the device, so the timing is real
+                    speed.add(time.perf_counter() - t0)
+                    self.step = done = step + 1
+                    skipped += out.skipped
+                    if out.rejected is not None:  # no update was made; stop after max_bad_steps in a row
+                        self._log(f"step {done}: update skipped, {out.rejected}")
+                        if self.is_main:
+                            self.metrics.write("skip", done, reason=out.rejected, loss=step_loss,
+                                               grad_norm=out.grad_norm)
+                    numerics.record(done, step_loss, out.rejected)
+                    if out.rejected is None:
+                        recent.append(step_loss)
+                    bar.update(1)
+
+                    if self.is_main and (done % tc.log_every == 0 or done == tc.steps):
+                        ms, tok_s = speed.window()
+                        mem = peak_memory_bytes(self.device)
+                        train_loss = sum(recent) / len(recent) if recent else math.nan
+                        recent.clear()
+                        self.metrics.write("train", done, loss=train_loss, lr=lr, tokens_per_s=tok_s, ms_per_step=ms,
+                                           peak_mem_bytes=mem, grad_norm=out.grad_norm, skipped=skipped,
+                                           bad_steps=numerics.total, loss_scale=out.scale)
+                        skipped = 0
+                        bar.set_postfix(loss=f"{train_loss:.3f}", tok_s=f"{tok_s:,.0f}", mem=format_bytes(mem))
+                        if not tc.progress:
+                            print(f"step {done:>6}/{tc.steps}  loss {train_loss:.4f}  lr {lr:.2e}  {tok_s:,.0f} tok/s  "
+                                  f"{ms:.0f} ms/step  peak mem {format_bytes(mem)}", flush=True)
+                    if (tc.eval_every and done % tc.eval_every == 0) or done == tc.steps:
+                        val_loss = self.evaluate()
+                        if self.is_main:
+                            self.metrics.write("eval", done, val_loss=val_loss)
+                        self._log(f"step {done}: val loss {val_loss:.4f}")
+                    metrics = {"train_loss": train_loss, "val_loss": val_loss}
+                    if (tc.ckpt_every and done % tc.ckpt_every == 0) or done == tc.steps:
+                        preempt.phase = "save"
+                        saved, saved_step = self._save(metrics), done
+                    if preempt.agreed(self.env):  # SIGTERM/SIGINT (on any rank): this step is the last
+                        if saved_step != done:
+                            preempt.phase = "save"
+                            saved, saved_step = self._save(metrics), done
+                        raise self._preempted(preempt, done, saved)
+            except BaseException as e:
+                if is_grace_expired(e):  # the step in flight outlived train.preempt_grace_s
+                    raise self._preempted(preempt, None, None) from None
+                raise
+            finally:
+                if bar is not None:
+                    bar.close()
 
         if math.isnan(val_loss):  # resumed a finished run: no step ran
             val_loss = self.evaluate()
@@ -216,31 +258,26 @@ class Trainer:
         return self.strategy.save(self.out_dir, meta)
 
     def load_checkpoint(self, path: str | Path) -> int:
-        """Restore weights, optimizer, RNG from `path` (validated against this model); returns its step."""
+        """Restore weights, optimizer, RNG from `path` (verified, validated against this model); returns its step.
+        A sharded folder outside train.out_dir needs train.trust_checkpoint (checkpoint.check_trusted)."""
+        check_trusted(path, self.config, "resume")
         self.step = self.strategy.load(Path(path), self._model_spec())
         return self.step
 
     def _start_run(self, resume: bool | str | Path) -> int:
-        """Check out_dir, restore a checkpoint when resuming, save the config; returns the first step."""
+        """Clean leftovers of killed saves, check out_dir, restore a checkpoint when resuming (moving later ones
+        aside), save the config; returns the first step."""
         tc = self.config.train
-        if resume and tc.init_from is not None:
+        if resume and not _is_auto(resume) and tc.init_from is not None:
             raise ValueError(_INIT_FROM_AND_RESUME)
+        removed = self._on_main(lambda: clean_orphans(self.out_dir))
+        if removed:
+            self._log(f"removed what interrupted saves left in {self.out_dir}: {', '.join(removed)}")
         start = 0
-        if resume:
-            source = latest_checkpoint(self.out_dir) if resume is True else Path(resume)
-            if source is not None and source.is_dir() and not is_sharded(source):
-                source = latest_checkpoint(source)
-            if source is None:
-                where = self.out_dir if resume is True else Path(resume)
-                raise ValueError(f"resume: no checkpoint (ckpt-*.pt) in {str(where)!r}; train without --resume to "
-                                 f"start fresh, or point train.out_dir (--out) at the run to continue")
-            start = self.load_checkpoint(source)
-            if start > tc.steps:
-                raise ValueError(f"checkpoint {str(source)!r} is at step {start}, past train.steps={tc.steps}: "
-                                 f"set train.steps above {start} to continue training it")
-            if self.is_main:
-                self.metrics.truncate_after(start)
-            self._log(f"resumed from {source} at step {start}")
+        source = self._resume_source(resume) if resume else None
+        if source is not None:
+            with digests_reused():  # picked, read and loaded: each file is hashed once
+                start = self._resume_from(source)
         else:
             existing = list_checkpoints(self.out_dir)
             if existing:
@@ -264,6 +301,58 @@ class Trainer:
                   f"{'graphtrain engine' if runtime.is_accelerated(module) else 'eager PyTorch'}")
         return start
 
+    def _resume_source(self, resume: bool | str | Path) -> Path | None:
+        """The checkpoint to continue from: the latest valid one of out_dir (resume True or "auto") or of a given run
+        folder, or the given checkpoint. None: "auto" and out_dir holds no checkpoint (a fresh start)."""
+        auto = _is_auto(resume)
+        where = self.out_dir if resume is True or auto else Path(resume)
+        if not (resume is True or auto) and (not where.is_dir() or is_sharded(where)):
+            return where  # a checkpoint named by the user: loading it verifies it (a corrupt one is an error)
+        found = list_checkpoints(where)
+        source = latest_valid_checkpoint(where, self._log)
+        if source is not None:
+            if auto and self.config.train.init_from is not None:
+                self._log("resume auto: train.init_from applies to a fresh start only; continuing the run in out_dir")
+            return source
+        if not found:
+            if auto:
+                self._log(f"resume auto: no checkpoint in {self.out_dir}, starting a fresh run")
+                return None
+            raise ValueError(f"resume: no checkpoint (ckpt-*) in {str(where)!r}; train without --resume to start "
+                             f"fresh (or use --resume auto), or point train.out_dir (--out) at the run to continue")
+        raise ValueError(f"resume: none of the {len(found)} checkpoints in {str(where)!r} verifies (each is named "
+                         f"above with the reason): copy intact ones back from a backup, or move the folder away and "
+                         f"start fresh (a new out_dir, --out DIR)")
+
+    def _resume_from(self, source: Path) -> int:
+        """Check `source` fits this run (model, config, steps), then load it and move later checkpoints aside."""
+        tc = self.config.train
+        check_trusted(source, self.config, "resume")
+        meta = checkpoint_meta(source, self.config, self._model_spec())  # verified; the model-defining keys match
+        step = int(meta["step"])
+        if step > tc.steps:
+            raise ValueError(f"checkpoint {str(source)!r} is at step {step}, past train.steps={tc.steps}: "
+                             f"set train.steps above {step} to continue training it")
+        check_config_changes(meta["config"], self.config, self.allow_config_change, source, self._log)
+        start = self.load_checkpoint(source)
+        moved = self._on_main(lambda: supersede_later(self.out_dir, start))
+        if moved and moved[0] is not None:
+            folder, names = moved
+            self._log(f"resumed from step {start}, so the {len(names)} later checkpoint(s) of {self.out_dir} "
+                      f"({', '.join(names)}) moved to {folder} (kept, out of --resume's way)")
+        if self.is_main:
+            self.metrics.truncate_after(start)
+        self._log(f"resumed from {source} at step {start}")
+        return start
+
+    def _on_main(self, fn: Any) -> Any:
+        """`fn()` on the main rank (None elsewhere), then a barrier: the others see what it changed on disk."""
+        result = fn() if self.is_main else None
+        if self.env is not None:
+            import torch.distributed as dist
+            dist.barrier()
+        return result
+
     def close(self) -> None:
         """Distributed runs: destroy the process group (call once training and sampling are done)."""
         if self.env is not None:
@@ -285,3 +374,73 @@ class Trainer:
     def _log(self, text: str) -> None:
         if self.is_main:
             tqdm.write(text)
+
+    # ----------------------------------------------------------------------------------- faults ----
+    def _train_step(self, step: int, lr: float, max_loss: float) -> Any:
+        """One optimizer step; running out of memory becomes a TrainingFailed naming the fixes."""
+        try:
+            return self.strategy.step(self._batches(self.data.train, step * self.config.train.grad_accum,
+                                                    self.config.train.grad_accum), lr, max_loss)
+        except RuntimeError as e:  # torch.OutOfMemoryError (CUDA) is a RuntimeError; the CPU allocator raises one
+            if not _is_out_of_memory(e):
+                raise
+            tc, engine = self.config.train, self.config.engine
+            first = "at the first step" if step == self._first_step else f"at step {step + 1}"
+            raise TrainingFailed(
+                f"out of memory {first} ({_first_line(e)}) with train.batch_size={tc.batch_size}, "
+                f"data.seq_len={self.config.data.seq_len}, engine.recompute={engine.recompute}: set "
+                f"engine.recompute=auto with engine.memory_budget (e.g. 0.8), or train.batch_size=auto with "
+                f"engine.memory_budget, or lower train.batch_size (raise train.grad_accum to keep the samples "
+                f"per step)") from None
+
+    def _save(self, metrics: dict[str, Any]) -> Path:
+        """save_checkpoint, a failed write (disk full, I/O error) becoming a TrainingFailed; the checkpoints
+        already written are untouched (saves are atomic)."""
+        try:
+            return self.save_checkpoint(metrics=metrics)
+        except OSError as e:
+            reason = "the disk is full" if e.errno == errno.ENOSPC else f"{e.strerror or e}"
+            where = f" ({e.filename})" if e.filename else ""
+            latest = latest_checkpoint(self.out_dir)
+            kept = f"the latest complete one, {latest}, is kept" if latest else "no earlier checkpoint exists"
+            raise TrainingFailed(f"could not write the checkpoint of step {self.step}: {reason}{where}; {kept}. Free "
+                                 f"space in (or point --out / train.out_dir at another disk than) {self.out_dir}, "
+                                 f"then continue with --resume auto") from None
+
+    def _preempted(self, preempt: PreemptionGuard, step: int | None, saved: Path | None) -> TrainingPreempted:
+        """The exception fit() raises on SIGTERM/SIGINT, after the metrics record saying what was saved."""
+        name = preempt.signal_name or "signal"
+        after = preempt.seconds_since_signal()
+        grace = self.config.train.preempt_grace_s
+        if step is not None:
+            latest = saved or latest_checkpoint(self.out_dir)
+            message = (f"stopped by {name} at step {step}: checkpoint {latest} holds it, written {after:.1f}s after "
+                       f"the signal (train.preempt_grace_s={grace:g})")
+            saved_after: float | None = after
+        else:
+            step = self.step
+            latest = latest_checkpoint(self.out_dir)
+            holds = f"{latest} is the latest checkpoint" if latest else "no checkpoint was written yet"
+            message = (f"stopped by {name}: step {self.step + 1} did not finish within train.preempt_grace_s="
+                       f"{grace:g}s and was abandoned; {holds}")
+            saved_after = None
+        if self.is_main:
+            self.metrics.write("preempted", step, signal=name, checkpoint=str(latest) if latest else None,
+                               seconds_after_signal=saved_after)
+        self._log(message)
+        return TrainingPreempted(message, signal_name=name, step=step, checkpoint=latest, saved_after_s=saved_after)
+
+
+def _is_auto(resume: Any) -> bool:
+    return isinstance(resume, str) and resume == "auto"
+
+
+def _is_out_of_memory(e: BaseException) -> bool:
+    if isinstance(e, getattr(torch, "OutOfMemoryError", ())):
+        return True
+    text = str(e)
+    return "out of memory" in text.lower() or "DefaultCPUAllocator: can't allocate memory" in text
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]

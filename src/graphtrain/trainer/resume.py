@@ -1,0 +1,164 @@
+"""What resuming does to a run folder, besides loading the checkpoint (trainer/checkpoint.py).
+
+- `clean_orphans`: at every start, remove what killed saves left behind. Only graphtrain's own temporary
+  names are touched: `.ckpt-NNNNNNN.pt.*.tmp` (a checkpoint file or its checksum file being written),
+  `ckpt-NNNNNNN.tmp/` (a sharded folder being written), `ckpt-NNNNNNN.old/` (the previous folder of that
+  step, restored when the new one never took its place), `ckpt-NNNNNNN.pt.sha256` without its checkpoint
+  (a save killed between the two renames, or a prune between the two deletes), and the temporary files
+  of config.yaml and metrics.jsonl.
+- `config_changes` / `check_config_changes`: a resumed run must be the same run. Every config key that
+  differs from the checkpoint's is listed (key: checkpoint value -> current value) and the resume is
+  refused unless each is named in `allow_config_change` (CLI: --allow-config-change KEY[,KEY]), except
+  the keys of `is_free` (how long, where and how fast the run goes, what it logs, its guards): none
+  changes what a step computes beyond floating-point reordering. Keys the checkpoint's config does not
+  have (added to graphtrain after it was written) are not compared. The model-defining keys
+  (checkpoint.MODEL_KEYS) are refused by `check_compatible` first, whatever is allowed.
+- `supersede_later`: resuming from step s, checkpoints of later steps belong to another history; they
+  move into `out_dir/superseded-<s>-<time>/` (never deleted), so the next --resume does not pick them up.
+"""
+from __future__ import annotations
+
+import re
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from graphtrain.checksums import fsync_dir, sidecar_path
+from graphtrain.trainer.checkpoint import MODEL_KEYS, is_sharded, list_checkpoints
+
+_TMP_FILE = re.compile(r"^\.ckpt-\d{7,}\.pt(\.sha256)?\..+\.tmp$")
+_TMP_DIR = re.compile(r"^(ckpt-\d{7,})\.(tmp|old)$")
+_SIDECAR = re.compile(r"^(ckpt-\d{7,}\.pt)\.sha256$")
+_RUN_TMP_FILES = (".config.yaml.tmp", "metrics.jsonl.tmp")  # runtime.write_text_atomic, MetricsLog.truncate_after
+
+# Keys a resumed run may change without being named: length and place of the run, logging, evaluation,
+# checkpoint cadence, threads and execution path (eager, engine, whole-step graph), the fault guards.
+FREE_KEYS = frozenset({
+    "train.steps", "train.out_dir", "train.eval_every", "train.eval_batches", "train.log_every", "train.ckpt_every",
+    "train.threads", "train.progress", "train.sample_prompt", "train.sample_tokens", "train.init_from",
+    "train.accelerate", "train.whole_step", "train.deterministic", "train.preempt_grace_s", "train.max_bad_steps",
+    "train.loss_spike_factor", "train.trust_checkpoint", "data.cache_dir", "model.attention", "optim.fused",
+})
+
+
+def is_free(key: str) -> bool:
+    """May `key` differ from the checkpoint's on resume without --allow-config-change? FREE_KEYS, every
+    parallel.* key (checkpoints load under any layout; every layout draws the same global batch) and every
+    engine.* key but precision and the fp16 loss-scale settings (the engine computes what eager does)."""
+    section, _, name = key.partition(".")
+    return (key in FREE_KEYS or section == "parallel"
+            or (section == "engine" and name != "precision" and not name.startswith("loss_scale")))
+
+
+# --------------------------------------------------------------------------------- orphans ----
+
+def clean_orphans(out_dir: str | Path) -> list[str]:
+    """Remove the leftovers of killed saves in `out_dir` (see the module docstring); returns what was done."""
+    out = Path(out_dir)
+    if not out.is_dir():
+        return []
+    done = []
+    for p in sorted(out.iterdir()):  # sorted: ckpt-N.old is restored before ckpt-N.tmp is removed
+        name = p.name
+        if (_TMP_FILE.match(name) or name in _RUN_TMP_FILES) and p.is_file():
+            p.unlink(missing_ok=True)
+            done.append(name)
+        elif (m := _TMP_DIR.match(name)) and p.is_dir():
+            target = out / m.group(1)
+            if m.group(2) == "old" and not target.exists() and is_sharded(p):
+                p.rename(target)  # killed between moving the old folder aside and the new one into place
+                done.append(f"{name}/ (restored as {target.name}/)")
+            else:
+                shutil.rmtree(p, ignore_errors=True)
+                done.append(f"{name}/")
+        elif (m := _SIDECAR.match(name)) and p.is_file() and not (out / m.group(1)).exists():
+            p.unlink(missing_ok=True)
+            done.append(name)
+    if done:
+        fsync_dir(out)
+    return done
+
+
+# ---------------------------------------------------------------------------- config changes ----
+
+def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """(section.key, checkpoint value, current value) for every key that differs, model-defining keys excluded
+    (check_compatible reports those) and keys the checkpoint does not know skipped."""
+    model_keys = {f"{s}.{k}" for s, k in MODEL_KEYS}
+    out = []
+    for section, values in current.items():
+        for name, value in values.items():
+            key = f"{section}.{name}"
+            old_section = saved.get(section)
+            if key in model_keys or not isinstance(old_section, dict) or name not in old_section:
+                continue
+            if _plain(old_section[name]) != _plain(value):
+                out.append((key, old_section[name], value))
+    return out
+
+
+def check_config_changes(saved: dict[str, Any], config: Any, allowed: Iterable[str], path: Path,
+                         log: Callable[[str], None] | None = None) -> None:
+    """Refuse a resume whose config differs from the checkpoint's in a key neither free nor `allowed`; log the
+    accepted differences (one line)."""
+    changes = config_changes(saved, config.to_dict())
+    allowed = set(allowed)
+    refused = [c for c in changes if not is_free(c[0]) and c[0] not in allowed]
+    if refused:
+        listing = "; ".join(f"{k}: {_show(a)} -> {_show(b)}" for k, a, b in refused)
+        keys = ",".join(k for k, _, _ in refused)
+        back = " ".join(f"{k}={_show(a)}" for k, a, _ in refused)
+        raise ValueError(f"resume: the config differs from the one checkpoint {str(path)!r} was trained with "
+                         f"({listing}); continuing would mix two runs in one. To accept the change, name it: "
+                         f"--allow-config-change {keys} (Trainer(..., allow_config_change=[...])); to continue the "
+                         f"run as it was, set {back}; or start a new run in a new out_dir (--out DIR)")
+    if changes and log is not None:
+        log("resume: config changes from the checkpoint's: " + "; ".join(
+            f"{k}: {_show(a)} -> {_show(b)}{'' if is_free(k) else ' (allowed)'}" for k, a, b in changes))
+
+
+def allowed_keys(keys: str | Iterable[str], config: Any) -> tuple[str, ...]:
+    """`allow_config_change` as a tuple of section.key names ("a.b,c.d" or an iterable); unknown keys raise."""
+    if isinstance(keys, str):
+        keys = keys.split(",")
+    out = tuple(k.strip() for k in keys if k.strip())
+    known = config.to_dict()
+    for key in out:
+        section, _, name = key.partition(".")
+        if section not in known or name not in known[section]:
+            raise ValueError(f"allow_config_change: unknown config key {key!r}; name keys as section.key, e.g. "
+                             f"optim.lr (`graphtrain config` lists them)")
+    return out
+
+
+def _plain(v: Any) -> Any:
+    return [_plain(x) for x in v] if isinstance(v, (list, tuple)) else v
+
+
+def _show(v: Any) -> str:
+    return "null" if v is None else str(list(v) if isinstance(v, tuple) else v)
+
+
+# ------------------------------------------------------------------------------ supersede ----
+
+def supersede_later(out_dir: str | Path, step: int) -> tuple[Path | None, list[str]]:
+    """Move every checkpoint of `out_dir` past `step` (and its checksum file) into a new folder
+    `superseded-<step>-<YYYYmmdd-HHMMSS>/`; returns the folder (None: nothing to move) and the names moved."""
+    out = Path(out_dir)
+    later = [p for s, p in list_checkpoints(out) if s > step]
+    if not later:
+        return None, []
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    folder = out / f"superseded-{step}-{stamp}"
+    n = 1
+    while folder.exists():
+        n += 1
+        folder = out / f"superseded-{step}-{stamp}-{n}"
+    folder.mkdir()
+    for p in later:  # the checkpoint first: killed in between, a checksum file left alone is cleaned next start
+        p.rename(folder / p.name)
+        if not is_sharded(folder / p.name) and sidecar_path(p).is_file():
+            sidecar_path(p).rename(folder / sidecar_path(p).name)
+    fsync_dir(out)
+    return folder, [p.name for p in later]
