@@ -189,7 +189,10 @@ def markdown(run: dict[str, Any], heading: str = "##") -> str:
              + "; ratios are ref time / time (> 1 is faster), the range in brackets is the spread of the "
              "per-round ratios. Every variant uses fused AdamW (eager and torch.compile: torch.optim.AdamW(fused=True)) "
              "unless its name says loop-adamw; glibc's mmap threshold is "
-             + ("pinned in every variant's process (a recompute variant ran, and graphtrain pins it for recompute)"
+             + ("pinned in every variant's process (a recompute variant ran, and graphtrain pins it for recompute). "
+                "Pinned, glibc returns every freed large block to the OS and the next step faults its pages in "
+                "again, so every variant's step is slower than in an unpinned table (measured 1.50x on eager "
+                "gpt2-small, 2-core AVX2 EPYC): compare ratios within this table, not step times across tables"
                 if s.get("pin_mmap") else "left at glibc's default in every process") + ".", "",
              f"MFU = model FLOPs / step time / measured matmul peak: fp32 {_f(peak.get('fp32'), '.3g')} FLOP/s"
              + (f" (the better of aten/MKL {_f(peak.get('fp32_aten'), '.3g')} and oneDNN "
