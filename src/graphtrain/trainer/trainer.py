@@ -107,8 +107,9 @@ class Trainer:
                              f"(max_seq_len={self.spec.max_seq_len}): lower data.seq_len, or set "
                              f"model.max_seq_len={config.data.seq_len}")
         self.init_source = None
-        if config.train.init_from is not None and not (_is_auto(resume) and
-                                                       latest_valid_checkpoint(config.train.out_dir) is not None):
+        # resume "auto" in a run that has checkpoints continues it (fit() picks and verifies the checkpoint, and
+        # refuses when none verifies), so init_from applies only to a fresh start; listing is enough here
+        if config.train.init_from is not None and not (_is_auto(resume) and list_checkpoints(config.train.out_dir)):
             self.init_source, step = load_weights(model, config.train.init_from, config, self._model_spec(), self._log)
             self._log(f"initialised weights from {self.init_source} (step {step} of that run); optimizer and step "
                       f"start fresh")
