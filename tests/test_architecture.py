@@ -14,7 +14,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "src" / "graphtrain"
 LAYERS: list[tuple[str, ...]] = [
     ("cli", "__main__"),
     ("bench",),
-    ("trainer",),
+    ("ops", "export"),
+    ("trainer", "integrations"),
     ("distributed",),
     ("engine",),
     ("memory",),
