@@ -1,5 +1,8 @@
 """The memory optimizer inside the engine: recompute partitioner (every mode), RNG parity with eager, boxed
-backward, resolved provider for stage passes, recompute/peak-memory report, report_for_config."""
+backward, resolved provider for stage passes, recompute/peak-memory report, report_for_config.
+
+The models here compile as one graph (compile_blocks=False): these tests compare the partitioner's modes on a
+whole model's graph; tests/test_engine_blocks.py covers models compiled block by block."""
 from __future__ import annotations
 
 import copy
@@ -84,7 +87,7 @@ def test_aten_dropout_rng_matches_eager_and_backward_has_no_random_op(boxed_grap
     eager's and so would step 2's dropout. The recompute partitioner drops dead random ops that AOTAutograd's
     partitioners copy into the backward (recompute.drop_dead_random_ops)."""
     ref = _gpt2_tiny()
-    m = graphtrain.accelerate(copy.deepcopy(ref), provider="aten", fallback="error", passes=_passes())
+    m = graphtrain.accelerate(copy.deepcopy(ref), compile_blocks=False, provider="aten", fallback="error", passes=_passes())
     losses_e, rng_e = _train(ref, 2)
     losses_g, rng_g = _train(m, 2)
     assert torch.equal(rng_g[0], rng_e[0])  # after one training step
@@ -100,7 +103,7 @@ def test_aten_dropout_rng_matches_eager_and_backward_has_no_random_op(boxed_grap
 @pytest.mark.parametrize("mode", ["selective", "full"])
 def test_recompute_modes_through_accelerate(mode):
     ref = _gpt2_tiny()
-    m = graphtrain.accelerate(copy.deepcopy(ref), provider="aten", fallback="error", recompute=mode,
+    m = graphtrain.accelerate(copy.deepcopy(ref), compile_blocks=False, provider="aten", fallback="error", recompute=mode,
                               passes=_passes())
     for mod in (ref, m):
         torch.manual_seed(5)
@@ -119,7 +122,7 @@ def test_stage_passes_see_the_resolved_provider(monkeypatch):
     monkeypatch.setattr(providers, "resolve_provider", lambda config, ins: "aten")
     torch.manual_seed(0)
     ref = MLP()
-    m = graphtrain.accelerate(copy.deepcopy(ref), provider="auto", fallback="error")
+    m = graphtrain.accelerate(copy.deepcopy(ref), compile_blocks=False, provider="auto", fallback="error")
     x = torch.randn(4, 8)
     for mod in (ref, m):
         (mod(x) * 2 + 1).relu().sum().backward()
@@ -131,7 +134,7 @@ def test_stage_passes_see_the_resolved_provider(monkeypatch):
 
 def test_report_shows_predicted_peak_by_component():
     from graphtrain.memory.predict import param_bytes
-    m = graphtrain.accelerate(_gpt2_tiny(), provider="aten", fallback="error", passes=_passes())
+    m = graphtrain.accelerate(_gpt2_tiny(), compile_blocks=False, provider="aten", fallback="error", passes=_passes())
     m(*_batch(0)).backward()
     rep = graphtrain.report(m)
     mem = rep.graphs[0]["predicted_memory"]
@@ -144,7 +147,7 @@ def test_report_shows_predicted_peak_by_component():
 def test_inductor_recompute_mode_uses_graphtrain_partitioner():
     torch.manual_seed(0)
     ref = MLP(0.1).train()
-    m = graphtrain.accelerate(copy.deepcopy(ref), provider="inductor", fallback="error", recompute="selective",
+    m = graphtrain.accelerate(copy.deepcopy(ref), compile_blocks=False, provider="inductor", fallback="error", recompute="selective",
                               passes=_passes())
     x = torch.randn(16, 8)
     for mod in (ref, m):
@@ -184,7 +187,7 @@ def test_recompute_modes_with_default_fusion_bitwise_equal_to_none(model):
     args = (x, None, None, y) if ref.family == "bert" else (x, y)
     out = {}
     for mode in ("none", "selective", "full"):
-        m = graphtrain.accelerate(copy.deepcopy(ref), provider="aten", fallback="error", recompute=mode)
+        m = graphtrain.accelerate(copy.deepcopy(ref), compile_blocks=False, provider="aten", fallback="error", recompute=mode)
         torch.manual_seed(5)
         loss = m(*args)
         loss.backward()
@@ -206,7 +209,7 @@ def test_full_size_attention_mask_not_saved():
     """fuse_attention passes a causal mask built as masked_fill(zeros_like(scores), ...): batch x heads x seq x
     seq floats that the backward reads. The partitioner rebuilds it at the bool mask's size (seq x seq)."""
     torch.manual_seed(0)
-    m = graphtrain.accelerate(build_model(ModelConfig(name="gpt2-tiny", dropout=0.1)).train(), provider="aten",
+    m = graphtrain.accelerate(build_model(ModelConfig(name="gpt2-tiny", dropout=0.1)).train(), compile_blocks=False, provider="aten",
                               fallback="error")
     B, T, H = 4, 64, 2
     x = torch.randint(0, 512, (B, T))
@@ -221,18 +224,18 @@ def test_auto_through_accelerate_picks_the_first_mode_that_fits():
     torch.manual_seed(0)
     ref = build_model(ModelConfig(name="gpt2-tiny", dropout=0.1)).train()
     x = torch.randint(0, 512, (8, 64))
-    m = graphtrain.accelerate(copy.deepcopy(ref), provider="aten", fallback="error", recompute="auto", memory_budget=1e12)
+    m = graphtrain.accelerate(copy.deepcopy(ref), compile_blocks=False, provider="aten", fallback="error", recompute="auto", memory_budget=1e12)
     m(x, x).backward()
     r = graphtrain.report(m).graphs[0]["recompute"]
     assert r["chosen"] == "none" and [c["name"] for c in r["choices"]] == ["none"]
     peaks = {}
     for mode in ("none", "selective", "full"):
-        mm = graphtrain.accelerate(copy.deepcopy(ref), provider="aten", fallback="error", recompute=mode)
+        mm = graphtrain.accelerate(copy.deepcopy(ref), compile_blocks=False, provider="aten", fallback="error", recompute=mode)
         mm(x, x).backward()
         peaks[mode] = graphtrain.report(mm).graphs[0]["predicted_memory"]["peak"]
     assert peaks["none"] > peaks["selective"] > peaks["full"], peaks
     budget = (peaks["selective"] + peaks["full"]) / 2  # only full fits
-    m = graphtrain.accelerate(copy.deepcopy(ref), provider="aten", fallback="error", recompute="auto", memory_budget=budget)
+    m = graphtrain.accelerate(copy.deepcopy(ref), compile_blocks=False, provider="aten", fallback="error", recompute="auto", memory_budget=budget)
     m(x, x).backward()
     r = graphtrain.report(m).graphs[0]["recompute"]
     assert [c["name"] for c in r["choices"]] == ["none", "selective", "full"] and r["chosen"] == "full", r

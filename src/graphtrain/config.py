@@ -64,6 +64,9 @@ class EngineConfig:
     """Persistent compile cache folder; default ~/.cache/graphtrain/compile."""
     dynamic: bool = False
     """Compile with dynamic shapes instead of recompiling per new input shape."""
+    compile_blocks: bool = True
+    """Compile each repeated block (a ModuleList of identical layers) once and reuse it for every layer, with the
+    code before and after the blocks in graphs of their own; false compiles the model as one graph."""
     debug: bool = False
     """Log each pass's time and op-count diff, and lint every graph after every pass."""
 

@@ -75,26 +75,60 @@ def _pin_cpu_allocator_once(example_inputs: Sequence[Any], config: EngineConfig)
 
 def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: EngineConfig,
                   state: EngineState) -> Callable[..., Any]:
-    """Compile one Dynamo graph (the backend body) through the pipeline; records a GraphRecord on `state`."""
+    """Compile one Dynamo graph (the backend body) through the pipeline; records a GraphRecord on `state` per
+    graph compiled. A graph with repeated-block calls (engine/blocks.py) is compiled piece by piece, each
+    distinct block once."""
+    from graphtrain.engine.blocks import has_block_calls
+
+    apply_policy(config)
+    _pin_cpu_allocator_once(example_inputs, config)
+    if has_block_calls(gm):
+        return _compile_by_blocks(gm, example_inputs, config, state)
+    return _compile_one(gm, example_inputs, config, state)
+
+
+def _compile_by_blocks(gm: fx.GraphModule, example_inputs: Sequence[Any], config: EngineConfig,
+                       state: EngineState) -> Callable[..., Any]:
+    from graphtrain.engine.blocks import ReuseMisbound, check_bindings, compile_by_blocks, inline_blocks
+    from graphtrain.engine.fallback import GraphtrainCaptureError
+
+    frame, _ = _frame_info(gm)
+
+    def piece(g: fx.GraphModule, inputs: list[Any], kinds: list[str], label: str, calls: int) -> Callable[..., Any]:
+        return _compile_one(g, inputs, config, state, kinds=kinds, frame=f"{frame}: {label}", calls=calls)
+
+    kinds = _input_kinds(gm, example_inputs)
+    check_bindings(gm, kinds)  # raises ReuseMisbound: the call wrapper (engine/api.py) captures again
+    try:
+        return compile_by_blocks(gm, example_inputs, kinds, piece)
+    except (GraphtrainCaptureError, ReuseMisbound):
+        raise
+    except Exception as e:  # noqa: BLE001 - the Dynamo graph still runs, eagerly
+        report_fallback(f"per-block compile of {frame}", f"{type(e).__name__}: {str(e)[:500]}", config,
+                        what="runs eagerly (engine.compile_blocks=false compiles it whole)", sink=state.fallbacks)
+        return inline_blocks(gm).forward
+
+
+def _compile_one(gm: fx.GraphModule, example_inputs: Sequence[Any], config: EngineConfig, state: EngineState, *,
+                 kinds: list[str] | None = None, frame: str | None = None, calls: int = 1) -> Callable[..., Any]:
     from graphtrain.engine.pipeline import compile_with_fallback, new_record, run_passes, trace
     from graphtrain.engine.providers import PROVIDERS, resolve_runtime
     from graphtrain.engine.trace import delocalize, dtensor_inputs, localize
 
     t0 = time.perf_counter()
-    apply_policy(config)
-    _pin_cpu_allocator_once(example_inputs, config)
     # Passes see the provider and precision that run the graph, never "auto" (inplace_elementwise runs for
     # aten only; mixed precision needs a dtype).
     config = resolve_runtime(config, example_inputs)
     provider = config.provider
-    frame, raw_compile_id = _frame_info(gm)
+    dynamo_frame, raw_compile_id = _frame_info(gm)
+    frame = frame or dynamo_frame
     # Dynamo counts compiles per code object across all instances; count this module's own compiles.
     ids = sorted({g.notes_compile_id for g in state.graphs if g.frame == frame} | {raw_compile_id})
     frame_compile = ids.index(raw_compile_id)
-    kinds = _input_kinds(gm, example_inputs)
+    kinds = kinds or _input_kinds(gm, example_inputs)
     rec = new_record(f"graph{len(state.graphs)}", frame, example_inputs, kinds, state, frame_compile=frame_compile,
-                     compile_reason=str(getattr(gm, "compile_subgraph_reason", "") or ""))
-    user = [x for x, k in zip(example_inputs, kinds) if k == "input" and x.dim() > 0]
+                     compile_reason=str(getattr(gm, "compile_subgraph_reason", "") or ""), calls_per_step=calls)
+    user = [x for x, k in zip(example_inputs, kinds) if k in ("input", "activation") and x.dim() > 0]
     rec.batch = int(user[0].shape[0]) if user and isinstance(user[0].shape[0], int) else None
     rec.precision = config.precision
     rec.notes_compile_id = raw_compile_id

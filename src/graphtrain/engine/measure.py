@@ -149,9 +149,9 @@ def _child(a: argparse.Namespace) -> dict[str, Any]:
     if a.mode == "accelerate":
         from graphtrain.engine.report import report
         graphs = report(model).graphs
-        if graphs and graphs[0].get("predicted_memory"):
-            predicted = graphs[0]["predicted_memory"]["peak"]
-            phases = graphs[0]["predicted_memory"]["phase_totals"]
+        step = _predicted_memory(model)
+        if step is not None:
+            predicted, phases = step["peak"], step["phase_totals"]
         if graphs and graphs[0].get("recompute"):
             r = graphs[0]["recompute"]
             chose = next((f"{c['name']}: {c['what']}" for c in r["choices"] if c["name"] == r["chosen"]), None)
@@ -171,9 +171,10 @@ def _child(a: argparse.Namespace) -> dict[str, Any]:
 
 
 def _predicted_memory(model: Any) -> dict | None:
-    """The engine's step prediction for the accelerated model's first graph (as graphtrain.report shows it)."""
+    """The engine's step prediction for the accelerated model (as graphtrain.report shows it)."""
+    from graphtrain.engine.report import step_prediction
     graphs = getattr(getattr(model, "_graphtrain", None), "graphs", None) or []
-    return graphs[0].predicted_memory if graphs else None
+    return step_prediction(graphs, model)[0]
 
 
 def _saved_bytes(step: Any, model: Any) -> int:

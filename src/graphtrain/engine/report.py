@@ -114,6 +114,9 @@ class Report:
     graphtrain.memory.process.ProcessPeak as a dict): the resident set measured now, less the trained
     parameters, gradients, optimizer state and batch measured in it, plus the largest predicted step peak of
     the latest graphs (``graph``: its name). None without a step prediction or off Linux."""
+    blocks: list[str] | None = None
+    """The repeated stacks compiled once per block (engine/blocks.py), e.g. "transformer.h (12 x GPT2Block)"."""
+    notes: list[str] | None = None
     fused_ops: list[dict[str, Any]] | None = None
     """The graphtrain ops the passes put into the graphs (``count``, summed over graphs), each with what its
     descriptor tells recompute, mixed precision and the memory predictor (kernels/registry.py)."""
@@ -145,11 +148,18 @@ class Report:
         L.append(f"parameters: trained {p['trained']:,} ({_mib(p['trained_bytes'])}), frozen {p['frozen']:,} "
                  f"({_mib(p['frozen_bytes'])}), buffers {p['buffers']:,} ({_mib(p['buffer_bytes'])})")
         L.append(f"graphs captured: {len(self.graphs)}")
+        if self.blocks:
+            runs = sum(g.get("calls_per_step", 1) for g in self.graphs)
+            L.append(f"  compiled block by block: {', '.join(self.blocks)}; {len(self.graphs)} graphs compiled, "
+                     f"{runs} graph calls per step")
+        L += [f"  note: {n}" for n in self.notes or []]
         for g in self.graphs:
             fw = "-" if g["ops_forward"] is None else g["ops_forward"]
             bw = "-" if g["ops_backward"] is None else g["ops_backward"]
             L.append(f"  {g['name']}: {g['frame']} compile #{g['frame_compile']} -> {g['provider']}, precision "
                      f"{g['precision'] or '?'} ({g['partitioner'] or 'no'} partition), {g['compile_seconds']:.2f} s")
+            if g.get("calls_per_step", 1) > 1:
+                L.append(f"    compiled once, runs {g['calls_per_step']} times per step (once per block)")
             L.append(f"    aten ops: captured {g['ops_captured']} -> after pre-autodiff passes "
                      f"{g['ops_pre_autodiff']}; forward {fw}, backward {bw}")
             if g["grads_computed"] is not None:
@@ -169,6 +179,9 @@ class Report:
                     L += _process_lines(self.process_peak)
             for note in g["notes"]:
                 L.append(f"    note: {note}")
+        if self.process_peak and self.process_peak["graph"] == "all pieces":
+            L.append("step over all graphs (each block's graph once per layer):")
+            L += _memory_lines(self.process_peak["step"]) + _process_lines(self.process_peak)
         if self.saved_activation_bytes_per_sample is not None:
             L.append(f"saved activations: {_mib(self.saved_activation_bytes or 0)} per step, "
                      f"{_mib(self.saved_activation_bytes_per_sample)} per sample")
@@ -218,20 +231,19 @@ def report(module: torch.nn.Module | None = None, *, optimizer: torch.optim.Opti
         a["ops_after"] += r.ops_after
         a["error"] = a["error"] or r.error
     latest = _latest(state.graphs)
-    saved = [g.saved_activation_bytes for g in latest if g.saved_activation_bytes is not None]
+    saved = [g.saved_activation_bytes * g.calls_per_step for g in latest if g.saved_activation_bytes is not None]
     batches = {g.batch for g in latest if g.saved_activation_bytes is not None and g.batch}
     saved_total = sum(saved) if saved else None
     per_sample = saved_total / batches.pop() if saved_total is not None and len(batches) == 1 else None
-    predicted = [g for g in latest if g.predicted_memory]
+    step, name = step_prediction(latest, module)
     process = None
-    if predicted:
-        top = max(predicted, key=lambda g: g.predicted_memory["peak"])
+    if step is not None:
         tensors = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else (batch,)
         try:
-            pp = predict_process_peak(top.predicted_memory, model=module, optimizer=optimizer, batch=tensors)
+            pp = predict_process_peak(step, model=module, optimizer=optimizer, batch=tensors)
         except Exception:  # noqa: BLE001 - an estimate only (odd tensor subclasses): the report goes on without it
             pp = None
-        process = {**pp.to_dict(), "graph": top.name} if pp is not None else None
+        process = {**pp.to_dict(), "graph": name, "step": step} if pp is not None else None
     return Report(
         source=source, config=dataclasses.asdict(state.config),
         graphs=[dataclasses.asdict(g) for g in state.graphs], graph_breaks=list(state.graph_breaks),
@@ -241,7 +253,56 @@ def report(module: torch.nn.Module | None = None, *, optimizer: torch.optim.Opti
         saved_activation_bytes=saved_total, saved_activation_bytes_per_sample=per_sample,
         first_step_seconds=state.first_call_seconds, compile_seconds=sum(g.compile_seconds for g in state.graphs),
         calls=state.calls, eager_only=state.eager_only, machine=capabilities(), process_peak=process,
+        blocks=list(state.blocks), notes=list(state.notes),
         fused_ops=_fused_ops(state.passes))
+
+
+def step_prediction(graphs: list[GraphRecord], module: torch.nn.Module | None = None,
+                    ) -> tuple[dict[str, Any] | None, str]:
+    """(the predicted step peak by component, the graph it comes from) over the latest graphs: composed over the
+    pieces of a model compiled block by block, else the graph with the largest prediction."""
+    predicted = [g for g in _latest(graphs) if g.predicted_memory]
+    if not predicted:
+        return None, ""
+    trained = None if module is None else sum(p.numel() * p.element_size() for p in module.parameters()
+                                              if p.requires_grad)
+    step = composed_prediction(predicted, trained)
+    if step is not None:
+        return step, "all pieces"
+    top = max(predicted, key=lambda g: g.predicted_memory["peak"])
+    return top.predicted_memory, top.name
+
+
+def composed_prediction(graphs: list[Any], trained_bytes: int | None = None) -> dict[str, Any] | None:
+    """One step's predicted peak over a model compiled block by block (engine/blocks.py), from each piece's own
+    prediction (memory/predict.py), None for a model compiled whole. The pieces run in compile order, a block's
+    graph once per layer: the forward holds every earlier piece's saved activations beside the running piece's
+    peak; the backward runs the pieces in reverse, holding the saved activations of the pieces not yet reached
+    and the gradients already produced. `trained_bytes`: the model's trained parameters (counted once; without it
+    a weight two pieces read, such as tied embeddings, counts once per piece)."""
+    if not any(g.calls_per_step > 1 for g in graphs):
+        return None
+    seq = [g.predicted_memory for g in graphs for _ in range(g.calls_per_step)]
+    params = sum(m["params"] for m in seq) if trained_bytes is None else trained_bytes
+    opt_state = int(params * sum(m["optimizer_state"] for m in seq) / max(sum(m["params"] for m in seq), 1))
+    batch = sum(m["batch_inputs"] for m in seq)
+    held = fw_peak = 0
+    for m in seq:
+        fw_peak = max(fw_peak, held + m["forward_graph_peak"])
+        held += m["saved_activations"]
+    saved_total, grads_done, bw_peak = held, 0, 0
+    for m in reversed(seq):
+        held -= m["saved_activations"]
+        bw_peak = max(bw_peak, held + grads_done + m["backward_graph_peak"])
+        grads_done += m["grads"]
+    opt_temp = sum(m["optimizer_temp"] for m in seq)
+    base = params + opt_state + batch
+    totals = {"forward": base + fw_peak, "backward": base + bw_peak, "optimizer": base + params + opt_temp}
+    phase = max(totals, key=totals.get)
+    return dict(peak=totals[phase], peak_phase=phase, params=params, grads=params, optimizer_state=opt_state,
+                batch_inputs=batch, saved_activations=saved_total, forward_graph_peak=fw_peak,
+                backward_graph_peak=bw_peak, optimizer_temp=opt_temp, phase_totals=totals, peak_node={},
+                optimizer=seq[0].get("optimizer", "adamw"))
 
 
 def _fused_ops(records: list[Any]) -> list[dict[str, Any]]:

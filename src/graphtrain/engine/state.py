@@ -21,7 +21,8 @@ class GraphRecord:
     frame: str                      # the Python function Dynamo captured
     frame_compile: int              # 0 for the first compile of this frame, n for its n-th recompile
     input_shapes: list[Any]
-    input_kinds: list[str]          # per placeholder: param | frozen | buffer | input | symint
+    input_kinds: list[str]          # per placeholder: param | frozen | buffer | input | symint | activation
+                                    # (activation: another piece's output, engine/blocks.py)
     ops_captured: int = 0           # aten ops right after tracing, before any pass
     ops_pre_autodiff: int = 0       # aten ops after the pre_autodiff passes
     ops_forward: int | None = None  # ops of the partitioned forward / backward graphs after their passes
@@ -43,6 +44,7 @@ class GraphRecord:
     # graphtrain.memory.predict.predict_peak), from the partitioned fw/bw graphs after their passes.
     predicted_memory: dict[str, Any] | None = None
     compile_seconds: float = 0.0
+    calls_per_step: int = 1         # a repeated block's graph runs once per layer (engine/blocks.py)
     compile_reason: str = ""        # why Dynamo ended this graph (graph break or end of frame)
     notes_compile_id: int = 0       # Dynamo's per-code-object compile counter (shared across instances)
     notes: list[str] = field(default_factory=list)
@@ -56,6 +58,9 @@ class EngineState:
     graph_breaks: list[str] = field(default_factory=list)
     fallbacks: list[tuple[str, str]] = field(default_factory=list)
     recompute: list[Any] = field(default_factory=list)  # every RecomputeRecord, in compile order
+    blocks: list[str] = field(default_factory=list)  # repeated stacks compiled once per block (engine/blocks.py)
+    block_reuse: bool = True        # Dynamo may stamp out a traced block (false once it bound the wrong weights)
+    notes: list[str] = field(default_factory=list)
     calls: int = 0
     first_call_seconds: float | None = None
     eager_only: bool = False        # capture failed; the module runs eagerly from now on

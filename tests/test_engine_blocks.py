@@ -1,0 +1,137 @@
+"""Repeated blocks compile once (engine/blocks.py): parity with eager, one block graph for any depth, the
+fallbacks, and Hugging Face models (no KV cache built in training)."""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import graphtrain
+from graphtrain.testing import assert_close, assert_grads_close
+
+HAS_HF = importlib.util.find_spec("transformers") is not None
+# The engine's own passes only: fused kernels draw dropout masks their own way (not eager's stream).
+ENGINE_ONLY = {name: False for name in ("fuse_attention", "fuse_cross_entropy", "fuse_linear_cross_entropy",
+                                        "fuse_bias_dropout_add", "fuse_bias_gelu", "fuse_layer_norm",
+                                        "fuse_rms_norm", "inplace_elementwise")}
+
+
+class Block(nn.Module):
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.ln, self.fc, self.out, self.drop = nn.LayerNorm(d), nn.Linear(d, 2 * d), nn.Linear(2 * d, d), nn.Dropout(0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.drop(self.out(F.gelu(self.fc(self.ln(x)))))
+
+
+class Stack(nn.Module):
+    """Blocks called from a plain `for block in self.blocks` loop (Dynamo's block reuse mis-binds weights there)."""
+
+    def __init__(self, layers: int = 3, d: int = 32, vocab: int = 64) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(Block(d) for _ in range(layers))
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)
+        for block in self.blocks:
+            x = block(x)
+        return F.cross_entropy(self.head(x).flatten(0, 1), idx.flatten())
+
+
+def _pair(layers: int = 3, **accel):
+    torch.manual_seed(0)
+    ref = Stack(layers).train()
+    m = Stack(layers).train()
+    m.load_state_dict(ref.state_dict())
+    accel.setdefault("passes", ENGINE_ONLY)
+    accel.setdefault("fallback", "error")
+    return ref, graphtrain.accelerate(m, provider="aten", **accel)
+
+
+def _steps(ref, m, steps: int = 2):
+    idx = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    for seed in range(steps):
+        losses = []
+        for mod in (ref, m):
+            mod.zero_grad(set_to_none=True)
+            torch.manual_seed(seed)
+            loss = mod(idx)
+            loss.backward()
+            losses.append(loss.detach())
+        assert_close(losses[1], losses[0], name=f"loss (step {seed})", bitwise=True)
+        assert_grads_close(m, ref, bitwise=True)
+
+
+def test_blocks_compile_once_and_match_eager_bitwise():
+    ref, m = _pair(layers=3)
+    _steps(ref, m)
+    rep = graphtrain.report(m)
+    assert rep.blocks == ["blocks (3 x Block)"], str(rep)
+    block = [g for g in rep.graphs if g["calls_per_step"] > 1]
+    assert len(block) == 1 and block[0]["calls_per_step"] == 3, str(rep)
+    assert "compiled block by block" in str(rep) and "runs 3 times per step" in str(rep)
+    assert not rep.fallbacks
+
+
+def test_graph_count_does_not_grow_with_depth():
+    counts = {}
+    for layers in (2, 5):
+        ref, m = _pair(layers=layers)
+        _steps(ref, m, steps=1)
+        rep = graphtrain.report(m)
+        counts[layers] = (len(rep.graphs), sum(g["calls_per_step"] for g in rep.graphs))
+    assert counts[2][0] == counts[5][0], counts  # the same graphs compiled ...
+    assert counts[5][1] - counts[2][1] == 3, counts  # ... the block's run three more times
+
+
+def test_whole_graph_when_asked_or_when_recompute_needs_it():
+    _, m = _pair(compile_blocks=False)
+    m(torch.randint(0, 64, (2, 8))).backward()
+    rep = graphtrain.report(m)
+    assert len(rep.graphs) == 1 and not rep.blocks
+    _, m = _pair(recompute="full")
+    m(torch.randint(0, 64, (2, 8))).backward()
+    rep = graphtrain.report(m)
+    assert len(rep.graphs) == 1 and any("recompute=full" in n for n in rep.notes), str(rep)
+
+
+def test_failed_block_split_runs_eagerly_with_one_warning(monkeypatch):
+    import graphtrain.engine.blocks as blocks
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("split failed on purpose")
+
+    monkeypatch.setattr(blocks, "compile_by_blocks", broken)
+    ref, m = _pair(fallback="warn")
+    with pytest.warns(UserWarning, match="per-block compile"):
+        _steps(ref, m, steps=1)
+    assert any("split failed on purpose" in why for _, why in graphtrain.report(m).fallbacks)
+
+
+@pytest.mark.skipif(not HAS_HF, reason="transformers not installed")
+def test_hugging_face_gpt2_blocks_match_eager_and_build_no_kv_cache():
+    import transformers
+    cfg = transformers.GPT2Config(n_layer=3, n_embd=32, n_head=2, vocab_size=128, n_positions=32, resid_pdrop=0.0,
+                                  embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    ref = transformers.GPT2LMHeadModel(cfg).train()
+    m = transformers.GPT2LMHeadModel(cfg).train()
+    m.load_state_dict(ref.state_dict())
+    m = graphtrain.accelerate(m, provider="aten", fallback="error")
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    outs = [mod(input_ids=ids, labels=ids) for mod in (ref, m)]
+    for o in outs:
+        o.loss.backward()
+    assert_close(outs[1].loss, outs[0].loss, name="loss", rtol=1e-5, atol=1e-6)
+    assert_grads_close(m, ref, rtol=1e-4, atol=1e-5)
+    assert outs[1].past_key_values is None  # training mode: no KV cache (the eager reference builds one)
+    rep = graphtrain.report(m)
+    assert rep.blocks == ["transformer.h (3 x GPT2Block)"], str(rep)
+    assert [g["calls_per_step"] for g in rep.graphs].count(3) == 1, str(rep)
+    assert not rep.graph_breaks and not rep.fallbacks, str(rep)
