@@ -335,6 +335,59 @@ def report_for_config(config: Config) -> Any:
     return report(model)
 
 
+def add_precompile_arguments(p: argparse.ArgumentParser) -> None:
+    _add_config_items(p)
+    p.add_argument("--json", action="store_true", help="print the engine's report as JSON instead of text")
+
+
+def run_precompile(args: argparse.Namespace) -> int:
+    import json
+
+    rep, seconds = precompile_for_config(load_config(args.items))
+    if args.json:
+        print(json.dumps(rep.to_dict(), indent=2, default=str))
+        return 0
+    c = rep.cache or {}
+    print(f"precompiled in {seconds:.1f} s: {len(rep.graphs)} graphs into {c.get('folder')}\n"
+          f"  graphtrain pass results stored: {c.get('passes_miss', 0)} (already there: {c.get('passes_hit', 0)}); "
+          f"Inductor FX graphs compiled: {c.get('fxgraph_miss', 0)} (already there: {c.get('fxgraph_hit', 0)})\n"
+          f"  a `graphtrain train` of the same job on this machine now starts from the cache")
+    print(rep.summary())
+    return 0
+
+
+def precompile_for_config(config: Config) -> tuple[Any, float]:
+    """Fill the compile caches for `config`'s job (``graphtrain precompile CONFIG``): the job's own Trainer runs one
+    training step and one evaluation in a scratch folder, so exactly the graphs `graphtrain train` compiles
+    (training step, eval forward, whole step) are compiled and cached, then the folder is removed. Returns (the
+    engine's report, seconds)."""
+    import contextlib
+    import shutil
+    import tempfile
+    import time
+
+    from graphtrain.engine.report import report
+    from graphtrain.trainer import Trainer
+
+    if config.parallel.world_size > 1:
+        raise ValueError(f"graphtrain precompile runs one process; parallel.dp*tp*pp = {config.parallel.world_size}: "
+                         f"each rank compiles its own graphs at the start of the job")
+    if not config.train.accelerate:
+        raise ValueError("train.accelerate is false: the job compiles nothing, there is nothing to precompile")
+    scratch = tempfile.mkdtemp(prefix="graphtrain-precompile-")
+    try:
+        job = config.with_overrides({"train.steps": 1, "train.eval_every": 0, "train.eval_batches": 1,
+                                     "train.ckpt_every": 0, "train.out_dir": scratch, "train.progress": False,
+                                     "train.sample_tokens": 0, "train.init_from": None})
+        t0 = time.perf_counter()
+        with contextlib.redirect_stdout(sys.stderr):  # the scratch run's log is not the command's output
+            trainer = Trainer(job)
+            trainer.fit()
+        return report(trainer.model), time.perf_counter() - t0
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
 def _check_job(config: Config, who: str) -> Config:
     """The Trainer's checks, before anything is built or compiled."""
     from graphtrain.models import resolve_spec
@@ -437,6 +490,9 @@ SUBCOMMANDS: dict[str, Subcommand] = {
                          "and/or overrides, print the resolved job instead", add_config_arguments, run_config),
     "report": Subcommand("build the configured model, run one accelerated training step and print what the engine "
                          "did: graphs, breaks, passes, providers, memory", add_report_arguments, run_report),
+    "precompile": Subcommand("fill the compile cache for a job before it runs (one training step and one "
+                             "evaluation in a scratch folder); the job then starts from the cache",
+                             add_precompile_arguments, run_precompile),
     "bisect": Subcommand("find the first pass, fused op or provider that takes the configured model's loss or "
                          "gradients out of tolerance of eager PyTorch", add_bisect_arguments, run_bisect),
     "bench": Subcommand("compare eager PyTorch, torch.compile and graphtrain training steps side by side",

@@ -140,6 +140,8 @@ def _compile_one(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Engi
     sharded = dtensor_inputs(example_inputs)
     if _has_grad_mode_changes(gm):
         rec.notes.append("graph switches grad mode inside (no_grad region): pre-autodiff passes skipped")
+    elif not sharded and (cached := _cached_passes(gm, example_inputs, kinds, config, state, rec)) is not None:
+        graph = cached
     else:
         try:
             local, trace_inputs = localize(gm, example_inputs, sharded) if sharded else (gm, list(example_inputs))
@@ -148,8 +150,13 @@ def _compile_one(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Engi
             report_fallback(f"tracing {rec.name} ({frame}) to aten", f"{type(e).__name__}: {e}", config,
                             what="is compiled without pre-autodiff passes", sink=state.fallbacks)
         else:
+            n_records = len(state.passes)
             traced = run_passes(traced, "pre_autodiff", config, state, rec, example_inputs=trace_inputs,
                                 input_kinds=kinds)
+            if not sharded and rec.pass_cache == "miss":
+                from graphtrain.engine.cache import save_pass_result
+                traced = save_pass_result(config, rec.pass_cache_key, traced, state.passes[n_records:],
+                                          rec.ops_captured, rec.ops_pre_autodiff)
             graph = delocalize(traced, sharded) if sharded else traced
             if sharded:
                 rec.notes.append(f"{len(sharded)} DTensor parameters traced on their local shards")
@@ -162,6 +169,26 @@ def _compile_one(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Engi
         part=f"{rec.name} ({frame})", config=config, state=state, eager=gm.forward)
     rec.compile_seconds = time.perf_counter() - t0
     return compiled
+
+
+def _cached_passes(gm: fx.GraphModule, example_inputs: Sequence[Any], kinds: list[str], config: EngineConfig,
+                   state: EngineState, rec: Any) -> fx.GraphModule | None:
+    """The pre-autodiff result of an identical graph compiled before (engine/cache.py), its pass records added to
+    `state` as if the passes had run; None on a miss (`rec.pass_cache` says which)."""
+    from graphtrain.engine.cache import load_pass_result, pass_cache_key
+    try:
+        rec.pass_cache_key = pass_cache_key(gm, example_inputs, kinds, config)
+    except Exception:  # noqa: BLE001 - an input the key cannot describe: no caching for this graph
+        rec.pass_cache = "off"
+        return None
+    hit = load_pass_result(config, rec.pass_cache_key)
+    if hit is None:
+        rec.pass_cache = "miss"
+        return None
+    graph, records, rec.ops_captured, rec.ops_pre_autodiff = hit
+    state.passes.extend(records)
+    rec.pass_cache = "hit"
+    return graph
 
 
 def make_backend(config: EngineConfig, state: EngineState) -> Callable[..., Any]:

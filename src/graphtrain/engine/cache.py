@@ -1,4 +1,5 @@
-"""The persistent compile cache: Inductor's FX-graph cache and AOTAutograd cache under one folder.
+"""The persistent compile cache: Inductor's FX-graph cache, AOTAutograd cache and graphtrain's pass results under
+one folder.
 
 Root: ``engine.cache_dir``, else ``$GRAPHTRAIN_CACHE/compile``, else ``~/.cache/graphtrain/compile``.
 Inductor reads ``TORCHINDUCTOR_CACHE_DIR`` on every lookup, so pointing it there before the first compile
@@ -16,8 +17,12 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Sequence
 
 from graphtrain.config import EngineConfig
+
+if TYPE_CHECKING:
+    import torch.fx as fx
 
 
 def cache_root(config: EngineConfig) -> Path:
@@ -51,3 +56,115 @@ def _user_set_inductor_cache() -> bool:
         return False
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
     return os.path.abspath(value) != os.path.abspath(default_cache_dir())
+
+
+# ----------------------------------------------------------------------- graphtrain's pass results --
+# Inductor's caches start after our pre-autodiff stage (their key is the graph our passes hand over), so a warm
+# process would still trace every graph to aten and run every pass. We keep the optimized graph itself, keyed by
+# everything that decides it: the Dynamo graph's code and constants, its inputs' metadata and kinds, the engine
+# config, graphtrain's own source, torch's version and the machine's CPU capability. Hand-written because no
+# torch cache covers a backend's own passes; the format is FX's own GraphModule pickle.
+
+_SOURCE_DIGEST: str | None = None
+PASS_CACHE_VERSION = 1
+
+
+def _source_digest() -> str:
+    """sha256 over graphtrain's Python sources: any change to a pass, kernel or the pipeline is a new key."""
+    global _SOURCE_DIGEST
+    if _SOURCE_DIGEST is None:
+        import hashlib
+        root = Path(__file__).resolve().parent.parent
+        h = hashlib.sha256()
+        for path in sorted(root.rglob("*.py")):
+            h.update(str(path.relative_to(root)).encode())
+            h.update(path.read_bytes())
+        _SOURCE_DIGEST = h.hexdigest()
+    return _SOURCE_DIGEST
+
+
+def pass_cache_key(gm: "fx.GraphModule", example_inputs: "Sequence[Any]", kinds: "Sequence[str]",
+                   config: EngineConfig) -> str:
+    """The key of `gm`'s pre-autodiff result under `config` (a hex digest)."""
+    import dataclasses
+    import hashlib
+    import platform
+
+    import torch
+
+    h = hashlib.sha256()
+    h.update(f"v{PASS_CACHE_VERSION} torch {torch.__version__} {platform.machine()} "
+             f"{torch.backends.cpu.get_cpu_capability()} {_source_digest()}\n".encode())
+    h.update(_machine_and_passes(config).encode())
+    h.update(gm.code.encode())
+    for node in gm.graph.nodes:  # constants the code only names
+        if node.op == "get_attr":
+            value = getattr(gm, str(node.target), None)
+            if isinstance(value, torch.Tensor):
+                h.update(f"{node.target} {tuple(value.shape)} {value.dtype}".encode())
+                h.update(value.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    for x, kind in zip(example_inputs, kinds):
+        if isinstance(x, torch.Tensor):
+            h.update(f"{kind} {tuple(x.shape)} {x.stride()} {x.dtype} {x.device.type} {x.requires_grad}\n".encode())
+        else:
+            h.update(f"{kind} {type(x).__name__} {x!r}\n".encode())
+    settings = {k: v for k, v in dataclasses.asdict(config).items() if k not in ("cache_dir", "debug")}
+    h.update(repr(sorted(settings.items())).encode())
+    return h.hexdigest()
+
+
+def _machine_and_passes(config: EngineConfig) -> str:
+    """What else decides a pass result: the kernel library each capability picked (a simulated smaller CPU
+    included), and the code of every pass the pipeline runs (a pass replaced at run time, as tests do, is a
+    different pass)."""
+    import hashlib
+
+    from graphtrain.kernels import capabilities
+    from graphtrain.passes.manager import pipeline
+    caps = {k: v for k, v in capabilities().items() if k not in ("runtime_fallbacks", "cpp_kernels")}
+    h = hashlib.sha256(repr(sorted(caps.items())).encode())
+    for stage in ("pre_autodiff", "forward", "backward"):
+        for spec in pipeline(stage, config):
+            code = getattr(spec.fn, "__code__", None)
+            h.update(f"{stage}:{spec.name}:{getattr(spec.fn, '__qualname__', '')}".encode())
+            h.update(code.co_code if code is not None else repr(spec.fn).encode())
+    return h.hexdigest()
+
+
+def load_pass_result(config: EngineConfig, key: str) -> "tuple[fx.GraphModule, list[Any], int, int] | None":
+    """(graph, pass records, ops captured, ops after) stored under `key`, or None (absent, or unreadable: then
+    the graph is simply traced again)."""
+    import pickle
+    path = cache_root(config) / "passes" / f"{key}.pkl"
+    try:
+        with open(path, "rb") as f:
+            # Our own file in the user's cache folder, written by save_pass_result (as Inductor's own FX-graph
+            # cache is a pickle in the same folder).
+            return pickle.load(f)  # noqa: S301
+    except FileNotFoundError:
+        return None
+    except Exception:  # noqa: BLE001 - a truncated or stale entry: recompute and overwrite it
+        return None
+
+
+def save_pass_result(config: EngineConfig, key: str, gm: "fx.GraphModule", records: list[Any], ops_captured: int,
+                     ops_after: int) -> "fx.GraphModule":
+    """Store the optimized graph atomically (a reader never sees half a file) and return the graph as a later
+    process will load it: compile that one, so this process and the next hand Inductor the same graph and share
+    its cache entries (a freshly traced graph and its pickled copy differ in node metadata, which Inductor's and
+    AOTAutograd's keys see: measured, every entry missed once more). A graph that does not pickle is not cached
+    and comes back as it is."""
+    import pickle
+    import tempfile
+    folder = cache_root(config) / "passes"
+    try:
+        data = pickle.dumps((gm, records, ops_captured, ops_after))
+        loaded = pickle.loads(data)[0]  # noqa: S301 - the bytes we just made
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, folder / f"{key}.pkl")
+    except Exception:  # noqa: BLE001 - caching is an optimization; the compile goes on
+        return gm
+    return loaded

@@ -114,6 +114,9 @@ class Report:
     graphtrain.memory.process.ProcessPeak as a dict): the resident set measured now, less the trained
     parameters, gradients, optimizer state and batch measured in it, plus the largest predicted step peak of
     the latest graphs (``graph``: its name). None without a step prediction or off Linux."""
+    cache: dict[str, Any] | None = None
+    """Compile-cache hits and misses: graphtrain's pass results (this module's graphs), Inductor's FX graphs and
+    AOTAutograd's entries (this process), and the cache folder."""
     blocks: list[str] | None = None
     """The repeated stacks compiled once per block (engine/blocks.py), e.g. "transformer.h (12 x GPT2Block)"."""
     notes: list[str] | None = None
@@ -148,6 +151,11 @@ class Report:
         L.append(f"parameters: trained {p['trained']:,} ({_mib(p['trained_bytes'])}), frozen {p['frozen']:,} "
                  f"({_mib(p['frozen_bytes'])}), buffers {p['buffers']:,} ({_mib(p['buffer_bytes'])})")
         L.append(f"graphs captured: {len(self.graphs)}")
+        if self.cache:
+            c = self.cache
+            L.append(f"  compile cache {c['folder']}: graphtrain pass results {c['passes_hit']} hit, "
+                     f"{c['passes_miss']} miss; Inductor FX graphs {c['fxgraph_hit']} hit, {c['fxgraph_miss']} miss; "
+                     f"AOTAutograd {c['aot_hit']} hit, {c['aot_miss']} miss (this process)")
         if self.blocks:
             runs = sum(g.get("calls_per_step", 1) for g in self.graphs)
             L.append(f"  compiled block by block: {', '.join(self.blocks)}; {len(self.graphs)} graphs compiled, "
@@ -253,8 +261,21 @@ def report(module: torch.nn.Module | None = None, *, optimizer: torch.optim.Opti
         saved_activation_bytes=saved_total, saved_activation_bytes_per_sample=per_sample,
         first_step_seconds=state.first_call_seconds, compile_seconds=sum(g.compile_seconds for g in state.graphs),
         calls=state.calls, eager_only=state.eager_only, machine=capabilities(), process_peak=process,
-        blocks=list(state.blocks), notes=list(state.notes),
+        blocks=list(state.blocks), notes=list(state.notes), cache=_cache_stats(state),
         fused_ops=_fused_ops(state.passes))
+
+
+def _cache_stats(state: EngineState) -> dict[str, Any]:
+    from torch._dynamo.utils import counters
+
+    from graphtrain.engine.cache import cache_root
+    return dict(folder=str(cache_root(state.config)),
+                passes_hit=sum(g.pass_cache == "hit" for g in state.graphs),
+                passes_miss=sum(g.pass_cache == "miss" for g in state.graphs),
+                fxgraph_hit=counters["inductor"]["fxgraph_cache_hit"],
+                fxgraph_miss=counters["inductor"]["fxgraph_cache_miss"],
+                aot_hit=counters["aot_autograd"]["autograd_cache_hit"],
+                aot_miss=counters["aot_autograd"]["autograd_cache_miss"])
 
 
 def step_prediction(graphs: list[GraphRecord], module: torch.nn.Module | None = None,

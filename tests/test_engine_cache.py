@@ -1,0 +1,51 @@
+"""The persistent compile cache: a second process starts its first step from it (graphtrain's pass results,
+Inductor's FX graphs, AOTAutograd), filled ahead of a job by `graphtrain precompile`."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+TINY = ["model.name=gpt2-tiny", "data.seq_len=32", "data.vocab_size=512", "data.max_bytes=200000",
+        "train.batch_size=2", "train.threads=1", "train.progress=false"]
+
+
+def _precompile(tmp_path, *items: str) -> dict:
+    env = {**os.environ, "GRAPHTRAIN_CACHE": str(tmp_path / "cache")}
+    proc = subprocess.run([sys.executable, "-m", "graphtrain", "precompile", *TINY, *items, "--json"],
+                          capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout)
+
+
+def test_second_process_reuses_the_pass_results(tmp_path):
+    first = _precompile(tmp_path, "engine.provider=aten")
+    second = _precompile(tmp_path, "engine.provider=aten")
+    n = len(first["graphs"])
+    assert n >= 3 and first["cache"]["passes_miss"] == n and first["cache"]["passes_hit"] == 0, first["cache"]
+    assert second["cache"]["passes_hit"] == n and second["cache"]["passes_miss"] == 0, second["cache"]
+    assert [g["pass_cache"] for g in second["graphs"]] == ["hit"] * n
+    # the cached graphs are the optimized ones: the same fused ops, the same op counts
+    assert second["fused_ops"] == first["fused_ops"] and second["fused_ops"], second["fused_ops"]
+    assert [g["ops_pre_autodiff"] for g in second["graphs"]] == [g["ops_pre_autodiff"] for g in first["graphs"]]
+
+
+@pytest.mark.slow
+def test_second_process_compiles_nothing_with_inductor(tmp_path):
+    first = _precompile(tmp_path, "engine.provider=inductor")
+    second = _precompile(tmp_path, "engine.provider=inductor")
+    assert first["cache"]["fxgraph_miss"] > 0 and first["cache"]["aot_miss"] > 0, first["cache"]
+    c = second["cache"]
+    assert c["passes_miss"] == 0 and c["fxgraph_miss"] == 0 and c["aot_miss"] == 0, c
+    assert c["aot_hit"] == first["cache"]["aot_miss"], c
+    assert second["first_step_seconds"] < first["first_step_seconds"]
+
+
+def test_precompile_refuses_a_job_that_compiles_nothing(tmp_path):
+    env = {**os.environ, "GRAPHTRAIN_CACHE": str(tmp_path / "cache")}
+    proc = subprocess.run([sys.executable, "-m", "graphtrain", "precompile", *TINY, "train.accelerate=false"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 2 and "nothing to precompile" in proc.stderr, proc.stderr
