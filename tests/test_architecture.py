@@ -176,4 +176,4 @@ def test_the_checker_sees_lazy_and_relative_imports(tmp_path):
     found = sorted(t for _, t in _imports("graphtrain.memory.m", src))
     assert found == ["graphtrain", "graphtrain.engine.api", "graphtrain.fallback", "graphtrain.memory.predict"], found
     names, top = _facade_names()
-    assert names["accelerate"] == "graphtrain.engine.api" and LAYERS[top] == ("trainer",)  # graphtrain.Trainer
+    assert names["accelerate"] == "graphtrain.engine.api" and "trainer" in LAYERS[top]  # graphtrain.Trainer
