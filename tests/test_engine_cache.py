@@ -49,3 +49,25 @@ def test_precompile_refuses_a_job_that_compiles_nothing(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "graphtrain", "precompile", *TINY, "train.accelerate=false"],
                           capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 2 and "nothing to precompile" in proc.stderr, proc.stderr
+
+
+def test_stored_graph_keeps_ops_without_inputs_random():
+    """Regression: FX's own GraphModule pickle re-traces the code on load and froze a dropout mask (an op chain
+    with no graph input) into a constant. The stored graph must draw a new mask on every call."""
+    import pickle
+
+    import torch
+    import torch.fx as fx
+
+    from graphtrain.engine.cache import _decode_graph, _encode_graph
+    from graphtrain.engine.pipeline import trace
+    gm = trace(fx.symbolic_trace(lambda x: torch.nn.functional.dropout(x, 0.5, True) + torch.arange(8.0)),
+               [torch.randn(8, 8)])
+    loaded = _decode_graph(pickle.loads(pickle.dumps(_encode_graph(gm))))
+    x = torch.ones(8, 8)
+    torch.manual_seed(0)
+    a = gm(x)
+    torch.manual_seed(0)
+    b = loaded(x)
+    assert torch.equal(a, b)  # the same ops, the same random stream
+    assert not torch.equal(loaded(x), b)  # and a fresh mask on the next call

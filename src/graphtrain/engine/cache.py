@@ -63,7 +63,10 @@ def _user_set_inductor_cache() -> bool:
 # process would still trace every graph to aten and run every pass. We keep the optimized graph itself, keyed by
 # everything that decides it: the Dynamo graph's code and constants, its inputs' metadata and kinds, the engine
 # config, graphtrain's own source, torch's version and the machine's CPU capability. Hand-written because no
-# torch cache covers a backend's own passes; the format is FX's own GraphModule pickle.
+# torch cache covers a backend's own passes. The graph is stored node by node (_encode_graph): FX's own
+# GraphModule pickle re-traces the generated code on load, which runs every op that takes no graph input (a
+# dropout's `empty`/`bernoulli`, an `arange`) and bakes its result in as a constant (measured: a dropout mask
+# frozen into the graph).
 
 _SOURCE_DIGEST: str | None = None
 PASS_CACHE_VERSION = 1
@@ -140,7 +143,8 @@ def load_pass_result(config: EngineConfig, key: str) -> "tuple[fx.GraphModule, l
         with open(path, "rb") as f:
             # Our own file in the user's cache folder, written by save_pass_result (as Inductor's own FX-graph
             # cache is a pickle in the same folder).
-            return pickle.load(f)  # noqa: S301
+            encoded, records, ops_captured, ops_after = pickle.load(f)  # noqa: S301
+        return _decode_graph(encoded), records, ops_captured, ops_after
     except FileNotFoundError:
         return None
     except Exception:  # noqa: BLE001 - a truncated or stale entry: recompute and overwrite it
@@ -158,8 +162,8 @@ def save_pass_result(config: EngineConfig, key: str, gm: "fx.GraphModule", recor
     import tempfile
     folder = cache_root(config) / "passes"
     try:
-        data = pickle.dumps((gm, records, ops_captured, ops_after))
-        loaded = pickle.loads(data)[0]  # noqa: S301 - the bytes we just made
+        data = pickle.dumps((_encode_graph(gm), records, ops_captured, ops_after))
+        loaded = _decode_graph(pickle.loads(data)[0])  # noqa: S301 - the bytes we just made
         folder.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
         with os.fdopen(fd, "wb") as f:
@@ -168,3 +172,84 @@ def save_pass_result(config: EngineConfig, key: str, gm: "fx.GraphModule", recor
     except Exception:  # noqa: BLE001 - caching is an optimization; the compile goes on
         return gm
     return loaded
+
+
+class _Ref:
+    """A node (by name) or a callable (by where it is defined) inside an encoded graph."""
+
+    def __init__(self, kind: str, value: Any) -> None:
+        self.kind, self.value = kind, value
+
+
+def _encode_target(target: Any) -> Any:
+    import torch
+    if isinstance(target, str):
+        return target
+    if isinstance(target, torch._ops.OpOverload):
+        return _Ref("op", (target.namespace, target._opname, target._overloadname))
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return _Ref("packet", (target._qualified_op_name.split("::")[0], target.__name__.split(".")[-1]))
+    module, name = getattr(target, "__module__", None), getattr(target, "__qualname__", None)
+    if not module or not name or "<" in name:
+        raise TypeError(f"cannot name {target!r}")
+    return _Ref("py", (module, name))
+
+
+def _decode_target(ref: Any) -> Any:
+    import importlib
+
+    import torch
+    if not isinstance(ref, _Ref):
+        return ref
+    if ref.kind == "op":
+        ns, op, overload = ref.value
+        return getattr(getattr(getattr(torch.ops, ns), op), overload)
+    if ref.kind == "packet":
+        ns, op = ref.value
+        return getattr(getattr(torch.ops, ns), op)
+    module, name = ref.value
+    obj: Any = importlib.import_module(module)
+    for part in name.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _encode_graph(gm: "fx.GraphModule") -> dict[str, Any]:
+    """`gm` as plain picklable data: each node's op, name, target and arguments (nodes by name), and the tensors
+    its get_attr nodes read. Node metadata is not kept (AOTAutograd traces the graph again anyway)."""
+    import torch
+    import torch.fx as fx
+
+    def arg(a: Any) -> Any:
+        return fx.node.map_arg(a, lambda n: _Ref("node", n.name))
+
+    nodes, attrs = [], {}
+    for n in gm.graph.nodes:
+        if n.op == "get_attr":
+            value = getattr(gm, str(n.target))
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(f"get_attr {n.target} is a {type(value).__name__}")
+            attrs[str(n.target)] = value.detach().clone()
+        nodes.append((n.op, n.name, _encode_target(n.target), arg(n.args), arg(n.kwargs)))
+    return {"nodes": nodes, "attrs": attrs}
+
+
+def _decode_graph(data: dict[str, Any]) -> "fx.GraphModule":
+    import torch.fx as fx
+
+    graph = fx.Graph()
+    env: dict[str, fx.Node] = {}
+
+    def arg(a: Any) -> Any:
+        if isinstance(a, _Ref):
+            return env[a.value]
+        if isinstance(a, (list, tuple)):
+            return type(a)(arg(x) for x in a)
+        if isinstance(a, dict):
+            return {k: arg(v) for k, v in a.items()}
+        return a
+
+    for op, name, target, args, kwargs in data["nodes"]:
+        node = graph.create_node(op, _decode_target(target), arg(args), arg(kwargs), name=name)
+        env[name] = node
+    return fx.GraphModule(dict(data["attrs"]), graph)  # a dict root: get_attr targets (dotted too) from it
