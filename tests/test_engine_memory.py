@@ -117,9 +117,10 @@ def test_recompute_modes_through_accelerate(mode):
 
 
 def test_stage_passes_see_the_resolved_provider(monkeypatch):
-    """With provider=auto resolving to aten, inplace_elementwise (aten only) must run."""
-    from graphtrain.engine import providers
+    """With provider=auto choosing aten, inplace_elementwise (aten only) must run."""
+    from graphtrain.engine import choose, providers
     monkeypatch.setattr(providers, "resolve_provider", lambda config, ins: "aten")
+    monkeypatch.setattr(choose, "CANDIDATES", ("aten",))
     torch.manual_seed(0)
     ref = MLP()
     m = graphtrain.accelerate(copy.deepcopy(ref), compile_blocks=False, provider="auto", fallback="error")

@@ -201,7 +201,8 @@ def test_end_to_end_through_accelerate():
     ref_loss = ref(ids, labels)
     ref_loss.backward()
     records = [r for r in model._graphtrain.passes if r.name == "apply_mixed_precision"]
-    assert records and records[0].rewrites > 0 and records[0].error is None
+    # one record per graph (the model compiles block by block): the blocks' matmuls are rewritten
+    assert records and sum(r.rewrites for r in records) > 0 and all(r.error is None for r in records)
     assert loss.dtype == torch.float32
     # bf16 has 8 bits of mantissa: loss and gradients within bf16 tolerances of fp32 eager
     torch.testing.assert_close(loss, ref_loss, rtol=2e-2, atol=2e-2)

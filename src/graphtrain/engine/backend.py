@@ -111,15 +111,16 @@ def _compile_by_blocks(gm: fx.GraphModule, example_inputs: Sequence[Any], config
 
 def _compile_one(gm: fx.GraphModule, example_inputs: Sequence[Any], config: EngineConfig, state: EngineState, *,
                  kinds: list[str] | None = None, frame: str | None = None, calls: int = 1) -> Callable[..., Any]:
-    from graphtrain.engine.pipeline import compile_with_fallback, new_record, run_passes, trace
-    from graphtrain.engine.providers import PROVIDERS, resolve_runtime
-    from graphtrain.engine.trace import delocalize, dtensor_inputs, localize
+    from graphtrain.engine.choose import measurable
+    from graphtrain.engine.pipeline import compile_with_fallback, new_record
+    from graphtrain.engine.providers import resolve_runtime
 
     t0 = time.perf_counter()
-    # Passes see the provider and precision that run the graph, never "auto" (inplace_elementwise runs for
-    # aten only; mixed precision needs a dtype).
+    measure = config.provider == "auto" and measurable(example_inputs)
+    # Passes see the provider and precision that run the graph, never "auto" (fusions Inductor does itself run
+    # for aten only; mixed precision needs a dtype). Under a measured auto each candidate gets its own passes.
+    auto_config = config
     config = resolve_runtime(config, example_inputs)
-    provider = config.provider
     dynamo_frame, raw_compile_id = _frame_info(gm)
     frame = frame or dynamo_frame
     # Dynamo counts compiles per code object across all instances; count this module's own compiles.
@@ -133,42 +134,107 @@ def _compile_one(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Engi
     rec.precision = config.precision
     rec.notes_compile_id = raw_compile_id
 
-    # 1-2. the pre-autodiff IR and its passes
-    # Tensor-parallel DTensor parameters: trace and optimize the graph on their local shards, then hand the
-    # provider a graph that takes the DTensors again (trace.localize / delocalize).
-    graph = gm
-    sharded = dtensor_inputs(example_inputs)
-    if _has_grad_mode_changes(gm):
-        rec.notes.append("graph switches grad mode inside (no_grad region): pre-autodiff passes skipped")
-    elif not sharded and (cached := _cached_passes(gm, example_inputs, kinds, config, state, rec)) is not None:
-        graph = cached
-    else:
-        try:
-            local, trace_inputs = localize(gm, example_inputs, sharded) if sharded else (gm, list(example_inputs))
-            traced = trace(local, trace_inputs, rec)
-        except Exception as e:  # noqa: BLE001 - any tracing failure degrades to the Dynamo graph
-            report_fallback(f"tracing {rec.name} ({frame}) to aten", f"{type(e).__name__}: {e}", config,
-                            what="is compiled without pre-autodiff passes", sink=state.fallbacks)
-        else:
-            n_records = len(state.passes)
-            traced = run_passes(traced, "pre_autodiff", config, state, rec, example_inputs=trace_inputs,
-                                input_kinds=kinds)
-            if not sharded and rec.pass_cache == "miss":
-                from graphtrain.engine.cache import save_pass_result
-                traced = save_pass_result(config, rec.pass_cache_key, traced, state.passes[n_records:],
-                                          rec.ops_captured, rec.ops_pre_autodiff)
-            graph = delocalize(traced, sharded) if sharded else traced
-            if sharded:
-                rec.notes.append(f"{len(sharded)} DTensor parameters traced on their local shards")
-    rec.dtensor_inputs = len(sharded)
+    def compile_one(p: str) -> Callable[..., Any]:
+        """Stages 1-5 for provider `p`: the pre-autodiff IR and its passes for `p`, autodiff, `p` itself."""
+        cfg = dataclasses.replace(config, provider=p)
+        return _PROVIDERS()[p](_pre_autodiff(gm, example_inputs, kinds, cfg, state, rec), example_inputs, cfg, rec,
+                               state)
 
-    # 3-5. autodiff + provider, falling back inductor -> aten -> eager
-    order = [provider] + (["aten"] if provider != "aten" else [])
-    compiled, rec.provider = compile_with_fallback(
-        order, lambda p: PROVIDERS[p](graph, example_inputs, dataclasses.replace(config, provider=p), rec, state),
-        part=f"{rec.name} ({frame})", config=config, state=state, eager=gm.forward)
+    if measure:
+        compiled = _measured_provider(compile_one, gm, example_inputs, kinds, auto_config, config, state, rec)
+    else:  # falling back inductor -> aten -> eager
+        order = [config.provider] + (["aten"] if config.provider != "aten" else [])
+        compiled, rec.provider = compile_with_fallback(order, compile_one, part=f"{rec.name} ({frame})",
+                                                       config=config, state=state, eager=gm.forward)
     rec.compile_seconds = time.perf_counter() - t0
     return compiled
+
+
+def _PROVIDERS() -> dict[str, Callable[..., Any]]:
+    from graphtrain.engine.providers import PROVIDERS
+    return PROVIDERS
+
+
+def _pre_autodiff(gm: fx.GraphModule, example_inputs: Sequence[Any], kinds: list[str], config: EngineConfig,
+                  state: EngineState, rec: Any) -> fx.GraphModule:
+    """Stages 1-2: `gm` as the optimized pre-autodiff aten graph for config.provider (from the pass cache when an
+    identical graph was optimized before); the Dynamo graph itself where tracing fails (reported)."""
+    from graphtrain.engine.pipeline import run_passes, trace
+    from graphtrain.engine.trace import delocalize, dtensor_inputs, localize
+
+    # Tensor-parallel DTensor parameters: trace and optimize the graph on their local shards, then hand the
+    # provider a graph that takes the DTensors again (trace.localize / delocalize).
+    sharded = dtensor_inputs(example_inputs)
+    rec.dtensor_inputs = len(sharded)
+    if _has_grad_mode_changes(gm):
+        note = "graph switches grad mode inside (no_grad region): pre-autodiff passes skipped"
+        if note not in rec.notes:
+            rec.notes.append(note)
+        return gm
+    if not sharded and (cached := _cached_passes(gm, example_inputs, kinds, config, state, rec)) is not None:
+        return cached
+    try:
+        local, trace_inputs = localize(gm, example_inputs, sharded) if sharded else (gm, list(example_inputs))
+        traced = trace(local, trace_inputs, rec)
+    except Exception as e:  # noqa: BLE001 - any tracing failure degrades to the Dynamo graph
+        report_fallback(f"tracing {rec.name} ({rec.frame}) to aten", f"{type(e).__name__}: {e}", config,
+                        what="is compiled without pre-autodiff passes", sink=state.fallbacks)
+        return gm
+    n_records = len(state.passes)
+    traced = run_passes(traced, "pre_autodiff", config, state, rec, example_inputs=trace_inputs, input_kinds=kinds)
+    if not sharded and rec.pass_cache == "miss":
+        from graphtrain.engine.cache import save_pass_result
+        traced = save_pass_result(config, rec.pass_cache_key, traced, state.passes[n_records:], rec.ops_captured,
+                                  rec.ops_pre_autodiff)
+    if sharded:
+        rec.notes.append(f"{len(sharded)} DTensor parameters traced on their local shards")
+        return delocalize(traced, sharded)
+    return traced
+
+
+def _measured_provider(compile_one: Callable[[str], Callable[..., Any]], gm: fx.GraphModule,
+                       example_inputs: Sequence[Any], kinds: list[str], auto_config: EngineConfig,
+                       config: EngineConfig, state: EngineState, rec: Any) -> Callable[..., Any]:
+    """provider auto (engine/choose.py): compile each candidate now; the first call times them and keeps the faster
+    (or an earlier process's decision for this graph is reused and only its winner compiled). A candidate that
+    fails to compile is reported and left out."""
+    import copy
+
+    from graphtrain.engine import choose
+    from graphtrain.engine.cache import cache_root, pass_cache_key
+    from graphtrain.engine.pipeline import compile_with_fallback
+
+    folder = cache_root(config)
+    try:
+        key = pass_cache_key(gm, example_inputs, kinds, auto_config)
+    except Exception:  # noqa: BLE001 - inputs the key cannot describe: decide anew each process
+        key = None
+    stored = choose.load_decision(folder, key) if key else None
+    if stored is not None:
+        compiled, rec.provider = compile_with_fallback(
+            [stored["choice"]] + [p for p in choose.CANDIDATES if p != stored["choice"]], compile_one,
+            part=f"{rec.name} ({rec.frame})", config=config, state=state)
+        rec.provider_times = stored["times"]
+        rec.notes.append(choose.describe(stored["times"], rec.provider, cached=True))
+        return compiled
+    candidates: dict[str, tuple[Callable[..., Any], dict[str, Any]]] = {}
+    for p in choose.CANDIDATES:
+        n_passes = len(state.passes)
+        try:
+            fn = compile_one(p)
+        except Exception as e:  # noqa: BLE001 - the other candidate still runs the graph
+            report_fallback(f"provider {p} on {rec.name} ({rec.frame})", f"{type(e).__name__}: {str(e)[:300]}",
+                            config, what="is not a candidate for provider auto", sink=state.fallbacks)
+            continue
+        # the record as this candidate left it, and its pass records (the loser's are dropped from the report)
+        candidates[p] = (fn, copy.copy(rec.__dict__), state.passes[n_passes:])
+    if not candidates:
+        raise RuntimeError(f"no provider compiled {rec.name}: see the fallbacks")
+    if len(candidates) == 1:
+        rec.provider = next(iter(candidates))
+        return candidates[rec.provider][0]
+    rec.provider = "auto (measured at the first training call)"
+    return choose.Measured(candidates, rec, folder, key, state)
 
 
 def _cached_passes(gm: fx.GraphModule, example_inputs: Sequence[Any], kinds: list[str], config: EngineConfig,
@@ -186,7 +252,7 @@ def _cached_passes(gm: fx.GraphModule, example_inputs: Sequence[Any], kinds: lis
         rec.pass_cache = "miss"
         return None
     graph, records, rec.ops_captured, rec.ops_pre_autodiff = hit
-    state.passes.extend(records)
+    state.passes.extend(dataclasses.replace(r, graph=rec.name) for r in records)
     rec.pass_cache = "hit"
     return graph
 

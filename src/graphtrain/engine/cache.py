@@ -69,7 +69,7 @@ def _user_set_inductor_cache() -> bool:
 # frozen into the graph).
 
 _SOURCE_DIGEST: str | None = None
-PASS_CACHE_VERSION = 1
+PASS_CACHE_VERSION = 2
 
 
 def _source_digest() -> str:
@@ -230,8 +230,21 @@ def _encode_graph(gm: "fx.GraphModule") -> dict[str, Any]:
             if not isinstance(value, torch.Tensor):
                 raise TypeError(f"get_attr {n.target} is a {type(value).__name__}")
             attrs[str(n.target)] = value.detach().clone()
-        nodes.append((n.op, n.name, _encode_target(n.target), arg(n.args), arg(n.kwargs)))
+        nodes.append((n.op, n.name, _encode_target(n.target), arg(n.args), arg(n.kwargs), _kept_meta(n)))
     return {"nodes": nodes, "attrs": attrs}
+
+
+def _kept_meta(n: "fx.Node") -> dict[str, Any]:
+    """The metadata later stages read: which module (layer) a node came from, for recompute's layer regions
+    (memory/recompute.py), module types as names."""
+    out: dict[str, Any] = {}
+    stack = n.meta.get("nn_module_stack")
+    if stack:
+        out["nn_module_stack"] = {k: (str(path), getattr(t, "__qualname__", str(t))) for k, (path, t) in stack.items()}
+    custom = n.meta.get("custom")
+    if custom:
+        out["custom"] = {k: v for k, v in custom.items() if isinstance(v, (str, int, float, bool))}
+    return out
 
 
 def _decode_graph(data: dict[str, Any]) -> "fx.GraphModule":
@@ -249,7 +262,8 @@ def _decode_graph(data: dict[str, Any]) -> "fx.GraphModule":
             return {k: arg(v) for k, v in a.items()}
         return a
 
-    for op, name, target, args, kwargs in data["nodes"]:
+    for op, name, target, args, kwargs, meta in data["nodes"]:
         node = graph.create_node(op, _decode_target(target), arg(args), arg(kwargs), name=name)
+        node.meta.update(meta)
         env[name] = node
     return fx.GraphModule(dict(data["attrs"]), graph)  # a dict root: get_attr targets (dotted too) from it

@@ -229,11 +229,12 @@ def report(module: torch.nn.Module | None = None, *, optimizer: torch.optim.Opti
     Call it between steps, after ``zero_grad``: it reads the resident set now (after gc and malloc_trim)."""
     state, source = _state_of(module)
     agg: dict[tuple[str, str], dict[str, Any]] = collections.OrderedDict()
+    runs = {g.name: g.calls_per_step for g in state.graphs}  # a block's graph: its rewrites apply to every layer
     for r in state.passes:
         a = agg.setdefault((r.stage, r.name), dict(stage=r.stage, phase=r.phase, name=r.name, rewrites=0,
                                                    seconds=0.0, ops_before=0, ops_after=0, error=None,
                                                    left_to=r.left_to))
-        a["rewrites"] += r.rewrites
+        a["rewrites"] += r.rewrites * runs.get(r.graph, 1)
         a["seconds"] += r.seconds
         a["ops_before"] += r.ops_before
         a["ops_after"] += r.ops_after
@@ -262,7 +263,7 @@ def report(module: torch.nn.Module | None = None, *, optimizer: torch.optim.Opti
         first_step_seconds=state.first_call_seconds, compile_seconds=sum(g.compile_seconds for g in state.graphs),
         calls=state.calls, eager_only=state.eager_only, machine=capabilities(), process_peak=process,
         blocks=list(state.blocks), notes=list(state.notes), cache=_cache_stats(state),
-        fused_ops=_fused_ops(state.passes))
+        fused_ops=_fused_ops(state.passes, runs))
 
 
 def _cache_stats(state: EngineState) -> dict[str, Any]:
@@ -326,13 +327,14 @@ def composed_prediction(graphs: list[Any], trained_bytes: int | None = None) -> 
                 optimizer=seq[0].get("optimizer", "adamw"))
 
 
-def _fused_ops(records: list[Any]) -> list[dict[str, Any]]:
-    """The graphtrain ops the passes added (net over every pass and graph), with their descriptors' facts."""
+def _fused_ops(records: list[Any], runs: dict[str, int] | None = None) -> list[dict[str, Any]]:
+    """The graphtrain ops the passes added (net over every pass and graph; a block's graph counts once per layer
+    it runs for, `runs`), with their descriptors' facts."""
     counts: collections.Counter = collections.Counter()
     for r in records:
         for op, n in r.op_diff.items():
             if op.startswith("graphtrain."):
-                counts[op.removeprefix("graphtrain.")] += n
+                counts[op.removeprefix("graphtrain.")] += n * (runs or {}).get(r.graph, 1)
     out = []
     for name, n in sorted(counts.items()):
         d = op_descriptor(name) if n > 0 else None

@@ -1,0 +1,153 @@
+"""``provider: auto``: per graph, the provider that runs this graph's forward and backward fastest, measured.
+
+Which provider wins depends on the graph and the machine, not on a rule we could write down: measured on the
+2-core AVX2 EPYC (fp32, fused AdamW, SDPA), Inductor's fused elementwise kernels made a reference BERT 1.37x
+faster than eager while a Hugging Face BERT ran at 0.99x and a Llama at 1.00x, where aten's op-by-op execution
+of the same optimized graph costs nothing. So each graph is compiled by both candidates and timed on inputs of
+its own shapes: a warm-up call, then the best of ``REPEATS`` forward+backward calls each. The faster one runs
+the graph (Inductor keeps ties within ``TIE_MARGIN``: it fuses, and its own cache makes it cheap to load again);
+the times go to the report. The decision is stored next to the pass results (engine/cache.py), keyed like them,
+so a warm process compiles the winner only.
+
+The timing runs on copies of the inputs (parameters never receive these gradients) and under a forked RNG
+(the training run's random stream is untouched). Graphs that read DTensors (their collectives would need every
+rank to time in step) or symbolic shapes keep Inductor.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+
+REPEATS = 3
+TIE_MARGIN = 1.03
+CANDIDATES = ("inductor", "aten")
+
+
+def measurable(example_inputs: Sequence[Any]) -> bool:
+    from graphtrain.engine.trace import dtensor_inputs
+    if dtensor_inputs(example_inputs):
+        return False
+    for x in example_inputs:
+        if isinstance(x, torch.SymInt) or (isinstance(x, torch.Tensor) and
+                                           not all(type(d) is int for d in x.shape)):
+            return False
+    return True
+
+
+def _real(x: Any) -> Any:
+    """A real tensor like `x` (a real input, or a fake one of a piece between blocks) that owns its memory."""
+    if not isinstance(x, torch.Tensor):
+        return x
+    from torch._subclasses.fake_tensor import FakeTensor
+    if isinstance(x, FakeTensor) or x.is_meta:
+        if x.dtype.is_floating_point:
+            out = torch.randn(x.shape, dtype=x.dtype, device=x.device)
+        else:  # indices (embeddings, labels): 0 is valid everywhere
+            out = torch.zeros(x.shape, dtype=x.dtype, device=x.device)
+    else:
+        out = x.detach().clone()
+    return out.requires_grad_(x.requires_grad) if out.dtype.is_floating_point else out
+
+
+def time_step(fn: Callable[..., Any], example_inputs: Sequence[Any], repeats: int = REPEATS) -> float:
+    """Best of `repeats` forward+backward calls of a compiled graph (seconds), after one warm-up call."""
+    inputs = [_real(x) for x in example_inputs]
+    sync = torch.cuda.synchronize if any(isinstance(x, torch.Tensor) and x.is_cuda for x in inputs) else (
+        lambda: None)
+    best = float("inf")
+    with torch.random.fork_rng(devices=[]):
+        for i in range(repeats + 1):
+            t0 = time.perf_counter()
+            outs = fn(*inputs)
+            outs = outs if isinstance(outs, (list, tuple)) else [outs]
+            grads = [o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad]
+            if grads:
+                torch.autograd.backward(grads, [torch.ones_like(o) for o in grads])
+            sync()
+            if i:
+                best = min(best, time.perf_counter() - t0)
+            for x in inputs:
+                if isinstance(x, torch.Tensor):
+                    x.grad = None
+    return best
+
+
+class Measured:
+    """The compiled candidates of one graph; the first call with gradients on times them (on copies of its inputs)
+    and keeps the faster. Timing happens at run time because running a compiled backward inside Dynamo's
+    compile (where the backend is called) is not allowed. `rec` (the graph's record) ends up describing the
+    winner: each candidate brings the record as its compile left it, completed by its timed calls (Inductor
+    compiles a backward at its first call)."""
+
+    def __init__(self, candidates: dict[str, tuple[Callable[..., Any], dict[str, Any], list[Any]]], rec: Any,
+                 folder: Any, key: str | None, state: Any) -> None:
+        self.candidates, self.rec, self.folder, self.key, self.state = candidates, rec, folder, key, state
+        self.chosen: Callable[..., Any] | None = None
+
+    def __call__(self, *args: Any) -> Any:
+        if self.chosen is None:
+            if not torch.is_grad_enabled():  # no backward to time (an eval call): decide at a training call
+                fn = self.candidates["inductor"][0] if "inductor" in self.candidates else \
+                    next(iter(self.candidates.values()))[0]
+                return fn(*args)
+            self._choose(args)
+        return self.chosen(*args)
+
+    def _choose(self, args: Sequence[Any]) -> None:
+        import copy
+        times, records = {}, {}
+        for p, (fn, record, _) in self.candidates.items():
+            self.rec.__dict__.update(record)
+            times[p] = time_step(fn, args)
+            records[p] = copy.copy(self.rec.__dict__)
+        choice = decide(times)
+        self.rec.__dict__.update(records[choice])
+        self.rec.provider, self.rec.provider_times = choice, times
+        self.rec.notes = [*self.rec.notes, describe(times, choice, cached=False)]
+        if self.key is not None:
+            save_decision(self.folder, self.key, choice, times)
+        losers = {id(r) for p, (_, _, passes) in self.candidates.items() if p != choice for r in passes}
+        self.state.passes[:] = [r for r in self.state.passes if id(r) not in losers]
+        self.chosen = self.candidates[choice][0]
+        self.candidates = {}  # the loser's compiled code is released
+
+
+def decide(times: dict[str, float]) -> str:
+    """The faster provider; Inductor unless another beats it by more than TIE_MARGIN."""
+    best = min(times, key=times.get)
+    if "inductor" in times and times[best] * TIE_MARGIN >= times["inductor"]:
+        return "inductor"
+    return best
+
+
+def describe(times: dict[str, float], choice: str, cached: bool) -> str:
+    measured = ", ".join(f"{p} {1e3 * t:.2f} ms" for p, t in sorted(times.items(), key=lambda kv: kv[1]))
+    return (f"provider auto -> {choice}: forward+backward {measured} (best of {REPEATS}"
+            f"{', decided by an earlier process' if cached else ''})")
+
+
+def _path(folder: Any, key: str) -> Any:
+    return folder / "providers" / f"{key}.json"
+
+
+def load_decision(folder: Any, key: str) -> dict[str, Any] | None:
+    try:
+        d = json.loads(_path(folder, key).read_text())
+        return d if d.get("choice") in CANDIDATES else None
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def save_decision(folder: Any, key: str, choice: str, times: dict[str, float]) -> None:
+    path = _path(folder, key)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"choice": choice, "times": times}))
+        os.replace(tmp, path)
+    except OSError:
+        pass
