@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -234,7 +235,9 @@ def test_default_job_engine_path_end_to_end_on_a_simulated_avx2_epyc(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     text = out.stdout + out.stderr
     assert "done: 3 steps" in out.stdout
-    assert "engine: " in out.stdout and "provider inductor" in out.stdout and "precision fp32" in out.stdout
+    # provider auto measures each graph: Inductor or aten, whichever ran it faster on this machine
+    assert "engine: " in out.stdout and re.search(r"provider (aten|inductor)", out.stdout) and \
+        "precision fp32" in out.stdout
     assert "machine: " in out.stdout and "avx2, simulated avx2" in out.stdout
     assert "fallbacks 0" in out.stdout and "fused-op fallbacks 0" in out.stdout
     assert "oneDNN's fp32 GEMM unavailable" in out.stdout

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-TINY = ["model.name=gpt2-tiny", "data.seq_len=32", "data.vocab_size=512", "data.max_bytes=200000",
+TINY = ["model.name=gpt2-tiny", "data.seq_len=32", "data.vocab_size=512", "data.max_bytes=300000",
         "train.batch_size=2", "train.threads=1", "train.progress=false"]
 
 

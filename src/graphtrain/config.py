@@ -186,6 +186,9 @@ class OptimConfig:
             raise ValueError(f"optim.poly_power must be positive, got {self.poly_power}")
 
 
+LOGGERS = ("jsonl", "tensorboard")
+
+
 @dataclass
 class TrainConfig:
     """The training loop."""
@@ -240,6 +243,9 @@ class TrainConfig:
     loss_spike_factor: float | None = None
     """Also skip a step whose loss exceeds this times the median of the last 50 updated steps' losses
     (from the 10th on), e.g. 3.0; null: off."""
+    loggers: list[str] = field(default_factory=lambda: ["jsonl", "tensorboard"])
+    """Where metrics go: jsonl (metrics.jsonl, always written) and tensorboard (event files in
+    <out_dir>/tensorboard, with the engine's report as text)."""
     trust_checkpoint: bool = False
     """Allow --resume-from and train.init_from to load a sharded checkpoint folder from outside
     train.out_dir. Its DCP .metadata is a Python pickle: graphtrain reads it with an allow-list of
@@ -249,6 +255,9 @@ class TrainConfig:
         _validate(self)
         if self.preempt_grace_s <= 0:
             raise ValueError(f"train.preempt_grace_s must be positive (seconds), got {self.preempt_grace_s}")
+        unknown = [n for n in self.loggers if n not in LOGGERS]
+        if unknown:
+            raise ValueError(f"train.loggers: unknown logger(s) {unknown}; choose from {list(LOGGERS)}")
         if self.loss_spike_factor is not None and self.loss_spike_factor <= 1:
             raise ValueError(f"train.loss_spike_factor must be > 1 (a multiple of the median loss), e.g. 3.0, or "
                              f"null (off); got {self.loss_spike_factor}")
@@ -502,6 +511,11 @@ def _check(value: Any, tp: Any, key: str) -> Any:
         if not isinstance(value, dict):
             raise TypeError(f"{key} must be a mapping, got {value!r}")
         return dict(value)
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise TypeError(f"{key} must be a list, e.g. [a, b], got {value!r}")
+        (arg,) = typing.get_args(tp)
+        return [_check(v, arg, f"{key}[{i}]") for i, v in enumerate(value)]
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, tp):
             raise TypeError(f"{key} must be a {tp.__name__}, got {type(value).__name__}")

@@ -87,11 +87,14 @@ def _rates(seconds: float, steps: int, tokens_per_step: int) -> tuple[float, flo
 class MetricsLog:
     """Appends JSON records to `path`, one per line, flushed as written (safe to `tail -f`)."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, sinks: list[Any] | None = None) -> None:
         self.path = Path(path)
+        self.sinks = list(sinks or [])  # trainer/loggers.py: each gets every record too
 
     def truncate_after(self, step: int) -> None:
         """On resume: drop records past `step` (left by the run that stopped), atomically."""
+        for sink in self.sinks:
+            sink.purge_after(step)
         if not self.path.is_file():
             return
         kept = []
@@ -115,6 +118,8 @@ class MetricsLog:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
+        for sink in self.sinks:
+            sink.record(record)
         return record
 
 

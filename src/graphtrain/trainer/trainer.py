@@ -51,6 +51,7 @@ from graphtrain.trainer.checkpoint import (FORMAT_VERSION, check_trusted, checkp
                                            latest_checkpoint, latest_valid_checkpoint, list_checkpoints, load_weights)
 from graphtrain.trainer.faults import (NumericsGuard, PreemptionGuard, TrainingFailed, TrainingPreempted,
                                        is_grace_expired)
+from graphtrain.trainer.loggers import make_loggers
 from graphtrain.trainer.metrics import MetricsLog, Throughput, format_bytes, peak_memory_bytes
 from graphtrain.trainer.resume import allowed_keys, check_config_changes, clean_orphans, supersede_later
 from graphtrain.trainer.schedule import lr_at
@@ -117,7 +118,8 @@ class Trainer:
         # what trains (accelerated module, DDP wrapper, pipeline stage) and its optimizer (WholeStepGraph: the graph)
         self.model, self.optimizer = self.strategy.model, self.strategy.optimizer
         self.out_dir = Path(config.train.out_dir)
-        self.metrics = MetricsLog(self.out_dir / "metrics.jsonl")
+        self.metrics = MetricsLog(self.out_dir / "metrics.jsonl",
+                                  make_loggers(config.train.loggers, self.out_dir) if self.is_main else [])
         self.step = 0  # optimizer steps completed
 
     # ------------------------------------------------------------------------------ training ----
@@ -211,7 +213,22 @@ class Trainer:
                    "checkpoint": str(saved or latest_checkpoint(self.out_dir) or ""), "out_dir": str(self.out_dir)}
         if self.is_main:
             self.metrics.write("summary", self.step, **summary)
+            self._log_engine_report()
         return summary
+
+    def _log_engine_report(self) -> None:
+        """The engine's report, as text, to the loggers that take text (TensorBoard's Text tab)."""
+        sinks = [s for s in self.metrics.sinks if hasattr(s, "text")]
+        if not sinks or not self.config.train.accelerate:
+            return
+        from graphtrain.engine.report import report
+        try:
+            text = str(report(self.model))
+        except Exception as e:  # noqa: BLE001 - a report is a convenience; the run's results are written
+            text = f"engine report unavailable: {type(e).__name__}: {e}"
+        for sink in sinks:
+            sink.text("engine/report", text, self.step)
+            sink.close()
 
     @torch.no_grad()
     def evaluate(self) -> float:

@@ -1,0 +1,44 @@
+"""train.loggers: TensorBoard event files next to metrics.jsonl, with every metric and the engine's report."""
+from __future__ import annotations
+
+import pytest
+
+from graphtrain import Trainer
+from graphtrain.config import Config
+
+pytestmark = pytest.mark.usefixtures("tiny_env")
+TINY = ["model.name=gpt2-tiny", "data.seq_len=32", "data.vocab_size=512", "data.max_bytes=300000",
+        "train.batch_size=2", "train.steps=3", "train.eval_every=2", "train.eval_batches=1", "train.log_every=1",
+        "train.ckpt_every=0", "train.progress=false", "train.threads=1", "train.sample_tokens=0",
+        "engine.provider=aten"]
+
+
+def _scalars(folder):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    ea = EventAccumulator(str(folder))
+    ea.Reload()
+    return ea
+
+
+def test_tensorboard_has_every_curve_and_the_engine_report(tmp_path):
+    Trainer(Config().with_overrides([*TINY, f"train.out_dir={tmp_path}"])).fit()
+    ea = _scalars(tmp_path / "tensorboard")
+    tags = set(ea.Tags()["scalars"])
+    for tag in ("train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s", "train/ms_per_step",
+                "train/peak_mem_bytes", "eval/val_loss"):
+        assert tag in tags, sorted(tags)
+    assert [e.step for e in ea.Scalars("train/loss")] == [1, 2, 3]
+    assert "engine/report/text_summary" in ea.Tags()["tensors"]
+    text = ea.Tensors("engine/report/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert "graphtrain report" in text and "graphs captured" in text
+
+
+def test_jsonl_only_writes_no_event_files(tmp_path):
+    Trainer(Config().with_overrides([*TINY, "train.accelerate=false", "train.loggers=[jsonl]",
+                                     f"train.out_dir={tmp_path}"])).fit()
+    assert (tmp_path / "metrics.jsonl").is_file() and not (tmp_path / "tensorboard").exists()
+
+
+def test_unknown_logger_is_one_clear_error():
+    with pytest.raises(ValueError, match=r"unknown logger\(s\) \['wandb'\]; choose from"):
+        Config().with_overrides(["train.loggers=[jsonl, wandb]"])
