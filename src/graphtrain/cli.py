@@ -388,6 +388,19 @@ def precompile_for_config(config: Config) -> tuple[Any, float]:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
+def add_plot_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (a train.out_dir each)")
+    p.add_argument("--out", default="report.html", metavar="PATH", help="the HTML file to write (report.html)")
+    p.add_argument("--title", help="the page's title")
+
+
+def run_plot(args: argparse.Namespace) -> int:
+    from graphtrain.ops.plot import write_report
+    out = write_report(args.runs, args.out, args.title)
+    print(f"wrote {out} ({len(args.runs)} run{'s' if len(args.runs) > 1 else ''}): open it in a browser")
+    return 0
+
+
 def _check_job(config: Config, who: str) -> Config:
     """The Trainer's checks, before anything is built or compiled."""
     from graphtrain.models import resolve_spec
@@ -493,6 +506,8 @@ SUBCOMMANDS: dict[str, Subcommand] = {
     "precompile": Subcommand("fill the compile cache for a job before it runs (one training step and one "
                              "evaluation in a scratch folder); the job then starts from the cache",
                              add_precompile_arguments, run_precompile),
+    "plot": Subcommand("write one HTML page comparing runs: loss, throughput, memory and learning-rate curves, "
+                       "config differences and final figures", add_plot_arguments, run_plot),
     "bisect": Subcommand("find the first pass, fused op or provider that takes the configured model's loss or "
                          "gradients out of tolerance of eager PyTorch", add_bisect_arguments, run_bisect),
     "bench": Subcommand("compare eager PyTorch, torch.compile and graphtrain training steps side by side",

@@ -1,0 +1,1 @@
+"""Operations on runs: `graphtrain plot` (an HTML page comparing runs)."""
