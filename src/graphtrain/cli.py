@@ -209,6 +209,10 @@ def run_train(args: argparse.Namespace) -> int:
     _check_out_dir(config.train.out_dir)
 
     trainer = Trainer(config, resume=resume, allow_config_change=allowed)
+    from graphtrain.ops.sweep import pruning_callback
+    prune = pruning_callback()  # a trial of `graphtrain sweep` (its environment says so): report, maybe stop early
+    if prune is not None:
+        trainer.eval_callbacks.append(prune)
     try:
         s = trainer.fit()
         if trainer.is_main:
@@ -401,6 +405,17 @@ def run_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("sweep", metavar="SWEEP.yaml", help="the sweep file (job, space, trials, parallel, sampler, pruner)")
+    p.add_argument("--summary", action="store_true", help="only print the summary of the trials run so far")
+
+
+def run_sweep(args: argparse.Namespace) -> int:
+    from graphtrain.ops.sweep import run_sweep as sweep
+    sweep(args.sweep, summary_only=args.summary)
+    return 0
+
+
 def _check_job(config: Config, who: str) -> Config:
     """The Trainer's checks, before anything is built or compiled."""
     from graphtrain.models import resolve_spec
@@ -508,6 +523,9 @@ SUBCOMMANDS: dict[str, Subcommand] = {
                              add_precompile_arguments, run_precompile),
     "plot": Subcommand("write one HTML page comparing runs: loss, throughput, memory and learning-rate curves, "
                        "config differences and final figures", add_plot_arguments, run_plot),
+    "sweep": Subcommand("search hyperparameters with Optuna (TPE, median or ASHA pruning of poor trials, trials in "
+                        "parallel processes, resumable) and write the best job as best.yaml", add_sweep_arguments,
+                        run_sweep),
     "bisect": Subcommand("find the first pass, fused op or provider that takes the configured model's loss or "
                          "gradients out of tolerance of eager PyTorch", add_bisect_arguments, run_bisect),
     "bench": Subcommand("compare eager PyTorch, torch.compile and graphtrain training steps side by side",

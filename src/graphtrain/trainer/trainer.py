@@ -38,7 +38,7 @@ import errno
 import math
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from tqdm.auto import tqdm
@@ -118,6 +118,8 @@ class Trainer:
         # what trains (accelerated module, DDP wrapper, pipeline stage) and its optimizer (WholeStepGraph: the graph)
         self.model, self.optimizer = self.strategy.model, self.strategy.optimizer
         self.out_dir = Path(config.train.out_dir)
+        # eval_callbacks: f(step, val_loss) -> a reason to stop training now, or None (graphtrain sweep's pruner)
+        self.eval_callbacks: list[Callable[[int, float], str | None]] = []
         self.metrics = MetricsLog(self.out_dir / "metrics.jsonl",
                                   make_loggers(config.train.loggers, self.out_dir) if self.is_main else [])
         self.step = 0  # optimizer steps completed
@@ -181,11 +183,13 @@ class Trainer:
                         if not tc.progress:
                             print(f"step {done:>6}/{tc.steps}  loss {train_loss:.4f}  lr {lr:.2e}  {tok_s:,.0f} tok/s  "
                                   f"{ms:.0f} ms/step  peak mem {format_bytes(mem)}", flush=True)
+                    stop = None
                     if (tc.eval_every and done % tc.eval_every == 0) or done == tc.steps:
                         val_loss = self.evaluate()
                         if self.is_main:
                             self.metrics.write("eval", done, val_loss=val_loss)
                         self._log(f"step {done}: val loss {val_loss:.4f}")
+                        stop = next((r for cb in self.eval_callbacks if (r := cb(done, val_loss))), None)
                     metrics = {"train_loss": train_loss, "val_loss": val_loss}
                     if (tc.ckpt_every and done % tc.ckpt_every == 0) or done == tc.steps:
                         preempt.phase = "save"
@@ -195,6 +199,11 @@ class Trainer:
                             preempt.phase = "save"
                             saved, saved_step = self._save(metrics), done
                         raise self._preempted(preempt, done, saved)
+                    if stop is not None and done < tc.steps:
+                        self._log(f"step {done}: stopped early: {stop}")
+                        if self.is_main:
+                            self.metrics.write("stopped", done, reason=stop)
+                        break
             except BaseException as e:
                 if is_grace_expired(e):  # the step in flight outlived train.preempt_grace_s
                     raise self._preempted(preempt, None, None) from None
