@@ -170,7 +170,8 @@ def test_debug_shows_traceback(tmp_path):
 def test_report_prints_what_the_engine_did(capsys):
     code, out, err = run(capsys, "report", *TINY, "engine.provider=aten")
     assert code == 0, err
-    assert "graphs captured: 1" in out and "fuse_bias_dropout_add" in out and "predicted step peak" in out
+    assert "graphs captured: 3" in out and "compiled block by block: blocks (2 x Block)" in out  # embeddings, block, head
+    assert "fuse_bias_dropout_add" in out and "predicted step peak" in out
     code, out, err = run(capsys, "report", *TINY, "engine.provider=aten", "--json")
     assert code == 0 and '"graphs"' in out, err
 

@@ -75,7 +75,8 @@ def test_tensor_parallel_composes_with_the_engine(name):
     _check(results, name)
     n_layer = tiny(name).spec.n_layer
     for out in results:
-        assert out["graphs"] == 1 and out["fallbacks"] == 0
+        # embeddings, one block compiled once for every layer (its rewrites count once per layer), head and loss
+        assert out["graphs"] == 3 and out["fallbacks"] == 0
         assert any("DTensor parameters traced on their local shards" in n for n in out["notes"]), out["notes"]
         assert out["passes"]["pre_autodiff/fuse_attention"] == n_layer, out["passes"]
         assert out["passes"]["pre_autodiff/fuse_bias_gelu"] >= n_layer, out["passes"]

@@ -233,7 +233,7 @@ def _measured_provider(compile_one: Callable[[str], Callable[..., Any]], gm: fx.
     if len(candidates) == 1:
         rec.provider = next(iter(candidates))
         return candidates[rec.provider][0]
-    rec.provider = "auto (measured at the first training call)"
+    rec.provider = "auto (measured at the first call)"
     return choose.Measured(candidates, rec, folder, key, state)
 
 

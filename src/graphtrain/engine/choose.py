@@ -54,7 +54,8 @@ def _real(x: Any) -> Any:
 
 
 def time_step(fn: Callable[..., Any], example_inputs: Sequence[Any], repeats: int = REPEATS) -> float:
-    """Best of `repeats` forward+backward calls of a compiled graph (seconds), after one warm-up call."""
+    """Best of `repeats` forward+backward calls of a compiled graph (seconds), after one warm-up call; the
+    forward alone where nothing requires a gradient (grad mode off)."""
     inputs = [_real(x) for x in example_inputs]
     sync = torch.cuda.synchronize if any(isinstance(x, torch.Tensor) and x.is_cuda for x in inputs) else (
         lambda: None)
@@ -77,8 +78,8 @@ def time_step(fn: Callable[..., Any], example_inputs: Sequence[Any], repeats: in
 
 
 class Measured:
-    """The compiled candidates of one graph; the first call with gradients on times them (on copies of its inputs)
-    and keeps the faster. Timing happens at run time because running a compiled backward inside Dynamo's
+    """The compiled candidates of one graph; the first call times them (on copies of its inputs; forward and
+    backward, or the forward alone for a graph compiled under no_grad) and keeps the faster. Timing happens at run time because running a compiled backward inside Dynamo's
     compile (where the backend is called) is not allowed. `rec` (the graph's record) ends up describing the
     winner: each candidate brings the record as its compile left it, completed by its timed calls (Inductor
     compiles a backward at its first call)."""
@@ -89,11 +90,7 @@ class Measured:
         self.chosen: Callable[..., Any] | None = None
 
     def __call__(self, *args: Any) -> Any:
-        if self.chosen is None:
-            if not torch.is_grad_enabled():  # no backward to time (an eval call): decide at a training call
-                fn = self.candidates["inductor"][0] if "inductor" in self.candidates else \
-                    next(iter(self.candidates.values()))[0]
-                return fn(*args)
+        if self.chosen is None:  # Dynamo compiles a graph per grad mode: an eval graph is timed forward only
             self._choose(args)
         return self.chosen(*args)
 
@@ -126,7 +123,7 @@ def decide(times: dict[str, float]) -> str:
 
 def describe(times: dict[str, float], choice: str, cached: bool) -> str:
     measured = ", ".join(f"{p} {1e3 * t:.2f} ms" for p, t in sorted(times.items(), key=lambda kv: kv[1]))
-    return (f"provider auto -> {choice}: forward+backward {measured} (best of {REPEATS}"
+    return (f"provider auto -> {choice}: per call (forward, and backward in training) {measured} (best of {REPEATS}"
             f"{', decided by an earlier process' if cached else ''})")
 
 

@@ -309,7 +309,9 @@ class DistributedStep:
         dist.all_gather_object(every, mine)
         graphs = sorted({g for g, _, _ in every})
         bucket = getattr(self.model, "bucket_bytes_cap", None)
-        split = f" (Dynamo's DDPOptimizer splits at DDP's {bucket / 2**20:g} MiB gradient buckets)" if bucket else ""
+        why = ([f"repeated blocks compiled once: {', '.join(rep.blocks)}"] if rep.blocks else []) + \
+            ([f"Dynamo's DDPOptimizer splits at DDP's {bucket / 2**20:g} MiB gradient buckets"] if bucket else [])
+        split = f" ({'; '.join(why)})" if why else ""
         line = (f"graphtrain engine, distributed: {'/'.join(map(str, graphs))} graph(s) captured per rank{split}"
                 f", eager fallbacks on {sum(1 for _, e, f in every if e or f)} of {len(every)} ranks")
         if any(g == 0 or e for g, e, _ in every):
