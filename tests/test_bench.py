@@ -99,6 +99,10 @@ def test_save_and_latest_runs(tmp_path):
     assert json.loads(paths["json"].read_text())["suite"] == "tiny"
     assert len((tmp_path / "results.jsonl").read_text().splitlines()) == 2
     assert set(report.latest_runs(tmp_path)) == {"tiny"}
+    page = paths["latest_html"].read_text()  # bars of each variant's speed vs eager with its spread
+    bars = json.loads(page.split('id="graphtrain-bars">')[1].split("</script>")[0])
+    assert [b[0] for b in bars["m b2 s16"]] == ["eager-fp32", "compile-fp32", "eager-bf16"]
+    assert bars["m b2 s16"][1][1:] == pytest.approx([2.0, 2.0, 2.0]) and page.count("data:image/png") == 1
 
 
 # -------------------------------------------------------------------------------- maxbatch ----

@@ -256,7 +256,8 @@ def save(run: dict[str, Any], out_dir: Path) -> dict[str, Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = _stem(run)
     paths = {"json": out_dir / f"{stem}.json", "md": out_dir / f"{stem}.md",
-             "latest": out_dir / f"{run['suite']}-latest.md", "jsonl": out_dir / "results.jsonl"}
+             "latest": out_dir / f"{run['suite']}-latest.md", "jsonl": out_dir / "results.jsonl",
+             "html": out_dir / f"{stem}.html", "latest_html": out_dir / f"{run['suite']}-latest.html"}
     (out_dir / f"{stem}.partial.json").unlink(missing_ok=True)
     paths["json"].write_text(json.dumps(run, indent=1) + "\n")
     text = markdown(run)
@@ -264,7 +265,26 @@ def save(run: dict[str, Any], out_dir: Path) -> dict[str, Path]:
     paths["latest"].write_text(text)
     with open(paths["jsonl"], "a") as f:
         f.write(json.dumps(run) + "\n")
+    html_page(run, paths["html"])
+    paths["latest_html"].write_text(paths["html"].read_text())
     return paths
+
+
+def html_page(run: dict[str, Any], out: Path) -> Path:
+    """The run as an HTML page (ops/plot.py): per case, each variant's speed against eager as a bar with its
+    spread over the interleaved repeats, then the markdown tables' figures as a table."""
+    from graphtrain.ops.plot import write_bar_page
+    groups: dict[str, list[tuple[str, float, float, float]]] = {}
+    for row in summarize(run):
+        if row.get("vs_eager") is not None:
+            groups.setdefault(row["case"], []).append((row["variant"], row["vs_eager"], row["vs_eager_min"],
+                                                       row["vs_eager_max"]))
+    env = run.get("env", {})
+    intro = (f"`{run.get('command', 'graphtrain bench ' + run['suite'])}` on {env.get('cpu', '?')} "
+             f"({env.get('cores', '?')} cores), torch {env.get('torch', '?')}, graphtrain {env.get('graphtrain', '?')}"
+             f" ({env.get('git_sha', '?')}), {run.get('started', '')}")
+    table = "<pre>" + terminal_table(run).replace("&", "&amp;").replace("<", "&lt;") + "</pre>"
+    return write_bar_page(f"graphtrain bench {run['suite']}", groups, out, intro, table)
 
 
 def latest_runs(out_dir: Path, include_partial: bool = False) -> dict[str, dict[str, Any]]:

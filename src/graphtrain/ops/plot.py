@@ -74,14 +74,16 @@ def config_differences(runs: list[dict[str, Any]]) -> list[tuple[str, list[Any]]
 def final_figures(run: dict[str, Any]) -> dict[str, Any]:
     summary = next((r for r in reversed(run["records"]) if r.get("kind") == "summary"), None)
     if summary is not None:
-        return {k: summary.get(k) for k in ("steps", "train_loss", "val_loss", "tokens_per_s", "ms_per_step",
-                                            "peak_mem_bytes")}
+        out = {k: summary.get(k) for k in ("steps", "train_loss", "val_loss", "tokens_per_s", "ms_per_step")}
+        mem = summary.get("peak_mem_bytes")
+        return {**out, "peak_mem_MiB": mem / 2**20 if isinstance(mem, (int, float)) else None}
     last = {}
     for r in run["records"]:  # a run that has not finished: its latest figures
         last.update({k: v for k, v in r.items() if k not in ("kind", "time")})
+    mem = last.get("peak_mem_bytes")
     return {"steps": last.get("step"), "train_loss": last.get("loss"), "val_loss": last.get("val_loss"),
             "tokens_per_s": last.get("tokens_per_s"), "ms_per_step": last.get("ms_per_step"),
-            "peak_mem_bytes": last.get("peak_mem_bytes")}
+            "peak_mem_MiB": mem / 2**20 if isinstance(mem, (int, float)) else None}
 
 
 def _figure(title: str, lines: list[tuple[str, list, list, str, str]], ylabel: str) -> str:
@@ -149,6 +151,53 @@ td,th{{border:1px solid #ccc;padding:4px 8px;text-align:left;font-size:13px}} im
                             '<p>The runs share one config.</p>'}
 {''.join(f'<h2>{html.escape(n)}</h2><img alt="{html.escape(n)}" src="data:image/png;base64,{b}">' for n, b in images)}
 <script type="application/json" id="graphtrain-series">{data}</script>
+</body></html>
+"""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(page)
+    return out
+
+
+def write_bar_page(title: str, groups: dict[str, list[tuple[str, float, float, float]]], out: str | Path,
+                   intro: str = "", table_html: str = "") -> Path:
+    """A page of horizontal bars, one figure per group (a benchmark case): (label, ratio, low, high) per bar,
+    the ratio with its spread over interleaved repeats as an error bar and a line at 1.0 (no change).
+    `graphtrain bench` writes one per suite run; the bars are embedded as JSON too."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    images = []
+    for case, bars in groups.items():
+        if not bars:
+            continue
+        fig, ax = plt.subplots(figsize=(7.5, 0.45 * len(bars) + 1.2), dpi=100)
+        labels = [b[0] for b in bars]
+        values = [b[1] for b in bars]
+        err = [[max(v - lo, 0) for _, v, lo, _ in bars], [max(hi - v, 0) for _, v, _, hi in bars]]
+        ax.barh(range(len(bars)), values, xerr=err, color=["C2" if v >= 1 else "C3" for v in values], capsize=3)
+        ax.axvline(1.0, color="k", lw=0.8)
+        ax.set_yticks(range(len(bars)), labels, fontsize=8)
+        ax.invert_yaxis()
+        ax.set_xlabel("speed vs eager (x, higher is faster; bars: median, whiskers: min-max over repeats)")
+        ax.set_title(case, fontsize=10)
+        for i, v in enumerate(values):
+            ax.text(v, i, f" {v:.2f}x", va="center", fontsize=8)
+        fig.tight_layout()
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png")
+        plt.close(fig)
+        images.append((case, base64.b64encode(buf.getvalue()).decode()))
+    data = json.dumps(groups).replace("</", "<\\/")
+    page = f"""<!doctype html>
+<html><head><meta charset="utf-8"><title>{html.escape(title)}</title>
+<style>body{{font-family:sans-serif;margin:2em;max-width:1100px}} table{{border-collapse:collapse;margin:1em 0}}
+td,th{{border:1px solid #ccc;padding:4px 8px;text-align:left;font-size:13px}} img{{max-width:100%}}</style></head>
+<body><h1>{html.escape(title)}</h1><p>{html.escape(intro)}</p>
+{''.join(f'<h2>{html.escape(c)}</h2><img alt="{html.escape(c)}" src="data:image/png;base64,{b}">' for c, b in images)}
+{table_html}
+<script type="application/json" id="graphtrain-bars">{data}</script>
 </body></html>
 """
     out = Path(out)
