@@ -416,6 +416,25 @@ def run_sweep(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_export_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (its train.out_dir)")
+    p.add_argument("--format", required=True, choices=("safetensors", "hf", "onnx"),
+                   help="safetensors: the weights; hf: a Hugging Face model folder; onnx: an inference graph")
+    p.add_argument("--out", metavar="PATH", help="the folder to write (default RUN_DIR/export-FORMAT)")
+    p.add_argument("--checkpoint", default="latest", metavar="latest|STEP|PATH",
+                   help="which checkpoint (default: the latest that verifies)")
+    p.add_argument("--force", action="store_true", help="replace a non-empty --out")
+
+
+def run_export(args: argparse.Namespace) -> int:
+    from graphtrain.export import export_run
+    r = export_run(args.run_dir, args.format, args.out, checkpoint=args.checkpoint, force=args.force)
+    extra = f", {r['class']}" if "class" in r else ""
+    print(f"exported {r['checkpoint']} as {r['format']}{extra} to {r['out']}: reloaded with its consumer library, "
+          f"max abs logit difference {r['max_abs_diff']:.2e}")
+    return 0
+
+
 def _check_job(config: Config, who: str) -> Config:
     """The Trainer's checks, before anything is built or compiled."""
     from graphtrain.models import resolve_spec
@@ -526,6 +545,8 @@ SUBCOMMANDS: dict[str, Subcommand] = {
     "sweep": Subcommand("search hyperparameters with Optuna (TPE, median or ASHA pruning of poor trials, trials in "
                         "parallel processes, resumable) and write the best job as best.yaml", add_sweep_arguments,
                         run_sweep),
+    "export": Subcommand("export a run's trained model: safetensors weights, a Hugging Face folder "
+                         "(from_pretrained), or ONNX (checked with onnxruntime)", add_export_arguments, run_export),
     "bisect": Subcommand("find the first pass, fused op or provider that takes the configured model's loss or "
                          "gradients out of tolerance of eager PyTorch", add_bisect_arguments, run_bisect),
     "bench": Subcommand("compare eager PyTorch, torch.compile and graphtrain training steps side by side",

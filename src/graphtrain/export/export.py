@@ -1,0 +1,224 @@
+"""The export formats (see the package docstring): load a run's checkpoint, write, load back, compare logits."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+FORMATS = ("safetensors", "hf", "onnx")
+ONNX_ATOL = 1e-4
+
+
+def load_run(run_dir: str | Path, checkpoint: str = "latest") -> tuple[Any, torch.nn.Module, Path]:
+    """(the run's Config, its model with the checkpoint's weights, in eval mode, the checkpoint) of a run folder.
+    `checkpoint`: latest (the newest that verifies), a step number, or a checkpoint path."""
+    from graphtrain.config import Config, ModelConfig
+    from graphtrain.models import build_model
+    from graphtrain.trainer.checkpoint import (is_sharded, latest_valid_checkpoint, list_checkpoints,
+                                               load_checkpoint)
+    run = Path(run_dir)
+    if not (run / "config.yaml").is_file():
+        raise ValueError(f"{str(run)!r} is not a graphtrain run directory (no config.yaml): pass the train.out_dir "
+                         f"of a `graphtrain train`")
+    config = Config.from_yaml(run / "config.yaml")
+    if checkpoint == "latest":
+        path = latest_valid_checkpoint(run)
+        if path is None:
+            raise ValueError(f"{str(run)!r} has no valid checkpoint (ckpt-*): train it first (train.ckpt_every "
+                             f"saves them; a finished run always has one)")
+    elif checkpoint.isdigit():
+        path = next((p for s, p in list_checkpoints(run) if s == int(checkpoint)), None)
+        if path is None:
+            raise ValueError(f"{str(run)!r} has no checkpoint of step {checkpoint}; it has steps "
+                             f"{[s for s, _ in list_checkpoints(run)]}")
+    else:
+        path = Path(checkpoint)
+    if is_sharded(path):
+        raise ValueError(f"{str(path)!r} is a sharded (distributed) checkpoint: resume it in one process to write a "
+                         f"single-file one (graphtrain train --resume with parallel.dp=1), then export that")
+    state = load_checkpoint(path, config)
+    weights = state["model"]
+    emb = next(v for k, v in weights.items() if k.endswith(("wte.weight", "embeddings.word.weight")))
+    model = build_model(ModelConfig(**{**config.model.__dict__, "vocab_size": int(emb.shape[0])}),
+                        vocab_size=int(emb.shape[0]))
+    model.load_state_dict(weights)
+    return config, model.eval(), path
+
+
+def export_run(run_dir: str | Path, fmt: str, out: str | Path | None = None, *, checkpoint: str = "latest",
+               force: bool = False) -> dict[str, Any]:
+    """Export the run; returns {format, out, checkpoint, max_abs_diff, ...}."""
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown export format {fmt!r}; choose from {list(FORMATS)}")
+    config, model, ckpt = load_run(run_dir, checkpoint)
+    out = Path(out) if out is not None else Path(run_dir) / f"export-{fmt}"
+    if out.exists() and (out.is_file() or any(out.iterdir())):
+        if not force:
+            raise ValueError(f"{str(out)!r} exists and is not empty: choose another --out, or --force to replace it")
+        shutil.rmtree(out) if out.is_dir() else out.unlink()
+    out.mkdir(parents=True, exist_ok=True)
+    sample = _sample(model, batch=2, seq=min(16, model.max_seq_len))
+    with torch.no_grad():
+        ref = model(sample)
+    result = {"format": fmt, "out": str(out), "checkpoint": str(ckpt), "model": config.model.name}
+    if fmt == "safetensors":
+        result.update(_safetensors(model, out, sample, ref))
+    elif fmt == "hf":
+        result.update(_hf(model, config, out, sample, ref))
+    else:
+        result.update(_onnx(model, out, sample, ref))
+    (out / "export.json").write_text(json.dumps(result, indent=2))
+    return result
+
+
+def _sample(model: torch.nn.Module, batch: int, seq: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, model.spec.vocab_size, (batch, seq), generator=g)
+
+
+def _diff(a: Any, b: Any) -> float:
+    return float((torch.as_tensor(a).float() - torch.as_tensor(b).float()).abs().max())
+
+
+def _safetensors(model: torch.nn.Module, out: Path, sample: torch.Tensor, ref: torch.Tensor) -> dict[str, Any]:
+    from safetensors.torch import load_file, save_model
+    path = out / "model.safetensors"
+    save_model(model, str(path))  # a tied matrix is stored once
+    again = type(model)(model.spec, attention=model.attention)  # what a user of the file builds
+    missing, unexpected = again.load_state_dict(load_file(str(path)), strict=False)
+    again.tie_weights()  # the tied copy that was stored once
+    if unexpected or any(k not in _tied_keys(model) for k in missing):
+        raise RuntimeError(f"safetensors round trip lost weights: missing {missing}, unexpected {unexpected}")
+    with torch.no_grad():
+        return {"file": str(path), "max_abs_diff": _diff(again.eval()(sample), ref)}
+
+
+def _tied_keys(model: torch.nn.Module) -> set[str]:
+    seen: dict[int, str] = {}
+    tied = set()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            tied |= {name, seen[id(p)]}
+        seen.setdefault(id(p), name)
+    return tied
+
+
+def _hf(model: torch.nn.Module, config: Any, out: Path, sample: torch.Tensor, ref: torch.Tensor) -> dict[str, Any]:
+    import transformers
+    family = model.spec.family
+    hf = _to_gpt2(model) if family == "gpt2" else _to_bert(model)
+    hf.save_pretrained(str(out), safe_serialization=True)
+    tok = _save_tokenizer(config, out, model.spec.max_seq_len)
+    auto = transformers.AutoModelForCausalLM if family == "gpt2" else transformers.AutoModelForMaskedLM
+    loaded = auto.from_pretrained(str(out), local_files_only=True).eval()
+    with torch.no_grad():
+        logits = loaded(input_ids=sample).logits
+    return {"class": type(loaded).__name__, "tokenizer": tok, "max_abs_diff": _diff(logits, ref)}
+
+
+def _lin(dst: Any, src: torch.nn.Linear, transpose: bool = False) -> None:
+    dst.weight.copy_(src.weight.t() if transpose else src.weight)
+    if getattr(dst, "bias", None) is not None:
+        dst.bias.copy_(src.bias)
+
+
+@torch.no_grad()
+def _to_gpt2(model: torch.nn.Module) -> Any:
+    import transformers
+    s = model.spec
+    cfg = transformers.GPT2Config(vocab_size=s.vocab_size, n_positions=s.max_seq_len, n_embd=s.d_model,
+                                  n_layer=s.n_layer, n_head=s.n_head, n_inner=s.d_ff, activation_function="gelu",
+                                  resid_pdrop=s.dropout, embd_pdrop=s.dropout, attn_pdrop=s.dropout,
+                                  layer_norm_epsilon=s.layer_norm_eps, tie_word_embeddings=True,
+                                  bos_token_id=None, eos_token_id=None)
+    hf = transformers.GPT2LMHeadModel(cfg)
+    t = hf.transformer
+    t.wte.weight.copy_(model.wte.weight)
+    t.wpe.weight.copy_(model.wpe.weight)
+    for h, b in zip(t.h, model.blocks):  # HF's Conv1D keeps [in, out]: the transposed Linear
+        _lin(h.ln_1, b.ln_1)
+        _lin(h.attn.c_attn, b.attn.qkv, transpose=True)
+        _lin(h.attn.c_proj, b.attn.proj, transpose=True)
+        _lin(h.ln_2, b.ln_2)
+        _lin(h.mlp.c_fc, b.mlp.fc, transpose=True)
+        _lin(h.mlp.c_proj, b.mlp.proj, transpose=True)
+    _lin(t.ln_f, model.ln_f)
+    hf.tie_weights()
+    return hf
+
+
+@torch.no_grad()
+def _to_bert(model: torch.nn.Module) -> Any:
+    import transformers
+    s = model.spec
+    cfg = transformers.BertConfig(vocab_size=s.vocab_size, hidden_size=s.d_model, num_hidden_layers=s.n_layer,
+                                  num_attention_heads=s.n_head, intermediate_size=s.d_ff, hidden_act="gelu",
+                                  max_position_embeddings=s.max_seq_len, type_vocab_size=s.type_vocab_size,
+                                  layer_norm_eps=s.layer_norm_eps, hidden_dropout_prob=s.dropout,
+                                  attention_probs_dropout_prob=s.dropout, tie_word_embeddings=True)
+    hf = transformers.BertForMaskedLM(cfg)
+    e, d = hf.bert.embeddings, s.d_model
+    e.word_embeddings.weight.copy_(model.embeddings.word.weight)
+    e.position_embeddings.weight.copy_(model.embeddings.position.weight)
+    e.token_type_embeddings.weight.copy_(model.embeddings.token_type.weight)
+    _lin(e.LayerNorm, model.embeddings.ln)
+    for h, b in zip(hf.bert.encoder.layer, model.layers):
+        att = h.attention.self
+        for i, proj in enumerate((att.query, att.key, att.value)):  # the fused qkv, split in its order
+            proj.weight.copy_(b.attn.qkv.weight[i * d:(i + 1) * d])
+            proj.bias.copy_(b.attn.qkv.bias[i * d:(i + 1) * d])
+        _lin(h.attention.output.dense, b.attn.proj)
+        _lin(h.attention.output.LayerNorm, b.ln_1)
+        _lin(h.intermediate.dense, b.mlp.fc)
+        _lin(h.output.dense, b.mlp.proj)
+        _lin(h.output.LayerNorm, b.ln_2)
+    p = hf.cls.predictions
+    _lin(p.transform.dense, model.mlm.dense)
+    _lin(p.transform.LayerNorm, model.mlm.ln)
+    p.bias.copy_(model.mlm.bias)
+    hf.tie_weights()
+    return hf
+
+
+def _save_tokenizer(config: Any, out: Path, max_len: int) -> str | None:
+    """The run's tokenizer (rebuilt from the data cache, as the run built it) as tokenizer.json plus a
+    tokenizer_config.json for PreTrainedTokenizerFast; None (said in the result) where the data is not there."""
+    try:
+        from graphtrain.data import build_data
+        from graphtrain.models import resolve_spec
+        data = build_data(config, family=resolve_spec(config.model).family)
+    except Exception as e:  # noqa: BLE001 - the weights are exported all the same
+        return f"not exported: the run's data could not be rebuilt ({type(e).__name__}: {e})"
+    tok = data.tokenizer
+    tok.save(out / "tokenizer.json")
+    (out / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
+                                                           "model_max_length": max_len}, indent=2))
+    return str(out / "tokenizer.json")
+
+
+def _onnx(model: torch.nn.Module, out: Path, sample: torch.Tensor, ref: torch.Tensor) -> dict[str, Any]:
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        raise RuntimeError("ONNX export needs onnx, onnxscript and onnxruntime: pip install graphtrain[export]") \
+            from None
+    path = out / "model.onnx"
+    batch, seq = torch.export.Dim("batch", min=1, max=1024), torch.export.Dim("seq", min=2, max=model.max_seq_len)
+    torch.onnx.export(model, (sample,), str(path), dynamo=True, input_names=["input_ids"], output_names=["logits"],
+                      dynamic_shapes={"input_ids": {0: batch, 1: seq}})
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    other = _sample(model, batch=3, seq=max(2, min(model.max_seq_len, sample.shape[1] + 7)), seed=1)
+    diffs = []
+    for ids in (sample, other):  # a second shape proves the axes are dynamic
+        with torch.no_grad():
+            want = model(ids)
+        got = session.run(["logits"], {"input_ids": ids.numpy()})[0]
+        diffs.append(_diff(torch.from_numpy(got), want))
+    worst = max(diffs)
+    if worst > ONNX_ATOL:
+        raise RuntimeError(f"ONNX export of {path}: onnxruntime's logits differ from PyTorch's by {worst:.2e} "
+                           f"(> {ONNX_ATOL:g}); please report it")
+    return {"file": str(path), "max_abs_diff": worst, "shapes_checked": [list(sample.shape), list(other.shape)]}
