@@ -40,5 +40,20 @@ def test_jsonl_only_writes_no_event_files(tmp_path):
 
 
 def test_unknown_logger_is_one_clear_error():
-    with pytest.raises(ValueError, match=r"unknown logger\(s\) \['wandb'\]; choose from"):
-        Config().with_overrides(["train.loggers=[jsonl, wandb]"])
+    with pytest.raises(ValueError, match=r"unknown logger\(s\) \['comet'\]; choose from"):
+        Config().with_overrides(["train.loggers=[jsonl, comet]"])
+
+
+def test_wandb_offline_and_mlflow_local_get_the_metrics(tmp_path, monkeypatch):
+    """Optional loggers (skipped where the packages are not installed): W&B offline, MLflow's local file store."""
+    wandb = pytest.importorskip("wandb")
+    mlflow = pytest.importorskip("mlflow")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    Trainer(Config().with_overrides([*TINY, "train.accelerate=false", "train.loggers=[jsonl, wandb, mlflow]",
+                                     f"train.out_dir={tmp_path}"])).fit()
+    runs = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert runs, list((tmp_path / "wandb").iterdir())
+    mlflow.set_tracking_uri(f"sqlite:///{(tmp_path / 'mlflow.db').resolve()}")
+    found = mlflow.search_runs(search_all_experiments=True)
+    assert len(found) == 1 and found["metrics.train.loss"].notna().all(), found.columns.tolist()
+    assert wandb  # imported for the skip

@@ -186,7 +186,7 @@ class OptimConfig:
             raise ValueError(f"optim.poly_power must be positive, got {self.poly_power}")
 
 
-LOGGERS = ("jsonl", "tensorboard")
+LOGGERS = ("jsonl", "tensorboard", "wandb", "mlflow")
 
 
 @dataclass
@@ -244,8 +244,9 @@ class TrainConfig:
     """Also skip a step whose loss exceeds this times the median of the last 50 updated steps' losses
     (from the 10th on), e.g. 3.0; null: off."""
     loggers: list[str] = field(default_factory=lambda: ["jsonl", "tensorboard"])
-    """Where metrics go: jsonl (metrics.jsonl, always written) and tensorboard (event files in
-    <out_dir>/tensorboard, with the engine's report as text)."""
+    """Where metrics go: jsonl (metrics.jsonl, always written), tensorboard (event files in
+    <out_dir>/tensorboard, with the engine's report as text), wandb (offline unless WANDB_MODE says otherwise)
+    and mlflow (<out_dir>/mlflow.db unless MLFLOW_TRACKING_URI is set), the last two when installed."""
     trust_checkpoint: bool = False
     """Allow --resume-from and train.init_from to load a sharded checkpoint folder from outside
     train.out_dir. Its DCP .metadata is a Python pickle: graphtrain reads it with an allow-list of

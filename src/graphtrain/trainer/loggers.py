@@ -1,6 +1,9 @@
 """Where a run's metrics go besides metrics.jsonl (the source of truth: resume and `graphtrain plot` read it).
 
-``train.loggers`` names them; ``tensorboard`` writes event files under ``<out_dir>/tensorboard`` with
+``train.loggers`` names them. ``wandb`` and ``mlflow`` log the same scalars when those packages are installed
+(never required; asked for without them: one error naming the package). W&B runs offline unless ``WANDB_MODE``
+says otherwise (nothing leaves the machine by default); MLflow writes to ``<out_dir>/mlflow.db`` (SQLite) unless
+``MLFLOW_TRACKING_URI`` points elsewhere. ``tensorboard`` writes event files under ``<out_dir>/tensorboard`` with
 ``torch.utils.tensorboard`` (every numeric field of every metrics record as a scalar ``<kind>/<field>``:
 train/loss, train/lr, train/grad_norm, train/tokens_per_s, train/ms_per_step, train/mfu, train/peak_mem_bytes,
 train/loss_scale, eval/val_loss, skip/... as the trainer writes them), and the engine's report as text at the end
@@ -57,6 +60,84 @@ class TensorBoardLogger:
             self.writer = None
 
 
-def make_loggers(names: list[str], out_dir: Path) -> list[Any]:
+def _scalars(record: dict[str, Any]) -> dict[str, float]:
+    kind = record.get("kind")
+    return {f"{kind}/{k}": float(v) for k, v in record.items()
+            if k not in ("kind", "step", "time") and not isinstance(v, bool) and isinstance(v, (int, float))}
+
+
+def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def _require(module: str, key: str) -> Any:
+    import importlib
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise RuntimeError(f"train.loggers asks for {key}, which is not installed: pip install {key}, or drop it "
+                           f"from train.loggers") from None
+
+
+class WandbLogger:
+    def __init__(self, out_dir: Path, config: dict[str, Any]) -> None:
+        import os
+        self.wandb = _require("wandb", "wandb")
+        self.run = self.wandb.init(project=os.environ.get("WANDB_PROJECT", "graphtrain"), name=Path(out_dir).name,
+                                   dir=str(out_dir), config=_flat(config),
+                                   mode=os.environ.get("WANDB_MODE", "offline"), reinit="finish_previous")
+
+    def purge_after(self, step: int) -> None:  # W&B keeps history; a resumed run logs on from `step`
+        pass
+
+    def record(self, record: dict[str, Any]) -> None:
+        values = _scalars(record)
+        if values:
+            self.run.log(values, step=int(record.get("step", 0)))
+
+    def text(self, tag: str, text: str, step: int) -> None:
+        self.run.summary[tag] = text
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class MLflowLogger:
+    def __init__(self, out_dir: Path, config: dict[str, Any]) -> None:
+        import os
+        self.mlflow = _require("mlflow", "mlflow")
+        if not os.environ.get("MLFLOW_TRACKING_URI"):
+            self.mlflow.set_tracking_uri(f"sqlite:///{(Path(out_dir) / 'mlflow.db').resolve()}")
+        self.run = self.mlflow.start_run(run_name=Path(out_dir).name)
+        params = {k: str(v)[:250] for k, v in _flat(config).items()}
+        self.mlflow.log_params(params)
+
+    def purge_after(self, step: int) -> None:
+        pass
+
+    def record(self, record: dict[str, Any]) -> None:
+        values = {k.replace("/", "."): v for k, v in _scalars(record).items()}
+        if values:
+            self.mlflow.log_metrics(values, step=int(record.get("step", 0)))
+
+    def text(self, tag: str, text: str, step: int) -> None:
+        self.mlflow.log_text(text, f"{tag.replace('/', '_')}.txt")
+
+    def close(self) -> None:
+        self.mlflow.end_run()
+
+
+def make_loggers(names: list[str], out_dir: Path, config: dict[str, Any] | None = None) -> list[Any]:
     """The sinks for `train.loggers` (jsonl is MetricsLog itself, always written)."""
-    return [TensorBoardLogger(Path(out_dir) / "tensorboard") for name in names if name == "tensorboard"]
+    out: list[Any] = []
+    for name in names:
+        if name == "tensorboard":
+            out.append(TensorBoardLogger(Path(out_dir) / "tensorboard"))
+        elif name == "wandb":
+            out.append(WandbLogger(Path(out_dir), config or {}))
+        elif name == "mlflow":
+            out.append(MLflowLogger(Path(out_dir), config or {}))
+    return out

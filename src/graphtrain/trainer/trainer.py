@@ -121,7 +121,8 @@ class Trainer:
         # eval_callbacks: f(step, val_loss) -> a reason to stop training now, or None (graphtrain sweep's pruner)
         self.eval_callbacks: list[Callable[[int, float], str | None]] = []
         self.metrics = MetricsLog(self.out_dir / "metrics.jsonl",
-                                  make_loggers(config.train.loggers, self.out_dir) if self.is_main else [])
+                                  make_loggers(config.train.loggers, self.out_dir, config.to_dict())
+                                  if self.is_main else [])
         self.step = 0  # optimizer steps completed
 
     # ------------------------------------------------------------------------------ training ----
@@ -228,7 +229,11 @@ class Trainer:
     def _log_engine_report(self) -> None:
         """The engine's report, as text, to the loggers that take text (TensorBoard's Text tab)."""
         sinks = [s for s in self.metrics.sinks if hasattr(s, "text")]
-        if not sinks or not self.config.train.accelerate:
+        if not sinks:
+            return
+        if not self.config.train.accelerate:
+            for sink in sinks:
+                sink.close()
             return
         from graphtrain.engine.report import report
         try:
