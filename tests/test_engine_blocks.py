@@ -22,7 +22,8 @@ ENGINE_ONLY = {name: False for name in ("fuse_attention", "fuse_cross_entropy", 
 class Block(nn.Module):
     def __init__(self, d: int = 32) -> None:
         super().__init__()
-        self.ln, self.fc, self.out, self.drop = nn.LayerNorm(d), nn.Linear(d, 2 * d), nn.Linear(2 * d, d), nn.Dropout(0.1)
+        self.ln, self.fc, self.out = nn.LayerNorm(d), nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+        self.drop = nn.Dropout(0.1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.drop(self.out(F.gelu(self.fc(self.ln(x)))))

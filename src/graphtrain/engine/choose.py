@@ -79,7 +79,8 @@ def time_step(fn: Callable[..., Any], example_inputs: Sequence[Any], repeats: in
 
 class Measured:
     """The compiled candidates of one graph; the first call times them (on copies of its inputs; forward and
-    backward, or the forward alone for a graph compiled under no_grad) and keeps the faster. Timing happens at run time because running a compiled backward inside Dynamo's
+    backward, or the forward alone for a graph compiled under no_grad) and keeps the faster. Timing happens at
+    run time because running a compiled backward inside Dynamo's
     compile (where the backend is called) is not allowed. `rec` (the graph's record) ends up describing the
     winner: each candidate brings the record as its compile left it, completed by its timed calls (Inductor
     compiles a backward at its first call)."""
