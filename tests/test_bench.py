@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from graphtrain.bench import flops, maxbatch, report, suites
+from graphtrain.kernels import flops, maxbatch, report, suites
 from graphtrain.bench.cli import main as bench_main
 
 

@@ -197,7 +197,7 @@ def test_avx2_build_of_the_cpp_kernels_matches_the_references():
 
 
 def test_probes_are_bounded_and_cached_per_machine(tmp_path, monkeypatch):
-    from graphtrain.bench.flops import machine_peak, measure_peak
+    from graphtrain.kernels.flops import machine_peak, measure_peak
     monkeypatch.setenv("GRAPHTRAIN_PROBE_CACHE", str(tmp_path / "probes.json"))
     t0 = time.perf_counter()
     p = measure_peak(sizes=(64, 128, 4096), repeats=2, budget_s=0.3)
@@ -217,7 +217,7 @@ def test_probes_are_bounded_and_cached_per_machine(tmp_path, monkeypatch):
     assert table[capability.machine_key()]["demo"] == {"value": 42}
     with capability.simulate("avx2"):  # another machine, another entry
         assert capability.cached_probe("demo", run)["cached"] is False
-    monkeypatch.setattr("graphtrain.bench.flops.measure_peak", lambda device="cpu": {"fp32": 1.0, "bf16": 2.0})
+    monkeypatch.setattr("graphtrain.kernels.flops.measure_peak", lambda device="cpu": {"fp32": 1.0, "bf16": 2.0})
     assert machine_peak()["cached"] is False and machine_peak()["cached"] is True
 
 

@@ -20,14 +20,17 @@ def _scalars(folder):
     return ea
 
 
-def test_tensorboard_has_every_curve_and_the_engine_report(tmp_path):
+def test_tensorboard_has_every_curve_and_the_engine_report(tmp_path, monkeypatch):
+    from graphtrain.kernels import capability
+    monkeypatch.setattr(capability, "peek_probe", lambda name: {"fp32": 1e11})  # a measured peak: MFU is logged
     Trainer(Config().with_overrides([*TINY, f"train.out_dir={tmp_path}"])).fit()
     ea = _scalars(tmp_path / "tensorboard")
     tags = set(ea.Tags()["scalars"])
     for tag in ("train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s", "train/ms_per_step",
-                "train/peak_mem_bytes", "eval/val_loss"):
+                "train/peak_mem_bytes", "train/mfu", "train/skipped", "eval/val_loss"):
         assert tag in tags, sorted(tags)
     assert [e.step for e in ea.Scalars("train/loss")] == [1, 2, 3]
+    assert all(0 < e.value < 1 for e in ea.Scalars("train/mfu"))  # tiny model, a 100 GFLOP/s peak
     assert "engine/report/text_summary" in ea.Tags()["tensors"]
     text = ea.Tensors("engine/report/text_summary")[0].tensor_proto.string_val[0].decode()
     assert "graphtrain report" in text and "graphs captured" in text

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from graphtrain.bench import flops
+from graphtrain.kernels import flops
 from graphtrain.bench.suites import Case, Variant, VARIANTS
 
 SEED = 1337

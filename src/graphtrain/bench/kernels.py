@@ -7,7 +7,7 @@ attention). Variants run interleaved (A B C A B C ...) and we report the median 
 spread (max/min), forward and forward+backward time, the MiB autograd saves for backward (activation
 memory; not measurable this way for compiled code), and achieved GB/s
 (bytes of the minimal read/write traffic) or GFLOP/s for the matmul ops (attention 4*B*H*S*S*D fwd;
-linears 2*M*K*N fwd, x3 fwd+bwd), against the machine's peaks (``python -m graphtrain.bench.flops``:
+linears 2*M*K*N fwd, x3 fwd+bwd), against the machine's peaks (``python -m graphtrain.kernels.flops``:
 on the 2-core Zen 5 EPYC fp32 ~220 GFLOP/s through aten/MKL, ~480 through oneDNN; bf16 ~870).
 """
 from __future__ import annotations

@@ -15,7 +15,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from graphtrain.bench import flops
+from graphtrain.kernels import flops
 from graphtrain.bench.suites import REFERENCE, SUITES, VARIANTS
 
 FLOP_FORMULA = "(6 * N + 12 * n_layer * seq * d_model) * batch * seq"

@@ -193,8 +193,8 @@ def _git(*args: str) -> str | None:
 
 
 def measure_peak_subprocess(device: str) -> dict[str, Any]:
-    """The fp32/bf16 matmul peak, measured in a fresh process (see graphtrain.bench.flops)."""
-    cmd = [sys.executable, "-m", "graphtrain.bench.flops", "--device", device]
+    """The fp32/bf16 matmul peak, measured in a fresh process (see graphtrain.kernels.flops)."""
+    cmd = [sys.executable, "-m", "graphtrain.kernels.flops", "--device", device]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     if out.returncode != 0:
         return {"error": out.stderr.strip()[-400:]}

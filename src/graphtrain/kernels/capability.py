@@ -218,6 +218,16 @@ def cached_probe(name: str, run: Callable[[], dict[str, Any]], replace: bool = F
         return dict(result, cached=False)
 
 
+def peek_probe(name: str) -> dict[str, Any] | None:
+    """This machine's cached `name` probe, or None when it was never measured here (nothing is measured)."""
+    try:
+        table = json.loads(probe_cache_file().read_text())
+    except (OSError, ValueError):
+        return None
+    hit = table.get(machine_key(), {}).get(name) if isinstance(table, dict) else None
+    return hit if isinstance(hit, dict) else None
+
+
 def store_probe(name: str, result: dict[str, Any]) -> None:
     """Replace this machine's cached `name` probe with `result` (a re-measurement)."""
     cached_probe(name, lambda: result, replace=True)

@@ -114,6 +114,7 @@ class Trainer:
             self.init_source, step = load_weights(model, config.train.init_from, config, self._model_spec(), self._log)
             self._log(f"initialised weights from {self.init_source} (step {step} of that run); optimizer and step "
                       f"start fresh")
+        self._flops_per_token, self._peak = self._mfu_inputs(model)
         self.strategy = build_strategy(model, config, self.device, self.env, self._log)
         # what trains (accelerated module, DDP wrapper, pipeline stage) and its optimizer (WholeStepGraph: the graph)
         self.model, self.optimizer = self.strategy.model, self.strategy.optimizer
@@ -176,9 +177,10 @@ class Trainer:
                         mem = peak_memory_bytes(self.device)
                         train_loss = sum(recent) / len(recent) if recent else math.nan
                         recent.clear()
+                        mfu = self._flops_per_token * tok_s / self._peak if self._peak else None
                         self.metrics.write("train", done, loss=train_loss, lr=lr, tokens_per_s=tok_s, ms_per_step=ms,
                                            peak_mem_bytes=mem, grad_norm=out.grad_norm, skipped=skipped,
-                                           bad_steps=numerics.total, loss_scale=out.scale)
+                                           bad_steps=numerics.total, loss_scale=out.scale, mfu=mfu)
                         skipped = 0
                         bar.set_postfix(loss=f"{train_loss:.3f}", tok_s=f"{tok_s:,.0f}", mem=format_bytes(mem))
                         if not tc.progress:
@@ -225,6 +227,21 @@ class Trainer:
             self.metrics.write("summary", self.step, **summary)
             self._log_engine_report()
         return summary
+
+    def _mfu_inputs(self, model: torch.nn.Module) -> tuple[int, float | None]:
+        """(model FLOPs per trained token, this machine's measured matmul peak in FLOP/s or None): MFU is logged
+        when the peak was measured on this machine before (`graphtrain bench`, or `python -m
+        graphtrain.kernels.flops`: seconds of matmuls, so a training run never measures it itself)."""
+        from graphtrain.kernels import capability, flops
+        per_token = flops.step_flops(flops.matmul_params(model), self.spec.n_layer, self.config.data.seq_len,
+                                     self.spec.d_model, 1)
+        peak = capability.peek_probe(f"matmul_peak_{self.device.type}") or {}
+        precision = "bf16" if self.config.engine.precision in ("bf16", "fp16") else "fp32"
+        value = peak.get(precision)
+        if not value:
+            self._log(f"MFU not logged: this machine's {precision} matmul peak was never measured (python -m "
+                      f"graphtrain.kernels.flops measures and caches it)")
+        return per_token, value if value else None
 
     def _log_engine_report(self) -> None:
         """The engine's report, as text, to the loggers that take text (TensorBoard's Text tab)."""

@@ -16,7 +16,7 @@ The FLOP formula (the nanoGPT / PaLM-appendix-B estimate) for one training step:
 
 MFU is ``flops_per_step / step_seconds / peak``, where ``peak`` is the best rate of a large square
 matmul in the same precision on this machine, measured by :func:`measure_peak`
-(``python -m graphtrain.bench.flops``: time-bounded, cached per machine), never a datasheet number. On CPU the fp32 peak is the better of
+(``python -m graphtrain.kernels.flops``: time-bounded, cached per machine), never a datasheet number. On CPU the fp32 peak is the better of
 aten's ``a @ b`` (MKL) and oneDNN (graphtrain.kernels.gemm): on AMD CPUs MKL runs its AVX2 path at about
 half of what the cores do with AVX-512, and a peak taken from it alone would put graphtrain's fp32 MFU
 above 100%. Both rates are kept in the output (``fp32_aten``, ``fp32_onednn``).
@@ -32,7 +32,7 @@ from typing import Any
 # Substrings of parameter names that are embedding lookups without a matmul behind them.
 _LOOKUP_ONLY = ("wpe", "position", "token_type", "segment")
 
-PEAK_COMMAND = "python -m graphtrain.bench.flops"
+PEAK_COMMAND = "python -m graphtrain.kernels.flops"
 
 DEFAULT_SIZES = (512, 1024, 2048, 4096)
 DEFAULT_BUDGET_S = 4.0
