@@ -72,14 +72,22 @@ _SOURCE_DIGEST: str | None = None
 PASS_CACHE_VERSION = 2
 
 
+_SOURCES = ("passes", "kernels", "engine", "memory", "config.py", "fallback.py")
+"""What a pre-autodiff result depends on: the passes, the kernels they insert (and their descriptors), the
+tracing pipeline and the config. The trainer, CLI, models and data do not (a model's own change shows in
+its Dynamo graph, which is in the key)."""
+
+
 def _source_digest() -> str:
-    """sha256 over graphtrain's Python sources: any change to a pass, kernel or the pipeline is a new key."""
+    """sha256 over the sources in _SOURCES: any change to a pass, kernel or the pipeline is a new key."""
     global _SOURCE_DIGEST
     if _SOURCE_DIGEST is None:
         import hashlib
         root = Path(__file__).resolve().parent.parent
         h = hashlib.sha256()
-        for path in sorted(root.rglob("*.py")):
+        files = [p for name in _SOURCES for p in ((root / name).rglob("*.py") if (root / name).is_dir()
+                                                  else [root / name])]
+        for path in sorted(files):
             h.update(str(path.relative_to(root)).encode())
             h.update(path.read_bytes())
         _SOURCE_DIGEST = h.hexdigest()

@@ -103,7 +103,9 @@ class Measured:
             times[p] = time_step(fn, args)
             records[p] = copy.copy(self.rec.__dict__)
         choice = decide(times)
+        compile_seconds = self.rec.compile_seconds  # set once both candidates compiled: not a candidate's field
         self.rec.__dict__.update(records[choice])
+        self.rec.compile_seconds = compile_seconds
         self.rec.provider, self.rec.provider_times = choice, times
         self.rec.notes = [*self.rec.notes, describe(times, choice, cached=False)]
         if self.key is not None:
