@@ -97,13 +97,13 @@ class Measured:
 
     def _choose(self, args: Sequence[Any]) -> None:
         import copy
+        compile_seconds = self.rec.compile_seconds  # set once both candidates compiled: not a candidate's field
         times, records = {}, {}
         for p, (fn, record, _) in self.candidates.items():
             self.rec.__dict__.update(record)
             times[p] = time_step(fn, args)
             records[p] = copy.copy(self.rec.__dict__)
         choice = decide(times)
-        compile_seconds = self.rec.compile_seconds  # set once both candidates compiled: not a candidate's field
         self.rec.__dict__.update(records[choice])
         self.rec.compile_seconds = compile_seconds
         self.rec.provider, self.rec.provider_times = choice, times
