@@ -38,6 +38,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
+from graphtrain import cli_runs
+
 from graphtrain.config import Config, describe_all
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_PREEMPTED, EXIT_INTERRUPTED = 0, 1, 2, 75, 130
@@ -392,49 +394,6 @@ def precompile_for_config(config: Config) -> tuple[Any, float]:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def add_plot_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (a train.out_dir each)")
-    p.add_argument("--out", default="report.html", metavar="PATH", help="the HTML file to write (report.html)")
-    p.add_argument("--title", help="the page's title")
-
-
-def run_plot(args: argparse.Namespace) -> int:
-    from graphtrain.ops.plot import write_report
-    out = write_report(args.runs, args.out, args.title)
-    print(f"wrote {out} ({len(args.runs)} run{'s' if len(args.runs) > 1 else ''}): open it in a browser")
-    return 0
-
-
-def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("sweep", metavar="SWEEP.yaml", help="the sweep file (job, space, trials, parallel, sampler, pruner)")
-    p.add_argument("--summary", action="store_true", help="only print the summary of the trials run so far")
-
-
-def run_sweep(args: argparse.Namespace) -> int:
-    from graphtrain.ops.sweep import run_sweep as sweep
-    sweep(args.sweep, summary_only=args.summary)
-    return 0
-
-
-def add_export_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (its train.out_dir)")
-    p.add_argument("--format", required=True, choices=("safetensors", "hf", "onnx"),
-                   help="safetensors: the weights; hf: a Hugging Face model folder; onnx: an inference graph")
-    p.add_argument("--out", metavar="PATH", help="the folder to write (default RUN_DIR/export-FORMAT)")
-    p.add_argument("--checkpoint", default="latest", metavar="latest|STEP|PATH",
-                   help="which checkpoint (default: the latest that verifies)")
-    p.add_argument("--force", action="store_true", help="replace a non-empty --out")
-
-
-def run_export(args: argparse.Namespace) -> int:
-    from graphtrain.export import export_run
-    r = export_run(args.run_dir, args.format, args.out, checkpoint=args.checkpoint, force=args.force)
-    extra = f", {r['class']}" if "class" in r else ""
-    print(f"exported {r['checkpoint']} as {r['format']}{extra} to {r['out']}: reloaded with its consumer library, "
-          f"max abs logit difference {r['max_abs_diff']:.2e}")
-    return 0
-
-
 def _check_job(config: Config, who: str) -> Config:
     """The Trainer's checks, before anything is built or compiled."""
     from graphtrain.models import resolve_spec
@@ -541,12 +500,13 @@ SUBCOMMANDS: dict[str, Subcommand] = {
                              "evaluation in a scratch folder); the job then starts from the cache",
                              add_precompile_arguments, run_precompile),
     "plot": Subcommand("write one HTML page comparing runs: loss, throughput, memory and learning-rate curves, "
-                       "config differences and final figures", add_plot_arguments, run_plot),
+                       "config differences and final figures", cli_runs.add_plot_arguments, cli_runs.run_plot),
     "sweep": Subcommand("search hyperparameters with Optuna (TPE, median or ASHA pruning of poor trials, trials in "
-                        "parallel processes, resumable) and write the best job as best.yaml", add_sweep_arguments,
-                        run_sweep),
+                        "parallel processes, resumable) and write the best job as best.yaml",
+                        cli_runs.add_sweep_arguments, cli_runs.run_sweep),
     "export": Subcommand("export a run's trained model: safetensors weights, a Hugging Face folder "
-                         "(from_pretrained), or ONNX (checked with onnxruntime)", add_export_arguments, run_export),
+                         "(from_pretrained), or ONNX (checked with onnxruntime)", cli_runs.add_export_arguments,
+                         cli_runs.run_export),
     "bisect": Subcommand("find the first pass, fused op or provider that takes the configured model's loss or "
                          "gradients out of tolerance of eager PyTorch", add_bisect_arguments, run_bisect),
     "bench": Subcommand("compare eager PyTorch, torch.compile and graphtrain training steps side by side",

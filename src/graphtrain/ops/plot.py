@@ -100,6 +100,12 @@ def _figure(title: str, lines: list[tuple[str, list, list, str, str]], ylabel: s
     ax.grid(alpha=0.3)
     if lines:
         ax.legend(fontsize=8)
+    return _png(fig)
+
+
+def _png(fig: Any) -> str:
+    """A matplotlib figure as base64 PNG (the figure is closed)."""
+    import matplotlib.pyplot as plt
     buf = io.BytesIO()
     fig.tight_layout()
     fig.savefig(buf, format="png")
@@ -141,22 +147,12 @@ def write_report(run_dirs: list[str | Path], out: str | Path, title: str | None 
                          for k in finals[0])
     head = "".join(f"<th>{html.escape(n)}</th>" for n in names)
     data = json.dumps(plotted).replace("</", "<\\/")  # JSON inside <script>: no closing tag can appear
-    page = f"""<!doctype html>
-<html><head><meta charset="utf-8"><title>{html.escape(title)}</title>
-<style>body{{font-family:sans-serif;margin:2em;max-width:1100px}} table{{border-collapse:collapse;margin:1em 0}}
-td,th{{border:1px solid #ccc;padding:4px 8px;text-align:left;font-size:13px}} img{{max-width:100%}}</style></head>
-<body><h1>{html.escape(title)}</h1>
-<h2>Final figures</h2><table><tr><th></th>{head}</tr>{final_rows}</table>
+    page = _page(title, f"""<h2>Final figures</h2><table><tr><th></th>{head}</tr>{final_rows}</table>
 <h2>Config differences</h2>{'<table><tr><th>key</th>' + head + '</tr>' + rows + '</table>' if rows else
                             '<p>The runs share one config.</p>'}
 {''.join(f'<h2>{html.escape(n)}</h2><img alt="{html.escape(n)}" src="data:image/png;base64,{b}">' for n, b in images)}
-<script type="application/json" id="graphtrain-series">{data}</script>
-</body></html>
-"""
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(page)
-    return out
+<script type="application/json" id="graphtrain-series">{data}</script>""")
+    return _write(page, out)
 
 
 def write_bar_page(title: str, groups: dict[str, list[tuple[str, float, float, float]]], out: str | Path,
@@ -184,22 +180,28 @@ def write_bar_page(title: str, groups: dict[str, list[tuple[str, float, float, f
         ax.set_title(case, fontsize=10)
         for i, v in enumerate(values):
             ax.text(v, i, f" {v:.2f}x", va="center", fontsize=8)
-        fig.tight_layout()
-        buf = io.BytesIO()
-        fig.savefig(buf, format="png")
-        plt.close(fig)
-        images.append((case, base64.b64encode(buf.getvalue()).decode()))
+        images.append((case, _png(fig)))
     data = json.dumps(groups).replace("</", "<\\/")
-    page = f"""<!doctype html>
+    page = _page(title, f"""<p>{html.escape(intro)}</p>
+{''.join(f'<h2>{html.escape(c)}</h2><img alt="{html.escape(c)}" src="data:image/png;base64,{b}">' for c, b in images)}
+{table_html}
+<script type="application/json" id="graphtrain-bars">{data}</script>""")
+    return _write(page, out)
+
+
+def _page(title: str, body: str) -> str:
+    """A self-contained HTML page: the title, a small stylesheet, `body`."""
+    return f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>{html.escape(title)}</title>
 <style>body{{font-family:sans-serif;margin:2em;max-width:1100px}} table{{border-collapse:collapse;margin:1em 0}}
 td,th{{border:1px solid #ccc;padding:4px 8px;text-align:left;font-size:13px}} img{{max-width:100%}}</style></head>
-<body><h1>{html.escape(title)}</h1><p>{html.escape(intro)}</p>
-{''.join(f'<h2>{html.escape(c)}</h2><img alt="{html.escape(c)}" src="data:image/png;base64,{b}">' for c, b in images)}
-{table_html}
-<script type="application/json" id="graphtrain-bars">{data}</script>
+<body><h1>{html.escape(title)}</h1>
+{body}
 </body></html>
 """
+
+
+def _write(page: str, out: str | Path) -> Path:
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(page)

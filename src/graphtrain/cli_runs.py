@@ -1,0 +1,48 @@
+"""The commands that work on finished runs: `graphtrain plot`, `graphtrain sweep`, `graphtrain export` (their
+arguments and what they run; cli.py registers them)."""
+from __future__ import annotations
+
+import argparse
+
+
+def add_plot_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (a train.out_dir each)")
+    p.add_argument("--out", default="report.html", metavar="PATH", help="the HTML file to write (report.html)")
+    p.add_argument("--title", help="the page's title")
+
+
+def run_plot(args: argparse.Namespace) -> int:
+    from graphtrain.ops.plot import write_report
+    out = write_report(args.runs, args.out, args.title)
+    print(f"wrote {out} ({len(args.runs)} run{'s' if len(args.runs) > 1 else ''}): open it in a browser")
+    return 0
+
+
+def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("sweep", metavar="SWEEP.yaml", help="the sweep file (job, space, trials, parallel, sampler, pruner)")
+    p.add_argument("--summary", action="store_true", help="only print the summary of the trials run so far")
+
+
+def run_sweep(args: argparse.Namespace) -> int:
+    from graphtrain.ops.sweep import run_sweep as sweep
+    sweep(args.sweep, summary_only=args.summary)
+    return 0
+
+
+def add_export_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (its train.out_dir)")
+    p.add_argument("--format", required=True, choices=("safetensors", "hf", "onnx"),
+                   help="safetensors: the weights; hf: a Hugging Face model folder; onnx: an inference graph")
+    p.add_argument("--out", metavar="PATH", help="the folder to write (default RUN_DIR/export-FORMAT)")
+    p.add_argument("--checkpoint", default="latest", metavar="latest|STEP|PATH",
+                   help="which checkpoint (default: the latest that verifies)")
+    p.add_argument("--force", action="store_true", help="replace a non-empty --out")
+
+
+def run_export(args: argparse.Namespace) -> int:
+    from graphtrain.export import export_run
+    r = export_run(args.run_dir, args.format, args.out, checkpoint=args.checkpoint, force=args.force)
+    extra = f", {r['class']}" if "class" in r else ""
+    print(f"exported {r['checkpoint']} as {r['format']}{extra} to {r['out']}: reloaded with its consumer library, "
+          f"max abs logit difference {r['max_abs_diff']:.2e}")
+    return 0
