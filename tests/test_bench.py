@@ -11,7 +11,8 @@ import math
 import pytest
 import torch
 
-from graphtrain.kernels import flops, maxbatch, report, suites
+from graphtrain.bench import maxbatch, report, suites
+from graphtrain.kernels import flops
 from graphtrain.bench.cli import main as bench_main
 
 

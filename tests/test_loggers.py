@@ -22,7 +22,7 @@ def _scalars(folder):
 
 def test_tensorboard_has_every_curve_and_the_engine_report(tmp_path, monkeypatch):
     from graphtrain.kernels import capability
-    monkeypatch.setattr(capability, "peek_probe", lambda name: {"fp32": 1e11})  # a measured peak: MFU is logged
+    monkeypatch.setattr(capability, "peek_probe", lambda name, **kw: {"fp32": 1e11})  # a measured peak: MFU is logged
     Trainer(Config().with_overrides([*TINY, f"train.out_dir={tmp_path}"])).fit()
     ea = _scalars(tmp_path / "tensorboard")
     tags = set(ea.Tags()["scalars"])

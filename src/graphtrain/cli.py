@@ -209,7 +209,9 @@ def run_train(args: argparse.Namespace) -> int:
             _check_out_dir(config.train.out_dir)
             return _launch(nproc, args, config)
     _check_out_dir(config.train.out_dir)
-
+    if config.train.loggers != ["jsonl"]:  # the MFU curve's denominator, measured once per machine
+        from graphtrain.kernels.flops import ensure_machine_peak
+        ensure_machine_peak(log=lambda m: print(m, file=sys.stderr, flush=True))
     trainer = Trainer(config, resume=resume, allow_config_change=allowed)
     from graphtrain.ops.sweep import pruning_callback
     prune = pruning_callback()  # a trial of `graphtrain sweep` (its environment says so): report, maybe stop early

@@ -218,14 +218,24 @@ def cached_probe(name: str, run: Callable[[], dict[str, Any]], replace: bool = F
         return dict(result, cached=False)
 
 
-def peek_probe(name: str) -> dict[str, Any] | None:
-    """This machine's cached `name` probe, or None when it was never measured here (nothing is measured)."""
+def peek_probe(name: str, any_threads: bool = False) -> dict[str, Any] | None:
+    """This machine's cached `name` probe, or None when it was never measured here (nothing is measured).
+    `any_threads`: an entry measured with any thread count on this CPU will do (the one with the most threads):
+    the matmul peak is the machine's, whatever threads a run then uses."""
     try:
         table = json.loads(probe_cache_file().read_text())
     except (OSError, ValueError):
         return None
-    hit = table.get(machine_key(), {}).get(name) if isinstance(table, dict) else None
-    return hit if isinstance(hit, dict) else None
+    if not isinstance(table, dict):
+        return None
+    if not any_threads:
+        hit = table.get(machine_key(), {}).get(name)
+        return hit if isinstance(hit, dict) else None
+    stem = machine_key().rsplit(" | ", 1)[0]
+    hits = [(int(k.rsplit(" | ", 1)[1].split()[0]), v[name]) for k, v in table.items()
+            if isinstance(v, dict) and k.rsplit(" | ", 1)[0] == stem and isinstance(v.get(name), dict)
+            and k.rsplit(" | ", 1)[1].split()[0].isdigit()]
+    return max(hits, key=lambda h: h[0])[1] if hits else None
 
 
 def store_probe(name: str, result: dict[str, Any]) -> None:

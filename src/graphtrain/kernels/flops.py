@@ -160,6 +160,19 @@ def machine_peak(device: str = "cpu", refresh: bool = False) -> dict[str, Any]:
     return capability.cached_probe(f"matmul_peak_{device}", lambda: measure_peak(device=device))
 
 
+def ensure_machine_peak(device: str = "cpu", log: Any = print) -> None:
+    """Measure this machine's peak once (machine_peak) unless any run measured it before; `graphtrain train` calls
+    it so the MFU curve has its denominator. A failure is said and otherwise ignored (MFU is then not logged)."""
+    from graphtrain.kernels import capability
+    if capability.peek_probe(f"matmul_peak_{device}", any_threads=True):
+        return
+    log("measuring this machine's matmul peak once, for MFU (cached: later runs skip this)")
+    try:
+        machine_peak(device)
+    except Exception as e:  # noqa: BLE001 - MFU is a convenience; the run goes on without it
+        log(f"could not measure the matmul peak ({type(e).__name__}: {e}); MFU is not logged")
+
+
 def _sync(device: str) -> None:
     if device.startswith("cuda"):
         import torch

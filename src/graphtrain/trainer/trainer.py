@@ -230,12 +230,13 @@ class Trainer:
 
     def _mfu_inputs(self, model: torch.nn.Module) -> tuple[int, float | None]:
         """(model FLOPs per trained token, this machine's measured matmul peak in FLOP/s or None): MFU is logged
-        when the peak was measured on this machine before (`graphtrain bench`, or `python -m
-        graphtrain.kernels.flops`: seconds of matmuls, so a training run never measures it itself)."""
+        when the peak was measured on this machine before (`graphtrain train` does it once per machine,
+        `graphtrain bench` and `python -m graphtrain.kernels.flops` too; the Trainer itself never spends the
+        seconds)."""
         from graphtrain.kernels import capability, flops
         per_token = flops.step_flops(flops.matmul_params(model), self.spec.n_layer, self.config.data.seq_len,
                                      self.spec.d_model, 1)
-        peak = capability.peek_probe(f"matmul_peak_{self.device.type}") or {}
+        peak = capability.peek_probe(f"matmul_peak_{self.device.type}", any_threads=True) or {}
         precision = "bf16" if self.config.engine.precision in ("bf16", "fp16") else "fp32"
         value = peak.get(precision)
         if not value:
