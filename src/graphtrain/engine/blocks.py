@@ -230,9 +230,10 @@ def _close_glue(gm: fx.GraphModule, unit: _Unit) -> None:
 
 
 def _body_key(unit: _Unit, kind_of: dict[fx.Node, str]) -> Any:
-    """Calls share a compile when they share the body and their inputs' kinds (frozen vs trained weights)."""
+    """Calls share a compile when they share the body (Dynamo's identifier: the graph attribute holding it may
+    differ per call) and their inputs' kinds (frozen vs trained weights)."""
     kinds = tuple(kind_of.get(i, "activation") for i in unit.inputs)
-    return unit.calls[0].args[0].target, hashlib.sha1(repr(kinds).encode()).hexdigest()
+    return unit.calls[0].args[1], hashlib.sha1(repr(kinds).encode()).hexdigest()
 
 
 class _Compiled(torch.nn.Module):
