@@ -1,0 +1,79 @@
+"""Time to first step of a Hugging Face model built from config, in this fresh process (#20's figures).
+
+    python -m graphtrain.bench.first_step --arch gpt2 --layers 12 --width 256 --batch 4 --seq 128 \\
+        --mode graphtrain --cache /tmp/ttfs-cache          # again with the same --cache: warm
+
+--mode eager | compile (model.compile(), torch.compile's defaults) | graphtrain (graphtrain.accelerate(model)).
+--cache points GRAPHTRAIN_CACHE and TORCHINDUCTOR_CACHE_DIR at one folder: an empty one is a cold start. Models:
+SDPA attention, the config's dropout (0.1), fused AdamW. The first step is the wall time of the first forward,
+backward and optimizer step; the later steps are printed too (single samples: `graphtrain bench` measures speed).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--arch", default="gpt2", choices=("gpt2", "bert", "llama"))
+    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--width", type=int, default=256)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--mode", default="graphtrain", choices=("eager", "compile", "graphtrain"))
+    p.add_argument("--cache", help="the compile cache folder (empty: cold)")
+    p.add_argument("--steps", type=int, default=3)
+    a = p.parse_args(argv)
+    if a.cache:
+        os.environ["GRAPHTRAIN_CACHE"] = a.cache
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(a.cache, "compile")
+    import torch
+    import transformers
+    torch.manual_seed(0)
+    heads = max(a.width // 64, 1)
+    if a.arch == "gpt2":
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            n_layer=a.layers, n_embd=a.width, n_head=heads, vocab_size=a.vocab, n_positions=max(a.seq, 128),
+            attn_implementation="sdpa"))
+    elif a.arch == "bert":
+        model = transformers.BertForMaskedLM(transformers.BertConfig(
+            num_hidden_layers=a.layers, hidden_size=a.width, num_attention_heads=heads, intermediate_size=4 * a.width,
+            vocab_size=a.vocab, attn_implementation="sdpa"))
+    else:
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            num_hidden_layers=a.layers, hidden_size=a.width, num_attention_heads=heads,
+            num_key_value_heads=max(a.width // 128, 1), intermediate_size=int(2.7 * a.width), vocab_size=a.vocab,
+            attn_implementation="sdpa", attention_dropout=0.1))
+    model.train()
+    ids = torch.randint(0, a.vocab, (a.batch, a.seq))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    if a.mode == "graphtrain":
+        import graphtrain
+        model = graphtrain.accelerate(model)
+    elif a.mode == "compile":
+        model.compile()
+    times = []
+    for _ in range(a.steps):
+        t0 = time.perf_counter()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - t0)
+    print(f"{a.mode} {a.arch} {a.layers} layers width {a.width}: first step {times[0]:.1f} s, later "
+          f"{', '.join(f'{t:.3f}' for t in times[1:])} s, loss {loss.item():.3f}")
+    if a.mode == "graphtrain":
+        import graphtrain
+        rep = graphtrain.report(model)
+        c = rep.cache or {}
+        print(f"graphs {len(rep.graphs)} ({', '.join(rep.blocks)}); cache: pass results {c.get('passes_hit')} hit "
+              f"{c.get('passes_miss')} miss, Inductor FX graphs {c.get('fxgraph_hit')} hit {c.get('fxgraph_miss')} "
+              f"miss")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
