@@ -4,6 +4,22 @@ from __future__ import annotations
 import pytest
 
 
+def pytest_configure(config):
+    """Hermetic caches: unless the caller chose a folder, the session's compile cache (graphtrain's pass results,
+    Inductor's, the provider decisions) starts empty in a temporary folder, so no test passes or fails because of
+    what an earlier run left in ~/.cache (a CI failure once hid a pass's fallback warning behind a cache hit)."""
+    import os
+    import tempfile
+    if "GRAPHTRAIN_CACHE" not in os.environ:
+        os.environ["GRAPHTRAIN_CACHE"] = config._graphtrain_cache = tempfile.mkdtemp(prefix="graphtrain-test-cache-")
+
+
+def pytest_unconfigure(config):
+    import shutil
+    if getattr(config, "_graphtrain_cache", None):
+        shutil.rmtree(config._graphtrain_cache, ignore_errors=True)
+
+
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
     """Reset Dynamo's caches after each test that used it.
@@ -15,6 +31,8 @@ def _fresh_dynamo():
     import sys
     if "torch._dynamo" in sys.modules:
         sys.modules["torch._dynamo"].reset()
+    if "graphtrain.fallback" in sys.modules:  # the once-per-process fallback warnings: once per test instead
+        sys.modules["graphtrain.fallback"]._WARNED.clear()
 
 
 @pytest.fixture

@@ -71,3 +71,32 @@ def test_stored_graph_keeps_ops_without_inputs_random():
     b = loaded(x)
     assert torch.equal(a, b)  # the same ops, the same random stream
     assert not torch.equal(loaded(x), b)  # and a fresh mask on the next call
+
+
+def test_cached_pass_failure_still_warns_and_reports(tmp_path, monkeypatch):
+    """Regression (a CI failure): a pass that fell back on the first compile is stored with its error; a later
+    compile that hits the cache must warn and report the same fallback, not run the stored graph silently."""
+    import torch
+
+    import graphtrain
+    from graphtrain import fallback
+    from graphtrain.kernels import capability
+    from graphtrain.config import ModelConfig
+    from graphtrain.models import build_model
+
+    monkeypatch.setenv("GRAPHTRAIN_CACHE", str(tmp_path / "cache"))
+    ids = torch.randint(0, 512, (2, 16))
+    caches = []
+    with capability.simulate("avx2"):
+        for _ in range(2):
+            torch._dynamo.reset()
+            fallback._WARNED.clear()
+            torch.manual_seed(0)
+            m = graphtrain.accelerate(build_model(ModelConfig(name="gpt2-tiny", dropout=0.0), vocab_size=512), provider="aten",
+                                      passes={"lower_gemm_onednn": True}, compile_blocks=False)
+            with pytest.warns(fallback.GraphtrainFallbackWarning, match="lower_gemm_onednn"):
+                m(ids, ids)
+            rep = graphtrain.report(m)
+            assert any(part == "pass lower_gemm_onednn" for part, _ in rep.fallbacks), rep.fallbacks
+            caches.append([g["pass_cache"] for g in rep.graphs])
+    assert caches == [["miss"], ["hit"]], caches

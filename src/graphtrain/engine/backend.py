@@ -253,6 +253,10 @@ def _cached_passes(gm: fx.GraphModule, example_inputs: Sequence[Any], kinds: lis
         return None
     graph, records, rec.ops_captured, rec.ops_pre_autodiff = hit
     state.passes.extend(dataclasses.replace(r, graph=rec.name) for r in records)
+    for r in records:  # a cached result must not hide what the passes' run reported: replay each fallback
+        if r.error is not None:
+            report_fallback(f"pass {r.name}", r.error, config, what=f"{rec.name} keeps the graph from before the pass",
+                            sink=state.fallbacks)
     rec.pass_cache = "hit"
     return graph
 
