@@ -79,7 +79,7 @@ CASES: dict[str, tuple[list[str], int, str]] = {
     "YAML not a mapping": (["{tmp}/list.yaml"], USAGE, "must hold a mapping of sections"),
     "YAML section not a mapping": (["{tmp}/section.yaml"], USAGE, "config section 'train' must be a mapping"),
     "missing data folder": (["data.path={tmp}/nowhere"], USAGE, "nowhere' does not exist"),
-    "data path is a file": (["data.path={tmp}/list.yaml"], USAGE, "is a file, not a folder"),
+    "data path is a file": (["data.path={tmp}/list.yaml"], USAGE, "is a .yaml file: graphtrain reads a folder"),
     "empty data folder": (["data.path={tmp}/empty"], USAGE, "holds no readable UTF-8 text files"),
     "out_dir under a file": (["--out", "{tmp}/list.yaml/run"], USAGE, "cannot be written"),
     "out_dir in a read-only file system": (["--out", "/proc/graphtrain-run"], USAGE, "cannot be written"),

@@ -128,7 +128,7 @@ def test_gpt_batches_are_shifted_windows(gpt_data) -> None:
     x, y = batch["input_ids"], batch["labels"]
     assert x.shape == y.shape == (4, 64) and x.dtype == y.dtype == torch.long
     assert torch.equal(x[:, 1:], y[:, :-1])
-    tokens = gpt_data.train.tokens.long()
+    tokens = torch.from_numpy(gpt_data.train.tokens.astype("int64"))
     for row_x, row_y in zip(x, y):
         window = torch.cat([row_x, row_y[-1:]])
         starts = (tokens[: tokens.numel() - 64] == window[0]).nonzero().flatten()
@@ -235,10 +235,10 @@ def test_single_file_folder(tmp_path: Path) -> None:
 def test_unusable_folders_raise(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
     (tmp_path / "binary").mkdir()
-    (tmp_path / "binary" / "blob.bin").write_bytes(b"\x00\x01\x02" * 100)
-    (tmp_path / "file.txt").write_text("a file, not a folder\n")
+    (tmp_path / "binary" / "blob.dat").write_bytes(b"\x00\x01\x02" * 100)
+    (tmp_path / "file.xyz").write_text("a file of no known kind\n")
     cases = {"missing": "does not exist", "empty": "no readable UTF-8 text files",
-             "binary": "no readable UTF-8 text files", "file.txt": "not a folder"}
+             "binary": "no readable UTF-8 text files", "file.xyz": r"is a \.xyz file: graphtrain reads"}
     for name, message in cases.items():
         path = str(tmp_path / name)
         with pytest.raises(ValueError, match=message) as err:

@@ -280,7 +280,8 @@ def _report(trainer, s: dict) -> None:
         from graphtrain.engine.report import report
         print(report(trainer.model).summary())
     tc = trainer.config.train
-    if trainer.family == "gpt2" and tc.sample_tokens > 0 and trainer.config.parallel.tp == 1:
+    if trainer.family == "gpt2" and tc.sample_tokens > 0 and trainer.config.parallel.tp == 1 \
+            and trainer.data.tokenizer is not None:
         print(f"\ncompletion of {tc.sample_prompt!r} ({tc.sample_tokens} tokens, top-k 20, T 0.8, seed {tc.seed}):")
         print("-" * 60)
         print(trainer.sample(tc.sample_prompt, tc.sample_tokens))
@@ -404,7 +405,7 @@ def _check_job(config: Config, who: str) -> Config:
         raise TypeError(f"{who} expects a graphtrain.Config, got {type(config).__name__}")
     spec = resolve_spec(config.model)
     if config.data.seq_len > spec.max_seq_len:
-        raise ValueError(f"data.seq_len={config.data.seq_len} is longer than model {config.model.name!r} supports "
+        raise ValueError(f"data.seq_len={config.data.seq_len} is longer than model {config.model.label!r} supports "
                          f"(max_seq_len={spec.max_seq_len}): lower data.seq_len, or set "
                          f"model.max_seq_len={config.data.seq_len}")
     return config

@@ -90,9 +90,16 @@ class ModelConfig:
     """Which reference model to build."""
 
     name: str = "gpt2-mini"
-    """Preset name (see `graphtrain.models.PRESETS`), e.g. gpt2-tiny, gpt2-mini, bert-mini, gpt2-medium."""
+    """Preset name (see `graphtrain.models.PRESETS`), e.g. gpt2-tiny, gpt2-mini, bert-mini, gpt2-medium; with model.hf
+    only a label."""
+    hf: str | None = None
+    """A Hugging Face model instead of a preset: a local model folder (config.json; its model.safetensors weights
+    when present) or a config.json (random init). Built with AutoModelForCausalLM / AutoModelForMaskedLM."""
+    objective: Literal["clm", "mlm"] | None = None
+    """model.hf: causal (clm) or masked (mlm) language modelling; null infers it from the config."""
     attention: Literal["explicit", "sdpa"] = "explicit"
-    """explicit: matmul, scale, mask, softmax, dropout, matmul (as users write it); sdpa: F.scaled_dot_product_attention."""
+    """explicit: matmul, scale, mask, softmax, dropout, matmul (as users write it); sdpa: F.scaled_dot_product_attention.
+    model.hf: transformers' attn_implementation eager or sdpa."""
     dropout: float | None = None
     """Override the preset's dropout probability."""
     max_seq_len: int | None = None
@@ -100,10 +107,24 @@ class ModelConfig:
     vocab_size: int | None = None
     """Override the vocabulary size; by default it is the tokenizer's."""
 
+    @property
+    def label(self) -> str:
+        """How logs name the model: the preset, or hf:<folder> for model.hf."""
+        if self.hf is None:
+            return self.name
+        from pathlib import Path
+        p = Path(self.hf)
+        return f"hf:{(p.parent if p.suffix == '.json' else p).name or self.hf}"
+
     def __post_init__(self) -> None:
         _validate(self)
         if self.dropout is not None and not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"model.dropout must be in [0, 1), got {self.dropout}")
+        if self.hf is not None and (not isinstance(self.hf, str) or not self.hf):
+            raise ValueError(f"model.hf must be a path (a model folder or a config.json), got {self.hf!r}")
+        if self.objective is not None and self.hf is None:
+            raise ValueError("model.objective applies to model.hf models only (a preset's objective is its family): "
+                             "set model.hf, or drop model.objective")
 
 
 @dataclass
@@ -111,11 +132,18 @@ class DataConfig:
     """Where the training text comes from and how it is tokenized."""
 
     path: str | None = None
-    """A folder of text or code files; by default the Python standard library's own source."""
+    """A folder of text or code files; by default the Python standard library's own source. Also: a .txt, .jsonl, .json
+    or .parquet file or a folder of them (read with Hugging Face datasets, data.text_field per row), or pre-tokenized
+    .bin (uint16, as nanoGPT writes) / .npy token arrays, memory-mapped (train.* and val.* files, or split by tail)."""
+    text_field: str = "text"
+    """.jsonl/.json/.parquet data: the field holding each row's text."""
+    tokenizer: str | None = None
+    """A local Hugging Face tokenizer (a tokenizer.json, or a folder with one) instead of training a BPE on the corpus."""
     seq_len: int = 128
     """Tokens per training sample."""
     vocab_size: int = 8192
-    """Size of the byte-level BPE vocabulary trained on the corpus."""
+    """Size of the byte-level BPE vocabulary trained on the corpus (ignored with data.tokenizer); for token arrays
+    without data.tokenizer, the vocabulary the ids come from."""
     val_fraction: float = 0.05
     """Fraction of files held out for validation (chosen deterministically by file path)."""
     max_bytes: int | None = 8_000_000

@@ -89,7 +89,7 @@ def _build_hf(case: Case) -> tuple[torch.nn.Module, int]:
         family, size = case.model.split("-")[1:]
         dims = HF_SIZES[size]
     except (ValueError, KeyError):
-        raise ValueError(f"hf case {case.model!r} must be hf-<gpt2|bert>-<{'|'.join(HF_SIZES)}>") from None
+        raise ValueError(f"hf case {case.model!r} must be hf-<gpt2|bert|llama>-<{'|'.join(HF_SIZES)}>") from None
     try:
         import transformers
     except ImportError as e:
@@ -106,7 +106,14 @@ def _build_hf(case: Case) -> tuple[torch.nn.Module, int]:
                                       intermediate_size=4 * dims["hidden"], max_position_embeddings=max(512, case.seq),
                                       hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1, **common)
         return transformers.BertForMaskedLM(cfg), dims["vocab"]
-    raise ValueError(f"hf case {case.model!r}: family must be gpt2 or bert")
+    if family == "llama":  # a Llama-family decoder: RMSNorm, rotary positions, SwiGLU, grouped-query attention
+        cfg = transformers.LlamaConfig(vocab_size=dims["vocab"], hidden_size=dims["hidden"],
+                                       intermediate_size=int(2.75 * dims["hidden"]), num_hidden_layers=dims["layers"],
+                                       num_attention_heads=dims["heads"], num_key_value_heads=dims["heads"] // 2,
+                                       max_position_embeddings=max(512, case.seq), attention_dropout=0.0,
+                                       use_cache=False, **common)
+        return transformers.LlamaForCausalLM(cfg), dims["vocab"]
+    raise ValueError(f"hf case {case.model!r}: family must be gpt2, bert or llama")
 
 
 def make_batch(case: Case, vocab_size: int, hf: bool, device: torch.device) -> dict[str, torch.Tensor]:

@@ -127,9 +127,10 @@ SUITES: dict[str, Suite] = {s.name: s for s in (
            Case("bert-small", 8, 128), Case("gpt2-small", 8, 128, attention="explicit"),
            Case("bert-small", 8, 128, attention="explicit")), steps=4, repeats=5, warmup=2, cap_gib=8.0,
           variants=DEFAULT_VARIANTS + AUTOTUNE_VARIANTS),
-    Suite("hf", "Hugging Face GPT2LMHeadModel / BertForMaskedLM from config (random init, SDPA, dropout 0.1)",
+    Suite("hf", "Hugging Face GPT2LMHeadModel / BertForMaskedLM (dropout 0.1) / LlamaForCausalLM (GQA, no dropout) "
+                "from config (random init, SDPA)",
           (Case("hf-gpt2-mini", 16, 128), Case("hf-bert-mini", 16, 128), Case("hf-gpt2-small", 8, 128),
-           Case("hf-bert-small", 8, 128)), steps=4, repeats=5, warmup=2, cap_gib=8.0,
+           Case("hf-bert-small", 8, 128), Case("hf-llama-mini", 16, 128), Case("hf-llama-small", 8, 128)), steps=4, repeats=5, warmup=2, cap_gib=8.0,
           variants=DEFAULT_VARIANTS + AUTOTUNE_VARIANTS),
     Suite("ablation", "what each of graphtrain's levers is worth: graphtrain fp32 with one lever switched off at a "
                       "time, beside eager and torch.compile, on the headline small and Hugging Face cases",

@@ -47,6 +47,48 @@ class Corpus:
         return sum(len(t.encode()) for t in (*self.train.values(), *self.val.values()))
 
 
+# data.path kinds: a folder of text files (or one text file) is read as documents; .jsonl/.json/.parquet files
+# (one, or a folder of them) are read with Hugging Face `datasets`, one document per row's data.text_field; .bin/.npy
+# token arrays (data/shards.py) are memory-mapped, not tokenized.
+DATASET_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
+TOKEN_SUFFIXES = (".bin", ".npy")
+
+
+def source_kind(cfg: DataConfig) -> str:
+    """What data.path holds: "files" (text files; the default corpus), "dataset" (rows of .jsonl/.json/.parquet
+    files, or one .txt file) or "tokens" (pre-tokenized .bin/.npy arrays)."""
+    if cfg.path is None:
+        return "files"
+    p = Path(cfg.path).expanduser()
+    if p.is_file():
+        if p.suffix in TOKEN_SUFFIXES:
+            return "tokens"
+        if p.suffix in DATASET_BUILDERS:
+            return "dataset"
+        raise ValueError(f"data.path {cfg.path!r} is a {p.suffix or 'suffix-less'} file: graphtrain reads a folder of "
+                         f"text files, a .txt, .jsonl, .json or .parquet file (or a folder of them), or .bin/.npy token "
+                         f"arrays; rename the file or put it in a folder")
+    suffixes = {f.suffix for f in _walk(corpus_root(cfg), default=False)}
+    if suffixes and suffixes <= set(TOKEN_SUFFIXES):
+        return "tokens"
+    if suffixes and suffixes <= {".jsonl", ".json", ".parquet"}:
+        return "dataset"
+    return "files"
+
+
+def _walk(root: Path, default: bool) -> list[Path]:
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in _SKIP_DIRS and (default or not d.startswith("."))]
+        if default and Path(dirpath) == root:
+            dirnames[:] = [d for d in dirnames if d not in _STDLIB_SKIP_DIRS]
+        for name in filenames:
+            if (default and not name.endswith(".py")) or (not default and name.startswith(".")):
+                continue
+            found.append(Path(dirpath) / name)
+    return found
+
+
 def default_root() -> Path:
     """The running Python's standard library folder."""
     return Path(sysconfig.get_paths()["stdlib"])
@@ -60,9 +102,8 @@ def corpus_root(cfg: DataConfig) -> Path:
     if not root.exists():
         raise ValueError(f"data.path {cfg.path!r} does not exist: point data.path at a folder of text or code "
                          f"files, or leave it unset to train on the Python standard library")
-    if not root.is_dir():
-        raise ValueError(f"data.path {cfg.path!r} is a file, not a folder: put the file(s) in a folder and set "
-                         f"data.path to that folder")
+    if root.is_file():
+        return root.parent.resolve()
     return root.resolve()
 
 
@@ -75,27 +116,20 @@ def list_files(cfg: DataConfig) -> tuple[Path, list[SourceFile]]:
     """
     root = corpus_root(cfg)
     default = cfg.path is None
+    single = cfg.path is not None and Path(cfg.path).expanduser().is_file()
+    paths = [Path(cfg.path).expanduser().resolve()] if single else _walk(root, default)
     found: list[SourceFile] = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if d not in _SKIP_DIRS and (default or not d.startswith("."))]
-        if default and Path(dirpath) == root:
-            dirnames[:] = [d for d in dirnames if d not in _STDLIB_SKIP_DIRS]
-        for name in filenames:
-            if default and not name.endswith(".py"):
-                continue
-            if not default and name.startswith("."):
-                continue
-            path = Path(dirpath) / name
-            try:
-                st = path.stat()
-            except OSError:
-                continue
-            if not path.is_file():
-                continue
-            relpath = path.relative_to(root).as_posix()
-            if default and relpath in _STDLIB_SKIP_FILES:
-                continue
-            found.append(SourceFile(relpath, path, st.st_size, st.st_mtime_ns))
+    for path in paths:
+        try:
+            st = path.stat()
+        except OSError:
+            continue
+        if not path.is_file():
+            continue
+        relpath = path.relative_to(root).as_posix()
+        if default and relpath in _STDLIB_SKIP_FILES:
+            continue
+        found.append(SourceFile(relpath, path, st.st_size, st.st_mtime_ns))
     found.sort(key=lambda f: f.relpath)
     return root, found
 
@@ -167,9 +201,59 @@ def split_documents(docs: dict[str, str], val_fraction: float) -> tuple[dict[str
     return train, val
 
 
+def read_rows(files: list[SourceFile], text_field: str, max_bytes: int | None) -> dict[str, str]:
+    """Documents from .jsonl/.json/.parquet rows (their `text_field`) or whole .txt files, read with Hugging Face
+    `datasets` (streamed: nothing beyond `max_bytes` is read, no Arrow cache is written), keyed file#row."""
+    try:
+        import datasets
+    except ImportError:
+        raise ValueError("data.path names .jsonl/.json/.parquet/.txt files, which graphtrain reads with Hugging Face "
+                         "datasets: pip install 'graphtrain[data]'") from None
+    datasets.disable_progress_bars()
+    docs: dict[str, str] = {}
+    remaining = max_bytes
+    for f in files:
+        builder = DATASET_BUILDERS[f.path.suffix]
+        extra = {"sample_by": "document"} if builder == "text" else {}
+        try:
+            rows = datasets.load_dataset(builder, data_files=str(f.path), split="train", streaming=True, **extra)
+            field = "text" if builder == "text" else text_field
+            for i, row in enumerate(rows):
+                if field not in row:
+                    raise ValueError(f"{str(f.path)!r} has no field {field!r} (its rows have "
+                                     f"{', '.join(map(repr, row)) or 'no fields'}): set data.text_field to the field "
+                                     f"holding the text")
+                text = row[field]
+                if not isinstance(text, str):
+                    raise ValueError(f"{str(f.path)!r} row {i}: field {field!r} holds {type(text).__name__}, not text: "
+                                     f"set data.text_field to a field of strings")
+                if not text:
+                    continue
+                if remaining is not None and len(text.encode("utf-8")) > remaining:
+                    text = text.encode("utf-8")[:remaining].decode("utf-8", errors="ignore")
+                docs[f"{f.relpath}#{i}"] = text
+                if remaining is not None:
+                    remaining -= len(text.encode("utf-8"))
+                    if remaining <= 0:
+                        return docs
+        except ValueError:
+            raise
+        except Exception as e:  # noqa: BLE001 - pyarrow/json errors: name the file and the reader
+            raise ValueError(f"data.path: {str(f.path)!r} could not be read as {builder} "
+                             f"({type(e).__name__}: {str(e).splitlines()[0][:300]}): fix the file or remove it") from None
+    return docs
+
+
 def load_corpus(cfg: DataConfig, files: tuple[Path, list[SourceFile]] | None = None) -> Corpus:
     """Read and split the corpus described by `cfg` (pass `files` from `list_files` to skip the walk)."""
     root, candidates = files if files is not None else list_files(cfg)
+    if source_kind(cfg) == "dataset":
+        docs = read_rows(candidates, cfg.text_field, cfg.max_bytes)
+        if not docs:
+            raise ValueError(f"data.path {cfg.path!r} holds no non-empty {cfg.text_field!r} text: point it at files "
+                             f"with text rows, or set data.text_field")
+        train, val = split_documents(docs, cfg.val_fraction)
+        return Corpus(root=root, train=train, val=val)
     docs = read_files(candidates, cfg.max_bytes)
     if not docs:
         where = f"data.path {cfg.path!r}" if cfg.path is not None else f"the standard library at {str(root)!r}"

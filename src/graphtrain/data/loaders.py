@@ -18,7 +18,9 @@ import numpy as np
 import torch
 
 from graphtrain.config import Config
-from graphtrain.data.tokenizer import CodeTokenizer, TokenizedCorpus, load_or_build
+from graphtrain.data.corpus import source_kind
+from graphtrain.data.shards import load_token_shards
+from graphtrain.data.tokenizer import CodeTokenizer, TokenizedCorpus, load_or_build, load_user_tokenizer
 
 IGNORE_INDEX = -100
 Family = Literal["gpt2", "bert"]
@@ -31,33 +33,59 @@ def _step_seed(seed: int, split: str, step: int) -> int:
 
 
 class BatchSource:
-    """Random windows of one split's token stream, drawn deterministically per step."""
+    """Random windows of one split's token stream, drawn deterministically per step.
 
-    def __init__(self, tokens: np.ndarray | torch.Tensor, *, family: Family, split: str, seq_len: int, seed: int,
-                 tokenizer: CodeTokenizer, mlm_probability: float = 0.15) -> None:
+    `tokens` is one array or a list of them (shards: memory-mapped .bin/.npy files stay on disk; a window never
+    crosses a shard's end). `tokenizer` may be None for token arrays without one (causal LM only), with
+    `vocab_size` then given."""
+
+    def __init__(self, tokens: "np.ndarray | torch.Tensor | list[np.ndarray]", *, family: Family, split: str,
+                 seq_len: int, seed: int, tokenizer: CodeTokenizer | None, mlm_probability: float = 0.15,
+                 vocab_size: int | None = None) -> None:
         if family not in ("gpt2", "bert"):
             raise ValueError(f"family must be 'gpt2' or 'bert', got {family!r}")
-        self.tokens = torch.as_tensor(np.asarray(tokens, dtype=np.int32)) if isinstance(tokens, np.ndarray) \
-            else tokens.to(torch.int32)
+        shards = tokens if isinstance(tokens, list) else [tokens]
+        self.shards = [t.numpy() if isinstance(t, torch.Tensor) else t for t in shards]
         self.family, self.split, self.seq_len, self.seed = family, split, seq_len, seed
         self.tokenizer = tokenizer
         self.mlm_probability = mlm_probability
-        self.vocab_size = tokenizer.vocab_size
+        self.vocab_size = tokenizer.vocab_size if tokenizer is not None else vocab_size
+        if self.vocab_size is None:
+            raise ValueError("BatchSource needs a tokenizer or vocab_size")
         # gpt2 windows hold seq_len inputs plus the last target; bert windows seq_len-2 ordinary tokens.
         if family == "bert" and seq_len < 3:
             raise ValueError(f"data.seq_len must be >= 3 for BERT ([CLS] + tokens + [SEP]), got {seq_len}")
         self.window = seq_len + 1 if family == "gpt2" else seq_len - 2
-        n = self.tokens.numel()
-        if n < self.window:
+        starts = [max(0, int(t.shape[0]) - self.window + 1) for t in self.shards]
+        self._cum_starts = np.cumsum(starts)
+        if self._cum_starts[-1] == 0:
+            n = max(int(t.shape[0]) for t in self.shards)
             raise ValueError(f"the {split} split has only {n} tokens, too few for data.seq_len={seq_len} "
                              f"(a sample needs {self.window}): lower data.seq_len, or give it more text "
                              f"(raise data.max_bytes or data.val_fraction, or add files to data.path)")
-        self._specials = torch.tensor(tokenizer.special_ids)
-        self._first_ordinary = max(tokenizer.special_ids) + 1
+        if family == "bert":
+            missing = [name for name in ("mask", "cls", "sep")
+                       if tokenizer is None or getattr(tokenizer, f"{name}_id") is None]
+            if missing:
+                raise ValueError(f"masked-LM batches need [MASK], [CLS] and [SEP] tokens; the tokenizer "
+                                 f"{'is missing' if tokenizer is None else 'has no ' + ', '.join(missing)}: set "
+                                 f"data.tokenizer to a BERT-style tokenizer, or drop it to train one on the corpus")
+            specials = sorted(tokenizer.special_ids)
+            self._specials = torch.tensor(specials)
+            # random replacement tokens: the ordinary ids (graphtrain's tokenizers put the specials first)
+            self._first_ordinary = max(specials) + 1 if specials == list(range(len(specials))) else None
+            if self._first_ordinary is None:
+                ids = torch.arange(self.vocab_size)
+                self._ordinary = ids[~torch.isin(ids, self._specials)]
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """The split's tokens (the first shard when there are several)."""
+        return self.shards[0]
 
     @property
     def n_tokens(self) -> int:
-        return self.tokens.numel()
+        return sum(int(t.shape[0]) for t in self.shards)
 
     def generator(self, step: int) -> torch.Generator:
         return torch.Generator().manual_seed(_step_seed(self.seed, self.split, step))
@@ -69,8 +97,12 @@ class BatchSource:
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
         g = self.generator(step)
-        starts = torch.randint(0, self.n_tokens - self.window + 1, (batch_size,), generator=g)
-        windows = self.tokens[starts[:, None] + torch.arange(self.window)].long()
+        starts = torch.randint(0, int(self._cum_starts[-1]), (batch_size,), generator=g).numpy()
+        shard = np.searchsorted(self._cum_starts, starts, side="right")
+        offsets = starts - np.concatenate([[0], self._cum_starts])[shard]
+        # gathered per shard: only the windows' pages of a memory-mapped shard are read
+        rows = [self.shards[s][o:o + self.window] for s, o in zip(shard.tolist(), offsets.tolist())]
+        windows = torch.from_numpy(np.stack(rows).astype(np.int64))
         if self.family == "gpt2":
             return {"input_ids": windows[:, :-1].contiguous(), "labels": windows[:, 1:].contiguous()}
         return self._mask(windows, g)
@@ -92,7 +124,10 @@ class BatchSource:
         action = torch.rand(input_ids.shape, generator=g)
         to_mask = selected & (action < 0.8)
         to_random = selected & (action >= 0.8) & (action < 0.9)
-        random_ids = torch.randint(self._first_ordinary, self.vocab_size, input_ids.shape, generator=g)
+        if self._first_ordinary is not None:
+            random_ids = torch.randint(self._first_ordinary, self.vocab_size, input_ids.shape, generator=g)
+        else:
+            random_ids = self._ordinary[torch.randint(0, self._ordinary.numel(), input_ids.shape, generator=g)]
         input_ids = input_ids.masked_fill(to_mask, self.tokenizer.mask_id)
         input_ids = torch.where(to_random, random_ids, input_ids)
         return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids),
@@ -101,14 +136,14 @@ class BatchSource:
 
 @dataclass
 class DataBundle:
-    tokenizer: CodeTokenizer
+    tokenizer: CodeTokenizer | None  # None: token arrays without data.tokenizer (ids only, nothing to decode)
     train: BatchSource
     val: BatchSource
     info: dict  # corpus root, file and token counts, build timings, cache folder
 
     @property
     def vocab_size(self) -> int:
-        return self.tokenizer.vocab_size
+        return self.tokenizer.vocab_size if self.tokenizer is not None else self.train.vocab_size
 
 
 def build_data(config: Config, family: str) -> DataBundle:
@@ -118,6 +153,13 @@ def build_data(config: Config, family: str) -> DataBundle:
     if family not in ("gpt2", "bert"):
         raise ValueError(f"family must be 'gpt2' or 'bert' (the model's .family), got {family!r}")
     data = config.data
+    if source_kind(data) == "tokens":
+        tok = load_user_tokenizer(data.tokenizer) if data.tokenizer is not None else None
+        shards = load_token_shards(data, tok)
+        common = dict(family=family, seq_len=data.seq_len, seed=config.train.seed, tokenizer=tok,
+                      mlm_probability=data.mlm_probability, vocab_size=shards.vocab_size)
+        return DataBundle(tokenizer=tok, train=BatchSource(shards.train, split="train", **common),
+                          val=BatchSource(shards.val, split="val", **common), info=shards.info)
     tc: TokenizedCorpus = load_or_build(data)
     common = dict(family=family, seq_len=data.seq_len, seed=config.train.seed, tokenizer=tc.tokenizer,
                   mlm_probability=data.mlm_probability)

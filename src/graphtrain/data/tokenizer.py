@@ -30,18 +30,36 @@ _CACHE_VERSION = 2  # bump when the cache format or the tokenization recipe chan
 
 
 class CodeTokenizer:
-    """Thin wrapper over a `tokenizers.Tokenizer` with ids for the special tokens."""
+    """Thin wrapper over a `tokenizers.Tokenizer` with ids for the special tokens.
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        missing = [t for t in SPECIAL_TOKENS if tokenizer.token_to_id(t) is None]
-        if missing:
-            raise ValueError(f"tokenizer lacks the special tokens {missing}: train it with train_tokenizer()")
+    graphtrain's own tokenizers (trained here) hold all of SPECIAL_TOKENS. A user's tokenizer (`data.tokenizer`,
+    `load_user_tokenizer`) passes `specials`, its own names for them; the ones it lacks are None (the batch maker
+    says which objective needs which)."""
+
+    def __init__(self, tokenizer: Tokenizer, specials: dict[str, str | None] | None = None) -> None:
+        if specials is None:
+            missing = [t for t in SPECIAL_TOKENS if tokenizer.token_to_id(t) is None]
+            if missing:
+                raise ValueError(f"tokenizer lacks the special tokens {missing}: train it with train_tokenizer()")
+            specials = {"eos": EOS, "pad": PAD, "mask": MASK, "cls": CLS, "sep": SEP}
         self._tok = tokenizer
-        self.eos_id: int = tokenizer.token_to_id(EOS)
-        self.pad_id: int = tokenizer.token_to_id(PAD)
-        self.mask_id: int = tokenizer.token_to_id(MASK)
-        self.cls_id: int = tokenizer.token_to_id(CLS)
-        self.sep_id: int = tokenizer.token_to_id(SEP)
+        self.specials = dict(specials)
+
+        def tid(name: str) -> int | None:
+            token = specials.get(name)
+            return None if token is None else tokenizer.token_to_id(token)
+        self.eos_id: int | None = tid("eos")
+        self.pad_id: int | None = tid("pad")
+        self.mask_id: int | None = tid("mask")
+        self.cls_id: int | None = tid("cls")
+        self.sep_id: int | None = tid("sep")
+
+    def to_str(self) -> str:
+        """The tokenizer's JSON (what checkpoints keep and compare on resume)."""
+        return self._tok.to_str()
+
+    def digest(self) -> str:
+        return hashlib.sha256(self.to_str().encode("utf-8")).hexdigest()
 
     @property
     def vocab_size(self) -> int:
@@ -49,15 +67,15 @@ class CodeTokenizer:
 
     @property
     def special_ids(self) -> list[int]:
-        return [self.eos_id, self.pad_id, self.mask_id, self.cls_id, self.sep_id]
+        return [i for i in (self.eos_id, self.pad_id, self.mask_id, self.cls_id, self.sep_id) if i is not None]
 
     def encode(self, text: str) -> list[int]:
         if not isinstance(text, str):
             raise TypeError(f"encode expects a str, got {type(text).__name__}")
-        return self._tok.encode(text).ids
+        return self._tok.encode(text, add_special_tokens=False).ids
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in self._tok.encode_batch(texts)]
+        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
 
     def decode(self, ids: Iterable[int]) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
@@ -67,11 +85,11 @@ class CodeTokenizer:
         _atomic_write(Path(path), lambda f: f.write(self._tok.to_str().encode("utf-8")))
 
     @classmethod
-    def load(cls, path: str | Path) -> "CodeTokenizer":
+    def load(cls, path: str | Path, specials: dict[str, str | None] | None = None) -> "CodeTokenizer":
         path = Path(path)
         if not path.is_file():
             raise ValueError(f"tokenizer file {str(path)!r} does not exist: pass a path written by CodeTokenizer.save")
-        return cls(Tokenizer.from_file(str(path)))
+        return cls(Tokenizer.from_file(str(path)), specials)
 
     def __repr__(self) -> str:
         return f"CodeTokenizer(vocab_size={self.vocab_size})"
@@ -86,6 +104,53 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> CodeTokenizer:
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(texts, trainer=trainer)
     return CodeTokenizer(tok)
+
+
+# a user tokenizer's own names for the special tokens, when its tokenizer_config.json does not name them
+_SPECIAL_CANDIDATES = {"eos": ("<|endoftext|>", "</s>", "<|end_of_text|>", "<|im_end|>", "[SEP]"),
+                       "pad": ("[PAD]", "<pad>", "<|pad|>"), "mask": ("[MASK]", "<mask>"),
+                       "cls": ("[CLS]", "<s>", "<|begin_of_text|>"), "sep": ("[SEP]", "</s>")}
+
+
+def user_tokenizer_file(path: str) -> Path:
+    """The tokenizer.json of `data.tokenizer` (a file, or a Hugging Face model/tokenizer folder)."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        p = p / "tokenizer.json"
+        if not p.is_file():
+            raise ValueError(f"data.tokenizer {path!r} is a folder without tokenizer.json: point it at a Hugging Face "
+                             f"fast tokenizer (tokenizer.save_pretrained(folder) writes one) or at the tokenizer.json")
+    elif not p.is_file():
+        raise ValueError(f"data.tokenizer {path!r} does not exist: point it at a tokenizer.json or a folder holding "
+                         f"one (nothing is downloaded, so hub names are not accepted)")
+    return p
+
+
+def load_user_tokenizer(path: str) -> CodeTokenizer:
+    """`data.tokenizer`: a Hugging Face fast tokenizer read from disk, its special tokens named by the
+    tokenizer_config.json next to it (eos_token, mask_token, ...) or found under their usual names."""
+    file = user_tokenizer_file(path)
+    try:
+        tok = Tokenizer.from_file(str(file))
+    except Exception as e:  # tokenizers raises plain Exception on a malformed file
+        raise ValueError(f"data.tokenizer {str(file)!r} is not a tokenizers JSON file ({e}): save it with "
+                         f"tokenizer.save_pretrained(folder) or Tokenizer.save(path)") from None
+    named: dict[str, str] = {}
+    config_file = file.parent / "tokenizer_config.json"
+    if config_file.is_file():
+        try:
+            raw = json.loads(config_file.read_text())
+        except ValueError:
+            raw = {}
+        for role in _SPECIAL_CANDIDATES:
+            value = raw.get(f"{role}_token")
+            value = value.get("content") if isinstance(value, dict) else value
+            if isinstance(value, str) and tok.token_to_id(value) is not None:
+                named[role] = value
+    specials: dict[str, str | None] = {}
+    for role, candidates in _SPECIAL_CANDIDATES.items():
+        specials[role] = named.get(role) or next((c for c in candidates if tok.token_to_id(c) is not None), None)
+    return CodeTokenizer(tok, specials)
 
 
 # ------------------------------------------------------------------------------------- cache --
@@ -103,8 +168,14 @@ def cache_key(cfg: DataConfig, root: Path, files: list[SourceFile]) -> str:
     """Hash of everything the tokenizer and token ids depend on."""
     h = hashlib.sha256()
     h.update(str(root).encode() + b"\0")
-    h.update(json.dumps({"version": _CACHE_VERSION, "vocab_size": cfg.vocab_size, "max_bytes": cfg.max_bytes,
-                         "val_fraction": cfg.val_fraction}, sort_keys=True).encode())
+    settings = {"version": _CACHE_VERSION, "vocab_size": cfg.vocab_size, "max_bytes": cfg.max_bytes,
+                "val_fraction": cfg.val_fraction}
+    if cfg.text_field != "text":
+        settings["text_field"] = cfg.text_field
+    if cfg.tokenizer is not None:  # a user's tokenizer: its contents, not its size setting
+        settings["tokenizer"] = hashlib.sha256(user_tokenizer_file(cfg.tokenizer).read_bytes()).hexdigest()
+        del settings["vocab_size"]
+    h.update(json.dumps(settings, sort_keys=True).encode())
     for f in files:
         h.update(f"{f.relpath}\0{f.size}\0{f.mtime_ns}\n".encode())
     return h.hexdigest()[:20]
@@ -154,7 +225,7 @@ def _check_cache_is_this_corpus(cached: TokenizedCorpus, cfg: DataConfig, root: 
         problems.append(f"its key is {meta.get('key')}, this corpus's {key}")
     if meta.get("root") != str(root):
         problems.append(f"built from {meta.get('root')!r}, not {str(root)!r}")
-    if meta.get("vocab_size") != vocab or vocab > cfg.vocab_size:
+    if meta.get("vocab_size") != vocab or (cfg.tokenizer is None and vocab > cfg.vocab_size):
         problems.append(f"its tokenizer has {vocab} tokens, data.vocab_size is {cfg.vocab_size}")
     top = max(int(cached.train.max(initial=0)), int(cached.val.max(initial=0)))
     if top >= vocab:
@@ -173,8 +244,10 @@ def load_or_build(cfg: DataConfig) -> TokenizedCorpus:
     meta_path = folder / "meta.json"
     if meta_path.is_file():  # meta.json is written last: its presence means the folder is complete
         try:
-            cached = TokenizedCorpus(tokenizer=CodeTokenizer.load(folder / "tokenizer.json"),
-                                     train=np.load(folder / "train.npy"), val=np.load(folder / "val.npy"),
+            tok = load_user_tokenizer(cfg.tokenizer) if cfg.tokenizer is not None else \
+                CodeTokenizer.load(folder / "tokenizer.json")
+            cached = TokenizedCorpus(tokenizer=tok, train=np.load(folder / "train.npy", mmap_mode="r"),
+                                     val=np.load(folder / "val.npy", mmap_mode="r"),
                                      cache_dir=folder, from_cache=True, stats=json.loads(meta_path.read_text()))
         except Exception:  # tokenizers raises plain Exception; any unreadable cache is rebuilt
             cached = None
@@ -185,7 +258,11 @@ def load_or_build(cfg: DataConfig) -> TokenizedCorpus:
     t0 = time.perf_counter()
     corpus: Corpus = load_corpus(cfg, files=(root, files))
     t1 = time.perf_counter()
-    tokenizer = train_tokenizer(corpus.train.values(), cfg.vocab_size)
+    tokenizer = load_user_tokenizer(cfg.tokenizer) if cfg.tokenizer is not None else \
+        train_tokenizer(corpus.train.values(), cfg.vocab_size)
+    if tokenizer.eos_id is None:
+        raise ValueError(f"data.tokenizer {cfg.tokenizer!r} has no end-of-text token (</s>, <|endoftext|>, [SEP], or "
+                         f"tokenizer_config.json's eos_token) to put between documents: add one to the tokenizer")
     t2 = time.perf_counter()
     train_ids, val_ids = encode_split(tokenizer, corpus.train), encode_split(tokenizer, corpus.val)
     t3 = time.perf_counter()

@@ -41,9 +41,12 @@ def load_run(run_dir: str | Path, checkpoint: str = "latest") -> tuple[Any, torc
                          f"single-file one (graphtrain train --resume with parallel.dp=1), then export that")
     state = load_checkpoint(path, config)
     weights = state["model"]
-    emb = next(v for k, v in weights.items() if k.endswith(("wte.weight", "embeddings.word.weight")))
-    model = build_model(ModelConfig(**{**config.model.__dict__, "vocab_size": int(emb.shape[0])}),
-                        vocab_size=int(emb.shape[0]))
+    if config.model.hf is not None:  # its config (with the run's overrides) gives every size
+        model = build_model(config.model)
+    else:
+        emb = next(v for k, v in weights.items() if k.endswith(("wte.weight", "embeddings.word.weight")))
+        model = build_model(ModelConfig(**{**config.model.__dict__, "vocab_size": int(emb.shape[0])}),
+                            vocab_size=int(emb.shape[0]))
     model.load_state_dict(weights)
     return config, model.eval(), path
 
@@ -63,11 +66,11 @@ def export_run(run_dir: str | Path, fmt: str, out: str | Path | None = None, *, 
     sample = _sample(model, batch=2, seq=min(16, model.max_seq_len))
     with torch.no_grad():
         ref = model(sample)
-    result = {"format": fmt, "out": str(out), "checkpoint": str(ckpt), "model": config.model.name}
+    result = {"format": fmt, "out": str(out), "checkpoint": str(ckpt), "model": config.model.label}
     if fmt == "safetensors":
         result.update(_safetensors(model, out, sample, ref))
     elif fmt == "hf":
-        result.update(_hf(model, config, out, sample, ref))
+        result.update(_hf(model, config, out, sample, ref, ckpt))
     else:
         result.update(_onnx(model, out, sample, ref))
     (out / "export.json").write_text(json.dumps(result, indent=2))
@@ -86,6 +89,16 @@ def _diff(a: Any, b: Any) -> float:
 def _safetensors(model: torch.nn.Module, out: Path, sample: torch.Tensor, ref: torch.Tensor) -> dict[str, Any]:
     from safetensors.torch import load_file, save_model
     path = out / "model.safetensors"
+    if getattr(model.spec, "hf_type", None):  # a model.hf run: the transformers model's own weights and names
+        model = _HFLogits(model.hf)
+        save_model(model.hf, str(path))
+        again = _HFLogits(type(model.hf)(model.hf.config))
+        missing, unexpected = again.hf.load_state_dict(load_file(str(path)), strict=False)
+        again.hf.tie_weights()
+        if unexpected or any(k not in _tied_keys(model.hf) for k in missing):
+            raise RuntimeError(f"safetensors round trip lost weights: missing {missing}, unexpected {unexpected}")
+        with torch.no_grad():
+            return {"file": str(path), "max_abs_diff": _diff(again.eval()(sample), ref)}
     save_model(model, str(path))  # a tied matrix is stored once
     again = type(model)(model.spec, attention=model.attention)  # what a user of the file builds
     missing, unexpected = again.load_state_dict(load_file(str(path)), strict=False)
@@ -106,12 +119,28 @@ def _tied_keys(model: torch.nn.Module) -> set[str]:
     return tied
 
 
-def _hf(model: torch.nn.Module, config: Any, out: Path, sample: torch.Tensor, ref: torch.Tensor) -> dict[str, Any]:
+class _HFLogits(torch.nn.Module):
+    """A transformers model called as graphtrain's models are: input_ids -> logits."""
+
+    def __init__(self, hf: torch.nn.Module) -> None:
+        super().__init__()
+        self.hf = hf
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.hf(input_ids=input_ids).logits
+
+
+def _hf(model: torch.nn.Module, config: Any, out: Path, sample: torch.Tensor, ref: torch.Tensor,
+        ckpt: Path) -> dict[str, Any]:
     import transformers
     family = model.spec.family
-    hf = _to_gpt2(model) if family == "gpt2" else _to_bert(model)
+    if getattr(model.spec, "hf_type", None):  # a model.hf run: the trained transformers model itself
+        hf = model.hf
+        hf.config.use_cache = True  # back to inference defaults
+    else:
+        hf = _to_gpt2(model) if family == "gpt2" else _to_bert(model)
     hf.save_pretrained(str(out), safe_serialization=True)
-    tok = _save_tokenizer(config, out, model.spec.max_seq_len)
+    tok = _save_tokenizer(config, out, model.spec.max_seq_len, ckpt)
     auto = transformers.AutoModelForCausalLM if family == "gpt2" else transformers.AutoModelForMaskedLM
     loaded = auto.from_pretrained(str(out), local_files_only=True).eval()
     with torch.no_grad():
@@ -183,19 +212,27 @@ def _to_bert(model: torch.nn.Module) -> Any:
     return hf
 
 
-def _save_tokenizer(config: Any, out: Path, max_len: int) -> str | None:
-    """The run's tokenizer (rebuilt from the data cache, as the run built it) as tokenizer.json plus a
-    tokenizer_config.json for PreTrainedTokenizerFast; None (said in the result) where the data is not there."""
-    try:
-        from graphtrain.data import build_data
-        from graphtrain.models import resolve_spec
-        data = build_data(config, family=resolve_spec(config.model).family)
-    except Exception as e:  # noqa: BLE001 - the weights are exported all the same
-        return f"not exported: the run's data could not be rebuilt ({type(e).__name__}: {e})"
-    tok = data.tokenizer
+def _save_tokenizer(config: Any, out: Path, max_len: int, ckpt: Path) -> str | None:
+    """The run's tokenizer (the one the checkpoint holds; for older checkpoints rebuilt from the data cache, as the
+    run built it) as tokenizer.json plus a tokenizer_config.json for PreTrainedTokenizerFast naming its special
+    tokens; a note instead (said in the result) where there is none."""
+    from graphtrain.trainer.checkpoint import checkpoint_tokenizer
+    tok = checkpoint_tokenizer(ckpt)
+    if tok is None:
+        try:
+            from graphtrain.data import build_data
+            from graphtrain.models import resolve_spec
+            tok = build_data(config, family=resolve_spec(config.model).family).tokenizer
+        except Exception as e:  # noqa: BLE001 - the weights are exported all the same
+            return f"not exported: the run's data could not be rebuilt ({type(e).__name__}: {e})"
+    if tok is None:
+        return "not exported: the run trained on token arrays without data.tokenizer"
     tok.save(out / "tokenizer.json")
-    (out / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
-                                                           "model_max_length": max_len}, indent=2))
+    settings: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_len}
+    for role in ("eos", "pad", "mask", "cls", "sep"):
+        if tok.specials.get(role) is not None:
+            settings[f"{role}_token"] = tok.specials[role]
+    (out / "tokenizer_config.json").write_text(json.dumps(settings, indent=2))
     return str(out / "tokenizer.json")
 
 

@@ -63,6 +63,9 @@ def resolve_spec(cfg: ModelConfig, vocab_size: int | None = None) -> ModelSpec:
                         f"got {type(cfg).__name__}")
     if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1):
         raise ValueError(f"vocab_size must be a positive integer (the tokenizer's size), got {vocab_size!r}")
+    if cfg.hf is not None:
+        from graphtrain.models.hf import configure, spec_of
+        return spec_of(*configure(cfg, vocab_size))
     spec = get_spec(cfg.name)
     changes: dict[str, object] = {}
     if cfg.vocab_size is not None:
@@ -80,11 +83,15 @@ def resolve_spec(cfg: ModelConfig, vocab_size: int | None = None) -> ModelSpec:
 
 
 def build_model(cfg: ModelConfig, vocab_size: int | None = None) -> nn.Module:
-    """Build the reference model `cfg.name` (a GPT2 or BERT), freshly initialized.
+    """Build the reference model `cfg.name` (a GPT2 or BERT), freshly initialized; with `cfg.hf`, that Hugging
+    Face model (models/hf.py).
 
     `vocab_size` is the tokenizer's size; `cfg.vocab_size` wins over it, and the preset's size is
     used when neither is given. Construct under ``torch.device("meta")`` to count parameters free.
     """
+    if isinstance(cfg, ModelConfig) and cfg.hf is not None:
+        from graphtrain.models.hf import build_hf_model
+        return build_hf_model(cfg, vocab_size)
     spec = resolve_spec(cfg, vocab_size)
     if spec.family == "gpt2":
         return GPT2(spec, attention=cfg.attention)

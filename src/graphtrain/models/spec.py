@@ -19,6 +19,8 @@ class ModelSpec:
     dropout: float = 0.1
     layer_norm_eps: float = 1e-5
     type_vocab_size: int = 2  # BERT only: segment (token type) embeddings
+    hf_type: str | None = None
+    """model.hf models: the transformers model_type (the family then names the objective: gpt2 causal, bert masked)."""
 
     def __post_init__(self) -> None:
         if self.family not in ("gpt2", "bert"):

@@ -49,7 +49,7 @@ _NAME = re.compile(r"^ckpt-(\d{7,})(\.pt)?$")  # .pt: a file; no suffix: a shard
 REQUIRED_KEYS = ("format_version", "step", "model", "optimizer", "rng", "config")
 # Config keys that decide the model's shapes or the meaning of its token ids: resuming across a
 # change to any of them cannot work.
-MODEL_KEYS = (("model", "name"), ("model", "max_seq_len"), ("model", "vocab_size"), ("data", "vocab_size"))
+MODEL_KEYS = (("model", "name"), ("model", "hf"), ("model", "objective"), ("model", "max_seq_len"), ("model", "vocab_size"), ("data", "vocab_size"))
 
 
 def checkpoint_path(out_dir: str | Path, step: int, sharded: bool = False) -> Path:
@@ -356,6 +356,17 @@ def check_trusted(path: str | Path, config: Any, what: str) -> None:
                      f"({config.train.out_dir!r}); its DCP .metadata is a Python pickle, which could run code if "
                      f"someone crafted it. If you trust the folder (your own run's), set train.trust_checkpoint=true; "
                      f"otherwise do not load it")
+
+
+def checkpoint_tokenizer(path: str | Path) -> Any:
+    """The tokenizer a checkpoint was trained with (a CodeTokenizer), or None for checkpoints that hold none."""
+    from tokenizers import Tokenizer
+
+    from graphtrain.data.tokenizer import CodeTokenizer
+    saved = checkpoint_meta(path).get("tokenizer")
+    if not saved:
+        return None
+    return CodeTokenizer(Tokenizer.from_str(saved["json"]), saved.get("specials"))
 
 
 def check_compatible(state: dict[str, Any], config: Any = None, model_spec: dict[str, Any] | None = None,

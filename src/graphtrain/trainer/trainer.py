@@ -44,7 +44,7 @@ import torch
 from tqdm.auto import tqdm
 
 from graphtrain.config import Config
-from graphtrain.models import build_model, get_spec
+from graphtrain.models import build_model, resolve_spec
 from graphtrain.trainer import runtime
 from graphtrain.checksums import digests_reused
 from graphtrain.trainer.checkpoint import (FORMAT_VERSION, check_trusted, checkpoint_meta, is_sharded,
@@ -93,7 +93,7 @@ class Trainer:
         self.device = self.env.device if self.env is not None else runtime.pick_device()
         runtime.setup(config.train)  # threads, deterministic algorithms
 
-        family = model.family if model is not None else get_spec(config.model.name).family
+        family = model.family if model is not None else resolve_spec(config.model).family
         self.data = data if data is not None else runtime.load_data(config, family, self.env)
         if config.train.batch_size == "auto":
             config, line = runtime.auto_batch_size(config, model, self.data.vocab_size, self.device)
@@ -104,7 +104,7 @@ class Trainer:
             model = build_model(config.model, vocab_size=self.data.vocab_size)
         self.family, self.spec = model.family, model.spec
         if config.data.seq_len > self.spec.max_seq_len:
-            raise ValueError(f"data.seq_len={config.data.seq_len} is longer than model {config.model.name!r} supports "
+            raise ValueError(f"data.seq_len={config.data.seq_len} is longer than model {config.model.label!r} supports "
                              f"(max_seq_len={self.spec.max_seq_len}): lower data.seq_len, or set "
                              f"model.max_seq_len={config.data.seq_len}")
         self.init_source = None
@@ -152,7 +152,7 @@ class Trainer:
                 saved: Path | None = None
                 self.model.train()
                 bar = tqdm(total=tc.steps, initial=self.step, disable=not (tc.progress and self.is_main), unit="step",
-                           dynamic_ncols=True, desc=f"train {cfg.model.name}")
+                           dynamic_ncols=True, desc=f"train {cfg.model.label}")
                 for step in range(self.step, tc.steps):
                     preempt.phase = "step"
                     t0 = time.perf_counter()
@@ -281,10 +281,13 @@ class Trainer:
         same weights give the same completion and the global RNG is untouched.
         """
         if self.family != "gpt2":
-            raise ValueError(f"sample() needs a GPT model; {self.config.model.name!r} is a {self.family} "
+            raise ValueError(f"sample() needs a GPT model; {self.config.model.label!r} is a {self.family} "
                              f"(masked LM) model")
         if n_tokens < 0:
             raise ValueError(f"n_tokens must be >= 0, got {n_tokens}")
+        if self.data.tokenizer is None:
+            raise ValueError("sample() needs a tokenizer to encode the prompt and decode tokens; this run trains on "
+                             "token arrays without one: set data.tokenizer to the tokenizer that made them")
         module = self.strategy.whole_model(self.out_dir, self.data.vocab_size)
         tok = self.data.tokenizer
         ids = list(tok.encode(prompt)) or [tok.eos_id]
@@ -305,6 +308,9 @@ class Trainer:
         """Save ckpt-{step}.pt atomically (distributed: the sharded folder ckpt-{step}/), keep the last few."""
         meta = {"format_version": FORMAT_VERSION, "step": self.step, "config": self.config.to_dict(),
                 "model_spec": self._model_spec(), "metrics": metrics or {}}
+        tok = getattr(self.data, "tokenizer", None)
+        if tok is not None and hasattr(tok, "to_str"):  # the tokenizer travels with the weights; resume checks it
+            meta["tokenizer"] = {"sha256": tok.digest(), "json": tok.to_str(), "specials": tok.specials}
         return self.strategy.save(self.out_dir, meta)
 
     def load_checkpoint(self, path: str | Path) -> int:
@@ -347,7 +353,7 @@ class Trainer:
         module = self.strategy.module
         n_params = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in module.parameters())
         local = " (this rank)" if par.tp > 1 or par.pp > 1 else ""
-        self._log(f"model {self.config.model.name}: {n_params:,} params{local}, {where}, "
+        self._log(f"model {self.config.model.label}: {n_params:,} params{local}, {where}, "
                   f"{'graphtrain engine' if runtime.is_accelerated(module) else 'eager PyTorch'}")
         return start
 
@@ -384,6 +390,7 @@ class Trainer:
             raise ValueError(f"checkpoint {str(source)!r} is at step {step}, past train.steps={tc.steps}: "
                              f"set train.steps above {step} to continue training it")
         check_config_changes(meta["config"], self.config, self.allow_config_change, source, self._log)
+        self._check_tokenizer(meta, source)
         start = self.load_checkpoint(source)
         moved = self._on_main(lambda: supersede_later(self.out_dir, start))
         if moved and moved[0] is not None:
@@ -394,6 +401,20 @@ class Trainer:
             self.metrics.truncate_after(start)
         self._log(f"resumed from {source} at step {start}")
         return start
+
+    def _check_tokenizer(self, meta: dict[str, Any], source: Path) -> None:
+        """A run continues with the tokenizer it was trained with: the same ids must mean the same text."""
+        saved = (meta.get("tokenizer") or {}).get("sha256")
+        tok = getattr(self.data, "tokenizer", None)
+        current = tok.digest() if tok is not None and hasattr(tok, "digest") else None
+        if saved is not None and current is not None and saved != current:
+            raise ValueError(f"checkpoint {str(source)!r} was trained with another tokenizer than this run builds "
+                             f"(sha256 {saved[:12]}, now {current[:12]}): use the run's data settings (data.path, "
+                             f"data.tokenizer, data.vocab_size, data.max_bytes as in its config.yaml), or start a new "
+                             f"out_dir. The checkpoint holds its tokenizer (graphtrain.trainer.checkpoint.checkpoint_tokenizer)")
+        if saved is not None and current is None:
+            raise ValueError(f"checkpoint {str(source)!r} was trained with a tokenizer, but this run has none (token "
+                             f"arrays without data.tokenizer): set data.tokenizer to that tokenizer")
 
     def _on_main(self, fn: Any) -> Any:
         """`fn()` on the main rank (None elsewhere), then a barrier: the others see what it changed on disk."""
