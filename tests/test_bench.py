@@ -39,6 +39,10 @@ def test_matmul_params_skips_positions_and_counts_tied_weights_once():
 
     m = Tiny()
     assert flops.matmul_params(m) == 40 + 16 + 4
+    m.head.weight = torch.nn.Parameter(torch.zeros(10, 4))  # untied (Llama): the input embedding is a lookup
+    assert flops.matmul_params(m) == 16 + 4 + 40
+    m.extra = torch.nn.Embedding(5, 4)  # a lookup under any name
+    assert flops.matmul_params(m) == 16 + 4 + 40
     assert flops.model_dims(m) == (3, 4)
     assert flops.mfu(100.0, 2.0, 100.0) == 0.5
     assert flops.mfu(100.0, 2.0, None) is None

@@ -50,14 +50,22 @@ def step_flops(n_params: int, n_layer: int, seq: int, d_model: int, tokens: int)
 
 
 def matmul_params(model: Any) -> int:
-    """Distinct trainable parameters minus lookup-only embeddings (positions, token types)."""
+    """Distinct trainable parameters minus lookup-only embeddings: positions, token types, and any nn.Embedding
+    whose matrix no other module uses (an untied input embedding, as Llama's; a tied one is also the LM head's
+    matmul and counts)."""
+    import torch.nn as nn
+    in_embedding: set[int] = set()
+    elsewhere: set[int] = set()
+    for module in model.modules():
+        ids = {id(p) for p in module.parameters(recurse=False)}
+        (in_embedding if isinstance(module, nn.Embedding) else elsewhere).update(ids)
     seen: set[int] = set()
     total = 0
     for name, p in model.named_parameters():  # named_parameters() already skips tied duplicates
         if not p.requires_grad or id(p) in seen:
             continue
         seen.add(id(p))
-        if any(s in name for s in _LOOKUP_ONLY):
+        if any(s in name for s in _LOOKUP_ONLY) or (id(p) in in_embedding and id(p) not in elsewhere):
             continue
         total += p.numel()
     return total
