@@ -103,7 +103,8 @@ class Parallelized:
         cfg = resolve_engine_config(engine, {})
         module = self.module
         if not is_replicated(module):
-            check_engine_under_ddp(cfg, module)
+            if isinstance(self.model, nn.parallel.DistributedDataParallel):  # only DDP splits the graph at buckets
+                check_engine_under_ddp(cfg, module)
             return accelerate(module, cfg)
         state = new_state(cfg)
         module._graphtrain = state

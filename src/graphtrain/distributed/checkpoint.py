@@ -42,7 +42,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.tensor import DTensor, Shard
 
 from graphtrain.checksums import SUMS_NAME, fsync_dir, sha256_file, verify_sums, write_sums
-from graphtrain.distributed.tensor_parallel import FUSED_ATTR
+from graphtrain.distributed.tensor_parallel import FUSED_ATTR, FUSED_DIM_ATTR
 from graphtrain.distributed.zero import local_optimizer
 
 
@@ -85,14 +85,24 @@ def _param_names(model: nn.Module) -> dict[int, str]:
     return {id(p): n for n, p in model.named_parameters()}
 
 
-def _fuse(entries: dict[str, torch.Tensor], fused: dict[str, list[str]]) -> dict[str, torch.Tensor]:
-    """Replace q/k/v part entries by the unsharded model's fused entry (concatenated along dim 0)."""
+def _part_dim(model: nn.Module, prefix: str, tail: str) -> int:
+    """The dim the q/k/v parts of fused entry `prefix` + `tail` are stacked on: 0, or the model's FUSED_DIM_ATTR
+    for its weight (and the weight's optimizer state) where the layout is [in, out]."""
+    if tail == ".weight" or tail.startswith(".weight."):
+        return getattr(model, FUSED_DIM_ATTR, {}).get(prefix, 0)
+    return 0
+
+
+def _fuse(entries: dict[str, torch.Tensor], fused: dict[str, list[str]], model: nn.Module) -> dict[str, torch.Tensor]:
+    """Replace q/k/v part entries by the unsharded model's fused entry (concatenated along dim 0, or the dim the
+    model names)."""
     out = dict(entries)
     for prefix, parts in fused.items():
         for key in [k for k in entries if k.startswith(prefix + parts[0] + ".")]:
             rest = key[len(prefix + parts[0]):]
             pieces = [_full(out.pop(prefix + p + rest)) for p in parts]
-            out[prefix + rest] = torch.cat(pieces) if pieces[0].dim() else pieces[0]  # 0-d: Adam's step
+            dim = _part_dim(model, prefix.partition(".")[2], rest)
+            out[prefix + rest] = torch.cat(pieces, dim) if pieces[0].dim() else pieces[0]  # 0-d: Adam's step
     return out
 
 
@@ -105,7 +115,7 @@ def _state_entries(model: nn.Module, optimizer: torch.optim.Optimizer | None) ->
                 if isinstance(v, torch.Tensor):
                     entries[f"optim.{names[id(p)]}.{k}"] = v
     fused = {f"{pre}.{p}": parts for p, parts in _fused(model).items() for pre in ("model", "optim")}
-    return _fuse(entries, fused)
+    return _fuse(entries, fused, model)
 
 
 def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
@@ -262,8 +272,7 @@ def _shard_of(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         return full
     for mesh_dim, pl in enumerate(like.placements):
         if isinstance(pl, Shard):
-            assert pl.dim == 0, "fused tensor-parallel entries are sharded on dim 0"
-            full = full.chunk(like.device_mesh.size(mesh_dim))[like.device_mesh.get_local_rank(mesh_dim)]
+            full = full.chunk(like.device_mesh.size(mesh_dim), dim=pl.dim)[like.device_mesh.get_local_rank(mesh_dim)]
     return full
 
 
@@ -337,7 +346,8 @@ def _scatter_fused(model: nn.Module, optimizer: torch.optim.Optimizer | None,
                 if not rest.startswith(prefix + "."):
                     continue
                 tail = rest[len(prefix):]
-                pieces = full.chunk(len(parts)) if full.dim() else [full] * len(parts)
+                dim = _part_dim(model, prefix, tail)
+                pieces = full.chunk(len(parts), dim) if full.dim() else [full] * len(parts)
                 for part, piece in zip(parts, pieces):
                     dst = own[f"{kind}.{prefix}{part}{tail}"]
                     local = dst.to_local() if isinstance(dst, DTensor) else dst

@@ -56,6 +56,9 @@ from graphtrain.kernels.registry import COLLECTIVE, FOLLOW, NEVER, OpDescriptor,
 
 # model attribute: {fused fqn prefix ("blocks.0.attn.qkv"): [part prefixes (".q", ".k", ".v")]}
 FUSED_ATTR = "_graphtrain_fused"
+# model attribute: {fused fqn prefix: the dim its weight's q/k/v parts are stacked on} where it is not 0 (Hugging
+# Face GPT-2's Conv1D keeps [in, out], so its fused c_attn stacks q, k, v along dim 1)
+FUSED_DIM_ATTR = "_graphtrain_fused_weight_dim"
 
 
 def _group(name: str) -> dist.ProcessGroup:
@@ -264,6 +267,51 @@ class SplitQKV(nn.Module):
         return torch.cat([self.q(x), self.k(x), self.v(x)], dim=-1)
 
 
+class ColumnParallelConv1D(nn.Module):
+    """Hugging Face's Conv1D (y = x @ W + b, W [in, out]) column-parallel: W sharded on dim 1 (its output), the
+    layout kept so checkpoints hold the unsharded model's tensors. `cols`: shard only these output columns."""
+
+    def __init__(self, conv: nn.Module, mesh: DeviceMesh, copy_input: bool = True, cols: slice = slice(None)) -> None:
+        super().__init__()
+        self.group, self.copy_input = mesh.get_group().group_name, copy_input
+        self.weight = _shard_param(conv.weight[:, cols], mesh, 1)
+        self.bias = _shard_param(conv.bias[cols], mesh, 0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.copy_input:
+            x = tp_copy(x, self.group)
+        return torch.addmm(_local(self.bias), x.reshape(-1, x.size(-1)), self.weight.to_local()).view(
+            *x.shape[:-1], -1)
+
+
+class RowParallelConv1D(nn.Module):
+    """Conv1D row-parallel: W [in, out] sharded on dim 0 (its input), the partial products all-reduced, b replicated."""
+
+    def __init__(self, conv: nn.Module, mesh: DeviceMesh) -> None:
+        super().__init__()
+        self.group = mesh.get_group().group_name
+        self.weight = _shard_param(conv.weight, mesh, 0)
+        self.bias = conv.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return tp_reduce(x @ self.weight.to_local(), self.group) + self.bias
+
+
+class SplitQKVConv1D(nn.Module):
+    """GPT-2's fused Conv1D c_attn as three column-parallel parts; output [q_local | k_local | v_local]."""
+
+    def __init__(self, conv: nn.Module, mesh: DeviceMesh) -> None:
+        super().__init__()
+        self.group = mesh.get_group().group_name
+        d = conv.weight.shape[1] // 3
+        self.q, self.k, self.v = (ColumnParallelConv1D(conv, mesh, copy_input=False, cols=slice(i * d, (i + 1) * d))
+                                  for i in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = tp_copy(x, self.group)
+        return torch.cat([self.q(x), self.k(x), self.v(x)], dim=-1)
+
+
 class VocabParallelEmbedding(nn.Module):
     """Each rank embeds the ids in its V / tp rows (others give zeros); the partial sums are all-reduced."""
 
@@ -318,26 +366,51 @@ def _is_hf_bert(model: nn.Module) -> bool:
     return type(model).__name__ == "BertForMaskedLM" and hasattr(model, "bert") and hasattr(model, "cls")
 
 
+def _is_hf_gpt2(model: nn.Module) -> bool:
+    return type(model).__name__ == "GPT2LMHeadModel" and hasattr(model, "transformer")
+
+
+def _is_llama_family(model: nn.Module) -> bool:
+    """A Hugging Face *ForCausalLM with Llama's layer layout: Llama, Mistral, Qwen2/3 (q/k/v/o projections,
+    gate/up/down MLP, model.embed_tokens, lm_head)."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if not isinstance(layers, nn.ModuleList) or not len(layers) or not hasattr(model, "lm_head"):
+        return False
+    names = {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+             "mlp.up_proj", "mlp.down_proj"}
+    return all(_has(layer, n) and isinstance(layer.get_submodule(n), nn.Linear) for layer in layers for n in names)
+
+
+def _hf_inner(model: nn.Module) -> nn.Module:
+    """The transformers model of a `model.hf` wrapper (graphtrain.models.hf.HFLanguageModel), else the model."""
+    return model.hf if type(model).__name__ == "HFLanguageModel" else model
+
+
 def _dims(model: nn.Module) -> tuple[int, int, int]:
     """(attention heads, MLP width, vocabulary) of a model that has a tensor-parallel plan, else ValueError."""
-    if getattr(model, "family", None) in ("gpt2", "bert"):
+    inner = _hf_inner(model)
+    if inner is model and getattr(model, "family", None) in ("gpt2", "bert"):
         spec = model.spec
         return spec.n_head, spec.d_ff, spec.vocab_size
-    if _is_hf_bert(model):
-        c = model.config
+    c = getattr(inner, "config", None)
+    if _is_hf_bert(inner) or _is_llama_family(inner):
         return c.num_attention_heads, c.intermediate_size, c.vocab_size
+    if _is_hf_gpt2(inner):
+        return c.n_head, c.n_inner or 4 * c.n_embd, c.vocab_size
     raise ValueError(
         f"tensor parallelism has a plan for graphtrain's reference GPT-2 and BERT (graphtrain.models) and Hugging "
-        f"Face BertForMaskedLM, not for {type(model).__name__}. Hugging Face GPT-2 fuses q/k/v in one Conv1D "
-        f"(c_attn) and has no plan; use parallel.tp=1 (data/pipeline parallel work with any model) or a model "
-        f"with a plan")
+        f"Face GPT2LMHeadModel, BertForMaskedLM and Llama-family causal LMs (Llama, Mistral, Qwen2: q/k/v/o and "
+        f"gate/up/down projections), not for {type(inner).__name__}, which has no plan; use parallel.tp=1 "
+        f"(data parallel works with any model) or a model with a plan")
 
 
 def check_tp(model: nn.Module, tp: int) -> None:
     """Raise ValueError unless the model has a plan and its heads, MLP width and vocabulary divide by tp."""
     n_head, d_ff, vocab = _dims(model)
+    kv = getattr(getattr(_hf_inner(model), "config", None), "num_key_value_heads", None) \
+        if _is_llama_family(_hf_inner(model)) else None
     for what, n in (("attention heads (n_head)", n_head), ("MLP width (d_ff)", d_ff),
-                    ("vocabulary (vocab_size)", vocab)):
+                    ("vocabulary (vocab_size)", vocab), *((("key/value heads (num_key_value_heads)", kv),) if kv else ())):
         if n % tp:
             fix = [d for d in range(tp, 0, -1) if n % d == 0][0]
             raise ValueError(f"parallel.tp={tp} must divide the model's {what} = {n}: use parallel.tp={fix}"
@@ -359,8 +432,16 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
     if tp == 1:
         return model
     check_tp(model, tp)
-    if _is_hf_bert(model):
-        return _apply_hf_bert(model, tp_mesh)
+    inner = _hf_inner(model)
+    for is_kind, apply in ((_is_hf_bert, _apply_hf_bert), (_is_hf_gpt2, _apply_hf_gpt2),
+                           (_is_llama_family, _apply_llama_family)):
+        if is_kind(inner):
+            apply(inner, tp_mesh)
+            if inner is not model:  # the model.hf wrapper: its fused-parameter maps name the wrapper's parameters
+                for attr in (FUSED_ATTR, FUSED_DIM_ATTR):
+                    if hasattr(inner, attr):
+                        setattr(model, attr, {f"hf.{k}": v for k, v in getattr(inner, attr).items()})
+            return model
     gpt2 = model.family == "gpt2"
     prefix, blocks = ("blocks", model.blocks) if gpt2 else ("layers", model.layers)
     fused: dict[str, list[str]] = {}
@@ -435,6 +516,66 @@ def _apply_hf_bert(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
     head.decoder = ColumnParallelLinear(head.decoder, tp_mesh, gather_output=True)
     head.decoder.weight = emb.weight
     head.bias = head.decoder.bias  # Hugging Face ties the two
+    return model
+
+
+def _apply_hf_gpt2(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
+    """The Megatron plan on Hugging Face GPT2LMHeadModel, in its Conv1D layout ([in, out] weights): c_attn split into
+    column-parallel q/k/v (each attention then runs on its n_head / tp local heads: HF reshapes heads with -1 and
+    splits c_attn's output by `split_size`, set to the local width), c_fc column-parallel, both c_proj
+    row-parallel, the word embedding vocab-parallel and the tied LM head column-parallel with its logits
+    gathered (the model, or graphtrain's model.hf wrapper, computes its own cross-entropy on [B, T, V])."""
+    tp = tp_mesh.size()
+    fused, dims, regions = {}, {}, []
+    for i, block in enumerate(model.transformer.h):
+        attn = block.attn
+        if getattr(attn, "is_cross_attention", False) or getattr(attn, "reorder_and_upcast_attn", False):
+            raise ValueError("tensor parallel on Hugging Face GPT-2 supports self-attention without "
+                             "reorder_and_upcast_attn; use parallel.tp=1 for this config")
+        attn.c_attn = SplitQKVConv1D(attn.c_attn, tp_mesh)
+        attn.split_size = attn.embed_dim // tp
+        fused[f"transformer.h.{i}.attn.c_attn"] = [".q", ".k", ".v"]
+        dims[f"transformer.h.{i}.attn.c_attn"] = 1
+        attn.c_proj = RowParallelConv1D(attn.c_proj, tp_mesh)
+        block.mlp.c_fc = ColumnParallelConv1D(block.mlp.c_fc, tp_mesh)
+        block.mlp.c_proj = RowParallelConv1D(block.mlp.c_proj, tp_mesh)
+        regions.append((attn, attn.c_proj, True))  # local-head work runs from attn's entry to c_proj's
+    _attention_dropout_on_local_heads(tp_mesh, regions, lambda attn: attn.attn_dropout.p)
+    emb = VocabParallelEmbedding(model.transformer.wte, tp_mesh)
+    model.transformer.wte = emb
+    model.lm_head = ColumnParallelLinear(model.lm_head, tp_mesh, gather_output=True)
+    if model.config.tie_word_embeddings:
+        model.lm_head.weight = emb.weight
+    setattr(model, FUSED_ATTR, fused)
+    setattr(model, FUSED_DIM_ATTR, dims)
+    return model
+
+
+def _apply_llama_family(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
+    """The Megatron plan on a Llama-family causal LM: q/k/v and gate/up column-parallel (one tp_copy for each
+    group's shared input), o and down row-parallel; grouped-query attention keeps its heads-per-key/value ratio on
+    each rank's n_head / tp query and n_kv / tp key/value heads (HF reshapes heads with -1). Embedding
+    vocab-parallel; the LM head column-parallel with its logits gathered (tied to the embedding when the config
+    ties them)."""
+    group = tp_mesh.get_group().group_name
+    regions = []
+    for layer in model.model.layers:
+        sa, mlp = layer.self_attn, layer.mlp
+        for name in ("q_proj", "k_proj", "v_proj"):
+            setattr(sa, name, ColumnParallelLinear(getattr(sa, name), tp_mesh, copy_input=False))
+        sa.register_forward_pre_hook(_copy_first_input(group), with_kwargs=True)
+        sa.o_proj = RowParallelLinear(sa.o_proj, tp_mesh)
+        regions.append((sa, sa.o_proj, True))
+        for name in ("gate_proj", "up_proj"):
+            setattr(mlp, name, ColumnParallelLinear(getattr(mlp, name), tp_mesh, copy_input=False))
+        mlp.register_forward_pre_hook(_copy_first_input(group), with_kwargs=True)
+        mlp.down_proj = RowParallelLinear(mlp.down_proj, tp_mesh)
+    _attention_dropout_on_local_heads(tp_mesh, regions, lambda sa: float(getattr(sa, "attention_dropout", 0.0)))
+    emb = VocabParallelEmbedding(model.model.embed_tokens, tp_mesh)
+    model.model.embed_tokens = emb
+    model.lm_head = ColumnParallelLinear(model.lm_head, tp_mesh, gather_output=True)
+    if model.config.tie_word_embeddings:
+        model.lm_head.weight = emb.weight
     return model
 
 

@@ -33,12 +33,10 @@ def check_supported(config: Config) -> None:
         if problems:
             raise ValueError(f"train.whole_step=true needs {', '.join(problems)}; set train.whole_step=false to train "
                              f"with the graph engine and a separate optimizer step")
-    if config.model.hf is not None and (par.tp > 1 or par.pp > 1):
-        layout = f"parallel.tp={par.tp}" if par.tp > 1 else f"parallel.pp={par.pp}"
-        raise ValueError(f"{layout} has no plan for model.hf models yet (tensor and pipeline parallel split "
-                         f"graphtrain's own GPT-2 and BERT by their layer names): train a model.hf model with "
-                         f"parallel.dp (data parallel, with ZeRO-1 if you like), or use parallel.tp=1 and "
-                         f"parallel.pp=1")
+    if config.model.hf is not None and par.pp > 1:
+        raise ValueError(f"parallel.pp={par.pp} has no plan for model.hf models yet (pipeline stages are cut from "
+                         f"graphtrain's own GPT-2 by its layer names): train a model.hf model with parallel.dp and/or "
+                         f"parallel.tp (plans for GPT-2, BERT and Llama-family models), with parallel.pp=1")
     if par.world_size > 1:
         if par.zero_stage == 1 and par.tp > 1:
             raise ValueError("parallel.zero_stage=1 with parallel.tp>1 is not supported yet: set "
