@@ -67,13 +67,16 @@ def build(model: str, seq: int, batch: int, dropout: float | None = None,
     import torch
     from graphtrain.config import ModelConfig
     from graphtrain.models import build_model
-    m = build_model(ModelConfig(name=model, dropout=dropout, max_seq_len=max(seq, 64), attention=attention))
+    if model.startswith("hf:"):  # a Hugging Face model from a local folder / config.json (model.hf)
+        m = build_model(ModelConfig(hf=model[3:], dropout=dropout, attention=attention))
+    else:
+        m = build_model(ModelConfig(name=model, dropout=dropout, max_seq_len=max(seq, 64), attention=attention))
     m.train()
     g = torch.Generator().manual_seed(0)
-    vocab = m.get_input_embeddings().num_embeddings if hasattr(m, "get_input_embeddings") else 512
+    vocab = m.spec.vocab_size if hasattr(m, "spec") else 512
     ids = torch.randint(0, vocab, (batch, seq), generator=g)
     labels = torch.randint(0, vocab, (batch, seq), generator=g)
-    if getattr(m, "family", "gpt2") == "bert":  # BERT.forward(input_ids, attention_mask, token_type_ids, labels)
+    if getattr(m, "family", "gpt2") == "bert" and not model.startswith("hf:"):  # BERT.forward(ids, mask, types, labels)
         return m, (ids, None, None, labels)
     return m, (ids, labels)
 

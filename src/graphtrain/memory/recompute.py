@@ -36,10 +36,11 @@ recomputed ops, checkpointed layers) in a ``RecomputeRecord`` that the report pr
 from __future__ import annotations
 
 import collections
+import contextlib
 import operator
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.fx as fx
@@ -380,6 +381,15 @@ class RecomputeRecord:
 
 
 def _save(n: fx.Node) -> None:
+    """Mark `n` saved for the backward. A deterministic multi-output op (a tuple: fused norm, attention without
+    dropout, ...) is saved through its getitems instead: the partitioner's budget search returns MUST_SAVE nodes
+    as saved values as they are, and AOTAutograd cannot save a tuple (torch 2.13). A random one keeps MUST_SAVE on
+    itself, which is what stops any partitioner path from recomputing it (its seed is drawn inside)."""
+    if isinstance(n.meta.get("val"), (tuple, list)) and not is_random(n):
+        for user in n.users:
+            if user.target is operator.getitem:
+                user.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+        return
     n.meta["recompute"] = CheckpointPolicy.MUST_SAVE
 
 
@@ -438,9 +448,35 @@ def _partition(joint: fx.GraphModule, joint_inputs: Any, num_fwd_outputs: int, h
     if info is not None:
         info.update(found)
     with fconfig.patch(aggressive_recomputation=True, ban_recompute_reductions=False,
-                       activation_memory_budget=budget_fraction):
+                       activation_memory_budget=budget_fraction), _no_tuples_saved():
         return min_cut_rematerialization_partition(joint, joint_inputs, compiler="graphtrain",
                                                    num_fwd_outputs=num_fwd_outputs)
+
+
+@contextlib.contextmanager
+def _no_tuples_saved() -> Iterator[None]:
+    """Work around torch 2.13's partitioner: when every banned node of the budget search is MUST_SAVE, it returns
+    them as the saved values as they are, and a random multi-output fused op (MUST_SAVE so that nothing
+    recomputes it: it draws its seed inside) is a tuple AOTAutograd cannot save ("expected all
+    tensors_saved_with_vc_check to be Tensors"). Each such node in the chosen set becomes its getitems (the same
+    tensors, saved one by one). Written by hand because the choice happens inside torch's partitioner; the
+    patch lives only for one partition call."""
+    import torch._functorch.partitioners as partitioners
+    original = partitioners.choose_saved_values_set
+
+    def choose(*args: Any, **kwargs: Any) -> list[fx.Node]:
+        out: list[fx.Node] = []
+        for n in original(*args, **kwargs):
+            parts = [u for u in n.users if u.target is operator.getitem] \
+                if isinstance(n.meta.get("val"), (tuple, list)) else [n]
+            out.extend(p for p in parts if p not in out)
+        return out
+
+    partitioners.choose_saved_values_set = choose
+    try:
+        yield
+    finally:
+        partitioners.choose_saved_values_set = original
 
 
 def describe(name: str, fw_gm: fx.GraphModule, bw_gm: fx.GraphModule,
