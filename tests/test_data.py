@@ -128,7 +128,7 @@ def test_gpt_batches_are_shifted_windows(gpt_data) -> None:
     x, y = batch["input_ids"], batch["labels"]
     assert x.shape == y.shape == (4, 64) and x.dtype == y.dtype == torch.long
     assert torch.equal(x[:, 1:], y[:, :-1])
-    tokens = torch.from_numpy(gpt_data.train.tokens.astype("int64"))
+    tokens = torch.from_numpy(gpt_data.train.shards[0].astype("int64"))
     for row_x, row_y in zip(x, y):
         window = torch.cat([row_x, row_y[-1:]])
         starts = (tokens[: tokens.numel() - 64] == window[0]).nonzero().flatten()

@@ -62,7 +62,7 @@ def test_nanogpt_token_files_are_memory_mapped(tmp_path):
     val.tofile(tmp_path / "val.bin")
     data = build_data(_config(path=str(tmp_path)), "gpt2")
     assert data.tokenizer is None and data.vocab_size == 300
-    assert isinstance(data.train.tokens, np.memmap) and data.train.n_tokens == 5000 and data.val.n_tokens == 600
+    assert isinstance(data.train.shards[0], np.memmap) and data.train.n_tokens == 5000 and data.val.n_tokens == 600
     batch = data.train.get_batch(3, 4)
     for x, y in zip(batch["input_ids"], batch["labels"]):  # every window is a slice of train.bin
         window = torch.cat([x, y[-1:]]).numpy()

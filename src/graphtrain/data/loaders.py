@@ -79,11 +79,6 @@ class BatchSource:
                 self._ordinary = ids[~torch.isin(ids, self._specials)]
 
     @property
-    def tokens(self) -> np.ndarray:
-        """The split's tokens (the first shard when there are several)."""
-        return self.shards[0]
-
-    @property
     def n_tokens(self) -> int:
         return sum(int(t.shape[0]) for t in self.shards)
 

@@ -17,7 +17,6 @@ module itself is ``.hf``: export writes it with ``save_pretrained``.
 """
 from __future__ import annotations
 
-import copy
 import json
 from pathlib import Path
 from typing import Any
@@ -124,7 +123,7 @@ def spec_of(hf_config: Any, objective: str) -> ModelSpec:
 
 def configure(cfg: Any, vocab_size: int | None = None) -> tuple[Any, str]:
     """(the transformers config with the ModelConfig's overrides applied, the objective)."""
-    hf_config = copy.deepcopy(load_hf_config(cfg.hf))
+    hf_config = load_hf_config(cfg.hf)  # a fresh object per call: the overrides below stay local
     objective = infer_objective(hf_config, cfg.objective)
     if cfg.dropout is not None:
         for key in _DROPOUT_KEYS:
@@ -134,14 +133,13 @@ def configure(cfg: Any, vocab_size: int | None = None) -> tuple[Any, str]:
         for key in ("max_position_embeddings", "n_positions"):
             if hasattr(hf_config, key):
                 setattr(hf_config, key, cfg.max_seq_len)
-    tokenizer_vocab = vocab_size
     if cfg.vocab_size is not None:
         hf_config.vocab_size = cfg.vocab_size
-    if tokenizer_vocab is not None and tokenizer_vocab > hf_config.vocab_size:
-        raise ValueError(f"the tokenizer has {tokenizer_vocab} tokens but model.hf {cfg.hf!r} has a vocabulary of "
+    if vocab_size is not None and vocab_size > hf_config.vocab_size:
+        raise ValueError(f"the tokenizer has {vocab_size} tokens but model.hf {cfg.hf!r} has a vocabulary of "
                          f"{hf_config.vocab_size}: its ids would not fit the embedding. Set data.vocab_size <= "
                          f"{hf_config.vocab_size} (the trained tokenizer), or data.tokenizer to the model's own "
-                         f"tokenizer, or model.vocab_size={tokenizer_vocab} (random init only)")
+                         f"tokenizer, or model.vocab_size={vocab_size} (random init only)")
     hf_config.use_cache = False  # training: no key/value cache
     return hf_config, objective
 
