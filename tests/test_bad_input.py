@@ -73,6 +73,7 @@ CASES: dict[str, tuple[list[str], int, str]] = {
     "fp16 distributed": (["parallel.dp=2", "engine.precision=fp16", "--nproc", "2"], USAGE,
                          "engine.precision=fp16 (dynamic loss scaling) is not supported in distributed runs"),
     "dp without torchrun": (["parallel.dp=2"], USAGE, "--nproc 2"),
+    "recompute auto without a budget": (["engine.recompute=auto"], USAGE, "which is not set: give it as bytes"),
     # ---- files and folders
     "missing config file": (["{tmp}/nope.yaml"], USAGE, "nope.yaml' does not exist"),
     "invalid YAML syntax": (["{tmp}/broken.yaml"], USAGE, "is not valid YAML at line 2, column 6"),

@@ -76,6 +76,10 @@ class EngineConfig:
         if self.memory_budget is not None and not (0 < self.memory_budget <= 1 or self.memory_budget >= 2**20):
             raise ValueError(f"engine.memory_budget={self.memory_budget:g} is out of range: give a fraction of device "
                              f"memory in (0, 1], e.g. 0.5, or bytes (at least 1 MiB), e.g. 2000000000")
+        if self.recompute == "auto" and self.memory_budget is None:  # said now, not as a fallback at the first step
+            raise ValueError("engine.recompute=auto fits the step into engine.memory_budget, which is not set: give it "
+                             "as bytes (e.g. engine.memory_budget=2000000000) or a fraction of device memory (e.g. "
+                             "0.5), or choose engine.recompute=selective or full")
         if self.loss_scale_backoff <= 0 or self.loss_scale_backoff >= 1:
             raise ValueError("engine.loss_scale_backoff must be in (0, 1), e.g. 0.5")
         if self.loss_scale_growth <= 1:

@@ -67,6 +67,8 @@ def build(model: str, seq: int, batch: int, dropout: float | None = None,
     import torch
     from graphtrain.config import ModelConfig
     from graphtrain.models import build_model
+    if model.startswith("vit:"):  # a Hugging Face image classifier from a config.json: pixels in, the loss out
+        return _vision(model[4:], batch, attention)
     if model.startswith("hf:"):  # a Hugging Face model from a local folder / config.json (model.hf)
         m = build_model(ModelConfig(hf=model[3:], dropout=dropout, attention=attention))
     else:
@@ -79,6 +81,30 @@ def build(model: str, seq: int, batch: int, dropout: float | None = None,
     if getattr(m, "family", "gpt2") == "bert" and not model.startswith("hf:"):  # BERT.forward(ids, mask, types, labels)
         return m, (ids, None, None, labels)
     return m, (ids, labels)
+
+
+def _vision(path: str, batch: int, attention: str) -> tuple[Any, tuple]:
+    """`vit:PATH`: AutoModelForImageClassification from PATH (a folder with config.json or the file), random init,
+    called as model(pixel_values, labels) -> loss; --seq is ignored (the config's image size decides)."""
+    import torch
+    import transformers
+    from graphtrain.models.hf import hf_folder
+
+    class WithLoss(torch.nn.Module):
+        def __init__(self, inner: torch.nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, pixel_values: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            return self.inner(pixel_values=pixel_values, labels=labels).loss
+
+    _, config_file = hf_folder(path)
+    cfg = transformers.AutoConfig.from_pretrained(str(config_file), local_files_only=True)
+    cfg._attn_implementation = "sdpa" if attention == "sdpa" else "eager"
+    m = WithLoss(transformers.AutoModelForImageClassification.from_config(cfg)).train()
+    g = torch.Generator().manual_seed(0)
+    pixels = torch.randn(batch, cfg.num_channels, cfg.image_size, cfg.image_size, generator=g)
+    return m, (pixels, torch.randint(0, cfg.num_labels, (batch,), generator=g))
 
 
 def _pinned(a: argparse.Namespace) -> bool:
