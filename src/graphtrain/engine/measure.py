@@ -75,7 +75,8 @@ def build(model: str, seq: int, batch: int, dropout: float | None = None,
         m = build_model(ModelConfig(name=model, dropout=dropout, max_seq_len=max(seq, 64), attention=attention))
     m.train()
     g = torch.Generator().manual_seed(0)
-    vocab = m.spec.vocab_size if hasattr(m, "spec") else 512
+    vocab = m.spec.vocab_size if model.startswith("hf:") else \
+        m.get_input_embeddings().num_embeddings if hasattr(m, "get_input_embeddings") else 512
     ids = torch.randint(0, vocab, (batch, seq), generator=g)
     labels = torch.randint(0, vocab, (batch, seq), generator=g)
     if getattr(m, "family", "gpt2") == "bert" and not model.startswith("hf:"):  # BERT.forward(ids, mask, types, labels)
