@@ -22,7 +22,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("optim", "passes", "models", "data"),
     ("kernels",),
     ("testing",),
-    ("config", "fallback", "checksums"),
+    ("config", "jobfile", "fallback", "checksums"),
 ]
 RANK = {name: i for i, names in enumerate(LAYERS) for name in names}
 

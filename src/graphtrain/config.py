@@ -17,7 +17,6 @@ import dataclasses
 import difflib
 import inspect
 import math
-import re
 import textwrap
 import types
 import typing
@@ -26,6 +25,8 @@ from pathlib import Path
 from typing import Any, Literal, Union
 
 import yaml
+
+from graphtrain.jobfile import load_job_file, yaml_load  # noqa: F401 - re-exported (graphtrain.config API)
 
 
 @dataclass
@@ -383,61 +384,6 @@ class Config:
                 node = node[p]
             node[parts[-1]] = value
         return Config.from_dict(d)
-
-
-class _Loader(yaml.SafeLoader):
-    """PyYAML's safe loader reading YAML 1.2 floats: `1e-3` and `2E5` are numbers (YAML 1.1, which PyYAML
-    implements, wants a dot, so they came back as strings and a float key rejected them)."""
-
-
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
-    list("-+0123456789."))
-
-
-def yaml_load(text: str) -> Any:
-    return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
-
-
-def load_job_file(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
-    """A job file as a dict, its `defaults:` bases merged in first (depth first, in order)."""
-    path = Path(path)
-    if not path.is_file():
-        within = f" (named in the defaults of {str(_seen[-1])!r})" if _seen else ""
-        raise ValueError(f"config file {str(path)!r} does not exist{within}: pass the path of a YAML job file")
-    if path.resolve() in _seen:
-        chain = " -> ".join(str(p) for p in (*_seen, path.resolve()))
-        raise ValueError(f"config files include each other in a cycle: {chain}; remove one of these defaults")
-    try:
-        d = yaml_load(path.read_text())
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        problem = " ".join(str(getattr(e, "problem", None) or e).split())
-        raise ValueError(f"config file {str(path)!r} is not valid YAML{where}: {problem}; fix the syntax there "
-                         f"(`graphtrain config {path}` checks a file without training)") from None
-    if d is None:
-        d = {}
-    if not isinstance(d, dict):
-        raise ValueError(f"config file {str(path)!r} must hold a mapping of sections (model:, train:, ...)")
-    bases = d.pop("defaults", None) or []
-    if isinstance(bases, str):
-        bases = [bases]
-    if not isinstance(bases, list) or not all(isinstance(b, str) for b in bases):
-        raise ValueError(f"config file {str(path)!r}: defaults must be a list of YAML file paths (relative to the "
-                         f"file), e.g. defaults: [base.yaml]")
-    merged: dict[str, Any] = {}
-    for base in bases:
-        merged = _deep_merge(merged, load_job_file(path.parent / base, (*_seen, path.resolve())))
-    return _deep_merge(merged, d)
-
-
-def _deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for k, v in top.items():
-        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
 
 
 def _split_override(o: str) -> tuple[str, Any]:
