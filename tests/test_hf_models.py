@@ -167,3 +167,17 @@ def test_model_hf_errors_name_the_fix(hf_dirs, tmp_path):
 def test_pipeline_parallel_refuses_hf_models_with_the_fix(hf_dirs):
     with pytest.raises(ValueError, match="has no plan for model.hf models yet.*parallel.pp=1"):
         Trainer(Config().with_overrides([*TINY, f"model.hf={hf_dirs / 'llama'}", "parallel.pp=2"]))
+
+
+def test_shipped_llama_job_builds_offline():
+    """configs/hf-llama-mini.yaml (a Llama config.json in the repository, the default corpus): the job resolves to
+    a GQA Llama causal LM without touching the network."""
+    from pathlib import Path
+
+    from graphtrain.models import resolve_spec
+    root = Path(__file__).resolve().parents[1]
+    config = Config.from_yaml(root / "configs" / "hf-llama-mini.yaml")
+    hf = str(root / config.model.hf)
+    spec = resolve_spec(ModelConfig(**{**config.model.__dict__, "hf": hf}), vocab_size=config.data.vocab_size)
+    assert (spec.hf_type, spec.family, spec.n_layer, spec.d_model, spec.vocab_size) == ("llama", "gpt2", 4, 256, 8192)
+    assert config.train.out_dir == "runs/hf-llama-mini" and config.model.attention == "sdpa"
