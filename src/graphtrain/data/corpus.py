@@ -54,9 +54,10 @@ DATASET_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".
 TOKEN_SUFFIXES = (".bin", ".npy")
 
 
-def source_kind(cfg: DataConfig) -> str:
+def source_kind(cfg: DataConfig, paths: list[Path] | None = None) -> str:
     """What data.path holds: "files" (text files; the default corpus), "dataset" (rows of .jsonl/.json/.parquet
-    files, or one .txt file) or "tokens" (pre-tokenized .bin/.npy arrays)."""
+    files, or one .txt file) or "tokens" (pre-tokenized .bin/.npy arrays). `paths`: the folder's files when the
+    caller has listed them already (else it is walked)."""
     if cfg.path is None:
         return "files"
     p = Path(cfg.path).expanduser()
@@ -68,7 +69,7 @@ def source_kind(cfg: DataConfig) -> str:
         raise ValueError(f"data.path {cfg.path!r} is a {p.suffix or 'suffix-less'} file: graphtrain reads a folder of "
                          f"text files, a .txt, .jsonl, .json or .parquet file (or a folder of them), or .bin/.npy token "
                          f"arrays; rename the file or put it in a folder")
-    suffixes = {f.suffix for f in _walk(corpus_root(cfg), default=False)}
+    suffixes = {f.suffix for f in (paths if paths is not None else walk_files(corpus_root(cfg), default=False))}
     if suffixes and suffixes <= set(TOKEN_SUFFIXES):
         return "tokens"
     if suffixes and suffixes <= {".jsonl", ".json", ".parquet"}:
@@ -76,7 +77,8 @@ def source_kind(cfg: DataConfig) -> str:
     return "files"
 
 
-def _walk(root: Path, default: bool) -> list[Path]:
+def walk_files(root: Path, default: bool) -> list[Path]:
+    """Files under `root` outside version-control, cache and (but for the default corpus) hidden folders."""
     found = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = [d for d in dirnames if d not in _SKIP_DIRS and (default or not d.startswith("."))]
@@ -117,7 +119,7 @@ def list_files(cfg: DataConfig) -> tuple[Path, list[SourceFile]]:
     root = corpus_root(cfg)
     default = cfg.path is None
     single = cfg.path is not None and Path(cfg.path).expanduser().is_file()
-    paths = [Path(cfg.path).expanduser().resolve()] if single else _walk(root, default)
+    paths = [Path(cfg.path).expanduser().resolve()] if single else walk_files(root, default)
     found: list[SourceFile] = []
     for path in paths:
         try:
@@ -229,13 +231,13 @@ def read_rows(files: list[SourceFile], text_field: str, max_bytes: int | None) -
                                      f"set data.text_field to a field of strings")
                 if not text:
                     continue
-                if remaining is not None and len(text.encode("utf-8")) > remaining:
-                    text = text.encode("utf-8")[:remaining].decode("utf-8", errors="ignore")
-                docs[f"{f.relpath}#{i}"] = text
                 if remaining is not None:
-                    remaining -= len(text.encode("utf-8"))
-                    if remaining <= 0:
-                        return docs
+                    raw = text.encode("utf-8")[:remaining]
+                    text = raw.decode("utf-8", errors="ignore")  # cut at a character boundary
+                    remaining -= len(raw)
+                docs[f"{f.relpath}#{i}"] = text
+                if remaining is not None and remaining <= 0:
+                    return docs
         except ValueError:
             raise
         except Exception as e:  # noqa: BLE001 - pyarrow/json errors: name the file and the reader
@@ -247,7 +249,7 @@ def read_rows(files: list[SourceFile], text_field: str, max_bytes: int | None) -
 def load_corpus(cfg: DataConfig, files: tuple[Path, list[SourceFile]] | None = None) -> Corpus:
     """Read and split the corpus described by `cfg` (pass `files` from `list_files` to skip the walk)."""
     root, candidates = files if files is not None else list_files(cfg)
-    if source_kind(cfg) == "dataset":
+    if source_kind(cfg, [f.path for f in candidates]) == "dataset":
         docs = read_rows(candidates, cfg.text_field, cfg.max_bytes)
         if not docs:
             raise ValueError(f"data.path {cfg.path!r} holds no non-empty {cfg.text_field!r} text: point it at files "

@@ -6,18 +6,21 @@
 
 `.bin` files are raw uint16 token ids (nanoGPT's format); `.npy` files carry their own dtype (any integer type).
 The vocabulary is `data.tokenizer`'s when given (the tokenizer also decodes samples and supplies masked-LM
-specials), else `data.vocab_size`; every id is checked to be below it, streaming over the arrays once.
+specials), else `data.vocab_size`; every id is checked to be below it, streaming over each array once per
+version of the file (its largest id is remembered in the data cache, keyed by path, size and modification time).
 """
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from graphtrain.config import DataConfig
-from graphtrain.data.corpus import TOKEN_SUFFIXES, corpus_root, split_score
-from graphtrain.data.tokenizer import CodeTokenizer
+from graphtrain.data.corpus import TOKEN_SUFFIXES, corpus_root, split_score, walk_files
+from graphtrain.data.tokenizer import CodeTokenizer, _atomic_write, cache_root
 
 _CHUNK = 1 << 24  # ids scanned at a time for the vocabulary check
 
@@ -44,19 +47,30 @@ def open_array(path: Path) -> np.ndarray:
     return arr
 
 
-def _max_id(arr: np.ndarray) -> int:
-    return max((int(arr[i:i + _CHUNK].max()) for i in range(0, arr.shape[0], _CHUNK)), default=-1)
+def _max_id(cfg: DataConfig, path: Path, arr: np.ndarray) -> int:
+    """The largest id in `arr`: scanned in chunks the first time, then read from the data cache while the file's
+    size and modification time stay the same (a corpus of many GB is not re-read at every start)."""
+    st = path.stat()
+    key = hashlib.sha256(f"{path}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:20]
+    memo = cache_root(cfg) / "token-max" / f"{key}.json"
+    try:
+        return int(json.loads(memo.read_text())["max_id"])
+    except (OSError, ValueError, KeyError):
+        pass
+    top = max((int(arr[i:i + _CHUNK].max()) for i in range(0, arr.shape[0], _CHUNK)), default=-1)
+    _atomic_write(memo, lambda f: f.write(json.dumps({"path": str(path), "max_id": top}).encode()))
+    return top
 
 
 def load_token_shards(cfg: DataConfig, tokenizer: CodeTokenizer | None) -> TokenShards:
     root = corpus_root(cfg)
     given = Path(cfg.path).expanduser()
-    files = [given.resolve()] if given.is_file() else \
-        sorted(p for p in root.rglob("*") if p.is_file() and p.suffix in TOKEN_SUFFIXES and not p.name.startswith("."))
+    files = [given.resolve()] if given.is_file() else sorted(p for p in walk_files(root, default=False)
+                                                           if p.suffix in TOKEN_SUFFIXES)
     arrays = {f: open_array(f) for f in files}
     vocab = tokenizer.vocab_size if tokenizer is not None else cfg.vocab_size
     for f, arr in arrays.items():
-        top = _max_id(arr)
+        top = _max_id(cfg, f, arr)
         if top >= vocab:
             where = f"data.tokenizer's vocabulary ({vocab})" if tokenizer is not None else f"data.vocab_size={vocab}"
             raise ValueError(f"data.path: {str(f)!r} holds token id {top}, outside {where}: set data.vocab_size above "

@@ -43,6 +43,7 @@ class CodeTokenizer:
                 raise ValueError(f"tokenizer lacks the special tokens {missing}: train it with train_tokenizer()")
             specials = {"eos": EOS, "pad": PAD, "mask": MASK, "cls": CLS, "sep": SEP}
         self._tok = tokenizer
+        self._digest: str | None = None
         self.specials = dict(specials)
 
         def tid(name: str) -> int | None:
@@ -59,7 +60,10 @@ class CodeTokenizer:
         return self._tok.to_str()
 
     def digest(self) -> str:
-        return hashlib.sha256(self.to_str().encode("utf-8")).hexdigest()
+        """sha256 of `to_str()`, computed once (a CodeTokenizer does not change)."""
+        if self._digest is None:
+            self._digest = hashlib.sha256(self.to_str().encode("utf-8")).hexdigest()
+        return self._digest
 
     @property
     def vocab_size(self) -> int:
