@@ -30,7 +30,7 @@ pytestmark = pytest.mark.usefixtures("tiny_env")  # conftest.py: shared data cac
 USAGE, FAILURE = 2, 1
 CASES: dict[str, tuple[list[str], int, str]] = {
     # ---- config keys and values
-    "unknown key": (["train.stepz=3"], USAGE, "unknown config key 'train.stepz' (did you mean 'steps'?)"),
+    "unknown key": (["train.stepz=3"], USAGE, "unknown config key 'train.stepz' (did you mean 'train.steps'?)"),
     "unknown section": (["trian.steps=3"], USAGE, "'trian' is not a section"),
     "wrong type": (["train.steps=many"], USAGE, "train.steps must be an integer"),
     "bad choice": (["optim.schedule=cosin"], USAGE, "optim.schedule must be one of"),

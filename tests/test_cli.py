@@ -85,7 +85,7 @@ def _fake_checkpoint(out_dir, model_name: str) -> None:
 
 
 BAD_INPUTS = {
-    "unknown key": (["train.stepz=3"], "unknown config key 'train.stepz' (did you mean 'steps'?)"),
+    "unknown key": (["train.stepz=3"], "unknown config key 'train.stepz' (did you mean 'train.steps'?)"),
     "unknown section": (["trian.steps=3"], "'trian' is not a section"),
     "wrong type": (["train.steps=many"], "train.steps must be an integer"),
     "bad literal": (["optim.schedule=cosin"], "optim.schedule must be one of"),

@@ -399,9 +399,10 @@ def _split_override(o: str) -> tuple[str, Any]:
 
 # ----------------------------------------------------------------------------- validation ----
 
-def _suggest(name: str, options: list[str]) -> str:
+def _suggest(name: str, options: list[str], prefix: str = "") -> str:
+    """A hint naming the closest key in full (`prefix` is its section, e.g. "optim.")."""
     close = difflib.get_close_matches(name, options, n=1)
-    return f" (did you mean {close[0]!r}?)" if close else f" (known: {', '.join(sorted(options))})"
+    return f" (did you mean {prefix + close[0]!r}?)" if close else f" (known: {', '.join(sorted(options))})"
 
 
 def _section_name(cls: type) -> str:
@@ -421,7 +422,7 @@ def _from_dict(cls: type, d: Any, prefix: str) -> Any:
     kwargs = {}
     for key, value in d.items():
         if key not in names:
-            raise ValueError(f"unknown config key {prefix + str(key)!r}{_suggest(str(key), list(names))}")
+            raise ValueError(f"unknown config key {prefix + str(key)!r}{_suggest(str(key), list(names), prefix)}")
         tp = hints[key]
         if dataclasses.is_dataclass(tp):
             kwargs[key] = _from_dict(tp, value if value is not None else {}, prefix + key + ".")
