@@ -165,21 +165,26 @@ def test_pass_switched_off_by_name_and_off_by_default_under_aten():
 
 @needs_onednn
 def test_pass_leaves_graphs_with_aten_dropout_alone():
-    """Dropout left to Inductor (fuse_bias_dropout_add off) draws from eager's RNG stream; with extern GEMMs in
-    between, Inductor misordered a mask's bernoulli_ after its reader (see passes/lower_gemm.py), so such graphs
-    keep aten's matmuls and the loss matches eager's bit for bit under the same seed."""
+    """Dropout left as ATen's (fuse_bias_dropout_add and fuse_attention off) draws from eager's RNG stream. Inductor
+    on CPU misordered such a mask's bernoulli_ after its reader (see passes/lower_gemm.py, engine/providers.py), so
+    those graphs are not given to Inductor: they fall back to aten (loudly), keep aten's matmuls, and the loss
+    matches eager's under the same seed; fallback=error refuses them with the fix."""
     ref = _tiny_gpt2(dropout=0.1)
     ref.train()
-    m = graphtrain.accelerate(copy.deepcopy(ref), provider="inductor", fallback="error",
-                              passes={"fuse_bias_dropout_add": False, "fuse_attention": False,
-                                      "lower_gemm_onednn": True})
+    passes = {"fuse_bias_dropout_add": False, "fuse_attention": False, "lower_gemm_onednn": True}
+    m = graphtrain.accelerate(copy.deepcopy(ref), provider="inductor", fallback="warn", passes=passes)
     ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(2))
     torch.manual_seed(7)
-    lf = m(input_ids=ids, labels=ids)
+    with pytest.warns(GraphtrainFallbackWarning, match="ATen random ops"):
+        lf = m(input_ids=ids, labels=ids)
     torch.manual_seed(7)
     le = ref(input_ids=ids, labels=ids)
-    assert_close(lf, le, name="loss with aten dropout")
+    assert_close(lf, le, name="loss with aten dropout")  # the same masks: a misordered one moved it by 0.4%
     assert _gemm_rewrites(m) == 0
+    assert "aten" in {g["provider"] for g in graphtrain.report(m).graphs}
+    strict = graphtrain.accelerate(copy.deepcopy(ref), provider="inductor", fallback="error", passes=passes)
+    with pytest.raises(Exception, match="fuse_bias_dropout_add"):
+        strict(input_ids=ids, labels=ids)
 
 
 @needs_onednn
@@ -194,3 +199,48 @@ def test_pass_runs_after_mixed_precision_and_leaves_bf16_matmuls_to_aten():
     mp = [r for r in graphtrain.report(m).passes if r["name"] == "apply_mixed_precision"]
     assert mp and sum(r["rewrites"] for r in mp) > 0
     assert _gemm_rewrites(m) == 0
+
+
+def _two_layer_graph():
+    """A pre-autodiff aten graph with GEMMs of two shapes: (8 x 16) @ W1.t() with W1 (32, 16), (8 x 32) @ W2 with
+    W2 (32, 24) stored (k, n) as HF's Conv1D stores it."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def f(x, w1, w2):
+        return torch.mm(torch.relu(torch.mm(x, w1.t())), w2)
+    return make_fx(f, tracing_mode="fake")(torch.randn(8, 16), torch.randn(32, 16), torch.randn(32, 24))
+
+
+def test_pass_decides_gemm_by_gemm_from_the_shapes_the_graph_runs(monkeypatch):
+    """Each distinct (m, k, n, layout) is probed (here: a stand-in probe), only the winners are rewritten, and the
+    pass's note names every shape with its speedup and choice; the report prints it."""
+    from graphtrain.passes import lower_gemm
+    from graphtrain.passes.manager import PassContext
+    asked = []
+
+    def probe(m, k, n, b_transposed):
+        asked.append((m, k, n, b_transposed))
+        wins = (k, n) == (16, 32)
+        return {"speedup": 2.0 if wins else 1.01, "wins": wins}
+
+    monkeypatch.setattr(lower_gemm, "onednn_available", lambda: True)
+    monkeypatch.setattr(lower_gemm, "shape_probe", probe)
+    gm = _two_layer_graph()
+    ctx = PassContext(EngineConfig(provider="inductor"), "pre_autodiff", input_kinds=["input", "param", "param"])
+    out = lower_gemm.lower_gemm_onednn_pass(gm, ctx)
+    assert sorted(asked) == [(8, 16, 32, True), (8, 32, 24, False)]
+    targets = [n.target for n in out.graph.nodes if n.op == "call_function"]
+    assert targets.count(torch.ops.graphtrain.gemm.default) == 1 and torch.ops.aten.mm.default in targets
+    assert ctx.rewrites == 1
+    assert "8x16x32t 2.00x -> oneDNN" in ctx.notes[0] and "8x32x24 1.01x -> aten" in ctx.notes[0]
+
+
+@needs_onednn
+def test_shape_probe_times_both_libraries_once_per_machine_and_shape():
+    from graphtrain.kernels.gemm import WIN_MARGIN, shape_probe
+    first = shape_probe(64, 48, 80, True)
+    again = shape_probe(64, 48, 80, True)
+    assert first["aten_s"] > 0 and first["onednn_s"] > 0 and first["rows"] == 64
+    assert again["cached"] and again["aten_s"] == first["aten_s"]
+    assert first["wins"] == (first["speedup"] >= WIN_MARGIN)
+    assert shape_probe(4096, 48, 80, False)["rows"] == 512  # rows capped: the rate, not the probe's cost, counts

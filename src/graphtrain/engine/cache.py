@@ -132,7 +132,9 @@ def _machine_and_passes(config: EngineConfig) -> str:
 
     from graphtrain.kernels import capabilities
     from graphtrain.passes.manager import pipeline
-    caps = {k: v for k, v in capabilities().items() if k not in ("runtime_fallbacks", "cpp_kernels")}
+    # cpu_fp32_gemm is left out: its text changes once the kernels' GEMM probe ran in this process, and the pass
+    # that rewrites GEMMs decides from per-shape probes kept per machine (gemm.shape_probe), not from it
+    caps = {k: v for k, v in capabilities().items() if k not in ("runtime_fallbacks", "cpp_kernels", "cpu_fp32_gemm")}
     h = hashlib.sha256(repr(sorted(caps.items())).encode())
     for stage in ("pre_autodiff", "forward", "backward"):
         for spec in pipeline(stage, config):

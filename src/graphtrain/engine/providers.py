@@ -184,6 +184,18 @@ def compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], config: 
     import torch._inductor.config as inductor_config
     from torch._inductor.compile_fx import compile_fx
 
+    aten_random = _aten_random_ops(gm, example_inputs)
+    if aten_random:
+        # Seen with torch 2.13 on CPU (a GPT-2 block with dropout fusion switched off): Inductor fused the fill of
+        # a dropout mask's keep probability with the kernel that multiplies by the mask and ran the fallback
+        # bernoulli_ after it, so the forward applied no dropout and the backward used the real mask. graphtrain's
+        # own dropout ops (fuse_bias_dropout_add, fuse_attention: on by default) draw inside their kernels and
+        # are not affected; aten's random ops are not given to Inductor on CPU.
+        raise RuntimeError(
+            f"the graph holds ATen random ops ({', '.join(aten_random)}): Inductor on CPU can run the in-place "
+            f"bernoulli_ after the kernel that reads its mask (a silently wrong dropout). Keep "
+            f"engine.passes.fuse_bias_dropout_add and fuse_attention on (graphtrain's dropout), or use "
+            f"engine.provider=aten")
     layout = step_layout(gm, example_inputs, rec.input_kinds)
     patches: dict[str, Any] = {"fallback_random": True,
                                "post_grad_custom_post_pass": StagePasses(config, rec, state, layout)}
@@ -197,6 +209,15 @@ def compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], config: 
                             f"torch {torch.__version__} has no inductor config custom_partitioner_fn", config,
                             what="is not applied (Inductor's min-cut partition runs)", sink=state.fallbacks)
     return compile_fx(gm, list(example_inputs), config_patches=patches)
+
+
+def _aten_random_ops(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> list[str]:
+    """The distinct ATen random ops (nondeterministic_seeded) of a CPU graph."""
+    if any(isinstance(x, torch.Tensor) and x.device.type != "cpu" for x in example_inputs):
+        return []
+    return sorted({str(n.target) for n in gm.graph.nodes if n.op == "call_function"
+                   and isinstance(n.target, torch._ops.OpOverload) and n.target.namespace == "aten"
+                   and torch.Tag.nondeterministic_seeded in n.target.tags})
 
 
 PROVIDERS = {"aten": compile_aten, "inductor": compile_inductor}

@@ -213,6 +213,7 @@ class Report:
                 continue
             L.append(f"  {where} {r['rewrites']:>6} {r['seconds'] * 1e3:>8.1f}   "
                      f"{r['ops_before']:>6} -> {r['ops_after']}{err}")
+            L += [f"      {note}" for note in r.get("notes") or []]
         if self.fused_ops:
             L.append("fused ops in the graphs (count; random, recompute, precision, c++):")
             L += [f"  {f['name']} x{f['count']}: {'random' if f['random'] else 'deterministic'}, "
@@ -233,7 +234,9 @@ def report(module: torch.nn.Module | None = None, *, optimizer: torch.optim.Opti
     for r in state.passes:
         a = agg.setdefault((r.stage, r.name), dict(stage=r.stage, phase=r.phase, name=r.name, rewrites=0,
                                                    seconds=0.0, ops_before=0, ops_after=0, error=None,
-                                                   left_to=r.left_to))
+                                                   left_to=r.left_to, notes=[]))
+        if getattr(r, "note", None):  # records pickled by an older version have no note
+            a["notes"].append(f"{r.graph}: {r.note}")
         a["rewrites"] += r.rewrites * runs.get(r.graph, 1)
         a["seconds"] += r.seconds
         a["ops_before"] += r.ops_before

@@ -41,7 +41,8 @@ def capabilities() -> dict:
         p = gemm_probe()
         gemm = (f"{'oneDNN' if onednn_gemm_wins() else 'aten'}: probe oneDNN {p['onednn']:.0f} vs aten "
                 f"{p['aten']:.0f} GFLOP/s over {len(p['shapes'])} layer shapes{' (cached)' if p.get('cached') else ''}"
-                f"; oneDNN is used when {WIN_MARGIN}x faster")
+                f"; oneDNN is used when {WIN_MARGIN}x faster (inside graphtrain's kernels; the step's own GEMMs are "
+                f"probed shape by shape, see lower_gemm_onednn)")
     else:
         gemm = "aten until the first fp32 GEMM probe (oneDNN's fp32 path is available)"
     level = _cpu_ext.isa_level()

@@ -254,6 +254,39 @@ def onednn_gemm_wins() -> bool:
     return p["onednn"] is not None and p["onednn"] > WIN_MARGIN * p["aten"] > 0
 
 
+SAMPLE_ROWS = 512
+"""Rows (tokens) a shape probe runs at most: a model's GEMMs have thousands of rows, and past a few hundred the
+rate no longer depends on them (the probe's cost does), while k and n are the model's own."""
+
+
+def _measure_shape(m: int, k: int, n: int, b_transposed: bool, budget_s: float) -> dict:
+    """aten.mm and oneDNN seconds for one linear layer's three GEMMs as training runs them, at min(m, SAMPLE_ROWS)
+    rows: the forward a @ b (b as the layer stores it: a transposed weight (n, k).t() or a (k, n) one), the input
+    gradient dy @ b.t() and the weight gradient a.t() @ dy (whose operand a is read transposed in place)."""
+    g = torch.Generator().manual_seed(0)
+    m = min(m, SAMPLE_ROWS)
+    a, dy = torch.randn(m, k, generator=g), torch.randn(m, n, generator=g)
+    b = torch.randn(n, k, generator=g).t() if b_transposed else torch.randn(k, n, generator=g)
+    t_aten = t_dnn = 0.0
+    with torch.no_grad():
+        for x, y in ((a, b), (dy, b.t()), (a.t(), dy)):
+            out = x.new_empty((x.shape[0], y.shape[1]))
+            t_aten += _time(lambda: torch.mm(x, y, out=out), budget_s / 6, max_reps=3)
+            t_dnn += _time(lambda: gemm_onednn(x, y, out=out), budget_s / 6, max_reps=3)
+    return {"rows": m, "aten_s": t_aten, "onednn_s": t_dnn, "flop": 3 * 2.0 * m * k * n}
+
+
+def shape_probe(m: int, k: int, n: int, b_transposed: bool, budget_s: float = 0.15) -> dict:
+    """oneDNN against aten.mm on one (m, k, n) GEMM of a model, with its two gradient GEMMs (_measure_shape),
+    measured once per machine and shape and cached with the other probes (a few to a few hundred ms each the first
+    time). Adds `speedup` (aten's time over oneDNN's) and `wins` (speedup >= WIN_MARGIN). Call only where
+    `onednn_available()`."""
+    name = f"gemm_shape {min(m, SAMPLE_ROWS)}x{k}x{n}{'t' if b_transposed else 'n'}"
+    r = capability.cached_probe(name, lambda: _measure_shape(m, k, n, b_transposed, budget_s))
+    speedup = r["aten_s"] / r["onednn_s"] if r["onednn_s"] > 0 else 0.0
+    return dict(r, speedup=speedup, wins=speedup >= WIN_MARGIN)
+
+
 @capability.on_change
 def _forget() -> None:
     onednn_fp32.cache_clear()

@@ -19,9 +19,13 @@ tests/test_engine_parity.py's TinyGPT moved by 3%). graphtrain's own dropout ops
 hash RNG and are unaffected, so by default (dropouts fused) the pass applies.
 
 On by default under the Inductor provider when oneDNN's fp32 matmul runs on this CPU (gemm.onednn_fp32:
-not on AVX2-only CPUs) and the once-per-machine probe measured it at least ``WIN_MARGIN`` faster than
-aten.mm; ``engine.passes.lower_gemm_onednn: true`` forces it (no probe; where oneDNN's fp32 path does not
-run, the fallback policy says so), ``false`` switches it off. The ``aten`` provider, graphtrain's bitwise reference, leaves
+not on AVX2-only CPUs), decided GEMM by GEMM from the shapes this graph runs: each distinct (m, k, n) and weight
+layout is timed once per machine, forward and both gradient GEMMs, oneDNN against aten.mm (gemm.shape_probe,
+cached), and only the shapes where oneDNN wins by ``WIN_MARGIN`` are rewritten. Which library is faster depends
+on the shape (measured on a 2-core Zen 5: oneDNN about 2x on a GPT-2 layer's GEMMs, near parity on small or
+skinny ones), so one probe of fixed shapes would decide wrongly for some models. The report's note for the pass
+lists every shape with its measured speedup. ``engine.passes.lower_gemm_onednn: true`` forces it for every GEMM
+(no probe; where oneDNN's fp32 path does not run, the fallback policy says so), ``false`` switches it off. The ``aten`` provider, graphtrain's bitwise reference, leaves
 matmuls to aten unless the pass is switched on by name. Rewritten: aten.mm(a, b) and
 aten.addmm(bias, a, b) with alpha = beta = 1, a and b 2-D fp32 on CPU (each a node's fake value says so).
 """
@@ -35,7 +39,7 @@ from graphtrain.passes.graph_utils import has_random_tag
 from graphtrain.passes.manager import PassContext, register_pass
 
 import graphtrain.kernels  # noqa: F401  (registers torch.ops.graphtrain.gemm)
-from graphtrain.kernels.gemm import onednn_available, onednn_fp32, onednn_gemm_wins
+from graphtrain.kernels.gemm import onednn_available, onednn_fp32, shape_probe
 
 
 def _fp32_cpu(n: object) -> bool:
@@ -71,20 +75,38 @@ def lower_gemm_onednn_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModu
         if forced:  # asked for by name: the fallback policy reports (or raises) why it cannot apply
             raise RuntimeError(f"oneDNN's fp32 matmul is not usable on this machine: {onednn_fp32()[1]}")
         return gm
-    if not forced and not onednn_gemm_wins():
-        return gm
     if any(has_random_tag(n) for n in gm.graph.nodes):  # aten's random ops: see the module docstring
         return gm
     g, n = gm.graph, 0
+    probed: dict[tuple[int, int, int, bool], dict] = {}
     for node in list(g.nodes):
         ops = gemm_operands(node)
         if ops is None:
             continue
         a, b, bias = ops
+        if not forced:
+            shape = _shape(a, b)
+            if shape not in probed:
+                probed[shape] = shape_probe(*shape)
+            if not probed[shape]["wins"]:
+                continue
         with g.inserting_before(node):
             new = call(g, torch.ops.graphtrain.gemm.default, a, b, bias)
         node.replace_all_uses_with(new)
         g.erase_node(node)
         n += 1
     ctx.count(n)
+    if probed:
+        ctx.note("oneDNN where it measured faster (forward + both gradient GEMMs, aten time / oneDNN time; "
+                 "rows capped at the probe's): " + ", ".join(
+                     f"{m}x{k}x{nn}{'t' if t else ''} {r['speedup']:.2f}x -> {'oneDNN' if r['wins'] else 'aten'}"
+                     for (m, k, nn, t), r in probed.items()))
     return finish(gm) if n else gm
+
+
+def _shape(a: fx.Node, b: fx.Node) -> tuple[int, int, int, bool]:
+    """(m, k, n, b read transposed) of a @ b, from the fake values: a layer's weight is usually a transposed view
+    of its (n, k) parameter (nn.Linear); HF's Conv1D stores it (k, n)."""
+    va, vb = val(a), val(b)
+    transposed = vb.dim() == 2 and vb.stride(0) == 1 and vb.shape[0] > 1
+    return int(va.shape[0]), int(va.shape[1]), int(vb.shape[1]), bool(transposed)

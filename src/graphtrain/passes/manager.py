@@ -80,6 +80,8 @@ class PassRecord:
     whose own code generation fuses them (the graph was not changed)."""
     phase: str = ""
     """The pass's phase (``PHASES``)."""
+    note: str | None = None
+    """What the pass measured or decided on this graph, in words (the report prints it under the graph)."""
 
 
 @dataclass
@@ -97,9 +99,14 @@ class PassContext:
     fallbacks: list[tuple[str, str]] | None = None
     """Where a failed pass's fallback is recorded (the module's EngineState.fallbacks: the report reads it)."""
     rewrites: int = 0
+    notes: list[str] = field(default_factory=list)
 
     def count(self, n: int = 1) -> None:
         self.rewrites += n
+
+    def note(self, text: str) -> None:
+        """Say what the pass measured or decided (kept in its PassRecord, shown by the report)."""
+        self.notes.append(text)
 
 
 _REGISTRY: dict[str, PassSpec] = {}
@@ -238,7 +245,7 @@ def run_pipeline(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         before_counts = op_counts(gm)
         before_sig = _output_signature(gm)
         backup = _backup(gm) if ctx.config.fallback != "error" else None
-        ctx.rewrites = 0
+        ctx.rewrites, ctx.notes = 0, []
         t0 = time.perf_counter()
         error = None
         try:
@@ -262,7 +269,8 @@ def run_pipeline(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         diff = {k: after_counts[k] - before_counts[k] for k in set(before_counts) | set(after_counts)
                 if after_counts[k] != before_counts[k]}
         rec = PassRecord(spec.name, ctx.stage, ctx.graph_name, ctx.rewrites, dt,
-                         sum(before_counts.values()), sum(after_counts.values()), diff, error, phase=spec.phase)
+                         sum(before_counts.values()), sum(after_counts.values()), diff, error, phase=spec.phase,
+                         note="; ".join(ctx.notes) or None)
         ctx.records.append(rec)
         if ctx.config.debug:
             warnings.warn(f"[graphtrain] {ctx.stage}/{spec.name} on {ctx.graph_name}: {rec.rewrites} rewrites, "
