@@ -16,6 +16,7 @@ import graphtrain
 from graphtrain.config import Config, ModelConfig
 from graphtrain.memory.recompute import is_random
 from graphtrain.models import build_model
+from graphtrain.fallback import GraphtrainCaptureError
 from graphtrain.testing import assert_close, assert_grads_close
 
 # Fusion passes are other engineers' (with their own parity tests); these tests check the memory wiring.
@@ -147,18 +148,38 @@ def test_report_shows_predicted_peak_by_component():
 
 
 def test_inductor_recompute_mode_uses_graphtrain_partitioner():
+    # ATen's dropout is not given to Inductor on CPU (providers.compile_inductor); graphtrain's own fused dropout
+    # (hash RNG, drawn from torch's generator) is. The reference is the same graph on aten without recompute.
     torch.manual_seed(0)
-    ref = MLP(0.1).train()
-    m = graphtrain.accelerate(copy.deepcopy(ref), compile_blocks=False, provider="inductor", fallback="error", recompute="selective",
-                              passes=_passes())
+    base = MLP(0.1).train()
+    passes = _passes(fuse_bias_dropout_add=True)
+    ref = graphtrain.accelerate(copy.deepcopy(base), compile_blocks=False, provider="aten", fallback="error",
+                                passes=passes)
+    m = graphtrain.accelerate(copy.deepcopy(base), compile_blocks=False, provider="inductor", fallback="error",
+                              recompute="selective", passes=passes)
     x = torch.randn(16, 8)
     for mod in (ref, m):
         torch.manual_seed(3)
         mod(x).square().mean().backward()
     assert_grads_close(m, ref)
+    assert sum(r["rewrites"] for r in graphtrain.report(m).passes if r["name"] == "fuse_bias_dropout_add") >= 1
     g = graphtrain.report(m).graphs[0]
     assert g["provider"] == "inductor" and g["partitioner"] == "min_cut (recompute=selective)"
     assert g["recompute"] is None or g["recompute"]["mode"] == "selective"  # None on a compile-cache hit
+
+
+def test_inductor_refuses_aten_dropout_on_cpu_with_the_fix():
+    m = graphtrain.accelerate(MLP(0.1).train(), compile_blocks=False, provider="inductor", fallback="error",
+                              passes=_passes())
+    with pytest.raises(GraphtrainCaptureError, match="fuse_bias_dropout_add"):
+        m(torch.randn(16, 8)).sum().backward()
+    # provider auto leaves Inductor out of such a graph by rule (a note, not a fallback: no error, no warning)
+    m = graphtrain.accelerate(MLP(0.1).train(), compile_blocks=False, provider="auto", fallback="error",
+                              passes=_passes())
+    m(torch.randn(16, 8)).sum().backward()
+    rep = graphtrain.report(m)
+    assert rep.graphs[0]["provider"] == "aten" and not rep.fallbacks
+    assert any("inductor is not a candidate" in n for n in rep.graphs[0]["notes"]), rep.graphs[0]["notes"]
 
 
 def test_report_for_config(tmp_path, monkeypatch):

@@ -203,6 +203,7 @@ def _measured_provider(compile_one: Callable[[str], Callable[..., Any]], gm: fx.
     from graphtrain.engine import choose
     from graphtrain.engine.cache import cache_root, pass_cache_key
     from graphtrain.engine.pipeline import compile_with_fallback
+    from graphtrain.engine.providers import UnsuitableProvider
 
     folder = cache_root(config)
     try:
@@ -222,6 +223,9 @@ def _measured_provider(compile_one: Callable[[str], Callable[..., Any]], gm: fx.
         n_passes = len(state.passes)
         try:
             fn = compile_one(p)
+        except UnsuitableProvider as e:  # known to run this graph wrongly: not a failure of auto, a rule
+            rec.notes.append(f"provider auto: {p} is not a candidate ({e})")
+            continue
         except Exception as e:  # noqa: BLE001 - the other candidate still runs the graph
             report_fallback(f"provider {p} on {rec.name} ({rec.frame})", f"{type(e).__name__}: {str(e)[:300]}",
                             config, what="is not a candidate for provider auto", sink=state.fallbacks)

@@ -4,7 +4,8 @@ Which provider wins depends on the graph and the machine, not on a rule we could
 2-core AVX2 EPYC (fp32, fused AdamW, SDPA), Inductor's fused elementwise kernels made a reference BERT 1.37x
 faster than eager while a Hugging Face BERT ran at 0.99x and a Llama at 1.00x, where aten's op-by-op execution
 of the same optimized graph costs nothing. So each graph is compiled by both candidates and timed on inputs of
-its own shapes: a warm-up call, then the best of ``REPEATS`` forward+backward calls each. The faster one runs
+its own shapes: a warm-up call, then the best of up to ``REPEATS`` forward+backward calls each (fewer once
+``BUDGET_S`` is spent). The faster one runs
 the graph (Inductor keeps ties within ``TIE_MARGIN``: it fuses, and its own cache makes it cheap to load again);
 the times go to the report. The decision is stored next to the pass results (engine/cache.py), keyed like them,
 so a warm process compiles the winner only.
@@ -23,6 +24,10 @@ from typing import Any, Callable, Sequence
 import torch
 
 REPEATS = 3
+BUDGET_S = 0.5
+"""Timed calls stop after this much time per candidate (at least one timed call after the warm-up): a large
+model's head graph (GPT-2 Medium's 50k-word softmax) takes ~0.5 s a call, and four calls per candidate would
+add seconds to the first step for a decision a single call already makes."""
 TIE_MARGIN = 1.03
 CANDIDATES = ("inductor", "aten")
 
@@ -53,15 +58,18 @@ def _real(x: Any) -> Any:
     return out.requires_grad_(x.requires_grad) if out.dtype.is_floating_point else out
 
 
-def time_step(fn: Callable[..., Any], example_inputs: Sequence[Any], repeats: int = REPEATS) -> float:
-    """Best of `repeats` forward+backward calls of a compiled graph (seconds), after one warm-up call; the
-    forward alone where nothing requires a gradient (grad mode off)."""
+def time_step(fn: Callable[..., Any], example_inputs: Sequence[Any], repeats: int = REPEATS,
+              budget_s: float = BUDGET_S) -> float:
+    """Best of up to `repeats` forward+backward calls of a compiled graph (seconds), after one warm-up call,
+    stopping once the timed calls took `budget_s`; the forward alone where nothing requires a gradient."""
     inputs = [_real(x) for x in example_inputs]
     sync = torch.cuda.synchronize if any(isinstance(x, torch.Tensor) and x.is_cuda for x in inputs) else (
         lambda: None)
-    best = float("inf")
+    best, spent = float("inf"), 0.0
     with torch.random.fork_rng(devices=[]):
         for i in range(repeats + 1):
+            if spent > budget_s:
+                break
             t0 = time.perf_counter()
             outs = fn(*inputs)
             outs = outs if isinstance(outs, (list, tuple)) else [outs]
@@ -70,7 +78,8 @@ def time_step(fn: Callable[..., Any], example_inputs: Sequence[Any], repeats: in
                 torch.autograd.backward(grads, [torch.ones_like(o) for o in grads])
             sync()
             if i:
-                best = min(best, time.perf_counter() - t0)
+                dt = time.perf_counter() - t0
+                best, spent = min(best, dt), spent + dt
             for x in inputs:
                 if isinstance(x, torch.Tensor):
                     x.grad = None
@@ -126,7 +135,8 @@ def decide(times: dict[str, float]) -> str:
 
 def describe(times: dict[str, float], choice: str, cached: bool) -> str:
     measured = ", ".join(f"{p} {1e3 * t:.2f} ms" for p, t in sorted(times.items(), key=lambda kv: kv[1]))
-    return (f"provider auto -> {choice}: per call (forward, and backward in training) {measured} (best of {REPEATS}"
+    return (f"provider auto -> {choice}: per call (forward, and backward in training) {measured} (best of up to "
+            f"{REPEATS}"
             f"{', decided by an earlier process' if cached else ''})")
 
 

@@ -191,7 +191,7 @@ def compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], config: 
         # bernoulli_ after it, so the forward applied no dropout and the backward used the real mask. graphtrain's
         # own dropout ops (fuse_bias_dropout_add, fuse_attention: on by default) draw inside their kernels and
         # are not affected; aten's random ops are not given to Inductor on CPU.
-        raise RuntimeError(
+        raise UnsuitableProvider(
             f"the graph holds ATen random ops ({', '.join(aten_random)}): Inductor on CPU can run the in-place "
             f"bernoulli_ after the kernel that reads its mask (a silently wrong dropout). Keep "
             f"engine.passes.fuse_bias_dropout_add and fuse_attention on (graphtrain's dropout), or use "
@@ -209,6 +209,11 @@ def compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], config: 
                             f"torch {torch.__version__} has no inductor config custom_partitioner_fn", config,
                             what="is not applied (Inductor's min-cut partition runs)", sink=state.fallbacks)
     return compile_fx(gm, list(example_inputs), config_patches=patches)
+
+
+class UnsuitableProvider(RuntimeError):
+    """A provider that compiles but is known to run this graph wrongly. Under provider auto it is left out with a
+    note (a decision, not a failure); under a named provider it falls back like any compile error."""
 
 
 def _aten_random_ops(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> list[str]:
