@@ -31,6 +31,8 @@ def _fresh_dynamo():
     import sys
     if "torch._dynamo" in sys.modules:
         sys.modules["torch._dynamo"].reset()
+    if "graphtrain.engine.choose" in sys.modules:  # provider auto's background compiles end with their test
+        sys.modules["graphtrain.engine.choose"].stop_background()
     if "graphtrain.fallback" in sys.modules:  # the once-per-process fallback warnings: once per test instead
         sys.modules["graphtrain.fallback"]._WARNED.clear()
 

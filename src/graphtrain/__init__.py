@@ -4,6 +4,7 @@ Public API::
 
     model = graphtrain.accelerate(model)            # drop-in module, trains through the graph engine
     torch.compile(model, backend="graphtrain")      # or as a torch.compile backend
+    graphtrain.wait_compiled(model)                 # provider auto: wait for the background Inductor compile
     print(graphtrain.report(model))                 # what was captured, fused, recomputed, and why
     print(graphtrain.bisect(make_model, batch))     # the first pass/fused op/provider that leaves eager's tolerance
     step = graphtrain.compile_step(model, config)   # forward+backward+clip+AdamW as one graph; step(**batch)
@@ -20,6 +21,7 @@ __version__ = "0.1.0"
 # Heavier pieces load on first use so `import graphtrain` stays fast.
 _LAZY = {
     "accelerate": "graphtrain.engine.api",
+    "wait_compiled": "graphtrain.engine.api",
     "report": "graphtrain.engine.report",
     "bisect": "graphtrain.engine.bisect",
     "compile_step": "graphtrain.engine.step_graph",

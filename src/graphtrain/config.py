@@ -69,6 +69,10 @@ class EngineConfig:
     compile_blocks: bool = True
     """Compile each repeated block (a ModuleList of identical layers) once and reuse it for every layer, with the
     code before and after the blocks in graphs of their own; false compiles the model as one graph."""
+    compile_in_background: bool = True
+    """provider auto, cold cache: run each graph on aten (compiled in about a second) from the first step and
+    compile Inductor in a background thread from the second step on; the graph's next call times both and keeps
+    the faster. false compiles and times both before the first step (slower to start, deterministic)."""
     debug: bool = False
     """Log each pass's time and op-count diff, and lint every graph after every pass."""
 

@@ -285,6 +285,12 @@ class Worker:
         self._run(1)
         info["first_step_s"] = time.perf_counter() - t1
         info["time_to_first_step_s"] = time.perf_counter() - t0
+        if self.variant.mode == "graphtrain":  # provider auto: time what training settles on (Inductor or aten)
+            from graphtrain.engine.api import wait_compiled
+            t2 = time.perf_counter()
+            wait_compiled(self.work.model)
+            self._run(1)  # each graph measures its candidates and switches
+            info["background_compile_s"] = time.perf_counter() - t2
         info["threads"] = torch.get_num_threads()
         info["optimizer"] = ("AdamW in the step graph" if self.work.step_graph is not None
                              else type(self.work.optimizer).__name__)

@@ -34,6 +34,19 @@ def accelerate(module: torch.nn.Module, config: Config | EngineConfig | dict | N
     return module
 
 
+def wait_compiled(module: torch.nn.Module, timeout: float | None = None) -> bool:
+    """Wait for the background compiles of an accelerated `module` (``provider: auto`` compiles Inductor in a
+    background process from the second call; engine.compile_in_background), starting them now if they have not
+    started. True once they finished (each graph switches to its measured winner at its next call); False after
+    `timeout` seconds. Benchmarks call it after the first step so that they time what training settles on."""
+    from graphtrain.engine.choose import wait_background
+    state = getattr(module, "_graphtrain", None) or getattr(getattr(module, "_orig_mod", None), "_graphtrain", None)
+    if not isinstance(state, EngineState):
+        raise TypeError(f"graphtrain.wait_compiled takes a module returned by graphtrain.accelerate, got "
+                        f"{type(module).__name__}")
+    return wait_background(state, timeout)
+
+
 def new_state(cfg: EngineConfig) -> EngineState:
     """Validate `cfg`'s pass names (now, not at the first step), point the compile caches, and start a record."""
     from graphtrain.engine.cache import configure_cache

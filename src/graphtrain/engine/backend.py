@@ -134,10 +134,11 @@ def _compile_one(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Engi
     rec.precision = config.precision
     rec.notes_compile_id = raw_compile_id
 
-    def compile_one(p: str) -> Callable[..., Any]:
-        """Stages 1-5 for provider `p`: the pre-autodiff IR and its passes for `p`, autodiff, `p` itself."""
+    def compile_one(p: str, r: Any = rec) -> Callable[..., Any]:
+        """Stages 1-5 for provider `p`: the pre-autodiff IR and its passes for `p`, autodiff, `p` itself (`r`: the
+        record they fill)."""
         cfg = dataclasses.replace(config, provider=p)
-        return _PROVIDERS()[p](_pre_autodiff(gm, example_inputs, kinds, cfg, state, rec), example_inputs, cfg, rec,
+        return _PROVIDERS()[p](_pre_autodiff(gm, example_inputs, kinds, cfg, state, r), example_inputs, cfg, r,
                                state)
 
     if measure:
@@ -156,7 +157,7 @@ def _PROVIDERS() -> dict[str, Callable[..., Any]]:
 
 
 def _pre_autodiff(gm: fx.GraphModule, example_inputs: Sequence[Any], kinds: list[str], config: EngineConfig,
-                  state: EngineState, rec: Any) -> fx.GraphModule:
+                  state: EngineState, rec: Any, key: str | None = None) -> fx.GraphModule:
     """Stages 1-2: `gm` as the optimized pre-autodiff aten graph for config.provider (from the pass cache when an
     identical graph was optimized before); the Dynamo graph itself where tracing fails (reported)."""
     from graphtrain.engine.pipeline import run_passes, trace
@@ -171,7 +172,7 @@ def _pre_autodiff(gm: fx.GraphModule, example_inputs: Sequence[Any], kinds: list
         if note not in rec.notes:
             rec.notes.append(note)
         return gm
-    if not sharded and (cached := _cached_passes(gm, example_inputs, kinds, config, state, rec)) is not None:
+    if not sharded and (cached := _cached_passes(gm, example_inputs, kinds, config, state, rec, key)) is not None:
         return cached
     try:
         local, trace_inputs = localize(gm, example_inputs, sharded) if sharded else (gm, list(example_inputs))
@@ -218,6 +219,10 @@ def _measured_provider(compile_one: Callable[[str], Callable[..., Any]], gm: fx.
         rec.provider_times = stored["times"]
         rec.notes.append(choose.describe(stored["times"], rec.provider, cached=True))
         return compiled
+    if config.compile_in_background and set(choose.CANDIDATES) == {"aten", "inductor"}:
+        tiered = _tiered(compile_one, gm, example_inputs, kinds, folder, key, config, state, rec)
+        if tiered is not None:
+            return tiered
     candidates: dict[str, tuple[Callable[..., Any], dict[str, Any]]] = {}
     for p in choose.CANDIDATES:
         n_passes = len(state.passes)
@@ -241,13 +246,90 @@ def _measured_provider(compile_one: Callable[[str], Callable[..., Any]], gm: fx.
     return choose.Measured(candidates, rec, folder, key, state)
 
 
+def _tiered(compile_one: Callable[..., Any], gm: fx.GraphModule, example_inputs: Sequence[Any], kinds: list[str],
+            folder: Any, key: str | None, config: EngineConfig, state: EngineState, rec: Any) -> Callable[..., Any] | None:
+    """provider auto without a stored decision: aten now, Inductor compiled by a background process and loaded
+    from the caches when it is done (choose.Tiered); None when the graph cannot be sent (not plain data, or no
+    pass-cache key) or aten does not compile it: then both are compiled now."""
+    import copy
+    import pickle
+
+    from graphtrain.engine import choose
+    from graphtrain.engine.cache import _encode_graph, pass_cache_key
+    if key is None or _has_grad_mode_changes(gm):
+        return None
+    cfg = dataclasses.replace(config, provider="inductor")
+    try:
+        metas = input_metas(example_inputs)
+        inductor_key = pass_cache_key(gm, example_inputs, kinds, cfg)
+        job = pickle.dumps({"graph": _encode_graph(gm), "inputs": metas, "kinds": kinds, "config": cfg,
+                            "key": inductor_key, "name": rec.name})
+    except Exception:  # noqa: BLE001 - a graph that is not plain data: compiled here and now
+        return None
+    n_passes = len(state.passes)
+    try:
+        fn = compile_one("aten")
+    except Exception:  # noqa: BLE001 - the synchronous path tries (and reports) both providers
+        del state.passes[n_passes:]
+        return None
+    aten = (fn, copy.copy(rec.__dict__), state.passes[n_passes:])
+
+    def compile_inductor() -> tuple[Callable[..., Any], dict[str, Any], list[Any]]:
+        r = copy.copy(rec)
+        r.notes = list(rec.notes)
+        n = len(state.passes)
+        f = compile_inductor_from(gm, metas, kinds, cfg, state, r, inductor_key)
+        return f, copy.copy(r.__dict__), [x for x in state.passes[n:] if x.graph == rec.name]
+
+    rec.provider = "aten (provider auto: Inductor compiles in a background process, measured when ready)"
+    return choose.Tiered(aten, compile_inductor, job, rec, folder, key, state, config)
+
+
+def input_metas(example_inputs: Sequence[Any]) -> list[tuple[Any, ...]]:
+    """Each input as data: ("tensor", shape, stride, dtype, device, requires_grad) or ("value", v)."""
+    out: list[tuple[Any, ...]] = []
+    for x in example_inputs:
+        if isinstance(x, torch.Tensor):
+            out.append(("tensor", tuple(x.shape), tuple(x.stride()), x.dtype, x.device.type, x.requires_grad))
+        elif isinstance(x, (int, float, bool)) or x is None:
+            out.append(("value", x))
+        else:
+            raise TypeError(f"input {type(x).__name__} is not plain data")
+    return out
+
+
+def compile_inductor_from(gm: fx.GraphModule, metas: list[tuple[Any, ...]], kinds: list[str], config: EngineConfig,
+                          state: EngineState, rec: Any, key: str) -> Callable[..., Any]:
+    """Stages 1-5 under Inductor for a graph given as data, on fake inputs made from `metas` (the same in the
+    background process that compiles it first and in the training process that loads it from the caches: their
+    cache keys agree); the pass result is stored under `key`, the key the training process computed. The backward
+    is compiled now, not at its first call."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from graphtrain.engine.providers import compile_inductor
+    mode = FakeTensorMode(shape_env=ShapeEnv())  # static shapes; Inductor's caches want a shape env to key on
+    inputs: list[Any] = []
+    with mode:
+        for m in metas:
+            if m[0] == "tensor":
+                _, shape, stride, dtype, device, requires_grad = m
+                t = torch.empty_strided(shape, stride, dtype=dtype, device=device)
+                inputs.append(t.requires_grad_(True) if requires_grad else t)
+            else:
+                inputs.append(m[1])
+    with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
+        g = _pre_autodiff(gm, inputs, kinds, config, state, rec, key=key)
+        return compile_inductor(g, inputs, config, rec, state)
+
+
 def _cached_passes(gm: fx.GraphModule, example_inputs: Sequence[Any], kinds: list[str], config: EngineConfig,
-                   state: EngineState, rec: Any) -> fx.GraphModule | None:
+                   state: EngineState, rec: Any, key: str | None = None) -> fx.GraphModule | None:
     """The pre-autodiff result of an identical graph compiled before (engine/cache.py), its pass records added to
     `state` as if the passes had run; None on a miss (`rec.pass_cache` says which)."""
     from graphtrain.engine.cache import load_pass_result, pass_cache_key
     try:
-        rec.pass_cache_key = pass_cache_key(gm, example_inputs, kinds, config)
+        rec.pass_cache_key = key or pass_cache_key(gm, example_inputs, kinds, config)
     except Exception:  # noqa: BLE001 - an input the key cannot describe: no caching for this graph
         rec.pass_cache = "off"
         return None

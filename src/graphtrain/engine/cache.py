@@ -119,7 +119,7 @@ def pass_cache_key(gm: "fx.GraphModule", example_inputs: "Sequence[Any]", kinds:
             h.update(f"{kind} {tuple(x.shape)} {x.stride()} {x.dtype} {x.device.type} {x.requires_grad}\n".encode())
         else:
             h.update(f"{kind} {type(x).__name__} {x!r}\n".encode())
-    settings = {k: v for k, v in dataclasses.asdict(config).items() if k not in ("cache_dir", "debug")}
+    settings = {k: v for k, v in dataclasses.asdict(config).items() if k not in ("cache_dir", "debug", "compile_in_background")}
     h.update(repr(sorted(settings.items())).encode())
     return h.hexdigest()
 
@@ -202,7 +202,13 @@ def _encode_target(target: Any) -> Any:
     module, name = getattr(target, "__module__", None), getattr(target, "__qualname__", None)
     if not module or not name or "<" in name:
         raise TypeError(f"cannot name {target!r}")
-    return _Ref("py", (module, name))
+    for ref in (_Ref("py", (module, name)), _Ref("py", (module, getattr(target, "__name__", "")))):
+        try:  # torch's C functions name a class torch does not export (torch._VariableFunctionsClass.embedding)
+            if _decode_target(ref) is target:
+                return ref
+        except (ImportError, AttributeError):
+            pass
+    raise TypeError(f"cannot name {target!r}: {module}.{name} is not where it is found")
 
 
 def _decode_target(ref: Any) -> Any:

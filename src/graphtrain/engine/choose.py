@@ -10,6 +10,12 @@ the graph (Inductor keeps ties within ``TIE_MARGIN``: it fuses, and its own cach
 the times go to the report. The decision is stored next to the pass results (engine/cache.py), keyed like them,
 so a warm process compiles the winner only.
 
+On a cold cache the first step does not wait for Inductor (``engine.compile_in_background``, the default): each
+graph runs on aten, compiled in about a second, and Inductor compiles in a background thread once the model's
+second call begins (the first step runs alone on the cores and its own backward graphs are compiled by then);
+the graph's next call after Inductor is ready times both as above and keeps the faster (``Tiered``). A
+process that finds the decision stored compiles the winner only, before its first step.
+
 The timing runs on copies of the inputs (parameters never receive these gradients) and under a forked RNG
 (the training run's random stream is untouched). Graphs that read DTensors (their collectives would need every
 rank to time in step) or symbolic shapes keep Inductor.
@@ -19,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import weakref
 from typing import Any, Callable, Sequence
 
 import torch
@@ -161,3 +168,198 @@ def save_decision(folder: Any, key: str, choice: str, times: dict[str, float]) -
         os.replace(tmp, path)
     except OSError:
         pass
+
+
+# ------------------------------------------------------------------------------------- tiered compile --
+#
+# Why a process and not a thread: FX's tracer (make_fx, used by AOTAutograd and by Inductor's pattern matcher while
+# it compiles) patches torch.nn.Module.__call__ for the whole process and sets a process-wide "FX is tracing" flag
+# under which a Dynamo-compiled call raises. Tried first with a thread: the training step's next forward failed
+# with "Detected that you are using FX to symbolically trace a dynamo-optimized function". A child process shares
+# nothing but the cache folders: it compiles Inductor from the graph as data, filling graphtrain's pass cache and
+# Inductor's own caches; the training process then compiles the same graph from those caches in a fraction of a
+# second.
+
+
+class Tiered:
+    """provider auto on a cold cache: the graph runs on aten (`aten`: its candidate tuple, as in ``Measured``) from
+    its first call. From the module's second call a child process (``graphtrain.engine.background``) compiles
+    `job` (the graph as data) with Inductor into the caches; the first call after it finished compiles Inductor
+    here from them (`compile_inductor()`, returning its candidate tuple), times both candidates on that call's
+    inputs and keeps the faster (``Measured``). An Inductor that failed or refused the graph leaves aten running
+    it: a fallback under the module's fallback policy, or a note for a refusal."""
+
+    def __init__(self, aten: tuple[Callable[..., Any], dict[str, Any], list[Any]],
+                 compile_inductor: Callable[[], tuple[Callable[..., Any], dict[str, Any], list[Any]]], job: bytes,
+                 rec: Any, folder: Any, key: str | None, state: Any, config: Any) -> None:
+        self.aten, self.compile_inductor, self.job = aten, compile_inductor, job
+        self.rec, self.folder, self.key, self.state, self.config = rec, folder, key, state, config
+        self.calls = 0
+        self.status: tuple[str, str] | None = None  # the child's word on this graph: ("done" | <error type>, text)
+        self.chosen: Callable[..., Any] | None = None
+        worker(state).add(self)
+
+    def __call__(self, *args: Any) -> Any:
+        if self.chosen is not None:
+            return self.chosen(*args)
+        self.calls += 1
+        w = worker(self.state)
+        w.poll(self)
+        if self.status is not None:
+            self._decide(args)
+            return self.chosen(*args)
+        return self.aten[0](*args)
+
+    def _decide(self, args: Sequence[Any]) -> None:
+        import copy
+
+        from graphtrain.fallback import report_fallback
+        rec, aten_fn, (kind, text) = self.rec, self.aten[0], self.status
+        seconds = worker(self.state).seconds
+        result: Any = None
+        if kind == "done":
+            t0 = time.perf_counter()
+            try:
+                result = self.compile_inductor()
+            except Exception as e:  # noqa: BLE001 - reported below, aten keeps the graph
+                kind, text = type(e).__name__, str(e)
+            load = time.perf_counter() - t0
+        if result is None:
+            self.chosen, rec.provider, self.aten = aten_fn, "aten", None
+            if kind in ("UnsuitableProvider", "stopped"):
+                rec.notes = [*rec.notes, f"provider auto -> aten: inductor is not a candidate ({text})"]
+            else:
+                report_fallback(f"provider inductor on {rec.name} ({rec.frame})", f"{kind}: {text[:300]}",
+                                self.config, what="is not a candidate for provider auto (aten runs it)",
+                                sink=self.state.fallbacks)
+            return
+        # aten's record as its first calls completed it (its backward was compiled at the first backward)
+        aten = (aten_fn, copy.copy(rec.__dict__), self.aten[2])
+        self.aten = None
+        measured = Measured({"aten": aten, "inductor": result}, rec, self.folder, self.key, self.state)
+        measured._choose(args)
+        rec.notes = [*rec.notes, f"tiered compile: aten ran the first {self.calls - 1} call(s); Inductor compiled in "
+                                 f"a background process ({seconds:.1f} s for its graphs), loaded here in {load:.2f} s"]
+        self.chosen = measured.chosen
+
+
+class _Worker:
+    """The background compiles of one engine state: one child process at a time compiles the jobs queued when it
+    started (graphs met later go to the next one). Jobs are weak references: a module that was dropped is not
+    compiled for, and a child still running when the training process exits is stopped."""
+
+    def __init__(self, state: Any) -> None:
+        self.state_ref = weakref.ref(state)
+        self.queued: list[weakref.ref[Tiered]] = []
+        self.running: list[weakref.ref[Tiered]] = []
+        self.started = False
+        self.proc: Any = None
+        self.folder: Any = None
+        self.t0 = 0.0
+        self.seconds = 0.0
+
+    def add(self, job: Tiered) -> None:
+        self.queued.append(weakref.ref(job))
+
+    def poll(self, job: Tiered) -> None:
+        """Start at the module's second call (engine/api.py counts finished calls), or, without that count
+        (``torch.compile(backend="graphtrain")``), at the first graph's second call; collect what a finished
+        child said."""
+        if not self.started:
+            state = self.state_ref()
+            first = self.queued[0]() if self.queued else None
+            if not ((state is not None and state.calls >= 1) or (first is job and job.calls >= 2)):
+                return
+            self.started = True
+        if self.proc is not None and self.proc.poll() is not None:
+            self._collect()
+        if self.proc is None and self.queued:
+            self._spawn()
+
+    def _spawn(self) -> None:
+        import atexit
+        import subprocess
+        import sys
+        import tempfile
+        from pathlib import Path
+        jobs = [r for r in self.queued if r() is not None]
+        self.queued = []
+        if not jobs:
+            return
+        self.folder = Path(tempfile.mkdtemp(prefix="graphtrain-precompile-"))
+        for i, ref in enumerate(jobs):
+            (self.folder / f"{i}.job").write_bytes(ref().job)
+        self.running = jobs
+        self.t0 = time.perf_counter()
+        with open(self.folder / "stderr.txt", "wb") as err:
+            self.proc = subprocess.Popen([sys.executable, "-m", "graphtrain.engine.background", str(self.folder)],
+                                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err)
+        self.proc.graphtrain_folder = self.folder
+        _CHILDREN.append(self.proc)
+        if not _AT_EXIT:
+            _AT_EXIT.append(atexit.register(stop_background))
+
+    def _collect(self) -> None:
+        import shutil
+        self.seconds = time.perf_counter() - self.t0
+        code = self.proc.returncode
+        for i, ref in enumerate(self.running):
+            job = ref()
+            if job is None:
+                continue
+            status = self.folder / f"{i}.status"
+            try:
+                kind, _, text = status.read_text().partition("\n")
+            except OSError:
+                if getattr(self.proc, "graphtrain_stopped", False):
+                    job.status = ("stopped", "its background compile process was stopped")
+                    continue
+                err = (self.folder / "stderr.txt").read_text(errors="replace")[-600:].strip()
+                kind, text = "ChildProcessError", f"the compile process exited with code {code}: {err}"
+            job.status = (kind, text)
+        shutil.rmtree(self.folder, ignore_errors=True)
+        self.proc, self.running = None, []
+
+
+_CHILDREN: list[Any] = []
+_AT_EXIT: list[Any] = []
+
+
+def stop_background() -> None:
+    """Stop every background compile process of this process (at exit; tests call it between tests). A graph
+    whose child was stopped keeps running on aten."""
+    while _CHILDREN:
+        proc = _CHILDREN.pop()
+        if proc.poll() is None:
+            proc.graphtrain_stopped = True
+            proc.kill()
+            proc.wait()
+            import shutil
+            shutil.rmtree(proc.graphtrain_folder, ignore_errors=True)
+
+
+def worker(state: Any) -> _Worker:
+    w = getattr(state, "background", None)
+    if w is None:
+        w = state.background = _Worker(state)
+    return w
+
+
+def wait_background(module_or_state: Any, timeout: float | None = None) -> bool:
+    """Start the background compiles of an accelerated module (or engine state) now if they have not started, and
+    wait until the child finished (True) or `timeout` seconds passed (False). The graphs switch to the winner at
+    their next call."""
+    state = getattr(module_or_state, "_graphtrain", module_or_state)
+    w = worker(state)
+    w.started = True
+    deadline = None if timeout is None else time.perf_counter() + timeout
+    while True:
+        if w.proc is None and w.queued:
+            w._spawn()
+        if w.proc is None:
+            return True
+        try:
+            w.proc.wait(None if deadline is None else max(0.0, deadline - time.perf_counter()))
+        except Exception:  # noqa: BLE001 - subprocess.TimeoutExpired
+            return False
+        w._collect()

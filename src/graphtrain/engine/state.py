@@ -67,6 +67,7 @@ class EngineState:
     calls: int = 0
     first_call_seconds: float | None = None
     eager_only: bool = False        # capture failed; the module runs eagerly from now on
+    background: Any = field(default=None, repr=False, compare=False)  # provider auto's compile worker (choose.py)
 
     @property
     def recompiles(self) -> list[GraphRecord]:

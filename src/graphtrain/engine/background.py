@@ -1,0 +1,55 @@
+"""The background compile process of ``provider: auto`` (engine/choose.py, ``Tiered``).
+
+``python -m graphtrain.engine.background FOLDER``: for each ``<i>.job`` in FOLDER (a graph as data, its inputs'
+shapes, its input kinds, the engine config and the pass-cache key the training process computed), compile the
+graph with Inductor into graphtrain's pass cache and Inductor's own caches, then write ``<i>.status``: ``done``,
+or the error's type name and message on two lines. The training process keeps training on aten meanwhile and
+loads the result from the caches when this process exited. It runs at a lower CPU priority (nice 10): on a
+2-core machine the training step keeps the cores it needs.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+from pathlib import Path
+
+
+def compile_job(data: dict) -> None:
+    from graphtrain.engine.backend import compile_inductor_from
+    from graphtrain.engine.cache import _decode_graph
+    from graphtrain.engine.state import EngineState, GraphRecord
+    config = data["config"]
+    state = EngineState(config)
+    rec = GraphRecord(data["name"], "background compile", 0, [m[1] for m in data["inputs"]], data["kinds"])
+    compile_inductor_from(_decode_graph(data["graph"]), data["inputs"], data["kinds"], config, state, rec,
+                          data["key"])
+
+
+def main(argv: list[str]) -> int:
+    folder = Path(argv[0])
+    try:
+        os.nice(10)
+    except OSError:
+        pass
+    import graphtrain.kernels  # noqa: F401 - graphtrain's custom ops, which the graphs call
+    from graphtrain.engine.cache import configure_cache
+    jobs = sorted(folder.glob("*.job"), key=lambda p: int(p.stem))
+    for path in jobs:
+        status = path.with_suffix(".status")
+        try:
+            # Our own file, written a moment ago by the training process that started us (engine/choose.py).
+            data = pickle.loads(path.read_bytes())  # noqa: S301
+            configure_cache(data["config"])
+            compile_job(data)
+            text = "done\n"
+        except Exception as e:  # noqa: BLE001 - the training process reports it under its fallback policy
+            text = f"{type(e).__name__}\n{' '.join(str(e).split())[:2000]}"
+        tmp = status.with_suffix(".tmp")
+        tmp.write_text(text)
+        os.replace(tmp, status)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

@@ -1,0 +1,91 @@
+"""provider auto's tiered compile (engine/choose.py Tiered, engine/background.py): aten runs a graph from the first
+step, a background process compiles Inductor into the caches from the second, and the graph switches to the
+measured winner loaded from those caches. Checked against eager PyTorch like every provider."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import graphtrain
+from graphtrain.config import ModelConfig
+from graphtrain.models import build_model
+from graphtrain.testing import assert_grads_close
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return torch.randint(0, 512, (2, 32), generator=g), torch.randint(0, 512, (2, 32), generator=g)
+
+
+def _step(model: nn.Module, step: int) -> None:
+    torch.manual_seed(100 + step)
+    model(*_batch(step)).backward()
+
+
+def test_aten_first_then_the_measured_winner_loaded_from_the_background_compile():
+    from torch._dynamo.utils import counters
+    torch.manual_seed(0)
+    ref = build_model(ModelConfig(name="gpt2-tiny", dropout=0.0)).train()
+    m = graphtrain.accelerate(copy.deepcopy(ref), fallback="error")
+    _step(m, 0)
+    rep = graphtrain.report(m)
+    assert rep.graphs and all(g["provider"].startswith("aten (provider auto: Inductor compiles") for g in rep.graphs)
+    _step(m, 1)  # the second call starts the background process
+    assert graphtrain.wait_compiled(m, timeout=600)
+    hits = counters["inductor"]["fxgraph_cache_hit"]
+    for p in m.parameters():
+        p.grad = None
+    _step(m, 2)  # every graph loads Inductor from the caches, times both candidates and keeps the faster
+    _step(ref, 2)
+    assert_grads_close(m, ref, rtol=1e-4, atol=1e-5)
+    rep = graphtrain.report(m)
+    assert not rep.fallbacks, rep.fallbacks
+    for g in rep.graphs:
+        assert g["provider"] in ("aten", "inductor"), g["provider"]
+        assert set(g["provider_times"]) == {"aten", "inductor"}
+        assert any(n.startswith("tiered compile: aten ran the first") for n in g["notes"]), g["notes"]
+    # loaded, not compiled again: the training process's Inductor compiles were cache hits
+    assert counters["inductor"]["fxgraph_cache_hit"] - hits >= len(rep.graphs)
+
+
+def test_a_graph_inductor_refuses_stays_on_aten_with_a_note():
+    class Net(nn.Module):  # a plain dropout between two linears, graphtrain's dropout fusion off: ATen's bernoulli
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b, self.drop = nn.Linear(8, 16), nn.Linear(16, 4), nn.Dropout(0.1)
+
+        def forward(self, x):
+            return self.b(self.drop(torch.relu(self.a(x))))
+
+    m = graphtrain.accelerate(Net().train(), compile_blocks=False, fallback="error",
+                              passes={"fuse_bias_dropout_add": False})
+    x = torch.randn(4, 8)
+    for _ in range(2):
+        m(x).sum().backward()
+    assert graphtrain.wait_compiled(m, timeout=600)
+    m(x).sum().backward()
+    rep = graphtrain.report(m)
+    g = rep.graphs[0]
+    assert g["provider"] == "aten" and not rep.fallbacks
+    assert any("inductor is not a candidate" in n and "ATen random ops" in n for n in g["notes"]), g["notes"]
+
+
+class _Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x))
+
+
+def test_off_switch_and_bad_input():
+    m = graphtrain.accelerate(_Tiny(), compile_in_background=False, fallback="error")
+    m(torch.randn(2, 4)).sum().backward()
+    assert graphtrain.report(m).graphs[0]["provider"] in ("aten", "inductor")  # measured before the first step
+    assert graphtrain.wait_compiled(m, timeout=1)  # nothing queued
+    with pytest.raises(TypeError, match="graphtrain.accelerate"):
+        graphtrain.wait_compiled(nn.Linear(2, 2))
