@@ -7,6 +7,9 @@
 --cache points GRAPHTRAIN_CACHE and TORCHINDUCTOR_CACHE_DIR at one folder: an empty one is a cold start. Models:
 SDPA attention, the config's dropout (0.1), fused AdamW. The first step is the wall time of the first forward,
 backward and optimizer step; the later steps are printed too (single samples: `graphtrain bench` measures speed).
+For graphtrain on a cold cache the first steps run on aten while Inductor compiles in a background process
+(provider auto's tiered compile); `--settle` then waits for it and prints the step that switches (it loads Inductor
+from the caches and times both providers) and a step after it, so the whole cost of getting to the final speed shows.
 """
 from __future__ import annotations
 
@@ -26,6 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mode", default="graphtrain", choices=("eager", "compile", "graphtrain"))
     p.add_argument("--cache", help="the compile cache folder (empty: cold)")
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--settle", action="store_true",
+                   help="graphtrain: wait for the background compile, then time the switching step and one more")
     a = p.parse_args(argv)
     if a.cache:
         os.environ["GRAPHTRAIN_CACHE"] = a.cache
@@ -55,16 +60,27 @@ def main(argv: list[str] | None = None) -> int:
         model = graphtrain.accelerate(model)
     elif a.mode == "compile":
         model.compile()
-    times = []
-    for _ in range(a.steps):
+    def step() -> float:
         t0 = time.perf_counter()
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - t0)
+        step.loss = loss.item()
+        return time.perf_counter() - t0
+
+    times = [step() for _ in range(a.steps)]
     print(f"{a.mode} {a.arch} {a.layers} layers width {a.width}: first step {times[0]:.1f} s, later "
-          f"{', '.join(f'{t:.3f}' for t in times[1:])} s, loss {loss.item():.3f}")
+          f"{', '.join(f'{t:.3f}' for t in times[1:])} s, loss {step.loss:.3f}")
+    if a.settle and a.mode == "graphtrain":
+        import graphtrain
+        t0 = time.perf_counter()
+        graphtrain.wait_compiled(model)
+        waited = time.perf_counter() - t0
+        switch, after = step(), step()
+        providers = [g["provider"] for g in graphtrain.report(model).graphs]
+        print(f"settle: waited {waited:.1f} s more for the background compile ({a.steps} steps ran meanwhile); "
+              f"switching step {switch:.2f} s, then {after:.3f} s; providers {providers}")
     if a.mode == "graphtrain":
         import graphtrain
         rep = graphtrain.report(model)
