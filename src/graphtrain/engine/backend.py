@@ -134,11 +134,10 @@ def _compile_one(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Engi
     rec.precision = config.precision
     rec.notes_compile_id = raw_compile_id
 
-    def compile_one(p: str, r: Any = rec) -> Callable[..., Any]:
-        """Stages 1-5 for provider `p`: the pre-autodiff IR and its passes for `p`, autodiff, `p` itself (`r`: the
-        record they fill)."""
+    def compile_one(p: str) -> Callable[..., Any]:
+        """Stages 1-5 for provider `p`: the pre-autodiff IR and its passes for `p`, autodiff, `p` itself."""
         cfg = dataclasses.replace(config, provider=p)
-        return _PROVIDERS()[p](_pre_autodiff(gm, example_inputs, kinds, cfg, state, r), example_inputs, cfg, r,
+        return _PROVIDERS()[p](_pre_autodiff(gm, example_inputs, kinds, cfg, state, rec), example_inputs, cfg, rec,
                                state)
 
     if measure:

@@ -288,7 +288,10 @@ class _Worker:
             return
         self.folder = Path(tempfile.mkdtemp(prefix="graphtrain-precompile-"))
         for i, ref in enumerate(jobs):
-            (self.folder / f"{i}.job").write_bytes(ref().job)
+            job = ref()
+            (self.folder / f"{i}.job").write_bytes(job.job)
+            job.job = b""  # the child has it now
+        del job
         self.running = jobs
         self.t0 = time.perf_counter()
         with open(self.folder / "stderr.txt", "wb") as err:
