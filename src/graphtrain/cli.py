@@ -388,8 +388,7 @@ def precompile_for_config(config: Config) -> tuple[Any, float]:
         job = config.with_overrides({"train.steps": 1, "train.eval_every": 0, "train.eval_batches": 1,
                                      "train.ckpt_every": 0, "train.out_dir": scratch, "train.progress": False,
                                      "train.sample_tokens": 0, "train.init_from": None,
-                                     # provider auto compiles and measures both candidates before the step
-                                     "engine.compile_in_background": False})
+                                     "engine.compile_in_background": False})  # provider auto: both now
         t0 = time.perf_counter()
         with contextlib.redirect_stdout(sys.stderr):  # the scratch run's log is not the command's output
             trainer = Trainer(job)
