@@ -40,8 +40,9 @@ def wait_compiled(module: torch.nn.Module, timeout: float | None = None) -> bool
     started. True once they finished (each graph switches to its measured winner at its next call); False after
     `timeout` seconds. Benchmarks call it after the first step so that they time what training settles on."""
     from graphtrain.engine.choose import wait_background
-    state = getattr(module, "_graphtrain", None) or getattr(getattr(module, "_orig_mod", None), "_graphtrain", None)
-    if not isinstance(state, EngineState):
+    from graphtrain.engine.report import _state_of
+    state, source = _state_of(module)
+    if source != "module":
         raise TypeError(f"graphtrain.wait_compiled takes a module returned by graphtrain.accelerate, got "
                         f"{type(module).__name__}")
     return wait_background(state, timeout)

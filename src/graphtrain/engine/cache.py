@@ -119,7 +119,8 @@ def pass_cache_key(gm: "fx.GraphModule", example_inputs: "Sequence[Any]", kinds:
             h.update(f"{kind} {tuple(x.shape)} {x.stride()} {x.dtype} {x.device.type} {x.requires_grad}\n".encode())
         else:
             h.update(f"{kind} {type(x).__name__} {x!r}\n".encode())
-    settings = {k: v for k, v in dataclasses.asdict(config).items() if k not in ("cache_dir", "debug", "compile_in_background")}
+    unkeyed = ("cache_dir", "debug", "compile_in_background")  # where and when, not what is compiled
+    settings = {k: v for k, v in dataclasses.asdict(config).items() if k not in unkeyed}
     h.update(repr(sorted(settings.items())).encode())
     return h.hexdigest()
 

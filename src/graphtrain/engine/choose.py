@@ -11,9 +11,10 @@ the times go to the report. The decision is stored next to the pass results (eng
 so a warm process compiles the winner only.
 
 On a cold cache the first step does not wait for Inductor (``engine.compile_in_background``, the default): each
-graph runs on aten, compiled in about a second, and Inductor compiles in a background thread once the model's
+graph runs on aten, compiled in about a second, and Inductor compiles in a background process once the model's
 second call begins (the first step runs alone on the cores and its own backward graphs are compiled by then);
-the graph's next call after Inductor is ready times both as above and keeps the faster (``Tiered``). A
+the graph's next call after Inductor is ready loads it from the caches, times both as above and keeps the faster
+(``Tiered``). A
 process that finds the decision stored compiles the winner only, before its first step.
 
 The timing runs on copies of the inputs (parameters never receive these gradients) and under a forked RNG
@@ -305,6 +306,8 @@ class _Worker:
     def _collect(self) -> None:
         import shutil
         self.seconds = time.perf_counter() - self.t0
+        if self.proc in _CHILDREN:
+            _CHILDREN.remove(self.proc)
         code = self.proc.returncode
         for i, ref in enumerate(self.running):
             job = ref()
@@ -331,13 +334,13 @@ _AT_EXIT: list[Any] = []
 def stop_background() -> None:
     """Stop every background compile process of this process (at exit; tests call it between tests). A graph
     whose child was stopped keeps running on aten."""
+    import shutil
     while _CHILDREN:
         proc = _CHILDREN.pop()
         if proc.poll() is None:
             proc.graphtrain_stopped = True
             proc.kill()
             proc.wait()
-            import shutil
             shutil.rmtree(proc.graphtrain_folder, ignore_errors=True)
 
 
@@ -348,11 +351,10 @@ def worker(state: Any) -> _Worker:
     return w
 
 
-def wait_background(module_or_state: Any, timeout: float | None = None) -> bool:
-    """Start the background compiles of an accelerated module (or engine state) now if they have not started, and
-    wait until the child finished (True) or `timeout` seconds passed (False). The graphs switch to the winner at
-    their next call."""
-    state = getattr(module_or_state, "_graphtrain", module_or_state)
+def wait_background(state: Any, timeout: float | None = None) -> bool:
+    """Start the background compiles of an engine state now if they have not started, and wait until the child
+    finished (True) or `timeout` seconds passed (False). The graphs switch to the winner at their next call."""
+    import subprocess
     w = worker(state)
     w.started = True
     deadline = None if timeout is None else time.perf_counter() + timeout
@@ -363,6 +365,6 @@ def wait_background(module_or_state: Any, timeout: float | None = None) -> bool:
             return True
         try:
             w.proc.wait(None if deadline is None else max(0.0, deadline - time.perf_counter()))
-        except Exception:  # noqa: BLE001 - subprocess.TimeoutExpired
+        except subprocess.TimeoutExpired:
             return False
         w._collect()
