@@ -11,6 +11,7 @@ import importlib.util
 import pytest
 import torch
 import torch.nn as nn
+from torch._dynamo.utils import counters
 
 import graphtrain
 from graphtrain.config import Config, ModelConfig
@@ -158,10 +159,16 @@ def test_inductor_recompute_mode_uses_graphtrain_partitioner():
     m = graphtrain.accelerate(copy.deepcopy(base), compile_blocks=False, provider="inductor", fallback="error",
                               recompute="selective", passes=passes)
     x = torch.randn(16, 8)
+    fx_cache = dict(counters["inductor"])
     for mod in (ref, m):
         torch.manual_seed(3)
         mod(x).square().mean().backward()
     assert_grads_close(m, ref)
+    # Inductor's FX-graph cache takes the partitioner (pickled as its uuid): before, its key failed to pickle, the
+    # cache was bypassed with a warning per graph and a recompute job never started warm
+    used = {k: counters["inductor"][k] - fx_cache.get(k, 0) for k in ("fxgraph_cache_miss", "fxgraph_cache_hit",
+                                                                      "fxgraph_cache_bypass")}
+    assert used["fxgraph_cache_miss"] + used["fxgraph_cache_hit"] > 0 and not used["fxgraph_cache_bypass"], used
     assert sum(r["rewrites"] for r in graphtrain.report(m).passes if r["name"] == "fuse_bias_dropout_add") >= 1
     g = graphtrain.report(m).graphs[0]
     assert g["provider"] == "inductor" and g["partitioner"] == "min_cut (recompute=selective)"
@@ -222,6 +229,9 @@ def test_recompute_modes_with_default_fusion_bitwise_equal_to_none(model):
         for n, gr in out[mode][1].items():
             assert_close(gr, out["none"][1][n], name=f"{mode} grad of {n}", bitwise=True)
         assert torch.equal(out[mode][2], out["none"][2])
+    for mode in ("selective", "full"):  # the fused LM head + loss is compute-bound: saved, never run again
+        ops = out[mode][3].graphs[0]["recompute"]["choices"][0]["recomputed_ops"]
+        assert not [op for op in ops if "cross_entropy" in op], (mode, ops)
     rec = out["full"][3].graphs[0]["recompute"]
     assert rec["seeded_dropouts"] > 0 and "1 of 2 layers checkpointed" in rec["choices"][0]["what"], rec
     saved = {k: v[3].graphs[0]["saved_activation_bytes"] for k, v in out.items()}

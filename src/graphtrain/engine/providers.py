@@ -162,7 +162,27 @@ def _inductor_partitioner(config: EngineConfig, layout: StepLayout, rec: GraphRe
                            layout.batch_inputs)).encode())
             return h.digest()
 
+        def __reduce__(self) -> tuple[Any, tuple[bytes]]:
+            # Inductor's FX-graph cache key pickles its whole config, this object included (torch 2.13 does not
+            # leave custom_partitioner_fn out as it does the custom passes): pickled as its uuid, the key changes
+            # exactly when the partition would, and the cache works with recompute on.
+            return _PartitionerIdentity, (self.uuid(),)
+
+        def __deepcopy__(self, memo: dict) -> Any:  # a config copy keeps the working partitioner, not its identity
+            return self
+
     return RecomputePartitioner()
+
+
+class _PartitionerIdentity:
+    """What a pickled recompute partitioner becomes: its uuid, enough for a cache key, not a partitioner."""
+
+    def __init__(self, uuid: bytes) -> None:
+        self.uuid = uuid
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(f"graphtrain's recompute partitioner {self.uuid.hex()[:12]} was restored from a pickle, "
+                           f"which keeps only its cache identity; it cannot partition")
 
 
 def _replace_graph(graph: fx.Graph, new: fx.Graph) -> None:

@@ -381,15 +381,16 @@ class RecomputeRecord:
 
 
 def _save(n: fx.Node) -> None:
-    """Mark `n` saved for the backward. A deterministic multi-output op (a tuple: fused norm, attention without
-    dropout, ...) is saved through its getitems instead: the partitioner's budget search returns MUST_SAVE nodes
-    as saved values as they are, and AOTAutograd cannot save a tuple (torch 2.13). A random one keeps MUST_SAVE on
-    itself, which is what stops any partitioner path from recomputing it (its seed is drawn inside)."""
-    if isinstance(n.meta.get("val"), (tuple, list)) and not is_random(n):
+    """Mark `n` saved for the backward. A multi-output op (a tuple: fused norm, attention, the fused linear
+    cross-entropy, ...) is marked MUST_SAVE on itself and on its getitems. On itself, because that is what bans
+    recomputing it: torch 2.13's min-cut ignores a getitem's tag, and with only its getitems marked it recomputed
+    BERT's whole fused MLM head and loss in the backward (selective; its inputs were smaller than its gradients).
+    On its getitems, because AOTAutograd cannot save a tuple: they are what gets saved (_no_tuples_saved turns a
+    chosen tuple into them)."""
+    if isinstance(n.meta.get("val"), (tuple, list)):
         for user in n.users:
             if user.target is operator.getitem:
                 user.meta["recompute"] = CheckpointPolicy.MUST_SAVE
-        return
     n.meta["recompute"] = CheckpointPolicy.MUST_SAVE
 
 
