@@ -154,6 +154,12 @@ def _child(a: argparse.Namespace) -> dict[str, Any]:
             saved_bytes = _saved_bytes(step, model)
         else:
             step()
+    if a.mode == "accelerate" and a.provider == "auto":
+        # provider auto's tiered compile: let the background Inductor compile finish and take the switching step
+        # (it loads Inductor and times both providers), so the timed steps run on the provider the engine keeps.
+        from graphtrain.engine.api import wait_compiled
+        if wait_compiled(model):
+            step()
     _trim()
     state = sum(t.numel() * t.element_size() for t in model.parameters())
     state += sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values()
