@@ -154,9 +154,9 @@ def test_layer_regions_from_module_annotations(tiny):
     import graphtrain.memory.recompute as R
     real = R.tag_for_recompute
 
-    def spy(joint, how):
+    def spy(joint, how, layers=None):
         seen["regions"] = layer_regions(joint)
-        return real(joint, how)
+        return real(joint, how, layers)
     R.tag_for_recompute = spy
     try:
         capture_graphs(m, batch, EngineConfig(recompute="full"))
@@ -166,3 +166,23 @@ def test_layer_regions_from_module_annotations(tiny):
     assert set(regions.values()) == {0, 1}
     mms = [n for n in regions if n.target in (torch.ops.aten.addmm.default, torch.ops.aten.mm.default)]
     assert sorted(regions[n] for n in mms) == [0] * (len(mms) // 2) + [1] * (len(mms) // 2)
+
+
+def test_auto_checkpoints_only_the_layers_the_budget_needs():
+    """When `full` is the first mode to fit, auto bisects for the fewest layers to checkpoint (the earliest): a
+    budget just under selective's peak needs one layer of 4, not 3 (each costs a re-run of its forward)."""
+    import dataclasses
+    from graphtrain.models import GPT2, PRESETS
+    torch.manual_seed(0)
+    m = GPT2(dataclasses.replace(PRESETS["gpt2-tiny"], n_layer=4, dropout=0.1)).train()
+    g = torch.Generator().manual_seed(1)
+    batch = (torch.randint(0, 512, (4, 64), generator=g), torch.randint(0, 512, (4, 64), generator=g))
+    sel = capture_graphs(m, batch, EngineConfig(recompute="selective", memory_budget=1e12)).records[-1].choices[-1]
+    rec = capture_graphs(m, batch, EngineConfig(recompute="auto", memory_budget=sel.predicted_peak - 1)).records[-1]
+    names = [c.name for c in rec.choices]
+    assert names == ["none", "selective", "full", "layers=2", "layers=1"] and rec.chosen == "layers=1", rec
+    by = {c.name: c for c in rec.choices}
+    assert by["layers=1"].fits and by["layers=1"].what == "1 of 4 layers checkpointed (the first 1)"
+    assert by["full"].what == "3 of 4 layers checkpointed (the last is not)"
+    assert by["full"].saved_bytes < by["layers=2"].saved_bytes < by["layers=1"].saved_bytes < by["selective"].saved_bytes
+    assert by["layers=1"].flops_added < by["full"].flops_added

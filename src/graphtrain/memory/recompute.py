@@ -20,7 +20,8 @@ regions are compiled):
   matmuls.
 - ``auto``: tries none, selective, full, then full with PyTorch's activation-memory-budget solver at
   falling budgets, and keeps the first whose predicted step peak fits ``memory_budget``: least
-  added compute first.
+  added compute first. When ``full`` is the first to fit, it then bisects for the fewest layers to
+  checkpoint (the earliest ones: ``layers=k``) that still fit, since each costs a re-run of its forward.
 
 What graphtrain's own ops allow comes from their descriptors (kernels/registry.py): ``random``, and
 ``recompute`` (cheap / reduction / compute-bound / never); a custom op without a descriptor is always
@@ -394,8 +395,9 @@ def _save(n: fx.Node) -> None:
     n.meta["recompute"] = CheckpointPolicy.MUST_SAVE
 
 
-def tag_for_recompute(joint: fx.GraphModule, how: str) -> dict[str, Any]:
-    """Set checkpoint policies on the forward nodes of `joint` for mode `how` (selective|full).
+def tag_for_recompute(joint: fx.GraphModule, how: str, layers: int | None = None) -> dict[str, Any]:
+    """Set checkpoint policies on the forward nodes of `joint` for mode `how` (selective|full). `full` checkpoints
+    every layer but the last, or only the first `layers` of them.
 
     Returns what was found: attention cores recomputed, layers checkpointed (and which one was left)."""
     bw = backward_region(joint)
@@ -421,7 +423,8 @@ def tag_for_recompute(joint: fx.GraphModule, how: str) -> dict[str, Any]:
         return info
     regions = layer_regions(joint, bw)
     last = max(regions.values(), default=-1)
-    checkpointed = {n: r for n, r in regions.items() if r != last and n not in never}
+    chosen = sorted(set(regions.values()) - {last})[:layers]  # the earliest layers (all of them: layers=None)
+    checkpointed = {n: r for n, r in regions.items() if r in chosen and n not in never}
     for n in fw:
         if n in never:
             continue
@@ -438,14 +441,16 @@ def tag_for_recompute(joint: fx.GraphModule, how: str) -> dict[str, Any]:
             _save(n)
     info["layers"] = len(set(checkpointed.values()))
     info["layers_total"] = last + 1
+    info["layers_possible"] = len(set(regions.values()) - {last})
     return info
 
 
 def _partition(joint: fx.GraphModule, joint_inputs: Any, num_fwd_outputs: int, how: str,
-               budget_fraction: float = 1.0, info: dict | None = None) -> tuple[fx.GraphModule, fx.GraphModule]:
+               budget_fraction: float = 1.0, info: dict | None = None,
+               layers: int | None = None) -> tuple[fx.GraphModule, fx.GraphModule]:
     if how == "none":
         return default_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs)
-    found = tag_for_recompute(joint, how)
+    found = tag_for_recompute(joint, how, layers)
     if info is not None:
         info.update(found)
     with fconfig.patch(aggressive_recomputation=True, ban_recompute_reductions=False,
@@ -502,6 +507,8 @@ def _what(how: str, info: dict[str, Any]) -> str:
     if how == "full":
         if not info.get("layers"):
             return "no repeated layers found: min-cut without matmul recompute"
+        if info["layers"] < info.get("layers_possible", info["layers"]):
+            return f"{info['layers']} of {info['layers_total']} layers checkpointed (the first {info['layers']})"
         return f"{info['layers']} of {info['layers_total']} layers checkpointed (the last is not)"
     return ""
 
@@ -537,25 +544,39 @@ def make_partition_fn(engine_cfg: Any, *, n_params_bytes: int = 0, n_param_input
         ladder = {"none": [("none", 1.0)], "selective": [("selective", 1.0)], "full": [("full", 1.0)],
                   "auto": [("none", 1.0), ("selective", 1.0), ("full", 1.0)] +
                           [(f"budget={b}", b) for b in AUTO_BUDGETS]}[mode]
-        best = None
-        for name, frac in ladder:
-            how = "full" if name.startswith("budget") else name
+        def attempt(name: str, how: str, frac: float = 1.0, layers: int | None = None) -> tuple[Any, dict]:
             info: dict[str, Any] = {}
-            fw, bw = _partition(_copy(joint), joint_inputs, num_fwd_outputs, how, frac, info)
+            fw, bw = _partition(_copy(joint), joint_inputs, num_fwd_outputs, how, frac, info, layers)
             rec.dead_random_dropped = drop_dead_random_ops(bw)
             choice = describe(name, fw, bw, num_fwd_outputs, none_saved)
             choice.what = _what(how, info)
-            if name == "none":
-                none_saved = choice.saved_bytes
             if budget is not None:
                 est = predict_peak(fw, bw, n_params_bytes, optimizer=optimizer, num_user_outputs=num_fwd_outputs,
                                    n_param_inputs=n_param_inputs, **predict_kw)
                 choice.predicted_peak, choice.fits = est.peak, est.peak <= budget
             rec.choices.append(choice)
-            if best is None or (choice.predicted_peak or 0) < (best[0].predicted_peak or 0):
-                best = (choice, fw, bw)
-            if mode != "auto" or choice.fits:
-                best = (choice, fw, bw)
+            return (choice, fw, bw), info
+
+        best = None
+        for name, frac in ladder:
+            tried, info = attempt(name, "full" if name.startswith("budget") else name, frac)
+            if name == "none":
+                none_saved = tried[0].saved_bytes
+            if best is None or (tried[0].predicted_peak or 0) < (best[0].predicted_peak or 0):
+                best = tried
+            if mode != "auto" or tried[0].fits:
+                best = tried
+                if mode == "auto" and name == "full":
+                    # checkpoint only as many layers as the budget needs (each costs a re-run of its forward):
+                    # the predicted peak falls with every layer added, so bisect for the fewest that fit
+                    lo, hi = 1, info.get("layers", 0)
+                    while lo < hi:
+                        mid = (lo + hi) // 2
+                        fewer, _ = attempt(f"layers={mid}", "full", layers=mid)
+                        if fewer[0].fits:
+                            hi, best = mid, fewer
+                        else:
+                            lo = mid + 1
                 break
         assert best is not None
         rec.chosen = best[0].name
