@@ -25,8 +25,17 @@ def _step(model: nn.Module, step: int) -> None:
     model(*_batch(step)).backward()
 
 
-def test_aten_first_then_the_measured_winner_loaded_from_the_background_compile():
+def test_aten_first_then_the_measured_winner_loaded_from_the_background_compile(monkeypatch):
     from torch._dynamo.utils import counters
+
+    import graphtrain.engine.choose as choose
+    timed = []
+    real_time_step = choose.time_step
+
+    def spy(fn, args, **kw):
+        timed.append(kw.get("warmed", False))
+        return real_time_step(fn, args, **kw)
+    monkeypatch.setattr(choose, "time_step", spy)
     torch.manual_seed(0)
     ref = build_model(ModelConfig(name="gpt2-tiny", dropout=0.0)).train()
     m = graphtrain.accelerate(copy.deepcopy(ref), fallback="error")
@@ -49,6 +58,22 @@ def test_aten_first_then_the_measured_winner_loaded_from_the_background_compile(
         assert any(n.startswith("tiered compile: aten ran the first") for n in g["notes"]), g["notes"]
     # loaded, not compiled again: the training process's Inductor compiles were cache hits
     assert counters["inductor"]["fxgraph_cache_hit"] - hits >= len(rep.graphs)
+    # per graph, aten (it ran the earlier calls) is timed without a warm-up call, Inductor with one
+    assert timed == [True, False] * len(rep.graphs), timed
+
+
+def test_time_step_warms_up_only_a_candidate_that_has_not_run():
+    from graphtrain.engine.choose import time_step
+    calls = []
+    x = torch.randn(4, requires_grad=True)
+
+    def fn(x):
+        calls.append(1)
+        return x * 2
+    for warmed, n in ((False, 3), (True, 2)):
+        calls.clear()
+        assert time_step(fn, [x], repeats=2, budget_s=float("inf"), warmed=warmed) < float("inf")
+        assert len(calls) == n
 
 
 def test_a_graph_inductor_refuses_stays_on_aten_with_a_note():

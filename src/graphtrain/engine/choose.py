@@ -67,15 +67,16 @@ def _real(x: Any) -> Any:
 
 
 def time_step(fn: Callable[..., Any], example_inputs: Sequence[Any], repeats: int = REPEATS,
-              budget_s: float = BUDGET_S) -> float:
-    """Best of up to `repeats` forward+backward calls of a compiled graph (seconds), after one warm-up call,
-    stopping once the timed calls took `budget_s`; the forward alone where nothing requires a gradient."""
+              budget_s: float = BUDGET_S, warmed: bool = False) -> float:
+    """Best of up to `repeats` forward+backward calls of a compiled graph (seconds), after one warm-up call
+    (none when it already ran: `warmed`), stopping once the timed calls took `budget_s`; the forward alone where
+    nothing requires a gradient."""
     inputs = [_real(x) for x in example_inputs]
     sync = torch.cuda.synchronize if any(isinstance(x, torch.Tensor) and x.is_cuda for x in inputs) else (
         lambda: None)
     best, spent = float("inf"), 0.0
     with torch.random.fork_rng(devices=[]):
-        for i in range(repeats + 1):
+        for i in range(int(warmed), repeats + 1):
             if spent > budget_s:
                 break
             t0 = time.perf_counter()
@@ -103,8 +104,9 @@ class Measured:
     compiles a backward at its first call)."""
 
     def __init__(self, candidates: dict[str, tuple[Callable[..., Any], dict[str, Any], list[Any]]], rec: Any,
-                 folder: Any, key: str | None, state: Any) -> None:
+                 folder: Any, key: str | None, state: Any, warmed: frozenset[str] = frozenset()) -> None:
         self.candidates, self.rec, self.folder, self.key, self.state = candidates, rec, folder, key, state
+        self.warmed = warmed  # candidates that already ran in this process: timed without a warm-up call
         self.chosen: Callable[..., Any] | None = None
 
     def __call__(self, *args: Any) -> Any:
@@ -118,7 +120,7 @@ class Measured:
         times, records = {}, {}
         for p, (fn, record, _) in self.candidates.items():
             self.rec.__dict__.update(record)
-            times[p] = time_step(fn, args)
+            times[p] = time_step(fn, args, warmed=p in self.warmed)
             records[p] = copy.copy(self.rec.__dict__)
         choice = decide(times)
         self.rec.__dict__.update(records[choice])
@@ -237,7 +239,9 @@ class Tiered:
         # aten's record as its first calls completed it (its backward was compiled at the first backward)
         aten = (aten_fn, copy.copy(rec.__dict__), self.aten[2])
         self.aten = None
-        measured = Measured({"aten": aten, "inductor": result}, rec, self.folder, self.key, self.state)
+        # aten ran this graph's earlier calls: timed without the warm-up call (at the switch, one step's worth less)
+        measured = Measured({"aten": aten, "inductor": result}, rec, self.folder, self.key, self.state,
+                            warmed=frozenset({"aten"}))
         measured._choose(args)
         rec.notes = [*rec.notes, f"tiered compile: aten ran the first {self.calls - 1} call(s); Inductor compiled in "
                                  f"a background process ({seconds:.1f} s for its graphs), loaded here in {load:.2f} s"]
