@@ -544,6 +544,7 @@ def make_partition_fn(engine_cfg: Any, *, n_params_bytes: int = 0, n_param_input
         ladder = {"none": [("none", 1.0)], "selective": [("selective", 1.0)], "full": [("full", 1.0)],
                   "auto": [("none", 1.0), ("selective", 1.0), ("full", 1.0)] +
                           [(f"budget={b}", b) for b in AUTO_BUDGETS]}[mode]
+
         def attempt(name: str, how: str, frac: float = 1.0, layers: int | None = None) -> tuple[Any, dict]:
             info: dict[str, Any] = {}
             fw, bw = _partition(_copy(joint), joint_inputs, num_fwd_outputs, how, frac, info, layers)
@@ -567,8 +568,9 @@ def make_partition_fn(engine_cfg: Any, *, n_params_bytes: int = 0, n_param_input
             if mode != "auto" or tried[0].fits:
                 best = tried
                 if mode == "auto" and name == "full":
-                    # checkpoint only as many layers as the budget needs (each costs a re-run of its forward):
-                    # the predicted peak falls with every layer added, so bisect for the fewest that fit
+                    # checkpoint only as many layers as the budget needs (each costs a re-run of its forward).
+                    # The predicted peak falls as layers are added, though not strictly (a recomputed layer's
+                    # working set sits on top): bisection finds few layers that fit, not always the fewest.
                     lo, hi = 1, info.get("layers", 0)
                     while lo < hi:
                         mid = (lo + hi) // 2
