@@ -186,3 +186,23 @@ def test_auto_checkpoints_only_the_layers_the_budget_needs():
     assert by["full"].what == "3 of 4 layers checkpointed (the last is not)"
     assert by["full"].saved_bytes < by["layers=2"].saved_bytes < by["layers=1"].saved_bytes < by["selective"].saved_bytes
     assert by["layers=1"].flops_added < by["full"].flops_added
+
+
+def test_auto_stops_the_budget_ladder_once_it_repeats_itself():
+    """Nothing fits a 1 MiB budget: auto tries the budget solver at falling budgets and stops once two in a row
+    give the same partition (the lower ones would repeat it); it keeps the lowest predicted peak it saw."""
+    import dataclasses
+    from graphtrain.memory.recompute import AUTO_BUDGETS
+    from graphtrain.models import GPT2, PRESETS
+    torch.manual_seed(0)
+    m = GPT2(dataclasses.replace(PRESETS["gpt2-tiny"], n_layer=4, dropout=0.1)).train()
+    batch = (torch.randint(0, 512, (4, 64)), torch.randint(0, 512, (4, 64)))
+    rec = capture_graphs(m, batch, EngineConfig(recompute="auto", memory_budget=2**20)).records[-1]
+    budgets = [c for c in rec.choices if c.name.startswith("budget=")]
+    outcomes = [(c.saved_bytes, c.predicted_peak) for c in budgets]
+    assert [c.name for c in rec.choices[:3]] == ["none", "selective", "full"] and not any(c.fits for c in rec.choices)
+    assert all(a != b for a, b in zip(outcomes[:-2], outcomes[1:-1])), outcomes  # no repeat before the last pair
+    assert len(budgets) == len(AUTO_BUDGETS) or outcomes[-1] == outcomes[-2], outcomes
+    assert len(budgets) < len(AUTO_BUDGETS), outcomes  # here the solver saturates early
+    lowest = min(rec.choices, key=lambda c: c.predicted_peak)
+    assert next(c for c in rec.choices if c.name == rec.chosen).predicted_peak == lowest.predicted_peak

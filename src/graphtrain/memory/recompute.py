@@ -19,9 +19,10 @@ regions are compiled):
   without repeated layers falls back to the min-cut saving the smallest set without recomputing
   matmuls.
 - ``auto``: tries none, selective, full, then full with PyTorch's activation-memory-budget solver at
-  falling budgets, and keeps the first whose predicted step peak fits ``memory_budget``: least
-  added compute first. When ``full`` is the first to fit, it then bisects for the fewest layers to
-  checkpoint (the earliest ones: ``layers=k``) that still fit, since each costs a re-run of its forward.
+  falling budgets (stopping once two in a row give the same partition), and keeps the first whose
+  predicted step peak fits ``memory_budget``: least added compute first. When ``full`` is the first to
+  fit, it then bisects for the fewest layers to checkpoint (the earliest ones: ``layers=k``) that still
+  fit, since each costs a re-run of its forward.
 
 What graphtrain's own ops allow comes from their descriptors (kernels/registry.py): ``random``, and
 ``recompute`` (cheap / reduction / compute-bound / never); a custom op without a descriptor is always
@@ -558,7 +559,7 @@ def make_partition_fn(engine_cfg: Any, *, n_params_bytes: int = 0, n_param_input
             rec.choices.append(choice)
             return (choice, fw, bw), info
 
-        best = None
+        best, last_budget = None, None
         for name, frac in ladder:
             tried, info = attempt(name, "full" if name.startswith("budget") else name, frac)
             if name == "none":
@@ -580,6 +581,13 @@ def make_partition_fn(engine_cfg: Any, *, n_params_bytes: int = 0, n_param_input
                         else:
                             lo = mid + 1
                 break
+            if name.startswith("budget"):
+                # two budgets in a row gave the same partition: the solver has nothing left to recompute (seen
+                # with every layer checkpointed), so the lower ones would only repeat it
+                outcome = (tried[0].saved_bytes, tried[0].predicted_peak)
+                if outcome == last_budget:
+                    break
+                last_budget = outcome
         assert best is not None
         rec.chosen = best[0].name
         if records is not None:
