@@ -88,7 +88,7 @@ def _train(model, steps):
 def test_aten_dropout_rng_matches_eager_and_backward_has_no_random_op(boxed_graphs):
     """A random op in the backward would re-draw numbers there: the RNG state after a step would differ from
     eager's and so would step 2's dropout. The recompute partitioner drops dead random ops that AOTAutograd's
-    partitioners copy into the backward (recompute.drop_dead_random_ops)."""
+    partitioners copy into the backward (rewrites.drop_dead_random_ops)."""
     ref = _gpt2_tiny()
     m = graphtrain.accelerate(copy.deepcopy(ref), compile_blocks=False, provider="aten", fallback="error", passes=_passes())
     losses_e, rng_e = _train(ref, 2)

@@ -30,6 +30,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 import graphtrain.memory.predict as predict
 import graphtrain.memory.recompute as recompute
+import graphtrain.memory.rewrites as rewrites
 import graphtrain.memory.seeded as seeded
 from graphtrain.config import EngineConfig
 from graphtrain.engine.fallback import report_fallback
@@ -155,7 +156,7 @@ def _inductor_partitioner(config: EngineConfig, layout: StepLayout, rec: GraphRe
 
         def uuid(self) -> bytes:
             h = hashlib.sha256()
-            for mod in (recompute, predict, seeded):
+            for mod in (recompute, rewrites, predict, seeded):
                 h.update(inspect.getsource(mod).encode())
             # auto's choice depends on the budget and the predicted persistent state
             h.update(repr((config.recompute, config.memory_budget, layout.n_params_bytes, layout.n_param_inputs,
