@@ -191,7 +191,7 @@ def test_inductor_refuses_aten_dropout_on_cpu_with_the_fix():
 
 
 def test_report_for_config(tmp_path, monkeypatch):
-    from graphtrain.cli import report_for_config
+    from graphtrain.cli_jobs import report_for_config
     monkeypatch.setenv("GRAPHTRAIN_CACHE", str(tmp_path))
     cfg = {"model": {"name": "gpt2-tiny"}, "data": {"max_bytes": 300000, "vocab_size": 512}}
     # gpt2-tiny has 64 positions and data.seq_len defaults to 128: the Trainer's error, before any compile
@@ -279,7 +279,7 @@ def test_auto_through_accelerate_picks_the_first_mode_that_fits():
 
 def test_trainer_config_selects_layer_checkpointing(tmp_path, monkeypatch):
     """engine.recompute in a job config reaches the partitioner through the Trainer (report_for_config)."""
-    from graphtrain.cli import report_for_config
+    from graphtrain.cli_jobs import report_for_config
     monkeypatch.setenv("GRAPHTRAIN_CACHE", str(tmp_path))
     cfg = {"model": {"name": "gpt2-tiny"}, "data": {"max_bytes": 300000, "vocab_size": 512, "seq_len": 64},
            "engine": {"provider": "aten", "recompute": "full"}}
