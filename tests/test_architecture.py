@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "src" / "graphtrain"
 
 # Top to bottom. A module may import its own layer and the layers below it.
 LAYERS: list[tuple[str, ...]] = [
-    ("cli", "cli_runs", "__main__"),
+    ("cli", "cli_jobs", "cli_runs", "__main__"),
     ("bench",),
     ("ops", "export"),
     ("trainer", "integrations"),
