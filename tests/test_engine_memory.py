@@ -312,3 +312,25 @@ def test_recompute_auto_on_hugging_face_gpt2_at_a_tight_budget():
     rep = graphtrain.report(m)
     assert any(g["recompute"] and len(g["recompute"]["choices"]) > 1 for g in rep.graphs), str(rep)  # modes tried
     assert not rep.fallbacks and not rep.eager_only, str(rep)
+
+
+def test_auto_with_fewer_layers_checkpointed_matches_eager():
+    """recompute auto at a budget that only `layers=k` (k < all) meets: the loss and gradients match eager."""
+    import dataclasses
+    from graphtrain.models import GPT2, PRESETS
+    torch.manual_seed(0)
+    ref = GPT2(dataclasses.replace(PRESETS["gpt2-tiny"], n_layer=4, dropout=0.0)).train()
+    x = torch.randint(0, 512, (4, 64), generator=torch.Generator().manual_seed(1))
+    sel = graphtrain.accelerate(copy.deepcopy(ref), compile_blocks=False, provider="aten", fallback="error",
+                                recompute="selective", memory_budget=1e12)
+    sel(x, x).backward()
+    budget = graphtrain.report(sel).graphs[0]["recompute"]["choices"][0]["predicted_peak"] - 1
+    m = graphtrain.accelerate(copy.deepcopy(ref), compile_blocks=False, provider="aten", fallback="error",
+                              recompute="auto", memory_budget=budget)
+    losses = [mod(x, x) for mod in (ref, m)]
+    for loss in losses:
+        loss.backward()
+    r = graphtrain.report(m).graphs[0]["recompute"]
+    assert r["chosen"].startswith("layers="), r["chosen"]
+    assert_close(losses[1], losses[0], name="loss", rtol=1e-5, atol=1e-6)
+    assert_grads_close(m, ref, rtol=1e-4, atol=1e-5)
