@@ -238,12 +238,13 @@ class UnsuitableProvider(RuntimeError):
 
 
 def _aten_random_ops(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> list[str]:
-    """The distinct ATen random ops (nondeterministic_seeded) of a CPU graph."""
+    """The distinct ATen random ops (nondeterministic_seeded) of a CPU graph; an SDPA kernel called with dropout_p 0
+    samples nothing and is not one."""
+    from graphtrain.passes.graph_utils import has_random_tag
     if any(isinstance(x, torch.Tensor) and x.device.type != "cpu" for x in example_inputs):
         return []
-    return sorted({str(n.target) for n in gm.graph.nodes if n.op == "call_function"
-                   and isinstance(n.target, torch._ops.OpOverload) and n.target.namespace == "aten"
-                   and torch.Tag.nondeterministic_seeded in n.target.tags})
+    return sorted({str(n.target) for n in gm.graph.nodes if n.op == "call_function" and has_random_tag(n)
+                   and n.target.namespace == "aten"})
 
 
 PROVIDERS = {"aten": compile_aten, "inductor": compile_inductor}
