@@ -255,7 +255,7 @@ def _tiered(compile_one: Callable[..., Any], gm: fx.GraphModule, example_inputs:
 
     from graphtrain.engine import choose
     from graphtrain.engine.cache import _encode_graph, pass_cache_key
-    if key is None or _has_grad_mode_changes(gm):
+    if key is None:
         return None
     cfg = dataclasses.replace(config, provider="inductor")
     try:
