@@ -78,7 +78,7 @@ def mark_repeated_blocks(module: torch.nn.Module) -> list[str]:
     for name, blocks in repeated_blocks(module):
         if any(b._forward_hooks or b._forward_pre_hooks for b in blocks):
             continue
-        region = torch.compiler.nested_compile_region(type(blocks[0]).forward)
+        region = _region(type(blocks[0]).forward, len(blocks))
         for block in blocks:
             if getattr(block, _MARK, False):
                 continue
@@ -86,6 +86,16 @@ def mark_repeated_blocks(module: torch.nn.Module) -> list[str]:
             setattr(block, _MARK, True)
         marked.append(f"{name} ({len(blocks)} x {type(blocks[0]).__name__})")
     return marked
+
+
+def _region(forward: Callable[..., Any], n_blocks: int) -> Callable[..., Any]:
+    """``nested_compile_region(forward)`` with room for one reuse entry per block. Under ``no_subgraph_reuse`` Dynamo
+    traces every block call and records an entry for each; torch 2.13's default limit of 8 then failed the capture of
+    any model with more than 8 blocks (a 24-layer reference GPT-2 with dropout: "exceeded maximum reuse entries")."""
+    import inspect
+    if "max_reuse_entries" in inspect.signature(torch.compiler.nested_compile_region).parameters:
+        return torch.compiler.nested_compile_region(forward, max_reuse_entries=max(8, 2 * n_blocks))
+    return torch.compiler.nested_compile_region(forward)
 
 
 class ReuseMisbound(RuntimeError):
