@@ -65,8 +65,7 @@ def _cpu_fwd(logits: Tensor, target: Tensor, ignore_index: int, reduction: int) 
     t = torch.where(valid, target, 0)[:, None]
     logp = torch.log_softmax(x, -1).gather(1, t)[:, 0]
     lse = x.gather(1, t)[:, 0] - logp  # log-sum-exp of the row: x_t - log_softmax(x)_t
-    losses = torch.where(valid, -logp, 0.0)
-    loss = losses if reduction == 0 else (losses.sum() if reduction == 2 else losses.sum() / valid.sum())
+    loss = _reduce(torch.where(valid, -logp, 0.0), valid, reduction)
     return loss.to(logits.dtype).contiguous(), lse.contiguous()
 
 
