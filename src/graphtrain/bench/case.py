@@ -274,9 +274,10 @@ class Worker:
 
     def setup(self) -> dict[str, Any]:
         torch.set_num_threads(os.cpu_count() or 1)
-        if self.pin_mmap:  # the same process environment as graphtrain's recompute variants (runner decides)
-            from graphtrain.memory.allocator import pin_mmap_threshold
-            pin_mmap_threshold()
+        # the same process environment for every variant of a run (runner decides): what graphtrain sets itself
+        # (engine/backend.py allocator_mode), release under its recompute variants, keep otherwise
+        from graphtrain.engine.backend import set_cpu_allocator
+        set_cpu_allocator("release" if self.pin_mmap else "keep")
         t0 = time.perf_counter()
         self.work, info = build_workload(self.case, self.variant, str(self.device))
         info["setup_mem_mib"] = current_memory_mib(self.device)

@@ -139,11 +139,11 @@ def interleaved_step_times(model: str, seq: int, batch: int, variants: list[str]
 
     import torch
 
-    from graphtrain.memory.allocator import pin_mmap_threshold
     from graphtrain.engine.measure import build
+    from graphtrain.engine.backend import set_cpu_allocator
     torch.set_num_threads(threads)
-    if any(v in ("selective", "full", "auto") for v in variants):
-        pin_mmap_threshold()  # what accelerate does for these modes; applies to every variant in this process
+    # what accelerate does for these modes (engine/backend.py allocator_mode); applies to every variant here
+    set_cpu_allocator("release" if any(v in ("selective", "full", "auto") for v in variants) else "keep")
     torch.manual_seed(0)
     base, data = build(model, seq, batch, dropout, attention)
     steps_fn = {}

@@ -30,8 +30,8 @@ def _failed(reply: dict[str, Any]) -> dict[str, Any]:
 
 def pins_mmap(variants: list[Variant]) -> bool:
     """Whether this run's workers pin glibc's mmap threshold: all of them when any variant uses graphtrain's
-    recompute (which pins it, engine/backend.py), none otherwise, so every variant of a table runs in the same
-    process environment."""
+    recompute (which pins it, engine/backend.py), none otherwise (then they all keep freed blocks, what graphtrain
+    sets without recompute), so every variant of a table runs in the same process environment."""
     return any(v.recompute != "none" for v in variants)
 
 
@@ -226,7 +226,8 @@ def run_suite(suite: Suite, variants: list[Variant], cases: tuple[Case, ...], de
                            "settings": {"steps": suite.steps, "repeats": suite.repeats, "warmup": suite.warmup,
                                         "cap_gib": suite.cap_gib, "device": device, "max_workers": suite.max_workers,
                                         "threads": os.cpu_count(), "variants": [v.name for v in variants],
-                                        "pin_mmap": pins_mmap(variants)},
+                                        "pin_mmap": pins_mmap(variants),
+                                        "allocator": "release" if pins_mmap(variants) else "keep"},
                            "log_dir": str(log_dir), "cases": []}
     total = sum(len(variants) * (suite.repeats + 2) for _ in cases)
     bar = tqdm(total=total, desc=f"bench {suite.name}", unit="op", disable=not progress, dynamic_ncols=True)

@@ -52,25 +52,40 @@ def _frame_info(gm: fx.GraphModule) -> tuple[str, int]:
     return frame, (cid.frame_compile_id or 0) if cid is not None else 0
 
 
-_ALLOCATOR_PINNED = False
+_ALLOCATOR_SET: str | None = None
 
 
-def _pin_cpu_allocator_once(example_inputs: Sequence[Any], config: EngineConfig) -> None:
-    """On CPU, when the user asked for memory savings (recompute or a memory budget), pin glibc's mmap
-    threshold the first time the engine compiles (memory/allocator.py: with glibc's growing threshold the
-    freed activations of a step stay in its heap; measured ~90 MiB on gpt2-mini b16 s128).
+def allocator_mode(config: EngineConfig) -> str:
+    """The CPU allocator mode `config` asks for (memory/allocator.py): `auto` releases freed blocks to the OS when
+    the user asked for memory savings (recompute or a memory budget) and keeps them for the next step otherwise.
 
-    Not by default: every allocation over the threshold then becomes a fresh mmap whose pages fault in on
-    first touch. Measured on gpt2-mini b16 s128, 2-core Xeon, fp32, aten provider: 0.55 s/step pinned vs
-    0.38 s unpinned (eager 0.40), i.e. pinning cost ~45% of step time."""
-    global _ALLOCATOR_PINNED
-    if _ALLOCATOR_PINNED or (config.recompute == "none" and config.memory_budget is None):
+    Release (glibc's threshold pinned at 128 KiB): with glibc's growing threshold the freed activations of a step
+    stay in its heap, measured ~90 MiB on gpt2-mini b16 s128, but every larger allocation becomes a fresh mmap
+    whose pages fault in on first touch: 0.55 s/step pinned vs 0.38 s unpinned (gpt2-mini b16 s128, 2-core Xeon,
+    fp32, aten provider). Keep: blocks over glibc's 32 MiB cap (logits) are reused instead of faulted in."""
+    if config.cpu_allocator != "auto":
+        return config.cpu_allocator
+    return "release" if (config.recompute != "none" or config.memory_budget is not None) else "keep"
+
+
+def _set_cpu_allocator_once(example_inputs: Sequence[Any], config: EngineConfig) -> None:
+    """Apply `allocator_mode(config)` the first time the engine compiles a CPU graph; the process keeps that
+    setting (glibc's is per process: a later model asking for another mode does not change it)."""
+    global _ALLOCATOR_SET
+    if _ALLOCATOR_SET is not None:
         return
     if any(isinstance(x, torch.Tensor) and x.device.type != "cpu" for x in example_inputs):
         return
-    from graphtrain.memory.allocator import pin_mmap_threshold
-    _ALLOCATOR_PINNED = True
-    pin_mmap_threshold()
+    set_cpu_allocator(allocator_mode(config))
+
+
+def set_cpu_allocator(mode: str) -> bool:
+    """Apply CPU allocator `mode` (memory/allocator.py apply) to this process and remember it, so that no later
+    compile changes it (a benchmark harness gives every variant's process the same setting this way)."""
+    global _ALLOCATOR_SET
+    from graphtrain.memory import allocator
+    _ALLOCATOR_SET = mode
+    return allocator.apply(mode)
 
 
 def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: EngineConfig,
@@ -81,7 +96,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Eng
     from graphtrain.engine.blocks import has_block_calls
 
     apply_policy(config)
-    _pin_cpu_allocator_once(example_inputs, config)
+    _set_cpu_allocator_once(example_inputs, config)
     if has_block_calls(gm):
         return _compile_by_blocks(gm, example_inputs, config, state)
     return _compile_one(gm, example_inputs, config, state)

@@ -120,9 +120,10 @@ def _pinned(a: argparse.Namespace) -> bool:
 def _child(a: argparse.Namespace) -> dict[str, Any]:
     import torch
     torch.set_num_threads(a.threads)
-    if _pinned(a):
-        from graphtrain.memory.allocator import pin_mmap_threshold
-        pin_mmap_threshold()
+    from graphtrain.engine.backend import set_cpu_allocator
+    # pinned: release (as accelerate does under recompute); --no-pin-malloc: glibc's default; else keep (as
+    # accelerate does without recompute, engine/backend.py allocator_mode). Set here, so accelerate keeps it.
+    set_cpu_allocator("release" if _pinned(a) else "default" if a.no_pin_malloc else "keep")
     base_kib = _rss_kib()
     model, batch = build(a.model, a.seq, a.batch, a.dropout, a.attention)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)  # the strongest one-flag setting, every variant
