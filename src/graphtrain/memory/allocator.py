@@ -31,28 +31,28 @@ KEEP_THRESHOLD = 1 << 30
 mmap, so one huge tensor is not held for the rest of the process."""
 
 
+def _glibc() -> ctypes.CDLL | None:
+    """glibc, where this process runs on it (mallopt is glibc's); None elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+
+
 def pin_mmap_threshold(threshold: int = DEFAULT_THRESHOLD) -> bool:
     """Pin glibc's mmap threshold (disables its dynamic growth). Returns False where not glibc."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return False
-    return bool(libc.mallopt(M_MMAP_THRESHOLD, int(threshold)))
+    libc = _glibc()
+    return libc is not None and bool(libc.mallopt(M_MMAP_THRESHOLD, int(threshold)))
 
 
 def keep_freed_blocks(threshold: int = KEEP_THRESHOLD) -> bool:
     """Serve blocks under `threshold` from glibc's heap and never trim it: a freed activation's pages are reused
     by the next step instead of being faulted in again. Returns False where not glibc."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return False
+    libc = _glibc()
     # the trim threshold first: once the mmap threshold is set glibc stops adjusting it
-    return bool(libc.mallopt(M_TRIM_THRESHOLD, 2 * int(threshold))) and bool(
+    return libc is not None and bool(libc.mallopt(M_TRIM_THRESHOLD, 2 * int(threshold))) and bool(
         libc.mallopt(M_MMAP_THRESHOLD, int(threshold)))
 
 
