@@ -48,11 +48,12 @@ def pin_mmap_threshold(threshold: int = DEFAULT_THRESHOLD) -> bool:
 
 
 def keep_freed_blocks(threshold: int = KEEP_THRESHOLD) -> bool:
-    """Serve blocks under `threshold` from glibc's heap and never trim it: a freed activation's pages are reused
+    """Serve blocks under `threshold` from glibc's heap and trim it only past 2 GiB of free top: a freed activation's pages are reused
     by the next step instead of being faulted in again. Returns False where not glibc."""
     libc = _glibc()
-    # the trim threshold first: once the mmap threshold is set glibc stops adjusting it
-    return libc is not None and bool(libc.mallopt(M_TRIM_THRESHOLD, 2 * int(threshold))) and bool(
+    # the trim threshold first: once the mmap threshold is set glibc stops adjusting it. mallopt takes a C int:
+    # trim only past 2 GiB - 1 of free heap top
+    return libc is not None and bool(libc.mallopt(M_TRIM_THRESHOLD, max(int(threshold), 2**31 - 1))) and bool(
         libc.mallopt(M_MMAP_THRESHOLD, int(threshold)))
 
 
