@@ -39,19 +39,30 @@ def test_engine_sets_the_allocator_once_per_process(monkeypatch):
 _FAULTS = textwrap.dedent("""
     import resource, sys, torch
     from graphtrain.memory import allocator
-    def faults(rounds=6):  # minor page faults of allocating, touching and freeing a 64 MiB tensor, as steps do
-        torch.empty(16 * 2**20).fill_(1.0)
+    def faults(warmup, rounds=6):  # minor page faults of allocating, touching and freeing a 64 MiB tensor, as
+        for _ in range(warmup):    # steps do, after `warmup` such rounds
+            torch.empty(16 * 2**20).fill_(1.0)
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         for _ in range(rounds):
             torch.empty(16 * 2**20).fill_(1.0)
         return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-    default = faults()
+    default = faults(1)
     assert allocator.apply(sys.argv[1])
-    print(default, faults())
+    print(default, faults(12))
 """)
 
 
+def _thp_always() -> bool:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return "[always]" in f.read()
+    except OSError:
+        return False
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+@pytest.mark.skipif(_thp_always(), reason="transparent huge pages always on: a fresh 64 MiB block faults in 2 MiB "
+                    "pages, so 4 KiB page counts do not apply")
 def test_keep_reuses_a_large_blocks_pages_release_does_not():
     out = {}
     for mode in ("keep", "release"):
@@ -62,6 +73,7 @@ def test_keep_reuses_a_large_blocks_pages_release_does_not():
     # glibc's default mmaps a 64 MiB block (over its 32 MiB cap) afresh: every round faults every page in again
     assert out["keep"][0] > 5 * pages and out["release"][0] > 5 * pages, out
     assert out["release"][1] > 5 * pages, out
-    # kept: the freed block's pages are reused, in at least half the rounds: posix_memalign's alignment slack can
-    # leave the freed chunk a few bytes short of the next request (measured: 0 or 3 of 6 rounds faulted, by run)
-    assert out["keep"][1] <= 3.3 * pages, out
+    # kept: once warm, the freed block's pages are reused. Warming up takes up to 6 rounds: posix_memalign's
+    # alignment slack can leave a freed chunk a few bytes short of the next request, which then takes fresh heap
+    # (measured: the heap grew by 1 to 5 blocks before every round reused one)
+    assert out["keep"][1] <= 1.1 * pages, out

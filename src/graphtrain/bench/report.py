@@ -193,9 +193,10 @@ def markdown(run: dict[str, Any], heading: str = "##") -> str:
                 "Pinned, glibc returns every freed large block to the OS and the next step faults its pages in "
                 "again, so every variant's step is slower than in an unpinned table (measured 1.50x on eager "
                 "gpt2-small, 2-core AVX2 EPYC): compare ratios within this table, not step times across tables"
-                if s.get("pin_mmap") else ("kept in every variant's process: glibc serves freed blocks up to 1 GiB from its "
-                "heap for the next step, what graphtrain sets without recompute (engine.cpu_allocator)"
-                if s.get("allocator") == "keep" else "left at glibc's default in every process")) + ".", "",
+                if s.get("pin_mmap") else
+                "kept in every variant's process: glibc serves freed blocks up to 1 GiB from its heap for the next "
+                "step, what graphtrain sets without recompute (engine.cpu_allocator)"
+                if s.get("allocator") == "keep" else "left at glibc's default in every process") + ".", "",
              f"MFU = model FLOPs / step time / measured matmul peak: fp32 {_f(peak.get('fp32'), '.3g')} FLOP/s"
              + (f" (the better of aten/MKL {_f(peak.get('fp32_aten'), '.3g')} and oneDNN "
                 f"{_f(peak.get('fp32_onednn'), '.3g')})" if peak.get("fp32_onednn") else "")

@@ -222,12 +222,12 @@ def run_suite(suite: Suite, variants: list[Variant], cases: tuple[Case, ...], de
 
     started = now_iso()
     log_dir = out_dir / "logs" / f"{suite.name}-{started.replace(':', '')[:17]}"
+    pinned = pins_mmap(variants)
     run: dict[str, Any] = {"suite": suite.name, "started": started, "command": command, "env": environment(device),
                            "settings": {"steps": suite.steps, "repeats": suite.repeats, "warmup": suite.warmup,
                                         "cap_gib": suite.cap_gib, "device": device, "max_workers": suite.max_workers,
                                         "threads": os.cpu_count(), "variants": [v.name for v in variants],
-                                        "pin_mmap": pins_mmap(variants),
-                                        "allocator": "release" if pins_mmap(variants) else "keep"},
+                                        "pin_mmap": pinned, "allocator": "release" if pinned else "keep"},
                            "log_dir": str(log_dir), "cases": []}
     total = sum(len(variants) * (suite.repeats + 2) for _ in cases)
     bar = tqdm(total=total, desc=f"bench {suite.name}", unit="op", disable=not progress, dynamic_ncols=True)

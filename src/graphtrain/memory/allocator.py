@@ -15,8 +15,11 @@ model's logits and their gradient: [1016, 16384] fp32 is 67 MB) is a fresh mmap 
 on first touch. On the 2-core AMX Xeon (2026-11-25) a clone of such a tensor took 15.4 ms fresh and 4.4 ms from
 glibc's heap, log_softmax 19.0 vs 8.9 ms, and a whole Hugging Face GPT-2 small step (b8 s128, fp32) ~12% less
 for eager and graphtrain alike. ``keep_freed_blocks`` serves such blocks from the heap and keeps freed heap
-memory (no trim), so the next step reuses the same pages; the peak is the step's own, but the process does not
-give memory back between steps. Written by hand because glibc's ``mallopt`` is the interface (no library wraps it).
+memory (no trim), so the next step reuses the same pages. The process does not give memory back between steps,
+and while it warms up its heap can grow by a few large blocks: posix_memalign (c10's 64-byte-aligned CPU
+allocations) asks for size + alignment + 32 bytes, so a freed chunk whose slack a small allocation took no longer
+fits a request of its own size (a 64 MiB tensor allocated and freed in a loop: 1 to 5 blocks more, then none).
+Written by hand because glibc's ``mallopt`` is the interface (no library wraps it).
 """
 from __future__ import annotations
 
@@ -48,12 +51,12 @@ def pin_mmap_threshold(threshold: int = DEFAULT_THRESHOLD) -> bool:
 
 
 def keep_freed_blocks(threshold: int = KEEP_THRESHOLD) -> bool:
-    """Serve blocks under `threshold` from glibc's heap and trim it only past 2 GiB of free top: a freed activation's pages are reused
-    by the next step instead of being faulted in again. Returns False where not glibc."""
+    """Serve blocks under `threshold` from glibc's heap and trim it only past 2 GiB of free top: a freed
+    activation's pages are reused by the next step instead of being faulted in again. False where not glibc."""
     libc = _glibc()
     # the trim threshold first: once the mmap threshold is set glibc stops adjusting it. mallopt takes a C int:
-    # trim only past 2 GiB - 1 of free heap top
-    return libc is not None and bool(libc.mallopt(M_TRIM_THRESHOLD, max(int(threshold), 2**31 - 1))) and bool(
+    # trim only past twice the threshold of free heap top, at most 2 GiB - 1
+    return libc is not None and bool(libc.mallopt(M_TRIM_THRESHOLD, min(2 * int(threshold), 2**31 - 1))) and bool(
         libc.mallopt(M_MMAP_THRESHOLD, int(threshold)))
 
 
