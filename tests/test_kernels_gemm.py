@@ -244,3 +244,37 @@ def test_shape_probe_times_both_libraries_once_per_machine_and_shape():
     assert again["cached"] and again["aten_s"] == first["aten_s"]
     assert first["wins"] == (first["speedup"] >= WIN_MARGIN)
     assert shape_probe(4096, 48, 80, False)["rows"] == 512  # rows capped: the rate, not the probe's cost, counts
+
+
+def test_probe_follows_the_thread_count_the_process_runs_with(monkeypatch):
+    """A process that changes its thread count (a Trainer with train.threads) must pick the GEMM library a fresh
+    process with that count picks: the probe is kept per machine key, threads included (a suite once ran its
+    reference Trainer on the 2-thread winner while the resumed 1-thread run used the other library: not bitwise)."""
+    import importlib
+
+    from graphtrain.kernels import capability
+    gemm_mod = importlib.import_module("graphtrain.kernels.gemm")
+    measured = []
+
+    def fake_probe(name, run, replace=False):
+        measured.append(torch.get_num_threads())
+        fast = "onednn" if torch.get_num_threads() == 1 else "aten"
+        return {"aten": 200.0 if fast == "aten" else 100.0, "onednn": 200.0 if fast == "onednn" else 100.0,
+                "shapes": [], "cached": True}
+
+    monkeypatch.setattr(capability, "cached_probe", fake_probe)
+    monkeypatch.setattr(gemm_mod, "onednn_fp32", lambda: (True, ""))
+    monkeypatch.setattr(gemm_mod, "_PROBES", {})
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert not gemm_mod.gemm_probe_ran()
+        assert not onednn_gemm_wins() and gemm_mod.gemm_probe_ran()
+        torch.set_num_threads(1)
+        assert not gemm_mod.gemm_probe_ran()
+        assert onednn_gemm_wins()
+        torch.set_num_threads(2)
+        assert not onednn_gemm_wins()
+    finally:
+        torch.set_num_threads(before)
+    assert measured == [2, 1]  # once per thread count

@@ -227,20 +227,23 @@ def _measure(shapes=PROBE_SHAPES, budget_s: float = 0.6) -> dict:
 def gemm_probe() -> dict:
     """GFLOP/s of aten.mm (MKL) and oneDNN on fp32 GEMMs of transformer-layer shapes (PROBE_SHAPES), measured
     once per machine (at most ~0.6 s) and cached (capability.cached_probe); `onednn_gemm_wins` reads it.
-    Without a usable oneDNN fp32 path nothing is timed and the result says why."""
-    return _probe_result()
+    Without a usable oneDNN fp32 path nothing is timed and the result says why. Kept in this process per
+    machine key, which counts the threads: the winner can differ between 1 and 2 threads (2-core Zen 4: aten
+    97 vs oneDNN 105 GFLOP/s at 1 thread), and a process that changes its thread count (a Trainer with
+    train.threads) must run the GEMMs a fresh process with that count runs, or its numerics differ."""
+    key = capability.machine_key()
+    if key not in _PROBES:
+        ok, why = onednn_fp32()
+        _PROBES[key] = (capability.cached_probe("gemm_onednn_vs_aten", _measure) if ok else
+                        {"aten": None, "onednn": None, "shapes": [], "skipped": why, "cached": False})
+    return _PROBES[key]
 
 
-@functools.lru_cache(maxsize=None)
-def _probe_result() -> dict:
-    ok, why = onednn_fp32()
-    if not ok:
-        return {"aten": None, "onednn": None, "shapes": [], "skipped": why, "cached": False}
-    return capability.cached_probe("gemm_onednn_vs_aten", _measure)
+_PROBES: dict[str, dict] = {}
 
 
 def gemm_probe_ran() -> bool:
-    return _probe_result.cache_info().currsize > 0
+    return capability.machine_key() in _PROBES
 
 
 WIN_MARGIN = 1.15
@@ -290,7 +293,7 @@ def shape_probe(m: int, k: int, n: int, b_transposed: bool, budget_s: float = 0.
 @capability.on_change
 def _forget() -> None:
     onednn_fp32.cache_clear()
-    _probe_result.cache_clear()
+    _PROBES.clear()
 
 
 SPEC = register_kernel_spec(KernelSpec(
