@@ -26,14 +26,19 @@ def test_engine_sets_the_allocator_once_per_process(monkeypatch):
     from graphtrain.memory import allocator
     applied = []
     monkeypatch.setattr(allocator, "apply", lambda mode: applied.append(mode) or True)
+    monkeypatch.setattr(allocator, "use_huge_pages", lambda on=True: applied.append(f"huge pages {on}") or on)
     monkeypatch.setattr(backend, "_ALLOCATOR_SET", None)
     x = [torch.zeros(2)]
     backend._set_cpu_allocator_once(x, EngineConfig())
     backend._set_cpu_allocator_once(x, EngineConfig(recompute="full"))  # the process keeps its first setting
-    assert applied == ["keep"]
+    assert applied == ["huge pages True", "keep"]
+    applied.clear()
     monkeypatch.setattr(backend, "_ALLOCATOR_SET", None)
     backend._set_cpu_allocator_once([torch.zeros(2, device="meta")], EngineConfig())  # not a CPU graph
-    assert applied == ["keep"] and backend._ALLOCATOR_SET is None
+    assert applied == [] and backend._ALLOCATOR_SET is None
+    monkeypatch.setattr(allocator, "huge_pages_on", lambda: None)
+    backend._set_cpu_allocator_once(x, EngineConfig(cpu_huge_pages=False))
+    assert applied == ["keep"]  # huge pages off and never on: nothing to undo
 
 
 _FAULTS = textwrap.dedent("""
@@ -77,3 +82,44 @@ def test_keep_reuses_a_large_blocks_pages_release_does_not():
     # alignment slack can leave a freed chunk a few bytes short of the next request, which then takes fresh heap
     # (measured: the heap grew by 1 to 5 blocks before every round reused one)
     assert out["keep"][1] <= 1.1 * pages, out
+
+
+_HUGE = textwrap.dedent("""
+    import torch
+    from graphtrain.memory import allocator
+
+    def huge_mib():
+        for line in open("/proc/self/smaps_rollup"):
+            if line.startswith("AnonHugePages"):
+                return int(line.split()[1]) // 1024
+
+    before = huge_mib()
+    assert allocator.use_huge_pages(True) and allocator.huge_pages_on()
+    x = torch.full((16 << 20,), 3.0)                 # 64 MiB, touched by the fill
+    assert x.data_ptr() % (2 << 20) == 0, x.data_ptr()
+    grown = huge_mib() - before
+    small = torch.ones(100)                          # below 2 MiB: the replaced allocator's
+    y = x * 2
+    assert not allocator.use_huge_pages(False) and allocator.huge_pages_on() is False
+    del x                                            # a huge-page block freed after the switch back
+    z = torch.full((16 << 20,), 1.0)
+    print(grown, float(y[123]), float(small.sum()), float(z.sum()))
+""")
+
+
+def test_huge_page_allocator_backs_large_blocks_with_huge_pages():
+    """Fresh process (the allocator is per process): a 64 MiB tensor is 2 MiB-aligned and faults in as huge pages
+    (AnonHugePages grows by its size), small and later blocks still work, and switching back leaves no block
+    without its deleter."""
+    from graphtrain.kernels import _cpu_ext
+    from graphtrain.memory import allocator
+    ok, why = allocator.huge_pages_available()
+    if not ok:
+        pytest.skip(why)
+    if _cpu_ext.load() is None:
+        pytest.skip(f"graphtrain's C++ kernels do not build here: {_cpu_ext.build_error()}")
+    out = subprocess.run([sys.executable, "-c", _HUGE], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    grown, y, small, z = out.stdout.split()
+    assert (float(y), float(small), float(z)) == (6.0, 100.0, float(16 << 20))
+    assert int(grown) >= 60, f"only {grown} MiB of the 64 MiB block on huge pages"

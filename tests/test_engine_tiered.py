@@ -162,3 +162,44 @@ def test_a_graph_with_a_no_grad_region_switches_to_the_measured_winner():
     rep = graphtrain.report(m)
     assert not rep.fallbacks and set(rep.graphs[0]["provider_times"]) == {"aten", "inductor"}, rep.graphs[0]
     assert any(n.startswith("tiered compile: aten ran the first") for n in rep.graphs[0]["notes"])
+
+
+def test_warm_start_runs_aten_first_then_loads_the_stored_inductor_winner(monkeypatch):
+    """A process that finds Inductor stored as a graph's winner (a warm cache) runs the first step on aten and
+    loads Inductor from the caches at the second call, without timing again; gradients match eager at every step."""
+    import torch._dynamo
+
+    import graphtrain.engine.choose as choose
+    monkeypatch.setattr(choose, "decide", lambda times: "inductor")  # the stored winner, whatever the timing
+    torch.manual_seed(0)
+    ref = _NoGradRegion().train()
+    x = torch.randn(4, 8)
+    cold = graphtrain.accelerate(copy.deepcopy(ref), compile_blocks=False, compile_in_background=False,
+                                 fallback="error")
+    cold(x).sum().backward()  # both compiled and timed now; the decision is stored
+    assert graphtrain.report(cold).graphs[0]["provider"] == "inductor"
+    torch._dynamo.reset()
+
+    def no_timing(*a, **k):
+        raise AssertionError("a stored decision is not timed again")
+    monkeypatch.setattr(choose, "time_step", no_timing)
+    warm = graphtrain.accelerate(copy.deepcopy(ref), compile_blocks=False, fallback="error")
+    warm(x).sum().backward()
+    ref(x).sum().backward()
+    assert_grads_close(warm, ref, rtol=0, atol=0)  # aten: bitwise
+    g = graphtrain.report(warm).graphs[0]
+    assert g["provider"].startswith("aten (provider auto: the stored winner, Inductor"), g["provider"]
+    for p in [*warm.parameters(), *ref.parameters()]:
+        p.grad = None
+    warm(x).sum().backward()  # the second call loads Inductor
+    ref(x).sum().backward()
+    assert_grads_close(warm, ref, rtol=1e-5, atol=1e-6)
+    rep = graphtrain.report(warm)
+    g = rep.graphs[0]
+    assert g["provider"] == "inductor" and not rep.fallbacks, (g, rep.fallbacks)
+    assert any(n.startswith("warm start: aten ran the first 1 call(s)") for n in g["notes"]), g["notes"]
+    assert any("decided by an earlier process" in n for n in g["notes"]), g["notes"]
+    # aten's pass records were dropped with it: the graph's records are the loaded winner's, each pass once
+    from collections import Counter
+    counts = Counter((r.stage, r.name) for r in warm._graphtrain.passes)
+    assert counts and set(counts.values()) == {1}, counts

@@ -67,6 +67,11 @@ class EngineConfig:
     blocks up to 1 GiB from its heap and keeps them for the next step (no page faults on reuse: ~12% of a Hugging
     Face GPT-2 step on a 2-core Xeon), `release` returns blocks over 128 KiB to the OS (the lowest peak, slower),
     `default` leaves glibc alone; `auto`: release under recompute or a memory budget, keep otherwise."""
+    cpu_huge_pages: bool = True
+    """Put CPU tensors of 2 MiB and more on transparent huge pages (set once per process, at the first compile,
+    where the kernel offers them): their first touch faults 2 MiB at a time instead of 4 KiB, which is most of a
+    large model's first step (gradients and optimizer state) and, without `keep`, of every step's fresh
+    activations (memory/allocator.py). Blocks round up to 2 MiB of resident memory at most."""
     cache_dir: str | None = None
     """Persistent compile cache folder; default ~/.cache/graphtrain/compile."""
     dynamic: bool = False
@@ -76,8 +81,10 @@ class EngineConfig:
     code before and after the blocks in graphs of their own; false compiles the model as one graph."""
     compile_in_background: bool = True
     """provider auto, cold cache: run each graph on aten (compiled in about a second) from the first step and
-    compile Inductor in a background thread from the second step on; the graph's next call times both and keeps
-    the faster. false compiles and times both before the first step (slower to start, deterministic)."""
+    compile Inductor in a background process from the second step on; the graph's next call times both and keeps
+    the faster. Warm cache: a graph whose stored winner is Inductor runs its first step on aten and loads Inductor
+    from the caches at the second. false compiles (and on a cold cache times) both before the first step (slower to
+    start; every step runs on the winner)."""
     debug: bool = False
     """Log each pass's time and op-count diff, and lint every graph after every pass."""
 

@@ -7,6 +7,9 @@
 --cache points GRAPHTRAIN_CACHE and TORCHINDUCTOR_CACHE_DIR at one folder: an empty one is a cold start. Models:
 SDPA attention, the config's dropout (0.1), fused AdamW. The first step is the wall time of the first forward,
 backward and optimizer step; the later steps are printed too (single samples: `graphtrain bench` measures speed).
+graphtrain sets the process's CPU allocator at its first compile (glibc keeps freed blocks; blocks of 2 MiB and
+more on transparent huge pages, which is most of a large model's first step); `--same-allocator` gives eager and
+torch.compile that setting too.
 For graphtrain on a cold cache the first steps run on aten while Inductor compiles in a background process
 (provider auto's tiered compile); `--settle` then waits for it and prints the step that switches (it loads Inductor
 from the caches and times both providers) and a step after it, so the whole cost of getting to the final speed shows.
@@ -29,6 +32,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mode", default="graphtrain", choices=("eager", "compile", "graphtrain"))
     p.add_argument("--cache", help="the compile cache folder (empty: cold)")
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--same-allocator", action="store_true",
+                   help="eager and compile: the process allocator graphtrain sets at its first compile (glibc keeps "
+                        "freed blocks, 2 MiB+ blocks on huge pages: engine.cpu_allocator, engine.cpu_huge_pages)")
+    p.add_argument("--engine", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="graphtrain: engine settings, e.g. cpu_huge_pages=false compile_in_background=false")
     p.add_argument("--settle", action="store_true",
                    help="graphtrain: wait for the background compile, then time the switching step and one more")
     a = p.parse_args(argv)
@@ -55,9 +63,14 @@ def main(argv: list[str] | None = None) -> int:
     model.train()
     ids = torch.randint(0, a.vocab, (a.batch, a.seq))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    if a.same_allocator and a.mode != "graphtrain":
+        from graphtrain.engine.backend import set_cpu_allocator
+        set_cpu_allocator("keep", huge_pages=True)
     if a.mode == "graphtrain":
         import graphtrain
-        model = graphtrain.accelerate(model)
+        import yaml
+        settings = {k: yaml.safe_load(v) for k, _, v in (kv.partition("=") for kv in a.engine)}
+        model = graphtrain.accelerate(model, **settings)
     elif a.mode == "compile":
         model.compile()
     def step() -> float:

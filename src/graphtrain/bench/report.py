@@ -196,7 +196,9 @@ def markdown(run: dict[str, Any], heading: str = "##") -> str:
                 if s.get("pin_mmap") else
                 "kept in every variant's process: glibc serves freed blocks up to 1 GiB from its heap for the next "
                 "step, what graphtrain sets without recompute (engine.cpu_allocator)"
-                if s.get("allocator") == "keep" else "left at glibc's default in every process") + ".", "",
+                if s.get("allocator") == "keep" else "left at glibc's default in every process") + "."
+             + (" Every variant's process puts CPU blocks of 2 MiB and more on transparent huge pages, as graphtrain "
+                "does (engine.cpu_huge_pages)." if s.get("huge_pages") else ""), "",
              f"MFU = model FLOPs / step time / measured matmul peak: fp32 {_f(peak.get('fp32'), '.3g')} FLOP/s"
              + (f" (the better of aten/MKL {_f(peak.get('fp32_aten'), '.3g')} and oneDNN "
                 f"{_f(peak.get('fp32_onednn'), '.3g')})" if peak.get("fp32_onednn") else "")

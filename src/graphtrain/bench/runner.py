@@ -219,6 +219,7 @@ def run_suite(suite: Suite, variants: list[Variant], cases: tuple[Case, ...], de
     from tqdm.auto import tqdm
 
     from graphtrain.bench import maxbatch as mb
+    from graphtrain.memory.allocator import huge_pages_available
 
     started = now_iso()
     log_dir = out_dir / "logs" / f"{suite.name}-{started.replace(':', '')[:17]}"
@@ -227,7 +228,8 @@ def run_suite(suite: Suite, variants: list[Variant], cases: tuple[Case, ...], de
                            "settings": {"steps": suite.steps, "repeats": suite.repeats, "warmup": suite.warmup,
                                         "cap_gib": suite.cap_gib, "device": device, "max_workers": suite.max_workers,
                                         "threads": os.cpu_count(), "variants": [v.name for v in variants],
-                                        "pin_mmap": pinned, "allocator": "release" if pinned else "keep"},
+                                        "pin_mmap": pinned, "allocator": "release" if pinned else "keep",
+                                        "huge_pages": huge_pages_available()[0]},
                            "log_dir": str(log_dir), "cases": []}
     total = sum(len(variants) * (suite.repeats + 2) for _ in cases)
     bar = tqdm(total=total, desc=f"bench {suite.name}", unit="op", disable=not progress, dynamic_ncols=True)

@@ -76,15 +76,18 @@ def _set_cpu_allocator_once(example_inputs: Sequence[Any], config: EngineConfig)
         return
     if any(isinstance(x, torch.Tensor) and x.device.type != "cpu" for x in example_inputs):
         return
-    set_cpu_allocator(allocator_mode(config))
+    set_cpu_allocator(allocator_mode(config), huge_pages=config.cpu_huge_pages)
 
 
-def set_cpu_allocator(mode: str) -> bool:
-    """Apply CPU allocator `mode` (memory/allocator.py apply) to this process and remember it, so that no later
-    compile changes it (a benchmark harness gives every variant's process the same setting this way)."""
+def set_cpu_allocator(mode: str, huge_pages: bool = True) -> bool:
+    """Apply CPU allocator `mode` (memory/allocator.py apply) and huge pages (allocator.use_huge_pages) to this
+    process and remember it, so that no later compile changes it (a benchmark harness gives every variant's
+    process the same setting this way). Returns whether a glibc setting was applied."""
     global _ALLOCATOR_SET
     from graphtrain.memory import allocator
     _ALLOCATOR_SET = mode
+    if huge_pages or allocator.huge_pages_on():
+        allocator.use_huge_pages(huge_pages)
     return allocator.apply(mode)
 
 
@@ -226,6 +229,10 @@ def _measured_provider(compile_one: Callable[[str], Callable[..., Any]], gm: fx.
     except Exception:  # noqa: BLE001 - inputs the key cannot describe: decide anew each process
         key = None
     stored = choose.load_decision(folder, key) if key else None
+    if stored is not None and stored["choice"] == "inductor" and config.compile_in_background:
+        deferred = _deferred(compile_one, gm, example_inputs, kinds, stored, config, state, rec)
+        if deferred is not None:
+            return deferred
     if stored is not None:
         compiled, rec.provider = compile_with_fallback(
             [stored["choice"]] + [p for p in choose.CANDIDATES if p != stored["choice"]], compile_one,
@@ -260,33 +267,22 @@ def _measured_provider(compile_one: Callable[[str], Callable[..., Any]], gm: fx.
     return choose.Measured(candidates, rec, folder, key, state)
 
 
-def _tiered(compile_one: Callable[..., Any], gm: fx.GraphModule, example_inputs: Sequence[Any], kinds: list[str],
-            folder: Any, key: str | None, config: EngineConfig, state: EngineState, rec: Any) -> Callable[..., Any] | None:
-    """provider auto without a stored decision: aten now, Inductor compiled by a background process and loaded
-    from the caches when it is done (choose.Tiered); None when the graph cannot be sent (not plain data, or no
-    pass-cache key) or aten does not compile it: then both are compiled now."""
+def _inductor_loader(gm: fx.GraphModule, example_inputs: Sequence[Any], kinds: list[str], config: EngineConfig,
+                     state: EngineState, rec: Any) -> tuple[bytes, Callable[[], tuple[Callable[..., Any], dict[str, Any],
+                                                                          list[Any]]]]:
+    """(the graph as a background job, a function that compiles it under Inductor in this process) for provider
+    auto's tiered and deferred paths: both compile from the graph as data on fake inputs (compile_inductor_from),
+    so the background process that fills the caches and this process that loads from them agree on every cache
+    key. The loader returns a candidate tuple as in ``choose.Measured``. Raises when the graph is not plain data."""
     import copy
     import pickle
 
-    from graphtrain.engine import choose
     from graphtrain.engine.cache import _encode_graph, pass_cache_key
-    if key is None:
-        return None
     cfg = dataclasses.replace(config, provider="inductor")
-    try:
-        metas = input_metas(example_inputs)
-        inductor_key = pass_cache_key(gm, example_inputs, kinds, cfg)
-        job = pickle.dumps({"graph": _encode_graph(gm), "inputs": metas, "kinds": kinds, "config": cfg,
-                            "key": inductor_key, "name": rec.name})
-    except Exception:  # noqa: BLE001 - a graph that is not plain data: compiled here and now
-        return None
-    n_passes = len(state.passes)
-    try:
-        fn = compile_one("aten")
-    except Exception:  # noqa: BLE001 - the synchronous path tries (and reports) both providers
-        del state.passes[n_passes:]
-        return None
-    aten = (fn, copy.copy(rec.__dict__), state.passes[n_passes:])
+    metas = input_metas(example_inputs)
+    inductor_key = pass_cache_key(gm, example_inputs, kinds, cfg)
+    job = pickle.dumps({"graph": _encode_graph(gm), "inputs": metas, "kinds": kinds, "config": cfg,
+                        "key": inductor_key, "name": rec.name})
 
     def compile_inductor() -> tuple[Callable[..., Any], dict[str, Any], list[Any]]:
         r = copy.copy(rec)
@@ -295,8 +291,57 @@ def _tiered(compile_one: Callable[..., Any], gm: fx.GraphModule, example_inputs:
         f = compile_inductor_from(gm, metas, kinds, cfg, state, r, inductor_key)
         return f, copy.copy(r.__dict__), [x for x in state.passes[n:] if x.graph == rec.name]
 
+    return job, compile_inductor
+
+
+def _aten_candidate(compile_one: Callable[..., Any], rec: Any,
+                    state: EngineState) -> tuple[Callable[..., Any], dict[str, Any], list[Any]] | None:
+    """aten's candidate tuple (compiled now), or None when aten does not compile the graph (its pass records are
+    dropped: the synchronous path then tries, and reports, every provider)."""
+    import copy
+    n_passes = len(state.passes)
+    try:
+        fn = compile_one("aten")
+    except Exception:  # noqa: BLE001 - reported by the synchronous path
+        del state.passes[n_passes:]
+        return None
+    return fn, copy.copy(rec.__dict__), state.passes[n_passes:]
+
+
+def _tiered(compile_one: Callable[..., Any], gm: fx.GraphModule, example_inputs: Sequence[Any], kinds: list[str],
+            folder: Any, key: str | None, config: EngineConfig, state: EngineState, rec: Any) -> Callable[..., Any] | None:
+    """provider auto without a stored decision: aten now, Inductor compiled by a background process and loaded
+    from the caches when it is done (choose.Tiered); None when the graph cannot be sent (not plain data, or no
+    pass-cache key) or aten does not compile it: then both are compiled now."""
+    from graphtrain.engine import choose
+    if key is None:
+        return None
+    try:
+        job, compile_inductor = _inductor_loader(gm, example_inputs, kinds, config, state, rec)
+    except Exception:  # noqa: BLE001 - a graph that is not plain data: compiled here and now
+        return None
+    aten = _aten_candidate(compile_one, rec, state)
+    if aten is None:
+        return None
     rec.provider = "aten (provider auto: Inductor compiles in a background process, measured when ready)"
     return choose.Tiered(aten, compile_inductor, job, rec, folder, key, state, config)
+
+
+def _deferred(compile_one: Callable[..., Any], gm: fx.GraphModule, example_inputs: Sequence[Any], kinds: list[str],
+              stored: dict[str, Any], config: EngineConfig, state: EngineState, rec: Any) -> Callable[..., Any] | None:
+    """provider auto with a stored decision for Inductor (a warm start): aten runs the first step, Inductor is
+    loaded from the caches at the module's next call (choose.Deferred). None where the graph is not plain data or
+    aten does not compile it: then the winner is compiled now."""
+    from graphtrain.engine import choose
+    try:
+        _, load = _inductor_loader(gm, example_inputs, kinds, config, state, rec)
+    except Exception:  # noqa: BLE001 - compiled here and now
+        return None
+    aten = _aten_candidate(compile_one, rec, state)
+    if aten is None:
+        return None
+    rec.provider = "aten (provider auto: the stored winner, Inductor, loads from the caches at the next call)"
+    return choose.Deferred(aten, load, stored, rec, state, config)
 
 
 def input_metas(example_inputs: Sequence[Any]) -> list[tuple[Any, ...]]:

@@ -15,7 +15,9 @@ graph runs on aten, compiled in about a second, and Inductor compiles in a backg
 second call begins (the first step runs alone on the cores and its own backward graphs are compiled by then);
 the graph's next call after Inductor is ready loads it from the caches, times both as above and keeps the faster
 (``Tiered``). A
-process that finds the decision stored compiles the winner only, before its first step.
+process that finds the decision stored compiles the winner only: aten's winners before the first step, and an
+Inductor winner from the caches at the module's second call, aten running the first step (``Deferred``: loading
+Inductor costs seconds, aten's compile from the pass cache a fraction of one).
 
 The timing runs on copies of the inputs (parameters never receive these gradients) and under a forked RNG
 (the training run's random stream is untouched). Graphs that read DTensors (their collectives would need every
@@ -246,6 +248,58 @@ class Tiered:
         rec.notes = [*rec.notes, f"tiered compile: aten ran the first {self.calls - 1} call(s); Inductor compiled in "
                                  f"a background process ({seconds:.1f} s for its graphs), loaded here in {load:.2f} s"]
         self.chosen = measured.chosen
+
+
+class Deferred:
+    """provider auto on a warm start whose stored decision is Inductor: the graph runs on aten (`aten`: its
+    candidate tuple, compiled before the first step in a fraction of a second from the pass cache) for the first
+    step, and from the module's second call (or, without the module's count, the graph's first call after a
+    step's worth of calls) on the stored winner, loaded from the caches by `load()`. Loading Inductor is most of
+    a warm start: importing its compiler, the compiled modules and AOTAutograd's cache keys took 3.6 s of a
+    12.8 s warm first step on GPT-2 Medium (2-core Zen 4). Nothing is timed again: the stored decision stands. A
+    winner that fails to load leaves aten running the graph, reported under the module's fallback policy."""
+
+    def __init__(self, aten: tuple[Callable[..., Any], dict[str, Any], list[Any]],
+                 load: Callable[[], tuple[Callable[..., Any], dict[str, Any], list[Any]]], stored: dict[str, Any],
+                 rec: Any, state: Any, config: Any) -> None:
+        self.aten, self.load, self.stored = aten, load, stored
+        self.rec, self.state, self.config = rec, state, config
+        self.calls = 0
+        self.chosen: Callable[..., Any] | None = None
+
+    def __call__(self, *args: Any) -> Any:
+        if self.chosen is not None:
+            return self.chosen(*args)
+        self.calls += 1
+        if self.state.calls >= 1 or self.calls > max(1, int(getattr(self.rec, "calls_per_step", 1) or 1)):
+            self._switch()
+            return self.chosen(*args)
+        return self.aten[0](*args)
+
+    def _switch(self) -> None:
+        from graphtrain.fallback import report_fallback
+        rec, (aten_fn, _, aten_passes) = self.rec, self.aten
+        self.aten = None
+        t0 = time.perf_counter()
+        try:
+            fn, record, _ = self.load()
+        except Exception as e:  # noqa: BLE001 - aten keeps the graph
+            self.chosen, rec.provider = aten_fn, "aten"
+            report_fallback(f"provider inductor on {rec.name} ({rec.frame})", f"{type(e).__name__}: {str(e)[:300]}",
+                            self.config, what="runs on aten (the stored winner did not load)",
+                            sink=self.state.fallbacks)
+            return
+        load = time.perf_counter() - t0
+        compile_seconds = rec.compile_seconds
+        rec.__dict__.update(record)
+        rec.compile_seconds = compile_seconds
+        rec.provider, rec.provider_times = "inductor", self.stored["times"]
+        rec.notes = [*rec.notes, describe(self.stored["times"], "inductor", cached=True),
+                     f"warm start: aten ran the first {self.calls - 1} call(s); Inductor loaded from the caches "
+                     f"in {load:.2f} s"]
+        dropped = {id(r) for r in aten_passes}
+        self.state.passes[:] = [r for r in self.state.passes if id(r) not in dropped]
+        self.chosen = fn
 
 
 class _Worker:

@@ -365,10 +365,61 @@ void onednn_matmul(const at::Tensor& a, const at::Tensor& b, const at::Tensor& o
   TORCH_CHECK(out.is_contiguous(), "onednn_matmul: out must be contiguous");
   at::native::mkldnn_matmul(a, b, out, (float)beta, 1.f);
 }
+
+// The CPU allocator with transparent huge pages (memory/allocator.py huge_pages): blocks of 2 MiB and more are
+// 2 MiB-aligned and madvise(MADV_HUGEPAGE)d before their first touch, so they fault in 2 MiB at a time instead
+// of 4 KiB (what c10 does under THP_MEM_ALLOC_ENABLE=1, which torch reads once, at its first allocation: too
+// early for a library to set). Smaller blocks go to the allocator this one replaced. Both kinds are freed the
+// same way (profiler report, then free), so either deleter frees either block.
+#include <c10/core/CPUAllocator.h>
+#include <sys/mman.h>
+#include <cstdlib>
+
+namespace {
+constexpr size_t kHugePage = size_t(2) << 20;
+c10::Allocator* gt_base_allocator = nullptr;
+
+void gt_huge_delete(void* p) {
+  c10::profiledCPUMemoryReporter().Delete(p);
+  std::free(p);
+}
+
+struct HugePageCPUAllocator final : c10::Allocator {
+  c10::DataPtr allocate(size_t n) override {
+    if (n < kHugePage) return gt_base_allocator->allocate(n);
+    void* p = nullptr;
+    if (posix_memalign(&p, kHugePage, n) != 0 || p == nullptr) {
+      c10::profiledCPUMemoryReporter().OutOfMemory(n);
+      TORCH_CHECK(false, "graphtrain's huge-page CPU allocator: out of memory allocating ", n, " bytes");
+    }
+    madvise(p, n, MADV_HUGEPAGE);  // advice only: where the kernel declines, the block still works
+    c10::profiledCPUMemoryReporter().New(p, n);
+    return {p, p, &gt_huge_delete, c10::Device(c10::DeviceType::CPU)};
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return &gt_huge_delete; }
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
+};
+HugePageCPUAllocator gt_huge_allocator;
+}  // namespace
+
+// on: install the huge-page allocator as torch's CPU allocator; off: give back the one it replaced. Returns
+// whether it is the CPU allocator now.
+bool huge_page_allocator(bool on) {
+  c10::Allocator* current = c10::GetCPUAllocator();
+  if (on && current != &gt_huge_allocator) {
+    gt_base_allocator = current;
+    c10::SetCPUAllocator(&gt_huge_allocator, /*priority=*/0);  // the default allocator's priority
+  } else if (!on && current == &gt_huge_allocator && gt_base_allocator != nullptr) {
+    c10::SetCPUAllocator(gt_base_allocator, /*priority=*/0);
+  }
+  return c10::GetCPUAllocator() == &gt_huge_allocator;
+}
 """
 
 _DECLS = ["bias_dropout_add_fwd", "dropout_bwd", "dropout_mask", "attn_probs_fwd", "attn_probs_bwd", "onednn_matmul",
-          "ce_fwd_bwd_inplace"]
+          "ce_fwd_bwd_inplace", "huge_page_allocator"]
 
 # Compiler flags per ISA level (explicit -m flags rather than -march=x86-64-v3/v4 so older compilers work).
 _ISA_FLAGS: dict[str, list[str]] = {
@@ -406,7 +457,7 @@ def load(level: str | None = None):
             try:
                 from torch.utils.cpp_extension import load_inline
                 _modules[level] = load_inline(
-                    name=f"graphtrain_cpu_kernels_v8_{level}", cpp_sources=[_CPP], functions=_DECLS,
+                    name=f"graphtrain_cpu_kernels_v9_{level}", cpp_sources=[_CPP], functions=_DECLS,
                     extra_cflags=["-O3", *_ISA_FLAGS[level], "-fopenmp"], extra_ldflags=["-fopenmp"],
                     verbose=False)
             except Exception as e:  # no compiler / headers: correctness first, reference path
