@@ -86,6 +86,18 @@ def build_strategy(model: nn.Module, config: Config, device: torch.device, env: 
     return SingleProcessStep(model, config, device)
 
 
+def engine_config(config: Config) -> Any:
+    """The engine settings the run's graphs compile with: config.engine, except that train.deterministic also
+    settles every graph's provider before the first step (engine.compile_in_background off). With provider auto
+    a graph otherwise switches from aten to its winner at a later step (cold: when the background compile is
+    done, a timing matter; warm: at the second step), so a run resumed at step k would run steps on other
+    providers than the uninterrupted run did, whose results differ in the last bits."""
+    import dataclasses
+    if config.train.deterministic and config.engine.compile_in_background:
+        return dataclasses.replace(config.engine, compile_in_background=False)
+    return config.engine
+
+
 class SingleProcessStep:
     """One process: eager PyTorch, or with train.accelerate the module compiled in place by the graph engine."""
 
@@ -94,7 +106,7 @@ class SingleProcessStep:
         model.to(device)
         if config.train.accelerate:
             from graphtrain.engine.api import accelerate  # loads Dynamo: only when the engine is used
-            model = accelerate(model, config.engine)
+            model = accelerate(model, engine_config(config))
         self.model = self.module = model
         self.optimizer = build_optimizer(model, config.optim)
         self.scaler = make_loss_scaler(config.engine)  # fp16 only: dynamic loss scaling
@@ -183,7 +195,7 @@ class DistributedStep:
         self.par = parallelize(model, lambda m: build_optimizer(m, config.optim), config.parallel, env)
         self.model, self.optimizer, self.module = self.par.model, self.par.optimizer, self.par.module
         if config.train.accelerate:  # per layout (Parallelized.accelerate says how)
-            self.par.accelerate(config.engine)
+            self.par.accelerate(engine_config(config))
         # Each data-parallel replica and each pipeline stage draws its own dropout (runtime.rank_seed); the
         # first stage of replica 0 keeps a single process's stream. Tensor-parallel ranks of one stage share
         # theirs: dropout on replicated activations (after a row-parallel all-reduce) must drop the same
