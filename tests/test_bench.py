@@ -150,6 +150,16 @@ def test_suites_and_variants_resolve():
     assert bench_main(["--list"]) == 0
 
 
+def test_cases_are_chosen_by_substring_or_glob():
+    hf = suites.get_suite("hf")
+    names = lambda patterns: [c.name for c in suites.select_cases(hf, patterns)]  # noqa: E731
+    assert names(["hf-llama-*"]) == names(["llama"]) == ["hf-llama-mini b16 s128", "hf-llama-small b8 s128"]
+    assert names(["*-mini *", "bert-small"]) == ["hf-gpt2-mini b16 s128", "hf-bert-mini b16 s128",  # suite order
+                                                 "hf-bert-small b8 s128", "hf-llama-mini b16 s128"]
+    with pytest.raises(ValueError, match="no case of suite 'hf' matches"):
+        suites.select_cases(hf, ["gpt3*"])
+
+
 def test_tiny_suite_end_to_end(tmp_path):
     pytest.importorskip("graphtrain.models")
     docs = tmp_path / "benchmarks.md"

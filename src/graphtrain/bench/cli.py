@@ -22,7 +22,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"variants to compare (default: the suite's; for most {' '.join(DEFAULT_VARIANTS)}); "
                              + "; ".join(f"{v.name}: {v.doc}" for v in VARIANTS.values()))
     parser.add_argument("--cases", nargs="+", metavar="PATTERN",
-                        help="only cases whose name contains one of these, e.g. gpt2-small or 'b8 s128'")
+                        help="only cases whose name contains one of these or matches it as a glob, e.g. gpt2-small, "
+                             "'b8 s128' or 'hf-llama-*'")
     parser.add_argument("--steps", type=int, help="steps per timed block (default: the suite's)")
     parser.add_argument("--repeats", type=int, help="interleaved rounds, one block per variant each (default: the suite's)")
     parser.add_argument("--warmup", type=int, help="untimed steps after the first step (default: the suite's)")

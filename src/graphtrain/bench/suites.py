@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import fnmatch
 from dataclasses import dataclass
 from typing import Literal
 
@@ -169,10 +170,11 @@ def resolve_variants(names: list[str] | None, suite: Suite | None = None) -> lis
 
 
 def select_cases(suite: Suite, patterns: list[str] | None) -> tuple[Case, ...]:
-    """Cases whose name contains any of `patterns` (all cases when none are given)."""
+    """Cases whose name contains any of `patterns` or matches it as a shell-style glob (``hf-llama-*``); all cases
+    when none are given."""
     if not patterns:
         return suite.cases
-    chosen = tuple(c for c in suite.cases if any(p in c.name for p in patterns))
+    chosen = tuple(c for c in suite.cases if any(p in c.name or fnmatch.fnmatchcase(c.name, p) for p in patterns))
     if not chosen:
         raise ValueError(f"no case of suite {suite.name!r} matches {patterns}: cases are "
                          f"{', '.join(c.name for c in suite.cases)}")
