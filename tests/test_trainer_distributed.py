@@ -41,6 +41,19 @@ def _train(tmp_path, cache, name: str, *extra: str) -> tuple[subprocess.Complete
     return proc, records
 
 
+@pytest.fixture(scope="module")
+def single(tmp_path_factory, cache):
+    """The single-process eager reference runs, one per distinct set of overrides, shared by the module's tests
+    (several compare against the same one; each is a whole CLI run)."""
+    runs: dict[tuple[str, ...], tuple[subprocess.CompletedProcess, list[dict]]] = {}
+
+    def run(*extra: str) -> tuple[subprocess.CompletedProcess, list[dict]]:
+        if extra not in runs:
+            runs[extra] = _train(tmp_path_factory.mktemp("single"), cache, "single", *extra)
+        return runs[extra]
+    return run
+
+
 def _losses(records: list[dict]) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in records if r["kind"] == "train"}
 
@@ -62,10 +75,10 @@ def _assert_same_run(single: list[dict], dist: list[dict]) -> None:
         assert dval[step] == pytest.approx(val[step], rel=1e-4), f"val loss at step {step}"
 
 
-def test_nproc_2_data_parallel_matches_single_process(tmp_path, cache):
-    _, single = _train(tmp_path, cache, "single", "train.threads=1")
+def test_nproc_2_data_parallel_matches_single_process(tmp_path, cache, single):
+    _, ref = single("train.threads=1")
     proc, dist = _train(tmp_path, cache, "dp2", "parallel.dp=2", "--nproc", "2")
-    _assert_same_run(single, dist)  # eval reduced over the dp ranks too
+    _assert_same_run(ref, dist)  # eval reduced over the dp ranks too
     assert proc.stdout.count("done: 3 steps") == 1  # only rank 0 prints
     ckpts = list_checkpoints(tmp_path / "dp2")
     assert [s for s, _ in ckpts] == [3] and ckpts[0][1].is_dir()  # sharded, atomically renamed folder
@@ -77,14 +90,14 @@ def test_nproc_2_data_parallel_matches_single_process(tmp_path, cache):
     assert [s for s, _ in list_checkpoints(tmp_path / "dp2")] == [3, 4]
 
 
-def test_nproc_2_data_parallel_with_the_engine_matches_single_eager_process(tmp_path, cache):
+def test_nproc_2_data_parallel_with_the_engine_matches_single_eager_process(tmp_path, cache, single):
     """dp=2 with train.accelerate on: the module inside DDP runs through the graph engine (graphs captured on
     every rank, no eager fallback), with gradient accumulation (no_sync on the first micro-step), and the
     losses equal the single-process eager run's. The aten provider keeps the compile short; the model's
     gradients fit one DDP bucket, so DDPOptimizer has nothing to split (the split is tested in
     test_distributed_dp.py)."""
     accum = ("train.grad_accum=2",)
-    _, single = _train(tmp_path, cache, "single", "train.threads=1", *accum)
+    _, ref = single("train.threads=1", *accum)
     proc, dist = _train(tmp_path, cache, "dp2", "parallel.dp=2", "train.accelerate=true", "engine.provider=aten",
                         "engine.fallback=error", *accum, "--nproc", "2")
     assert "graphtrain engine\n" in proc.stdout or ", graphtrain engine" in proc.stdout, proc.stdout[-2000:]
@@ -92,21 +105,22 @@ def test_nproc_2_data_parallel_with_the_engine_matches_single_eager_process(tmp_
     assert "graphtrain engine, distributed: 3 graph(s) captured per rank (repeated blocks compiled once: " \
         "blocks (2 x Block)" in proc.stdout, proc.stdout[-2000:]
     assert "eager fallbacks on 0 of 2 ranks" in proc.stdout
-    _assert_same_run(single, dist)
+    _assert_same_run(ref, dist)
 
 
 @pytest.mark.parametrize("layout", [("parallel.tp=2",), ("parallel.pp=2", "parallel.microbatches=2")])
-def test_nproc_2_tensor_or_pipeline_parallel_with_the_engine_matches_single_eager_process(tmp_path, cache, layout):
+def test_nproc_2_tensor_or_pipeline_parallel_with_the_engine_matches_single_eager_process(tmp_path, cache, single,
+                                                                                         layout):
     """tp=2 or pp=2 with train.accelerate on: each rank's module (tensor-parallel model, pipeline stage) runs
     through the graph engine on every rank with no eager fallback, and the losses equal one eager process's."""
-    _, single = _train(tmp_path, cache, "single", "train.threads=1")
+    _, ref = single("train.threads=1")
     proc, dist = _train(tmp_path, cache, "dist", *layout, "train.accelerate=true", "engine.provider=aten",
                         "engine.fallback=error", "--nproc", "2")
     # tp: embeddings, the block (once for both layers), head and loss; pp: each stage holds one block
     assert re.search(r"graphtrain engine, distributed: [13] graph\(s\) captured per rank", proc.stdout), \
         proc.stdout[-2000:]
     assert "eager fallbacks on 0 of 2 ranks" in proc.stdout
-    _assert_same_run(single, dist)
+    _assert_same_run(ref, dist)
 
 
 def test_nproc_2_pipeline_parallel_matches_single_process(tmp_path, cache):
@@ -132,8 +146,8 @@ def test_nproc_2_pipeline_parallel_matches_single_process(tmp_path, cache):
 @pytest.mark.slow  # 4 ranks on 2 shared cores: ~15 s each plus the reference
 @pytest.mark.parametrize("layout", [("parallel.dp=2", "parallel.tp=2"),
                                     ("parallel.dp=2", "parallel.pp=2", "parallel.microbatches=2")])
-def test_nproc_4_dp_composed_with_tp_or_pp_matches_single_process(tmp_path, cache, layout):
-    _, single = _train(tmp_path, cache, "single", "train.threads=1")
+def test_nproc_4_dp_composed_with_tp_or_pp_matches_single_process(tmp_path, cache, single, layout):
+    _, ref = single("train.threads=1")
     proc, dist = _train(tmp_path, cache, "dist", *layout, "--nproc", "4")
-    _assert_same_run(single, dist)
+    _assert_same_run(ref, dist)
     assert proc.stdout.count("done: 3 steps") == 1
