@@ -12,6 +12,9 @@ def pytest_configure(config):
     import tempfile
     if "GRAPHTRAIN_CACHE" not in os.environ:
         os.environ["GRAPHTRAIN_CACHE"] = config._graphtrain_cache = tempfile.mkdtemp(prefix="graphtrain-test-cache-")
+    # a CLI run in a subprocess that ends before its background compile must not leave it running beside the
+    # next tests (engine.background_at_exit); tests of that behaviour set it in their own subprocess's environment
+    os.environ.setdefault("GRAPHTRAIN_BACKGROUND_AT_EXIT", "stop")
 
 
 def pytest_unconfigure(config):

@@ -4,6 +4,7 @@ measured winner loaded from those caches. Checked against eager PyTorch like eve
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -203,3 +204,97 @@ def test_warm_start_runs_aten_first_then_loads_the_stored_inductor_winner(monkey
     from collections import Counter
     counts = Counter((r.stage, r.name) for r in warm._graphtrain.passes)
     assert counts and set(counts.values()) == {1}, counts
+
+
+def test_at_exit_a_running_compile_finishes_at_low_priority_or_is_stopped(monkeypatch, tmp_path, capsys):
+    """engine.background_at_exit: at the training process's exit a child whose engine says finish keeps running,
+    reniced, with its folder (it removes that itself); one that says stop is killed and its folder removed."""
+    import subprocess
+    import sys
+
+    import graphtrain.engine.choose as choose
+    from graphtrain.config import EngineConfig
+
+    monkeypatch.delenv(choose.AT_EXIT_ENV, raising=False)
+    assert choose.finish_at_exit(EngineConfig()) and not choose.finish_at_exit(EngineConfig(background_at_exit="stop"))
+    monkeypatch.setenv(choose.AT_EXIT_ENV, "stop")
+    assert not choose.finish_at_exit(EngineConfig())
+    monkeypatch.setenv(choose.AT_EXIT_ENV, "finish")
+    assert choose.finish_at_exit(EngineConfig(background_at_exit="stop"))
+    with pytest.raises(ValueError, match="background_at_exit"):
+        EngineConfig(background_at_exit="wait")
+
+    children = []
+    for name, finish in (("finishing", True), ("stopped", False)):
+        proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+        proc.graphtrain_folder, proc.graphtrain_finish = tmp_path / name, finish
+        proc.graphtrain_folder.mkdir()
+        children.append(proc)
+    monkeypatch.setattr(choose, "_CHILDREN", list(children))
+    finishing, stopped = children
+    try:
+        choose._at_exit()
+        assert choose._CHILDREN == []
+        assert stopped.poll() is not None and not stopped.graphtrain_folder.exists()
+        assert finishing.poll() is None and finishing.graphtrain_folder.exists()
+        assert os.getpriority(os.PRIO_PROCESS, finishing.pid) >= choose.FINISH_NICE
+        err = capsys.readouterr().err
+        assert f"(pid {finishing.pid}) finishes after this process" in err and "background_at_exit=stop" in err
+    finally:
+        finishing.kill()
+        finishing.wait()
+
+
+_SHORT_RUN = """
+import sys, torch, graphtrain
+import graphtrain.engine.choose as choose
+from graphtrain.config import ModelConfig
+from graphtrain.models import build_model
+torch.manual_seed(0)
+m = graphtrain.accelerate(build_model(ModelConfig(name="gpt2-tiny", dropout=0.0)), fallback="error")
+x = torch.randint(0, 512, (2, 32))
+for _ in range(2):  # the second call starts the background compile; the process then exits at once
+    m(x, x).backward()
+(proc,) = choose._CHILDREN
+print(proc.pid, proc.graphtrain_folder)
+"""
+
+
+@pytest.mark.slow  # a real Inductor compile of gpt2-tiny's graphs in the background process (~30 s on 2 cores)
+def test_a_run_shorter_than_its_background_compile_leaves_the_caches_filled(tmp_path):
+    """The first run exits two steps in, long before its background compile is done; that compile finishes on its
+    own and cleans up after itself, and the next process finds every graph's Inductor code in the caches."""
+    import subprocess
+    import sys
+    import time
+
+    import graphtrain.engine.choose as choose
+    env = {**os.environ, "GRAPHTRAIN_CACHE": str(tmp_path / "cache")}
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    env[choose.AT_EXIT_ENV] = "finish"
+    run = subprocess.run([sys.executable, "-c", _SHORT_RUN], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    pid, folder = run.stdout.split()
+    assert f"(pid {pid}) finishes after this process" in run.stderr, run.stderr[-2000:]
+    deadline = time.monotonic() + 600
+    while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not os.path.exists(f"/proc/{pid}"), "the background compile did not finish"
+    assert not os.path.exists(folder), "the orphaned background compile left its folder"
+
+    check = """
+import torch, graphtrain
+from torch._dynamo.utils import counters
+from graphtrain.config import ModelConfig
+from graphtrain.models import build_model
+torch.manual_seed(0)
+m = graphtrain.accelerate(build_model(ModelConfig(name="gpt2-tiny", dropout=0.0)), fallback="error",
+                          compile_in_background=False)
+x = torch.randint(0, 512, (2, 32))
+m(x, x).backward()
+print(len(graphtrain.report(m).graphs), counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"])
+"""
+    again = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    graphs, hits, misses = (int(v) for v in again.stdout.split()[-3:])
+    assert misses == 0 and hits >= graphs > 0, again.stdout

@@ -85,6 +85,11 @@ class EngineConfig:
     the faster. Warm cache: a graph whose stored winner is Inductor runs its first step on aten and loads Inductor
     from the caches at the second. false compiles (and on a cold cache times) both before the first step (slower to
     start; every step runs on the winner)."""
+    background_at_exit: Literal["finish", "stop"] = "finish"
+    """A background Inductor compile still running when the training process exits: `finish` lets it complete, at
+    lower CPU priority (nice 10), and says so in one line, so that the next run starts from its results (a run
+    shorter than the compile would otherwise start cold every time); `stop` ends it. GRAPHTRAIN_BACKGROUND_AT_EXIT
+    overrides this, for harnesses that run many short jobs (the test suite sets it to `stop`)."""
     debug: bool = False
     """Log each pass's time and op-count diff, and lint every graph after every pass."""
 

@@ -305,7 +305,8 @@ class Deferred:
 class _Worker:
     """The background compiles of one engine state: one child process at a time compiles the jobs queued when it
     started (graphs met later go to the next one). Jobs are weak references: a module that was dropped is not
-    compiled for, and a child still running when the training process exits is stopped."""
+    compiled for. A child still running when the training process exits finishes or is stopped, as
+    ``engine.background_at_exit`` says (``_at_exit``)."""
 
     def __init__(self, state: Any) -> None:
         self.state_ref = weakref.ref(state)
@@ -354,12 +355,15 @@ class _Worker:
         self.running = jobs
         self.t0 = time.perf_counter()
         with open(self.folder / "stderr.txt", "wb") as err:
-            self.proc = subprocess.Popen([sys.executable, "-m", "graphtrain.engine.background", str(self.folder)],
+            self.proc = subprocess.Popen([sys.executable, "-m", "graphtrain.engine.background", str(self.folder),
+                                          str(os.getpid())],
                                          stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err)
         self.proc.graphtrain_folder = self.folder
+        state = self.state_ref()
+        self.proc.graphtrain_finish = state is not None and finish_at_exit(state.config)
         _CHILDREN.append(self.proc)
         if not _AT_EXIT:
-            _AT_EXIT.append(atexit.register(stop_background))
+            _AT_EXIT.append(atexit.register(_at_exit))
 
     def _collect(self) -> None:
         import shutil
@@ -389,6 +393,38 @@ _CHILDREN: list[Any] = []
 _AT_EXIT: list[Any] = []
 
 
+AT_EXIT_ENV = "GRAPHTRAIN_BACKGROUND_AT_EXIT"
+FINISH_NICE = 10
+
+
+def finish_at_exit(config: Any) -> bool:
+    """Whether a background compile of an engine with `config` goes on after the training process exits
+    (``engine.background_at_exit``, overridden by $GRAPHTRAIN_BACKGROUND_AT_EXIT when that is finish or stop)."""
+    env = os.environ.get(AT_EXIT_ENV, "").strip().lower()
+    return (env if env in ("finish", "stop") else config.background_at_exit) == "finish"
+
+
+def _at_exit() -> None:
+    """At the training process's exit: each background compile still running whose engine says ``finish`` goes
+    on, reniced to FINISH_NICE, and removes its own folder when done (engine/background.py); its results land in
+    the caches for the next run. Every other one is stopped. Written by hand: a child that outlives its parent is
+    plain POSIX (no library involved)."""
+    import sys
+    finishing = [p for p in _CHILDREN if p.poll() is None and getattr(p, "graphtrain_finish", False)]
+    for proc in finishing:
+        _CHILDREN.remove(proc)
+        try:
+            os.setpriority(os.PRIO_PROCESS, proc.pid, max(FINISH_NICE, os.getpriority(os.PRIO_PROCESS, proc.pid)))
+        except (OSError, AttributeError):  # not POSIX, or the child just ended: nothing to lower
+            pass
+    if finishing:
+        pids = ", ".join(str(p.pid) for p in finishing)
+        print(f"graphtrain: the background Inductor compile (pid {pids}) finishes after this process, at low "
+              f"priority, so that the next run starts from its results; engine.background_at_exit=stop (or "
+              f"{AT_EXIT_ENV}=stop) ends it at exit instead", file=sys.stderr)
+    stop_background()
+
+
 def stop_background() -> None:
     """Stop every background compile process of this process (at exit; tests call it between tests). A graph
     whose child was stopped keeps running on aten."""
@@ -399,7 +435,7 @@ def stop_background() -> None:
             proc.graphtrain_stopped = True
             proc.kill()
             proc.wait()
-            shutil.rmtree(proc.graphtrain_folder, ignore_errors=True)
+        shutil.rmtree(proc.graphtrain_folder, ignore_errors=True)  # also a finished child's that was not collected
 
 
 def worker(state: Any) -> _Worker:
