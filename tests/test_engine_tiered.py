@@ -59,8 +59,37 @@ def test_aten_first_then_the_measured_winner_loaded_from_the_background_compile(
         assert any(n.startswith("tiered compile: aten ran the first") for n in g["notes"]), g["notes"]
     # loaded, not compiled again: the training process's Inductor compiles were cache hits
     assert counters["inductor"]["fxgraph_cache_hit"] - hits >= len(rep.graphs)
+
     # per graph, aten (it ran the earlier calls) is timed without a warm-up call, Inductor with one
     assert timed == [True, False] * len(rep.graphs), timed
+
+    # A later process whose predecessor's background compile finished but never got to time both (it exited
+    # first): the decisions are missing, the compile's marks are there. No child this time: the graphs switch at
+    # the second step, loading Inductor from the caches, and store the decision.
+    import torch._dynamo as dynamo
+
+    from graphtrain.config import EngineConfig
+    from graphtrain.engine.cache import cache_root
+    decisions = list((cache_root(EngineConfig()) / "providers").glob("*.json"))
+    assert len(decisions) == len(rep.graphs)
+    for d in decisions:
+        d.unlink()
+    dynamo.reset()
+    again = graphtrain.accelerate(copy.deepcopy(ref), fallback="error")
+    _step(again, 3)
+    assert all(g["provider"].startswith("aten (provider auto: Inductor is in the caches")
+               for g in graphtrain.report(again).graphs)
+    for p in [*again.parameters(), *ref.parameters()]:
+        p.grad = None
+    _step(again, 4)
+    _step(ref, 4)
+    assert_grads_close(again, ref, rtol=1e-4, atol=1e-5)
+    rep = graphtrain.report(again)
+    assert not rep.fallbacks and choose._CHILDREN == [] and getattr(again._graphtrain.background, "proc", None) is None
+    for g in rep.graphs:
+        assert set(g["provider_times"]) == {"aten", "inductor"}, g
+        assert any("Inductor compiled by an earlier process's background compile" in n for n in g["notes"]), g
+    assert len(list((cache_root(EngineConfig()) / "providers").glob("*.json"))) == len(rep.graphs)
 
 
 def test_time_step_warms_up_only_a_candidate_that_has_not_run():
@@ -282,19 +311,26 @@ def test_a_run_shorter_than_its_background_compile_leaves_the_caches_filled(tmp_
     assert not os.path.exists(f"/proc/{pid}"), "the background compile did not finish"
     assert not os.path.exists(folder), "the orphaned background compile left its folder"
 
+    # the next process: no background compile of its own; every graph loads Inductor from the caches at the
+    # second step, times both providers and stores the decision
     check = """
 import torch, graphtrain
+import graphtrain.engine.choose as choose
 from torch._dynamo.utils import counters
 from graphtrain.config import ModelConfig
 from graphtrain.models import build_model
 torch.manual_seed(0)
-m = graphtrain.accelerate(build_model(ModelConfig(name="gpt2-tiny", dropout=0.0)), fallback="error",
-                          compile_in_background=False)
+m = graphtrain.accelerate(build_model(ModelConfig(name="gpt2-tiny", dropout=0.0)), fallback="error")
 x = torch.randint(0, 512, (2, 32))
-m(x, x).backward()
-print(len(graphtrain.report(m).graphs), counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"])
+for _ in range(3):
+    m(x, x).backward()
+rep = graphtrain.report(m)
+assert not choose._CHILDREN and getattr(m._graphtrain.background, "proc", None) is None
+assert all(set(g["provider_times"]) == {"aten", "inductor"} for g in rep.graphs), rep.graphs
+print(len(rep.graphs), counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"])
 """
     again = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stderr[-3000:]
     graphs, hits, misses = (int(v) for v in again.stdout.split()[-3:])
     assert misses == 0 and hits >= graphs > 0, again.stdout
+    assert len(list((tmp_path / "cache" / "compile" / "providers").glob("*.json"))) == graphs

@@ -269,8 +269,9 @@ def _measured_provider(compile_one: Callable[[str], Callable[..., Any]], gm: fx.
 
 def _inductor_loader(gm: fx.GraphModule, example_inputs: Sequence[Any], kinds: list[str], config: EngineConfig,
                      state: EngineState, rec: Any) -> tuple[bytes, Callable[[], tuple[Callable[..., Any], dict[str, Any],
-                                                                          list[Any]]]]:
-    """(the graph as a background job, a function that compiles it under Inductor in this process) for provider
+                                                                          list[Any]]], str]:
+    """(the graph as a background job, a function that compiles it under Inductor in this process, the job's pass-cache
+    key) for provider
     auto's tiered and deferred paths: both compile from the graph as data on fake inputs (compile_inductor_from),
     so the background process that fills the caches and this process that loads from them agree on every cache
     key. The loader returns a candidate tuple as in ``choose.Measured``. Raises when the graph is not plain data."""
@@ -291,7 +292,7 @@ def _inductor_loader(gm: fx.GraphModule, example_inputs: Sequence[Any], kinds: l
         f = compile_inductor_from(gm, metas, kinds, cfg, state, r, inductor_key)
         return f, copy.copy(r.__dict__), [x for x in state.passes[n:] if x.graph == rec.name]
 
-    return job, compile_inductor
+    return job, compile_inductor, inductor_key
 
 
 def _aten_candidate(compile_one: Callable[..., Any], rec: Any,
@@ -317,13 +318,17 @@ def _tiered(compile_one: Callable[..., Any], gm: fx.GraphModule, example_inputs:
     if key is None:
         return None
     try:
-        job, compile_inductor = _inductor_loader(gm, example_inputs, kinds, config, state, rec)
+        job, compile_inductor, inductor_key = _inductor_loader(gm, example_inputs, kinds, config, state, rec)
     except Exception:  # noqa: BLE001 - a graph that is not plain data: compiled here and now
         return None
     aten = _aten_candidate(compile_one, rec, state)
     if aten is None:
         return None
-    rec.provider = "aten (provider auto: Inductor compiles in a background process, measured when ready)"
+    if choose.inductor_ready(folder, inductor_key):  # an earlier process's background compile finished it
+        rec.provider = "aten (provider auto: Inductor is in the caches, loaded and measured at the next step)"
+        job = b""
+    else:
+        rec.provider = "aten (provider auto: Inductor compiles in a background process, measured when ready)"
     return choose.Tiered(aten, compile_inductor, job, rec, folder, key, state, config)
 
 
@@ -334,7 +339,7 @@ def _deferred(compile_one: Callable[..., Any], gm: fx.GraphModule, example_input
     aten does not compile it: then the winner is compiled now."""
     from graphtrain.engine import choose
     try:
-        _, load = _inductor_loader(gm, example_inputs, kinds, config, state, rec)
+        _, load, _ = _inductor_loader(gm, example_inputs, kinds, config, state, rec)
     except Exception:  # noqa: BLE001 - compiled here and now
         return None
     aten = _aten_candidate(compile_one, rec, state)

@@ -32,6 +32,9 @@ def compile_job(data: dict) -> None:
     rec = GraphRecord(data["name"], "background compile", 0, [m[1] for m in data["inputs"]], data["kinds"])
     compile_inductor_from(_decode_graph(data["graph"]), data["inputs"], data["kinds"], config, state, rec,
                           data["key"])
+    from graphtrain.engine.cache import cache_root
+    from graphtrain.engine.choose import mark_inductor_ready
+    mark_inductor_ready(cache_root(config), data["key"])  # for a later process, if this one's parent is gone
 
 
 def main(argv: list[str]) -> int:

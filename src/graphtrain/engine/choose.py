@@ -186,13 +186,41 @@ def save_decision(folder: Any, key: str, choice: str, times: dict[str, float]) -
 # second.
 
 
+def _ready_path(folder: Any, key: str) -> Any:
+    return folder / "providers" / f"{key}.inductor-ready"
+
+
+def mark_inductor_ready(folder: Any, key: str) -> None:
+    """Record that the background compile of the graph with pass-cache key `key` (under Inductor) is in the caches.
+    The decision itself needs the training process's timing; a process that ended before it could time both
+    leaves this mark, so the next one loads Inductor at its second step instead of compiling it again."""
+    try:
+        path = _ready_path(folder, key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.touch()
+    except OSError:
+        pass
+
+
+def inductor_ready(folder: Any, key: str) -> bool:
+    return _ready_path(folder, key).exists()
+
+
+def _next_step(state: Any, calls: int, rec: Any) -> bool:
+    """Whether the module's first step is over: its call count (engine/api.py), or, without it
+    (``torch.compile(backend="graphtrain")``), more calls of this graph than one step makes."""
+    return state.calls >= 1 or calls > max(1, int(getattr(rec, "calls_per_step", 1) or 1))
+
+
 class Tiered:
     """provider auto on a cold cache: the graph runs on aten (`aten`: its candidate tuple, as in ``Measured``) from
     its first call. From the module's second call a child process (``graphtrain.engine.background``) compiles
     `job` (the graph as data) with Inductor into the caches; the first call after it finished compiles Inductor
     here from them (`compile_inductor()`, returning its candidate tuple), times both candidates on that call's
     inputs and keeps the faster (``Measured``). An Inductor that failed or refused the graph leaves aten running
-    it: a fallback under the module's fallback policy, or a note for a refusal."""
+    it: a fallback under the module's fallback policy, or a note for a refusal. An empty `job` means an earlier
+    process's background compile already put Inductor in the caches (``inductor_ready``): no child; the switch
+    happens at the module's second call."""
 
     def __init__(self, aten: tuple[Callable[..., Any], dict[str, Any], list[Any]],
                  compile_inductor: Callable[[], tuple[Callable[..., Any], dict[str, Any], list[Any]]], job: bytes,
@@ -202,14 +230,18 @@ class Tiered:
         self.calls = 0
         self.status: tuple[str, str] | None = None  # the child's word on this graph: ("done" | <error type>, text)
         self.chosen: Callable[..., Any] | None = None
-        worker(state).add(self)
+        self.cached = not job  # compiled by an earlier process
+        if not self.cached:
+            worker(state).add(self)
 
     def __call__(self, *args: Any) -> Any:
         if self.chosen is not None:
             return self.chosen(*args)
         self.calls += 1
-        w = worker(self.state)
-        w.poll(self)
+        if not self.cached:
+            worker(self.state).poll(self)
+        elif _next_step(self.state, self.calls, self.rec):
+            self.status = ("done", "")
         if self.status is not None:
             self._decide(args)
             return self.chosen(*args)
@@ -245,8 +277,10 @@ class Tiered:
         measured = Measured({"aten": aten, "inductor": result}, rec, self.folder, self.key, self.state,
                             warmed=frozenset({"aten"}))
         measured._choose(args)
-        rec.notes = [*rec.notes, f"tiered compile: aten ran the first {self.calls - 1} call(s); Inductor compiled in "
-                                 f"a background process ({seconds:.1f} s for its graphs), loaded here in {load:.2f} s"]
+        where = ("by an earlier process's background compile" if self.cached else
+                 f"in a background process ({seconds:.1f} s for its graphs)")
+        rec.notes = [*rec.notes, f"tiered compile: aten ran the first {self.calls - 1} call(s); Inductor compiled "
+                                 f"{where}, loaded here in {load:.2f} s"]
         self.chosen = measured.chosen
 
 
@@ -271,7 +305,7 @@ class Deferred:
         if self.chosen is not None:
             return self.chosen(*args)
         self.calls += 1
-        if self.state.calls >= 1 or self.calls > max(1, int(getattr(self.rec, "calls_per_step", 1) or 1)):
+        if _next_step(self.state, self.calls, self.rec):
             self._switch()
             return self.chosen(*args)
         return self.aten[0](*args)
