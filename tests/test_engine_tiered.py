@@ -250,6 +250,9 @@ def test_at_exit_a_running_compile_finishes_at_low_priority_or_is_stopped(monkey
     assert not choose.finish_at_exit(EngineConfig())
     monkeypatch.setenv(choose.AT_EXIT_ENV, "finish")
     assert choose.finish_at_exit(EngineConfig(background_at_exit="stop"))
+    monkeypatch.setenv(choose.AT_EXIT_ENV, "later")
+    with pytest.warns(UserWarning, match="GRAPHTRAIN_BACKGROUND_AT_EXIT='later' is ignored: set it to finish or stop"):
+        assert not choose.finish_at_exit(EngineConfig(background_at_exit="stop"))
     with pytest.raises(ValueError, match="background_at_exit"):
         EngineConfig(background_at_exit="wait")
 
