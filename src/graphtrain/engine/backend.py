@@ -271,10 +271,9 @@ def _inductor_loader(gm: fx.GraphModule, example_inputs: Sequence[Any], kinds: l
                      state: EngineState, rec: Any) -> tuple[bytes, Callable[[], tuple[Callable[..., Any], dict[str, Any],
                                                                           list[Any]]], str]:
     """(the graph as a background job, a function that compiles it under Inductor in this process, the job's pass-cache
-    key) for provider
-    auto's tiered and deferred paths: both compile from the graph as data on fake inputs (compile_inductor_from),
-    so the background process that fills the caches and this process that loads from them agree on every cache
-    key. The loader returns a candidate tuple as in ``choose.Measured``. Raises when the graph is not plain data."""
+    key) for provider auto's tiered and deferred paths: both compile from the graph as data on fake inputs
+    (compile_inductor_from), so the background process that fills the caches and this process that loads from them
+    agree on every cache key. The loader returns a candidate tuple as in ``choose.Measured``. Raises when the graph is not plain data."""
     import copy
     import pickle
 

@@ -25,15 +25,14 @@ from pathlib import Path
 
 def compile_job(data: dict) -> None:
     from graphtrain.engine.backend import compile_inductor_from
-    from graphtrain.engine.cache import _decode_graph
+    from graphtrain.engine.cache import _decode_graph, cache_root
+    from graphtrain.engine.choose import mark_inductor_ready
     from graphtrain.engine.state import EngineState, GraphRecord
     config = data["config"]
     state = EngineState(config)
     rec = GraphRecord(data["name"], "background compile", 0, [m[1] for m in data["inputs"]], data["kinds"])
     compile_inductor_from(_decode_graph(data["graph"]), data["inputs"], data["kinds"], config, state, rec,
                           data["key"])
-    from graphtrain.engine.cache import cache_root
-    from graphtrain.engine.choose import mark_inductor_ready
     mark_inductor_ready(cache_root(config), data["key"])  # for a later process, if this one's parent is gone
 
 
