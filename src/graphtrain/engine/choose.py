@@ -435,11 +435,13 @@ def finish_at_exit(config: Any) -> bool:
     """Whether a background compile of an engine with `config` goes on after the training process exits
     (``engine.background_at_exit``, overridden by $GRAPHTRAIN_BACKGROUND_AT_EXIT when that is finish or stop)."""
     env = os.environ.get(AT_EXIT_ENV, "").strip().lower()
-    if env and env not in ("finish", "stop"):
+    if env in ("finish", "stop"):
+        return env == "finish"
+    if env:
         import warnings
         warnings.warn(f"{AT_EXIT_ENV}={env!r} is ignored: set it to finish or stop (engine.background_at_exit="
                       f"{config.background_at_exit} applies)", stacklevel=2)
-    return (env if env in ("finish", "stop") else config.background_at_exit) == "finish"
+    return config.background_at_exit == "finish"
 
 
 def _at_exit() -> None:
