@@ -115,6 +115,17 @@ def test_resume_is_bitwise_identical_to_an_uninterrupted_run(tmp_path):
     assert steps == [2, 4, 6]  # no duplicated records from the interrupted run
 
 
+def test_deterministic_runs_settle_every_provider_before_the_first_step():
+    """train.deterministic turns provider auto's background compile off (a resumed run must run every step on the
+    providers the uninterrupted run used); other runs keep the engine settings as configured."""
+    from graphtrain.trainer.strategies import engine_config
+    det = Config.from_dict({"train": {"deterministic": True}})
+    assert engine_config(det).compile_in_background is False
+    assert engine_config(det).provider == det.engine.provider
+    plain = Config()
+    assert engine_config(plain) is plain.engine and plain.engine.compile_in_background
+
+
 def test_resume_errors(tmp_path):
     with pytest.raises(ValueError, match="no checkpoint"):
         Trainer(tiny(tmp_path / "empty"), resume=True).fit()
