@@ -119,6 +119,18 @@ def test_nproc_passes_the_command_on_to_torchrun(monkeypatch, tmp_path):
     assert "--max-restarts=3" in cmd and "--shutdown-timeout=20" in cmd
 
 
+def test_a_torchrun_worker_exits_with_its_status_after_atexit_without_teardown():
+    # program() skips interpreter teardown in torchrun workers (a gloo abort at exit), but not the atexit
+    # handlers (the background compile's) or the exit status.
+    code = ("import atexit, sys, torch.distributed; atexit.register(lambda: print('atexit ran', flush=True)); "
+            "sys.argv = ['graphtrain'] + sys.argv[1:]; from graphtrain.cli import program; program()")
+    env = {**os.environ, "TORCHELASTIC_RUN_ID": "t"}
+    for argv, status in ((["config"], 0), (["config", "no.such=1"], 2)):
+        r = subprocess.run([sys.executable, "-c", code, *argv], env=env, capture_output=True, text=True, timeout=120)
+        assert r.returncode == status, r.stderr
+        assert r.stdout.rstrip().endswith("atexit ran"), r.stdout[-300:]
+
+
 @pytest.mark.parametrize("case", list(BAD_INPUTS))
 def test_bad_input_exits_2_with_one_line(case, tmp_path, capsys):
     extra, expected = BAD_INPUTS[case]

@@ -1,3 +1,3 @@
-from graphtrain.cli import main
+from graphtrain.cli import program
 
-raise SystemExit(main())
+program()

@@ -377,6 +377,25 @@ def main(argv: list[str] | None = None) -> int:
         return code
 
 
+def program() -> None:
+    """The `graphtrain` program (console script and `python -m graphtrain`): `main()`, then exit.
+
+    A worker of a distributed run leaves without interpreter teardown once `main()` has returned: its
+    checkpoints and report are written and its process group destroyed by then. About one pipeline-parallel
+    CLI run in a dozen aborted at exit after that ("terminate called without an active exception",
+    SIGABRT: a gloo thread still joinable when static destructors ran; pytorch/pytorch PR #179291), turning
+    a finished run into a failed one. atexit handlers still run (the background compile's, the loggers').
+    """
+    code = main()
+    if os.environ.get("TORCHELASTIC_RUN_ID") is not None and "torch.distributed" in sys.modules:
+        import atexit
+        atexit._run_exitfuncs()
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        os._exit(code)
+    raise SystemExit(code)
+
+
 def exit_status(e: BaseException) -> int | None:
     """The exit status for an error (the rule in the module docstring); None: not a user-facing error."""
     # The trainer's own exceptions can only come from a command that loaded it (`graphtrain config` stays light).
@@ -406,4 +425,4 @@ def _os_error(e: OSError) -> str:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    program()
