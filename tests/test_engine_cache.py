@@ -100,3 +100,24 @@ def test_cached_pass_failure_still_warns_and_reports(tmp_path, monkeypatch):
             assert any(part == "pass lower_gemm_onednn" for part, _ in rep.fallbacks), rep.fallbacks
             caches.append([g["pass_cache"] for g in rep.graphs])
     assert caches == [["miss"], ["hit"]], caches
+
+
+def test_the_pass_cache_key_names_what_is_compiled_not_where_or_how_loudly():
+    import dataclasses
+
+    import torch
+    import torch.fx as fx
+
+    from graphtrain.config import EngineConfig
+    from graphtrain.engine.cache import pass_cache_key
+
+    gm = fx.symbolic_trace(torch.nn.Linear(4, 3))
+    x = torch.randn(2, 4)
+    base = EngineConfig()
+    key = pass_cache_key(gm, [x], ["input"], base)
+    for same in ({"fallback": "error"}, {"background_at_exit": "stop"}, {"compile_in_background": False},
+                 {"cache_dir": "/elsewhere"}):
+        assert pass_cache_key(gm, [x], ["input"], dataclasses.replace(base, **same)) == key, same
+    for other in ({"recompute": "selective"}, {"precision": "bf16"}, {"provider": "aten"}):
+        assert pass_cache_key(gm, [x], ["input"], dataclasses.replace(base, **other)) != key, other
+    assert pass_cache_key(gm, [torch.randn(3, 4)], ["input"], base) != key

@@ -235,6 +235,21 @@ def test_warm_start_runs_aten_first_then_loads_the_stored_inductor_winner(monkey
     assert counts and set(counts.values()) == {1}, counts
 
 
+def test_the_prefetched_inductor_setup_gives_the_keys_inductor_computes_itself(monkeypatch):
+    import torch._inductor.codecache as codecache
+
+    from graphtrain.engine import choose
+    if not hasattr(codecache.torch_key, "prefetch"):
+        pytest.skip("this torch's torch_key cannot be prefetched")
+    monkeypatch.setattr(choose, "_PREFETCHED", False)
+    codecache.torch_key.clear()
+    choose.prefetch_inductor_setup()
+    choose.prefetch_inductor_setup()  # once per process: a second call starts nothing
+    prefetched = codecache.torch_key()
+    codecache.torch_key.clear()
+    assert codecache.torch_key() == prefetched
+
+
 def test_at_exit_a_running_compile_finishes_at_low_priority_or_is_stopped(monkeypatch, tmp_path, capsys):
     """engine.background_at_exit: at the training process's exit a child whose engine says finish keeps running,
     reniced, with its folder (it removes that itself); one that says stop is killed and its folder removed."""

@@ -119,7 +119,9 @@ def pass_cache_key(gm: "fx.GraphModule", example_inputs: "Sequence[Any]", kinds:
             h.update(f"{kind} {tuple(x.shape)} {x.stride()} {x.dtype} {x.device.type} {x.requires_grad}\n".encode())
         else:
             h.update(f"{kind} {type(x).__name__} {x!r}\n".encode())
-    unkeyed = ("cache_dir", "debug", "compile_in_background")  # where and when, not what is compiled
+    # where, when and how loudly, not what is compiled (a fallback a cached result recorded is replayed under the
+    # policy in force: _cached_passes)
+    unkeyed = ("cache_dir", "debug", "compile_in_background", "background_at_exit", "fallback")
     settings = {k: v for k, v in dataclasses.asdict(config).items() if k not in unkeyed}
     h.update(repr(sorted(settings.items())).encode())
     return h.hexdigest()
