@@ -68,6 +68,31 @@ def test_fallback_error_raises_capture_error(mode):
         m(torch.randn(4, 8))
 
 
+def test_a_module_whose_forward_is_torchs_own_is_captured():
+    # Dynamo starts no trace in torch.nn's files: nn.Sequential used to run eagerly without a word.
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+    m = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+    m.load_state_dict(ref.state_dict())
+    m = graphtrain.accelerate(m, provider="aten", fallback="error")
+    _step_both(ref, m, torch.randn(4, 8))
+    rep = graphtrain.report(m)
+    assert rep.graphs and not rep.fallbacks, str(rep)
+
+
+class _Identity(nn.Module):
+    def forward(self, x):
+        return x
+
+
+def test_a_call_that_compiles_no_graph_is_reported():
+    m = graphtrain.accelerate(_Identity(), provider="aten")
+    from graphtrain import fallback
+    with pytest.warns(fallback.GraphtrainFallbackWarning, match="compiled no graph"):
+        m(torch.randn(2))
+    assert [part for part, _ in graphtrain.report(m).fallbacks] == ["capture of _Identity"]
+
+
 def test_shape_change_recompiles_and_is_reported():
     ref, m = _pair("plain", fallback="error")
     for batch in (4, 6):

@@ -95,9 +95,26 @@ def compile_in_place(modules: torch.nn.Module | list[torch.nn.Module], state: En
             eager = module.forward
             compiled = functools.partial(shared[forward], module)
             module.forward = _CallWrapper(module, compiled, state, eager=eager)  # type: ignore[method-assign]
+        elif _forward_is_torchs(module):
+            compiled = functools.partial(torch.compile(_call_module, **options), module)
+            module._compiled_call_impl = _CallWrapper(module, compiled, state, eager=module._call_impl)
         else:
             compiled = torch.compile(module._call_impl, **options)
             module._compiled_call_impl = _CallWrapper(module, compiled, state, eager=module._call_impl)
+
+
+def _forward_is_torchs(module: torch.nn.Module) -> bool:
+    """Whether `module`'s forward is torch's own (nn.Sequential, nn.Linear, nn.TransformerEncoder, ...). Dynamo does
+    not start tracing in torch.nn's files, it only inlines them: compiling such a module's call compiles no frame at
+    all (measured with torch 2.13: `torch.compile(nn.Sequential(...), fullgraph=True)` raises "found no compiled
+    frames"; without fullgraph the model ran eagerly, and graphtrain said nothing)."""
+    return getattr(type(module).forward, "__module__", "").startswith("torch.")
+
+
+def _call_module(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """The frame Dynamo starts from for a module whose forward is torch's own (`_forward_is_torchs`); it inlines the
+    module's call (hooks included) from here. `_call_impl`, not `module(...)`: the module's call is the wrapper."""
+    return module._call_impl(*args, **kwargs)
 
 
 def _ignore_log_once() -> None:
@@ -169,6 +186,10 @@ class _CallWrapper:
         state.calls += 1
         if state.first_call_seconds is None:
             state.first_call_seconds = time.perf_counter() - t0
+            if not state.graphs and not state.fallbacks and not state.eager_only:
+                report_fallback(f"capture of {type(self.module).__name__}", "Dynamo compiled no graph of its call "
+                                "(every frame skipped or empty)", state.config, what="runs eagerly",
+                                sink=state.fallbacks)
         return out
 
     def _run_compiled(self, args: tuple, kwargs: dict) -> Any:

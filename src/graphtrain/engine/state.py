@@ -45,6 +45,7 @@ class GraphRecord:
     predicted_memory: dict[str, Any] | None = None
     compile_seconds: float = 0.0
     calls_per_step: int = 1         # a repeated block's graph runs once per layer (engine/blocks.py)
+    inference: bool = False         # compiled under no_grad (an evaluation graph): no backward
     provider_times: dict[str, float] | None = None  # provider auto: each candidate's fw+bw seconds (choose.py)
     pass_cache: str = ""            # graphtrain's pass-result cache (engine/cache.py): hit | miss | off
     pass_cache_key: str = ""
