@@ -107,8 +107,9 @@ def _forward_is_torchs(module: torch.nn.Module) -> bool:
     """Whether `module`'s forward is torch's own (nn.Sequential, nn.Linear, nn.TransformerEncoder, ...). Dynamo does
     not start tracing in torch.nn's files, it only inlines them: compiling such a module's call compiles no frame at
     all (measured with torch 2.13: `torch.compile(nn.Sequential(...), fullgraph=True)` raises "found no compiled
-    frames"; without fullgraph the model ran eagerly, and graphtrain said nothing)."""
-    return getattr(type(module).forward, "__module__", "").startswith("torch.")
+    frames"; without fullgraph the model ran eagerly, and graphtrain said nothing). torch.nn.modules only: wrappers
+    such as DistributedDataParallel (torch.nn.parallel) keep the path Dynamo's DDPOptimizer expects."""
+    return getattr(type(module).forward, "__module__", "").startswith("torch.nn.modules.")
 
 
 def _call_module(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
