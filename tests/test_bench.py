@@ -163,6 +163,8 @@ def test_cases_are_chosen_by_substring_or_glob():
 def test_tiny_suite_end_to_end(tmp_path):
     pytest.importorskip("graphtrain.models")
     docs = tmp_path / "benchmarks.md"
+    kept = f"{report.KEEP_BEGIN}\n### A dated run on another machine\n\n| a | b |\n{report.KEEP_END}"
+    docs.write_text(f"# Benchmarks (an older page)\n\nold generated text\n\n{kept}\n")
     from graphtrain.kernels import capability
     rc = bench_main(["tiny", "--variants", "eager-fp32", "eager-fp32-loop-adamw", "eager-bf16", "--out", str(tmp_path),
                      "--no-progress", "--docs", str(docs)])
@@ -190,6 +192,10 @@ def test_tiny_suite_end_to_end(tmp_path):
     assert all(r["best_baseline"] == "eager-fp32" for r in rows if r["variant"].endswith("fp32"))
     text = docs.read_text()
     assert "# Benchmarks" in text and "--device cuda" in text and "gpt2-tiny b2 s32" in text
+    # the hand-written section is carried over, once, and the old generated text is not
+    assert text.count(kept) == 1 and "old generated text" not in text
+    assert bench_main(["--docs", str(docs), "--out", str(tmp_path)]) == 0
+    assert docs.read_text() == text
 
 
 def test_baselines_get_fused_adamw_sdpa_and_the_same_environment():

@@ -109,7 +109,8 @@ def _write_docs(out: Path, path: Path, partial: bool = False) -> int:
         print(f"graphtrain bench: no runs in {out / 'results.jsonl'}; run a suite first", file=sys.stderr)
         return 2
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(report.render_docs(runs))
+    kept = report.kept_sections(path.read_text()) if path.exists() else []
+    path.write_text(report.render_docs(runs, kept))
     print(f"docs:    {path} (suites: {', '.join(r for r in report.SUITE_ORDER if r in runs)})")
     return 0
 

@@ -4,9 +4,10 @@
 min/max and IQR, samples/s and tokens/s, speed ratios (to eager fp32, and to torch.compile at the
 same precision; > 1 means faster) with the spread of the per-round ratios, MFU, memory.
 
-`render_docs` builds docs/benchmarks.md from the latest run of each suite (never edited by hand):
-every number on that page comes from `markdown(run)`; the prose says how they are made and how to
-reproduce them, here or on a CUDA GPU.
+`render_docs` builds docs/benchmarks.md from the latest run of each suite: every number in its generated
+part comes from `markdown(run)`; the prose says how they are made and how to reproduce them, here or on a
+CUDA GPU. Sections written by hand (dated runs on other machines) sit between `keep` markers and are carried
+over to the end of the regenerated page.
 """
 from __future__ import annotations
 
@@ -415,12 +416,25 @@ def _mfu_text(runs: dict[str, dict[str, Any]]) -> str:
             "that carry a label, so on BERT its MFU counts FLOPs it does not run (an upper bound)." + measured + "\n")
 
 
-def render_docs(runs: dict[str, dict[str, Any]]) -> str:
+KEEP_BEGIN = "<!-- keep: written by hand; `graphtrain bench --docs` carries it over -->"
+KEEP_END = "<!-- /keep -->"
+
+
+def kept_sections(page: str) -> list[str]:
+    """The hand-written sections of an existing page (each between KEEP_BEGIN and KEEP_END, markers included):
+    dated runs of other machines or of a subset of a suite, which the latest run of each suite does not replace."""
+    import re
+    return re.findall(re.escape(KEEP_BEGIN) + r".*?" + re.escape(KEEP_END), page, flags=re.DOTALL)
+
+
+def render_docs(runs: dict[str, dict[str, Any]], kept: list[str] = ()) -> str:
+    """The page from the latest run of each suite, followed by the `kept` hand-written sections (kept_sections)."""
     parts = [INTRO, "## Variants\n", _variants_table(), "", _mfu_text(runs), "## Results\n"]
     for name in SUITE_ORDER:
         if name in runs:
             parts.append(f"{SUITES[name].doc[0].upper()}{SUITES[name].doc[1:]}.\n" if name in SUITES else "")
             parts.append(markdown(runs[name], heading="###"))
+    parts.extend(f"{section}\n" for section in kept)
     missing = [s for s in ("small", "hf", "ablation", "seed") if s not in runs]
     if missing:
         parts.append("Not yet recorded here: " + ", ".join(f"`{s}`" for s in missing)
