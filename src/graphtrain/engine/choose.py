@@ -265,8 +265,9 @@ class Tiered:
         self.status: tuple[str, str] | None = None  # the child's word on this graph: ("done" | <error type>, text)
         self.chosen: Callable[..., Any] | None = None
         self.cached = not job  # compiled by an earlier process
-        prefetch_inductor_setup()
-        if not self.cached:
+        if self.cached:
+            prefetch_inductor_setup()  # the switch comes at the next step; a cold start's when its child has spawned
+        else:
             worker(state).add(self)
 
     def __call__(self, *args: Any) -> Any:
@@ -434,6 +435,7 @@ class _Worker:
         _CHILDREN.append(self.proc)
         if not _AT_EXIT:
             _AT_EXIT.append(atexit.register(_at_exit))
+        prefetch_inductor_setup()  # this process loads what the child compiles
 
     def _collect(self) -> None:
         import shutil
