@@ -121,3 +121,31 @@ def test_the_pass_cache_key_names_what_is_compiled_not_where_or_how_loudly():
     for other in ({"recompute": "selective"}, {"precision": "bf16"}, {"provider": "aten"}):
         assert pass_cache_key(gm, [x], ["input"], dataclasses.replace(base, **other)) != key, other
     assert pass_cache_key(gm, [torch.randn(3, 4)], ["input"], base) != key
+
+
+def test_inductor_caches_are_keyed_by_graphtrain_sources(tmp_path, monkeypatch):
+    """Regression: Inductor's AOTAutograd cache keys a graph before autodiff, so a fused op whose backward formula
+    changed (graphtrain::gemm's weight gradient, computed in the weight's layout since) ran the backward graph
+    compiled with the old formula, loaded from the cache. graphtrain's sources are in Inductor's keys now."""
+    import torch
+    from torch._dynamo.utils import counters
+
+    import graphtrain
+    from graphtrain.engine import cache
+
+    def compile_once() -> tuple[int, int]:
+        torch._dynamo.reset()
+        hits, misses = counters["aot_autograd"]["autograd_cache_hit"], counters["aot_autograd"]["autograd_cache_miss"]
+        torch.manual_seed(0)
+        model = graphtrain.accelerate(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(),
+                                                          torch.nn.Linear(16, 4)),
+                                      provider="inductor", cache_dir=str(tmp_path / "cache"))
+        model(torch.randn(3, 8)).square().sum().backward()
+        return (counters["aot_autograd"]["autograd_cache_hit"] - hits,
+                counters["aot_autograd"]["autograd_cache_miss"] - misses)
+
+    first = compile_once()
+    assert first[1] > 0, first
+    assert compile_once() == (first[1], 0)  # unchanged sources: every graph from the cache
+    monkeypatch.setattr(cache, "_SOURCE_DIGEST", "graphtrain with another backward formula")
+    assert compile_once() == (0, first[1])  # changed sources: compiled again, nothing stale loaded

@@ -78,7 +78,7 @@ tracing pipeline and the config. The trainer, CLI, models and data do not (a mod
 its Dynamo graph, which is in the key)."""
 
 
-def _source_digest() -> str:
+def source_digest() -> str:
     """sha256 over the sources in _SOURCES: any change to a pass, kernel or the pipeline is a new key."""
     global _SOURCE_DIGEST
     if _SOURCE_DIGEST is None:
@@ -105,7 +105,7 @@ def pass_cache_key(gm: "fx.GraphModule", example_inputs: "Sequence[Any]", kinds:
 
     h = hashlib.sha256()
     h.update(f"v{PASS_CACHE_VERSION} torch {torch.__version__} {platform.machine()} "
-             f"{torch.backends.cpu.get_cpu_capability()} {_source_digest()}\n".encode())
+             f"{torch.backends.cpu.get_cpu_capability()} {source_digest()}\n".encode())
     h.update(_machine_and_passes(config).encode())
     h.update(gm.code.encode())
     for node in gm.graph.nodes:  # constants the code only names

@@ -33,6 +33,7 @@ import graphtrain.memory.recompute as recompute
 import graphtrain.memory.rewrites as rewrites
 import graphtrain.memory.seeded as seeded
 from graphtrain.config import EngineConfig
+from graphtrain.engine.cache import source_digest
 from graphtrain.engine.fallback import report_fallback
 from graphtrain.engine.pipeline import StepLayout, autodiff, partition_fn, run_passes, user_outputs
 from graphtrain.engine.pipeline import layout as step_layout
@@ -134,7 +135,10 @@ class StagePasses(CustomGraphPass):
                 self._forward = None
 
     def uuid(self) -> bytes:
-        h = hashlib.sha256()
+        # graphtrain's sources as the pass cache keys them (kernels included): Inductor's AOTAutograd cache keys the
+        # graph before autodiff, so a fused op's changed backward formula (kernels/) would otherwise load the stale
+        # backward graph compiled with the old one.
+        h = hashlib.sha256(source_digest().encode())
         for stage in ("forward", "backward"):
             for spec in pipeline(stage, self.config):
                 h.update(f"{stage}:{spec.name}:".encode())
