@@ -42,13 +42,17 @@ def _eager_steps(model, batches, cfg, lrs):
 
 # inductor: slow (56 s on the 2-core AVX2 EPYC, the default suite's slowest test): the aten case checks the whole-step
 # graph itself; Inductor compiling graphs is checked by the default suite elsewhere (fusion, tiered compile tests).
+# blocks: the model's graphs compiled block by block, then the update graph (a model with repeated blocks, the
+# default); one graph: the whole step traced as one (engine.compile_blocks false).
+@pytest.mark.parametrize("blocks", [True, False], ids=["blocks", "one-graph"])
 @pytest.mark.parametrize("provider", ["aten", pytest.param("inductor", marks=pytest.mark.slow)])
-def test_whole_step_matches_eager_adamw_with_clipping(provider):
+def test_whole_step_matches_eager_adamw_with_clipping(provider, blocks):
     torch.manual_seed(0)
     cfg = Config(optim=OptimConfig(lr=3e-3, grad_clip=0.5))  # small clip: clipping is active every step
     model = build_model(ModelConfig(name="gpt2-tiny", dropout=0.0))
     ref = copy.deepcopy(model)
-    step = graphtrain.compile_step(model, cfg, provider=provider, passes=NO_FUSIONS)
+    step = graphtrain.compile_step(model, cfg, provider=provider, passes=NO_FUSIONS, compile_blocks=blocks)
+    assert step.by_blocks == blocks
     batches, lrs = [_batch(i % 2) for i in range(4)], [3e-3, 2e-3, 1e-3, 1e-3]
     expect = _eager_steps(ref, batches, cfg, lrs)
     for b, lr, (le, ne) in zip(batches, lrs, expect):
@@ -62,8 +66,14 @@ def test_whole_step_matches_eager_adamw_with_clipping(provider):
     for (n, p), q in zip(model.named_parameters(), ref.parameters()):
         assert_close(p, q, name=f"{provider} weight {n}", atol=5e-5, rtol=1e-4)
     assert step.provider == provider
-    if provider == "aten":  # one graph holds the backward and the update
-        targets = {str(n.target) for n in step.graph.graph.nodes if n.op == "call_function"}
+    targets = {str(n.target) for n in step.graph.graph.nodes if n.op == "call_function"}
+    if blocks:  # each block compiled once; the update graph after the backward, torch's fused AdamW in it
+        rep = graphtrain.report(model)
+        assert rep.blocks == ["blocks (2 x Block)"] and len(rep.graphs) == 3, (rep.blocks, len(rep.graphs))
+        assert [g["calls_per_step"] for g in rep.graphs] == [1, 2, 1]
+        assert "aten._fused_adamw_.tensor_lr" in targets and "aten._foreach_norm.Scalar" in targets
+        assert not any("mm" in t for t in targets)
+    elif provider == "aten":  # one graph holds the backward and the update
         assert "aten._fused_adamw_.tensor_lr" in targets and "aten._foreach_norm.Scalar" in targets
         assert any("mm" in t for t in targets)
 
@@ -71,7 +81,7 @@ def test_whole_step_matches_eager_adamw_with_clipping(provider):
 def test_whole_step_bf16_with_default_fusions_trains():
     torch.manual_seed(0)
     model = build_model(ModelConfig(name="gpt2-tiny"))  # dropout on
-    step = graphtrain.compile_step(model, Config(), provider="aten", precision="bf16")
+    step = graphtrain.compile_step(model, Config(), provider="aten", precision="bf16", compile_blocks=False)
     b = _batch()
     losses = [float(step(lr=3e-3, **b)["loss"]) for _ in range(15)]
     assert losses[-1] < losses[0] - 0.5, losses
@@ -93,12 +103,15 @@ class _BlowUp(nn.Module):
         return self.inner(input_ids=input_ids, labels=labels) * blow
 
 
-def test_fp16_overflow_skips_exactly_that_step_inside_the_graph():
+@pytest.mark.parametrize("blocks", [True, False], ids=["blocks", "one-graph"])
+def test_fp16_overflow_skips_exactly_that_step_inside_the_graph(blocks):
     torch.manual_seed(0)
     model = _BlowUp(build_model(ModelConfig(name="gpt2-tiny", dropout=0.0)))
     cfg = Config()
     cfg.engine.loss_scale_init, cfg.engine.loss_scale_hysteresis, cfg.engine.loss_scale_interval = 1024.0, 2, 4
-    step = graphtrain.compile_step(model, cfg, provider="aten", precision="fp16", passes=NO_FUSIONS)
+    step = graphtrain.compile_step(model, cfg, provider="aten", precision="fp16", passes=NO_FUSIONS,
+                                   compile_blocks=blocks)
+    assert step.by_blocks == blocks
     b = _batch()
     scales, skipped, losses = [], [], []
     for i in range(12):
@@ -171,7 +184,7 @@ def test_report_shows_the_step_graph_passes_and_fallbacks(monkeypatch):
             raise RuntimeError("inductor is broken in this test")
         return real(graph, args, provider)
     monkeypatch.setattr(CompiledStep, "_compile", staticmethod(broken))
-    step = graphtrain.compile_step(model, Config(), provider="inductor", fallback="silent")
+    step = graphtrain.compile_step(model, Config(), provider="inductor", fallback="silent", compile_blocks=False)
     step(**_batch())
     assert step.provider == "aten"
     rep = graphtrain.report(model)
@@ -180,3 +193,29 @@ def test_report_shows_the_step_graph_passes_and_fallbacks(monkeypatch):
     assert [part for part, _ in rep.fallbacks] == ["provider inductor on step (compile_step(GPT2))"]
     assert "inductor is broken" in str(rep)
     assert {p["name"] for p in rep.passes} >= {"fuse_attention", "fuse_layer_norm"}
+
+
+def test_a_second_compile_of_the_same_step_loads_it_from_inductors_cache(tmp_path):
+    """Regression: the step graph was handed to Inductor with real inputs, whose fake mode had no shape environment,
+    so Inductor bypassed its FX-graph cache ("No shape env") and every process compiled the whole step anew."""
+    from torch._dynamo.utils import counters
+
+    class Regression(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.hidden, self.out = nn.Linear(8, 16), nn.Linear(16, 1)
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return nn.functional.mse_loss(self.out(torch.tanh(self.hidden(x))), y)
+
+    x, y = torch.randn(6, 8), torch.randn(6, 1)
+    seen = []
+    for _ in range(2):
+        before = counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_bypass"]
+        torch.manual_seed(0)
+        step = graphtrain.compile_step(Regression(), provider="inductor", cache_dir=str(tmp_path / "cache"))
+        seen.append(float(step(lr=1e-2, x=x, y=y)["loss"]))
+        assert step.provider == "inductor"
+        assert counters["inductor"]["fxgraph_cache_bypass"] == before[1]
+    assert counters["inductor"]["fxgraph_cache_hit"] > before[0]  # the second compile found the first's
+    assert seen[0] == seen[1]

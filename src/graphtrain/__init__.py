@@ -7,7 +7,7 @@ Public API::
     graphtrain.wait_compiled(model)                 # provider auto: wait for the background Inductor compile
     print(graphtrain.report(model))                 # what was captured, fused, recomputed, and why
     print(graphtrain.bisect(make_model, batch))     # the first pass/fused op/provider that leaves eager's tolerance
-    step = graphtrain.compile_step(model, config)   # forward+backward+clip+AdamW as one graph; step(**batch)
+    step = graphtrain.compile_step(model, config)   # forward+backward+clip+AdamW compiled; step(**batch)
     graphtrain.Trainer(graphtrain.Config()).fit()   # the trainer behind `graphtrain train`
 """
 from __future__ import annotations

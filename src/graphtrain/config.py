@@ -78,7 +78,8 @@ class EngineConfig:
     """Compile with dynamic shapes instead of recompiling per new input shape."""
     compile_blocks: bool = True
     """Compile each repeated block (a ModuleList of identical layers) once and reuse it for every layer, with the
-    code before and after the blocks in graphs of their own; false compiles the model as one graph."""
+    code before and after the blocks in graphs of their own; false compiles the model as one graph (and
+    train.whole_step's step as one graph, forward to AdamW)."""
     compile_in_background: bool = True
     """provider auto, cold cache: run each graph on aten (compiled in about a second) from the first step and
     compile Inductor in a background process from the second step on; the graph's next call times both and keeps
@@ -272,8 +273,10 @@ class TrainConfig:
     accelerate: bool = True
     """Run the training step through the graphtrain engine (false: plain eager PyTorch)."""
     whole_step: bool = False
-    """Capture forward, loss, backward, clipping, AdamW and fp16 loss scaling as one graph per step
-    (graphtrain.compile_step). Needs optim.name adamw, grad_accum 1, one process, accelerate true."""
+    """Compile the whole step, forward, loss, backward, clipping, AdamW and fp16 loss scaling (graphtrain.compile_step):
+    a model with repeated blocks through its graphs compiled block by block, then one update graph; one graph of the
+    whole step otherwise (or with engine.compile_blocks false). Needs optim.name adamw, grad_accum 1, one process,
+    accelerate true."""
     threads: int | None = None
     """torch intra-op threads (default: all cores)."""
     progress: bool = True

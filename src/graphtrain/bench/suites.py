@@ -66,8 +66,8 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
             ablates="no recompute (adds selective recompute: the memory lever)"),
     *(Variant(name, "graphtrain", "fp32", f"graphtrain.accelerate(model) without {what}", ablates=what, **kw)
       for name, what, kw in _LEVERS),
-    Variant("graphtrain-step-fp32", "graphtrain-step", "fp32",
-            "graphtrain.compile_step(model): forward, backward, clip and AdamW as one graph"),
+    Variant("graphtrain-step-fp32", "graphtrain-step", "fp32", "graphtrain.compile_step(model): forward, backward, "
+            "clip and AdamW compiled (blocks once, then one update graph)"),
     Variant("graphtrain-step-bf16", "graphtrain-step", "bf16", 'graphtrain.compile_step(model, precision="bf16")'),
     Variant("ortmodule-fp32", "ortmodule", "fp32", "onnxruntime-training ORTModule (skipped if not installed)"),
 )}

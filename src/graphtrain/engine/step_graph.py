@@ -1,11 +1,14 @@
-"""The whole training step as one graph: forward, loss, backward, unscale + overflow check, clipping
-and the AdamW update, traced once and compiled by the provider.
+"""The whole training step compiled: forward, loss, backward, unscale + overflow check, clipping and the AdamW
+update.
 
     step = graphtrain.compile_step(model, config)          # a graphtrain Config (engine + optim)
     for batch in batches:
         out = step(lr=schedule(i), **batch)                # {"loss", "grad_norm", "skipped", "scale"}
 
-How it is built (``CompiledStep._build``, on the stages of engine/pipeline.py):
+A model with repeated blocks (engine.compile_blocks, the default) is compiled block by block
+(``CompiledStep._build_by_blocks``): the model in place as ``accelerate`` compiles it, then one update graph on the
+gradients (items 2-4 below, on aten with torch's fused AdamW kernel). Any other model, or compile_blocks false, gets
+the whole step as one graph, built (``CompiledStep._build``) on the stages of engine/pipeline.py:
 
 1. The model's forward (``module_as_function(model, loss=True)``) is traced to graphtrain's pre-autodiff
    IR and optimized by the same pass pipeline as ``accelerate`` (fusions, mixed precision), so the
@@ -33,8 +36,8 @@ reduce-scatter after the gradients and an all-gather after the update (not built
 
 Limits ("where the model allows"; clear errors otherwise): AdamW; one micro-batch per step (no
 gradient accumulation); fixed input shapes per compile (a new shape traces again); the forward
-returns the loss (a tensor, or an object with ``.loss`` such as Hugging Face outputs); no graph
-breaks in the forward (the step is traced whole, not through Dynamo).
+returns the loss (a tensor, or an object with ``.loss`` such as Hugging Face outputs); one graph: no graph
+breaks in the forward (the step is traced whole, not through Dynamo); by blocks, breaks run as in ``accelerate``.
 """
 from __future__ import annotations
 
@@ -46,11 +49,13 @@ import torch
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from graphtrain.config import Config, EngineConfig, OptimConfig
-from graphtrain.engine.api import new_state
+from graphtrain.engine.api import compile_in_place, new_state
+from graphtrain.engine.blocks import repeated_blocks, whole_model_reason
 from graphtrain.engine.fallback import apply_policy
-from graphtrain.engine.functional import module_as_function
+from graphtrain.engine.functional import loss_of, module_as_function
 from graphtrain.engine.pipeline import compile_with_fallback, new_record, run_passes, trace
 from graphtrain.engine.providers import resolve_runtime
 
@@ -111,7 +116,7 @@ class CompiledStep:
         self._compiled: Any = None
         self._key: Any = None
         self._batch_names: list[str] = []
-        self.provider: str | None = None
+        self._provider: str | None = None
         # What graphtrain.report(model) shows: the step graph's passes, fallbacks and compiles; the compile
         # caches are pointed where accelerate points them.
         self.state = new_state(self.engine)
@@ -120,8 +125,64 @@ class CompiledStep:
         self.compile_seconds = 0.0
         self.steps = 0
         self.skipped_steps = 0
+        # A model with repeated blocks trains through its own graphs, compiled block by block (engine/blocks.py);
+        # the update after the backward is then a graph of its own (see _build_by_blocks).
+        self.by_blocks = bool(self.engine.compile_blocks and not self.engine.dynamic
+                              and not whole_model_reason(self.engine) and repeated_blocks(model))
 
     # ----------------------------------------------------------------------------------- build --
+    def _build_by_blocks(self, batch: dict[str, Tensor]) -> None:
+        """The step of a model with repeated blocks, block by block: its forward and backward are the model's own
+        graphs as ``accelerate`` compiles them (the model is compiled in place: each distinct block once, the
+        embeddings and the head and loss in graphs of their own, with provider auto's tiered compile), and the
+        step after the backward (global norm, clipping, the skip decision, torch's fused AdamW, the fp16 loss-scale
+        update) one aten graph on the gradients. One graph of the whole step is what Inductor compiled before:
+        its compile grew with the depth (HF GPT-2 width 256: 38 s cold at 4 layers, 80-91 s at 12 on a 2-core Zen
+        4), and ``engine.compile_blocks: false`` still builds it."""
+        t0 = time.perf_counter()
+        apply_policy(self.engine)
+        if self._compiled is None:
+            compile_in_place(self.model, self.state)
+            params = [self._tensors[i] for i in self._train_idx]
+            args = [params, [torch.empty_like(p) for p in params], self.exp_avg, self.exp_avg_sq, self.state_steps,
+                    self.lr, self.max_loss, self.scale, self.growth_tracker, self.hysteresis_left,
+                    torch.zeros((), device=self.lr.device)]  # stand-ins for the gradients and the loss
+            update = self._update_fn(fused_kernel=True)
+            flat, spec = torch.utils._pytree.tree_flatten(args)
+
+            def flat_update(*xs: Tensor):
+                return update(*torch.utils._pytree.tree_unflatten(list(xs), spec))
+            fake_mode = FakeTensorMode(allow_non_fake_inputs=True)  # no shape env: the fused kernel has no fake impl
+            with fake_mode:
+                graph = make_fx(flat_update, tracing_mode="real")(*[fake_mode.from_tensor(x) for x in flat])
+            ops = sum(n.op == "call_function" for n in graph.graph.nodes)
+            self.state.notes.append(f"compile_step({type(self.model).__name__}): forward and backward through the "
+                                    f"model's graphs (compiled block by block, below); then the update graph on aten "
+                                    f"({ops} ops: gradient norm, clipping, the skip decision, torch's fused AdamW"
+                                    f"{', loss scaling' if self.fp16 else ''})")
+            self._compiled, self.graph = graph, graph
+        self._batch_names = list(batch)
+        self.compile_seconds += time.perf_counter() - t0
+
+    @property
+    def provider(self) -> str | None:
+        """What runs the step: the single graph's provider; by blocks, those of the model's graphs (the update graph
+        runs on aten)."""
+        if self.by_blocks:
+            return ", ".join(sorted({g.provider.split(" ")[0] for g in self.state.graphs})) or None
+        return self._provider
+
+    def _step_by_blocks(self, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+        params = [self._tensors[i] for i in self._train_idx]
+        with torch.enable_grad():
+            loss = loss_of(self.model(**batch))
+            grads = torch.autograd.grad(loss * self.scale if self.fp16 else loss, params, allow_unused=True)
+        grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
+        args = [params, grads, self.exp_avg, self.exp_avg_sq, self.state_steps, self.lr, self.max_loss, self.scale,
+                self.growth_tracker, self.hysteresis_left, loss.detach()]
+        with torch.no_grad():
+            return self._compiled(*torch.utils._pytree.tree_flatten(args)[0])
+
     def _build(self, batch: dict[str, Tensor]) -> None:
         t0 = time.perf_counter()
         names = list(batch)
@@ -145,14 +206,20 @@ class CompiledStep:
         args = self._args(inputs)
         # Fake tensors: tracing must not run the update on the real weights. Non-fake inputs are allowed
         # because the forward graph may hold constant tensors (folded masks) as attributes.
-        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+        # Inductor compiles from these fake inputs too: their shape environment (static shapes all the same) is what its
+        # FX-graph cache keys a graph's guards on. Compiled from the real inputs it bypassed the cache ("No shape
+        # env"), and every process compiled the step anew (HF GPT-2, 4 layers, width 256: a second process's first
+        # step took 22 s against 38 s cold, 2-core Zen 4). The aten graph goes without: its fused AdamW kernel has no
+        # fake implementation, which a fake mode runs (on meta tensors) only without a shape environment.
+        fake_mode = FakeTensorMode(allow_non_fake_inputs=True,
+                                   shape_env=ShapeEnv() if provider == "inductor" else None)
         fake_args = [fake_mode.from_tensor(a) for a in args]
         with fake_mode:
             graph = make_fx(step_fn, tracing_mode="real")(*fake_args)
-        self._compiled, self.provider = compile_with_fallback(
-            ["inductor", "aten"] if provider == "inductor" else ["aten"], lambda p: self._compile(graph, args, p),
+        self._compiled, self._provider = compile_with_fallback(
+            ["inductor", "aten"] if provider == "inductor" else ["aten"], lambda p: self._compile(graph, fake_args, p),
             part=f"{rec.name} ({rec.frame})", config=cfg, state=self.state)
-        rec.provider = self.provider
+        rec.provider = self._provider
         self._batch_names = names
         self.graph = graph
         rec.compile_seconds = time.perf_counter() - t0
@@ -164,9 +231,8 @@ class CompiledStep:
 
     def _step_fn(self, fwd: torch.fx.GraphModule, n_inputs: int, fused_kernel: bool):
         n_t, train_idx, n_p = len(self._tensors), list(self._train_idx), len(self._train_idx)
-        o, e, fp16 = self.optim, self.engine, self.fp16
-        decay = list(self._decay)
-        max_norm = o.grad_clip
+        fp16 = self.fp16
+        update = self._update_fn(fused_kernel)
 
         def step(*args: Tensor):
             tensors, rest = list(args[:n_t]), args[n_t:]
@@ -180,6 +246,19 @@ class CompiledStep:
                     tensors[i] = leaf
                 loss = fwd(*tensors, *inputs)
                 grads = torch.autograd.grad(loss * scale if fp16 else loss, leaves, allow_unused=True)
+            return update(params, list(grads), m, v, steps, lr, max_loss, scale, tracker, hyst, loss.detach())
+        return step
+
+    def _update_fn(self, fused_kernel: bool):
+        """The step after the gradients: global norm and overflow check, clipping, AdamW (torch's fused kernel, or
+        the same update as elementwise math for Inductor) and the fp16 loss-scale update, on tensors; returns
+        (loss, the unscaled gradient norm, found_inf)."""
+        n_p = len(self._train_idx)
+        o, e, fp16 = self.optim, self.engine, self.fp16
+        decay = list(self._decay)
+        max_norm = o.grad_clip
+
+        def update(params, grads, m, v, steps, lr, max_loss, scale, tracker, hyst, loss):
             grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
             # one reduction: global norm (for clipping) and the overflow check (non-finite norm)
             norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
@@ -188,7 +267,7 @@ class CompiledStep:
             if max_norm is not None:
                 grad_scale = grad_scale * torch.clamp(true_norm / max_norm, min=1.0)
             # skip the update on a non-finite norm (fp16: overflow) or loss, or a loss spike
-            bad_loss = ~torch.isfinite(loss.detach()) | (loss.detach() > max_loss)
+            bad_loss = ~torch.isfinite(loss) | (loss > max_loss)
             overflow = ~torch.isfinite(norm)
             found_inf = (overflow | bad_loss).to(torch.float32)
             torch._foreach_add_(steps, [1.0 - found_inf] * len(steps))  # counters advance only on steps that update
@@ -204,7 +283,7 @@ class CompiledStep:
                                         grad_scale=grad_scale, found_inf=found_inf)
                 else:
                     with torch.no_grad():  # the parameters are leaves that require grad
-                            _adamw_math(*group, lr=lr, betas=o.betas, weight_decay=wd, eps=o.eps,
+                        _adamw_math(*group, lr=lr, betas=o.betas, weight_decay=wd, eps=o.eps,
                                     grad_scale=grad_scale, found_inf=found_inf)
             if fp16:  # DynamicLossScaler.update as tensor arithmetic (same hysteresis semantics)
                 inf = overflow
@@ -217,8 +296,8 @@ class CompiledStep:
                 tracker.copy_(torch.where(inf | grow, torch.zeros_like(tracker), tracker + 1))
                 hyst.copy_(new_hyst)
                 scale.copy_(new_scale)
-            return loss.detach(), true_norm, found_inf
-        return step
+            return loss, true_norm, found_inf
+        return update
 
     @staticmethod
     def _compile(graph: torch.fx.GraphModule, args: list[Tensor], provider: str) -> Any:
@@ -239,12 +318,15 @@ class CompiledStep:
             raise TypeError(f"compile_step: batch values must be tensors; {bad} are not")
         key = tuple((k, tuple(v.shape), v.dtype, v.device) for k, v in batch.items())
         if key != self._key:
-            self._build(batch)
+            (self._build_by_blocks if self.by_blocks else self._build)(batch)
             self._key = key
         self.lr.fill_(self.optim.lr if lr is None else float(lr))
         self.max_loss.fill_(float("inf") if max_loss is None else float(max_loss))
-        with torch.no_grad():
-            loss, norm, found_inf = self._compiled(*self._args([batch[k] for k in self._batch_names]))
+        if self.by_blocks:
+            loss, norm, found_inf = self._step_by_blocks(batch)
+        else:
+            with torch.no_grad():
+                loss, norm, found_inf = self._compiled(*self._args([batch[k] for k in self._batch_names]))
         skipped = bool(found_inf.item())
         self.steps += 1
         self.skipped_steps += skipped

@@ -162,16 +162,21 @@ class SingleProcessStep:
 
 
 class WholeStepGraph(SingleProcessStep):
-    """train.whole_step: the whole optimizer step as one graph (graphtrain.compile_step, docs/architecture.md
-    section 10). The graph holds the AdamW moments, step counts and loss-scale state, so it is this strategy's
-    optimizer (its state_dict is the checkpoint's "optimizer"); the model itself is evaluated eagerly.
-    AdamW, grad_accum 1 and train.accelerate only (runtime.check_supported)."""
+    """train.whole_step: the whole optimizer step compiled (graphtrain.compile_step, docs/architecture.md section
+    10): a model with repeated blocks through its own graphs compiled block by block (the model compiled in place,
+    so its evaluations go through the engine too) and one update graph; otherwise one graph of the whole step (the
+    model itself then evaluated eagerly). The step holds the AdamW moments, step counts and loss-scale state, so it
+    is this strategy's optimizer (its state_dict is the checkpoint's "optimizer"). AdamW, grad_accum 1 and
+    train.accelerate only (runtime.check_supported); train.deterministic settles the providers as for
+    SingleProcessStep (engine_config)."""
 
     def __init__(self, model: nn.Module, config: Config, device: torch.device) -> None:
+        import dataclasses
+
         from graphtrain.engine.step_graph import compile_step
         self.config, self.device = config, device
         self.model = self.module = model.to(device)
-        self.optimizer = self.step_graph = compile_step(model, config)
+        self.optimizer = self.step_graph = compile_step(model, dataclasses.replace(config, engine=engine_config(config)))
         self.scaler = None  # fp16 loss scaling runs inside the graph
 
     def step(self, micro_batches: Iterable[Batch], lr: float, max_loss: float = math.inf) -> StepResult:
