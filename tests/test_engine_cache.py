@@ -123,6 +123,20 @@ def test_the_pass_cache_key_names_what_is_compiled_not_where_or_how_loudly():
     assert pass_cache_key(gm, [torch.randn(3, 4)], ["input"], base) != key
 
 
+def test_inductors_keys_carry_graphtrain_sources(monkeypatch):
+    """What keys Inductor's caches by graphtrain's sources (the end-to-end check below is slow): the uuid of the
+    forward/backward passes Inductor runs, which its FX-graph and AOTAutograd cache keys include."""
+    from graphtrain.config import EngineConfig
+    from graphtrain.engine import cache
+    from graphtrain.engine.providers import StagePasses
+    passes = StagePasses(EngineConfig(provider="inductor"), rec=None, state=None)
+    before = passes.uuid()
+    assert passes.uuid() == before
+    monkeypatch.setattr(cache, "_SOURCE_DIGEST", "graphtrain with another backward formula")
+    assert passes.uuid() != before
+
+
+@pytest.mark.slow  # two Inductor compiles, ~11 s on a 2-core Zen 4: the uuid test above is the default suite's check
 def test_inductor_caches_are_keyed_by_graphtrain_sources(tmp_path, monkeypatch):
     """Regression: Inductor's AOTAutograd cache keys a graph before autodiff, so a fused op whose backward formula
     changed (graphtrain::gemm's weight gradient, computed in the weight's layout since) ran the backward graph
