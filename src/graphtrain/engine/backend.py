@@ -97,12 +97,28 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Eng
     graph compiled. A graph with repeated-block calls (engine/blocks.py) is compiled piece by piece, each
     distinct block once."""
     from graphtrain.engine.blocks import has_block_calls
+    from graphtrain.engine.returned_heads import detach_returned_heads, reattach
+    from graphtrain.engine.trace import dtensor_inputs
 
     apply_policy(config)
     _set_cpu_allocator_once(example_inputs, config)
+    heads, n_out = [], 0
+    if torch.is_grad_enabled() and not dtensor_inputs(example_inputs):  # a training graph on plain tensors
+        heads, n_out = detach_returned_heads(gm)
+        for hd in heads:
+            note = (f"returned logits of {_placeholder_name(gm, hd.weight)}: detached from the graph, given linear's "
+                    f"backward outside it (no zero gradient of their size when the loss is what trains)")
+            if note not in state.notes:
+                state.notes.append(note)
     if has_block_calls(gm):
-        return _compile_by_blocks(gm, example_inputs, config, state)
-    return _compile_one(gm, example_inputs, config, state)
+        compiled = _compile_by_blocks(gm, example_inputs, config, state)
+    else:
+        compiled = _compile_one(gm, example_inputs, config, state)
+    return reattach(compiled, heads, n_out) if heads else compiled
+
+
+def _placeholder_name(gm: fx.GraphModule, index: int) -> str:
+    return [n for n in gm.graph.nodes if n.op == "placeholder"][index].name
 
 
 def _compile_by_blocks(gm: fx.GraphModule, example_inputs: Sequence[Any], config: EngineConfig,
