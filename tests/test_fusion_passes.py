@@ -250,6 +250,36 @@ def test_linear_cross_entropy_with_a_bias():
         assert any(n.target == torch.ops.graphtrain.linear_bias_cross_entropy.default for n in after.graph.nodes)
 
 
+def test_a_returned_head_fuses_into_the_op_that_returns_its_logits():
+    """An LM head whose logits also leave the graph detached (engine/returned_heads.py), with or without a bias and
+    through views: graphtrain's *_logits op, the detached output its logits (same values), the loss and its
+    gradients as the unfused graph's. Logits returned without the detach are the caller's to differentiate: those
+    keep the plain cross-entropy."""
+    import graphtrain.kernels  # noqa: F401 - registers the ops named below
+
+    def returned(h, w, b, t):
+        logits = F.linear(h, w)
+        return F.cross_entropy(logits.view(-1, 17), t.view(-1)), logits.detach()
+
+    def returned_bias(h, w, b, t):
+        logits = F.linear(h, w, b)
+        return F.cross_entropy(logits.view(-1, 17), t.view(-1), reduction="sum"), logits.detach()
+
+    def returned_differentiable(h, w, b, t):
+        logits = F.linear(h, w)
+        return F.cross_entropy(logits.view(-1, 17), t.view(-1)), logits
+    t = torch.randint(0, 17, (2, 5))
+    t[0, 1] = -100
+    inputs = [torch.randn(2, 5, 9), torch.randn(17, 9), torch.randn(17), t]
+    for fn, op in ((returned, torch.ops.graphtrain.linear_cross_entropy_logits.default),
+                   (returned_bias, torch.ops.graphtrain.linear_bias_cross_entropy_logits.default)):
+        after, _ = check_parity(fn, inputs, {"fuse_linear_cross_entropy": 1, "fuse_cross_entropy": 0})
+        assert any(n.target == op for n in after.graph.nodes)
+        assert_close(after(*inputs)[1], trace_aten_forward(fn, inputs)(*inputs)[1], name="returned logits")
+    after, counts = check_parity(returned_differentiable, inputs, {"fuse_linear_cross_entropy": 0})
+    assert not any("logits" in str(n.target) for n in after.graph.nodes), counts
+
+
 def test_linear_bias_cross_entropy_kernel_matches_reference():
     from graphtrain.kernels import linear_cross_entropy
     from graphtrain.kernels.linear_cross_entropy import linear_cross_entropy_reference

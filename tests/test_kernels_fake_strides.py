@@ -170,6 +170,10 @@ def _opcheck_cases():
                   (torch.tensor(1.0), logits, target, ops.cross_entropy(logits, target, -100, 1)[1], -100, 1), None))
     cases.append(("linear_cross_entropy", ops.linear_cross_entropy,
                   (*_req(torch.randn(32, 12).t(), torch.randn(32, 50).t()), target, -100, 1, 5), None))
+    cases.append(("linear_cross_entropy_logits", ops.linear_cross_entropy_logits,
+                  (*_req(torch.randn(32, 12).t(), torch.randn(32, 50).t()), target, -100, 1, 5), None))
+    cases.append(("linear_bias_cross_entropy_logits", ops.linear_bias_cross_entropy_logits,
+                  (*_req(torch.randn(12, 32), torch.randn(50, 32), torch.randn(50)), target, -100, 2, 5, True), None))
     for a_t in (False, True):
         a = torch.randn(12, 7).t() if a_t else torch.randn(7, 12)
         cases.append((f"gemm-{'transposed' if a_t else 'contig'}", ops.gemm,

@@ -209,6 +209,33 @@ def test_linear_cross_entropy_skips_ignored_rows(reduction, with_bias):
                                             reduction=reduction) + 0 * b.sum(), h, w, b)
 
 
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("skip_ignored", [False, True])
+@pytest.mark.parametrize("chunk", [0, 3])
+def test_linear_cross_entropy_that_returns_its_logits(with_bias, skip_ignored, chunk):
+    """The *_logits ops (a head whose logits are also returned): the logits as hidden @ weight^T (+ bias), every row,
+    the loss and its gradients (computed in the forward, scaled in the backward) as eager's, chunked or not, with
+    the gradient GEMMs on the labelled rows only or on all; odd sizes, most rows ignored."""
+    g = torch.Generator().manual_seed(11)
+    h, w, b = torch.randn(37, 13, generator=g), torch.randn(29, 13, generator=g), torch.randn(29, generator=g)
+    t = torch.randint(0, 29, (37,), generator=g)
+    t[torch.rand(37, generator=g) > 0.3] = -100
+    t[0] = 4
+    ops = torch.ops.graphtrain
+
+    def fused(h, w, b):
+        if with_bias:
+            loss, *_, logits = ops.linear_bias_cross_entropy_logits(h, w, b, t, -100, 2, chunk, skip_ignored)
+        else:
+            loss, *_, logits = ops.linear_cross_entropy_logits(h, w, t, -100, 2, chunk, skip_ignored)
+        assert not logits.requires_grad  # returned detached: its own gradient is the caller's (_HeadGrad)
+        assert_close(logits, h.detach() @ w.detach().t() + (b.detach() if with_bias else 0), name="logits")
+        return loss + 0 * b.sum()
+
+    check_vs_eager(fused, lambda h, w, b: F.cross_entropy(h @ w.t() + (b if with_bias else 0), t, reduction="sum")
+                   + 0 * b.sum(), h, w, b)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_linear_cross_entropy_low_precision_and_bad_targets(dtype):
     """bf16/fp16 hidden and weight (fp32 softmax math inside) against eager on the same rounded inputs in fp32,

@@ -90,15 +90,17 @@ def test_facts_the_old_tables_held():
     assert {n for n, d in OPS.items() if d.random} == {"attention", "bias_dropout_add", "dropout_seed"}
     assert {n for n, d in fwd.items() if d.recompute == "cheap" and not d.random} == {
         "layer_norm", "rms_norm", "bias_gelu", "bias_dropout_add_seeded"}
-    assert {n for n, d in fwd.items() if d.recompute == "compute-bound" and not d.random} == {
-        "linear_cross_entropy", "linear_bias_cross_entropy"}
+    lce = {"linear_cross_entropy", "linear_bias_cross_entropy", "linear_cross_entropy_logits",
+           "linear_bias_cross_entropy_logits"}  # the *_logits ops: a returned head's (engine/returned_heads.py)
+    assert {n for n, d in fwd.items() if d.recompute == "compute-bound" and not d.random} == lce
     assert {n for n, d in fwd.items() if d.recompute == "never"} == {"gemm"}
     assert {n: d.precision for n, d in fwd.items()} == {
         "attention": "low", "layer_norm": "fp32", "rms_norm": "fp32", "cross_entropy": "fp32",
-        "linear_cross_entropy": "low", "linear_bias_cross_entropy": "low", "bias_gelu": "follow",
+        "linear_cross_entropy": "low", "linear_bias_cross_entropy": "low", "linear_cross_entropy_logits": "low",
+        "linear_bias_cross_entropy_logits": "low", "bias_gelu": "follow",
         "bias_dropout_add": "follow", "bias_dropout_add_seeded": "follow", "gemm": "follow"}
-    assert {n for n, d in OPS.items() if d.workspace_bytes is not no_workspace} == {
-        "attention", "attention_backward", "linear_cross_entropy", "linear_bias_cross_entropy"}
+    assert {n for n, d in OPS.items() if d.workspace_bytes is not no_workspace} == {"attention", "attention_backward",
+                                                                                  *lce}
     from graphtrain.memory.seeded import seeded_variants
     g = torch.ops.graphtrain
     assert seeded_variants() == {g.bias_dropout_add.default: (g.dropout_seed.default,

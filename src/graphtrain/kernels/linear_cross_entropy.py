@@ -62,19 +62,22 @@ def default_chunk_rows(n: int, v: int, itemsize: int = 4) -> int:
 _CPP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _chunked(hidden, weight, target, ignore_index, reduction, chunk, bias=None, skip_ignored=True):
-    """The op on the fastest row kernel that takes these inputs (Triton, C++), guarded by the torch math."""
+def _chunked(hidden, weight, target, ignore_index, reduction, chunk, bias=None, skip_ignored=True, logits=None):
+    """The op on the fastest row kernel that takes these inputs (Triton, C++), guarded by the torch math. `logits`:
+    the head's full logits, already computed (the `_logits` ops): each chunk copies its rows instead of computing
+    them."""
     use_triton = _supports_triton(hidden, target)
     use_cpp = (not use_triton and hidden.device.type == "cpu" and hidden.dtype in _CPP_DTYPES
                and _cpu_ext.load() is not None)
 
     def run(impl):
-        return lambda: _chunk_loop(hidden, weight, target, ignore_index, reduction, chunk, bias, impl, skip_ignored)
+        return lambda: _chunk_loop(hidden, weight, target, ignore_index, reduction, chunk, bias, impl, skip_ignored,
+                                   logits)
     return dispatch("linear_cross_entropy", [("triton", use_triton, run("triton")), ("c++", use_cpp, run("c++"))],
                     run("torch"))
 
 
-def _chunk_loop(hidden, weight, target, ignore_index, reduction, chunk, bias, impl, skip_ignored):
+def _chunk_loop(hidden, weight, target, ignore_index, reduction, chunk, bias, impl, skip_ignored, all_logits=None):
     n = hidden.shape[0]
     valid = target != ignore_index
     n_valid = int(valid.sum())
@@ -87,6 +90,8 @@ def _chunk_loop(hidden, weight, target, ignore_index, reduction, chunk, bias, im
         # head's three matmuls. Same function, same values up to rounding.
         rows = valid.nonzero()[:, 0]
         hidden, target = hidden.index_select(0, rows), target.index_select(0, rows)
+    if all_logits is not None:  # a copy of each chunk's rows: the row kernels overwrite their logits in place
+        picked = rows if rows is not None else torch.arange(n, device=hidden.device)
     dh = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device)
     single = hidden.shape[0] <= chunk
     # one chunk: d weight is that chunk's product, in the weight's dtype; several: accumulated (fp32 for fp32/bf16)
@@ -95,7 +100,8 @@ def _chunk_loop(hidden, weight, target, ignore_index, reduction, chunk, bias, im
     total = torch.zeros((), dtype=_acc(hidden), device=hidden.device)
     for s in range(0, hidden.shape[0], chunk):
         h, t = hidden[s:s + chunk], target[s:s + chunk]
-        logits = matmul(h, weight.t(), bias)
+        logits = (matmul(h, weight.t(), bias) if all_logits is None
+                  else all_logits.index_select(0, picked[s:s + chunk]))
         if use_triton:
             losses, lse = ce_fwd_triton(logits, t, ignore_index)
             rg = torch.full((h.shape[0],), 1.0, device=h.device) / denom
@@ -182,6 +188,69 @@ def _backward_bias(ctx, grad, _ddh, _ddw, _ddb):
 _linear_bias_cross_entropy_op.register_autograd(_backward_bias, setup_context=_setup_bias)
 
 
+# --- The same losses for a head whose logits are also returned (engine/returned_heads.py: a Hugging Face model's
+# logits beside its loss). The logits are computed in full (one GEMM: they are an output) and each chunk of rows is
+# copied from them, so the [N, V] gradient of the logits is never materialized either: the unfused graph held the
+# logits, their softmax cross-entropy gradient and (sparse rows aside) two GEMMs over it. With skip_ignored the
+# gradient GEMMs run on the labelled rows only (a masked-LM head: ~15% of them). Fused by fuse_linear_cross_entropy.
+
+def _with_logits(hidden, weight, target, ignore_index, reduction, chunk_rows, skip_ignored, bias=None):
+    logits = matmul(hidden, weight.t(), bias).contiguous()
+    chunk = chunk_rows if chunk_rows > 0 else _default_chunk(hidden, weight)
+    return (*_chunked(hidden, weight, target, ignore_index, reduction, chunk, bias, skip_ignored, logits), logits)
+
+
+@torch.library.custom_op("graphtrain::linear_cross_entropy_logits", mutates_args=())
+def _linear_cross_entropy_logits_op(hidden: Tensor, weight: Tensor, target: Tensor, ignore_index: int, reduction: int,
+                                    chunk_rows: int, skip_ignored: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(loss, d hidden, d weight for a unit upstream gradient, the logits hidden @ weight^T)."""
+    return _with_logits(hidden, weight, target, ignore_index, reduction, chunk_rows, skip_ignored)
+
+
+@_linear_cross_entropy_logits_op.register_fake
+def _(hidden, weight, target, ignore_index, reduction, chunk_rows, skip_ignored=True):
+    return (hidden.new_empty((), dtype=_loss_dtype(hidden)), dense_empty(hidden), dense_empty(weight),
+            dense_empty(hidden, (hidden.shape[0], weight.shape[0])))
+
+
+def _setup_logits(ctx, inputs, output):
+    ctx.mark_non_differentiable(output[3])  # returned detached: its gradient, if any, is _HeadGrad's
+    ctx.save_for_backward(output[1], output[2])
+
+
+def _backward_logits(ctx, grad, _ddh, _ddw, _dlogits):
+    return _backward(ctx, grad, _ddh, _ddw)
+
+
+_linear_cross_entropy_logits_op.register_autograd(_backward_logits, setup_context=_setup_logits)
+
+
+@torch.library.custom_op("graphtrain::linear_bias_cross_entropy_logits", mutates_args=())
+def _linear_bias_cross_entropy_logits_op(hidden: Tensor, weight: Tensor, bias: Tensor, target: Tensor,
+                                         ignore_index: int, reduction: int, chunk_rows: int, skip_ignored: bool = True
+                                         ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(loss, d hidden, d weight, d bias for a unit upstream gradient, the logits hidden @ weight^T + bias)."""
+    return _with_logits(hidden, weight, target, ignore_index, reduction, chunk_rows, skip_ignored, bias)
+
+
+@_linear_bias_cross_entropy_logits_op.register_fake
+def _(hidden, weight, bias, target, ignore_index, reduction, chunk_rows, skip_ignored=True):
+    return (hidden.new_empty((), dtype=_loss_dtype(hidden)), dense_empty(hidden), dense_empty(weight),
+            dense_empty(bias), dense_empty(hidden, (hidden.shape[0], weight.shape[0])))
+
+
+def _setup_bias_logits(ctx, inputs, output):
+    ctx.mark_non_differentiable(output[4])
+    ctx.save_for_backward(output[1], output[2], output[3])
+
+
+def _backward_bias_logits(ctx, grad, _ddh, _ddw, _ddb, _dlogits):
+    return _backward_bias(ctx, grad, _ddh, _ddw, _ddb)
+
+
+_linear_bias_cross_entropy_logits_op.register_autograd(_backward_bias_logits, setup_context=_setup_bias_logits)
+
+
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, ignore_index: int = -100,
                          reduction: str = "mean", chunk_rows: int = 0, bias: Tensor | None = None) -> Tensor:
     """cross_entropy(hidden @ weight.T (+ bias), target) without materializing the logits; hidden [..., H],
@@ -223,6 +292,17 @@ def _workspace(n: torch.fx.Node, bias: bool) -> int:
     return buffers * min(rows, chunk) * vocab * item
 
 
+def _workspace_logits(n: torch.fx.Node, bias: bool) -> int:
+    """One chunk of the logits' rows, copied (and turned into their gradient in place) at a time; two when there is
+    more than one chunk (the previous one still referenced at the next copy)."""
+    h, w = n.args[0].meta["val"], n.args[1].meta["val"]
+    rows, vocab, item = hint_int(h.shape[0]), hint_int(w.shape[0]), h.element_size()
+    i_chunk = 6 if bias else 5
+    given = n.args[i_chunk] if len(n.args) > i_chunk else n.kwargs.get("chunk_rows", 0)
+    chunk = hint_int(given) if given and hint_int(given) > 0 else default_chunk_rows(rows, vocab, item)
+    return (1 + (rows > chunk)) * min(rows, chunk) * vocab * item
+
+
 SPEC = register_kernel_spec(KernelSpec(
     "linear_cross_entropy", linear_cross_entropy, linear_cross_entropy_reference,
     {"cpu": "chunked torch (reference CE math)", "cuda": "chunked matmul + triton CE"},
@@ -234,4 +314,11 @@ SPEC = register_kernel_spec(KernelSpec(
                      workspace_bytes=lambda n: _workspace(n, bias=False), cpp=("ce_fwd_bwd_inplace", "onednn_matmul")),
         OpDescriptor("linear_bias_cross_entropy", role=FORWARD, random=False, recompute=COMPUTE_BOUND, precision=LOW,
                      workspace_bytes=lambda n: _workspace(n, bias=True), cpp=("ce_fwd_bwd_inplace", "onednn_matmul")),
+        # The logits are an output; a chunk of their rows copied at a time is the scratch.
+        OpDescriptor("linear_cross_entropy_logits", role=FORWARD, random=False, recompute=COMPUTE_BOUND,
+                     precision=LOW, workspace_bytes=lambda n: _workspace_logits(n, bias=False),
+                     cpp=("ce_fwd_bwd_inplace", "onednn_matmul")),
+        OpDescriptor("linear_bias_cross_entropy_logits", role=FORWARD, random=False, recompute=COMPUTE_BOUND,
+                     precision=LOW, workspace_bytes=lambda n: _workspace_logits(n, bias=True),
+                     cpp=("ce_fwd_bwd_inplace", "onednn_matmul")),
     )))

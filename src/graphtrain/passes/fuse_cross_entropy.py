@@ -64,6 +64,86 @@ def _lm_head(x: fx.Node):
     return h, wt, bias
 
 
+_VIEWS = (aten.view, aten._unsafe_view, aten.reshape)
+
+
+def _returned_chain(u: fx.Node) -> list[fx.Node] | None:
+    """`u` and the nodes after it when they are views ending in a detach whose only user is the graph's output (the
+    logits engine/returned_heads.py returns detached), else None."""
+    chain = [u]
+    while is_op(chain[-1], *_VIEWS) and len(chain[-1].users) == 1:
+        chain.append(next(iter(chain[-1].users)))
+    last = chain[-1]
+    if not is_op(last, aten.detach, aten.alias) or not all(x.op == "output" for x in last.users):
+        return None
+    return chain
+
+
+def _returned_lm_head(x: fx.Node, ls: fx.Node):
+    """x (the cross-entropy's 2-D logits) -> (hidden, weight^T, bias, head node, nodes to move after the fused op)
+    when x is an LM head matmul (mm, or addmm with a bias) whose logits also leave the graph detached, through views
+    only; None otherwise."""
+    path = [x]
+    while is_op(path[-1], *_VIEWS):
+        path.append(path[-1].args[0])
+    head = path[-1]
+    if is_op(head, aten.addmm) and len(head.args) == 3 and not head.kwargs:
+        bias, h, wt = head.args
+        if shape(bias) is None or len(shape(bias)) != 1:
+            return None
+    elif is_op(head, aten.mm):
+        (h, wt), bias = head.args, None
+    else:
+        return None
+    if shape(h) is None or len(shape(h)) != 2 or shape(head) != shape(x):
+        return None
+    on_path, moved, returned = set(path), [], False
+    for node in reversed(path):  # head first
+        for u in node.users:
+            if u in on_path or u is ls:
+                continue
+            chain = _returned_chain(u)
+            if chain is None:
+                return None
+            moved.extend(chain)
+            returned = True
+    if not returned:
+        return None
+    return h, wt, bias, head, [n for n in reversed(path[:-1])] + moved
+
+
+def _fuse_returned(g: fx.Graph, node: fx.Node, ls: fx.Node, x: fx.Node, target, reduction, ignore) -> bool:
+    """Rewrite the LM head + cross-entropy (`node`, the nll_loss) of a head whose logits are also returned to
+    graphtrain's *_logits op (the logits computed once, the loss's gradient chunked from them:
+    kernels/linear_cross_entropy.py); False when `x` is not such a head."""
+    found = _returned_lm_head(x, ls) if reduction in (1, 2) else None
+    if found is None:
+        return False
+    h, wt, bias, head, moved = found
+    with g.inserting_before(node):
+        w = wt.args[0] if is_op(wt, aten.t) else call(g, aten.t.default, wt)
+        if bias is None:
+            fused = call(g, torch.ops.graphtrain.linear_cross_entropy_logits.default, h, w, target, ignore, reduction,
+                         0, False)
+            logits = getitem(g, fused, 3)
+        else:
+            fused = call(g, torch.ops.graphtrain.linear_bias_cross_entropy_logits.default, h, w, bias, target, ignore,
+                         reduction, 0, False)
+            logits = getitem(g, fused, 4)
+        loss = getitem(g, fused, 0)
+    for u in list(node.users):
+        u.replace_all_uses_with(loss)
+        g.erase_node(u)
+    g.erase_node(node)
+    g.erase_node(ls)
+    anchor = logits
+    for m in moved:  # the views and detach that returned the head's logits now follow the op that computes them
+        anchor.append(m)
+        anchor = m
+    head.replace_all_uses_with(logits)
+    return True
+
+
 def _fuse(gm: fx.GraphModule, ctx: PassContext, linear_only: bool) -> fx.GraphModule:
     g, n = gm.graph, 0
     for node in list(g.nodes):
@@ -78,6 +158,9 @@ def _fuse(gm: fx.GraphModule, ctx: PassContext, linear_only: bool) -> fx.GraphMo
         if any(not (is_op(u, operator.getitem) and u.args[1] == 0) for u in node.users):
             continue
         head = _lm_head(x) if reduction in (1, 2) and len(x.users) == 1 else None
+        if head is None and _fuse_returned(g, node, ls, x, target, reduction, ignore):
+            n += 1
+            continue
         if linear_only and head is None:
             continue
         with g.inserting_before(node):
@@ -116,7 +199,9 @@ def fuse_cross_entropy_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphMod
 
 
 _LINEAR_CE = {torch.ops.graphtrain.linear_cross_entropy.default: 6,
-              torch.ops.graphtrain.linear_bias_cross_entropy.default: 7}  # op -> index of skip_ignored
+              torch.ops.graphtrain.linear_bias_cross_entropy.default: 7,
+              torch.ops.graphtrain.linear_cross_entropy_logits.default: 6,
+              torch.ops.graphtrain.linear_bias_cross_entropy_logits.default: 7}  # op -> index of skip_ignored
 
 
 # it flags the LM-head ops both fusions above insert
