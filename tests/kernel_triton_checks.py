@@ -89,6 +89,18 @@ def check_cross_entropy(dtype):
     assert_close(loss, lr, name="lce loss")
     assert_close(h.grad, h2.grad, name="lce dh")
     assert_close(w.grad, w2.grad, name="lce dw")
+    # a returned head (its logits an output too): the Triton row kernels on copies of the logits' rows
+    t9[3] = -100
+    h3, w3 = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    loss3, _, _, logits = ops.linear_cross_entropy_logits(h3, w3, t9, -100, 1, 4, True)
+    loss3.backward()
+    h4, w4 = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    lr4 = linear_cross_entropy_reference(h4, w4, t9, -100, 1)
+    lr4.backward()
+    assert_close(logits, (h.detach() @ w.detach().t()).to(dtype), name="lce logits")
+    assert_close(loss3, lr4, name="lce-logits loss")
+    assert_close(h3.grad, h4.grad, name="lce-logits dh")
+    assert_close(w3.grad, w4.grad, name="lce-logits dw")
 
 
 def check_attention(dtype):
