@@ -69,6 +69,8 @@ def build(model: str, seq: int, batch: int, dropout: float | None = None,
     from graphtrain.models import build_model
     if model.startswith("vit:"):  # a Hugging Face image classifier from a config.json: pixels in, the loss out
         return _vision(model[4:], batch, attention)
+    if model.startswith("hf-lm:"):  # the Hugging Face language model itself: its output, logits included
+        return _hf_language_model(model[6:], seq, batch, dropout, attention)
     if model.startswith("hf:"):  # a Hugging Face model from a local folder / config.json (model.hf)
         m = build_model(ModelConfig(hf=model[3:], dropout=dropout, attention=attention))
     else:
@@ -82,6 +84,35 @@ def build(model: str, seq: int, batch: int, dropout: float | None = None,
     if getattr(m, "family", "gpt2") == "bert" and not model.startswith("hf:"):  # BERT.forward(ids, mask, types, labels)
         return m, (ids, None, None, labels)
     return m, (ids, labels)
+
+
+def _hf_language_model(path: str, seq: int, batch: int, dropout: float | None, attention: str) -> tuple[Any, dict]:
+    """`hf-lm:PATH`: AutoModelForCausalLM (AutoModelForMaskedLM for an encoder: BERT, RoBERTa...) from PATH's
+    config.json, random init, called as a user's loop calls it: ``out = model(input_ids=..., labels=...)``, the
+    output (with its logits over the whole vocabulary) held until the backward is done, ``out.loss`` trained. Unlike
+    `hf:` (graphtrain's model.hf wrapper, which returns the loss alone), the logits are an output of the step. Masked
+    LM: 15% of the positions labelled. The batch is the keyword arguments (a dict)."""
+    import torch
+    import transformers
+    from graphtrain.models.hf import hf_folder
+
+    _, config_file = hf_folder(path)
+    cfg = transformers.AutoConfig.from_pretrained(str(config_file), local_files_only=True)
+    cfg._attn_implementation = "sdpa" if attention == "sdpa" else "eager"
+    if dropout is not None:
+        for key in ("resid_pdrop", "embd_pdrop", "attn_pdrop", "hidden_dropout_prob", "attention_probs_dropout_prob",
+                    "attention_dropout"):
+            if hasattr(cfg, key):
+                setattr(cfg, key, dropout)
+    masked = not getattr(cfg, "is_decoder", False) and cfg.model_type in ("bert", "roberta", "distilbert", "electra")
+    auto = transformers.AutoModelForMaskedLM if masked else transformers.AutoModelForCausalLM
+    m = auto.from_config(cfg).train()
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g)
+    labels = ids.clone()
+    if masked:
+        labels[torch.rand(batch, seq, generator=g) > 0.15] = -100
+    return m, {"input_ids": ids, "labels": labels}
 
 
 def _vision(path: str, batch: int, attention: str) -> tuple[Any, tuple]:
@@ -125,6 +156,9 @@ def _child(a: argparse.Namespace) -> dict[str, Any]:
     # accelerate does without recompute, engine/backend.py allocator_mode). Set here, so accelerate keeps it.
     set_cpu_allocator("release" if _pinned(a) else "default" if a.no_pin_malloc else "keep")
     base_kib = _rss_kib()
+    if a.model.startswith("hf-lm:") and a.mode == "graphtrain":
+        raise SystemExit("--model hf-lm: takes --mode eager, compile or accelerate (graphtrain's own step needs a "
+                         "model that returns its loss: use hf:PATH)")
     model, batch = build(a.model, a.seq, a.batch, a.dropout, a.attention)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)  # the strongest one-flag setting, every variant
     if a.mode == "eager":
@@ -143,11 +177,17 @@ def _child(a: argparse.Namespace) -> dict[str, Any]:
         step_fn = compile_train_step(model, cfg, boxed=not a.unboxed, fw_passes=passes, bw_passes=passes)
 
     def step() -> float:
-        loss = step_fn(*batch)
+        if isinstance(batch, dict):  # hf-lm: the output object (logits too) lives until the backward is done
+            out = step_fn(**batch)
+            loss = out.loss
+        else:
+            loss = step_fn(*batch)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         return float(loss)
+
+    tensors = list(batch.values()) if isinstance(batch, dict) else list(batch)
 
     saved_bytes = None
     for i in range(a.warmup):
@@ -165,14 +205,15 @@ def _child(a: argparse.Namespace) -> dict[str, Any]:
     state = sum(t.numel() * t.element_size() for t in model.parameters())
     state += sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values()
                  if isinstance(t, torch.Tensor))
-    state += sum(t.numel() * t.element_size() for t in batch if isinstance(t, torch.Tensor))
+    state += sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
     rss0_kib = _rss_kib()
     # The prediction was made when the step compiled; its process peak needs only the baseline, taken here.
     process = None
     if a.mode == "accelerate":
         pred = _predicted_memory(model)
         if pred is not None:
-            process = predict_process_peak(pred, model=model, optimizer=opt, batch=batch, baseline_rss=rss0_kib * 1024)
+            process = predict_process_peak(pred, model=model, optimizer=opt, batch=tensors,
+                                           baseline_rss=rss0_kib * 1024)
     if not reset_peak_rss():
         raise RuntimeError("cannot reset the resident high-water mark (/proc/self/clear_refs)")
     times = []
@@ -235,7 +276,9 @@ def _saved_bytes(step: Any, model: Any) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="gpt2-mini")
+    p.add_argument("--model", default="gpt2-mini",
+                   help="a preset; hf:PATH (graphtrain's model.hf wrapper: the loss alone); hf-lm:PATH (the Hugging "
+                        "Face language model itself, its logits an output); vit:PATH (an image classifier)")
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--mode", choices=MODES, default="graphtrain")

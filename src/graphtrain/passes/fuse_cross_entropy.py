@@ -1,7 +1,10 @@
 """Softmax cross-entropy fusions, two passes over one matcher, and the sparse LM head:
 
 - fuse_linear_cross_entropy: LM head + log_softmax + nll_loss -> graphtrain::linear_cross_entropy /
-  linear_bias_cross_entropy (chunked: the full logits are never materialized). On under every provider.
+  linear_bias_cross_entropy (chunked: the full logits are never materialized). On under every provider. A head
+  whose logits also leave the graph detached (engine/returned_heads.py: a Hugging Face model's returned logits,
+  through views) -> graphtrain::linear_cross_entropy_logits / linear_bias_cross_entropy_logits: the logits computed
+  once as an output, the loss's gradient chunked from them (no [N, V] gradient).
 - sparse_lm_head: the fused LM-head losses skip the rows whose target is ignored (their logits are
   never computed); a pass of its own so it can be switched off and measured alone. Measured under Inductor (batch 8, seq 128,
   2-core EPYC, `graphtrain.accelerate` step with fused AdamW, on vs off): bert-small fp32 461 vs 585
