@@ -72,12 +72,11 @@ def compile_in_place(modules: torch.nn.Module | list[torch.nn.Module], state: En
     from graphtrain.engine.backend import make_backend
 
     cfg = state.config
-    if cfg.recompute not in ("full", "auto"):
-        # Under recompute full/auto a partition of HF GPT-2 can save a random fused op's output tuple, which
-        # AOTAutograd rejects at run time (tests/test_engine_memory.py, xfail: not fixed yet). With the loss in a
-        # graph of its own (the warning's break), auto's budget ladder stops before that rung at realistic budgets
-        # (measured: 4 layers, width 384, batch 16, seq 256, budget 0.02 of RAM), so the break stays there.
-        _ignore_log_once()
+    # Every recompute mode too. Under full/auto the break once stayed (a budgeted partition of HF GPT-2 saved a
+    # random fused op's output tuple, fixed since: memory/recompute.py _no_tuples_saved), and it cost the loss its
+    # fusion: the logits crossed into a graph of their own with an [N, V] gradient, and recompute auto's peak on
+    # HF GPT-2 (4 layers, vocabulary 50257, batch 16 x 256) was above no recompute's (2623 against 2378 MiB).
+    _ignore_log_once()
     options = {"backend": make_backend(cfg, state), "dynamic": cfg.dynamic, "fullgraph": cfg.fallback == "error"}
     shared: dict[Any, Any] = {}
     for module in modules if isinstance(modules, list) else [modules]:

@@ -97,12 +97,18 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Eng
     graph compiled. A graph with repeated-block calls (engine/blocks.py) is compiled piece by piece, each
     distinct block once."""
     from graphtrain.engine.blocks import has_block_calls
+    from graphtrain.engine.no_grad_regions import lift_no_grad_regions
     from graphtrain.engine.returned_heads import detach_returned_heads, reattach
     from graphtrain.engine.trace import dtensor_inputs
 
     apply_policy(config)
     _set_cpu_allocator_once(example_inputs, config)
     heads, n_out = [], 0
+    if torch.is_grad_enabled() and _has_grad_mode_changes(gm) and (lifted := lift_no_grad_regions(gm)):
+        note = (f"{lifted} no_grad region{'s' * (lifted > 1)} in a graph: lifted (its values detached) so that the "
+                f"pre-autodiff passes run")
+        if note not in state.notes:
+            state.notes.append(note)
     if torch.is_grad_enabled() and not dtensor_inputs(example_inputs):  # a training graph on plain tensors
         heads, n_out = detach_returned_heads(gm)
         for hd in heads:

@@ -185,7 +185,7 @@ def _child(a: argparse.Namespace) -> dict[str, Any]:
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return float(loss)
+        return float(loss.detach())
 
     tensors = list(batch.values()) if isinstance(batch, dict) else list(batch)
 
