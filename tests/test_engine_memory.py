@@ -294,15 +294,16 @@ def test_trainer_config_selects_layer_checkpointing(tmp_path, monkeypatch):
 def test_recompute_auto_on_hugging_face_gpt2_at_a_tight_budget():
     """recompute auto at a tight budget (every rung of the ladder) on a tiny HF GPT-2 matches eager. Regression:
     torch's budget search returned a multi-output fused op itself as a saved value, and AOTAutograd refused the
-    tuple (memory/recompute.py, `_no_tuples_saved`)."""
+    tuple (memory/recompute.py, `_no_tuples_saved`). And the model is one graph with the fused LM head and loss: a
+    graph break kept at HF's `warning_once` under recompute full/auto put the loss in a graph of its own, with an
+    [N, V] gradient."""
     import transformers
     cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=512, n_positions=64, resid_pdrop=0.0,
                                   embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="sdpa")
     torch.manual_seed(0)
     ref = transformers.GPT2LMHeadModel(cfg).train()
     m = copy.deepcopy(ref)
-    # fallback warn: HF's logger.warning_once may break the graph here (fallback=error means fullgraph)
-    m = graphtrain.accelerate(m, provider="aten", fallback="warn", recompute="auto", memory_budget=2**20)
+    m = graphtrain.accelerate(m, provider="aten", fallback="error", recompute="auto", memory_budget=2**20)
     ids = torch.randint(0, 512, (8, 64), generator=torch.Generator().manual_seed(1))  # > 1 MiB of activations
     losses = [mod(input_ids=ids, labels=ids).loss for mod in (ref, m)]
     for loss in losses:
@@ -312,6 +313,8 @@ def test_recompute_auto_on_hugging_face_gpt2_at_a_tight_budget():
     rep = graphtrain.report(m)
     assert any(g["recompute"] and len(g["recompute"]["choices"]) > 1 for g in rep.graphs), str(rep)  # modes tried
     assert not rep.fallbacks and not rep.eager_only, str(rep)
+    assert len(rep.graphs) == 1 and not rep.graph_breaks, str(rep)
+    assert any(f["name"] == "linear_cross_entropy_logits" for f in rep.fused_ops), rep.fused_ops
 
 
 def test_auto_with_fewer_layers_checkpointed_matches_eager():
