@@ -105,22 +105,24 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Eng
     _set_cpu_allocator_once(example_inputs, config)
     heads, n_out = [], 0
     if torch.is_grad_enabled() and _has_grad_mode_changes(gm) and (lifted := lift_no_grad_regions(gm)):
-        note = (f"{lifted} no_grad region{'s' * (lifted > 1)} in a graph: lifted (its values detached) so that the "
-                f"pre-autodiff passes run")
-        if note not in state.notes:
-            state.notes.append(note)
+        _note_once(state.notes, f"{lifted} no_grad region{'s' * (lifted > 1)} in a graph: lifted (its values "
+                                f"detached) so that the pre-autodiff passes run")
     if torch.is_grad_enabled() and not dtensor_inputs(example_inputs):  # a training graph on plain tensors
         heads, n_out = detach_returned_heads(gm)
         for hd in heads:
-            note = (f"returned logits of {_placeholder_name(gm, hd.weight)}: detached from the graph, given linear's "
-                    f"backward outside it (no zero gradient of their size when the loss is what trains)")
-            if note not in state.notes:
-                state.notes.append(note)
+            _note_once(state.notes, f"returned logits of {_placeholder_name(gm, hd.weight)}: detached from the graph, "
+                                    f"given linear's backward outside it (no zero gradient of their size when the "
+                                    f"loss is what trains)")
     if has_block_calls(gm):
         compiled = _compile_by_blocks(gm, example_inputs, config, state)
     else:
         compiled = _compile_one(gm, example_inputs, config, state)
     return reattach(compiled, heads, n_out) if heads else compiled
+
+
+def _note_once(notes: list[str], text: str) -> None:
+    if text not in notes:
+        notes.append(text)
 
 
 def _placeholder_name(gm: fx.GraphModule, index: int) -> str:
@@ -208,9 +210,7 @@ def _pre_autodiff(gm: fx.GraphModule, example_inputs: Sequence[Any], kinds: list
     sharded = dtensor_inputs(example_inputs)
     rec.dtensor_inputs = len(sharded)
     if _has_grad_mode_changes(gm):
-        note = "graph switches grad mode inside (no_grad region): pre-autodiff passes skipped"
-        if note not in rec.notes:
-            rec.notes.append(note)
+        _note_once(rec.notes, "graph switches grad mode inside (no_grad region): pre-autodiff passes skipped")
         return gm
     if not sharded and (cached := _cached_passes(gm, example_inputs, kinds, config, state, rec, key)) is not None:
         return cached
