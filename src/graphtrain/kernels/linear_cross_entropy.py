@@ -287,14 +287,14 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, ignore_
 
 
 def _workspace(n: torch.fx.Node, bias: bool) -> int:
-    """The logits of one chunk of rows (~32 MiB), which the CPU loop turns into their gradient in place. Live at
-    once, at the next chunk's matmul: the previous chunk's logits (still referenced) when there is more than
-    one chunk, the new logits, and with a bias the product before ``+ bias`` (aten's path; oneDNN fuses the
-    bias, counted only once its probe has chosen oneDNN). Measured with the VmHWM of a step (2-core EPYC,
-    AVX2, fp32, aten GEMMs): gpt2-mini batch 16 x 128 (2 chunks, no bias) peaks 64 MiB above its graph,
-    batch 8 (1 chunk) 32 MiB; bert-mini batch 16 (2 chunks, bias) 96 MiB. Rows whose label is ignored are
-    skipped at run time: counting every row is an upper bound. On CUDA (Triton) the gradient is a second
-    buffer."""
+    """The logits of one chunk of rows (~32 MiB), which the CPU loop turns into their gradient in place. Without a
+    bias every chunk's GEMM writes into one buffer (_chunk_loop): one chunk's worth (gpt2-mini batch 16 x 128, 2
+    chunks: the step's VmHWM within 2% of the prediction, 2-core Zen 4). With a bias each chunk gets a new
+    product, so at the next chunk's matmul the previous chunk's logits (still referenced) are live too when there
+    is more than one chunk, and the product before ``+ bias`` (aten's path; oneDNN fuses the bias, counted only
+    once its probe has chosen oneDNN): bert-mini batch 16 (2 chunks, bias) peaked 96 MiB above its graph (2-core
+    EPYC, AVX2, aten GEMMs). Rows whose label is ignored are skipped at run time: counting every row is an upper
+    bound. On CUDA (Triton) the gradient is a second buffer."""
     h, w = n.args[0].meta["val"], n.args[1].meta["val"]
     rows, vocab, item = hint_int(h.shape[0]), hint_int(w.shape[0]), h.element_size()
     if h.device.type != "cpu":
@@ -302,19 +302,19 @@ def _workspace(n: torch.fx.Node, bias: bool) -> int:
     i_chunk = 6 if bias else 5
     given = n.args[i_chunk] if len(n.args) > i_chunk else n.kwargs.get("chunk_rows", 0)
     chunk = hint_int(given) if given and hint_int(given) > 0 else default_chunk_rows(rows, vocab, item)
-    buffers = 1 + (rows > chunk) + (bias and not (gemm_probe_ran() and onednn_gemm_wins()))
+    buffers = 1 if not bias else 1 + (rows > chunk) + (not (gemm_probe_ran() and onednn_gemm_wins()))
     return buffers * min(rows, chunk) * vocab * item
 
 
 def _workspace_logits(n: torch.fx.Node, bias: bool) -> int:
-    """One chunk of the logits' rows, copied (and turned into their gradient in place) at a time; two when there is
-    more than one chunk (the previous one still referenced at the next copy)."""
+    """One chunk of the logits' rows, copied into one buffer (and turned into their gradient in place there) at a
+    time; on CUDA Triton's gradient of the chunk is a second buffer."""
     h, w = n.args[0].meta["val"], n.args[1].meta["val"]
     rows, vocab, item = hint_int(h.shape[0]), hint_int(w.shape[0]), h.element_size()
     i_chunk = 6 if bias else 5
     given = n.args[i_chunk] if len(n.args) > i_chunk else n.kwargs.get("chunk_rows", 0)
     chunk = hint_int(given) if given and hint_int(given) > 0 else default_chunk_rows(rows, vocab, item)
-    return (1 + (rows > chunk)) * min(rows, chunk) * vocab * item
+    return (1 + (h.device.type != "cpu")) * min(rows, chunk) * vocab * item
 
 
 SPEC = register_kernel_spec(KernelSpec(
