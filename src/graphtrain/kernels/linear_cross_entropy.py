@@ -296,25 +296,28 @@ def _workspace(n: torch.fx.Node, bias: bool) -> int:
     EPYC, AVX2, aten GEMMs). Rows whose label is ignored are skipped at run time: counting every row is an upper
     bound. On CUDA (Triton) the gradient is a second buffer."""
     h, w = n.args[0].meta["val"], n.args[1].meta["val"]
-    rows, vocab, item = hint_int(h.shape[0]), hint_int(w.shape[0]), h.element_size()
+    rows, vocab = hint_int(h.shape[0]), hint_int(w.shape[0])
     if h.device.type != "cpu":
         return 2 * min(rows * vocab * 4, max(1, (32 << 20) // (4 * max(vocab, 1))) * vocab * 4)
-    i_chunk = 6 if bias else 5
-    given = n.args[i_chunk] if len(n.args) > i_chunk else n.kwargs.get("chunk_rows", 0)
-    chunk = hint_int(given) if given and hint_int(given) > 0 else default_chunk_rows(rows, vocab, item)
-    buffers = 1 if not bias else 1 + (rows > chunk) + (not (gemm_probe_ran() and onednn_gemm_wins()))
-    return buffers * min(rows, chunk) * vocab * item
+    chunk_bytes, chunked = _chunk_bytes(n, bias)
+    buffers = 1 if not bias else 1 + chunked + (not (gemm_probe_ran() and onednn_gemm_wins()))
+    return buffers * chunk_bytes
 
 
-def _workspace_logits(n: torch.fx.Node, bias: bool) -> int:
-    """One chunk of the logits' rows, copied into one buffer (and turned into their gradient in place there) at a
-    time; on CUDA Triton's gradient of the chunk is a second buffer."""
+def _chunk_bytes(n: torch.fx.Node, bias: bool) -> tuple[int, bool]:
+    """(bytes of one chunk of the logits, whether there is more than one chunk) for the op at `n`."""
     h, w = n.args[0].meta["val"], n.args[1].meta["val"]
     rows, vocab, item = hint_int(h.shape[0]), hint_int(w.shape[0]), h.element_size()
     i_chunk = 6 if bias else 5
     given = n.args[i_chunk] if len(n.args) > i_chunk else n.kwargs.get("chunk_rows", 0)
     chunk = hint_int(given) if given and hint_int(given) > 0 else default_chunk_rows(rows, vocab, item)
-    return (1 + (h.device.type != "cpu")) * min(rows, chunk) * vocab * item
+    return min(rows, chunk) * vocab * item, rows > chunk
+
+
+def _workspace_logits(n: torch.fx.Node, bias: bool) -> int:
+    """One chunk of the logits' rows, copied into one buffer (and turned into their gradient in place there) at a
+    time; on CUDA Triton's gradient of the chunk is a second buffer."""
+    return (1 + (n.args[0].meta["val"].device.type != "cpu")) * _chunk_bytes(n, bias)[0]
 
 
 SPEC = register_kernel_spec(KernelSpec(
