@@ -94,17 +94,12 @@ def _hf_language_model(path: str, seq: int, batch: int, dropout: float | None, a
     LM: 15% of the positions labelled. The batch is the keyword arguments (a dict)."""
     import torch
     import transformers
-    from graphtrain.models.hf import hf_folder
+    from graphtrain.config import ModelConfig
+    from graphtrain.models.hf import configure
 
-    _, config_file = hf_folder(path)
-    cfg = transformers.AutoConfig.from_pretrained(str(config_file), local_files_only=True)
+    cfg, objective = configure(ModelConfig(hf=path, dropout=dropout))  # model.hf's config overrides and objective
     cfg._attn_implementation = "sdpa" if attention == "sdpa" else "eager"
-    if dropout is not None:
-        for key in ("resid_pdrop", "embd_pdrop", "attn_pdrop", "hidden_dropout_prob", "attention_probs_dropout_prob",
-                    "attention_dropout"):
-            if hasattr(cfg, key):
-                setattr(cfg, key, dropout)
-    masked = not getattr(cfg, "is_decoder", False) and cfg.model_type in ("bert", "roberta", "distilbert", "electra")
+    masked = objective == "mlm"
     auto = transformers.AutoModelForMaskedLM if masked else transformers.AutoModelForCausalLM
     m = auto.from_config(cfg).train()
     g = torch.Generator().manual_seed(0)
