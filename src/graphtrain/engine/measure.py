@@ -218,7 +218,7 @@ def _child(a: argparse.Namespace) -> dict[str, Any]:
         times.append(time.perf_counter() - t0)
     hwm = _rss_kib("VmHWM") * 1024
     times.sort()
-    predicted, phases, chose = None, None, None
+    predicted, phases, chose, candidates = None, None, None, None
     if a.mode == "accelerate":
         from graphtrain.engine.report import report
         graphs = report(model).graphs
@@ -228,6 +228,7 @@ def _child(a: argparse.Namespace) -> dict[str, Any]:
         if graphs and graphs[0].get("recompute"):
             r = graphs[0]["recompute"]
             chose = next((f"{c['name']}: {c['what']}" for c in r["choices"] if c["name"] == r["chosen"]), None)
+            candidates = {c["name"]: c.get("predicted_peak") for c in r["choices"]}  # auto's evidence
     return {"model": a.model, "seq": a.seq, "batch": a.batch, "mode": a.mode, "recompute": a.recompute,
             "inplace": a.inplace, "boxed": not a.unboxed,
             "pinned_malloc": _pinned(a), "base_rss": base_kib * 1024, "rss_before_steps": rss0_kib * 1024,
@@ -236,6 +237,7 @@ def _child(a: argparse.Namespace) -> dict[str, Any]:
             "param_bytes": sum(t.numel() * t.element_size() for t in model.parameters()),
             "provider": a.provider if a.mode == "accelerate" else None, "predicted_peak": predicted,
             "predicted_phases": phases, "recompute_chose": chose,
+            "recompute_candidates": candidates,
             "machine": machine(), "threads": a.threads,
             "predicted_process_peak": process.process_peak if process else None,
             "predicted_increment": process.increment if process else None,
