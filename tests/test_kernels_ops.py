@@ -191,6 +191,25 @@ def test_linear_cross_entropy_vs_eager(chunk):
                    lambda h, w: F.cross_entropy((h @ w.t()).view(-1, 31), t.view(-1)), h, w)
 
 
+@pytest.mark.parametrize("gemm", ["default", "aten"])
+def test_linear_cross_entropy_chunks_overwrite_stale_memory(gemm, monkeypatch):
+    """Over several chunks d weight accumulates in a buffer that is not zeroed first (the first chunk's product
+    overwrites it). Blocks of its size filled with NaN are freed just before each call, where the allocator hands
+    them out again: nothing stale may reach the gradient. `aten`: the GEMMs that oneDNN would take go to aten's
+    mm / addmm_ with `out` (what machines where oneDNN does not win run)."""
+    if gemm == "aten":
+        import importlib
+        monkeypatch.setattr(importlib.import_module("graphtrain.kernels.gemm"), "onednn_gemm_wins", lambda: False)
+    h, w, t = torch.randn(24, 32), torch.randn(96, 32), torch.randint(0, 96, (24,))
+    want = torch.autograd.grad(F.cross_entropy(h.requires_grad_() @ w.requires_grad_().t(), t), (h, w))
+    for _ in range(4):
+        poison = [torch.full(w.shape, float("nan")) for _ in range(8)]
+        del poison
+        got = torch.autograd.grad(linear_cross_entropy(h, w, t, chunk_rows=5), (h, w))
+        for g, e in zip(got, want):
+            assert_close(g, e, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_linear_cross_entropy_skips_ignored_rows(reduction, with_bias):

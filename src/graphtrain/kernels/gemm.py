@@ -127,8 +127,13 @@ def matmul(a: Tensor, b: Tensor, bias: Optional[Tensor] = None) -> Tensor:
 def mm_into(a: Tensor, b: Tensor, out: Tensor, accumulate: bool) -> None:
     """out (+)= a @ b: oneDNN straight into `out` for fp32 CPU where it wins, else aten."""
     def aten() -> None:
-        if accumulate:
+        same = out.dtype == a.dtype == b.dtype and out.is_contiguous()
+        if accumulate and same:
+            out.addmm_(a, b)  # BLAS beta = 1: no [m, n] temporary, no second pass over `out`
+        elif accumulate:
             out.add_((a @ b).to(out.dtype))
+        elif same:
+            torch.mm(a, b, out=out)  # beta = 0: `out` is written, never read (it may hold garbage)
         else:
             out.copy_(a @ b)
 

@@ -94,8 +94,9 @@ def _chunk_loop(hidden, weight, target, ignore_index, reduction, chunk, bias, im
         picked = rows if rows is not None else torch.arange(n, device=hidden.device)
     dh = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device)
     single = hidden.shape[0] <= chunk
-    # one chunk: d weight is that chunk's product, in the weight's dtype; several: accumulated (fp32 for fp32/bf16)
-    dw = None if single else torch.zeros(weight.shape, dtype=_acc(hidden), device=weight.device)
+    # one chunk: d weight is that chunk's product, in the weight's dtype; several: accumulated (fp32 for fp32/bf16),
+    # the first chunk's product written over the uninitialised buffer (no [V, K] zero fill and re-read per call)
+    dw = None if single else torch.empty(weight.shape, dtype=_acc(hidden), device=weight.device)
     db = torch.zeros(weight.shape[:1], dtype=_acc(hidden), device=weight.device) if bias is not None else None
     total = torch.zeros((), dtype=_acc(hidden), device=hidden.device)
     # One logits buffer for every chunk: a fresh [chunk, V] block per chunk faulted its pages in anew whenever glibc
@@ -139,7 +140,7 @@ def _chunk_loop(hidden, weight, target, ignore_index, reduction, chunk, bias, im
         if single:
             dw = matmul(dlogits.t(), h)
         else:
-            mm_into(dlogits.t(), h, dw, accumulate=True)
+            mm_into(dlogits.t(), h, dw, accumulate=s > 0)
         if db is not None:
             db += dlogits.sum(0, dtype=db.dtype)
     if rows is not None:
