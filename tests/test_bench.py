@@ -160,6 +160,24 @@ def test_cases_are_chosen_by_substring_or_glob():
         suites.select_cases(hf, ["gpt3*"])
 
 
+def test_alone_runs_one_variant_process_at_a_time(monkeypatch, tmp_path):
+    from graphtrain.bench import runner
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def fake_run_suite(suite, *args, **kwargs):
+        seen.append(suite.max_workers)
+        raise Stop
+
+    monkeypatch.setattr(runner, "run_suite", fake_run_suite)
+    for flags in ([], ["--alone"]):
+        with pytest.raises(Stop):
+            bench_main(["tiny", "--out", str(tmp_path), "--no-progress", *flags])
+    assert seen == [suites.get_suite("tiny").max_workers, 1] and seen[0] > 1
+
+
 def test_tiny_suite_end_to_end(tmp_path):
     pytest.importorskip("graphtrain.models")
     docs = tmp_path / "benchmarks.md"

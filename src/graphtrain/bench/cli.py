@@ -28,6 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, help="interleaved rounds, one block per variant each (default: the suite's)")
     parser.add_argument("--warmup", type=int, help="untimed steps after the first step (default: the suite's)")
     parser.add_argument("--cap-gib", type=float, help="memory cap for the largest-batch search (default: the suite's)")
+    parser.add_argument("--alone", action="store_true",
+                        help="one variant's process at a time, alone on the machine, its rounds back to back (the "
+                             "default interleaves rounds across variants whose processes stay alive together)")
     mb = parser.add_mutually_exclusive_group()
     mb.add_argument("--maxbatch", dest="maxbatch", action="store_true", default=None,
                     help="search the largest batch under --cap-gib for every case (suite `seed` does by default)")
@@ -76,7 +79,8 @@ def run(args: argparse.Namespace) -> int:
             return 2
     try:
         suite = suites.with_overrides(suites.get_suite(args.suite), steps=args.steps, repeats=args.repeats,
-                                      warmup=args.warmup, cap_gib=args.cap_gib)
+                                      warmup=args.warmup, cap_gib=args.cap_gib,
+                                      max_workers=1 if getattr(args, "alone", False) else None)
         variants = suites.resolve_variants(args.variants, suite)
         cases = suites.select_cases(suite, args.cases)
     except ValueError as e:
