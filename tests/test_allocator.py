@@ -123,3 +123,14 @@ def test_huge_page_allocator_backs_large_blocks_with_huge_pages():
     grown, y, small, z = out.stdout.split()
     assert (float(y), float(small), float(z)) == (6.0, 100.0, float(16 << 20))
     assert int(grown) >= 60, f"only {grown} MiB of the 64 MiB block on huge pages"
+
+
+def test_measure_harness_allocator_flags():
+    """The memory harness's process allocator: as graphtrain would set it unless a flag says otherwise."""
+    from graphtrain.engine.measure import _allocator, _parser
+    parse = _parser().parse_args
+    assert _allocator(parse(["--mode", "eager"])) == "keep"
+    assert _allocator(parse(["--mode", "accelerate", "--recompute", "selective"])) == "release"
+    assert _allocator(parse(["--mode", "accelerate", "--recompute", "selective", "--keep-malloc"])) == "keep"
+    assert _allocator(parse(["--mode", "eager", "--no-pin-malloc"])) == "default"
+    assert _allocator(parse(["--mode", "eager", "--pin-malloc"])) == "release"

@@ -134,11 +134,16 @@ def _vision(path: str, batch: int, attention: str) -> tuple[Any, tuple]:
     return m, (pixels, torch.randint(0, cfg.num_labels, (batch,), generator=g))
 
 
+def _allocator(a: argparse.Namespace) -> str:
+    """engine.cpu_allocator for this measurement's process (memory/allocator.py apply)."""
+    return "release" if _pinned(a) else "default" if a.no_pin_malloc else "keep"
+
+
 def _pinned(a: argparse.Namespace) -> bool:
     """glibc's mmap threshold pinned in this measurement's process: as asked (--pin-malloc / --no-pin-malloc; the
     memory benchmark sets one of them for every variant alike), else as graphtrain would (accelerate pins it for
     recompute and memory budgets, engine/backend.py)."""
-    if a.pin_malloc or a.no_pin_malloc:
+    if a.pin_malloc or a.no_pin_malloc or a.keep_malloc:
         return bool(a.pin_malloc)
     return a.mode in ("graphtrain", "accelerate") and (a.recompute != "none" or a.budget is not None)
 
@@ -149,7 +154,7 @@ def _child(a: argparse.Namespace) -> dict[str, Any]:
     from graphtrain.engine.backend import set_cpu_allocator
     # pinned: release (as accelerate does under recompute); --no-pin-malloc: glibc's default; else keep (as
     # accelerate does without recompute, engine/backend.py allocator_mode). Set here, so accelerate keeps it.
-    set_cpu_allocator("release" if _pinned(a) else "default" if a.no_pin_malloc else "keep")
+    set_cpu_allocator(_allocator(a))
     base_kib = _rss_kib()
     if a.model.startswith("hf-lm:") and a.mode == "graphtrain":
         raise SystemExit("--model hf-lm: takes --mode eager, compile or accelerate (graphtrain's own step needs a "
@@ -231,7 +236,7 @@ def _child(a: argparse.Namespace) -> dict[str, Any]:
             candidates = {c["name"]: c.get("predicted_peak") for c in r["choices"]}  # auto's evidence
     return {"model": a.model, "seq": a.seq, "batch": a.batch, "mode": a.mode, "recompute": a.recompute,
             "inplace": a.inplace, "boxed": not a.unboxed,
-            "pinned_malloc": _pinned(a), "base_rss": base_kib * 1024, "rss_before_steps": rss0_kib * 1024,
+            "pinned_malloc": _pinned(a), "allocator": _allocator(a), "base_rss": base_kib * 1024, "rss_before_steps": rss0_kib * 1024,
             "state_bytes": state, "peak_rss": hwm, "peak_tensor_bytes": hwm - (rss0_kib * 1024 - state),
             "step_s": times[len(times) // 2], "step_s_all": times, "saved_bytes": saved_bytes,
             "param_bytes": sum(t.numel() * t.element_size() for t in model.parameters()),
@@ -287,6 +292,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--pin-malloc", action="store_true",
                    help="pin glibc's mmap threshold (default: as graphtrain would, i.e. for recompute or a budget)")
     p.add_argument("--no-pin-malloc", action="store_true", help="keep glibc's dynamic threshold")
+    p.add_argument("--keep-malloc", action="store_true",
+                   help="glibc keeps freed blocks for the next step (engine.cpu_allocator keep, what graphtrain sets "
+                        "without recompute) whatever the recompute mode")
     p.add_argument("--dropout", type=float, default=None)
     p.add_argument("--attention", choices=("sdpa", "explicit"), default="sdpa",
                    help="the reference model's attention: SDPA (what users write) or hand-written")
