@@ -236,7 +236,8 @@ def _child(a: argparse.Namespace) -> dict[str, Any]:
             candidates = {c["name"]: c.get("predicted_peak") for c in r["choices"]}  # auto's evidence
     return {"model": a.model, "seq": a.seq, "batch": a.batch, "mode": a.mode, "recompute": a.recompute,
             "inplace": a.inplace, "boxed": not a.unboxed,
-            "pinned_malloc": _pinned(a), "allocator": _allocator(a), "base_rss": base_kib * 1024, "rss_before_steps": rss0_kib * 1024,
+            "pinned_malloc": _pinned(a), "allocator": _allocator(a), "base_rss": base_kib * 1024,
+            "rss_before_steps": rss0_kib * 1024,
             "state_bytes": state, "peak_rss": hwm, "peak_tensor_bytes": hwm - (rss0_kib * 1024 - state),
             "step_s": times[len(times) // 2], "step_s_all": times, "saved_bytes": saved_bytes,
             "param_bytes": sum(t.numel() * t.element_size() for t in model.parameters()),
