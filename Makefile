@@ -13,8 +13,8 @@ $(STAMP): requirements-dev.txt pyproject.toml
 	$(BIN)/pip install --quiet --no-deps -e .
 	touch $(STAMP)
 
-run: $(STAMP)  ## train the default small GPT-2 on the embedded corpus
-	$(BIN)/graphtrain train
+run: $(STAMP)  ## train the default small GPT-2 on the embedded corpus (again: continue or report runs/default)
+	$(BIN)/graphtrain train --resume auto
 
 test: $(STAMP)  ## the default test suite (slow checks excluded)
 	$(BIN)/python -m pytest -q -m "not slow"
