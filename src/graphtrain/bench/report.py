@@ -213,6 +213,7 @@ def markdown(run: dict[str, Any], heading: str = "##") -> str:
             lines += [f"{setup.get('params', 0) / 1e6:.1f} M parameters (N = {setup.get('matmul_params', 0) / 1e6:.1f} M), "
                       f"{setup.get('n_layer')} layers, d_model {setup.get('d_model')}, "
                       f"{_f(setup.get('flops_per_step'), '.3g')} FLOP per step.", ""]
+        lines += roofline(rows, case["name"], peak)
         lines += ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
         lines += ["| " + " | ".join(row_cells(r)) + " |" for r in rows if r["case"] == case["name"]]
         lines.append("")
@@ -223,6 +224,18 @@ def markdown(run: dict[str, Any], heading: str = "##") -> str:
               "peak during the timed steps only. Max batch: largest measured batch whose peak stays under the cap "
               "(`+`: a measured lower bound, the search ran out of trials).", ""]
     return "\n".join(lines)
+
+
+def roofline(rows: list[dict[str, Any]], case: str, peak: dict[str, Any]) -> list[str]:
+    """How much faster than eager fp32 any variant could be: the step's FLOPs at the measured fp32 GEMM peak against
+    eager's step (1 / eager's MFU). A ratio such as 1.05x reads differently against a ceiling of 1.3x than of 3x."""
+    ref = next((r for r in rows if r["case"] == case and r["variant"] == REFERENCE and r.get("mfu")), None)
+    if ref is None or not peak.get("fp32") or not ref.get("flops_per_step"):
+        return []
+    ideal_ms = ref["flops_per_step"] / peak["fp32"] * 1e3
+    return [f"Roofline: this step's FLOPs at the measured fp32 GEMM peak take {ideal_ms:.1f} "
+            f"ms; eager fp32 runs at {100 * ref['mfu']:.1f}% of that rate, so no fp32 variant can beat it by more than "
+            f"{1 / ref['mfu']:.2f}x here.", ""]
 
 
 def ablation_table(rows: list[dict[str, Any]], case: str) -> list[str]:
