@@ -93,9 +93,11 @@ def test_terminal_and_markdown_formatting():
     assert md.startswith("## Suite `tiny`") and "### m b2 s16" in md
     assert "| " + " | ".join(report.COLUMNS) + " |" in md
     assert report.FLOP_FORMULA in md and "Test CPU" in md and "`graphtrain bench tiny`" in md
-    # 1e9 FLOPs at the 1e11 FLOP/s fp32 peak: 10 ms; eager's median 110 ms is 9.1% of that rate, a ceiling of 11x
-    assert ("take 10.0 ms; eager fp32 runs at 9.1% of that rate, so no fp32 variant can beat it by more than "
-            "11.00x") in md
+    # 1e9 FLOPs at the 1e11 FLOP/s fp32 peak: 10 ms; eager's median 110 ms is 9.1% of that rate, a ceiling of 11x;
+    # at the 4e11 bf16 peak 2.5 ms against eager bf16's 90 ms: 2.8%, 36x
+    assert ("Roofline (fp32): this step's FLOPs at the measured fp32 GEMM peak take 10.0 ms; eager fp32 runs at 9.1% "
+            "of that rate, so no fp32 variant can beat it by more than 11.00x") in md
+    assert "take 2.5 ms; eager bf16 runs at 2.8% of that rate, so no bf16 variant can beat it by more than 36.00x" in md
     table = [ln for ln in md.splitlines() if ln.startswith("| eager-fp32")]
     assert len(table) == 1 and table[0].count("|") == len(report.COLUMNS) + 1
 

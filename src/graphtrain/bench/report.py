@@ -227,15 +227,19 @@ def markdown(run: dict[str, Any], heading: str = "##") -> str:
 
 
 def roofline(rows: list[dict[str, Any]], case: str, peak: dict[str, Any]) -> list[str]:
-    """How much faster than eager fp32 any variant could be: the step's FLOPs at the measured fp32 GEMM peak against
-    eager's step (1 / eager's MFU). A ratio such as 1.05x reads differently against a ceiling of 1.3x than of 3x."""
-    ref = next((r for r in rows if r["case"] == case and r["variant"] == REFERENCE and r.get("mfu")), None)
-    if ref is None or not peak.get("fp32") or not ref.get("flops_per_step"):
-        return []
-    ideal_ms = ref["flops_per_step"] / peak["fp32"] * 1e3
-    return [f"Roofline: this step's FLOPs at the measured fp32 GEMM peak take {ideal_ms:.1f} "
-            f"ms; eager fp32 runs at {100 * ref['mfu']:.1f}% of that rate, so no fp32 variant can beat it by more than "
-            f"{1 / ref['mfu']:.2f}x here.", ""]
+    """How much faster than eager any variant of the same precision could be: the step's FLOPs at the measured GEMM
+    peak against eager's step (1 / eager's MFU). A ratio such as 1.05x reads differently against a ceiling of 1.3x
+    than of 3x."""
+    lines = []
+    for prec in ("fp32", "bf16"):
+        ref = next((r for r in rows if r["case"] == case and r["variant"] == f"eager-{prec}" and r.get("mfu")), None)
+        if ref is None or not peak.get(prec) or not ref.get("flops_per_step"):
+            continue
+        ideal_ms = ref["flops_per_step"] / peak[prec] * 1e3
+        lines += [f"Roofline ({prec}): this step's FLOPs at the measured {prec} GEMM peak take {ideal_ms:.1f} ms; "
+                  f"eager {prec} runs at {100 * ref['mfu']:.1f}% of that rate, so no {prec} variant can beat it by more than "
+                  f"{1 / ref['mfu']:.2f}x here.", ""]
+    return lines
 
 
 def ablation_table(rows: list[dict[str, Any]], case: str) -> list[str]:
