@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         suite = suites.with_overrides(suites.get_suite(args.suite), steps=args.steps, repeats=args.repeats,
                                       warmup=args.warmup, cap_gib=args.cap_gib,
-                                      max_workers=1 if getattr(args, "alone", False) else None)
+                                      max_workers=1 if args.alone else None)
         variants = suites.resolve_variants(args.variants, suite)
         cases = suites.select_cases(suite, args.cases)
     except ValueError as e:

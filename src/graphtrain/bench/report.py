@@ -237,8 +237,8 @@ def roofline(rows: list[dict[str, Any]], case: str, peak: dict[str, Any]) -> lis
             continue
         ideal_ms = ref["flops_per_step"] / peak[prec] * 1e3
         lines += [f"Roofline ({prec}): this step's FLOPs at the measured {prec} GEMM peak take {ideal_ms:.1f} ms; "
-                  f"eager {prec} runs at {100 * ref['mfu']:.1f}% of that rate, so no {prec} variant can beat it by more than "
-                  f"{1 / ref['mfu']:.2f}x here.", ""]
+                  f"eager {prec} runs at {100 * ref['mfu']:.1f}% of that rate, so no {prec} variant can beat it by "
+                  f"more than {1 / ref['mfu']:.2f}x here.", ""]
     return lines
 
 

@@ -135,7 +135,9 @@ def _vision(path: str, batch: int, attention: str) -> tuple[Any, tuple]:
 
 
 def _allocator(a: argparse.Namespace) -> str:
-    """engine.cpu_allocator for this measurement's process (memory/allocator.py apply)."""
+    """engine.cpu_allocator for this measurement's process (memory/allocator.py apply): release when pinned (as
+    accelerate does under recompute), glibc's default with --no-pin-malloc, else keep (as accelerate does without
+    recompute, engine/backend.py allocator_mode)."""
     return "release" if _pinned(a) else "default" if a.no_pin_malloc else "keep"
 
 
@@ -152,9 +154,7 @@ def _child(a: argparse.Namespace) -> dict[str, Any]:
     import torch
     torch.set_num_threads(a.threads)
     from graphtrain.engine.backend import set_cpu_allocator
-    # pinned: release (as accelerate does under recompute); --no-pin-malloc: glibc's default; else keep (as
-    # accelerate does without recompute, engine/backend.py allocator_mode). Set here, so accelerate keeps it.
-    set_cpu_allocator(_allocator(a))
+    set_cpu_allocator(_allocator(a))  # set here, so accelerate keeps it
     base_kib = _rss_kib()
     if a.model.startswith("hf-lm:") and a.mode == "graphtrain":
         raise SystemExit("--model hf-lm: takes --mode eager, compile or accelerate (graphtrain's own step needs a "
