@@ -387,3 +387,22 @@ print(len(rep.graphs), counters["inductor"]["fxgraph_cache_hit"], counters["indu
     graphs, hits, misses = (int(v) for v in again.stdout.split()[-3:])
     assert misses == 0 and hits >= graphs > 0, again.stdout
     assert len(list((tmp_path / "cache" / "compile" / "providers").glob("*.json"))) == graphs
+
+
+def test_pieces_of_a_ddp_bucket_split_are_not_timed_on_aten():
+    """Under Dynamo's DDPOptimizer (which marks the tracing context while it compiles a DDP model's buckets) provider
+    auto keeps Inductor alone: the aten provider's pieces have no backward torch can compile there (the 2-rank run
+    is tests/test_distributed_dp.py, marked slow)."""
+    from torch._dynamo.backends.distributed import DDPOptimizerContext
+    from torch._guards import TracingContext, tracing
+
+    from graphtrain.engine.choose import measurable, under_ddp_optimizer
+
+    inputs = [torch.randn(2, 3)]
+    assert not under_ddp_optimizer() and measurable(inputs)
+    ctx = TracingContext(None)
+    with tracing(ctx):
+        assert measurable(inputs)
+        ctx.ddp_optimizer_ctx = DDPOptimizerContext()
+        assert under_ddp_optimizer() and not measurable(inputs)
+    assert measurable(inputs)

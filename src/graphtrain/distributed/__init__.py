@@ -17,6 +17,7 @@ ZeRO-1 with tp, ZeRO-1 with dp x pp.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -90,7 +91,10 @@ class Parallelized:
           DDP's bucket boundaries, each piece compiled by the graphtrain backend, and each bucket's all-reduce
           starts as soon as its piece's backward is done (what `torch.compile(ddp_model)` does too;
           accelerating the wrapper records a graph break at `_inside_ddp_forward` and fails under
-          engine.fallback=error, measured with torch 2.13 on 2 gloo ranks). `no_sync()` keeps working.
+          engine.fallback=error, measured with torch 2.13 on 2 gloo ranks). `no_sync()` keeps working. Each
+          bucket's piece is compiled whole (engine.compile_blocks off: DDPOptimizer takes one AOTAutograd graph
+          per bucket, not one per block) and by Inductor (provider auto does not time aten there,
+          engine/choose.py measurable).
         * tp: the whole module; its DTensor parameters are traced on their local shards (engine/trace.localize),
           so every pass sees the rank's local attention, GELU and LayerNorm, with the tp collectives as nodes.
         * pp: this rank's stage module, in place, so the pipeline schedule runs the compiled stage.
@@ -105,6 +109,8 @@ class Parallelized:
         if not is_replicated(module):
             if isinstance(self.model, nn.parallel.DistributedDataParallel):  # only DDP splits the graph at buckets
                 check_engine_under_ddp(cfg, module)
+                # DDPOptimizer takes one AOTAutograd graph per bucket, not per-block pieces (engine/backend.py)
+                cfg = dataclasses.replace(cfg, compile_blocks=False)
             return accelerate(module, cfg)
         state = new_state(cfg)
         module._graphtrain = state
@@ -168,7 +174,8 @@ def check_engine_under_ddp(engine: Any, module: nn.Module) -> None:
     1 MiB first bucket): the split pieces' backward, compiled lazily, then fails inside torch (measured, torch 2.13:
     "expected same # of fw and bw compiles, but found bucket -1"), because the aten provider calls AOTAutograd
     directly and DDPOptimizer only stashes a piece's forward metadata when torch's `aot_autograd` backend wrapper
-    counted the call. Inductor (the default, provider auto) goes through that wrapper and works."""
+    counted the call. Inductor goes through that wrapper and works; provider auto (the default) uses it alone for
+    those pieces (engine/choose.py measurable)."""
     if getattr(engine, "provider", None) != "aten":
         return
     grad_bytes = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)

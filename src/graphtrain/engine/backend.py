@@ -96,7 +96,8 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Eng
     """Compile one Dynamo graph (the backend body) through the pipeline; records a GraphRecord on `state` per
     graph compiled. A graph with repeated-block calls (engine/blocks.py) is compiled piece by piece, each
     distinct block once."""
-    from graphtrain.engine.blocks import has_block_calls
+    from graphtrain.engine.blocks import has_block_calls, inline_blocks
+    from graphtrain.engine.choose import under_ddp_optimizer
     from graphtrain.engine.no_grad_regions import lift_no_grad_regions
     from graphtrain.engine.returned_heads import detach_returned_heads, reattach
     from graphtrain.engine.trace import dtensor_inputs
@@ -113,7 +114,16 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Eng
             _note_once(state.notes, f"returned logits of {_placeholder_name(gm, hd.weight)}: detached from the graph, "
                                     f"given linear's backward outside it (no zero gradient of their size when the "
                                     f"loss is what trains)")
-    if has_block_calls(gm):
+    if has_block_calls(gm) and under_ddp_optimizer():
+        # Dynamo's DDPOptimizer compiles a DDP model's graph bucket by bucket and expects one AOTAutograd graph per
+        # bucket (it runs each on fake inputs through AOTAutograd's first-call fakification), which per-block
+        # pieces are not. Parallelized.accelerate switches compile_blocks off under DDP; a model accelerated
+        # before the user wrapped it in DDP gets here.
+        report_fallback(f"{_frame_info(gm)[0]} under DDP", "its repeated blocks are compiled one by one "
+                        "(engine.compile_blocks), which Dynamo's DDPOptimizer cannot split at DDP's buckets",
+                        config, what="runs eagerly (set engine.compile_blocks=false under DDP)", sink=state.fallbacks)
+        compiled = inline_blocks(gm).forward
+    elif has_block_calls(gm):
         compiled = _compile_by_blocks(gm, example_inputs, config, state)
     else:
         compiled = _compile_one(gm, example_inputs, config, state)

@@ -21,7 +21,9 @@ Inductor costs seconds, aten's compile from the pass cache a fraction of one).
 
 The timing runs on copies of the inputs (parameters never receive these gradients) and under a forked RNG
 (the training run's random stream is untouched). Graphs that read DTensors (their collectives would need every
-rank to time in step) or symbolic shapes keep Inductor.
+rank to time in step) or symbolic shapes keep Inductor, and so do the pieces of a graph Dynamo's DDPOptimizer split
+at DDP's buckets: torch compiles such a piece's backward lazily and only when its forward went through torch's own
+AOTAutograd backend wrapper, which the aten provider does not use (distributed.check_engine_under_ddp).
 """
 from __future__ import annotations
 
@@ -43,14 +45,23 @@ CANDIDATES = ("inductor", "aten")
 
 
 def measurable(example_inputs: Sequence[Any]) -> bool:
+    """Whether provider auto may run this graph on aten and time it against Inductor (else: Inductor alone)."""
     from graphtrain.engine.trace import dtensor_inputs
-    if dtensor_inputs(example_inputs):
+    if dtensor_inputs(example_inputs) or under_ddp_optimizer():
         return False
     for x in example_inputs:
         if isinstance(x, torch.SymInt) or (isinstance(x, torch.Tensor) and
                                            not all(type(d) is int for d in x.shape)):
             return False
     return True
+
+
+def under_ddp_optimizer() -> bool:
+    """Whether the graph being compiled is a piece of a DDP module's graph split at its buckets (Dynamo's
+    DDPOptimizer marks the tracing context while it compiles the pieces)."""
+    from torch._guards import TracingContext
+    ctx = TracingContext.try_get()
+    return ctx is not None and getattr(ctx, "ddp_optimizer_ctx", None) is not None
 
 
 def _real(x: Any) -> Any:
