@@ -17,7 +17,6 @@ ZeRO-1 with tp, ZeRO-1 with dp x pp.
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -92,9 +91,9 @@ class Parallelized:
           starts as soon as its piece's backward is done (what `torch.compile(ddp_model)` does too;
           accelerating the wrapper records a graph break at `_inside_ddp_forward` and fails under
           engine.fallback=error, measured with torch 2.13 on 2 gloo ranks). `no_sync()` keeps working. Each
-          bucket's piece is compiled whole (engine.compile_blocks off: DDPOptimizer takes one AOTAutograd graph
-          per bucket, not one per block) and by Inductor (provider auto does not time aten there,
-          engine/choose.py measurable).
+          bucket's piece is compiled whole, its repeated blocks inlined (DDPOptimizer takes one AOTAutograd graph
+          per bucket, not one per block: engine/backend.py), and by Inductor (provider auto does not time aten
+          there: engine/choose.py measurable).
         * tp: the whole module; its DTensor parameters are traced on their local shards (engine/trace.localize),
           so every pass sees the rank's local attention, GELU and LayerNorm, with the tp collectives as nodes.
         * pp: this rank's stage module, in place, so the pipeline schedule runs the compiled stage.
@@ -109,8 +108,6 @@ class Parallelized:
         if not is_replicated(module):
             if isinstance(self.model, nn.parallel.DistributedDataParallel):  # only DDP splits the graph at buckets
                 check_engine_under_ddp(cfg, module)
-                # DDPOptimizer takes one AOTAutograd graph per bucket, not per-block pieces (engine/backend.py)
-                cfg = dataclasses.replace(cfg, compile_blocks=False)
             return accelerate(module, cfg)
         state = new_state(cfg)
         module._graphtrain = state

@@ -96,7 +96,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Eng
     """Compile one Dynamo graph (the backend body) through the pipeline; records a GraphRecord on `state` per
     graph compiled. A graph with repeated-block calls (engine/blocks.py) is compiled piece by piece, each
     distinct block once."""
-    from graphtrain.engine.blocks import has_block_calls, inline_blocks
+    from graphtrain.engine.blocks import check_bindings, has_block_calls, inline_blocks
     from graphtrain.engine.choose import under_ddp_optimizer
     from graphtrain.engine.no_grad_regions import lift_no_grad_regions
     from graphtrain.engine.returned_heads import detach_returned_heads, reattach
@@ -117,12 +117,11 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Eng
     if has_block_calls(gm) and under_ddp_optimizer():
         # Dynamo's DDPOptimizer compiles a DDP model's graph bucket by bucket and expects one AOTAutograd graph per
         # bucket (it runs each on fake inputs through AOTAutograd's first-call fakification), which per-block
-        # pieces are not. Parallelized.accelerate switches compile_blocks off under DDP; a model accelerated
-        # before the user wrapped it in DDP gets here.
-        report_fallback(f"{_frame_info(gm)[0]} under DDP", "its repeated blocks are compiled one by one "
-                        "(engine.compile_blocks), which Dynamo's DDPOptimizer cannot split at DDP's buckets",
-                        config, what="runs eagerly (set engine.compile_blocks=false under DDP)", sink=state.fallbacks)
-        compiled = inline_blocks(gm).forward
+        # pieces are not: a bucket's blocks are inlined and compiled with it as one graph.
+        check_bindings(gm, _input_kinds(gm, example_inputs))  # Dynamo's reuse bound the first block's weights?
+        _note_once(state.notes, "under DDP each bucket's graph is compiled whole, its repeated blocks inlined "
+                                "(Dynamo's DDPOptimizer takes one AOTAutograd graph per bucket)")
+        compiled = _compile_one(inline_blocks(gm), example_inputs, config, state)
     elif has_block_calls(gm):
         compiled = _compile_by_blocks(gm, example_inputs, config, state)
     else:
