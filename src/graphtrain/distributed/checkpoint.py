@@ -258,7 +258,8 @@ def _first_line(e: BaseException) -> str:
 
 
 def _tensor_entries(path: Path, meta: dict[str, Any], keys: list[str]) -> None:
-    """DCP unpickles an entry stored as bytes (weights_only=False): every entry read must be a tensor."""
+    """DCP unpickles an entry stored as bytes, without torch.load's weights-only restriction: every entry read
+    must be a tensor."""
     for key in keys:
         if not isinstance(meta.get(key), dcp_metadata.TensorStorageMetadata):
             raise ValueError(f"checkpoint {str(path)!r}: entry {key!r} is stored as "
