@@ -118,10 +118,11 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Eng
         # Dynamo's DDPOptimizer compiles a DDP model's graph bucket by bucket and expects one AOTAutograd graph per
         # bucket (it runs each on fake inputs through AOTAutograd's first-call fakification), which per-block
         # pieces are not: a bucket's blocks are inlined and compiled with it as one graph.
-        check_bindings(gm, _input_kinds(gm, example_inputs))  # Dynamo's reuse bound the first block's weights?
+        kinds = _input_kinds(gm, example_inputs)
+        check_bindings(gm, kinds)  # Dynamo's reuse bound the first block's weights?
         _note_once(state.notes, "under DDP each bucket's graph is compiled whole, its repeated blocks inlined "
                                 "(Dynamo's DDPOptimizer takes one AOTAutograd graph per bucket)")
-        compiled = _compile_one(inline_blocks(gm), example_inputs, config, state)
+        compiled = _compile_one(inline_blocks(gm), example_inputs, config, state, kinds=kinds)
     elif has_block_calls(gm):
         compiled = _compile_by_blocks(gm, example_inputs, config, state)
     else:
