@@ -242,3 +242,35 @@ def test_default_job_engine_path_end_to_end_on_a_simulated_avx2_epyc(tmp_path):
     assert "fallbacks 0" in out.stdout and "fused-op fallbacks 0" in out.stdout
     assert "oneDNN's fp32 GEMM unavailable" in out.stdout
     assert "GraphtrainFallbackWarning" not in text and "Traceback" not in text
+
+
+def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next_process(tmp_path):
+    """torch's extension lock is a plain file: a build killed mid-way (preemption, Ctrl-C) left it behind and every
+    later process waited on it forever, silently. A fresh process now clears it under graphtrain's flock, warns, and
+    loads the kernels."""
+    if _cpu_ext.load() is None:
+        pytest.skip(f"graphtrain's C++ kernels are not built here: {_cpu_ext.build_error()}")
+    name = f"graphtrain_cpu_kernels_v9_{_cpu_ext.isa_level()}"
+    lock = Path(_cpu_ext.build_directory(name)) / "lock"
+    lock.touch()
+    try:
+        code = ("import warnings; warnings.simplefilter('always')\n"
+                "from graphtrain.kernels import _cpu_ext\n"
+                "assert _cpu_ext.load() is not None, _cpu_ext.build_error()\n")
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                           env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    finally:
+        lock.unlink(missing_ok=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "removed a build lock left by a killed build" in r.stderr, r.stderr[-2000:]
+    assert not lock.exists()
+
+
+def test_the_kernels_build_folder_is_per_torch_install(monkeypatch):
+    """Two environments sharing ~/.cache (a checkout and CI's fresh clone) each rebuilt the shared folder in turn."""
+    a = _cpu_ext.build_directory("graphtrain_probe")
+    monkeypatch.setattr(torch, "__file__", "/elsewhere/site-packages/torch/__init__.py")
+    b = _cpu_ext.build_directory("graphtrain_probe")
+    assert a != b and Path(a).name.startswith("graphtrain_probe-")
+    for d in (a, b):
+        os.rmdir(d)

@@ -15,10 +15,16 @@ that shares the cache. On AVX2 the hash's 64-bit multiplies are emulated from 32
 no vpmullq), which changes speed, never bits: tests compare every build with the reference bit for bit.
 
 `load()` returns the module or None (no compiler, build failure): callers then run the reference.
-The build takes ~40 s the first time and is cached under TORCH_EXTENSIONS_DIR afterwards.
+The build takes ~40 s the first time and is cached under TORCH_EXTENSIONS_DIR afterwards, in a folder per
+torch install (`build_directory`): torch keys its folder by the extension's name only, so two virtual
+environments sharing ~/.cache rebuilt it in turn, each first step paying ~30 s (seen between a checkout and
+CI's fresh clone). torch's build lock is a plain file that a killed build leaves behind, and every later
+process then waits on it forever without a word; builds here hold a kernel lock (`flock`, released when its
+holder dies) and clear a lock file no live builder can own (`_stale_lock_cleared`).
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
 import warnings
@@ -456,15 +462,65 @@ def load(level: str | None = None):
         if level not in _modules and level not in _failed:
             try:
                 from torch.utils.cpp_extension import load_inline
-                _modules[level] = load_inline(
-                    name=f"graphtrain_cpu_kernels_v9_{level}", cpp_sources=[_CPP], functions=_DECLS,
-                    extra_cflags=["-O3", *_ISA_FLAGS[level], "-fopenmp"], extra_ldflags=["-fopenmp"],
-                    verbose=False)
+                name = f"graphtrain_cpu_kernels_v9_{level}"
+                build_dir = build_directory(name)
+                with _build_lock(build_dir):
+                    _modules[level] = load_inline(
+                        name=name, cpp_sources=[_CPP], functions=_DECLS,
+                        extra_cflags=["-O3", *_ISA_FLAGS[level], "-fopenmp"], extra_ldflags=["-fopenmp"],
+                        build_directory=build_dir, verbose=False)
             except Exception as e:  # no compiler / headers: correctness first, reference path
                 _failed[level] = f"{type(e).__name__}: {e}"
                 warnings.warn(f"graphtrain: CPU kernels ({level}) could not be built, using reference ops: "
                               f"{_failed[level][:300]}")
     return _modules.get(level)
+
+
+def build_directory(name: str) -> str:
+    """<TORCH_EXTENSIONS_DIR or torch's default root>/<name>-<torch version and install path digest>."""
+    import torch
+    from torch.utils.cpp_extension import get_default_build_root
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    tag = hashlib.sha256(f"{torch.__version__}|{os.path.dirname(os.path.abspath(torch.__file__))}".encode()).hexdigest()
+    path = os.path.join(root, f"{name}-{tag[:12]}")
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+class _build_lock:
+    """Serialises graphtrain's builds of one folder with flock (the kernel drops it if the holder dies), then
+    removes torch's `lock` file if one is left: every builder of this folder holds the flock first, so while we
+    hold it no live process can own that file."""
+
+    def __init__(self, build_dir: str):
+        self.build_dir = build_dir
+        self.fd: int | None = None
+
+    def __enter__(self):
+        try:
+            import fcntl
+        except ImportError:  # not POSIX: torch's own lock alone
+            return self
+        self.fd = os.open(os.path.join(self.build_dir, "graphtrain.flock"), os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+        _stale_lock_cleared(self.build_dir)
+        return self
+
+    def __exit__(self, *exc):
+        if self.fd is not None:
+            os.close(self.fd)  # closing the descriptor drops the flock
+        return False
+
+
+def _stale_lock_cleared(build_dir: str) -> bool:
+    stale = os.path.join(build_dir, "lock")
+    try:
+        os.remove(stale)
+    except FileNotFoundError:
+        return False
+    warnings.warn(f"graphtrain: removed a build lock left by a killed build of its CPU kernels ({stale}); "
+                  "rebuilding")
+    return True
 
 
 def build_error(level: str | None = None) -> str | None:
