@@ -512,15 +512,14 @@ class _build_lock:
         return False
 
 
-def _stale_lock_cleared(build_dir: str) -> bool:
+def _stale_lock_cleared(build_dir: str) -> None:
     stale = os.path.join(build_dir, "lock")
     try:
         os.remove(stale)
     except FileNotFoundError:
-        return False
+        return
     warnings.warn(f"graphtrain: removed a build lock left by a killed build of its CPU kernels ({stale}); "
                   "rebuilding")
-    return True
 
 
 def build_error(level: str | None = None) -> str | None:
