@@ -284,7 +284,13 @@ def _save(n: fx.Node) -> None:
     recomputing it: torch 2.13's min-cut ignores a getitem's tag, and with only its getitems marked it recomputed
     BERT's whole fused MLM head and loss in the backward (selective; its inputs were smaller than its gradients).
     On its getitems, because AOTAutograd cannot save a tuple: they are what gets saved (_no_tuples_saved turns a
-    chosen tuple into them)."""
+    chosen tuple into them). An output of such an op (a getitem) is saved through its op, for the first reason:
+    a post-norm layer's output is a getitem of a fused layer norm, and with only it marked each checkpointed
+    layer's recompute started from the previous layer's (BERT-Large: the whole encoder re-ran at the start of the
+    backward, 166 MiB more peak per sample)."""
+    parent = n.args[0] if n.target is operator.getitem else None
+    if isinstance(parent, fx.Node) and isinstance(parent.meta.get("val"), (tuple, list)):
+        n = parent
     if isinstance(n.meta.get("val"), (tuple, list)):
         for user in n.users:
             if user.target is operator.getitem:
@@ -335,13 +341,7 @@ def tag_for_recompute(joint: fx.GraphModule, how: str, layers: int | None = None
     for n, r in checkpointed.items():  # the layer's outputs read by later code: the checkpoint boundary
         if isinstance(n.meta.get("val"), torch.Tensor) and \
                 any(u.op == "call_function" and u not in bw and regions.get(u) != r for u in n.users):
-            # an output of a fused multi-output op (a post-norm layer ends in graphtrain::layer_norm) is saved
-            # through its op: the min-cut ignores a getitem's tag, and with only the getitem marked it recomputed
-            # the op, so each layer's recompute started from the previous layer's (BERT-Large: the whole
-            # encoder re-ran at the start of the backward, 166 MiB more peak per sample than with the cut)
-            parent = n.args[0] if n.target is operator.getitem else None
-            _save(parent if isinstance(parent, fx.Node) and isinstance(parent.meta.get("val"), (tuple, list))
-                  else n)
+            _save(n)
     info["layers"] = len(set(checkpointed.values()))
     info["layers_total"] = last + 1
     info["layers_possible"] = len(set(regions.values()) - {last})
