@@ -24,10 +24,12 @@ holder dies) and clear a lock file no live builder can own (`_stale_lock_cleared
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import threading
 import warnings
+from typing import Iterator
 
 from graphtrain.kernels import capability
 
@@ -487,29 +489,23 @@ def build_directory(name: str) -> str:
     return path
 
 
-class _build_lock:
+@contextlib.contextmanager
+def _build_lock(build_dir: str) -> Iterator[None]:
     """Serialises graphtrain's builds of one folder with flock (the kernel drops it if the holder dies), then
     removes torch's `lock` file if one is left: every builder of this folder holds the flock first, so while we
     hold it no live process can own that file."""
-
-    def __init__(self, build_dir: str):
-        self.build_dir = build_dir
-        self.fd: int | None = None
-
-    def __enter__(self):
-        try:
-            import fcntl
-        except ImportError:  # not POSIX: torch's own lock alone
-            return self
-        self.fd = os.open(os.path.join(self.build_dir, "graphtrain.flock"), os.O_RDWR | os.O_CREAT, 0o644)
-        fcntl.flock(self.fd, fcntl.LOCK_EX)
-        _stale_lock_cleared(self.build_dir)
-        return self
-
-    def __exit__(self, *exc):
-        if self.fd is not None:
-            os.close(self.fd)  # closing the descriptor drops the flock
-        return False
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: torch's own lock alone
+        yield
+        return
+    fd = os.open(os.path.join(build_dir, "graphtrain.flock"), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        _stale_lock_cleared(build_dir)
+        yield
+    finally:
+        os.close(fd)  # closing the descriptor drops the flock
 
 
 def _stale_lock_cleared(build_dir: str) -> None:
