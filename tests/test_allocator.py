@@ -27,11 +27,19 @@ def test_engine_sets_the_allocator_once_per_process(monkeypatch):
     applied = []
     monkeypatch.setattr(allocator, "apply", lambda mode: applied.append(mode) or True)
     monkeypatch.setattr(allocator, "use_huge_pages", lambda on=True: applied.append(f"huge pages {on}") or on)
+    monkeypatch.setattr(allocator, "use_block_cache", lambda on=True: applied.append(f"block cache {on}") or on)
+    monkeypatch.setattr(allocator, "block_cache_stats", lambda: None)  # graphtrain's allocator never installed
     monkeypatch.setattr(backend, "_ALLOCATOR_SET", None)
     x = [torch.zeros(2)]
     backend._set_cpu_allocator_once(x, EngineConfig())
     backend._set_cpu_allocator_once(x, EngineConfig(recompute="full"))  # the process keeps its first setting
     assert applied == ["huge pages True", "keep"]
+    for cfg, want in ((EngineConfig(recompute="full"), ["block cache True", "huge pages True", "release"]),
+                      (EngineConfig(recompute="full", cpu_block_cache=False), ["huge pages True", "release"])):
+        applied.clear()
+        monkeypatch.setattr(backend, "_ALLOCATOR_SET", None)
+        backend._set_cpu_allocator_once(x, cfg)
+        assert applied == want, cfg
     applied.clear()
     monkeypatch.setattr(backend, "_ALLOCATOR_SET", None)
     backend._set_cpu_allocator_once([torch.zeros(2, device="meta")], EngineConfig())  # not a CPU graph
@@ -134,3 +142,52 @@ def test_measure_harness_allocator_flags():
     assert _allocator(parse(["--mode", "accelerate", "--recompute", "selective", "--keep-malloc"])) == "keep"
     assert _allocator(parse(["--mode", "eager", "--no-pin-malloc"])) == "default"
     assert _allocator(parse(["--mode", "eager", "--pin-malloc"])) == "release"
+
+
+_CACHE = textwrap.dedent("""
+    import json, resource, torch
+    from graphtrain.engine.backend import set_cpu_allocator
+    from graphtrain.memory import allocator
+
+    def faults():
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+    MIB = 2**20
+    set_cpu_allocator("release", huge_pages=False)  # the block cache comes with release; 4 KiB pages to count
+    torch.empty(16 * MIB // 4).fill_(1.0)            # 16 MiB in use, freed: kept
+    f0 = faults()
+    for _ in range(6):                               # the same request again: its pages are reused
+        torch.empty(16 * MIB // 4).fill_(1.0)
+    reuse_faults = faults() - f0
+    warm = allocator.block_cache_stats()
+    a = torch.empty(8 * MIB // 4).fill_(2.0)         # another size: 16 kept + 8 > 16 ever in use, so evicted
+    evicted = allocator.block_cache_stats()
+    b = torch.zeros(16 * MIB // 4)                   # 8 + 16 in use: a fresh block, the bound grows to 24
+    total = float(a.sum() + b.sum())
+    del a, b
+    both = allocator.block_cache_stats()
+    allocator.trim()
+    print(json.dumps({"reuse_faults": reuse_faults, "warm": warm, "evicted": evicted, "both": both, "total": total,
+                      "trimmed": allocator.block_cache_stats()}))
+""")
+
+
+def test_block_cache_reuses_freed_blocks_within_the_most_ever_in_use():
+    """Fresh process: under release, a freed 16 MiB block serves the next request of its size without page faults;
+    a request of another size evicts it rather than pass the most bytes ever in use; trim() empties the cache."""
+    from graphtrain.kernels import _cpu_ext
+    if _cpu_ext.load() is None:
+        pytest.skip(f"graphtrain's C++ kernels do not build here: {_cpu_ext.build_error()}")
+    r = subprocess.run([sys.executable, "-c", _CACHE], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    import json
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    mib = 2**20
+    assert out["reuse_faults"] < 16 * mib // 4096 // 10, out  # without the cache: every 4 KiB page, 6 times
+    warm, evicted, both = out["warm"], out["evicted"], out["both"]
+    assert warm["hits"] >= 6 and warm["cached_bytes"] == 16 * mib and warm["high_water_bytes"] == 16 * mib, warm
+    assert evicted["evictions"] == warm["evictions"] + 1 and evicted["cached_bytes"] == 0, evicted
+    assert evicted["in_use_bytes"] == 8 * mib, evicted
+    assert both["in_use_bytes"] == 0 and both["cached_bytes"] == both["high_water_bytes"] == 24 * mib, both
+    assert out["total"] == 2.0 * 2 * mib                     # the reused and fresh blocks hold what was written
+    assert out["trimmed"]["cached_bytes"] == 0, out

@@ -72,6 +72,11 @@ class EngineConfig:
     where the kernel offers them): their first touch faults 2 MiB at a time instead of 4 KiB, which is most of a
     large model's first step (gradients and optimizer state) and, without `keep`, of every step's fresh
     activations (memory/allocator.py). Blocks round up to 2 MiB of resident memory at most."""
+    cpu_block_cache: bool = True
+    """Under `cpu_allocator: release`, keep freed CPU blocks of 2 MiB and more for the next request of their size
+    instead of returning them to the OS, bounded so that blocks in use plus kept never pass the most ever in use
+    at once: the same peak as returning them, without faulting each step's fresh activations in again
+    (memory/allocator.py use_block_cache)."""
     cache_dir: str | None = None
     """Persistent compile cache folder; default ~/.cache/graphtrain/compile."""
     dynamic: bool = False

@@ -76,16 +76,21 @@ def _set_cpu_allocator_once(example_inputs: Sequence[Any], config: EngineConfig)
         return
     if any(isinstance(x, torch.Tensor) and x.device.type != "cpu" for x in example_inputs):
         return
-    set_cpu_allocator(allocator_mode(config), huge_pages=config.cpu_huge_pages)
+    mode = allocator_mode(config)
+    set_cpu_allocator(mode, huge_pages=config.cpu_huge_pages, block_cache=mode == "release" and config.cpu_block_cache)
 
 
-def set_cpu_allocator(mode: str, huge_pages: bool = True) -> bool:
-    """Apply CPU allocator `mode` (memory/allocator.py apply) and huge pages (allocator.use_huge_pages) to this
-    process and remember it, so that no later compile changes it (a benchmark harness gives every variant's
-    process the same setting this way). Returns whether a glibc setting was applied."""
+def set_cpu_allocator(mode: str, huge_pages: bool = True, block_cache: bool | None = None) -> bool:
+    """Apply CPU allocator `mode` (memory/allocator.py apply), huge pages (allocator.use_huge_pages) and the block
+    cache (allocator.use_block_cache; None: on under `release`) to this process and remember it, so that no later
+    compile changes it (a benchmark harness gives every variant's process the same setting this way). Returns
+    whether a glibc setting was applied."""
     global _ALLOCATOR_SET
     from graphtrain.memory import allocator
     _ALLOCATOR_SET = mode
+    cache = mode == "release" if block_cache is None else block_cache
+    if cache or allocator.block_cache_stats() is not None:
+        allocator.use_block_cache(cache)
     if huge_pages or allocator.huge_pages_on():
         allocator.use_huge_pages(huge_pages)
     return allocator.apply(mode)

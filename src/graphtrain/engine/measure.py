@@ -26,7 +26,7 @@ import sys
 import time
 from typing import Any
 
-from graphtrain.memory.allocator import trim
+from graphtrain.memory.allocator import block_cache_stats, trim
 from graphtrain.memory.process import predict_process_peak, reset_peak_rss, rss_bytes
 
 MODES = ("eager", "compile", "graphtrain", "accelerate")
@@ -154,7 +154,7 @@ def _child(a: argparse.Namespace) -> dict[str, Any]:
     import torch
     torch.set_num_threads(a.threads)
     from graphtrain.engine.backend import set_cpu_allocator
-    set_cpu_allocator(_allocator(a))  # set here, so accelerate keeps it
+    set_cpu_allocator(_allocator(a), block_cache=False if a.no_block_cache else None)  # set here: accelerate keeps it
     base_kib = _rss_kib()
     if a.model.startswith("hf-lm:") and a.mode == "graphtrain":
         raise SystemExit("--model hf-lm: takes --mode eager, compile or accelerate (graphtrain's own step needs a "
@@ -247,7 +247,7 @@ def _child(a: argparse.Namespace) -> dict[str, Any]:
             "machine": machine(), "threads": a.threads,
             "predicted_process_peak": process.process_peak if process else None,
             "predicted_increment": process.increment if process else None,
-            "measured_increment": hwm - rss0_kib * 1024,
+            "measured_increment": hwm - rss0_kib * 1024, "block_cache": block_cache_stats(),
             "process_peak_error": process.relative_error(hwm) if process else None}
 
 
@@ -296,6 +296,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-malloc", action="store_true",
                    help="glibc keeps freed blocks for the next step (engine.cpu_allocator keep, what graphtrain sets "
                         "without recompute) whatever the recompute mode")
+    p.add_argument("--no-block-cache", action="store_true",
+                   help="under release, return every freed block to the OS (engine.cpu_block_cache false)")
     p.add_argument("--dropout", type=float, default=None)
     p.add_argument("--attention", choices=("sdpa", "explicit"), default="sdpa",
                    help="the reference model's attention: SDPA (what users write) or hand-written")

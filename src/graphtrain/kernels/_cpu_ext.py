@@ -374,33 +374,130 @@ void onednn_matmul(const at::Tensor& a, const at::Tensor& b, const at::Tensor& o
   at::native::mkldnn_matmul(a, b, out, (float)beta, 1.f);
 }
 
-// The CPU allocator with transparent huge pages (memory/allocator.py huge_pages): blocks of 2 MiB and more are
-// 2 MiB-aligned and madvise(MADV_HUGEPAGE)d before their first touch, so they fault in 2 MiB at a time instead
-// of 4 KiB (what c10 does under THP_MEM_ALLOC_ENABLE=1, which torch reads once, at its first allocation: too
-// early for a library to set). Smaller blocks go to the allocator this one replaced. Both kinds are freed the
-// same way (profiler report, then free), so either deleter frees either block.
+// graphtrain's CPU allocator for blocks of 2 MiB and more (memory/allocator.py). Smaller blocks go to the
+// allocator this one replaced. Two independent settings:
+// - huge pages: a block is madvise(MADV_HUGEPAGE)d before its first touch, so it faults in 2 MiB at a time
+//   instead of 4 KiB (what c10 does under THP_MEM_ALLOC_ENABLE=1, which torch reads once, at its first
+//   allocation: too early for a library to set);
+// - the block cache: a freed block is kept for the next request of its size (to 4 KiB), as a
+//   step's allocations repeat every step, so its pages are not faulted in again. Bounded: the bytes in use plus
+//   the bytes cached never exceed the most ever in use at once (a request that would pass that first evicts
+//   the smallest cached block that makes room, else the largest), so the process peak stays about what
+//   returning every freed block to the OS gives (docs/memory.md).
+// Written by hand: c10's CPU allocator has no caching (its CUDA one does), and glibc's heap, which does keep
+// freed blocks, fragments (docs/memory.md) and has no such bound. Every block is freed the same way (profiler
+// report, then free), so either deleter frees either block.
 #include <c10/core/CPUAllocator.h>
 #include <sys/mman.h>
 #include <cstdlib>
+#include <map>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
 
 namespace {
 constexpr size_t kHugePage = size_t(2) << 20;
+constexpr size_t kPage = 4096;
 c10::Allocator* gt_base_allocator = nullptr;
+
+struct BlockCache {
+  std::mutex mu;
+  bool huge = true, cache = false;
+  std::unordered_map<void*, size_t> in_use;  // this allocator's blocks in use -> size (rounded to 4 KiB)
+  std::multimap<size_t, void*> idle;         // the cache: size -> block
+  size_t in_use_bytes = 0, cached_bytes = 0, high_water = 0;
+  uint64_t hits = 0, misses = 0, evictions = 0, missed_bytes = 0;
+
+  // under mu: cached blocks to give back so that `need` more bytes keep in use + cached <= high_water
+  void evict_for(size_t need, std::vector<void*>& out) {
+    while (cached_bytes > 0 && in_use_bytes + cached_bytes + need > high_water) {
+      const size_t short_by = in_use_bytes + cached_bytes + need - high_water;
+      auto victim = idle.lower_bound(short_by);  // the smallest block that makes room alone, else the largest
+      if (victim == idle.end()) victim = std::prev(idle.end());
+      cached_bytes -= victim->first;
+      out.push_back(victim->second);
+      idle.erase(victim);
+      ++evictions;
+    }
+  }
+  void drain(std::vector<void*>& out) {
+    for (auto& kv : idle) out.push_back(kv.second);
+    idle.clear();
+    cached_bytes = 0;
+  }
+};
+BlockCache gt_blocks;
+
+void gt_release(const std::vector<void*>& blocks) {
+  for (void* p : blocks) std::free(p);
+}
 
 void gt_huge_delete(void* p) {
   c10::profiledCPUMemoryReporter().Delete(p);
+  {
+    std::lock_guard<std::mutex> g(gt_blocks.mu);
+    auto it = gt_blocks.in_use.find(p);
+    if (it != gt_blocks.in_use.end()) {
+      size_t r = it->second;
+      gt_blocks.in_use.erase(it);
+      gt_blocks.in_use_bytes -= r;
+      if (gt_blocks.cache) {
+        gt_blocks.idle.emplace(r, p);
+        gt_blocks.cached_bytes += r;
+        return;
+      }
+    }
+  }
   std::free(p);
 }
 
 struct HugePageCPUAllocator final : c10::Allocator {
   c10::DataPtr allocate(size_t n) override {
     if (n < kHugePage) return gt_base_allocator->allocate(n);
+    const size_t r = (n + kPage - 1) / kPage * kPage;  // not to 2 MiB: a partial last huge page costs up to 2 MiB
     void* p = nullptr;
-    if (posix_memalign(&p, kHugePage, n) != 0 || p == nullptr) {
-      c10::profiledCPUMemoryReporter().OutOfMemory(n);
-      TORCH_CHECK(false, "graphtrain's huge-page CPU allocator: out of memory allocating ", n, " bytes");
+    bool huge = true;
+    std::vector<void*> evicted;
+    {
+      std::lock_guard<std::mutex> g(gt_blocks.mu);
+      huge = gt_blocks.huge;
+      auto it = gt_blocks.idle.find(r);
+      if (it != gt_blocks.idle.end()) {
+        p = it->second;
+        gt_blocks.idle.erase(it);
+        gt_blocks.cached_bytes -= r;
+        ++gt_blocks.hits;
+      } else {
+        if (gt_blocks.cache) {
+          ++gt_blocks.misses;
+          gt_blocks.missed_bytes += r;
+        }
+        gt_blocks.evict_for(r, evicted);
+      }
     }
-    madvise(p, n, MADV_HUGEPAGE);  // advice only: where the kernel declines, the block still works
+    gt_release(evicted);
+    if (p == nullptr) {
+      if (posix_memalign(&p, kHugePage, r) != 0 || p == nullptr) {
+        std::vector<void*> rest;  // out of memory: give back every cached block and try once more
+        {
+          std::lock_guard<std::mutex> g(gt_blocks.mu);
+          gt_blocks.drain(rest);
+        }
+        gt_release(rest);
+        p = nullptr;
+        if (posix_memalign(&p, kHugePage, r) != 0 || p == nullptr) {
+          c10::profiledCPUMemoryReporter().OutOfMemory(n);
+          TORCH_CHECK(false, "graphtrain's CPU allocator: out of memory allocating ", n, " bytes");
+        }
+      }
+      if (huge) madvise(p, r, MADV_HUGEPAGE);  // advice only: where the kernel declines, the block still works
+    }
+    {
+      std::lock_guard<std::mutex> g(gt_blocks.mu);
+      gt_blocks.in_use.emplace(p, r);
+      gt_blocks.in_use_bytes += r;
+      if (gt_blocks.in_use_bytes > gt_blocks.high_water) gt_blocks.high_water = gt_blocks.in_use_bytes;
+    }
     c10::profiledCPUMemoryReporter().New(p, n);
     return {p, p, &gt_huge_delete, c10::Device(c10::DeviceType::CPU)};
   }
@@ -412,9 +509,18 @@ struct HugePageCPUAllocator final : c10::Allocator {
 HugePageCPUAllocator gt_huge_allocator;
 }  // namespace
 
-// on: install the huge-page allocator as torch's CPU allocator; off: give back the one it replaced. Returns
-// whether it is the CPU allocator now.
-bool huge_page_allocator(bool on) {
+// Install graphtrain's allocator as torch's CPU allocator (on) with huge pages and the block cache as asked, or
+// give back the one it replaced (off; the cache is emptied either way when `cache` is false). Returns whether it
+// is the CPU allocator now.
+bool block_allocator(bool on, bool huge_pages, bool cache) {
+  std::vector<void*> drained;
+  {
+    std::lock_guard<std::mutex> g(gt_blocks.mu);
+    gt_blocks.huge = huge_pages;
+    gt_blocks.cache = on && cache;
+    if (!gt_blocks.cache) gt_blocks.drain(drained);
+  }
+  gt_release(drained);
   c10::Allocator* current = c10::GetCPUAllocator();
   if (on && current != &gt_huge_allocator) {
     gt_base_allocator = current;
@@ -424,10 +530,31 @@ bool huge_page_allocator(bool on) {
   }
   return c10::GetCPUAllocator() == &gt_huge_allocator;
 }
+
+// Give every cached block back to the OS now; returns the bytes given back.
+int64_t block_cache_drain() {
+  std::vector<void*> drained;
+  size_t bytes = 0;
+  {
+    std::lock_guard<std::mutex> g(gt_blocks.mu);
+    bytes = gt_blocks.cached_bytes;
+    gt_blocks.drain(drained);
+  }
+  gt_release(drained);
+  return (int64_t)bytes;
+}
+
+// [bytes in use, bytes cached, most bytes ever in use, hits, misses, evictions, bytes missed], blocks of 2 MiB+.
+std::vector<int64_t> block_cache_stats() {
+  std::lock_guard<std::mutex> g(gt_blocks.mu);
+  return {(int64_t)gt_blocks.in_use_bytes, (int64_t)gt_blocks.cached_bytes, (int64_t)gt_blocks.high_water,
+          (int64_t)gt_blocks.hits, (int64_t)gt_blocks.misses, (int64_t)gt_blocks.evictions,
+          (int64_t)gt_blocks.missed_bytes};
+}
 """
 
 _DECLS = ["bias_dropout_add_fwd", "dropout_bwd", "dropout_mask", "attn_probs_fwd", "attn_probs_bwd", "onednn_matmul",
-          "ce_fwd_bwd_inplace", "huge_page_allocator"]
+          "ce_fwd_bwd_inplace", "block_allocator", "block_cache_drain", "block_cache_stats"]
 
 # Compiler flags per ISA level (explicit -m flags rather than -march=x86-64-v3/v4 so older compilers work).
 _ISA_FLAGS: dict[str, list[str]] = {
@@ -464,7 +591,7 @@ def load(level: str | None = None):
         if level not in _modules and level not in _failed:
             try:
                 from torch.utils.cpp_extension import load_inline
-                name = f"graphtrain_cpu_kernels_v9_{level}"
+                name = f"graphtrain_cpu_kernels_v10_{level}"
                 build_dir = build_directory(name)
                 with _build_lock(build_dir):
                     _modules[level] = load_inline(

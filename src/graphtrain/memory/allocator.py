@@ -84,7 +84,11 @@ def apply(mode: str) -> bool:
 
 
 def trim() -> None:
-    """Give the heap's free pages back to the OS now (glibc malloc_trim)."""
+    """Give the block cache's blocks and the heap's free pages back to the OS now (glibc malloc_trim)."""
+    if _BLOCK_CACHE:
+        from graphtrain.kernels import _cpu_ext
+        if (mod := _cpu_ext.load()) is not None:
+            mod.block_cache_drain()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except OSError:
@@ -108,24 +112,55 @@ def huge_pages_available() -> tuple[bool, str]:
 
 
 _HUGE_PAGES: bool | None = None
+_BLOCK_CACHE = False
 
 
-def use_huge_pages(on: bool = True) -> bool:
-    """Make torch's CPU allocator put blocks of 2 MiB and more on transparent huge pages (on), or give back the
-    allocator it replaced (off). Returns whether huge-page allocation is on now: False where the kernel offers no
-    huge pages or graphtrain's C++ kernels cannot be built (the allocator lives there)."""
-    global _HUGE_PAGES
-    if on and not huge_pages_available()[0]:
-        return False
+def _install(huge: bool, cache: bool) -> bool:
+    """Install graphtrain's allocator for blocks of 2 MiB and more with these settings (or give back the one it
+    replaced when neither is on). Returns whether it is installed; False where the C++ kernels cannot be built."""
     from graphtrain.kernels import _cpu_ext
     mod = _cpu_ext.load()
     if mod is None:
-        _HUGE_PAGES = False if on else _HUGE_PAGES
         return False
-    _HUGE_PAGES = bool(mod.huge_page_allocator(bool(on)))
+    return bool(mod.block_allocator(huge or cache, huge, cache))
+
+
+def use_huge_pages(on: bool = True) -> bool:
+    """Make torch's CPU allocator put blocks of 2 MiB and more on transparent huge pages (on), or stop (off: the
+    allocator it replaced comes back unless the block cache still needs graphtrain's). Returns whether huge-page
+    allocation is on now: False where the kernel offers no huge pages or graphtrain's C++ kernels cannot be built
+    (the allocator lives there)."""
+    global _HUGE_PAGES
+    if on and not huge_pages_available()[0]:
+        return False
+    installed = _install(bool(on), _BLOCK_CACHE)
+    _HUGE_PAGES = bool(on) and installed
     return _HUGE_PAGES
 
 
 def huge_pages_on() -> bool | None:
     """Whether graphtrain's huge-page allocator is installed (None: never asked in this process)."""
     return _HUGE_PAGES
+
+
+def use_block_cache(on: bool = True) -> bool:
+    """Keep freed blocks of 2 MiB and more for the next request of their size (on), bounded so that the bytes in use
+    plus the bytes kept never pass the most ever in use at once; off gives every kept block back. Under
+    ``release`` this keeps its peak and saves the page faults of re-touching each step's fresh activations: the
+    step's allocations repeat every step. Returns whether it is on (False where the C++ kernels cannot be built)."""
+    global _BLOCK_CACHE
+    _BLOCK_CACHE = _install(bool(_HUGE_PAGES), bool(on)) and bool(on)
+    return _BLOCK_CACHE
+
+
+def block_cache_stats() -> dict[str, int] | None:
+    """The block cache's counters (bytes in use, cached and the most ever in use, of blocks of 2 MiB and more;
+    hits, misses, evictions and the bytes of the misses), or None where graphtrain's allocator was never installed."""
+    if _HUGE_PAGES is None and not _BLOCK_CACHE:
+        return None
+    from graphtrain.kernels import _cpu_ext
+    mod = _cpu_ext.load()
+    if mod is None:
+        return None
+    keys = ("in_use_bytes", "cached_bytes", "high_water_bytes", "hits", "misses", "evictions", "missed_bytes")
+    return dict(zip(keys, (int(v) for v in mod.block_cache_stats())))
