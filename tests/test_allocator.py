@@ -166,15 +166,18 @@ _CACHE = textwrap.dedent("""
     total = float(a.sum() + b.sum())
     del a, b
     both = allocator.block_cache_stats()
+    c = torch.ones(MIB // 4)                         # 1 MiB: not cached, but counted; the 8 MiB block makes room
+    mid = allocator.block_cache_stats()
     allocator.trim()
     print(json.dumps({"reuse_faults": reuse_faults, "warm": warm, "evicted": evicted, "both": both, "total": total,
-                      "trimmed": allocator.block_cache_stats()}))
+                      "mid": mid, "trimmed": allocator.block_cache_stats()}))
 """)
 
 
 def test_block_cache_reuses_freed_blocks_within_the_most_ever_in_use():
     """Fresh process: under release, a freed 16 MiB block serves the next request of its size without page faults;
-    a request of another size evicts it rather than pass the most bytes ever in use; trim() empties the cache."""
+    a request of another size evicts it rather than pass the most bytes ever in use, and so does a smaller block
+    (1 MiB: not cached but counted); trim() empties the cache."""
     from graphtrain.kernels import _cpu_ext
     if _cpu_ext.load() is None:
         pytest.skip(f"graphtrain's C++ kernels do not build here: {_cpu_ext.build_error()}")
@@ -190,4 +193,6 @@ def test_block_cache_reuses_freed_blocks_within_the_most_ever_in_use():
     assert evicted["in_use_bytes"] == 8 * mib, evicted
     assert both["in_use_bytes"] == 0 and both["cached_bytes"] == both["high_water_bytes"] == 24 * mib, both
     assert out["total"] == 2.0 * 2 * mib                     # the reused and fresh blocks hold what was written
+    # blocks from 128 KiB count towards the bound (release would give them back too): 1 + 16 cached <= 24
+    assert out["mid"]["in_use_bytes"] == mib and out["mid"]["cached_bytes"] == 16 * mib, out["mid"]
     assert out["trimmed"]["cached_bytes"] == 0, out

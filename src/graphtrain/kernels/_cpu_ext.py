@@ -382,8 +382,9 @@ void onednn_matmul(const at::Tensor& a, const at::Tensor& b, const at::Tensor& o
 // - the block cache: a freed block is kept for the next request of its size (to 4 KiB), as a
 //   step's allocations repeat every step, so its pages are not faulted in again. Bounded: the bytes in use plus
 //   the bytes cached never exceed the most ever in use at once (a request that would pass that first evicts
-//   the smallest cached block that makes room, else the largest), so the process peak stays about what
-//   returning every freed block to the OS gives (docs/memory.md).
+//   the smallest cached block that makes room, else the largest), counting every block from 128 KiB up (what
+//   release would give back to the OS), so the process peak stays what returning every freed block gives
+//   (docs/memory.md).
 // Written by hand: c10's CPU allocator has no caching (its CUDA one does), and glibc's heap, which does keep
 // freed blocks, fragments (docs/memory.md) and has no such bound. Every block is freed the same way (profiler
 // report, then free), so either deleter frees either block.
@@ -398,12 +399,13 @@ void onednn_matmul(const at::Tensor& a, const at::Tensor& b, const at::Tensor& o
 namespace {
 constexpr size_t kHugePage = size_t(2) << 20;
 constexpr size_t kPage = 4096;
+constexpr size_t kTracked = size_t(128) << 10;  // glibc's mmap threshold under release: from here blocks count
 c10::Allocator* gt_base_allocator = nullptr;
 
 struct BlockCache {
   std::mutex mu;
   bool huge = true, cache = false;
-  std::unordered_map<void*, size_t> in_use;  // this allocator's blocks in use -> size (rounded to 4 KiB)
+  std::unordered_map<void*, size_t> in_use;  // blocks counted, in use -> size (rounded to 4 KiB)
   std::multimap<size_t, void*> idle;         // the cache: size -> block
   size_t in_use_bytes = 0, cached_bytes = 0, high_water = 0;
   uint64_t hits = 0, misses = 0, evictions = 0, missed_bytes = 0;
@@ -441,7 +443,7 @@ void gt_huge_delete(void* p) {
       size_t r = it->second;
       gt_blocks.in_use.erase(it);
       gt_blocks.in_use_bytes -= r;
-      if (gt_blocks.cache) {
+      if (gt_blocks.cache && r >= kHugePage) {
         gt_blocks.idle.emplace(r, p);
         gt_blocks.cached_bytes += r;
         return;
@@ -453,22 +455,26 @@ void gt_huge_delete(void* p) {
 
 struct HugePageCPUAllocator final : c10::Allocator {
   c10::DataPtr allocate(size_t n) override {
-    if (n < kHugePage) return gt_base_allocator->allocate(n);
+    // Under the cache, blocks from 128 KiB up count towards its bound too (those release would give back to the
+    // OS): a step's smaller blocks, a backward's gradients of small weights say, must not come on top of the
+    // cached ones. They are served and freed as c10 does (64-byte aligned), never cached.
+    const bool small = n < kHugePage;
+    if (small && (n < kTracked || !gt_blocks.cache)) return gt_base_allocator->allocate(n);
     const size_t r = (n + kPage - 1) / kPage * kPage;  // not to 2 MiB: a partial last huge page costs up to 2 MiB
     void* p = nullptr;
     bool huge = true;
     std::vector<void*> evicted;
     {
       std::lock_guard<std::mutex> g(gt_blocks.mu);
-      huge = gt_blocks.huge;
-      auto it = gt_blocks.idle.find(r);
+      huge = gt_blocks.huge && !small;
+      auto it = small ? gt_blocks.idle.end() : gt_blocks.idle.find(r);
       if (it != gt_blocks.idle.end()) {
         p = it->second;
         gt_blocks.idle.erase(it);
         gt_blocks.cached_bytes -= r;
         ++gt_blocks.hits;
       } else {
-        if (gt_blocks.cache) {
+        if (gt_blocks.cache && !small) {
           ++gt_blocks.misses;
           gt_blocks.missed_bytes += r;
         }
@@ -476,8 +482,9 @@ struct HugePageCPUAllocator final : c10::Allocator {
       }
     }
     gt_release(evicted);
+    const size_t align = small ? 64 : kHugePage;
     if (p == nullptr) {
-      if (posix_memalign(&p, kHugePage, r) != 0 || p == nullptr) {
+      if (posix_memalign(&p, align, r) != 0 || p == nullptr) {
         std::vector<void*> rest;  // out of memory: give back every cached block and try once more
         {
           std::lock_guard<std::mutex> g(gt_blocks.mu);
@@ -485,7 +492,7 @@ struct HugePageCPUAllocator final : c10::Allocator {
         }
         gt_release(rest);
         p = nullptr;
-        if (posix_memalign(&p, kHugePage, r) != 0 || p == nullptr) {
+        if (posix_memalign(&p, align, r) != 0 || p == nullptr) {
           c10::profiledCPUMemoryReporter().OutOfMemory(n);
           TORCH_CHECK(false, "graphtrain's CPU allocator: out of memory allocating ", n, " bytes");
         }
@@ -531,7 +538,8 @@ bool block_allocator(bool on, bool huge_pages, bool cache) {
   return c10::GetCPUAllocator() == &gt_huge_allocator;
 }
 
-// Give every cached block back to the OS now; returns the bytes given back.
+// Give every cached block back to the OS now and restart the bound from the bytes in use now (a peak before
+// this point, a compile's say, no longer lets the cache hold more); returns the bytes given back.
 int64_t block_cache_drain() {
   std::vector<void*> drained;
   size_t bytes = 0;
@@ -539,6 +547,7 @@ int64_t block_cache_drain() {
     std::lock_guard<std::mutex> g(gt_blocks.mu);
     bytes = gt_blocks.cached_bytes;
     gt_blocks.drain(drained);
+    gt_blocks.high_water = gt_blocks.in_use_bytes;
   }
   gt_release(drained);
   return (int64_t)bytes;

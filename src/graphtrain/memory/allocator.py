@@ -30,6 +30,17 @@ later ones 3.5 vs 2.9 s; with ``keep`` the first step 9.0 vs 5.6 s, the later on
 THP_MEM_ALLOC_ENABLE=1, read once at torch's first allocation (before any library can set it), so graphtrain
 installs an allocator of its own that does the same (kernels/_cpu_ext.py: C++, because torch's CPU allocator is
 only replaceable from C++).
+
+The block cache (``use_block_cache``, on under ``release``): huge pages make a fresh block's faults cheaper, but
+under ``release`` every step still faults its fresh activations in (measured: Hugging Face GPT-2 with
+``recompute="full"``, 640k minor faults a step with 4 KiB pages). The same allocator keeps a freed block of 2 MiB
+or more for the next request of its size, bounded so that the bytes in use plus the bytes kept never pass the most
+ever in use at once: a request that would pass it evicts kept blocks first. Blocks from 128 KiB up count as in use
+(release would give them back too): counting only the cached sizes let the backward's smaller blocks (gradients of
+small weights) come on top of the kept ones, 9 MiB over release's peak on gpt2-mini. A step's requests repeat
+every step, so most are served from the cache; the ones that are not are the sizes the backward frees in place of
+the forward's (ViT, batch 32, ``full``: 176 hits and 58 misses a step). Measured in docs/memory.md ("The block
+cache under release").
 """
 from __future__ import annotations
 
@@ -145,7 +156,8 @@ def huge_pages_on() -> bool | None:
 
 def use_block_cache(on: bool = True) -> bool:
     """Keep freed blocks of 2 MiB and more for the next request of their size (on), bounded so that the bytes in use
-    plus the bytes kept never pass the most ever in use at once; off gives every kept block back. Under
+    (blocks from 128 KiB up) plus the bytes kept never pass the most ever in use at once; off gives every kept
+    block back. Under
     ``release`` this keeps its peak and saves the page faults of re-touching each step's fresh activations: the
     step's allocations repeat every step. Returns whether it is on (False where the C++ kernels cannot be built)."""
     global _BLOCK_CACHE
@@ -154,7 +166,8 @@ def use_block_cache(on: bool = True) -> bool:
 
 
 def block_cache_stats() -> dict[str, int] | None:
-    """The block cache's counters (bytes in use, cached and the most ever in use, of blocks of 2 MiB and more;
+    """The block cache's counters (bytes in use, cached and the most ever in use: blocks of 2 MiB and more, and from
+    128 KiB while the cache is on;
     hits, misses, evictions and the bytes of the misses), or None where graphtrain's allocator was never installed."""
     if _HUGE_PAGES is None and not _BLOCK_CACHE:
         return None
