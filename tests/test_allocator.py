@@ -196,3 +196,51 @@ def test_block_cache_reuses_freed_blocks_within_the_most_ever_in_use():
     # blocks from 128 KiB count towards the bound (release would give them back too): 1 + 16 cached <= 24
     assert out["mid"]["in_use_bytes"] == mib and out["mid"]["cached_bytes"] == 16 * mib, out["mid"]
     assert out["trimmed"]["cached_bytes"] == 0, out
+
+
+_CACHE_TRAINING = textwrap.dedent("""
+    import copy, json, torch
+    from graphtrain.engine.backend import set_cpu_allocator
+    from graphtrain.memory import allocator
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.GELU(), torch.nn.Dropout(0.1),
+                                torch.nn.Linear(1024, 1024), torch.nn.LayerNorm(1024), torch.nn.Linear(1024, 10))
+    x, y = torch.randn(768, 1024), torch.randint(0, 10, (768,))  # activations of 3 MiB: blocks the cache serves
+
+    def train(m, steps=4):
+        m = copy.deepcopy(m)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True)
+        torch.manual_seed(1)
+        losses = []
+        for _ in range(steps):
+            loss = torch.nn.functional.cross_entropy(m(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        return losses, [p.detach().clone() for p in m.parameters()]
+
+    plain_losses, plain_params = train(model)        # torch's own allocator
+    set_cpu_allocator("release", huge_pages=False)   # graphtrain's, with the block cache
+    cached_losses, cached_params = train(model)
+    stats = allocator.block_cache_stats()
+    print(json.dumps({"same_losses": plain_losses == cached_losses,
+                      "same_params": all(torch.equal(a, b) for a, b in zip(plain_params, cached_params)),
+                      "hits": stats["hits"]}))
+""")
+
+
+def test_training_through_the_block_cache_matches_torchs_allocator_bitwise():
+    """Fresh process: eager training with fused AdamW and dropout gives the same losses and weights, bit for bit,
+    under torch's allocator and under graphtrain's with the block cache serving reused blocks (a block handed out
+    while still in use would change them)."""
+    from graphtrain.kernels import _cpu_ext
+    if _cpu_ext.load() is None:
+        pytest.skip(f"graphtrain's C++ kernels do not build here: {_cpu_ext.build_error()}")
+    r = subprocess.run([sys.executable, "-c", _CACHE_TRAINING], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    import json
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["hits"] > 0, out
+    assert out["same_losses"] and out["same_params"], out

@@ -77,7 +77,8 @@ def _set_cpu_allocator_once(example_inputs: Sequence[Any], config: EngineConfig)
     if any(isinstance(x, torch.Tensor) and x.device.type != "cpu" for x in example_inputs):
         return
     mode = allocator_mode(config)
-    set_cpu_allocator(mode, huge_pages=config.cpu_huge_pages, block_cache=mode == "release" and config.cpu_block_cache)
+    set_cpu_allocator(mode, huge_pages=config.cpu_huge_pages,
+                      block_cache=mode == "release" and config.cpu_block_cache)
 
 
 def set_cpu_allocator(mode: str, huge_pages: bool = True, block_cache: bool | None = None) -> bool:

@@ -157,18 +157,18 @@ def huge_pages_on() -> bool | None:
 def use_block_cache(on: bool = True) -> bool:
     """Keep freed blocks of 2 MiB and more for the next request of their size (on), bounded so that the bytes in use
     (blocks from 128 KiB up) plus the bytes kept never pass the most ever in use at once; off gives every kept
-    block back. Under
-    ``release`` this keeps its peak and saves the page faults of re-touching each step's fresh activations: the
-    step's allocations repeat every step. Returns whether it is on (False where the C++ kernels cannot be built)."""
+    block back. Under ``release`` this keeps its peak and saves the page faults of re-touching each step's fresh
+    activations: the step's allocations repeat every step. Returns whether it is on (False where the C++ kernels
+    cannot be built)."""
     global _BLOCK_CACHE
     _BLOCK_CACHE = _install(bool(_HUGE_PAGES), bool(on)) and bool(on)
     return _BLOCK_CACHE
 
 
 def block_cache_stats() -> dict[str, int] | None:
-    """The block cache's counters (bytes in use, cached and the most ever in use: blocks of 2 MiB and more, and from
-    128 KiB while the cache is on;
-    hits, misses, evictions and the bytes of the misses), or None where graphtrain's allocator was never installed."""
+    """The block cache's counters, or None where graphtrain's allocator was never installed: bytes in use, cached
+    and the most ever in use (blocks of 2 MiB and more, and from 128 KiB while the cache is on); hits, misses,
+    evictions and the bytes of the misses."""
     if _HUGE_PAGES is None and not _BLOCK_CACHE:
         return None
     from graphtrain.kernels import _cpu_ext
