@@ -145,7 +145,7 @@ def test_measure_harness_allocator_flags():
 
 
 _CACHE = textwrap.dedent("""
-    import json, resource, torch
+    import json, os, resource, torch
     from graphtrain.engine.backend import set_cpu_allocator
     from graphtrain.memory import allocator
 
@@ -168,16 +168,21 @@ _CACHE = textwrap.dedent("""
     both = allocator.block_cache_stats()
     c = torch.ones(MIB // 4)                         # 1 MiB: not cached, but counted; the 8 MiB block makes room
     mid = allocator.block_cache_stats()
+    pid = os.fork()                                  # a forked child allocates through the cache it inherited
+    if pid == 0:                                     # one thread, as DataLoader workers: OpenMP's pool does not
+        torch.set_num_threads(1)                     # survive a fork (torch alone hangs there too)
+        os._exit(0 if float(torch.ones(4 * MIB).sum()) == 4 * MIB else 1)
+    child_ok = os.waitpid(pid, 0)[1] == 0
     allocator.trim()
     print(json.dumps({"reuse_faults": reuse_faults, "warm": warm, "evicted": evicted, "both": both, "total": total,
-                      "mid": mid, "trimmed": allocator.block_cache_stats()}))
+                      "mid": mid, "child_ok": child_ok, "trimmed": allocator.block_cache_stats()}))
 """)
 
 
 def test_block_cache_reuses_freed_blocks_within_the_most_ever_in_use():
     """Fresh process: under release, a freed 16 MiB block serves the next request of its size without page faults;
     a request of another size evicts it rather than pass the most bytes ever in use, and so does a smaller block
-    (1 MiB: not cached but counted); trim() empties the cache."""
+    (1 MiB: not cached but counted); a forked child allocates through it; trim() empties the cache."""
     from graphtrain.kernels import _cpu_ext
     if _cpu_ext.load() is None:
         pytest.skip(f"graphtrain's C++ kernels do not build here: {_cpu_ext.build_error()}")
@@ -195,6 +200,7 @@ def test_block_cache_reuses_freed_blocks_within_the_most_ever_in_use():
     assert out["total"] == 2.0 * 2 * mib                     # the reused and fresh blocks hold what was written
     # blocks from 128 KiB count towards the bound (release would give them back too): 1 + 16 cached <= 24
     assert out["mid"]["in_use_bytes"] == mib and out["mid"]["cached_bytes"] == 16 * mib, out["mid"]
+    assert out["child_ok"], out
     assert out["trimmed"]["cached_bytes"] == 0, out
 
 

@@ -389,7 +389,9 @@ void onednn_matmul(const at::Tensor& a, const at::Tensor& b, const at::Tensor& o
 // freed blocks, fragments (docs/memory.md) and has no such bound. Every block is freed the same way (profiler
 // report, then free), so either deleter frees either block.
 #include <c10/core/CPUAllocator.h>
+#include <pthread.h>
 #include <sys/mman.h>
+#include <atomic>
 #include <cstdlib>
 #include <map>
 #include <mutex>
@@ -404,7 +406,7 @@ c10::Allocator* gt_base_allocator = nullptr;
 
 struct BlockCache {
   std::mutex mu;
-  bool huge = true, cache = false;
+  std::atomic<bool> huge{true}, cache{false};  // read without mu on the fast path
   std::unordered_map<void*, size_t> in_use;  // blocks counted, in use -> size (rounded to 4 KiB)
   std::multimap<size_t, void*> idle;         // the cache: size -> block
   size_t in_use_bytes = 0, cached_bytes = 0, high_water = 0;
@@ -429,6 +431,11 @@ struct BlockCache {
   }
 };
 BlockCache gt_blocks;
+
+// fork: the child gets the lock in the state it had. Held across the fork by the forking thread, it is free in
+// both processes afterwards (a DataLoader forking its workers while another thread allocates).
+void gt_fork_prepare() { gt_blocks.mu.lock(); }
+void gt_fork_after() { gt_blocks.mu.unlock(); }
 
 void gt_release(const std::vector<void*>& blocks) {
   for (void* p : blocks) std::free(p);
@@ -520,6 +527,8 @@ HugePageCPUAllocator gt_huge_allocator;
 // give back the one it replaced (off; the cache is emptied either way when `cache` is false). Returns whether it
 // is the CPU allocator now.
 bool block_allocator(bool on, bool huge_pages, bool cache) {
+  static const int fork_handlers = pthread_atfork(gt_fork_prepare, gt_fork_after, gt_fork_after);
+  (void)fork_handlers;
   std::vector<void*> drained;
   {
     std::lock_guard<std::mutex> g(gt_blocks.mu);
