@@ -1,7 +1,9 @@
 """engine.cpu_allocator: which glibc malloc setting the engine applies, and that `keep` really reuses a large
-freed block's pages (minor page faults counted, not time)."""
+freed block's pages (minor page faults counted, not time); graphtrain's own CPU allocator (huge pages, the block
+cache under `release`)."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -188,7 +190,6 @@ def test_block_cache_reuses_freed_blocks_within_the_most_ever_in_use():
         pytest.skip(f"graphtrain's C++ kernels do not build here: {_cpu_ext.build_error()}")
     r = subprocess.run([sys.executable, "-c", _CACHE], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
-    import json
     out = json.loads(r.stdout.strip().splitlines()[-1])
     mib = 2**20
     assert out["reuse_faults"] < 16 * mib // 4096 // 10, out  # without the cache: every 4 KiB page, 6 times
@@ -246,7 +247,6 @@ def test_training_through_the_block_cache_matches_torchs_allocator_bitwise():
         pytest.skip(f"graphtrain's C++ kernels do not build here: {_cpu_ext.build_error()}")
     r = subprocess.run([sys.executable, "-c", _CACHE_TRAINING], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
-    import json
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["hits"] > 0, out
     assert out["same_losses"] and out["same_params"], out
