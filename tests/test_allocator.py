@@ -250,3 +250,30 @@ def test_training_through_the_block_cache_matches_torchs_allocator_bitwise():
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["hits"] > 0, out
     assert out["same_losses"] and out["same_params"], out
+
+
+_REPORT = textwrap.dedent("""
+    import torch, graphtrain
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 512))
+    step = graphtrain.accelerate(model, provider="aten", recompute="full")
+    x = torch.randn(1024, 512)                      # 2 MiB activations: blocks the cache serves
+    for _ in range(3):
+        step(x).square().mean().backward()
+    rep = graphtrain.report(step)
+    print(rep.allocator["mode"], rep.allocator["block_cache"]["hits"] > 0)
+    print([line for line in str(rep).splitlines() if line.startswith("CPU allocator")][0])
+""")
+
+
+def test_report_shows_the_cpu_allocator_and_the_block_cache():
+    """Fresh process (the allocator is set once per process): under recompute the report names the release mode
+    and the block cache's counters."""
+    from graphtrain.kernels import _cpu_ext
+    if _cpu_ext.load() is None:
+        pytest.skip(f"graphtrain's C++ kernels do not build here: {_cpu_ext.build_error()}")
+    r = subprocess.run([sys.executable, "-c", _REPORT], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    first, line = r.stdout.strip().splitlines()[-2:]
+    assert first == "release True", r.stdout
+    assert line.startswith("CPU allocator: release, huge pages ") and " hits, " in line, line

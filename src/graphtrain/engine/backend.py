@@ -81,6 +81,11 @@ def _set_cpu_allocator_once(example_inputs: Sequence[Any], config: EngineConfig)
                       block_cache=mode == "release" and config.cpu_block_cache)
 
 
+def cpu_allocator_set() -> str | None:
+    """The CPU allocator mode this process was given (set_cpu_allocator), None if none yet."""
+    return _ALLOCATOR_SET
+
+
 def set_cpu_allocator(mode: str, huge_pages: bool = True, block_cache: bool | None = None) -> bool:
     """Apply CPU allocator `mode` (memory/allocator.py apply), huge pages (allocator.use_huge_pages) and the block
     cache (allocator.use_block_cache; None: on under `release`) to this process and remember it, so that no later

@@ -120,6 +120,10 @@ class Report:
     blocks: list[str] | None = None
     """The repeated stacks compiled once per block (engine/blocks.py), e.g. "transformer.h (12 x GPT2Block)"."""
     notes: list[str] | None = None
+    allocator: dict[str, Any] | None = None
+    """This process's CPU allocator (set once, at the first CPU compile; engine/backend.py set_cpu_allocator):
+    ``mode`` (keep, release or default), ``huge_pages`` and, under the block cache, its counters
+    (memory/allocator.py block_cache_stats). None before any CPU compile."""
     fused_ops: list[dict[str, Any]] | None = None
     """The graphtrain ops the passes put into the graphs (``count``, summed over graphs), each with what its
     descriptor tells recompute, mixed precision and the memory predictor (kernels/registry.py)."""
@@ -190,6 +194,8 @@ class Report:
         if self.process_peak and self.process_peak["graph"] == "all pieces":
             L.append("step over all graphs (each block's graph once per layer):")
             L += _memory_lines(self.process_peak["step"]) + _process_lines(self.process_peak)
+        if self.allocator:
+            L.append(_allocator_line(self.allocator))
         if self.saved_activation_bytes_per_sample is not None:
             L.append(f"saved activations: {_mib(self.saved_activation_bytes or 0)} per step, "
                      f"{_mib(self.saved_activation_bytes_per_sample)} per sample")
@@ -266,7 +272,25 @@ def report(module: torch.nn.Module | None = None, *, optimizer: torch.optim.Opti
         first_step_seconds=state.first_call_seconds, compile_seconds=sum(g.compile_seconds for g in state.graphs),
         calls=state.calls, eager_only=state.eager_only, machine=capabilities(), process_peak=process,
         blocks=list(state.blocks), notes=list(state.notes), cache=_cache_stats(state),
-        fused_ops=_fused_ops(state.passes, runs))
+        allocator=_allocator_state(), fused_ops=_fused_ops(state.passes, runs))
+
+
+def _allocator_state() -> dict[str, Any] | None:
+    from graphtrain.engine import backend
+    from graphtrain.memory import allocator
+    if (mode := backend.cpu_allocator_set()) is None:
+        return None
+    cache = allocator.block_cache_stats() if allocator.block_cache_on() else None
+    return dict(mode=mode, huge_pages=bool(allocator.huge_pages_on()), block_cache=cache)
+
+
+def _allocator_line(a: dict[str, Any]) -> str:
+    line = f"CPU allocator: {a['mode']}, huge pages {'on' if a['huge_pages'] else 'off'}"
+    c = a.get("block_cache")
+    if c is None:
+        return line + ", no block cache"
+    return (line + f", block cache {c['hits']:,} hits, {c['misses']:,} misses, {_mib(c['cached_bytes'])} cached, "
+            f"most in use {_mib(c['high_water_bytes'])}")
 
 
 def _cache_stats(state: EngineState) -> dict[str, Any]:

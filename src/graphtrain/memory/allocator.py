@@ -165,6 +165,11 @@ def use_block_cache(on: bool = True) -> bool:
     return _BLOCK_CACHE
 
 
+def block_cache_on() -> bool:
+    """Whether the block cache is on in this process."""
+    return _BLOCK_CACHE
+
+
 def block_cache_stats() -> dict[str, int] | None:
     """The block cache's counters, or None where graphtrain's allocator was never installed: bytes in use, cached
     and the most ever in use (blocks of 2 MiB and more, and from 128 KiB while the cache is on); hits, misses,
