@@ -277,3 +277,19 @@ def test_report_shows_the_cpu_allocator_and_the_block_cache():
     first, line = r.stdout.strip().splitlines()[-2:]
     assert first == "release True", r.stdout
     assert line.startswith("CPU allocator: release, huge pages ") and " hits, " in line, line
+
+
+def test_report_goes_on_when_the_block_cache_counters_fail(monkeypatch):
+    """A failing C++ extension (tests/test_capability.py breaks every function of it) must not take the report down
+    with the allocator line: the line says the counters are unavailable."""
+    from graphtrain.engine import report
+    from graphtrain.memory import allocator
+
+    def broken():
+        raise RuntimeError("simulated failure of block_cache_stats")
+    monkeypatch.setattr(backend, "cpu_allocator_set", lambda: "release")
+    monkeypatch.setattr(allocator, "block_cache_on", lambda: True)
+    monkeypatch.setattr(allocator, "block_cache_stats", broken)
+    state = report._allocator_state()
+    assert state["mode"] == "release" and state["block_cache"] is None
+    assert "counters unavailable: RuntimeError: simulated failure" in report._allocator_line(state)

@@ -280,13 +280,20 @@ def _allocator_state() -> dict[str, Any] | None:
     from graphtrain.memory import allocator
     if (mode := backend.cpu_allocator_set()) is None:
         return None
-    cache = allocator.block_cache_stats() if allocator.block_cache_on() else None
-    return dict(mode=mode, huge_pages=bool(allocator.huge_pages_on()), block_cache=cache)
+    cache, error = None, None
+    if allocator.block_cache_on():
+        try:
+            cache = allocator.block_cache_stats()
+        except Exception as e:  # noqa: BLE001 - counters for a report line: the report goes on without them
+            error = f"{type(e).__name__}: {e}"
+    return dict(mode=mode, huge_pages=bool(allocator.huge_pages_on()), block_cache=cache, block_cache_error=error)
 
 
 def _allocator_line(a: dict[str, Any]) -> str:
     line = f"CPU allocator: {a['mode']}, huge pages {'on' if a['huge_pages'] else 'off'}"
     c = a.get("block_cache")
+    if a.get("block_cache_error"):
+        return line + f", block cache on (counters unavailable: {a['block_cache_error']})"
     if c is None:
         return line + ", no block cache"
     return (line + f", block cache {c['hits']:,} hits, {c['misses']:,} misses, {_mib(c['cached_bytes'])} cached, "
