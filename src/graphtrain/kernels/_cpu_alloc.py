@@ -1,0 +1,200 @@
+"""The C++ source of graphtrain's CPU allocator (huge pages, the block cache; memory/allocator.py), built into
+the same extension as the kernels (_cpu_ext.py appends it to their source)."""
+
+ALLOCATOR_CPP = r"""
+// graphtrain's CPU allocator for blocks of 2 MiB and more (memory/allocator.py). Smaller blocks go to the
+// allocator this one replaced. Two independent settings:
+// - huge pages: a block is madvise(MADV_HUGEPAGE)d before its first touch, so it faults in 2 MiB at a time
+//   instead of 4 KiB (what c10 does under THP_MEM_ALLOC_ENABLE=1, which torch reads once, at its first
+//   allocation: too early for a library to set);
+// - the block cache: a freed block is kept for the next request of its size (to 4 KiB), as a
+//   step's allocations repeat every step, so its pages are not faulted in again. Bounded: the bytes in use plus
+//   the bytes cached never exceed the most ever in use at once (a request that would pass that first evicts
+//   the smallest cached block that makes room, else the largest), counting every block from 128 KiB up (what
+//   release would give back to the OS), so the process peak stays what returning every freed block gives
+//   (docs/memory.md).
+// Written by hand: c10's CPU allocator has no caching (its CUDA one does), and glibc's heap, which does keep
+// freed blocks, fragments (docs/memory.md) and has no such bound. Every block is freed the same way (profiler
+// report, then free), so either deleter frees either block.
+#include <c10/core/CPUAllocator.h>
+#include <pthread.h>
+#include <sys/mman.h>
+#include <atomic>
+#include <cstdlib>
+#include <map>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
+
+namespace {
+constexpr size_t kHugePage = size_t(2) << 20;
+constexpr size_t kPage = 4096;
+constexpr size_t kTracked = size_t(128) << 10;  // glibc's mmap threshold under release: from here blocks count
+c10::Allocator* gt_base_allocator = nullptr;
+
+struct BlockCache {
+  std::mutex mu;
+  std::atomic<bool> huge{true}, cache{false};  // read without mu on the fast path
+  std::unordered_map<void*, size_t> in_use;  // blocks counted, in use -> size (rounded to 4 KiB)
+  std::multimap<size_t, void*> idle;         // the cache: size -> block
+  size_t in_use_bytes = 0, cached_bytes = 0, high_water = 0;
+  uint64_t hits = 0, misses = 0, evictions = 0, missed_bytes = 0;
+
+  // under mu: cached blocks to give back so that `need` more bytes keep in use + cached <= high_water
+  void evict_for(size_t need, std::vector<void*>& out) {
+    while (cached_bytes > 0 && in_use_bytes + cached_bytes + need > high_water) {
+      const size_t short_by = in_use_bytes + cached_bytes + need - high_water;
+      auto victim = idle.lower_bound(short_by);  // the smallest block that makes room alone, else the largest
+      if (victim == idle.end()) victim = std::prev(idle.end());
+      cached_bytes -= victim->first;
+      out.push_back(victim->second);
+      idle.erase(victim);
+      ++evictions;
+    }
+  }
+  void drain(std::vector<void*>& out) {
+    for (auto& kv : idle) out.push_back(kv.second);
+    idle.clear();
+    cached_bytes = 0;
+  }
+};
+BlockCache gt_blocks;
+
+// fork: the child gets the lock in the state it had. Held across the fork by the forking thread, it is free in
+// both processes afterwards (a DataLoader forking its workers while another thread allocates).
+void gt_fork_prepare() { gt_blocks.mu.lock(); }
+void gt_fork_after() { gt_blocks.mu.unlock(); }
+
+void gt_release(const std::vector<void*>& blocks) {
+  for (void* p : blocks) std::free(p);
+}
+
+void gt_huge_delete(void* p) {
+  c10::profiledCPUMemoryReporter().Delete(p);
+  {
+    std::lock_guard<std::mutex> g(gt_blocks.mu);
+    auto it = gt_blocks.in_use.find(p);
+    if (it != gt_blocks.in_use.end()) {
+      size_t r = it->second;
+      gt_blocks.in_use.erase(it);
+      gt_blocks.in_use_bytes -= r;
+      if (gt_blocks.cache && r >= kHugePage) {
+        gt_blocks.idle.emplace(r, p);
+        gt_blocks.cached_bytes += r;
+        return;
+      }
+    }
+  }
+  std::free(p);
+}
+
+struct HugePageCPUAllocator final : c10::Allocator {
+  c10::DataPtr allocate(size_t n) override {
+    // Under the cache, blocks from 128 KiB up count towards its bound too (those release would give back to the
+    // OS): a step's smaller blocks, a backward's gradients of small weights say, must not come on top of the
+    // cached ones. They are served and freed as c10 does (64-byte aligned), never cached.
+    const bool small = n < kHugePage;
+    if (small && (n < kTracked || !gt_blocks.cache)) return gt_base_allocator->allocate(n);
+    const size_t r = (n + kPage - 1) / kPage * kPage;  // not to 2 MiB: a partial last huge page costs up to 2 MiB
+    void* p = nullptr;
+    bool huge = true;
+    std::vector<void*> evicted;
+    {
+      std::lock_guard<std::mutex> g(gt_blocks.mu);
+      huge = gt_blocks.huge && !small;
+      auto it = small ? gt_blocks.idle.end() : gt_blocks.idle.find(r);
+      if (it != gt_blocks.idle.end()) {
+        p = it->second;
+        gt_blocks.idle.erase(it);
+        gt_blocks.cached_bytes -= r;
+        ++gt_blocks.hits;
+      } else {
+        if (gt_blocks.cache && !small) {
+          ++gt_blocks.misses;
+          gt_blocks.missed_bytes += r;
+        }
+        gt_blocks.evict_for(r, evicted);
+      }
+    }
+    gt_release(evicted);
+    const size_t align = small ? 64 : kHugePage;
+    if (p == nullptr) {
+      if (posix_memalign(&p, align, r) != 0 || p == nullptr) {
+        std::vector<void*> rest;  // out of memory: give back every cached block and try once more
+        {
+          std::lock_guard<std::mutex> g(gt_blocks.mu);
+          gt_blocks.drain(rest);
+        }
+        gt_release(rest);
+        p = nullptr;
+        if (posix_memalign(&p, align, r) != 0 || p == nullptr) {
+          c10::profiledCPUMemoryReporter().OutOfMemory(n);
+          TORCH_CHECK(false, "graphtrain's CPU allocator: out of memory allocating ", n, " bytes");
+        }
+      }
+      if (huge) madvise(p, r, MADV_HUGEPAGE);  // advice only: where the kernel declines, the block still works
+    }
+    {
+      std::lock_guard<std::mutex> g(gt_blocks.mu);
+      gt_blocks.in_use.emplace(p, r);
+      gt_blocks.in_use_bytes += r;
+      if (gt_blocks.in_use_bytes > gt_blocks.high_water) gt_blocks.high_water = gt_blocks.in_use_bytes;
+    }
+    c10::profiledCPUMemoryReporter().New(p, n);
+    return {p, p, &gt_huge_delete, c10::Device(c10::DeviceType::CPU)};
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return &gt_huge_delete; }
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
+};
+HugePageCPUAllocator gt_huge_allocator;
+}  // namespace
+
+// Install graphtrain's allocator as torch's CPU allocator (on) with huge pages and the block cache as asked, or
+// give back the one it replaced (off; the cache is emptied either way when `cache` is false). Returns whether it
+// is the CPU allocator now.
+bool block_allocator(bool on, bool huge_pages, bool cache) {
+  static const int fork_handlers = pthread_atfork(gt_fork_prepare, gt_fork_after, gt_fork_after);
+  (void)fork_handlers;
+  std::vector<void*> drained;
+  {
+    std::lock_guard<std::mutex> g(gt_blocks.mu);
+    gt_blocks.huge = huge_pages;
+    gt_blocks.cache = on && cache;
+    if (!gt_blocks.cache) gt_blocks.drain(drained);
+  }
+  gt_release(drained);
+  c10::Allocator* current = c10::GetCPUAllocator();
+  if (on && current != &gt_huge_allocator) {
+    gt_base_allocator = current;
+    c10::SetCPUAllocator(&gt_huge_allocator, /*priority=*/0);  // the default allocator's priority
+  } else if (!on && current == &gt_huge_allocator && gt_base_allocator != nullptr) {
+    c10::SetCPUAllocator(gt_base_allocator, /*priority=*/0);
+  }
+  return c10::GetCPUAllocator() == &gt_huge_allocator;
+}
+
+// Give every cached block back to the OS now and restart the bound from the bytes in use now (a peak before
+// this point, a compile's say, no longer lets the cache hold more); returns the bytes given back.
+int64_t block_cache_drain() {
+  std::vector<void*> drained;
+  size_t bytes = 0;
+  {
+    std::lock_guard<std::mutex> g(gt_blocks.mu);
+    bytes = gt_blocks.cached_bytes;
+    gt_blocks.drain(drained);
+    gt_blocks.high_water = gt_blocks.in_use_bytes;
+  }
+  gt_release(drained);
+  return (int64_t)bytes;
+}
+
+// [bytes in use, bytes cached, most bytes ever in use, hits, misses, evictions, bytes missed], blocks of 2 MiB+.
+std::vector<int64_t> block_cache_stats() {
+  std::lock_guard<std::mutex> g(gt_blocks.mu);
+  return {(int64_t)gt_blocks.in_use_bytes, (int64_t)gt_blocks.cached_bytes, (int64_t)gt_blocks.high_water,
+          (int64_t)gt_blocks.hits, (int64_t)gt_blocks.misses, (int64_t)gt_blocks.evictions,
+          (int64_t)gt_blocks.missed_bytes};
+}
+"""
