@@ -79,7 +79,8 @@ def test_cpp_fields_name_real_cpu_ext_functions():
     # every C++ function serves an op, except dropout_mask (the tests' view of the hash mask) and the block_*
     # functions (memory/allocator.py's CPU allocator, not an op)
     assert set(_cpu_ext._DECLS) - claimed == {"dropout_mask", "block_allocator", "block_cache_drain",
-                                              "block_cache_stats"}
+                                              "block_cache_stats", "block_cache_prime", "block_cache_prime_stop",
+                                              "block_cache_settle", "block_cache_record"}
     for name in claimed:
         assert re.search(rf"\b{name}\(", _cpu_ext._CPP), name
 

@@ -77,6 +77,11 @@ class EngineConfig:
     instead of returning them to the OS, bounded so that blocks in use plus kept never pass the most ever in use
     at once: the same peak as returning them, without faulting each step's fresh activations in again
     (memory/allocator.py use_block_cache)."""
+    cpu_prefault: bool = True
+    """Record the CPU memory a training module's first step asks for (blocks of 2 MiB and more: its gradients and
+    optimizer state, first touched then) in the cache folder, and in a later process with the same model, inputs
+    and config fault it in on a background thread while Dynamo traces, so the first step finds it ready
+    (memory/prefault.py). Needs graphtrain's CPU allocator (cpu_huge_pages or the block cache)."""
     cache_dir: str | None = None
     """Persistent compile cache folder; default ~/.cache/graphtrain/compile."""
     dynamic: bool = False

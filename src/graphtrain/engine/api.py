@@ -164,6 +164,7 @@ class _CallWrapper:
     def __init__(self, module: torch.nn.Module, compiled: Any, state: EngineState, eager: Any) -> None:
         self.module, self.compiled, self.state, self.eager = module, compiled, state, eager
         self.no_cache_in_training = _builds_kv_cache(module)
+        self.prefault: Any = None  # memory/prefault.py's Session while the first step is recorded
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         state = self.state
@@ -171,6 +172,10 @@ class _CallWrapper:
             kwargs["use_cache"] = False
         if state.eager_only:
             return self.eager(*args, **kwargs)
+        if state.calls == 0:
+            self._begin_prefault(args, kwargs)
+        elif self.prefault is not None:
+            self.prefault.on_call()
         reasons = _graph_break_reasons()
         n_before = len(reasons)
         t0 = time.perf_counter()
@@ -191,6 +196,26 @@ class _CallWrapper:
                                 "(every frame skipped or empty)", state.config, what="runs eagerly",
                                 sink=state.fallbacks)
         return out
+
+    def _begin_prefault(self, args: tuple, kwargs: dict) -> None:
+        """A training module's first call on CPU: install the process's CPU allocator now (not at the first compile,
+        which comes after Dynamo's trace) and record this first step's memory, priming it from an earlier record
+        (memory/prefault.py). Never stops the step: a failure is a note."""
+        cfg = self.state.config
+        if not (cfg.cpu_prefault and self.module.training and torch.is_grad_enabled()):
+            return
+        p = next(self.module.parameters(), None)
+        if p is None or p.device.type != "cpu":
+            return
+        try:
+            from graphtrain.engine.backend import _set_cpu_allocator_once
+            from graphtrain.engine.cache import cache_root
+            from graphtrain.memory import prefault
+            _set_cpu_allocator_once([p], cfg)
+            self.prefault = prefault.begin(self.module, args, kwargs, cfg, cache_root(cfg),
+                                           self.state.first_step_memory)
+        except Exception as e:  # noqa: BLE001
+            self.state.notes.append(f"first-step memory not recorded: {type(e).__name__}: {e}")
 
     def _run_compiled(self, args: tuple, kwargs: dict) -> Any:
         from graphtrain.engine.blocks import ReuseMisbound, no_subgraph_reuse

@@ -138,6 +138,8 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Eng
         compiled = _compile_by_blocks(gm, example_inputs, config, state)
     else:
         compiled = _compile_one(gm, example_inputs, config, state)
+    from graphtrain.memory.prefault import compiled as first_graph_compiled
+    first_graph_compiled()
     return reattach(compiled, heads, n_out) if heads else compiled
 
 

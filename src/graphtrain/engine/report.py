@@ -124,6 +124,11 @@ class Report:
     """This process's CPU allocator (set once, at the first CPU compile; engine/backend.py set_cpu_allocator):
     ``mode`` (keep, release or default), ``huge_pages`` and, under the block cache, its counters
     (memory/allocator.py block_cache_stats). None before any CPU compile."""
+    first_step_memory: dict[str, Any] | None = None
+    """The first step's CPU memory (memory/prefault.py): ``recorded_blocks``/``recorded_bytes`` (blocks of 2 MiB and
+    more it asked for fresh, stored at ``path`` for the next process) and, when an earlier record primed it,
+    ``primed_blocks`` faulted in ahead (of ``primed_bytes`` recorded), ``primed_taken`` by the step and
+    ``returned_bytes`` given back unasked. Empty before the first step settles or with ``engine.cpu_prefault`` off."""
     fused_ops: list[dict[str, Any]] | None = None
     """The graphtrain ops the passes put into the graphs (``count``, summed over graphs), each with what its
     descriptor tells recompute, mixed precision and the memory predictor (kernels/registry.py)."""
@@ -196,6 +201,8 @@ class Report:
             L += _memory_lines(self.process_peak["step"]) + _process_lines(self.process_peak)
         if self.allocator:
             L.append(_allocator_line(self.allocator))
+        if self.first_step_memory:
+            L.append(_first_step_line(self.first_step_memory))
         if self.saved_activation_bytes_per_sample is not None:
             L.append(f"saved activations: {_mib(self.saved_activation_bytes or 0)} per step, "
                      f"{_mib(self.saved_activation_bytes_per_sample)} per sample")
@@ -272,7 +279,7 @@ def report(module: torch.nn.Module | None = None, *, optimizer: torch.optim.Opti
         first_step_seconds=state.first_call_seconds, compile_seconds=sum(g.compile_seconds for g in state.graphs),
         calls=state.calls, eager_only=state.eager_only, machine=capabilities(), process_peak=process,
         blocks=list(state.blocks), notes=list(state.notes), cache=_cache_stats(state),
-        allocator=_allocator_state(), fused_ops=_fused_ops(state.passes, runs))
+        allocator=_allocator_state(), first_step_memory=dict(state.first_step_memory), fused_ops=_fused_ops(state.passes, runs))
 
 
 def _allocator_state() -> dict[str, Any] | None:
@@ -298,6 +305,14 @@ def _allocator_line(a: dict[str, Any]) -> str:
         return line + ", no block cache"
     return (line + f", block cache {c['hits']:,} hits, {c['misses']:,} misses, {_mib(c['cached_bytes'])} cached, "
             f"most in use {_mib(c['high_water_bytes'])}")
+
+
+def _first_step_line(m: dict[str, Any]) -> str:
+    line = f"first step's fresh CPU memory: {m['recorded_blocks']:,} blocks, {_mib(m['recorded_bytes'])}"
+    if "primed_blocks" in m:
+        line += (f"; primed from the last run's record: {m['primed_blocks']:,} blocks faulted in ahead, "
+                 f"{m['primed_taken']:,} taken, {_mib(m['returned_bytes'])} given back unasked")
+    return line
 
 
 def _cache_stats(state: EngineState) -> dict[str, Any]:

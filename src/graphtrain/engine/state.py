@@ -67,6 +67,7 @@ class EngineState:
     notes: list[str] = field(default_factory=list)
     calls: int = 0
     first_call_seconds: float | None = None
+    first_step_memory: dict[str, Any] = field(default_factory=dict)  # memory/prefault.py: recorded, primed
     eager_only: bool = False        # capture failed; the module runs eagerly from now on
     background: Any = field(default=None, repr=False, compare=False)  # provider auto's compile worker (choose.py)
 

@@ -13,23 +13,33 @@ ALLOCATOR_CPP = r"""
 //   the smallest cached block that makes room, else the largest), counting every block from 128 KiB up (what
 //   release would give back to the OS), so the process peak stays what returning every freed block gives
 //   (docs/memory.md).
+// - priming (a warm start's first step): a background thread faults in, ahead of time, blocks of the sizes a
+//   recorded first step asked for (its gradients and optimizer state), while the main thread is still tracing;
+//   the step then finds them ready. A primed block asked for once stays with this allocator (back to the idle
+//   blocks when freed, cache on or off): glibc would serve the next step's request from the main thread's heap,
+//   not from the priming thread's, and fault it in again. Primed blocks never asked for are given back when
+//   the first step is settled (block_cache_settle).
 // Written by hand: c10's CPU allocator has no caching (its CUDA one does), and glibc's heap, which does keep
 // freed blocks, fragments (docs/memory.md) and has no such bound. Every block is freed the same way (profiler
 // report, then free), so either deleter frees either block.
 #include <c10/core/CPUAllocator.h>
 #include <pthread.h>
+#include <sched.h>
 #include <sys/mman.h>
 #include <atomic>
 #include <cstdlib>
 #include <map>
 #include <mutex>
+#include <thread>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 namespace {
 constexpr size_t kHugePage = size_t(2) << 20;
 constexpr size_t kPage = 4096;
 constexpr size_t kTracked = size_t(128) << 10;  // glibc's mmap threshold under release: from here blocks count
+constexpr size_t kMaxRecorded = size_t(1) << 20;  // a recording never settled stops growing here
 c10::Allocator* gt_base_allocator = nullptr;
 
 struct BlockCache {
@@ -37,8 +47,14 @@ struct BlockCache {
   std::atomic<bool> huge{true}, cache{false};  // read without mu on the fast path
   std::unordered_map<void*, size_t> in_use;  // blocks counted, in use -> size (rounded to 4 KiB)
   std::multimap<size_t, void*> idle;         // the cache: size -> block
-  size_t in_use_bytes = 0, cached_bytes = 0, high_water = 0;
-  uint64_t hits = 0, misses = 0, evictions = 0, missed_bytes = 0;
+  std::multimap<size_t, void*> primed;       // primed, not asked for yet: outside the bound until settled
+  std::unordered_set<void*> sticky;          // primed blocks asked for: idle when freed, cache on or off
+  size_t in_use_bytes = 0, cached_bytes = 0, high_water = 0, primed_bytes = 0;
+  uint64_t hits = 0, misses = 0, evictions = 0, missed_bytes = 0, primed_made = 0, primed_hits = 0;
+  // the recorder (a first step's requests of 2 MiB and more that no block freed before it could serve)
+  bool recording = false;
+  std::vector<int64_t> recorded;
+  std::unordered_map<size_t, int64_t> freed_while_recording;
 
   // under mu: cached blocks to give back so that `need` more bytes keep in use + cached <= high_water
   void evict_for(size_t need, std::vector<void*>& out) {
@@ -48,22 +64,33 @@ struct BlockCache {
       if (victim == idle.end()) victim = std::prev(idle.end());
       cached_bytes -= victim->first;
       out.push_back(victim->second);
+      sticky.erase(victim->second);
       idle.erase(victim);
       ++evictions;
     }
   }
   void drain(std::vector<void*>& out) {
-    for (auto& kv : idle) out.push_back(kv.second);
+    for (auto& kv : idle) {
+      out.push_back(kv.second);
+      sticky.erase(kv.second);
+    }
     idle.clear();
     cached_bytes = 0;
   }
 };
 BlockCache gt_blocks;
+std::thread* gt_prime_thread = nullptr;  // never destroyed: a process may exit while it runs
+std::atomic<bool> gt_prime_stop{false};
 
 // fork: the child gets the lock in the state it had. Held across the fork by the forking thread, it is free in
 // both processes afterwards (a DataLoader forking its workers while another thread allocates).
 void gt_fork_prepare() { gt_blocks.mu.lock(); }
 void gt_fork_after() { gt_blocks.mu.unlock(); }
+void gt_fork_child() {
+  // the priming thread does not exist in the child: forget it without joining (its primed blocks stay usable)
+  gt_prime_thread = nullptr;
+  gt_blocks.mu.unlock();
+}
 
 void gt_release(const std::vector<void*>& blocks) {
   for (void* p : blocks) std::free(p);
@@ -78,7 +105,8 @@ void gt_huge_delete(void* p) {
       size_t r = it->second;
       gt_blocks.in_use.erase(it);
       gt_blocks.in_use_bytes -= r;
-      if (gt_blocks.cache && r >= kHugePage) {
+      if (gt_blocks.recording && r >= kHugePage) ++gt_blocks.freed_while_recording[r];
+      if ((gt_blocks.cache || gt_blocks.sticky.count(p) != 0) && r >= kHugePage) {
         gt_blocks.idle.emplace(r, p);
         gt_blocks.cached_bytes += r;
         return;
@@ -108,6 +136,12 @@ struct HugePageCPUAllocator final : c10::Allocator {
         gt_blocks.idle.erase(it);
         gt_blocks.cached_bytes -= r;
         ++gt_blocks.hits;
+      } else if (!small && (it = gt_blocks.primed.find(r)) != gt_blocks.primed.end()) {
+        p = it->second;
+        gt_blocks.primed.erase(it);
+        gt_blocks.primed_bytes -= r;
+        gt_blocks.sticky.insert(p);
+        ++gt_blocks.primed_hits;
       } else {
         if (gt_blocks.cache && !small) {
           ++gt_blocks.misses;
@@ -138,6 +172,11 @@ struct HugePageCPUAllocator final : c10::Allocator {
       std::lock_guard<std::mutex> g(gt_blocks.mu);
       gt_blocks.in_use.emplace(p, r);
       gt_blocks.in_use_bytes += r;
+      if (gt_blocks.recording && !small) {
+        auto f = gt_blocks.freed_while_recording.find(r);
+        if (f != gt_blocks.freed_while_recording.end() && f->second > 0) --f->second;  // what a cache would reuse
+        else if (gt_blocks.recorded.size() < kMaxRecorded) gt_blocks.recorded.push_back((int64_t)r);
+      }
       if (gt_blocks.in_use_bytes > gt_blocks.high_water) gt_blocks.high_water = gt_blocks.in_use_bytes;
     }
     c10::profiledCPUMemoryReporter().New(p, n);
@@ -149,14 +188,69 @@ struct HugePageCPUAllocator final : c10::Allocator {
   }
 };
 HugePageCPUAllocator gt_huge_allocator;
+
+// The priming thread: faults in one block per size (madvised as the allocator would), then offers it.
+void gt_prime_run(std::vector<size_t> sizes, bool huge) {
+  // SCHED_IDLE: run only on a core nobody else wants. The time to use is a core idling while the main thread
+  // traces in Python; a step's OpenMP threads would wait at their barriers for a core this thread holds.
+  sched_param idle_param{};
+  pthread_setschedparam(pthread_self(), SCHED_IDLE, &idle_param);
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    if (gt_prime_stop.load()) return;
+    {
+      // the step records its requests as it goes (the same list, when it repeats the recorded step): the ones it
+      // made already were served without us, so skip to the next it will make
+      std::lock_guard<std::mutex> g(gt_blocks.mu);
+      if (gt_blocks.recording && gt_blocks.recorded.size() > i) i = gt_blocks.recorded.size();
+    }
+    if (i >= sizes.size()) return;
+    const size_t r = sizes[i];
+    void* p = nullptr;
+    if (posix_memalign(&p, kHugePage, r) != 0 || p == nullptr) return;
+    if (huge) madvise(p, r, MADV_HUGEPAGE);
+    // A write per page (a read would map the shared zero page). Not MADV_POPULATE_WRITE: faster alone (3.0 against
+    // 1.5-1.8 GB/s with 4 KiB pages on a 2-core Zen 4 VM), it slowed the main thread's trace beside it so much that
+    // the first step took longer than without priming (docs/first-step.md).
+    volatile char* c = static_cast<volatile char*>(p);
+    for (size_t off = 0; off < r; off += kPage) c[off] = 0;
+    std::lock_guard<std::mutex> g(gt_blocks.mu);
+    gt_blocks.primed.emplace(r, p);
+    gt_blocks.primed_bytes += r;
+    ++gt_blocks.primed_made;
+  }
+}
+
+// Stop priming, give back the primed blocks nobody asked for; returns [blocks primed, asked for, bytes given back].
+std::vector<int64_t> gt_settle() {
+  gt_prime_stop.store(true);
+  if (gt_prime_thread != nullptr) {
+    gt_prime_thread->join();
+    delete gt_prime_thread;
+    gt_prime_thread = nullptr;
+  }
+  std::vector<void*> unused;
+  int64_t made, asked, bytes;
+  {
+    std::lock_guard<std::mutex> g(gt_blocks.mu);
+    for (auto& kv : gt_blocks.primed) unused.push_back(kv.second);
+    gt_blocks.primed.clear();
+    bytes = (int64_t)gt_blocks.primed_bytes;
+    gt_blocks.primed_bytes = 0;
+    made = (int64_t)gt_blocks.primed_made;
+    asked = (int64_t)gt_blocks.primed_hits;
+  }
+  gt_release(unused);
+  return {made, asked, bytes};
+}
 }  // namespace
 
 // Install graphtrain's allocator as torch's CPU allocator (on) with huge pages and the block cache as asked, or
 // give back the one it replaced (off; the cache is emptied either way when `cache` is false). Returns whether it
 // is the CPU allocator now.
 bool block_allocator(bool on, bool huge_pages, bool cache) {
-  static const int fork_handlers = pthread_atfork(gt_fork_prepare, gt_fork_after, gt_fork_after);
+  static const int fork_handlers = pthread_atfork(gt_fork_prepare, gt_fork_after, gt_fork_child);
   (void)fork_handlers;
+  if (!on) gt_settle();
   std::vector<void*> drained;
   {
     std::lock_guard<std::mutex> g(gt_blocks.mu);
@@ -190,11 +284,52 @@ int64_t block_cache_drain() {
   return (int64_t)bytes;
 }
 
-// [bytes in use, bytes cached, most bytes ever in use, hits, misses, evictions, bytes missed], blocks of 2 MiB+.
+// [bytes in use, bytes cached, most bytes ever in use, hits, misses, evictions, bytes missed, bytes primed and
+// not yet asked for], blocks of 2 MiB+.
 std::vector<int64_t> block_cache_stats() {
   std::lock_guard<std::mutex> g(gt_blocks.mu);
   return {(int64_t)gt_blocks.in_use_bytes, (int64_t)gt_blocks.cached_bytes, (int64_t)gt_blocks.high_water,
           (int64_t)gt_blocks.hits, (int64_t)gt_blocks.misses, (int64_t)gt_blocks.evictions,
-          (int64_t)gt_blocks.missed_bytes};
+          (int64_t)gt_blocks.missed_bytes, (int64_t)gt_blocks.primed_bytes};
+}
+
+// Start faulting in blocks of these sizes (bytes, rounded to 4 KiB) in a background thread, for the requests of
+// a first step (block_cache_record's list from an earlier process). Ends a priming still running first.
+bool block_cache_prime(std::vector<int64_t> sizes) {
+  gt_settle();
+  std::vector<size_t> rounded;
+  for (int64_t n : sizes)
+    if (n >= (int64_t)kHugePage) rounded.push_back(((size_t)n + kPage - 1) / kPage * kPage);
+  bool huge;
+  {
+    std::lock_guard<std::mutex> g(gt_blocks.mu);
+    gt_blocks.primed_made = gt_blocks.primed_hits = 0;
+    huge = gt_blocks.huge;
+  }
+  gt_prime_stop.store(false);
+  gt_prime_thread = new std::thread(gt_prime_run, std::move(rounded), huge);
+  return true;
+}
+
+// Stop faulting in more blocks (the ones primed stay offered until block_cache_settle).
+void block_cache_prime_stop() { gt_prime_stop.store(true); }
+
+// End priming: [blocks primed, of them asked for, bytes given back unasked].
+std::vector<int64_t> block_cache_settle() { return gt_settle(); }
+
+// Record (on) or stop recording and return (off) the sizes of the requests of 2 MiB and more that no block freed
+// since recording started could have served, in order: what priming must fault in for that stretch of work.
+std::vector<int64_t> block_cache_record(bool on) {
+  std::lock_guard<std::mutex> g(gt_blocks.mu);
+  std::vector<int64_t> out;
+  if (on) {
+    gt_blocks.recorded.clear();
+    gt_blocks.freed_while_recording.clear();
+  } else {
+    out.swap(gt_blocks.recorded);
+    gt_blocks.freed_while_recording.clear();
+  }
+  gt_blocks.recording = on;
+  return out;
 }
 """

@@ -377,7 +377,9 @@ void onednn_matmul(const at::Tensor& a, const at::Tensor& b, const at::Tensor& o
 """ + ALLOCATOR_CPP  # the allocator's source (_cpu_alloc.py) starts with its own blank line
 
 _DECLS = ["bias_dropout_add_fwd", "dropout_bwd", "dropout_mask", "attn_probs_fwd", "attn_probs_bwd", "onednn_matmul",
-          "ce_fwd_bwd_inplace", "block_allocator", "block_cache_drain", "block_cache_stats"]
+          "ce_fwd_bwd_inplace", "block_allocator", "block_cache_drain", "block_cache_stats",
+          "block_cache_prime", "block_cache_prime_stop", "block_cache_settle",
+          "block_cache_record"]
 
 # Compiler flags per ISA level (explicit -m flags rather than -march=x86-64-v3/v4 so older compilers work).
 _ISA_FLAGS: dict[str, list[str]] = {
@@ -414,7 +416,7 @@ def load(level: str | None = None):
         if level not in _modules and level not in _failed:
             try:
                 from torch.utils.cpp_extension import load_inline
-                name = f"graphtrain_cpu_kernels_v10_{level}"
+                name = f"graphtrain_cpu_kernels_v11_{level}"
                 build_dir = build_directory(name)
                 with _build_lock(build_dir):
                     _modules[level] = load_inline(

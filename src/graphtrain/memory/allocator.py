@@ -47,6 +47,7 @@ from __future__ import annotations
 import ctypes
 import sys
 from pathlib import Path
+from typing import Any
 
 M_TRIM_THRESHOLD = -1  # mallopt parameter numbers in glibc's malloc.h
 M_MMAP_THRESHOLD = -3
@@ -173,12 +174,51 @@ def block_cache_on() -> bool:
 def block_cache_stats() -> dict[str, int] | None:
     """The block cache's counters, or None where graphtrain's allocator was never installed: bytes in use, cached
     and the most ever in use (blocks of 2 MiB and more, and from 128 KiB while the cache is on); hits, misses,
-    evictions and the bytes of the misses."""
+    evictions and the bytes of the misses; the bytes primed (memory/prefault.py) and not yet asked for."""
     if _HUGE_PAGES is None and not _BLOCK_CACHE:
         return None
     from graphtrain.kernels import _cpu_ext
     mod = _cpu_ext.load()
     if mod is None:
         return None
-    keys = ("in_use_bytes", "cached_bytes", "high_water_bytes", "hits", "misses", "evictions", "missed_bytes")
+    keys = ("in_use_bytes", "cached_bytes", "high_water_bytes", "hits", "misses", "evictions", "missed_bytes",
+            "primed_bytes")
     return dict(zip(keys, (int(v) for v in mod.block_cache_stats())))
+
+
+def _ext() -> Any:
+    """The C++ extension holding graphtrain's allocator, or None where it cannot be built."""
+    from graphtrain.kernels import _cpu_ext
+    return _cpu_ext.load()
+
+
+def record_requests(on: bool) -> list[int] | None:
+    """Start recording (on) or stop and return (off) the sizes of the CPU blocks of 2 MiB and more requested since
+    the start that no block freed since the start could have served: the fresh memory that stretch of work needs,
+    in the order it asked. Needs graphtrain's allocator installed (use_huge_pages or use_block_cache); None where
+    the C++ kernels cannot be built."""
+    mod = _ext()
+    return None if mod is None else [int(n) for n in mod.block_cache_record(bool(on))]
+
+
+def prime(sizes: list[int]) -> bool:
+    """Fault in blocks of these sizes (bytes, 2 MiB and more) in a background C++ thread that does not hold the GIL,
+    in order, and hand them to the next requests of their size (memory/prefault.py). Needs graphtrain's allocator
+    installed. False where the C++ kernels cannot be built."""
+    mod = _ext()
+    return mod is not None and bool(mod.block_cache_prime([int(n) for n in sizes]))
+
+
+def stop_priming() -> None:
+    """Fault in no more blocks (the ones primed stay offered until settle_priming)."""
+    if (mod := _ext()) is not None:
+        mod.block_cache_prime_stop()
+
+
+def settle_priming() -> dict[str, int] | None:
+    """Stop priming and give back the primed blocks nobody asked for: {primed, taken, returned_bytes}."""
+    mod = _ext()
+    if mod is None:
+        return None
+    made, taken, returned = (int(v) for v in mod.block_cache_settle())
+    return dict(primed=made, taken=taken, returned_bytes=returned)
