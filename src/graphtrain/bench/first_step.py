@@ -101,6 +101,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"graphs {len(rep.graphs)} ({', '.join(rep.blocks)}); cache: pass results {c.get('passes_hit')} hit "
               f"{c.get('passes_miss')} miss, Inductor FX graphs {c.get('fxgraph_hit')} hit {c.get('fxgraph_miss')} "
               f"miss")
+        if rep.first_step_memory:
+            from graphtrain.engine.report import _first_step_line
+            print(_first_step_line(rep.first_step_memory))
     return 0
 
 
