@@ -150,3 +150,30 @@ def test_a_corrupt_record_is_recorded_again(tmp_path):
     again = _run(_TRAIN, "{}", env=env)
     assert "primed_blocks" not in again["first"] and again["first"]["recorded_blocks"] >= 6, again["first"]
     assert json.loads(record.read_text())["bytes"] == again["first"]["recorded_bytes"]
+
+
+_NO_OPTIMIZER = textwrap.dedent("""
+    import json, torch
+    import graphtrain
+    torch.manual_seed(0)
+    model = graphtrain.accelerate(torch.nn.Linear(1024, 1024), provider="aten")
+    x = torch.randn(8, 1024)
+    settled = []
+    for call in range(10):                      # a hand-written SGD update: no torch optimizer, no step hook
+        model(x).square().mean().backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= 1e-3 * p.grad
+                p.grad = None
+        settled.append(bool(graphtrain.report(model).first_step_memory))
+    print(json.dumps(settled))
+""")
+
+
+def test_without_a_torch_optimizer_the_record_settles_after_a_few_calls(tmp_path):
+    """A loop that updates the weights by hand never fires torch's optimizer-step hook: the first step's record
+    settles at the module's SETTLE_CALLS-th call after the first."""
+    _needs_cpp()
+    from graphtrain.memory.prefault import SETTLE_CALLS
+    settled = _run(_NO_OPTIMIZER, env={"GRAPHTRAIN_CACHE": str(tmp_path)})
+    assert settled.index(True) == SETTLE_CALLS and all(settled[SETTLE_CALLS:]), settled

@@ -172,10 +172,10 @@ class _CallWrapper:
             kwargs["use_cache"] = False
         if state.eager_only:
             return self.eager(*args, **kwargs)
-        if state.calls == 0:
-            self._begin_prefault(args, kwargs)
-        elif self.prefault is not None:
+        if self.prefault is not None:
             self.prefault.on_call()
+        elif state.calls == 0:  # (a first call that raised leaves calls at 0: its session, if any, goes on)
+            self._begin_prefault(args, kwargs)
         reasons = _graph_break_reasons()
         n_before = len(reasons)
         t0 = time.perf_counter()

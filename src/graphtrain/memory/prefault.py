@@ -8,8 +8,8 @@ backend loading its cached pass results) runs Python on one core for several sec
 
 So the first training call of an accelerated CPU module records, in graphtrain's allocator, the sizes of the
 blocks of 2 MiB and more its first step asks for that no block freed before could serve (allocator.record_requests),
-until the first optimizer step ends (torch's global optimizer-step hook; or the module's `SETTLE_CALLS`-th call,
-for loops without a torch optimizer). The list goes to the cache folder, keyed by the model's parameters (names,
+until the first optimizer step ends (torch's global optimizer-step hook; or `SETTLE_CALLS` calls of the module
+after the first, for loops without a torch optimizer). The list goes to the cache folder, keyed by the model's parameters (names,
 shapes, dtypes, which train), the call's input shapes and dtypes, the engine config and the torch and graphtrain
 versions. A later process with the same key starts, before Dynamo traces, a C++ thread (no GIL) that faults in
 blocks of those sizes in that order (allocator.prime); the step's requests take them, and the thread skips the
@@ -33,7 +33,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 SETTLE_CALLS = 8
-"""Settle at the module's 8th call at the latest (gradient accumulation of up to 7 micro-batches still records its
+"""Settle at the module's 9th call at the latest (gradient accumulation of up to 8 micro-batches still records its
 optimizer step)."""
 
 _LOCK = threading.Lock()
