@@ -118,19 +118,20 @@ _TRAIN = textwrap.dedent("""
 
 
 def test_a_second_process_primes_the_first_step_and_trains_the_same(tmp_path):
-    """Process 1 records its first step's fresh memory (the two 4 MiB weights' gradients and AdamW's two moments
-    of each: six blocks) at its optimizer step; process 2, same model and inputs, primes them and takes them, and
-    trains bit for bit as process 1 and as a process with priming off."""
+    """Process 1 has no record: it primes the two 4 MiB weights' gradients and records its first step's fresh
+    memory (those gradients and AdamW's two moments of each: six blocks) at its optimizer step; process 2, same
+    model and inputs, primes them and takes them, and trains bit for bit as process 1 and as a process with
+    priming off."""
     _needs_cpp()
     env = {"GRAPHTRAIN_CACHE": str(tmp_path)}
     first = _run(_TRAIN, "{}", env=env)
     rec = first["first"]
     assert rec["recorded_blocks"] >= 6 and rec["recorded_bytes"] >= 6 * 4 * MIB, rec
-    assert "primed_blocks" not in rec, rec
+    assert rec["primed_from"] == "gradients" and rec["primed_bytes"] == 2 * 4 * MIB, rec  # no record yet
     assert (tmp_path / "compile" / "first-step").is_dir()
     second = _run(_TRAIN, "{}", env=env)
     primed = second["first"]
-    assert primed["primed_bytes"] == rec["recorded_bytes"], (rec, primed)
+    assert primed["primed_from"] == "record" and primed["primed_bytes"] == rec["recorded_bytes"], (rec, primed)
     assert primed["primed_taken"] >= 1 and primed["primed_taken"] <= primed["primed_blocks"], primed
     assert "primed from the last run's record" in second["text"], second["text"]
     off = _run(_TRAIN, json.dumps({"cpu_prefault": False}), env=env)
@@ -148,7 +149,7 @@ def test_a_corrupt_record_is_recorded_again(tmp_path):
     (record,) = (tmp_path / "compile" / "first-step").glob("*.json")
     record.write_text('{"sizes": [1, 2')
     again = _run(_TRAIN, "{}", env=env)
-    assert "primed_blocks" not in again["first"] and again["first"]["recorded_blocks"] >= 6, again["first"]
+    assert again["first"]["primed_from"] == "gradients" and again["first"]["recorded_blocks"] >= 6, again["first"]
     assert json.loads(record.read_text())["bytes"] == again["first"]["recorded_bytes"]
 
 

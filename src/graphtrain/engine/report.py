@@ -126,9 +126,10 @@ class Report:
     (memory/allocator.py block_cache_stats). None before any CPU compile."""
     first_step_memory: dict[str, Any] | None = None
     """The first step's CPU memory (memory/prefault.py): ``recorded_blocks``/``recorded_bytes`` (blocks of 2 MiB and
-    more it asked for fresh, stored at ``path`` for the next process) and, when an earlier record primed it,
-    ``primed_blocks`` faulted in ahead (of ``primed_bytes`` recorded), ``primed_taken`` by the step and
-    ``returned_bytes`` given back unasked. Empty before the first step settles or with ``engine.cpu_prefault`` off."""
+    more it asked for fresh, stored at ``path`` for the next process) and what priming did:
+    ``primed_blocks`` faulted in ahead (of ``primed_bytes`` asked; ``primed_from``: ``record``, or ``gradients``
+    without one), ``primed_taken`` by the step and ``returned_bytes`` given back unasked. Empty before the first
+    step settles or with ``engine.cpu_prefault`` off."""
     fused_ops: list[dict[str, Any]] | None = None
     """The graphtrain ops the passes put into the graphs (``count``, summed over graphs), each with what its
     descriptor tells recompute, mixed precision and the memory predictor (kernels/registry.py)."""
@@ -310,7 +311,9 @@ def _allocator_line(a: dict[str, Any]) -> str:
 def _first_step_line(m: dict[str, Any]) -> str:
     line = f"first step's fresh CPU memory: {m['recorded_blocks']:,} blocks, {_mib(m['recorded_bytes'])}"
     if "primed_blocks" in m:
-        line += (f"; primed from the last run's record: {m['primed_blocks']:,} blocks faulted in ahead, "
+        source = ("the last run's record" if m.get("primed_from") == "record"
+                  else "the weights' gradients (no record yet)")
+        line += (f"; primed from {source}: {m['primed_blocks']:,} blocks faulted in ahead, "
                  f"{m['primed_taken']:,} taken, {_mib(m['returned_bytes'])} given back unasked")
     return line
 

@@ -13,7 +13,8 @@ after the first, for loops without a torch optimizer). The list goes to the cach
 shapes, dtypes, which train), the call's input shapes and dtypes, the engine config and the torch and graphtrain
 versions. A later process with the same key starts, before Dynamo traces, a C++ thread (no GIL) that faults in
 blocks of those sizes in that order (allocator.prime); the step's requests take them, and the thread skips the
-requests the step already made. When the first step ends, primed blocks nobody asked for are given back.
+requests the step already made. Without a record it primes what is known before the step runs: each trainable
+weight's gradient. When the first step ends, primed blocks nobody asked for are given back.
 
 What it does not change: the memory each request gets is the same size (rounded to 4 KiB) and alignment as
 graphtrain's allocator gives anyway, and its contents are as undefined as any fresh block's. The first step holds
@@ -43,8 +44,8 @@ _ACTIVE: "Session | None" = None
 class Session:
     """One first step being recorded (and primed, when a record of it exists)."""
 
-    def __init__(self, path: Path, primed_sizes: list[int] | None, sink: dict[str, Any]) -> None:
-        self.path, self.primed_sizes, self.sink = path, primed_sizes, sink
+    def __init__(self, path: Path, primed_sizes: list[int] | None, primed_from: str, sink: dict[str, Any]) -> None:
+        self.path, self.primed_sizes, self.primed_from, self.sink = path, primed_sizes, primed_from, sink
         self.calls = 0
         self.done = False
         self.hook = register_optimizer_step_post_hook(lambda *_: self.settle())
@@ -67,7 +68,7 @@ class Session:
         stats = allocator.settle_priming() if self.primed_sizes is not None else None
         self.sink.update(recorded_blocks=len(sizes), recorded_bytes=sum(sizes), path=str(self.path))
         if stats is not None:
-            self.sink.update(primed_blocks=stats["primed"], primed_taken=stats["taken"],
+            self.sink.update(primed_from=self.primed_from, primed_blocks=stats["primed"], primed_taken=stats["taken"],
                              primed_bytes=sum(self.primed_sizes or []), returned_bytes=stats["returned_bytes"])
         if sizes and sizes != self.primed_sizes:
             _save(self.path, sizes)
@@ -135,8 +136,22 @@ def begin(module: torch.nn.Module, args: tuple, kwargs: dict, config: Any, root:
         path = root / "first-step" / f"{key(module, args, kwargs, config)}.json"
         if not (allocator.huge_pages_on() or allocator.block_cache_on()) or allocator.record_requests(True) is None:
             return None
-        sizes = _load(path)
+        sizes, source = _load(path), "record"
+        if not sizes:
+            sizes, source = gradient_sizes(module), "gradients"
         if sizes and not allocator.prime(sizes):
             sizes = None
-        _ACTIVE = Session(path, sizes or None, sink)
+        _ACTIVE = Session(path, sizes or None, source, sink)
         return _ACTIVE
+
+
+def gradient_sizes(module: torch.nn.Module) -> list[int]:
+    """Without a record (a cold start, a new shape): the one part of a first step's fresh memory known before it
+    runs, each trainable weight's gradient of 2 MiB and more, last layer first (the order the backward makes
+    them). A weight the step leaves without a gradient costs its primed block until the first step ends."""
+    sizes = []
+    for p in reversed(list(module.parameters())):
+        local = getattr(p, "_local_tensor", p)  # a DTensor's shard on this rank
+        if p.requires_grad and (n := local.numel() * local.element_size()) >= 2 * 2**20:
+            sizes.append(n)
+    return sizes
