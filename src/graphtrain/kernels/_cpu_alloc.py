@@ -190,7 +190,7 @@ struct HugePageCPUAllocator final : c10::Allocator {
 HugePageCPUAllocator gt_huge_allocator;
 
 // The priming thread: faults in one block per size (madvised as the allocator would), then offers it.
-void gt_prime_run(std::vector<size_t> sizes, bool huge) {
+void gt_prime_run(std::vector<size_t> sizes, bool huge, bool follow) {
   // SCHED_IDLE: run only on a core nobody else wants. The time to use is a core idling while the main thread
   // traces in Python; a step's OpenMP threads would wait at their barriers for a core this thread holds.
   sched_param idle_param{};
@@ -201,7 +201,7 @@ void gt_prime_run(std::vector<size_t> sizes, bool huge) {
       // the step records its requests as it goes (the same list, when it repeats the recorded step): the ones it
       // made already were served without us, so skip to the next it will make
       std::lock_guard<std::mutex> g(gt_blocks.mu);
-      if (gt_blocks.recording && gt_blocks.recorded.size() > i) i = gt_blocks.recorded.size();
+      if (follow && gt_blocks.recording && gt_blocks.recorded.size() > i) i = gt_blocks.recorded.size();
     }
     if (i >= sizes.size()) return;
     const size_t r = sizes[i];
@@ -294,8 +294,9 @@ std::vector<int64_t> block_cache_stats() {
 }
 
 // Start faulting in blocks of these sizes (bytes, rounded to 4 KiB) in a background thread, for the requests of
-// a first step (block_cache_record's list from an earlier process). Ends a priming still running first.
-bool block_cache_prime(std::vector<int64_t> sizes) {
+// a first step. `follow`: the sizes are block_cache_record's list from an earlier process, in the step's order, so
+// skip the ones the step (recording) has already asked for. Ends a priming still running first.
+bool block_cache_prime(std::vector<int64_t> sizes, bool follow) {
   gt_settle();
   std::vector<size_t> rounded;
   for (int64_t n : sizes)
@@ -307,7 +308,7 @@ bool block_cache_prime(std::vector<int64_t> sizes) {
     huge = gt_blocks.huge;
   }
   gt_prime_stop.store(false);
-  gt_prime_thread = new std::thread(gt_prime_run, std::move(rounded), huge);
+  gt_prime_thread = new std::thread(gt_prime_run, std::move(rounded), huge, follow);
   return true;
 }
 

@@ -201,12 +201,13 @@ def record_requests(on: bool) -> list[int] | None:
     return None if mod is None else [int(n) for n in mod.block_cache_record(bool(on))]
 
 
-def prime(sizes: list[int]) -> bool:
+def prime(sizes: list[int], follow: bool = True) -> bool:
     """Fault in blocks of these sizes (bytes, 2 MiB and more) in a background C++ thread that does not hold the GIL,
-    in order, and hand them to the next requests of their size (memory/prefault.py). Needs graphtrain's allocator
-    installed. False where the C++ kernels cannot be built."""
+    in order, and hand them to the next requests of their size (memory/prefault.py). `follow`: `sizes` is a
+    recorded list in the step's order, so the thread skips past the requests the step (recording) already made.
+    Needs graphtrain's allocator installed. False where the C++ kernels cannot be built."""
     mod = _ext()
-    return mod is not None and bool(mod.block_cache_prime([int(n) for n in sizes]))
+    return mod is not None and bool(mod.block_cache_prime([int(n) for n in sizes], bool(follow)))
 
 
 def stop_priming() -> None:

@@ -1,4 +1,4 @@
-"""Prime a warm start's first step: fault in, on the idle core, the memory its first step will ask for.
+"""Prime a first step: fault in, on the idle core, the memory a module's first training step will ask for.
 
 A large model's first training step is mostly page faults. Its gradients and optimizer state are touched for the
 first time (GPT-2 Medium: 1.4 GB of gradients, 2.8 GB of AdamW state), and on a 2-core VM a first touch runs at
@@ -9,12 +9,13 @@ backend loading its cached pass results) runs Python on one core for several sec
 So the first training call of an accelerated CPU module records, in graphtrain's allocator, the sizes of the
 blocks of 2 MiB and more its first step asks for that no block freed before could serve (allocator.record_requests),
 until the first optimizer step ends (torch's global optimizer-step hook; or `SETTLE_CALLS` calls of the module
-after the first, for loops without a torch optimizer). The list goes to the cache folder, keyed by the model's parameters (names,
-shapes, dtypes, which train), the call's input shapes and dtypes, the engine config and the torch and graphtrain
-versions. A later process with the same key starts, before Dynamo traces, a C++ thread (no GIL) that faults in
-blocks of those sizes in that order (allocator.prime); the step's requests take them, and the thread skips the
-requests the step already made. Without a record it primes what is known before the step runs: each trainable
-weight's gradient. When the first step ends, primed blocks nobody asked for are given back.
+after the first, for loops without a torch optimizer). The list goes to the cache folder, keyed by the model's
+parameters (names, shapes, dtypes, which train), the call's input shapes and dtypes, the engine config and the torch
+and graphtrain versions. A later process with the same key starts, before Dynamo traces, a C++ thread (no GIL)
+that faults in blocks of those sizes in that order (allocator.prime); the step's requests take them, and the thread
+skips the requests the step already made. Without a record it primes what is known before the step runs: each
+trainable weight's gradient (in no step order, so nothing is skipped). When the first step ends, primed blocks
+nobody asked for are given back.
 
 What it does not change: the memory each request gets is the same size (rounded to 4 KiB) and alignment as
 graphtrain's allocator gives anyway, and its contents are as undefined as any fresh block's. The first step holds
@@ -23,6 +24,7 @@ that repeats the recorded one reaches the same peak. Off with ``engine.cpu_prefa
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -115,13 +117,14 @@ def _load(path: Path) -> list[int] | None:
 
 def _save(path: Path, sizes: list[int]) -> None:
     """Atomically (a reader never sees half a file); a failure to write only costs the next process its priming."""
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps({"sizes": sizes, "bytes": sum(sizes)}))
         os.replace(tmp, path)
     except OSError:
-        pass
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
 
 
 def begin(module: torch.nn.Module, args: tuple, kwargs: dict, config: Any, root: Path,
@@ -139,7 +142,7 @@ def begin(module: torch.nn.Module, args: tuple, kwargs: dict, config: Any, root:
         sizes, source = _load(path), "record"
         if not sizes:
             sizes, source = gradient_sizes(module), "gradients"
-        if sizes and not allocator.prime(sizes):
+        if sizes and not allocator.prime(sizes, follow=source == "record"):
             sizes = None
         _ACTIVE = Session(path, sizes or None, source, sink)
         return _ACTIVE
