@@ -67,6 +67,12 @@ def _glibc() -> ctypes.CDLL | None:
         return None
 
 
+def _ext() -> Any:
+    """The C++ extension holding graphtrain's allocator, or None where it cannot be built."""
+    from graphtrain.kernels import _cpu_ext
+    return _cpu_ext.load()
+
+
 def pin_mmap_threshold(threshold: int = DEFAULT_THRESHOLD) -> bool:
     """Pin glibc's mmap threshold (disables its dynamic growth). Returns False where not glibc."""
     libc = _glibc()
@@ -98,8 +104,7 @@ def apply(mode: str) -> bool:
 def trim() -> None:
     """Give the block cache's blocks and the heap's free pages back to the OS now (glibc malloc_trim)."""
     if _BLOCK_CACHE:
-        from graphtrain.kernels import _cpu_ext
-        if (mod := _cpu_ext.load()) is not None:
+        if (mod := _ext()) is not None:
             mod.block_cache_drain()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
@@ -130,8 +135,7 @@ _BLOCK_CACHE = False
 def _install(huge: bool, cache: bool) -> bool:
     """Install graphtrain's allocator for blocks of 2 MiB and more with these settings (or give back the one it
     replaced when neither is on). Returns whether it is installed; False where the C++ kernels cannot be built."""
-    from graphtrain.kernels import _cpu_ext
-    mod = _cpu_ext.load()
+    mod = _ext()
     if mod is None:
         return False
     return bool(mod.block_allocator(huge or cache, huge, cache))
@@ -177,19 +181,12 @@ def block_cache_stats() -> dict[str, int] | None:
     evictions and the bytes of the misses; the bytes primed (memory/prefault.py) and not yet asked for."""
     if _HUGE_PAGES is None and not _BLOCK_CACHE:
         return None
-    from graphtrain.kernels import _cpu_ext
-    mod = _cpu_ext.load()
+    mod = _ext()
     if mod is None:
         return None
     keys = ("in_use_bytes", "cached_bytes", "high_water_bytes", "hits", "misses", "evictions", "missed_bytes",
             "primed_bytes")
     return dict(zip(keys, (int(v) for v in mod.block_cache_stats())))
-
-
-def _ext() -> Any:
-    """The C++ extension holding graphtrain's allocator, or None where it cannot be built."""
-    from graphtrain.kernels import _cpu_ext
-    return _cpu_ext.load()
 
 
 def record_requests(on: bool) -> list[int] | None:
