@@ -138,3 +138,81 @@ def test_hugging_face_gpt2_blocks_match_eager_and_build_no_kv_cache():
     assert rep.blocks == ["transformer.h (3 x GPT2Block)"], str(rep)
     assert [g["calls_per_step"] for g in rep.graphs].count(3) == 1, str(rep)
     assert not rep.graph_breaks and not rep.fallbacks, str(rep)
+
+
+class RopeBlock(Block):
+    """A block called the way Hugging Face calls its layers: keyword arguments, a tuple among them, a flag."""
+
+    def forward(self, x, mask=None, *, rope=None, scale_by_rope: bool = False):  # type: ignore[override]
+        cos, sin = rope
+        h = self.ln(x) * cos + sin if scale_by_rope else self.ln(x)
+        if mask is not None:
+            h = h.masked_fill(mask, 0.0)
+        return x + self.drop(self.out(F.gelu(self.fc(h))))
+
+
+class RopeStack(Stack):
+    def __init__(self, layers: int = 3, d: int = 32, vocab: int = 64) -> None:
+        super().__init__(layers, d, vocab)
+        self.blocks = nn.ModuleList(RopeBlock(d) for _ in range(layers))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)
+        pos = torch.arange(idx.shape[1], dtype=x.dtype)[:, None] / 8
+        rope, mask = (pos.cos(), pos.sin()), (idx == 0)[..., None]
+        for i in range(len(self.blocks)):
+            x = self.blocks[i](x, mask, rope=rope, scale_by_rope=True)
+        return F.cross_entropy(self.head(x).flatten(0, 1), idx.flatten())
+
+
+def test_keyword_and_tuple_arguments_reach_the_block_flat(monkeypatch):
+    """engine/blocks.py _region: a block called with keywords and a tuple gets one flat positional call, so Dynamo
+    reuses its traced body without flattening the arguments through pytree; same numbers as eager, one body."""
+    import importlib
+    sub = importlib.import_module("torch._dynamo.variables.invoke_subgraph")
+    structured = []
+    if hasattr(sub, "build_fingerprint_with_pytree"):
+        original = sub.build_fingerprint_with_pytree
+        monkeypatch.setattr(sub, "build_fingerprint_with_pytree",
+                            lambda *a, **k: structured.append(1) or original(*a, **k))
+    torch.manual_seed(0)
+    ref, m = RopeStack(4).train(), RopeStack(4).train()
+    m.load_state_dict(ref.state_dict())
+    m = graphtrain.accelerate(m, provider="aten", passes=ENGINE_ONLY, fallback="error")
+    _steps(ref, m)
+    rep = graphtrain.report(m)
+    assert rep.blocks == ["blocks (4 x RopeBlock)"], str(rep)
+    assert [g["calls_per_step"] for g in rep.graphs].count(4) == 1, str(rep)
+    assert not structured, "a block call's arguments went through pytree"
+    # eager calls of the marked blocks (no Dynamo) take the plain forward
+    x = torch.randn(2, 8, 32)
+    rope = (torch.ones(8, 1), torch.zeros(8, 1))
+    blk = m.blocks[0].eval()
+    assert_close(blk(x, None, rope=rope, scale_by_rope=True), ref.blocks[0].eval()(x, None, rope=rope,
+                                                                                 scale_by_rope=True),
+                 name="eager block", bitwise=True)
+
+
+def test_flat_call_spec_round_trips():
+    from graphtrain.engine.blocks import _flatten_call, _unflatten_call
+    for args, kwargs in [((1, None), {"mask": "m", "rope": ("c", "s"), "flag": False}), ((), {}), (("x",), {}),
+                         ((("a", "b"), ()), {"empty": (), "one": ("z",)})]:
+        spec, leaves = _flatten_call(args, kwargs)
+        assert _unflatten_call(spec, leaves) == (list(args), kwargs), (args, kwargs, spec)
+
+
+def test_dynamo_source_names_are_not_built_for_logs_that_are_off():
+    """engine/api.py _source_names_only_when_logged: Dynamo tokenizes no source file for its debug-log names."""
+    import importlib
+    import logging
+    fc = importlib.import_module("torch._dynamo.funcname_cache")
+    sc = importlib.import_module("torch._dynamo.symbolic_convert")
+    ref, m = _pair(layers=2)
+    fc.clearcache()
+    _steps(ref, m, steps=1)
+    assert __file__ not in fc.cache and F.__file__ not in fc.cache, sorted(fc.cache)
+    sc.trace_call_log.setLevel(logging.DEBUG)
+    try:
+        assert sc.get_funcname(__file__, RopeBlock.forward.__code__.co_firstlineno + 3) == "RopeBlock.forward"
+    finally:
+        sc.trace_call_log.setLevel(logging.NOTSET)
