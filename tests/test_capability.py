@@ -185,6 +185,15 @@ def test_avx2_build_of_the_cpp_kernels_matches_the_references():
             ref = attention_backward_reference(do, q, k, v, None, ro, rl, 0.25, True, 0.2, seed)
             for name, a, e in zip("qkv", got, ref):
                 assert_close(a, e, name=f"d{name}", **tol)
+        from graphtrain.kernels.bias_gelu import bias_gelu_backward_reference, bias_gelu_reference
+        for dtype in (torch.float32, torch.bfloat16):
+            x, bias, dy = (torch.randn(5, 1031) * 4).to(dtype), torch.randn(1031).to(dtype), torch.randn(5, 1031).to(dtype)
+            tol = {} if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+            assert_close(mod.gelu_tanh_fwd(x, bias), bias_gelu_reference(x.double(), bias.double(), "tanh").to(dtype),
+                         name="gelu tanh", **tol)
+            assert_close(mod.gelu_tanh_bwd(dy, x, bias),
+                         bias_gelu_backward_reference(dy.double(), x.double(), bias.double(), "tanh").to(dtype),
+                         name="gelu tanh backward", **tol)
         from graphtrain.kernels import linear_cross_entropy
         h, w, t = torch.randn(40, 24), torch.randn(97, 24), torch.randint(0, 97, (40,))
         hc, wc = h.clone().requires_grad_(), w.clone().requires_grad_()

@@ -47,6 +47,37 @@ def test_bias_gelu_vs_eager(approx, shape):
     check_vs_eager(lambda x: bias_gelu(x, None, approx), lambda x: F.gelu(x, approximate=approx), x)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cpp_tanh_gelu_matches_the_reference_at_the_edges(dtype):
+    """The C++ tanh-form kernel (exp-based tanh, Taylor series below |u| < 1/8): forward and backward against the
+    fp64 reference over a wide range, with a bias and without, on a row longer than its 1024-element chunk; inf and
+    nan as aten.gelu gives them."""
+    from graphtrain.kernels import _cpu_ext
+    from graphtrain.kernels.bias_gelu import bias_gelu_backward_reference, bias_gelu_reference
+    mod = _cpu_ext.load()
+    if mod is None:
+        pytest.skip(f"no C++ compiler: {_cpu_ext.build_error()}")
+    x = (torch.linspace(-12, 12, 3 * 1031) ** 3 / 100).reshape(3, 1031)
+    x[0, :200] = torch.linspace(-0.3, 0.3, 200)  # around the series/exp switch (|u| = 1/8 near |x| = 0.156)
+    x, b, dy = x.to(dtype), torch.randn(1031).to(dtype), torch.randn(3, 1031).to(dtype)
+    tol = {} if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    from graphtrain.kernels.bias_gelu import cpp_tanh_ok
+    assert cpp_tanh_ok(x, b, "tanh") and cpp_tanh_ok(x, None, "tanh") and not cpp_tanh_ok(x, b, "none")
+    for bias in (b, None):
+        ref = bias_gelu_reference(x.double(), None if bias is None else bias.double(), "tanh")
+        assert_close(bias_gelu(x, bias, "tanh"), ref.to(dtype), name="forward", **tol)
+        dref = bias_gelu_backward_reference(dy.double(), x.double(), None if bias is None else bias.double(), "tanh")
+        got = torch.ops.graphtrain.bias_gelu_backward(dy, x, bias, "tanh")
+        assert_close(got, dref.to(dtype), name="backward", **tol)
+    special = torch.tensor([float("inf"), float("-inf"), float("nan"), 1e30, -1e30, 1e-30, -0.0], dtype=dtype)
+    none = special.new_empty(0)
+    for got, want in ((mod.gelu_tanh_fwd(special, none), torch.ops.aten.gelu(special, approximate="tanh")),
+                      (mod.gelu_tanh_bwd(torch.ones_like(special), special, none),
+                       torch.ops.aten.gelu_backward(torch.ones_like(special), special, approximate="tanh"))):
+        assert torch.equal(got.isnan(), want.isnan()), (got, want)
+        assert_close(got[~want.isnan()], want[~want.isnan()], name="special values")
+
+
 def test_gradcheck_fp64_references():
     d = dict(dtype=torch.float64, requires_grad=True)
     x, w, b = torch.randn(3, 5, **d), torch.randn(5, **d), torch.randn(5, **d)

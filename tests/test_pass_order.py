@@ -13,15 +13,15 @@ EVERY_PASS = {
     "pre_autodiff": ["fuse_layer_norm", "fuse_rms_norm", "fuse_attention", "fuse_bias_gelu", "remove_noop_ops",
                      "fold_view_chains", "fold_constants", "fuse_bias_dropout_add", "fuse_linear_cross_entropy",
                      "eliminate_common_subexpressions", "fuse_cross_entropy", "sparse_lm_head", "eliminate_dead_code",
-                     "apply_mixed_precision", "lower_gemm_onednn"],
+                     "apply_mixed_precision", "lower_gelu_tanh", "lower_gemm_onednn"],
     "forward": CLEANUPS,
     "backward": CLEANUPS,
 }
 DEFAULT_PRE_AUTODIFF = {
-    "aten": [n for n in EVERY_PASS["pre_autodiff"] if n != "lower_gemm_onednn"],
+    "aten": [n for n in EVERY_PASS["pre_autodiff"] if not n.startswith("lower_")],
     "inductor": ["fuse_attention", "remove_noop_ops", "fold_view_chains", "fold_constants", "fuse_bias_dropout_add",
                  "fuse_linear_cross_entropy", "eliminate_common_subexpressions", "sparse_lm_head",
-                 "eliminate_dead_code", "apply_mixed_precision", "lower_gemm_onednn"],
+                 "eliminate_dead_code", "apply_mixed_precision", "lower_gelu_tanh", "lower_gemm_onednn"],
     "auto": EVERY_PASS["pre_autodiff"],
 }
 

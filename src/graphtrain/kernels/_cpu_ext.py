@@ -183,6 +183,73 @@ _Pragma("omp simd")
   return out;
 }
 
+// tanh(u) from the exp above: (1 - e) / (1 + e) with e = exp(-2|u|), the sign put back; for |u| < 1/8 its
+// Taylor series to u^7 instead (1 - e cancels there). Rel. error < 3e-7, branch-free: gcc vectorizes it, where
+// aten's and Inductor's tanh (Sleef's 1-ulp tanhf) cost 0.8-1.3 ns/element on the 2-core Zen 4.
+static inline float gt_tanh(float u) {
+  const float a = std::fabs(u);
+  const float e = gt_exp(-2.f * a);
+  const float big = (1.f - e) / (1.f + e);
+  const float a2 = a * a;
+  const float small = a * (1.f + a2 * (-1.f / 3 + a2 * (2.f / 15 + a2 * (-17.f / 315))));
+  return std::copysign(a < 0.125f ? small : big, u);
+}
+
+// GELU, tanh form, of x (+ bias over the last dim): forward y, or with dy the gradient dy * gelu'(x + bias).
+static torch::Tensor gelu_tanh(torch::Tensor x, torch::Tensor bias, torch::Tensor dy, bool backward) {
+  auto xc = x.contiguous();
+  auto gc = backward ? dy.contiguous() : dy;
+  auto out = torch::empty_like(xc);
+  const int64_t numel = xc.numel();
+  const int64_t n = xc.dim() ? xc.size(-1) : 1;
+  const bool has_b = bias.numel() > 0;
+  auto bc = has_b ? bias.contiguous() : bias;
+  TORCH_CHECK(!has_b || bc.numel() == n, "gelu_tanh: bias must have the last dim's size");
+  constexpr float K = 0.7978845608028654f, C = 0.044715f;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, xc.scalar_type(), "gelu_tanh", [&] {
+    const scalar_t* xp = xc.data_ptr<scalar_t>();
+    const scalar_t* bp = has_b ? bc.data_ptr<scalar_t>() : nullptr;
+    const scalar_t* gp = backward ? gc.data_ptr<scalar_t>() : nullptr;
+    scalar_t* op = out.data_ptr<scalar_t>();
+    const int64_t rows = numel / n;
+    at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / n), [&](int64_t r0, int64_t r1) {
+      float xb[GT_CHUNK], zb[GT_CHUNK], bb[GT_CHUNK], gb[GT_CHUNK], tb[GT_CHUNK], ob[GT_CHUNK];
+      for (int64_t r = r0; r < r1; ++r) {
+        for (int64_t j0 = 0; j0 < n; j0 += GT_CHUNK) {
+          const int64_t o = r * n + j0, len = std::min(GT_CHUNK, n - j0);
+          const float* z = as_f32(xp + o, len, xb);
+          if (has_b) {
+            const float* bf = as_f32(bp + j0, len, bb);
+_Pragma("omp simd")
+            for (int64_t j = 0; j < len; ++j) zb[j] = z[j] + bf[j];
+            z = zb;
+          }
+_Pragma("omp simd")
+          for (int64_t j = 0; j < len; ++j) tb[j] = gt_tanh(K * (z[j] + C * z[j] * z[j] * z[j]));
+          float* of = std::is_same_v<scalar_t, float> ? reinterpret_cast<float*>(op + o) : ob;
+          if (backward) {
+            const float* gf = as_f32(gp + o, len, gb);
+_Pragma("omp simd")
+            for (int64_t j = 0; j < len; ++j)
+              of[j] = gf[j] * (0.5f * (1.f + tb[j]) +
+                               0.5f * z[j] * (1.f - tb[j] * tb[j]) * K * (1.f + 3.f * C * z[j] * z[j]));
+          } else {
+_Pragma("omp simd")
+            for (int64_t j = 0; j < len; ++j) of[j] = 0.5f * z[j] * (1.f + tb[j]);
+          }
+          store_f32(of, op + o, len);
+        }
+      }
+    });
+  });
+  return out;
+}
+
+torch::Tensor gelu_tanh_fwd(torch::Tensor x, torch::Tensor bias) { return gelu_tanh(x, bias, x, false); }
+torch::Tensor gelu_tanh_bwd(torch::Tensor dy, torch::Tensor x, torch::Tensor bias) {
+  return gelu_tanh(x, bias, dy, true);
+}
+
 torch::Tensor dropout_mask(std::vector<int64_t> shape, double p, int64_t seed) {
   auto out = torch::empty(shape, torch::kBool);
   bool* op = out.data_ptr<bool>();
@@ -376,8 +443,8 @@ void onednn_matmul(const at::Tensor& a, const at::Tensor& b, const at::Tensor& o
 }
 """ + ALLOCATOR_CPP  # the allocator's source (_cpu_alloc.py) starts with its own blank line
 
-_DECLS = ["bias_dropout_add_fwd", "dropout_bwd", "dropout_mask", "attn_probs_fwd", "attn_probs_bwd", "onednn_matmul",
-          "ce_fwd_bwd_inplace", "block_allocator", "block_cache_drain", "block_cache_stats",
+_DECLS = ["bias_dropout_add_fwd", "dropout_bwd", "dropout_mask", "gelu_tanh_fwd", "gelu_tanh_bwd", "attn_probs_fwd",
+          "attn_probs_bwd", "onednn_matmul", "ce_fwd_bwd_inplace", "block_allocator", "block_cache_drain", "block_cache_stats",
           "block_cache_prime", "block_cache_prime_stop", "block_cache_settle",
           "block_cache_record"]
 
@@ -388,6 +455,12 @@ _ISA_FLAGS: dict[str, list[str]] = {
     "avx2": ["-mavx2", "-mfma", "-mf16c", "-mbmi", "-mbmi2"],
     "baseline": [],
 }
+
+# No floating-point traps: we never read FP exception flags, and with -ftrapping-math (gcc's default) gcc keeps a
+# loop with a float compare-and-select (the exp's range clamp, tanh's small-argument branch) scalar on AVX2 ("control
+# flow in loop"; AVX-512 masks it). Bits are unchanged: nothing is reassociated or contracted differently. Measured
+# on GELU's tanh, one thread: 11.1 ms scalar, 1.8 ms vectorized (AVX2 build, 2M elements).
+_FP_FLAGS = ["-fno-trapping-math"]
 
 _lock = threading.Lock()
 _modules: dict[str, object] = {}
@@ -421,7 +494,7 @@ def load(level: str | None = None):
                 with _build_lock(build_dir):
                     _modules[level] = load_inline(
                         name=name, cpp_sources=[_CPP], functions=_DECLS,
-                        extra_cflags=["-O3", *_ISA_FLAGS[level], "-fopenmp"], extra_ldflags=["-fopenmp"],
+                        extra_cflags=["-O3", *_ISA_FLAGS[level], "-fopenmp", *_FP_FLAGS], extra_ldflags=["-fopenmp"],
                         build_directory=build_dir, verbose=False)
             except Exception as e:  # no compiler / headers: correctness first, reference path
                 _failed[level] = f"{type(e).__name__}: {e}"

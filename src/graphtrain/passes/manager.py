@@ -39,7 +39,7 @@ PHASES: dict[str, str] = {  # in the order they run; a pass names one, and order
     "fuse_loss": "the softmax cross-entropy left unfused; fused LM heads told to skip unlabelled rows",
     "cleanup": "dead code removed",
     "precision": "mixed precision",
-    "lower": "ops moved to a faster implementation of the same math (oneDNN GEMMs)",
+    "lower": "ops moved to a faster implementation of the same math (GELU's tanh form in C++ on CPU, oneDNN GEMMs)",
     "memory": "buffers reused in place",
 }
 
