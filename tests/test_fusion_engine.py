@@ -134,8 +134,10 @@ def test_hf_gpt2_tanh_gelu_runs_in_cpp_under_inductor():
     assert_close(lf, le, name="hf-gpt2 inductor loss")
     assert_grads_close(m, ref)
     passes = {r["name"]: r for r in graphtrain.report(m).passes}
-    assert passes["lower_gelu_tanh"]["rewrites"] == 2, passes["lower_gelu_tanh"]  # one per layer
-    assert passes["fuse_bias_gelu"]["rewrites"] == 0  # nothing left for Inductor's own GELU
+    from graphtrain.kernels.bias_gelu import gelu_tanh_probe
+    wins = gelu_tanh_probe()["cpp_wins"]  # lowered only where the C++ kernel measured faster than aten's tanh
+    assert passes["lower_gelu_tanh"]["rewrites"] == (2 if wins else 0), passes["lower_gelu_tanh"]  # one a layer
+    assert passes["fuse_bias_gelu"]["rewrites"] == (0 if wins else 2)  # the rest is left to Inductor's GELU
 
 
 @pytest.mark.parametrize("kind", ["gpt2-tiny", "bert-tiny"])

@@ -444,8 +444,8 @@ void onednn_matmul(const at::Tensor& a, const at::Tensor& b, const at::Tensor& o
 """ + ALLOCATOR_CPP  # the allocator's source (_cpu_alloc.py) starts with its own blank line
 
 _DECLS = ["bias_dropout_add_fwd", "dropout_bwd", "dropout_mask", "gelu_tanh_fwd", "gelu_tanh_bwd", "attn_probs_fwd",
-          "attn_probs_bwd", "onednn_matmul", "ce_fwd_bwd_inplace", "block_allocator", "block_cache_drain", "block_cache_stats",
-          "block_cache_prime", "block_cache_prime_stop", "block_cache_settle",
+          "attn_probs_bwd", "onednn_matmul", "ce_fwd_bwd_inplace", "block_allocator", "block_cache_drain",
+          "block_cache_stats", "block_cache_prime", "block_cache_prime_stop", "block_cache_settle",
           "block_cache_record"]
 
 # Compiler flags per ISA level (explicit -m flags rather than -march=x86-64-v3/v4 so older compilers work).

@@ -96,10 +96,45 @@ def _supports_cpu(x, bias=None, *rest) -> bool:
 
 
 def cpp_tanh_ok(x: Tensor, bias: Optional[Tensor], approximate: str) -> bool:
-    """The C++ tanh-form kernel takes this call (CPU, fp32/bf16/fp16, a bias of the last dim's size or none)."""
+    """The C++ tanh-form kernel takes this call (CPU, fp32/bf16/fp16, a bias of the last dim's size or none) and
+    measured faster than aten's on this machine (`gelu_tanh_probe`)."""
     return (approximate == "tanh" and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16,
             torch.float16) and x.dim() > 0 and (bias is None or (bias.dtype == x.dtype and bias.dim() == 1
-            and bias.numel() == x.shape[-1] and bias.device.type == "cpu")) and _cpu_ext.load() is not None)
+            and bias.numel() == x.shape[-1] and bias.device.type == "cpu")) and _cpu_ext.load() is not None
+            and gelu_tanh_probe()["cpp_wins"])
+
+
+_PROBE: dict[str, dict] = {}
+
+
+def gelu_tanh_probe() -> dict:
+    """Seconds of the C++ tanh-form GELU and of aten's (Sleef's tanh, as Inductor's kernel) on a [512, 2048] fp32
+    activation, forward plus backward, best of up to 5 calls each (30 ms at most per call kind): the C++ kernel is
+    used where it is at least WIN_MARGIN faster. Measured once per machine (about 20 ms on the Zen 4;
+    capability.cached_probe): its speed rests on what gcc vectorized for this CPU's build, and a build that could
+    not vectorize (a baseline ISA) loses."""
+    from graphtrain.kernels import capability
+    from graphtrain.kernels.gemm import _time
+    key = capability.machine_key()
+    if key not in _PROBE:
+        def measure() -> dict:
+            mod = _cpu_ext.load()
+            g = torch.Generator().manual_seed(0)
+            x, b, dy = (torch.randn(512, 2048, generator=g) * 2, torch.randn(2048, generator=g),
+                        torch.randn(512, 2048, generator=g))
+            with torch.no_grad():
+                cpp = (_time(lambda: mod.gelu_tanh_fwd(x, b), 0.03)
+                       + _time(lambda: mod.gelu_tanh_bwd(dy, x, b), 0.03))
+                aten = (_time(lambda: torch.ops.aten.gelu(x + b, approximate="tanh"), 0.03)
+                        + _time(lambda: torch.ops.aten.gelu_backward(dy, x + b, approximate="tanh"), 0.03))
+            return {"cpp_s": cpp, "aten_s": aten, "cpp_wins": cpp * WIN_MARGIN < aten}
+        _PROBE[key] = capability.cached_probe("gelu_tanh_cpp_vs_aten", measure) if _cpu_ext.load() is not None \
+            else {"cpp_wins": False, "skipped": "no C++ kernels", "cached": False}
+    return _PROBE[key]
+
+
+WIN_MARGIN = 1.1
+"""The C++ tanh GELU must beat aten's by this factor: a near tie keeps the library's (the probe is a short one)."""
 
 
 def _no_bias(x: Tensor) -> Tensor:

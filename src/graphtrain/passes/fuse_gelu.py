@@ -81,8 +81,14 @@ def lower_gelu_tanh_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
     forward and 2.4 ms backward on a [2048, 1024] fp32 activation against 1.0 and 1.1 ms (2-core Zen 4). The erf form
     stays with Inductor, whose kernel fused with its neighbours beats an opaque op (fuse_bias_gelu, off there).
     Numerics: the C++ tanh is exp-based (rel. error < 3e-7), not Sleef's."""
-    from graphtrain.kernels.bias_gelu import cpp_tanh_ok
-    return _rewrite_gelus(gm, ctx, lambda x, approx: cpp_tanh_ok(x.meta["val"], None, approx))
+    from graphtrain.kernels.bias_gelu import cpp_tanh_ok, gelu_tanh_probe
+    out = _rewrite_gelus(gm, ctx, lambda x, approx: cpp_tanh_ok(x.meta["val"], None, approx))
+    probe = gelu_tanh_probe()
+    if "cpp_s" in probe and any(is_op(n, aten.tanh) or is_op(n, torch.ops.graphtrain.bias_gelu.default)
+                                for n in out.graph.nodes):
+        ctx.note(f"tanh GELU probe, [512, 2048] forward + backward: C++ {probe['cpp_s'] * 1e3:.2f} ms, aten "
+                 f"{probe['aten_s'] * 1e3:.2f} ms: {'lowered' if probe['cpp_wins'] else 'left to Inductor'}")
+    return out
 
 
 def _rewrite_gelus(gm: fx.GraphModule, ctx: PassContext, accept) -> fx.GraphModule:
