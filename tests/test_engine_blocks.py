@@ -165,6 +165,28 @@ class RopeStack(Stack):
         return F.cross_entropy(self.head(x).flatten(0, 1), idx.flatten())
 
 
+class _OddKeyword(nn.Module):
+    """Two blocks, each called with a keyword no Python parameter could have (through **{...})."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_Kw(), _Kw()])
+
+    def forward(self, x, rope):
+        for b in self.blocks:
+            x = b(x, **{"rope": rope, "odd,name": True})
+        return x
+
+
+class _Kw(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = RopeBlock(32)
+
+    def forward(self, x, rope=None, **extra):
+        return self.block(x, None, rope=rope, scale_by_rope=extra["odd,name"])
+
+
 def test_keyword_and_tuple_arguments_reach_the_block_flat(monkeypatch):
     """engine/blocks.py _region: a block called with keywords and a tuple gets one flat positional call, so Dynamo
     reuses its traced body without flattening the arguments through pytree; same numbers as eager, one body."""
@@ -184,6 +206,14 @@ def test_keyword_and_tuple_arguments_reach_the_block_flat(monkeypatch):
     assert rep.blocks == ["blocks (4 x RopeBlock)"], str(rep)
     assert [g["calls_per_step"] for g in rep.graphs].count(4) == 1, str(rep)
     assert not structured, "a block call's arguments went through pytree"
+    # a keyword the spec cannot carry takes the structured call, same numbers
+    x = torch.randn(2, 8, 32)
+    rope = (torch.ones(8, 1), torch.zeros(8, 1))
+    odd = _OddKeyword().eval()
+    want = odd(x, rope)
+    odd = graphtrain.accelerate(odd, provider="aten", passes=ENGINE_ONLY, fallback="error")
+    assert_close(odd(x, rope), want, name="odd keyword", bitwise=True)
+    assert graphtrain.report(odd).blocks == ["blocks (2 x _Kw)"]
     # eager calls of the marked blocks (no Dynamo) take the plain forward
     x = torch.randn(2, 8, 32)
     rope = (torch.ones(8, 1), torch.zeros(8, 1))

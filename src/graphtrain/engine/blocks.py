@@ -115,6 +115,8 @@ def _region(forward: Callable[..., Any], n_blocks: int) -> Callable[..., Any]:
     def block_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
         if not torch.compiler.is_compiling():
             return forward(self, *args, **kwargs)
+        if any("," in k or "*" in k for k in kwargs):  # a name the spec cannot carry (only from **{...})
+            return structured(self, *args, **kwargs)
         spec, leaves = _flatten_call(args, kwargs)
         return flat(self, spec, *leaves)
     return block_forward
