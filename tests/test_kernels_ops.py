@@ -290,6 +290,23 @@ def test_linear_cross_entropy_that_returns_its_logits(with_bias, skip_ignored, c
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_linear_cross_entropy_that_returns_its_logits_low_precision(dtype):
+    """The *_logits op in bf16/fp16, chunked (the C++ pass reads each chunk's rows from the returned logits): loss and
+    gradients as eager's on the same rounded inputs in fp32; the returned logits untouched."""
+    g = torch.Generator().manual_seed(5)
+    h, w = torch.randn(37, 16, generator=g).to(dtype), torch.randn(53, 16, generator=g).to(dtype)
+    t = torch.randint(0, 53, (37,), generator=g)
+    t[3] = -100
+
+    def fused(h, w):
+        loss, *_, logits = torch.ops.graphtrain.linear_cross_entropy_logits(h, w, t, -100, 1, 8, True)
+        assert_close(logits.float(), (h.detach() @ w.detach().t()).float(), name="logits", atol=5e-2, rtol=5e-2)
+        return loss.float()
+
+    check_vs_eager(fused, lambda h, w: F.cross_entropy(h.float() @ w.float().t(), t), h, w, atol=5e-2, rtol=5e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_linear_cross_entropy_low_precision_and_bad_targets(dtype):
     """bf16/fp16 hidden and weight (fp32 softmax math inside) against eager on the same rounded inputs in fp32,
     and a target outside the vocabulary is a clear error, not a wrong loss."""

@@ -384,14 +384,24 @@ void attn_probs_bwd(torch::Tensor s, torch::Tensor dp, torch::Tensor mask, torch
 // i.e. the loss and its gradient in one call. A row stays in cache across its passes (max, sum of exp, write),
 // where the torch sequence (logsumexp, gather, sub, exp, scatter, mul, cast) streams the chunk through memory
 // about eight times. fp32 math for fp32/bf16/fp16 inputs.
-void ce_fwd_bwd_inplace(torch::Tensor x, torch::Tensor target, int64_t ignore_index, double scale,
-                        torch::Tensor losses) {
+// src_rows: row r reads src[rows[r]] (src [m, v] contiguous, same dtype) and writes x[r] (not read): the rows of a
+// head's returned logits go straight from those logits to the gradient, without a copy into x first. Empty rows:
+// x is its own source.
+static void ce_rows(torch::Tensor x, torch::Tensor src, torch::Tensor rows, torch::Tensor target,
+                    int64_t ignore_index, double scale, torch::Tensor losses) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "ce_fwd_bwd_inplace: x must be a contiguous [n, v] tensor");
   TORCH_CHECK(target.scalar_type() == at::kLong && target.is_contiguous() && target.numel() == x.size(0),
               "ce_fwd_bwd_inplace: target must be int64 [n]");
   TORCH_CHECK(losses.scalar_type() == at::kFloat && losses.is_contiguous() && losses.numel() == x.size(0),
               "ce_fwd_bwd_inplace: losses must be fp32 [n]");
   const int64_t n = x.size(0), v = x.size(1);
+  const bool gather = rows.numel() > 0;
+  TORCH_CHECK(!gather || (src.dim() == 2 && src.is_contiguous() && src.size(1) == v && src.scalar_type() ==
+              x.scalar_type() && rows.scalar_type() == at::kLong && rows.is_contiguous() && rows.numel() == n),
+              "ce_fwd_bwd_rows: src must be a contiguous [m, v] tensor of x's dtype, rows int64 [n]");
+  const int64_t* rp = gather ? rows.data_ptr<int64_t>() : nullptr;
+  for (int64_t r = 0; gather && r < n; ++r)
+    TORCH_CHECK(rp[r] >= 0 && rp[r] < src.size(0), "ce_fwd_bwd_rows: row ", rp[r], " out of range");
   const int64_t* tp = target.data_ptr<int64_t>();
   float* lp = losses.data_ptr<float>();
   for (int64_t r = 0; r < n; ++r)
@@ -400,8 +410,9 @@ void ce_fwd_bwd_inplace(torch::Tensor x, torch::Tensor target, int64_t ignore_in
   const float sc = (float)scale;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "ce_fwd_bwd_inplace", [&] {
     scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* sp = gather ? src.data_ptr<scalar_t>() : xp;
     at::parallel_for(0, n, 1, [&](int64_t r0, int64_t r1) {
-      std::vector<float> buf(std::is_same_v<scalar_t, float> ? 0 : v);
+      std::vector<float> buf(std::is_same_v<scalar_t, float> && !gather ? 0 : v);
       for (int64_t r = r0; r < r1; ++r) {
         scalar_t* row = xp + r * v;
         const int64_t t = tp[r];
@@ -410,7 +421,7 @@ void ce_fwd_bwd_inplace(torch::Tensor x, torch::Tensor target, int64_t ignore_in
           std::memset((void*)row, 0, v * sizeof(scalar_t));
           continue;
         }
-        float* f = const_cast<float*>(as_f32(row, v, buf.data()));
+        const float* f = as_f32(sp + (gather ? rp[r] : r) * v, v, buf.data());
         float m = -INFINITY;
 _Pragma("omp simd reduction(max:m)")
         for (int64_t j = 0; j < v; ++j) m = f[j] > m ? f[j] : m;
@@ -419,13 +430,26 @@ _Pragma("omp simd reduction(+:s)")
         for (int64_t j = 0; j < v; ++j) s += gt_exp(f[j] - m);
         const float lse = m + std::log(s);
         lp[r] = lse - f[t];
+        // the gradient over the source row: in place (x is the source), into x's row (fp32) or the fp32 scratch
+        float* g = gather && std::is_same_v<scalar_t, float> ? reinterpret_cast<float*>(row) : const_cast<float*>(f);
 _Pragma("omp simd")
-        for (int64_t j = 0; j < v; ++j) f[j] = gt_exp(f[j] - lse) * sc;
-        f[t] -= sc;
-        store_f32(f, row, v);
+        for (int64_t j = 0; j < v; ++j) g[j] = gt_exp(f[j] - lse) * sc;
+        g[t] -= sc;
+        store_f32(g, row, v);
       }
     });
   });
+}
+
+void ce_fwd_bwd_inplace(torch::Tensor x, torch::Tensor target, int64_t ignore_index, double scale,
+                        torch::Tensor losses) {
+  ce_rows(x, x, x.new_empty(0, torch::kLong), target, ignore_index, scale, losses);
+}
+
+void ce_fwd_bwd_rows(torch::Tensor x, torch::Tensor src, torch::Tensor rows, torch::Tensor target,
+                     int64_t ignore_index, double scale, torch::Tensor losses) {
+  TORCH_CHECK(rows.numel() == x.size(0), "ce_fwd_bwd_rows: one source row per row of x");
+  ce_rows(x, src, rows, target, ignore_index, scale, losses);
 }
 
 // oneDNN's matmul as aten calls it for bf16/fp16 (declared in ATen/native/mkldnn/Matmul.h, exported by
@@ -444,9 +468,9 @@ void onednn_matmul(const at::Tensor& a, const at::Tensor& b, const at::Tensor& o
 """ + ALLOCATOR_CPP  # the allocator's source (_cpu_alloc.py) starts with its own blank line
 
 _DECLS = ["bias_dropout_add_fwd", "dropout_bwd", "dropout_mask", "gelu_tanh_fwd", "gelu_tanh_bwd", "attn_probs_fwd",
-          "attn_probs_bwd", "onednn_matmul", "ce_fwd_bwd_inplace", "block_allocator", "block_cache_drain",
-          "block_cache_stats", "block_cache_prime", "block_cache_prime_stop", "block_cache_settle",
-          "block_cache_record"]
+          "attn_probs_bwd", "onednn_matmul", "ce_fwd_bwd_inplace", "ce_fwd_bwd_rows", "block_allocator",
+          "block_cache_drain", "block_cache_stats", "block_cache_prime", "block_cache_prime_stop",
+          "block_cache_settle", "block_cache_record"]
 
 # Compiler flags per ISA level (explicit -m flags rather than -march=x86-64-v3/v4 so older compilers work).
 _ISA_FLAGS: dict[str, list[str]] = {

@@ -90,7 +90,7 @@ def _chunk_loop(hidden, weight, target, ignore_index, reduction, chunk, bias, im
         # head's three matmuls. Same function, same values up to rounding.
         rows = valid.nonzero()[:, 0]
         hidden, target = hidden.index_select(0, rows), target.index_select(0, rows)
-    if all_logits is not None:  # a copy of each chunk's rows: the row kernels overwrite their logits in place
+    if all_logits is not None:  # each chunk's rows: the C++ pass reads them, the others work on a copy in place
         picked = rows if rows is not None else torch.arange(n, device=hidden.device)
     dh = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device)
     single = hidden.shape[0] <= chunk
@@ -110,7 +110,9 @@ def _chunk_loop(hidden, weight, target, ignore_index, reduction, chunk, bias, im
         if reuse and buf is None:
             dtype = all_logits.dtype if all_logits is not None else hidden.dtype
             buf = torch.empty((h.shape[0], weight.shape[0]), dtype=dtype, device=hidden.device)
-        if all_logits is not None:
+        if all_logits is not None and use_cpp and all_logits.is_contiguous() and all_logits.dtype == hidden.dtype:
+            logits = None  # the C++ pass below reads the chunk's rows from all_logits itself
+        elif all_logits is not None:
             logits = torch.index_select(all_logits, 0, picked[s:s + chunk], out=buf[:h.shape[0]])
         elif reuse:
             logits = buf[:h.shape[0]]
@@ -122,9 +124,15 @@ def _chunk_loop(hidden, weight, target, ignore_index, reduction, chunk, bias, im
             rg = torch.full((h.shape[0],), 1.0, device=h.device) / denom
             dlogits = ce_bwd_triton(rg, logits, t, lse, ignore_index)
         elif use_cpp:
-            logits, losses = logits.contiguous(), torch.empty(h.shape[0], dtype=torch.float32)
+            losses = torch.empty(h.shape[0], dtype=torch.float32)
             scale = 1.0 / float(denom) if float(denom) else float("nan")  # no labelled row: NaN loss, as eager
-            _cpu_ext.load().ce_fwd_bwd_inplace(logits, t.contiguous(), ignore_index, scale, losses)
+            if logits is None:  # from the returned logits' rows straight into the buffer: no copy of them first
+                logits = buf[:h.shape[0]]
+                _cpu_ext.load().ce_fwd_bwd_rows(logits, all_logits, picked[s:s + chunk].contiguous(), t.contiguous(),
+                                                ignore_index, scale, losses)
+            else:
+                logits = logits.contiguous()
+                _cpu_ext.load().ce_fwd_bwd_inplace(logits, t.contiguous(), ignore_index, scale, losses)
             dlogits = logits  # now holds d loss / d logits
         else:
             x = logits.to(_acc(hidden))
@@ -332,11 +340,12 @@ SPEC = register_kernel_spec(KernelSpec(
                      workspace_bytes=lambda n: _workspace(n, bias=False), cpp=("ce_fwd_bwd_inplace", "onednn_matmul")),
         OpDescriptor("linear_bias_cross_entropy", role=FORWARD, random=False, recompute=COMPUTE_BOUND, precision=LOW,
                      workspace_bytes=lambda n: _workspace(n, bias=True), cpp=("ce_fwd_bwd_inplace", "onednn_matmul")),
-        # The logits are an output; a chunk of their rows copied at a time is the scratch.
+        # The logits are an output; a chunk of their rows' gradient at a time is the scratch (C++: read from the
+        # logits straight into it, ce_fwd_bwd_rows; otherwise the rows are copied there first).
         OpDescriptor("linear_cross_entropy_logits", role=FORWARD, random=False, recompute=COMPUTE_BOUND,
                      precision=LOW, workspace_bytes=lambda n: _workspace_logits(n, bias=False),
-                     cpp=("ce_fwd_bwd_inplace", "onednn_matmul")),
+                     cpp=("ce_fwd_bwd_rows", "ce_fwd_bwd_inplace", "onednn_matmul")),
         OpDescriptor("linear_bias_cross_entropy_logits", role=FORWARD, random=False, recompute=COMPUTE_BOUND,
                      precision=LOW, workspace_bytes=lambda n: _workspace_logits(n, bias=True),
-                     cpp=("ce_fwd_bwd_inplace", "onednn_matmul")),
+                     cpp=("ce_fwd_bwd_rows", "ce_fwd_bwd_inplace", "onednn_matmul")),
     )))
