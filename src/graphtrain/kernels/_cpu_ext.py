@@ -412,7 +412,7 @@ static void ce_rows(torch::Tensor x, torch::Tensor src, torch::Tensor rows, torc
     scalar_t* xp = x.data_ptr<scalar_t>();
     const scalar_t* sp = gather ? src.data_ptr<scalar_t>() : xp;
     at::parallel_for(0, n, 1, [&](int64_t r0, int64_t r1) {
-      std::vector<float> buf(std::is_same_v<scalar_t, float> && !gather ? 0 : v);
+      std::vector<float> buf(std::is_same_v<scalar_t, float> ? 0 : v);  // fp32 reads the source row itself
       for (int64_t r = r0; r < r1; ++r) {
         scalar_t* row = xp + r * v;
         const int64_t t = tp[r];
