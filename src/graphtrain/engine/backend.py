@@ -115,6 +115,10 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Eng
 
     apply_policy(config)
     _set_cpu_allocator_once(example_inputs, config)
+    if config.static_masks and not config.dynamic:
+        from graphtrain.engine.static_masks import specialize_static_masks
+        for line in specialize_static_masks(gm):
+            _note_once(state.notes, line)
     heads, n_out = [], 0
     if torch.is_grad_enabled() and _has_grad_mode_changes(gm) and (lifted := lift_no_grad_regions(gm)):
         _note_once(state.notes, f"{lifted} no_grad region{'s' * (lifted > 1)} in a graph: lifted (its values "

@@ -271,9 +271,13 @@ torch::Tensor dropout_mask(std::vector<int64_t> shape, double p, int64_t seed) {
 // from the hash. One row per iteration in an fp32 scratch row, so every pass is a vectorised loop.
 // The forward writes the dropped probabilities over the scores (the [Sq, Sk] tensor is transient:
 // nothing of that size is saved for backward, which recomputes the scores from q and k).
+// Causal (top-left): row i attends keys 0..i, so only its first i + 1 entries are computed; the rest of the
+// row is written as 0 (probability and gradient), what exp(-inf) gave when the whole row was computed.
+static inline int64_t causal_len(bool causal, int64_t i, int64_t sk) { return causal ? std::min(sk, i + 1) : sk; }
+
+// v[0..sk) = scores * scale + mask, for the first sk entries of a row (the caller's causal_len).
 template <typename T>
-static inline void attn_row_logits(const T* srow, const T* mask, int64_t ms3, int64_t i, int64_t sk, float scale,
-                                   bool causal, float* v) {
+static inline void attn_row_logits(const T* srow, const T* mask, int64_t ms3, int64_t sk, float scale, float* v) {
   const float* sf = as_f32(srow, sk, v);
   _Pragma("omp simd")
   for (int64_t j = 0; j < sk; ++j) v[j] = sf[j] * scale;
@@ -290,8 +294,6 @@ static inline void attn_row_logits(const T* srow, const T* mask, int64_t ms3, in
       for (int64_t j = 0; j < sk; ++j) v[j] += (float)mask[j * ms3];
     }
   }
-  if (causal)
-    for (int64_t j = i + 1; j < sk; ++j) v[j] = -INFINITY;
 }
 
 template <typename T>
@@ -319,21 +321,23 @@ std::vector<torch::Tensor> attn_probs_fwd(torch::Tensor s, torch::Tensor mask, i
       std::vector<float> v(sk), keep(sk);
       for (int64_t r = r0; r < r1; ++r) {
         scalar_t* row = sp + r * sk;
-        attn_row_logits(row, mask_row<scalar_t>(mask, r, heads, sq), ms3, r % sq, sk, (float)scale, causal, v.data());
+        const int64_t n = causal_len(causal, r % sq, sk);
+        attn_row_logits(row, mask_row<scalar_t>(mask, r, heads, sq), ms3, n, (float)scale, v.data());
         float m = -INFINITY;
         _Pragma("omp simd reduction(max:m)")
-        for (int64_t j = 0; j < sk; ++j) m = v[j] > m ? v[j] : m;
+        for (int64_t j = 0; j < n; ++j) m = v[j] > m ? v[j] : m;
         const float mm = std::isinf(m) ? 0.f : m;  // fully masked row: every exp is 0
         float l = 0.f;
         _Pragma("omp simd reduction(+:l)")
-        for (int64_t j = 0; j < sk; ++j) { v[j] = gt_exp(v[j] - mm); l += v[j]; }
+        for (int64_t j = 0; j < n; ++j) { v[j] = gt_exp(v[j] - mm); l += v[j]; }
         lp[r] = l > 0.f ? mm + std::log(l) : INFINITY;
         const float inv = l > 0.f ? 1.f / l : 0.f;
-        if (drop) keep_block((uint64_t)seed, (uint64_t)r * sk, sk, thr, dscale * inv, keep.data());
-        else std::fill(keep.begin(), keep.end(), inv);
+        if (drop) keep_block((uint64_t)seed, (uint64_t)r * sk, n, thr, dscale * inv, keep.data());
+        else std::fill(keep.begin(), keep.begin() + n, inv);
         _Pragma("omp simd")
-        for (int64_t j = 0; j < sk; ++j) v[j] *= keep[j];
-        store_f32(v.data(), row, sk);
+        for (int64_t j = 0; j < n; ++j) v[j] *= keep[j];
+        store_f32(v.data(), row, n);
+        std::fill(row + n, row + sk, static_cast<scalar_t>(0.f));
       }
     });
   });
@@ -361,19 +365,22 @@ void attn_probs_bwd(torch::Tensor s, torch::Tensor dp, torch::Tensor mask, torch
       for (int64_t r = r0; r < r1; ++r) {
         scalar_t* row = sp + r * sk;
         scalar_t* drow = dpp + r * sk;
-        attn_row_logits(row, mask_row<scalar_t>(mask, r, heads, sq), ms3, r % sq, sk, (float)scale, causal, v.data());
+        const int64_t n = causal_len(causal, r % sq, sk);
+        attn_row_logits(row, mask_row<scalar_t>(mask, r, heads, sq), ms3, n, (float)scale, v.data());
         const float lse_r = lp[r], delta_r = dl[r], fs = (float)scale;
-        if (drop) keep_block((uint64_t)seed, (uint64_t)r * sk, sk, thr, dscale, keep.data());
-        else std::fill(keep.begin(), keep.end(), 1.f);
-        const float* df = as_f32(drow, sk, d.data());
+        if (drop) keep_block((uint64_t)seed, (uint64_t)r * sk, n, thr, dscale, keep.data());
+        else std::fill(keep.begin(), keep.begin() + n, 1.f);
+        const float* df = as_f32(drow, n, d.data());
         _Pragma("omp simd")
-        for (int64_t j = 0; j < sk; ++j) {
+        for (int64_t j = 0; j < n; ++j) {
           const float pr = std::isinf(lse_r) ? 0.f : gt_exp(v[j] - lse_r);
           out[j] = pr * (df[j] * keep[j] - delta_r) * fs;
           v[j] = pr * keep[j];
         }
-        store_f32(v.data(), row, sk);
-        store_f32(out.data(), drow, sk);
+        store_f32(v.data(), row, n);
+        store_f32(out.data(), drow, n);
+        std::fill(row + n, row + sk, static_cast<scalar_t>(0.f));
+        std::fill(drow + n, drow + sk, static_cast<scalar_t>(0.f));
       }
     });
   });

@@ -30,6 +30,7 @@ import torch.fx as fx
 
 from graphtrain.passes.fuse_utils import (aten, call, depends_on_params, erase_dead, finish, getitem, is_op,
                                           match_dropout, number, only_user, shape, strip_views)
+from graphtrain.engine.static_masks import constant_mask_kind
 from graphtrain.passes.manager import PassContext, register_pass
 
 import graphtrain.kernels  # noqa: F401  (registers torch.ops.graphtrain.*)
@@ -133,10 +134,14 @@ def _try_fuse(gm: fx.GraphModule, sm: fx.Node, ctx: PassContext) -> bool:
         if not (len(shape(q)) == len(shape(kt)) == len(shape(v))):  # mixed 3-D/4-D: work in [B*H, S, D]
             q, kt, v = [n if len(shape(n)) == 3 else call(g, aten.reshape.default, n, [-1, *shape(n)[-2:]])
                         for n in (q, kt, v)]
+        causal = False
         if mask_fn is not None:
             mask = mask_fn()
             if depends_on_params(mask, gm, ctx.input_kinds):
                 return False
+            kind = constant_mask_kind(gm, mask, sq, sk)
+            if kind is not None:  # SDPA's own causal mask (is_causal=True) or one built from shapes
+                mask, causal = None, kind == "causal"
         q4, v4 = _as4d(g, q), _as4d(g, v)
         k4 = call(g, aten.transpose.int, _as4d(g, kt), -2, -1)
         if shape(q4)[:2] != shape(k4)[:2] or shape(k4)[:3] != shape(v4)[:3]:
@@ -146,7 +151,7 @@ def _try_fuse(gm: fx.GraphModule, sm: fx.Node, ctx: PassContext) -> bool:
                 mask = call(g, aten._to_copy.default, mask, dtype=q4.meta["val"].dtype)
             if len(shape(mask)) < 4 and len(ss) == 3:
                 mask = call(g, aten.unsqueeze.default, mask, 0)
-        att = call(g, torch.ops.graphtrain.attention.default, q4, k4, v4, mask, qs * ks * post_scale, False, p)
+        att = call(g, torch.ops.graphtrain.attention.default, q4, k4, v4, mask, qs * ks * post_scale, causal, p)
         out = getitem(g, att, 0)
         out = call(g, aten.view.default, out, list(shape(bmm2)))
     bmm2.replace_all_uses_with(out)
