@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from graphtrain.config import EngineConfig
-from graphtrain.engine.static_masks import mask_kind, specialize_static_masks
+from graphtrain.passes.graph_utils import mask_kind
+from graphtrain.passes.static_masks import specialize_static_masks
 from graphtrain.engine.trace import trace_aten_forward
 from graphtrain.passes.manager import PassContext, registered_passes
 from graphtrain.testing import assert_close

@@ -116,7 +116,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Eng
     apply_policy(config)
     _set_cpu_allocator_once(example_inputs, config)
     if config.static_masks and not config.dynamic:
-        from graphtrain.engine.static_masks import specialize_static_masks
+        from graphtrain.passes.static_masks import specialize_static_masks
         for line in specialize_static_masks(gm):
             _note_once(state.notes, line)
     heads, n_out = [], 0

@@ -30,7 +30,7 @@ import torch.fx as fx
 
 from graphtrain.passes.fuse_utils import (aten, call, depends_on_params, erase_dead, finish, getitem, is_op,
                                           match_dropout, number, only_user, shape, strip_views)
-from graphtrain.engine.static_masks import constant_mask_kind
+from graphtrain.passes.graph_utils import constant_mask_kind
 from graphtrain.passes.manager import PassContext, register_pass
 
 import graphtrain.kernels  # noqa: F401  (registers torch.ops.graphtrain.*)

@@ -2,6 +2,9 @@
 from fuse_utils.py, never from each other."""
 from __future__ import annotations
 
+import operator
+from typing import Any
+
 import torch
 import torch.fx as fx
 
@@ -35,3 +38,112 @@ def zero_dropout(n: fx.Node) -> bool:
             p = n.args[i] if i < len(n.args) else n.kwargs.get("dropout_p", a.default_value)
             return isinstance(p, (int, float)) and p == 0
     return False
+
+
+# ----------------------------------------------------------- constants of a graph, attention masks --
+
+# Evaluating a mask materializes it once at compile time; bigger ones (2**26 bools = 64 MiB) are left as they are.
+MAX_CONSTANT_ELEMENTS = 1 << 26
+_RANDOM = ("rand", "bernoulli", "dropout", "normal", "uniform", "multinomial", "poisson", "exponential")
+
+
+def example_value(n: Any) -> Any:
+    """A node's example tensor: Dynamo's ``example_value`` or the aten IR's ``val`` (None for a non-node)."""
+    return n.meta.get("example_value", n.meta.get("val")) if isinstance(n, fx.Node) else None
+
+
+def static_shape(t: Any) -> tuple[int, ...] | None:
+    """`t`'s shape when it is a tensor whose sizes are all plain ints (not symbolic), else None."""
+    if not isinstance(t, torch.Tensor) or not all(type(d) is int for d in t.shape):
+        return None
+    return tuple(t.shape)
+
+
+def _name(n: fx.Node) -> str:
+    return n.target if isinstance(n.target, str) else str(getattr(n.target, "__name__", n.target))
+
+
+def _mutates(n: fx.Node) -> bool:
+    """An in-place op: ``operator.setitem`` or ``+=`` and kin, a torch function or tensor method named ``*_``
+    (``operator.and_`` is ``&``, not in-place)."""
+    if getattr(n.target, "__module__", None) in ("_operator", "operator"):
+        return n.target is operator.setitem or n.target in _INPLACE_OPERATORS
+    name = _name(n)
+    return name.endswith("_") and not name.endswith("__")
+
+
+_INPLACE_OPERATORS = {getattr(operator, f) for f in ("iadd", "iand", "iconcat", "ifloordiv", "ilshift", "imatmul",
+                                                      "imod", "imul", "ior", "ipow", "irshift", "isub", "itruediv",
+                                                      "ixor")}
+
+
+def constant_ancestors(node: fx.Node) -> set[fx.Node] | None:
+    """`node` and everything it reads, or None when any of it is a graph input, a module call or a random op, or
+    when anything mutates one of them (a value computed before an in-place op is not the value read after)."""
+    seen: set[fx.Node] = set()
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        if n.op in ("placeholder", "call_module", "output"):
+            return None
+        if n.op != "get_attr" and (any(r in _name(n).lower() for r in _RANDOM) or _mutates(n)):
+            return None
+        if any(_mutates(u) for u in n.users):
+            return None
+        seen.add(n)
+        stack.extend(n.all_input_nodes)
+    return seen
+
+
+def constant_value(gm: fx.GraphModule, node: fx.Node) -> torch.Tensor | None:
+    """The value of `node` when it is a constant of `gm` (reads no input), else None."""
+    shape = static_shape(example_value(node))
+    if shape is None or torch.Size(shape).numel() > MAX_CONSTANT_ELEMENTS:
+        return None
+    nodes = constant_ancestors(node)
+    if nodes is None:
+        return None
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for n in gm.graph.nodes:  # in graph (topological) order
+        if n in nodes:
+            env[n] = g.node_copy(n, lambda x: env[x])
+    g.output(env[node])
+    try:
+        with torch.no_grad():
+            value = fx.GraphModule(gm, g)()
+    except Exception:  # noqa: BLE001 - not evaluable here (e.g. another device): the mask stays a tensor
+        return None
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def mask_kind(mask: torch.Tensor, q_len: int | None, k_len: int | None) -> str | None:
+    """"causal" when `mask` (as SDPA's attn_mask: bool, True attends; or additive float, 0 attends) is exactly
+    ``is_causal``'s pattern for q_len queries and k_len keys in every batch and head; "full" when it attends
+    everywhere; None otherwise (an additive mask must hold only 0 and -inf or the dtype's lowest value)."""
+    if mask.dim() < 2:
+        return None
+    if mask.dtype == torch.bool:
+        keep = mask
+    elif mask.is_floating_point():
+        lowest = torch.finfo(mask.dtype).min
+        if not bool(((mask == 0) | (mask <= lowest)).all()):
+            return None
+        keep = mask == 0
+    else:
+        return None
+    if bool(keep.all()):
+        return "full"
+    if q_len is None or k_len is None or tuple(keep.shape[-2:]) != (q_len, k_len):
+        return None
+    causal = torch.ones(q_len, k_len, dtype=torch.bool, device=keep.device).tril()
+    return "causal" if bool((keep == causal).all()) else None
+
+
+def constant_mask_kind(gm: fx.GraphModule, mask: fx.Node, q_len: int, k_len: int) -> str | None:
+    """mask_kind of `mask` when it is a constant of `gm` (fuse_attention: the mask SDPA's decomposition builds for
+    ``is_causal``, ``where(tril(ones), 0, -inf)``, becomes the fused op's is_causal again)."""
+    value = constant_value(gm, mask)
+    return None if value is None else mask_kind(value, q_len, k_len)

@@ -9,7 +9,7 @@ flash attention skips those blocks: 2-core Zen 4, fp32, [1, 16, 1024, 64], forwa
 backward 82 against 59 ms, outputs bitwise equal; at sequence 128 the gain is small (3.6 against 2.9 ms
 forward at [8, 8, 128, 64]).
 
-``specialize_static_masks(gm)`` runs on the Dynamo graph before anything else: for each SDPA call (in the
+``specialize_static_masks(gm)`` runs on the Dynamo graph first (engine/backend.py): for each SDPA call (in the
 graph or in a repeated block's body, where the mask arrives as an input) whose mask depends on no graph input
 and no random op, it evaluates the mask once (the arange/compare code Dynamo traced) and, when it is exactly
 the causal pattern SDPA's ``is_causal`` means (attend to key j from query i iff j <= i) or attends everywhere,
@@ -20,17 +20,15 @@ Switch: ``engine.static_masks``.
 """
 from __future__ import annotations
 
-import operator
 from typing import Any
 
 import torch
 import torch.fx as fx
 
+from graphtrain.passes.graph_utils import constant_ancestors, constant_value, example_value, mask_kind, static_shape
+
 _SDPA = tuple(f for f in (getattr(torch._C._nn, "scaled_dot_product_attention", None),
                           torch.nn.functional.scaled_dot_product_attention) if f is not None)
-# Evaluating a mask materializes it once at compile time; bigger ones (2**26 bools = 64 MiB) are left as they are.
-MAX_ELEMENTS = 1 << 26
-_RANDOM = ("rand", "bernoulli", "dropout", "normal", "uniform", "multinomial", "poisson", "exponential")
 
 
 def _is_sdpa(n: fx.Node) -> bool:
@@ -50,109 +48,9 @@ def _set_arg(n: fx.Node, index: int, name: str, value: Any) -> None:
         n.update_kwarg(name, value)
 
 
-def _example(n: Any) -> Any:
-    return n.meta.get("example_value", n.meta.get("val")) if isinstance(n, fx.Node) else None
-
-
-def _static_shape(t: Any) -> tuple[int, ...] | None:
-    if not isinstance(t, torch.Tensor) or not all(type(d) is int for d in t.shape):
-        return None
-    return tuple(t.shape)
-
-
-def _name(n: fx.Node) -> str:
-    return n.target if isinstance(n.target, str) else str(getattr(n.target, "__name__", n.target))
-
-
-def _mutates(n: fx.Node) -> bool:
-    """An in-place op: ``operator.setitem`` or ``+=`` and kin, a torch function or tensor method named ``*_``
-    (``operator.and_`` is ``&``, not in-place)."""
-    if getattr(n.target, "__module__", None) in ("_operator", "operator"):
-        return n.target is operator.setitem or n.target in _INPLACE_OPERATORS
-    name = _name(n)
-    return name.endswith("_") and not name.endswith("__")
-
-
-_INPLACE_OPERATORS = {getattr(operator, f) for f in ("iadd", "iand", "iconcat", "ifloordiv", "ilshift", "imatmul",
-                                                      "imod", "imul", "ior", "ipow", "irshift", "isub", "itruediv",
-                                                      "ixor")}
-
-
-def _ancestors(node: fx.Node) -> set[fx.Node] | None:
-    """`node` and everything it reads, or None when any of it is a graph input, a module call or a random op, or
-    when anything mutates one of them (a value computed before an in-place op is not the value read after)."""
-    seen: set[fx.Node] = set()
-    stack = [node]
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        if n.op in ("placeholder", "call_module", "output"):
-            return None
-        if n.op != "get_attr" and (any(r in _name(n).lower() for r in _RANDOM) or _mutates(n)):
-            return None
-        if any(_mutates(u) for u in n.users):
-            return None
-        seen.add(n)
-        stack.extend(n.all_input_nodes)
-    return seen
-
-
-def _evaluate(gm: fx.GraphModule, node: fx.Node) -> torch.Tensor | None:
-    """The value of `node` when it is a constant of `gm` (reads no input), else None."""
-    shape = _static_shape(_example(node))
-    if shape is None or torch.Size(shape).numel() > MAX_ELEMENTS:
-        return None
-    nodes = _ancestors(node)
-    if nodes is None:
-        return None
-    g = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    for n in gm.graph.nodes:  # in graph (topological) order
-        if n in nodes:
-            env[n] = g.node_copy(n, lambda x: env[x])
-    g.output(env[node])
-    try:
-        with torch.no_grad():
-            value = fx.GraphModule(gm, g)()
-    except Exception:  # noqa: BLE001 - not evaluable here (e.g. another device): the mask stays a tensor
-        return None
-    return value if isinstance(value, torch.Tensor) else None
-
-
-def mask_kind(mask: torch.Tensor, q_len: int | None, k_len: int | None) -> str | None:
-    """"causal" when `mask` (as SDPA's attn_mask: bool, True attends; or additive float, 0 attends) is exactly
-    ``is_causal``'s pattern for q_len queries and k_len keys in every batch and head; "full" when it attends
-    everywhere; None otherwise (an additive mask must hold only 0 and -inf or the dtype's lowest value)."""
-    if mask.dim() < 2:
-        return None
-    if mask.dtype == torch.bool:
-        keep = mask
-    elif mask.is_floating_point():
-        lowest = torch.finfo(mask.dtype).min
-        if not bool(((mask == 0) | (mask <= lowest)).all()):
-            return None
-        keep = mask == 0
-    else:
-        return None
-    if bool(keep.all()):
-        return "full"
-    if q_len is None or k_len is None or tuple(keep.shape[-2:]) != (q_len, k_len):
-        return None
-    causal = torch.ones(q_len, k_len, dtype=torch.bool, device=keep.device).tril()
-    return "causal" if bool((keep == causal).all()) else None
-
-
-def constant_mask_kind(gm: fx.GraphModule, mask: fx.Node, q_len: int, k_len: int) -> str | None:
-    """mask_kind of `mask` when it is a constant of `gm` (fuse_attention: the mask SDPA's decomposition builds for
-    ``is_causal``, ``where(tril(ones), 0, -inf)``, becomes the fused op's is_causal again)."""
-    value = _evaluate(gm, mask)
-    return None if value is None else mask_kind(value, q_len, k_len)
-
-
 def _seq_lens(sdpa: fx.Node) -> tuple[int | None, int | None]:
-    q, k = _example(_arg(sdpa, 0, "query", None)), _example(_arg(sdpa, 1, "key", None))
-    qs, ks = _static_shape(q), _static_shape(k)
+    q, k = example_value(_arg(sdpa, 0, "query", None)), example_value(_arg(sdpa, 1, "key", None))
+    qs, ks = static_shape(q), static_shape(k)
     return (qs[-2] if qs else None), (ks[-2] if ks else None)
 
 
@@ -176,7 +74,7 @@ def specialize_static_masks(gm: fx.GraphModule) -> list[str]:
         if not isinstance(outer, fx.Node):
             return None
         if outer not in values:
-            values[outer] = _evaluate(gm, outer)
+            values[outer] = constant_value(gm, outer)
         value = values[outer]
         kind = None if value is None else mask_kind(value, q_len, k_len)
         if kind:
@@ -261,8 +159,8 @@ def _free_attr(gm: fx.GraphModule, base: str) -> str:
 
 def _drop_dead(gm: fx.GraphModule, freed: set[fx.Node]) -> None:
     """Erase what only fed the rewritten masks (their ancestors: pure tensor code reading no input, checked by
-    _ancestors) and the body attributes no call reads any more."""
-    dead = set().union(*(_ancestors(n) or set() for n in freed))
+    constant_ancestors) and the body attributes no call reads any more."""
+    dead = set().union(*(constant_ancestors(n) or set() for n in freed))
     for n in reversed(list(gm.graph.nodes)):
         if not n.users and (n in dead or (n.op == "get_attr" and isinstance(getattr(gm, n.target, None),
                                                                             fx.GraphModule))):
