@@ -104,7 +104,8 @@ def test_shape_masks_rewritten_only_when_constant_and_exact(style, kind):
 
 def test_repeated_block_bodies_lose_the_mask_input():
     """Blocks compiled once (engine/blocks.py) read the mask as an input: every call gets it from the same constant,
-    so the body is specialized and the mask no longer computed or passed."""
+    so the body is specialized and the mask no longer computed or passed. A padding mask keeps its mask; an
+    all-ones attention_mask is passed as None (what it means) and takes the causal path."""
     transformers = pytest.importorskip("transformers")
     import graphtrain
     from graphtrain.engine.report import _state_of
@@ -118,7 +119,7 @@ def test_repeated_block_bodies_lose_the_mask_input():
     x = torch.randint(1, 128, (2, 12))
     padding = torch.ones_like(x)
     padding[1, :3] = 0  # left padding: a mask that is not is_causal's
-    for kw in ({}, {"attention_mask": padding}):
+    for kw in ({}, {"attention_mask": padding}, {"attention_mask": torch.ones_like(x)}):
         out = fast(input_ids=x, labels=x, **kw)
         out.loss.backward()
         r = ref(input_ids=x, labels=x, **kw)
@@ -131,7 +132,9 @@ def test_repeated_block_bodies_lose_the_mask_input():
     state, _ = _state_of(fast)
     notes = [n for n in state.notes if "static_masks" in n]
     assert notes == ["3 SDPA call(s) with a constant causal mask (built from shapes, e.g. Hugging Face's under "
-                     "tracing): rewritten to is_causal=True (engine.static_masks)"], state.notes
+                     "tracing): rewritten to is_causal=True (engine.static_masks)",
+                     "attention_mask of all ones passed as None, as Hugging Face's eager SDPA path treats it (its "
+                     "causal mask then reaches SDPA as is_causal; engine.static_masks)"], state.notes
 
 
 def test_switch_off_keeps_the_mask():

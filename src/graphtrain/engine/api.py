@@ -183,6 +183,23 @@ def _builds_kv_cache(module: torch.nn.Module) -> bool:
         return False
 
 
+def _takes_attention_mask(module: torch.nn.Module) -> bool:
+    """Whether `module` is a Hugging Face model with an ``attention_mask`` argument. A 2-D mask of all ones means
+    what no mask means (every token attends): Hugging Face's eager SDPA path sees that (it reads the mask) and
+    passes ``is_causal=True``; under a tracer it cannot, and builds the causal mask from the padding mask, an
+    input, which engine.static_masks then cannot read either. So graphtrain passes such a mask as None, unless
+    the call also passes ``position_ids`` (without a mask Hugging Face would look for packed sequences in them)."""
+    import inspect
+    import sys
+    transformers = sys.modules.get("transformers")
+    if transformers is None or not isinstance(module, getattr(transformers, "PreTrainedModel", ())):
+        return False
+    try:
+        return "attention_mask" in inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def _graph_break_reasons() -> list[Any]:
     from torch._dynamo.utils import graph_break_reasons
     return graph_break_reasons
@@ -194,6 +211,8 @@ class _CallWrapper:
     def __init__(self, module: torch.nn.Module, compiled: Any, state: EngineState, eager: Any) -> None:
         self.module, self.compiled, self.state, self.eager = module, compiled, state, eager
         self.no_cache_in_training = _builds_kv_cache(module)
+        self.full_mask_as_none = (_takes_attention_mask(module) and state.config.static_masks
+                                  and not state.config.dynamic)
         self.prefault: Any = None  # memory/prefault.py's Session while the first step is recorded
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -202,6 +221,8 @@ class _CallWrapper:
             kwargs["use_cache"] = False
         if state.eager_only:
             return self.eager(*args, **kwargs)
+        if self.full_mask_as_none:
+            self._drop_full_mask(kwargs)
         if self.prefault is not None:
             self.prefault.on_call()
         elif state.calls == 0:  # (a first call that raised leaves calls at 0: its session, if any, goes on)
@@ -226,6 +247,16 @@ class _CallWrapper:
                                 "(every frame skipped or empty)", state.config, what="runs eagerly",
                                 sink=state.fallbacks)
         return out
+
+    def _drop_full_mask(self, kwargs: dict) -> None:
+        mask = kwargs.get("attention_mask")
+        if (isinstance(mask, torch.Tensor) and mask.dim() == 2 and kwargs.get("position_ids") is None
+                and bool(mask.all())):
+            kwargs["attention_mask"] = None
+            note = ("attention_mask of all ones passed as None, as Hugging Face's eager SDPA path treats it (its "
+                    "causal mask then reaches SDPA as is_causal; engine.static_masks)")
+            if note not in self.state.notes:
+                self.state.notes.append(note)
 
     def _begin_prefault(self, args: tuple, kwargs: dict) -> None:
         """A training module's first call on CPU: install the process's CPU allocator now (not at the first compile,
