@@ -108,26 +108,25 @@ def _specialize_bodies(gm: fx.GraphModule, kind_of: Any) -> dict[str, int]:
     for ident, group in calls.items():
         body: fx.GraphModule = getattr(gm, group[0].args[0].target)
         placeholders = [p for p in body.graph.nodes if p.op == "placeholder"]
-        plan: dict[int, str] = {}
-        for sdpa in (s for s in body.graph.nodes if _is_sdpa(s) and _rewritable(s)):
-            mask = _arg(sdpa, 3, "attn_mask", None)
+        plan: dict[int, tuple[int, str]] = {}  # the SDPA's position among the body's nodes -> (mask input, kind)
+        for pos, sdpa in enumerate(body.graph.nodes):
+            mask = _arg(sdpa, 3, "attn_mask", None) if _is_sdpa(sdpa) and _rewritable(sdpa) else None
             if not isinstance(mask, fx.Node) or mask.op != "placeholder":
                 continue
             i = placeholders.index(mask)
-            found = {kind_of(c.args[2 + i], *_seq_lens(sdpa)) for c in group}
+            found = {kind_of(c.args[2 + i], *_seq_lens(sdpa)) for c in group}  # per SDPA: its own q and k lengths
             if len(found) == 1 and None not in found:
-                plan[i] = found.pop()
+                plan[pos] = (i, found.pop())
         if not plan:
             continue
         new = fx.GraphModule(body, _copy_graph(body.graph))
         new_placeholders = [p for p in new.graph.nodes if p.op == "placeholder"]
-        for sdpa in [s for s in new.graph.nodes if _is_sdpa(s)]:
-            mask = _arg(sdpa, 3, "attn_mask", None)
-            if isinstance(mask, fx.Node) and mask in new_placeholders and new_placeholders.index(mask) in plan:
-                kind = plan[new_placeholders.index(mask)]
-                _rewrite(sdpa, kind)
-                done[kind] = done.get(kind, 0) + len(group)
-        unused = sorted(i for i in plan if not new_placeholders[i].users)
+        for pos, sdpa in enumerate(list(new.graph.nodes)):  # graph_copy keeps the order
+            if pos in plan:
+                _rewrite(sdpa, plan[pos][1])
+                done[plan[pos][1]] = done.get(plan[pos][1], 0) + len(group)
+        # an input no longer read (every SDPA reading it rewritten) leaves the body and its calls
+        unused = sorted({i for i, _ in plan.values() if not new_placeholders[i].users})
         for i in unused:
             new.graph.erase_node(new_placeholders[i])
         new.recompile()
