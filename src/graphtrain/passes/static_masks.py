@@ -68,18 +68,20 @@ def specialize_static_masks(gm: fx.GraphModule) -> list[str]:
     """Rewrite SDPA calls whose mask is a constant causal or all-attending pattern (module docstring). Returns one
     line per kind of rewrite, for the report's notes."""
     values: dict[fx.Node, torch.Tensor | None] = {}
+    kinds: dict[tuple[fx.Node, int | None, int | None], str | None] = {}  # every block call reads the same mask
     freed: set[fx.Node] = set()  # masks no longer read once their readers are rewritten
 
     def kind_of(outer: Any, q_len: int | None, k_len: int | None) -> str | None:
         if not isinstance(outer, fx.Node):
             return None
-        if outer not in values:
-            values[outer] = constant_value(gm, outer)
-        value = values[outer]
-        kind = None if value is None else mask_kind(value, q_len, k_len)
-        if kind:
+        key = (outer, q_len, k_len)
+        if key not in kinds:
+            if outer not in values:
+                values[outer] = constant_value(gm, outer)
+            kinds[key] = None if values[outer] is None else mask_kind(values[outer], q_len, k_len)
+        if kinds[key]:
             freed.add(outer)
-        return kind
+        return kinds[key]
 
     done: dict[str, int] = {}
     for n in list(gm.graph.nodes):
