@@ -91,10 +91,8 @@ class EngineConfig:
     code before and after the blocks in graphs of their own; false compiles the model as one graph (and
     train.whole_step's step as one graph, forward to AdamW)."""
     static_masks: bool = True
-    """Hand SDPA an attention mask that is a constant of the graph's shapes (Hugging Face builds its causal mask so
-    under any tracer) as what it is: ``is_causal=True``, or no mask when it attends everywhere. Masks built from an
-    input (a user's ``attention_mask``) are left alone (passes/static_masks.py), except that a Hugging Face model's
-    2-D ``attention_mask`` of all ones is passed as None, what it means (engine/api.py)."""
+    """A mask built from shapes alone (Hugging Face's causal mask under a tracer) reaches SDPA as ``is_causal=True``
+    or no mask; an HF model's all-ones 2-D ``attention_mask`` is passed as None (passes/static_masks.py)."""
     compile_in_background: bool = True
     """provider auto, cold cache: run each graph on aten (compiled in about a second) from the first step and
     compile Inductor in a background process from the second step on; the graph's next call times both and keeps
