@@ -156,6 +156,25 @@ def test_torch_compile_backend_name_and_entry_point():
     assert any(ep.name == "graphtrain" and ep.value == "graphtrain.engine.backend:graphtrain_backend" for ep in eps)
 
 
+def test_import_is_light_and_the_backend_name_still_resolves():
+    """`import graphtrain` leaves Dynamo unloaded (it cost 1.4 s and 140 MB); a fresh process still finds the
+    "graphtrain" backend by name, and `accelerate` works, both in the same process."""
+    import subprocess
+    import sys
+    code = (
+        "import sys, torch, graphtrain\n"
+        "assert 'torch._dynamo' not in sys.modules, 'import graphtrain loaded Dynamo'\n"
+        "m = torch.compile(torch.nn.Linear(4, 3), backend='graphtrain', options={'provider': 'aten'})\n"
+        "m(torch.randn(2, 4)).sum().backward()\n"
+        "from torch._dynamo.backends.registry import _COMPILER_FNS\n"
+        "assert 'graphtrain' in _COMPILER_FNS\n"
+        "n = graphtrain.accelerate(torch.nn.Linear(4, 3), provider='aten')\n"
+        "n(torch.randn(2, 4)).sum().backward()\n"
+        "print('ok')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+
+
 def test_report_str_and_dict():
     _, m = _pair("plain", fallback="error")
     m(torch.randn(4, 8)).sum().backward()
