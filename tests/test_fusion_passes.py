@@ -128,6 +128,12 @@ class HandAttention(torch.nn.Module):
         elif self.style == "where":
             s = torch.matmul(q * 6 ** -0.25, (k * 6 ** -0.25).transpose(2, 3))
             s = torch.where(pad[:, None, None, :] > 0, s, torch.finfo(s.dtype).min)
+        elif self.style == "bmm_view_mask":  # DeBERTa: [B*H, S, S] scores viewed as [B, H, S, S] to meet a
+            # [B, 1, S, S] mask, the probabilities viewed back for the second bmm
+            s = torch.bmm(q.reshape(B * 4, S, 6), k.reshape(B * 4, S, 6).transpose(-1, -2) / math.sqrt(6))
+            s = s.view(-1, 4, S, S).masked_fill(~(pad[:, None, None, :] > 0), torch.finfo(s.dtype).min)
+            p = F.softmax(s, dim=-1)
+            return torch.bmm(p.view(-1, S, S), v.reshape(B * 4, S, 6)).view(B, 4, S, 6).transpose(1, 2).reshape(B, S, 24)
         elif self.style == "bmm_additive":
             s = torch.bmm(q.reshape(B * 4, S, 6), k.reshape(B * 4, S, 6).transpose(1, 2)) * 6 ** -0.5
             p = F.softmax(s, dim=-1)
@@ -136,7 +142,7 @@ class HandAttention(torch.nn.Module):
         return (p @ v).transpose(1, 2).reshape(B, S, 24)
 
 
-@pytest.mark.parametrize("style", ["div_masked_fill", "where", "bmm_additive"])
+@pytest.mark.parametrize("style", ["div_masked_fill", "where", "bmm_additive", "bmm_view_mask"])
 def test_attention_hand_written(style):
     torch.manual_seed(0)
     m = HandAttention(style)
@@ -147,6 +153,16 @@ def test_attention_hand_written(style):
     pad = torch.ones(2, 5)
     pad[1, 3:] = 0
     check_parity(f, params + [torch.randn(2, 5, 24), pad], {"fuse_attention": 1})
+
+
+def test_attention_mask_that_meets_other_scores_not_fused():
+    """Scores viewed so that the mask's batch is not the bmm's leading split: no fused op (it would broadcast the
+    mask against the wrong axis); the graph stays eager's."""
+    def f(q, k, v, mask):
+        s = torch.bmm(q, k.transpose(1, 2)).view(2, 3, 4, 4).transpose(0, 1)  # [3, 2, 4, 4]: heads first
+        p = F.softmax(s + mask, -1).transpose(0, 1).reshape(6, 4, 4)
+        return torch.bmm(p, v)
+    check_parity(f, [torch.randn(6, 4, 5) for _ in range(3)] + [torch.randn(3, 1, 4, 4)], {"fuse_attention": 0})
 
 
 def test_attention_learned_bias_not_fused():

@@ -87,8 +87,24 @@ def _scores(n: fx.Node):
             return None
 
 
-def _as4d(g: fx.Graph, n: fx.Node) -> fx.Node:
-    return n if len(shape(n)) == 4 else call(g, aten.unsqueeze.default, n, 0)
+def _as4d(g: fx.Graph, n: fx.Node, lead: tuple[int, int] | None = None) -> fx.Node:
+    """n as [B, H, S, D]: a 3-D [B*H, S, D] operand is split as `lead` says (the masked scores' [B, H]), else
+    given a batch of 1."""
+    if len(shape(n)) == 4:
+        return n
+    if lead is not None:
+        return call(g, aten.reshape.default, n, [*lead, *shape(n)[-2:]])
+    return call(g, aten.unsqueeze.default, n, 0)
+
+
+def _scores_lead(scores: fx.Node, bmm: fx.Node) -> tuple[int, int] | None:
+    """The [B, H] a 3-D bmm's [B*H, Sq, Sk] scores were viewed as before the mask met them (DeBERTa: bmm, then
+    view(-1, H, Sq, Sk), then masked_fill with a [B, 1, Sq, Sk] mask), or None when the mask met them as the bmm
+    gave them."""
+    ms, bs = shape(scores), shape(bmm)
+    if ms is None or bs is None or len(bs) != 3 or len(ms) != 4 or tuple(ms[-2:]) != tuple(bs[-2:]):
+        return None
+    return (ms[0], ms[1]) if ms[0] * ms[1] == bs[0] else None
 
 
 def _try_fuse(gm: fx.GraphModule, sm: fx.Node, ctx: PassContext) -> bool:
@@ -108,6 +124,9 @@ def _try_fuse(gm: fx.GraphModule, sm: fx.Node, ctx: PassContext) -> bool:
     if sc is None:
         return False
     bmm, post_scale = sc
+    if len(shape(scores)) != len(shape(bmm)) and _scores_lead(scores, bmm) is None:
+        return False
+    lead = _scores_lead(scores, bmm)
     A, B = bmm.args
     sq, sk = shape(bmm)[-2:]
     qa, kb = strip_views(A, (sq, shape(A)[-1])), strip_views(B, (shape(B)[-2], sk))
@@ -142,15 +161,22 @@ def _try_fuse(gm: fx.GraphModule, sm: fx.Node, ctx: PassContext) -> bool:
             kind = constant_mask_kind(gm, mask, sq, sk)
             if kind is not None:  # SDPA's own causal mask (is_causal=True) or one built from shapes
                 mask, causal = None, kind == "causal"
-        q4, v4 = _as4d(g, q), _as4d(g, v)
-        k4 = call(g, aten.transpose.int, _as4d(g, kt), -2, -1)
+        q4, v4 = _as4d(g, q, lead), _as4d(g, v, lead)
+        k4 = call(g, aten.transpose.int, _as4d(g, kt, lead), -2, -1)
         if shape(q4)[:2] != shape(k4)[:2] or shape(k4)[:3] != shape(v4)[:3]:
             return False
         if mask is not None:
             if mask.meta["val"].dtype != q4.meta["val"].dtype:
                 mask = call(g, aten._to_copy.default, mask, dtype=q4.meta["val"].dtype)
-            if len(shape(mask)) < 4 and len(ss) == 3:
+            if len(shape(mask)) < 4 and len(ss) == 3 and lead is None:
                 mask = call(g, aten.unsqueeze.default, mask, 0)
+            full = (*shape(q4)[:2], sq, sk)
+            try:  # the mask must broadcast to the op's [B, H, Sq, Sk] scores, as it did to the graph's
+                fits = tuple(torch.broadcast_shapes(tuple(shape(mask)), full)) == full
+            except RuntimeError:
+                fits = False
+            if not fits:
+                return False
         att = call(g, torch.ops.graphtrain.attention.default, q4, k4, v4, mask, qs * ks * post_scale, causal, p)
         out = getitem(g, att, 0)
         out = call(g, aten.view.default, out, list(shape(bmm2)))
