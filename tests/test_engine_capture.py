@@ -68,6 +68,38 @@ def test_fallback_error_raises_capture_error(mode):
         m(torch.randn(4, 8))
 
 
+def test_a_users_error_is_eagers_error_and_no_fallback():
+    _, m = _pair("plain", fallback="warn")
+    m(torch.randn(4, 8))
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+        m(torch.randn(4, 5))  # the model takes 8 features
+    rep = graphtrain.report(m)
+    assert not rep.fallbacks and not rep.eager_only
+
+
+@pytest.mark.parametrize("policy", ["warn", "error"])
+def test_a_compiled_graph_that_raises_where_eager_runs_falls_back(policy, monkeypatch):
+    """A graph graphtrain got wrong (a pass that built what eager's code does not compute: the DeBERTa attention
+    fusion broadcast its mask wrongly) raised a shape error the user never wrote. Eager runs the same call, so the
+    module falls back with a warning (or the `error` policy's error) instead of raising it."""
+    from graphtrain.engine import api
+    ref, m = _pair("plain", fallback=policy)
+    x = torch.randn(4, 8)
+
+    def broken(self, args, kwargs):
+        raise RuntimeError("shape '[1024, 256]' is invalid for input of size 2097152")
+    monkeypatch.setattr(api._CallWrapper, "_run_compiled", broken)
+    if policy == "error":
+        with pytest.raises(GraphtrainCaptureError, match="raised where eager runs"):
+            m(x)
+        return
+    with pytest.warns(UserWarning, match="compiled graph raised where eager runs"):
+        out = m(x)
+    assert_close(out, ref(x), bitwise=True)
+    rep = graphtrain.report(m)
+    assert rep.eager_only and "is invalid for input" in rep.fallbacks[0][1]
+
+
 def test_a_module_whose_forward_is_torchs_own_is_captured():
     # Dynamo starts no trace in torch.nn's files: nn.Sequential used to run eagerly without a word.
     torch.manual_seed(0)

@@ -303,16 +303,23 @@ class _CallWrapper:
             inner = nxt
         if isinstance(inner, GraphtrainCaptureError):
             raise inner from e
+        # The call failed under graphtrain. Either it is the user's own error (a shape mismatch, ...), which eager
+        # raises too, or graphtrain's (Dynamo could not trace it, or a pass built a graph eager's code does not
+        # compute): the same call, run eagerly, tells them apart. Its error, if any, is the one to show, and the
+        # module stays compiled for the next call; if it runs, the module falls back.
+        try:
+            out = self.eager(*args, **kwargs)
+        except Exception as user_error:  # noqa: BLE001
+            raise user_error from None
         import torch._dynamo.exc as dexc
-        skipped = "found no compiled frames" in str(e)  # Dynamo gave up on the frame (recompile limit hit)
-        if not (skipped or isinstance(e, dexc.TorchDynamoException) or isinstance(inner, dexc.TorchDynamoException)):
-            raise e  # the user's own error (shape mismatch, ...): eager would raise it too
-        if skipped:
+        if "found no compiled frames" in str(e):  # Dynamo gave up on the frame (recompile limit hit)
             inner = RuntimeError(f"{e} Dynamo compiles one code object at most torch._dynamo.config.recompile_limit "
                                  f"times (all instances of a class count); raise it or use dynamic=True")
+        elif not (isinstance(e, dexc.TorchDynamoException) or isinstance(inner, dexc.TorchDynamoException)):
+            inner = RuntimeError(f"its compiled graph raised where eager runs ({type(e).__name__}: {e})")
         name = type(self.module).__name__
         reason = " ".join(f"{type(inner).__name__}: {inner}".split())[:600]
         report_fallback(f"capture of {name}", reason, self.state.config, what="runs eagerly from now on",
                         sink=self.state.fallbacks)
         self.state.eager_only = True
-        return self.eager(*args, **kwargs)
+        return out
