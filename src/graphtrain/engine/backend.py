@@ -119,6 +119,10 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Eng
         from graphtrain.passes.static_masks import specialize_static_masks
         for line in specialize_static_masks(gm):
             _note_once(state.notes, line)
+    from graphtrain.passes.learned_masks import learned_masks_to_math
+    if learned := learned_masks_to_math(gm):
+        _note_once(state.notes, f"{learned} SDPA call(s) with a mask that needs a gradient (a learned bias): run "
+                                f"through aten's math implementation, as eager does")
     heads, n_out = [], 0
     if torch.is_grad_enabled() and _has_grad_mode_changes(gm) and (lifted := lift_no_grad_regions(gm)):
         _note_once(state.notes, f"{lifted} no_grad region{'s' * (lifted > 1)} in a graph: lifted (its values "
