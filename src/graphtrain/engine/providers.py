@@ -241,14 +241,21 @@ class UnsuitableProvider(RuntimeError):
     note (a decision, not a failure); under a named provider it falls back like any compile error."""
 
 
+# Functional samplers that return a fresh tensor: under fallback_random Inductor calls them as they are, one extern
+# call ordered by its data like any other, and does not decompose them into the fill + in-place bernoulli_ pair
+# that it misordered. Stochastic depth (timm's and Hugging Face's drop_path: Swin, ViT variants) draws with
+# aten.rand. tests/test_engine_providers.py checks forward and backward against eager under the same seed.
+_FUNCTIONAL_SAMPLERS = frozenset({"rand", "randn", "rand_like", "randn_like"})
+
+
 def _aten_random_ops(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> list[str]:
-    """The distinct ATen random ops (nondeterministic_seeded) of a CPU graph; an SDPA kernel called with dropout_p 0
-    samples nothing and is not one."""
+    """The distinct ATen random ops (nondeterministic_seeded) of a CPU graph that Inductor may misorder; an SDPA
+    kernel called with dropout_p 0 samples nothing and is not one, and the functional samplers are safe."""
     from graphtrain.passes.graph_utils import has_random_tag
     if any(isinstance(x, torch.Tensor) and x.device.type != "cpu" for x in example_inputs):
         return []
     return sorted({str(n.target) for n in gm.graph.nodes if n.op == "call_function" and has_random_tag(n)
-                   and n.target.namespace == "aten"})
+                   and n.target.namespace == "aten" and n.target._opname not in _FUNCTIONAL_SAMPLERS})
 
 
 PROVIDERS = {"aten": compile_aten, "inductor": compile_inductor}
