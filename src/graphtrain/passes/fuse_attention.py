@@ -5,7 +5,8 @@ spellings real models use all land on one matcher: matmul of q with k.transpose(
 k.transpose(2, 3) traced as bmm on expanded/cloned/reshaped operands; `* scale` or `/ sqrt(d)`
 applied to the scores, or to q and k (SDPA's math decomposition); an additive mask, masked_fill
 (-inf or finfo.min) or torch.where; dropout as x * bernoulli / keep (F.dropout, SDPA's in-place
-bernoulli_, native_dropout); bmm with the (dropped) probabilities and v. HF GPT-2/BERT eager and
+bernoulli_, native_dropout); bmm with the (dropped) probabilities and v; [B*H, S, S] bmm scores viewed as
+[B, H, S, S] to meet a [B, 1, S, S] mask (DeBERTa), fused in that shape. HF GPT-2/BERT eager and
 SDPA attention (SDPA with dropout is decomposed by the tracer into exactly this), graphtrain's own
 GPT-2/BERT, and hand-written modules trace to these forms.
 
@@ -21,7 +22,7 @@ with a plain _softmax they would be NaN); dropout keeps probability 1 - p and sc
 but draws a different (hash-based) mask than aten's Bernoulli, like any change of RNG. Skipped
 (no rewrite) when the probabilities or scores have other users (e.g. output_attentions), when the
 mask is computed from trainable parameters (a learned bias needs a gradient the op does not give),
-or when shapes do not line up.
+or when shapes do not line up (a mask that would not broadcast to the fused op's [B, H, Sq, Sk] scores).
 """
 from __future__ import annotations
 
