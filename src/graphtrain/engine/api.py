@@ -295,13 +295,17 @@ class _CallWrapper:
             return self.compiled(*args, **kwargs)
 
     def _capture_failed(self, e: Exception, args: tuple, kwargs: dict) -> Any:
+        from graphtrain.kernels._common import KernelFallbackError
+        policy_errors = (GraphtrainCaptureError, KernelFallbackError)  # the `error` policy speaking: raised as is
         inner = e
-        while not isinstance(inner, GraphtrainCaptureError):
+        while not isinstance(inner, policy_errors):
             nxt = getattr(inner, "inner_exception", None) or inner.__cause__  # BackendCompilerFailed keeps it
             if nxt is None:
                 break
             inner = nxt
-        if isinstance(inner, GraphtrainCaptureError):
+        if inner is e and isinstance(e, policy_errors):
+            raise e
+        if isinstance(inner, policy_errors):
             raise inner from e
         # The call failed under graphtrain. Either it is the user's own error (a shape mismatch, ...), which eager
         # raises too, or graphtrain's (Dynamo could not trace it, or a pass built a graph eager's code does not
