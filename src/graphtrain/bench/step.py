@@ -153,11 +153,10 @@ def main(argv: list[str] | None = None) -> None:
     known = {"eager", "compile", "graphtrain", "graphtrain-aten", "graphtrain-inductor"}
     if set(variants) - known:
         raise SystemExit(f"unknown variants {sorted(set(variants) - known)}; choose from {sorted(known)}")
-    try:
-        dims = tuple(int(x) for x in a.dims.split(","))
-        assert len(dims) == 3
-    except (ValueError, AssertionError):
-        raise SystemExit(f"--dims {a.dims!r}: give three integers, hidden,layers,vocab (e.g. 256,4,8192)") from None
+    parts = a.dims.split(",")
+    if len(parts) != 3 or not all(x.strip().isdigit() for x in parts):
+        raise SystemExit(f"--dims {a.dims!r}: give three integers, hidden,layers,vocab (e.g. 256,4,8192)")
+    dims = tuple(int(x) for x in parts)
     res = run(a.model, a.batch, a.seq, variants, a.steps, a.repeats, a.threads, a.report, dims)
     print(f"{a.model} batch {a.batch} seq {a.seq}, {a.threads} threads, {a.repeats} interleaved turns x "
           f"{a.steps} steps, torch {torch.__version__}")

@@ -244,7 +244,7 @@ class UnsuitableProvider(RuntimeError):
 # Functional samplers that return a fresh tensor: under fallback_random Inductor calls them as they are, one extern
 # call ordered by its data like any other, and does not decompose them into the fill + in-place bernoulli_ pair
 # that it misordered. Stochastic depth (timm's and Hugging Face's drop_path: Swin, ViT variants) draws with
-# aten.rand. tests/test_engine_providers.py checks forward and backward against eager under the same seed.
+# aten.rand. tests/test_inductor_random.py checks forward and backward against eager under the same seed.
 _FUNCTIONAL_SAMPLERS = frozenset({"rand", "randn", "rand_like", "randn_like"})
 
 

@@ -125,9 +125,9 @@ def _try_fuse(gm: fx.GraphModule, sm: fx.Node, ctx: PassContext) -> bool:
     if sc is None:
         return False
     bmm, post_scale = sc
-    if len(shape(scores)) != len(shape(bmm)) and _scores_lead(scores, bmm) is None:
-        return False
     lead = _scores_lead(scores, bmm)
+    if lead is None and len(shape(scores)) != len(shape(bmm)):
+        return False  # the mask met the scores in a shape other than a split of the bmm's batch
     A, B = bmm.args
     sq, sk = shape(bmm)[-2:]
     qa, kb = strip_views(A, (sq, shape(A)[-1])), strip_views(B, (shape(B)[-2], sk))
