@@ -71,6 +71,10 @@ def _loss(out: Any) -> torch.Tensor:
 def _worker(conn: Any, variant: str, model: str, batch: int, seq: int, threads: int,
             dims: tuple[int, int, int]) -> None:
     torch.set_num_threads(threads)
+    # the same process environment for every variant: the CPU allocator graphtrain sets for itself without
+    # recompute (freed blocks kept, huge pages), as the `graphtrain bench` suites do
+    from graphtrain.engine.backend import set_cpu_allocator
+    set_cpu_allocator("keep")
     m, inputs = build(model, batch, seq, dims=dims)
     if variant == "compile":
         m.compile()
