@@ -52,6 +52,21 @@ def example_value(n: Any) -> Any:
     return n.meta.get("example_value", n.meta.get("val")) if isinstance(n, fx.Node) else None
 
 
+# F.scaled_dot_product_attention as Dynamo records it (before the trace to aten)
+_SDPA = tuple(f for f in (getattr(torch._C._nn, "scaled_dot_product_attention", None),
+                          torch.nn.functional.scaled_dot_product_attention) if f is not None)
+
+
+def is_sdpa_call(n: fx.Node) -> bool:
+    """`n` is a Dynamo graph's call of F.scaled_dot_product_attention."""
+    return n.op == "call_function" and n.target in _SDPA
+
+
+def call_arg(n: fx.Node, index: int, name: str, default: Any = None) -> Any:
+    """A call's argument given positionally at `index` or by keyword `name`."""
+    return n.args[index] if len(n.args) > index else n.kwargs.get(name, default)
+
+
 def static_shape(t: Any) -> tuple[int, ...] | None:
     """`t`'s shape when it is a tensor whose sizes are all plain ints (not symbolic), else None."""
     if not isinstance(t, torch.Tensor) or not all(type(d) is int for d in t.shape):

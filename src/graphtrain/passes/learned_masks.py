@@ -19,10 +19,7 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
-from graphtrain.passes.graph_utils import example_value
-
-_SDPA = tuple(f for f in (getattr(torch._C._nn, "scaled_dot_product_attention", None),
-                          torch.nn.functional.scaled_dot_product_attention) if f is not None)
+from graphtrain.passes.graph_utils import call_arg, example_value, is_sdpa_call
 
 
 def sdpa_math(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
@@ -32,10 +29,6 @@ def sdpa_math(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
     requires grad)."""
     return torch.ops.aten._scaled_dot_product_attention_math(query, key, value, attn_mask, dropout_p, is_causal,
                                                              scale=scale, enable_gqa=enable_gqa)[0]
-
-
-def _mask(n: fx.Node) -> Any:
-    return n.args[3] if len(n.args) > 3 else n.kwargs.get("attn_mask")
 
 
 def _needs_grad(mask: Any) -> bool:
@@ -52,7 +45,7 @@ def learned_masks_to_math(gm: fx.GraphModule) -> int:
             continue
         changed = False
         for n in mod.graph.nodes:
-            if n.op == "call_function" and n.target in _SDPA and _needs_grad(_mask(n)):
+            if is_sdpa_call(n) and _needs_grad(call_arg(n, 3, "attn_mask")):
                 n.target = sdpa_math
                 changed = True
                 done += 1

@@ -25,18 +25,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from graphtrain.passes.graph_utils import constant_ancestors, constant_value, example_value, mask_kind, static_shape
-
-_SDPA = tuple(f for f in (getattr(torch._C._nn, "scaled_dot_product_attention", None),
-                          torch.nn.functional.scaled_dot_product_attention) if f is not None)
-
-
-def _is_sdpa(n: fx.Node) -> bool:
-    return n.op == "call_function" and n.target in _SDPA
-
-
-def _arg(n: fx.Node, index: int, name: str, default: Any) -> Any:
-    return n.args[index] if len(n.args) > index else n.kwargs.get(name, default)
+from graphtrain.passes.graph_utils import (call_arg as _arg, constant_ancestors, constant_value, example_value,
+                                          is_sdpa_call as _is_sdpa, mask_kind, static_shape)
 
 
 def _set_arg(n: fx.Node, index: int, name: str, value: Any) -> None:
