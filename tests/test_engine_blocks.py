@@ -2,6 +2,7 @@
 fallbacks, and Hugging Face models (no KV cache built in training)."""
 from __future__ import annotations
 
+import copy
 import importlib.util
 
 import pytest
@@ -138,6 +139,46 @@ def test_hugging_face_gpt2_blocks_match_eager_and_build_no_kv_cache():
     assert rep.blocks == ["transformer.h (3 x GPT2Block)"], str(rep)
     assert [g["calls_per_step"] for g in rep.graphs].count(3) == 1, str(rep)
     assert not rep.graph_breaks and not rep.fallbacks, str(rep)
+
+
+def test_the_blocks_that_repeat_are_found_where_one_differs():
+    from graphtrain.engine.blocks import repeated_blocks
+
+    class Biased(Block):  # T5's first block: the same class, one more weight (its relative-position bias)
+        def __init__(self) -> None:
+            super().__init__()
+            self.bias = nn.Embedding(8, 2)
+
+    class Model(nn.Module):
+        def __init__(self, first: nn.Module, n: int, mlp: list[nn.Module]) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList([first, *(Block() for _ in range(n))])
+            self.mlp = nn.ModuleList(mlp)
+
+    found = repeated_blocks(Model(Biased(), 3, [nn.Linear(4, 4), nn.Linear(4, 8), nn.Linear(8, 4)]))
+    assert [(name, len(b)) for name, b in found] == [("layers[1, 2, 3]", 3)]  # a minority (mlp) is not a stack
+    assert [(name, len(b)) for name, b in repeated_blocks(Model(Block(), 2, []))] == [("layers", 3)]
+
+
+@pytest.mark.skipif(not HAS_HF, reason="transformers not installed")
+def test_hugging_face_t5_repeats_its_later_blocks_and_trains_its_position_bias_like_eager():
+    # Block 0 of each T5 stack owns the relative-position bias and hands it to the others, which return it: the
+    # region copies it (a compiled region may not return its input), and the bias enters each later block's graph
+    # as an input that needs a gradient, so fuse_attention must not take it for a constant mask (before: the
+    # bias's gradient lost every later block's share).
+    from graphtrain.bench.families import build_family
+    ref, batch = build_family("t5", hidden=32, layers=3, vocab=101, batch=2, seq=16, dropout=False)
+    m = graphtrain.accelerate(copy.deepcopy(ref), provider="aten", fallback="error")
+    losses = []
+    for mod in (ref, m):
+        loss = mod(**batch).loss
+        loss.backward()
+        losses.append(loss.detach())
+    assert_close(losses[1], losses[0], name="loss", rtol=1e-5, atol=1e-6)
+    assert_grads_close(m, ref, rtol=1e-4, atol=1e-6)
+    rep = graphtrain.report(m)
+    assert rep.blocks == ["encoder.block[1, 2] (2 x T5Block)", "decoder.block[1, 2] (2 x T5Block)"], str(rep)
+    assert [g["calls_per_step"] for g in rep.graphs].count(2) == 2 and not rep.fallbacks, str(rep)
 
 
 class RopeBlock(Block):

@@ -40,18 +40,25 @@ _MARK = "_graphtrain_block_forward"
 
 
 def repeated_blocks(module: torch.nn.Module) -> list[tuple[str, list[torch.nn.Module]]]:
-    """The repeated stacks of `module`: (ModuleList name, its blocks) for each ModuleList of >= 2 modules of one
-    class with the same parameter and buffer shapes, outermost only (a stack inside a block is the block's)."""
+    """The repeated stacks of `module`: (name, blocks) for each group of >= 2 modules of one class with the same
+    parameter and buffer shapes in an ``nn.ModuleList``, when the group holds at least half of the list; outermost
+    only (a stack inside a block is the block's). The name is the ModuleList's, or ``list[i, j, ...]`` when the
+    group is not the whole list: T5's first block alone carries the relative-position bias, so its other blocks
+    repeat and block 0 runs in the graph before them (one graph for the whole model before)."""
     found: list[tuple[str, list[torch.nn.Module]]] = []
     for name, child in module.named_modules():
         if not isinstance(child, torch.nn.ModuleList) or len(child) < 2:
             continue
-        if any(name.startswith(f"{outer}.") for outer, _ in found):
+        if any(name.startswith(f"{outer.split('[')[0]}.") for outer, _ in found):
             continue
-        blocks = list(child)
-        if len({type(b) for b in blocks}) == 1 and len({_signature(b) for b in blocks}) == 1 \
-                and not isinstance(blocks[0], torch.nn.ModuleList):
-            found.append((name, blocks))
+        groups: dict[tuple[Any, ...], list[int]] = {}
+        for i, b in enumerate(child):
+            if not isinstance(b, torch.nn.ModuleList):
+                groups.setdefault((type(b), _signature(b)), []).append(i)
+        for idx in groups.values():
+            if len(idx) >= 2 and 2 * len(idx) >= len(child):
+                label = name if len(idx) == len(child) else f"{name}[{', '.join(map(str, idx))}]"
+                found.append((label, [child[i] for i in idx]))
     return found
 
 
@@ -108,7 +115,7 @@ def _region(forward: Callable[..., Any], n_blocks: int) -> Callable[..., Any]:
 
     def flat_body(self: Any, spec: str, *leaves: Any) -> Any:
         args, kwargs = _unflatten_call(spec, leaves)
-        return forward(self, *args, **kwargs)
+        return _unalias(forward(self, *args, **kwargs), leaves)
     flat = torch.compiler.nested_compile_region(flat_body, **kw)
 
     @functools.wraps(forward)
@@ -120,6 +127,20 @@ def _region(forward: Callable[..., Any], n_blocks: int) -> Callable[..., Any]:
         spec, leaves = _flatten_call(args, kwargs)
         return flat(self, spec, *leaves)
     return block_forward
+
+
+def _unalias(out: Any, leaves: Sequence[Any]) -> Any:
+    """`out` with every tensor that is one of the block's own inputs replaced by a copy. A compiled region may not
+    return an input (Dynamo refuses the aliasing), and T5's blocks hand back the position bias they were given; the
+    copy is that bias, [1, heads, S, S], once per block. Only a tensor or a flat tuple/list of outputs is looked at
+    (what Hugging Face blocks return): a general pytree walk would be traced per block call (see _region)."""
+    ins = [x for x in leaves if isinstance(x, torch.Tensor)]
+
+    def fix(t: Any) -> Any:
+        return t.clone() if isinstance(t, torch.Tensor) and any(t is x for x in ins) else t
+    if isinstance(out, (tuple, list)) and not hasattr(out, "_fields"):
+        return type(out)(fix(t) for t in out)
+    return fix(out)
 
 
 def _flatten_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[str, list[Any]]:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from graphtrain.passes.fuse_utils import (aten, call, depends_on_params, erase_dead, finish, getitem, is_op,
+from graphtrain.passes.fuse_utils import (aten, call, needs_gradient, erase_dead, finish, getitem, is_op,
                                           match_dropout, number, only_user, shape, strip_views)
 from graphtrain.passes.graph_utils import constant_mask_kind
 from graphtrain.passes.manager import PassContext, register_pass
@@ -157,7 +157,7 @@ def _try_fuse(gm: fx.GraphModule, sm: fx.Node, ctx: PassContext) -> bool:
         causal = False
         if mask_fn is not None:
             mask = mask_fn()
-            if depends_on_params(mask, gm, ctx.input_kinds):
+            if needs_gradient(mask, gm, ctx.input_kinds, ctx.example_inputs):
                 return False
             kind = constant_mask_kind(gm, mask, sq, sk)
             if kind is not None:  # SDPA's own causal mask (is_causal=True) or one built from shapes

@@ -126,21 +126,26 @@ _SHAPE_ONLY = {torch.ops.aten.zeros_like, torch.ops.aten.ones_like, torch.ops.at
                torch.ops.aten.full_like}
 
 
-def depends_on_params(n: fx.Node, gm: fx.GraphModule, input_kinds: list[str] | None) -> bool:
-    """Whether n is computed from a trainable parameter placeholder (then it needs a gradient).
+def needs_gradient(n: fx.Node, gm: fx.GraphModule, input_kinds: list[str] | None,
+                   example_inputs: list[Any] | None = None) -> bool:
+    """Whether n is computed from a trainable parameter placeholder, or from an input whose example value requires
+    grad (an activation from the graph before: in a block graph, T5's position bias, which the first block
+    computes from its learned embedding and hands to every later block). Then n needs a gradient.
 
     `*_like` factories read only their argument's shape and dtype, so the walk does not pass through them."""
     if input_kinds is None:
         return False
     phs = [p for p in gm.graph.nodes if p.op == "placeholder"]
-    params = {p for p, k in zip(phs, input_kinds) if k == "param"}
+    examples = list(example_inputs or []) + [None] * len(phs)
+    grads = {p for p, k, x in zip(phs, input_kinds, examples)
+             if k == "param" or (k != "buffer" and isinstance(x, torch.Tensor) and x.requires_grad)}
     seen, stack = set(), [n]
     while stack:
         c = stack.pop()
         if c in seen:
             continue
         seen.add(c)
-        if c in params:
+        if c in grads:
             return True
         if c.op == "call_function" and getattr(c.target, "overloadpacket", None) in _SHAPE_ONLY:
             continue
