@@ -40,25 +40,18 @@ _MARK = "_graphtrain_block_forward"
 
 
 def repeated_blocks(module: torch.nn.Module) -> list[tuple[str, list[torch.nn.Module]]]:
-    """The repeated stacks of `module`: (name, blocks) for each group of >= 2 modules of one class with the same
-    parameter and buffer shapes in an ``nn.ModuleList``, when the group holds at least half of the list; outermost
-    only (a stack inside a block is the block's). The name is the ModuleList's, or ``list[i, j, ...]`` when the
-    group is not the whole list: T5's first block alone carries the relative-position bias, so its other blocks
-    repeat and block 0 runs in the graph before them (one graph for the whole model before)."""
+    """The repeated stacks of `module`: (ModuleList name, its blocks) for each ModuleList of >= 2 modules of one
+    class with the same parameter and buffer shapes, outermost only (a stack inside a block is the block's)."""
     found: list[tuple[str, list[torch.nn.Module]]] = []
     for name, child in module.named_modules():
         if not isinstance(child, torch.nn.ModuleList) or len(child) < 2:
             continue
-        if any(name.startswith(f"{outer.split('[')[0]}.") for outer, _ in found):
+        if any(name.startswith(f"{outer}.") for outer, _ in found):
             continue
-        groups: dict[tuple[Any, ...], list[int]] = {}
-        for i, b in enumerate(child):
-            if not isinstance(b, torch.nn.ModuleList):
-                groups.setdefault((type(b), _signature(b)), []).append(i)
-        for idx in groups.values():
-            if len(idx) >= 2 and 2 * len(idx) >= len(child):
-                label = name if len(idx) == len(child) else f"{name}[{', '.join(map(str, idx))}]"
-                found.append((label, [child[i] for i in idx]))
+        blocks = list(child)
+        if len({type(b) for b in blocks}) == 1 and len({_signature(b) for b in blocks}) == 1 \
+                and not isinstance(blocks[0], torch.nn.ModuleList):
+            found.append((name, blocks))
     return found
 
 
@@ -230,7 +223,7 @@ def compile_by_blocks(gm: fx.GraphModule, example_inputs: Sequence[Any], input_k
     uses: dict[Any, int] = {}
     for unit in units:  # one compile per distinct body: calls with the same body and input kinds share it
         if unit.kind == "block":
-            unit.key = _body_key(unit, kind_of)
+            unit.key = _body_key(unit, kind_of, example)
             uses[unit.key] = uses.get(unit.key, 0) + 1
     n_glue = 0
     for unit in units:
@@ -315,11 +308,16 @@ def _close_glue(gm: fx.GraphModule, unit: _Unit) -> None:
     unit.graph = fx.GraphModule(gm, graph)  # copies the get_attr targets (constants) it uses from gm
 
 
-def _body_key(unit: _Unit, kind_of: dict[fx.Node, str]) -> Any:
+def _body_key(unit: _Unit, kind_of: dict[fx.Node, str], example: Callable[[fx.Node], Any]) -> Any:
     """Calls share a compile when they share the body (Dynamo's identifier: the graph attribute holding it may
-    differ per call) and their inputs' kinds (frozen vs trained weights)."""
+    differ per call), their inputs' kinds (frozen vs trained weights) and their inputs' layouts. Dynamo reuses a
+    body across calls whose inputs differ only in strides, while a compiled graph asserts the strides it was
+    compiled for: ModernBERT hands its local-attention layers an expanded mask (stride 0) and its global ones a
+    dense one, and the one body compiled for both raised at the other's first call."""
     kinds = tuple(kind_of.get(i, "activation") for i in unit.inputs)
-    return unit.calls[0].args[1], hashlib.sha1(repr(kinds).encode()).hexdigest()
+    layouts = tuple((tuple(v.shape), v.stride(), v.dtype) if isinstance(v := example(i), torch.Tensor)
+                    else type(v).__name__ for i in unit.inputs)
+    return unit.calls[0].args[1], hashlib.sha1(repr((kinds, layouts)).encode()).hexdigest()
 
 
 class _Compiled(torch.nn.Module):
