@@ -190,6 +190,78 @@ def test_a_learned_bias_handed_through_the_blocks_trains_like_eager():
     assert rep.blocks == ["blocks (3 x BiasBlock)"] and not rep.fallbacks, str(rep)
 
 
+def test_the_blocks_that_repeat_are_found_where_one_differs():
+    from graphtrain.engine.blocks import repeated_blocks
+
+    class Biased(Block):  # T5's first block: the same class, one more weight (its relative-position bias)
+        def __init__(self) -> None:
+            super().__init__()
+            self.bias = nn.Embedding(8, 2)
+
+    class Model(nn.Module):
+        def __init__(self, first: nn.Module, n: int, mlp: list[nn.Module]) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList([first, *(Block() for _ in range(n))])
+            self.mlp = nn.ModuleList(mlp)
+
+    found = repeated_blocks(Model(Biased(), 3, [nn.Linear(4, 4), nn.Linear(4, 8), nn.Linear(8, 4)]))
+    assert [(name, len(b)) for name, b in found] == [("layers[1, 2, 3]", 3)]  # a minority (mlp) is not a stack
+    assert [(name, len(b)) for name, b in repeated_blocks(Model(Block(), 2, []))] == [("layers", 3)]
+
+
+@pytest.mark.skipif(not HAS_HF, reason="transformers not installed")
+def test_hugging_face_t5_repeats_its_later_blocks_like_eager():
+    from graphtrain.bench.families import build_family
+    ref, batch = build_family("t5", hidden=32, layers=3, vocab=101, batch=2, seq=16, dropout=False)
+    m = graphtrain.accelerate(copy.deepcopy(ref), provider="aten", fallback="error")
+    losses = []
+    for mod in (ref, m):
+        loss = mod(**batch).loss
+        loss.backward()
+        losses.append(loss.detach())
+    assert_close(losses[1], losses[0], name="loss", rtol=1e-5, atol=1e-6)
+    assert_grads_close(m, ref, rtol=1e-4, atol=1e-6)
+    rep = graphtrain.report(m)
+    assert rep.blocks == ["encoder.block[1, 2] (2 x T5Block)", "decoder.block[1, 2] (2 x T5Block)"], str(rep)
+    assert [g["calls_per_step"] for g in rep.graphs].count(2) == 2 and not rep.fallbacks, str(rep)
+
+
+def test_a_piece_gets_its_inputs_in_the_layout_it_was_compiled_for():
+    from graphtrain.engine.blocks import _conforming
+    expanded = torch.randn(1, 1, 4, 4).expand(3, 1, 4, 4)  # an expand in the trace ...
+    dense = expanded.contiguous()                           # ... that the piece before returned materialized
+    seen = []
+    fn = _conforming(lambda *a: seen.append([(x.shape, x.stride()) for x in a[:2]]) or a, [expanded, dense, 2])
+    out = fn(dense, expanded, 2)
+    assert seen[0] == [(expanded.shape, expanded.stride()), (dense.shape, dense.stride())]
+    assert torch.equal(out[0], dense) and torch.equal(out[1], dense) and out[2] == 2
+    # a transposed layout is copied into the compiled one, and the gradient goes through the copy
+    x = torch.randn(4, 3, requires_grad=True)
+    y = _conforming(lambda a: a, [torch.empty(4, 3).t().contiguous().t()])(x)
+    assert y.stride() == (1, 4) and torch.equal(y, x)
+    y.sum().backward()
+    assert torch.equal(x.grad, torch.ones(4, 3))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_HF, reason="transformers not installed")
+def test_hugging_face_modernbert_blocks_under_inductor_match_eager():
+    # Its first layer differs (no attention norm), so its later layers repeat; under Inductor the block asserted
+    # the expanded mask it was compiled for and got the dense one the graph before it returned (a fallback to
+    # eager before _conforming). Inductor's compile: slow.
+    from graphtrain.bench.families import build_family
+    ref, batch = build_family("modernbert", hidden=64, layers=4, vocab=101, batch=2, seq=128, dropout=False)
+    m = graphtrain.accelerate(copy.deepcopy(ref), provider="inductor", fallback="error")
+    losses = []
+    for mod in (ref, m):
+        loss = mod(**batch).loss
+        loss.backward()
+        losses.append(loss.detach())
+    assert_close(losses[1], losses[0], name="loss", rtol=1e-4, atol=1e-5)
+    assert_grads_close(m, ref, rtol=1e-3, atol=1e-5)
+    assert graphtrain.report(m).blocks == ["model.layers[1, 2, 3] (3 x ModernBertEncoderLayer)"]
+
+
 class RopeBlock(Block):
     """A block called the way Hugging Face calls its layers: keyword arguments, a tuple among them, a flag."""
 

@@ -40,18 +40,25 @@ _MARK = "_graphtrain_block_forward"
 
 
 def repeated_blocks(module: torch.nn.Module) -> list[tuple[str, list[torch.nn.Module]]]:
-    """The repeated stacks of `module`: (ModuleList name, its blocks) for each ModuleList of >= 2 modules of one
-    class with the same parameter and buffer shapes, outermost only (a stack inside a block is the block's)."""
+    """The repeated stacks of `module`: (name, blocks) for each group of >= 2 modules of one class with the same
+    parameter and buffer shapes in an ``nn.ModuleList``, when the group holds at least half of the list; outermost
+    only (a stack inside a block is the block's). The name is the ModuleList's, or ``list[i, j, ...]`` when the
+    group is not the whole list: T5's first block alone carries the relative-position bias, so its other blocks
+    repeat and block 0 runs in the graph before them (one graph for the whole model before)."""
     found: list[tuple[str, list[torch.nn.Module]]] = []
     for name, child in module.named_modules():
         if not isinstance(child, torch.nn.ModuleList) or len(child) < 2:
             continue
-        if any(name.startswith(f"{outer}.") for outer, _ in found):
+        if any(name.startswith(f"{outer.split('[')[0]}.") for outer, _ in found):
             continue
-        blocks = list(child)
-        if len({type(b) for b in blocks}) == 1 and len({_signature(b) for b in blocks}) == 1 \
-                and not isinstance(blocks[0], torch.nn.ModuleList):
-            found.append((name, blocks))
+        groups: dict[tuple[Any, ...], list[int]] = {}
+        for i, b in enumerate(child):
+            if not isinstance(b, torch.nn.ModuleList):
+                groups.setdefault((type(b), _signature(b)), []).append(i)
+        for idx in groups.values():
+            if len(idx) >= 2 and 2 * len(idx) >= len(child):
+                label = name if len(idx) == len(child) else f"{name}[{', '.join(map(str, idx))}]"
+                found.append((label, [child[i] for i in idx]))
     return found
 
 
@@ -232,13 +239,51 @@ def compile_by_blocks(gm: fx.GraphModule, example_inputs: Sequence[Any], input_k
             label = "before the first block" if n_glue == 0 else (
                 "after the last block" if unit is units[-1] else f"between blocks {n_glue}")
             n_glue += 1
-            unit.fn = compile_piece(unit.graph, [example(i) for i in unit.inputs], kinds, label, 1)
+            examples = [example(i) for i in unit.inputs]
+            unit.fn = _conforming(compile_piece(unit.graph, examples, kinds, label, 1), examples)
         elif unit.key not in compiled:
             kinds = [kind_of.get(i, "activation") for i in unit.inputs]
             n = uses[unit.key]
-            compiled[unit.key] = compile_piece(unit.graph, [example(i) for i in unit.inputs], kinds,
-                                               f"block {unit.calls[0].args[1]} x{n}", n)
+            examples = [example(i) for i in unit.inputs]
+            compiled[unit.key] = _conforming(compile_piece(unit.graph, examples, kinds,
+                                                           f"block {unit.calls[0].args[1]} x{n}", n), examples)
     return _assemble(gm, placeholders, units, compiled)
+
+
+def _conforming(fn: Callable[..., Any], examples: Sequence[Any]) -> Callable[..., Any]:
+    """`fn` called with each tensor laid out as the example it was compiled for. A piece is compiled on Dynamo's
+    example values, and Inductor's code asserts their strides, but the piece before it may return a tensor of
+    the same values in another layout: ModernBERT's mask, an expand in Dynamo's trace, came out of the compiled
+    graph before the first block dense, and the block raised (the module then ran eagerly). Same layout (every
+    call of the models measured): one stride comparison per tensor."""
+    likes = [(i, x) for i, x in enumerate(examples) if isinstance(x, torch.Tensor)]
+
+    def call(*args: Any) -> Any:
+        for i, like in likes:
+            x = args[i]
+            if isinstance(x, torch.Tensor) and x.stride() != like.stride() and x.shape == like.shape:
+                args = (*args[:i], _conform(x, like), *args[i + 1:])
+        return fn(*args)
+    return call
+
+
+def _conform(x: torch.Tensor, like: Any) -> torch.Tensor:
+    """`x` with `like`'s strides (same shape). A stride-0 dimension of `like` is an expand in the traced program,
+    so every slice of `x` along it holds the same values: the first is kept and expanded again. Other dimensions
+    are copied into `like`'s layout. `x` itself when that layout cannot be built (the piece then raises as
+    before)."""
+    shape, stride = tuple(like.shape), tuple(like.stride())
+    base = x
+    for d, (n, s) in enumerate(zip(shape, stride)):
+        if s == 0 and n > 1:
+            base = base.narrow(d, 0, 1)
+    try:
+        out = torch.empty_strided(tuple(base.shape), tuple(s if s else 1 for s in stride), dtype=x.dtype,
+                                  device=x.device)
+    except RuntimeError:
+        return x
+    out = out.copy_(base).expand(shape)
+    return out if out.stride() == stride else x
 
 
 @dataclass
