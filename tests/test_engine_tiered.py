@@ -106,6 +106,25 @@ def test_time_step_warms_up_only_a_candidate_that_has_not_run():
         assert len(calls) == n
 
 
+def test_time_step_calls_a_candidate_with_its_inputs_own_layout():
+    # A compiled graph asserts its inputs' strides: timing it on a contiguous copy of an expanded mask (stride 0,
+    # ModernBERT's) raised and the module fell back to eager.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from graphtrain.engine.choose import time_step
+    mask = torch.randn(1, 1, 4, 4).expand(3, 1, 4, 4)
+    w = torch.randn(4, 3).t()
+    with FakeTensorMode() as mode:
+        fake = mode.from_tensor(mask)
+    seen = []
+
+    def fn(m, f, w):
+        seen.append((m.stride(), f.stride(), w.stride()))
+        return m + f
+    time_step(fn, [mask, fake, w], repeats=1, budget_s=float("inf"))
+    assert set(seen) == {(mask.stride(), mask.stride(), w.stride())}
+
+
 def test_a_graph_inductor_refuses_stays_on_aten_with_a_note():
     class Net(nn.Module):  # a plain dropout between two linears, graphtrain's dropout fusion off: ATen's bernoulli
         def __init__(self) -> None:

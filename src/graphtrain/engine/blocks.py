@@ -262,13 +262,13 @@ def _conforming(fn: Callable[..., Any], examples: Sequence[Any]) -> Callable[...
         for i, like in likes:
             x = args[i]
             if isinstance(x, torch.Tensor) and x.stride() != like.stride() and x.shape == like.shape:
-                args = (*args[:i], _conform(x, like), *args[i + 1:])
+                args = (*args[:i], laid_out_as(x, like), *args[i + 1:])
         return fn(*args)
     return call
 
 
-def _conform(x: torch.Tensor, like: Any) -> torch.Tensor:
-    """`x` with `like`'s strides (same shape). A stride-0 dimension of `like` is an expand in the traced program,
+def laid_out_as(x: torch.Tensor, like: Any) -> torch.Tensor:
+    """`x` with `like`'s strides (same shape; also what provider auto's timing calls a candidate with, choose._real). A stride-0 dimension of `like` is an expand in the traced program,
     so every slice of `x` along it holds the same values: the first is kept and expanded again. Other dimensions
     are copied into `like`'s layout. `x` itself when that layout cannot be built (the piece then raises as
     before)."""

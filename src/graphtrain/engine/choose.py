@@ -65,7 +65,8 @@ def under_ddp_optimizer() -> bool:
 
 
 def _real(x: Any) -> Any:
-    """A real tensor like `x` (a real input, or a fake one of a piece between blocks) that owns its memory."""
+    """A real tensor like `x` (a real input, or a fake one of a piece between blocks) that owns its memory, laid out
+    as `x` (its strides)."""
     if not isinstance(x, torch.Tensor):
         return x
     from torch._subclasses.fake_tensor import FakeTensor
@@ -76,6 +77,9 @@ def _real(x: Any) -> Any:
             out = torch.zeros(x.shape, dtype=x.dtype, device=x.device)
     else:
         out = x.detach().clone()
+    if out.stride() != x.stride():  # in `x`'s layout, which a compiled graph asserts (an expanded mask: stride 0)
+        from graphtrain.engine.blocks import laid_out_as
+        out = laid_out_as(out, x)
     return out.requires_grad_(x.requires_grad) if out.dtype.is_floating_point else out
 
 
