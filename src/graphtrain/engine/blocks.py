@@ -253,9 +253,9 @@ def compile_by_blocks(gm: fx.GraphModule, example_inputs: Sequence[Any], input_k
 def _conforming(fn: Callable[..., Any], examples: Sequence[Any]) -> Callable[..., Any]:
     """`fn` called with each tensor laid out as the example it was compiled for. A piece is compiled on Dynamo's
     example values, and Inductor's code asserts their strides, but the piece before it may return a tensor of
-    the same values in another layout: ModernBERT's mask, an expand in Dynamo's trace, came out of the compiled
-    graph before the first block dense, and the block raised (the module then ran eagerly). Same layout (every
-    call of the models measured): one stride comparison per tensor."""
+    the same values in another layout: ModernBERT's mask, an expand in Dynamo's trace, reached its first
+    repeated block dense, and the block raised (the module then ran eagerly). Same layout (every call of the
+    models measured but that one): one stride comparison per tensor."""
     likes = [(i, x) for i, x in enumerate(examples) if isinstance(x, torch.Tensor)]
 
     def call(*args: Any) -> Any:
@@ -268,10 +268,10 @@ def _conforming(fn: Callable[..., Any], examples: Sequence[Any]) -> Callable[...
 
 
 def laid_out_as(x: torch.Tensor, like: Any) -> torch.Tensor:
-    """`x` with `like`'s strides (same shape; also what provider auto's timing calls a candidate with, choose._real). A stride-0 dimension of `like` is an expand in the traced program,
-    so every slice of `x` along it holds the same values: the first is kept and expanded again. Other dimensions
-    are copied into `like`'s layout. `x` itself when that layout cannot be built (the piece then raises as
-    before)."""
+    """`x` with `like`'s strides (same shape): a piece's inputs (_conforming) and the copies provider auto times a
+    candidate on (choose._real). A stride-0 dimension of `like` is an expand in the traced program, so every
+    slice of `x` along it holds the same values: the first is kept and expanded again. Other dimensions are
+    copied into `like`'s layout. `x` itself when that layout cannot be built (the piece then raises as before)."""
     shape, stride = tuple(like.shape), tuple(like.stride())
     base = x
     for d, (n, s) in enumerate(zip(shape, stride)):
@@ -355,10 +355,9 @@ def _close_glue(gm: fx.GraphModule, unit: _Unit) -> None:
 
 def _body_key(unit: _Unit, kind_of: dict[fx.Node, str], example: Callable[[fx.Node], Any]) -> Any:
     """Calls share a compile when they share the body (Dynamo's identifier: the graph attribute holding it may
-    differ per call), their inputs' kinds (frozen vs trained weights) and their inputs' layouts. Dynamo reuses a
-    body across calls whose inputs differ only in strides, while a compiled graph asserts the strides it was
-    compiled for: ModernBERT hands its local-attention layers an expanded mask (stride 0) and its global ones a
-    dense one, and the one body compiled for both raised at the other's first call."""
+    differ per call), their inputs' kinds (frozen vs trained weights) and their inputs' layouts: calls Dynamo lets
+    share a body may still differ in their inputs' strides, which a compiled graph asserts, so each layout gets a
+    compile of its own (_conforming then has nothing to copy)."""
     kinds = tuple(kind_of.get(i, "activation") for i in unit.inputs)
     layouts = tuple((tuple(v.shape), v.stride(), v.dtype) if isinstance(v := example(i), torch.Tensor)
                     else type(v).__name__ for i in unit.inputs)

@@ -29,8 +29,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from graphtrain.passes.fuse_utils import (aten, call, needs_gradient, erase_dead, finish, getitem, is_op,
-                                          match_dropout, number, only_user, shape, strip_views)
+from graphtrain.passes.fuse_utils import (aten, call, erase_dead, finish, getitem, is_op, match_dropout,
+                                          needs_gradient, number, only_user, shape, strip_views)
 from graphtrain.passes.graph_utils import constant_mask_kind
 from graphtrain.passes.manager import PassContext, register_pass
 
