@@ -169,23 +169,29 @@ class BiasStack(Stack):
         return F.cross_entropy(self.head(x).flatten(0, 1), idx.flatten())
 
 
+def _one_step_like_eager(ref: nn.Module, call, provider: str = "aten", loss_tol: tuple = (1e-5, 1e-6),
+                         grad_tol: tuple = (1e-4, 1e-6)):
+    """A copy of `ref` accelerated (fallback error); `call(module)` -> loss, once for each; loss and every gradient
+    against eager's. Returns the accelerated module."""
+    m = graphtrain.accelerate(copy.deepcopy(ref), provider=provider, fallback="error")
+    losses = []
+    for mod in (ref, m):
+        loss = call(mod)
+        loss.backward()
+        losses.append(loss.detach())
+    assert_close(losses[1], losses[0], name="loss", rtol=loss_tol[0], atol=loss_tol[1])
+    assert_grads_close(m, ref, rtol=grad_tol[0], atol=grad_tol[1])
+    return m
+
+
 def test_a_learned_bias_handed_through_the_blocks_trains_like_eager():
     # Each block returns the bias it was given: the region returns a copy (a compiled region may not return its
     # input; before, capture failed). Inside a block's graph the bias is an input that needs a gradient, so
     # fuse_attention must not take it for a constant mask (checked without the check: the bias lost every block's
     # gradient share).
     torch.manual_seed(0)
-    ref = BiasStack().train()
-    m = copy.deepcopy(ref)
-    m = graphtrain.accelerate(m, provider="aten", fallback="error")
     idx = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
-    losses = []
-    for mod in (ref, m):
-        loss = mod(idx)
-        loss.backward()
-        losses.append(loss.detach())
-    assert_close(losses[1], losses[0], name="loss", rtol=1e-5, atol=1e-6)
-    assert_grads_close(m, ref, rtol=1e-4, atol=1e-6)
+    m = _one_step_like_eager(BiasStack().train(), lambda mod: mod(idx))
     rep = graphtrain.report(m)
     assert rep.blocks == ["blocks (3 x BiasBlock)"] and not rep.fallbacks, str(rep)
 
@@ -213,15 +219,7 @@ def test_the_blocks_that_repeat_are_found_where_one_differs():
 def test_hugging_face_t5_repeats_its_later_blocks_like_eager():
     from graphtrain.bench.families import build_family
     ref, batch = build_family("t5", hidden=32, layers=3, vocab=101, batch=2, seq=16, dropout=False)
-    m = graphtrain.accelerate(copy.deepcopy(ref), provider="aten", fallback="error")
-    losses = []
-    for mod in (ref, m):
-        loss = mod(**batch).loss
-        loss.backward()
-        losses.append(loss.detach())
-    assert_close(losses[1], losses[0], name="loss", rtol=1e-5, atol=1e-6)
-    assert_grads_close(m, ref, rtol=1e-4, atol=1e-6)
-    rep = graphtrain.report(m)
+    rep = graphtrain.report(_one_step_like_eager(ref, lambda mod: mod(**batch).loss))
     assert rep.blocks == ["encoder.block[1, 2] (2 x T5Block)", "decoder.block[1, 2] (2 x T5Block)"], str(rep)
     assert [g["calls_per_step"] for g in rep.graphs].count(2) == 2 and not rep.fallbacks, str(rep)
 
@@ -251,14 +249,8 @@ def test_hugging_face_modernbert_blocks_under_inductor_match_eager():
     # eager before _conforming). Inductor's compile: slow.
     from graphtrain.bench.families import build_family
     ref, batch = build_family("modernbert", hidden=64, layers=4, vocab=101, batch=2, seq=128, dropout=False)
-    m = graphtrain.accelerate(copy.deepcopy(ref), provider="inductor", fallback="error")
-    losses = []
-    for mod in (ref, m):
-        loss = mod(**batch).loss
-        loss.backward()
-        losses.append(loss.detach())
-    assert_close(losses[1], losses[0], name="loss", rtol=1e-4, atol=1e-5)
-    assert_grads_close(m, ref, rtol=1e-3, atol=1e-5)
+    m = _one_step_like_eager(ref, lambda mod: mod(**batch).loss, provider="inductor", loss_tol=(1e-4, 1e-5),
+                             grad_tol=(1e-3, 1e-5))
     assert graphtrain.report(m).blocks == ["model.layers[1, 2, 3] (3 x ModernBertEncoderLayer)"]
 
 
