@@ -240,23 +240,26 @@ def compile_by_blocks(gm: fx.GraphModule, example_inputs: Sequence[Any], input_k
                 "after the last block" if unit is units[-1] else f"between blocks {n_glue}")
             n_glue += 1
             examples = [example(i) for i in unit.inputs]
-            unit.fn = _conforming(compile_piece(unit.graph, examples, kinds, label, 1), examples)
+            unit.fn = _conforming(compile_piece(unit.graph, examples, kinds, label, 1), examples, kinds)
         elif unit.key not in compiled:
             kinds = [kind_of.get(i, "activation") for i in unit.inputs]
             n = uses[unit.key]
             examples = [example(i) for i in unit.inputs]
             compiled[unit.key] = _conforming(compile_piece(unit.graph, examples, kinds,
-                                                           f"block {unit.calls[0].args[1]} x{n}", n), examples)
+                                                           f"block {unit.calls[0].args[1]} x{n}", n), examples, kinds)
     return _assemble(gm, placeholders, units, compiled)
 
 
-def _conforming(fn: Callable[..., Any], examples: Sequence[Any]) -> Callable[..., Any]:
+def _conforming(fn: Callable[..., Any], examples: Sequence[Any],
+                kinds: Sequence[str] | None = None) -> Callable[..., Any]:
     """`fn` called with each tensor laid out as the example it was compiled for. A piece is compiled on Dynamo's
     example values, and Inductor's code asserts their strides, but the piece before it may return a tensor of
     the same values in another layout: ModernBERT's mask, an expand in Dynamo's trace, reached its first
     repeated block dense, and the block raised (the module then ran eagerly). Same layout (every call of the
     models measured but that one): one stride comparison per tensor."""
-    likes = [(i, x) for i, x in enumerate(examples) if isinstance(x, torch.Tensor)]
+    # weights and buffers come from the module as they are: only the batch and other pieces' outputs are checked
+    likes = [(i, x) for i, x in enumerate(examples) if isinstance(x, torch.Tensor)
+             and (kinds is None or kinds[i] not in ("param", "frozen", "buffer"))]
 
     def call(*args: Any) -> Any:
         for i, like in likes:
