@@ -2,8 +2,9 @@
 init): each trains under `accelerate` with fallback=error (no fallback, no crash) and matches eager's loss and every
 gradient. Dropout and stochastic depth are set to 0 so that both runs compute the same function.
 
-The default suite runs the architectures that once broke (DeBERTa-v2's attention fusion, Swin's learned mask),
-Bloom's known fallback and T5 (encoder-decoder); the rest are marked slow."""
+The default suite runs the architectures that once broke (DeBERTa-v2's attention fusion, Swin's learned mask,
+Bloom's autograd.Function GELU, once a fallback: engine/autograd_functions.py) and T5 (encoder-decoder); the rest
+are marked slow."""
 from __future__ import annotations
 
 import copy
@@ -18,10 +19,6 @@ pytest.importorskip("transformers")
 from graphtrain.bench.families import FAMILIES, build_family  # noqa: E402
 
 DEFAULT = {"deberta2", "swin", "bloom", "t5"}  # GPT-2, BERT and Llama are checked by the other HF tests
-# Known limits, each reported as a fallback (not silent): the graph still trains under AOTAutograd, without the
-# pre-autodiff passes. Bloom's GELU is an autograd.Function with its own backward, which the trace to the aten IR
-# (functionalization) cannot enter; inlining its forward would replace the user's backward with autograd's.
-KNOWN_FALLBACKS = {"bloom": "custom_function_call"}
 
 
 def _build(name: str):
@@ -31,8 +28,7 @@ def _build(name: str):
 @pytest.mark.parametrize("name", [n if n in DEFAULT else pytest.param(n, marks=pytest.mark.slow) for n in FAMILIES])
 def test_family_trains_like_eager(name):
     ref, batch = _build(name)
-    known = KNOWN_FALLBACKS.get(name)
-    m = graphtrain.accelerate(copy.deepcopy(ref), provider="aten", fallback="silent" if known else "error")
+    m = graphtrain.accelerate(copy.deepcopy(ref), provider="aten", fallback="error")
     losses = []
     for mod in (ref, m):
         loss = mod(**batch).loss
@@ -42,10 +38,7 @@ def test_family_trains_like_eager(name):
     assert_grads_close(m, ref, rtol=1e-4, atol=1e-6)
     rep = graphtrain.report(m)
     assert not rep.eager_only and rep.graphs
-    if known:
-        assert rep.fallbacks and all(known in reason for _, reason in rep.fallbacks), rep.fallbacks
-    else:
-        assert not rep.fallbacks, rep.fallbacks
+    assert not rep.fallbacks, rep.fallbacks
 
 
 def test_step_bench_builds_a_family_and_names_bad_input():

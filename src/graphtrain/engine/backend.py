@@ -233,6 +233,7 @@ def _pre_autodiff(gm: fx.GraphModule, example_inputs: Sequence[Any], kinds: list
                   state: EngineState, rec: Any, key: str | None = None) -> fx.GraphModule:
     """Stages 1-2: `gm` as the optimized pre-autodiff aten graph for config.provider (from the pass cache when an
     identical graph was optimized before); the Dynamo graph itself where tracing fails (reported)."""
+    from graphtrain.engine import autograd_functions
     from graphtrain.engine.pipeline import run_passes, trace
     from graphtrain.engine.trace import delocalize, dtensor_inputs, localize
 
@@ -247,6 +248,10 @@ def _pre_autodiff(gm: fx.GraphModule, example_inputs: Sequence[Any], kinds: list
         return cached
     try:
         local, trace_inputs = localize(gm, example_inputs, sharded) if sharded else (gm, list(example_inputs))
+        local, hidden = autograd_functions.hide(local)
+        if hidden:
+            _note_once(rec.notes, f"{hidden} autograd.Function call(s) held opaque through the pre-autodiff passes "
+                                  f"(their own forward and backward run)")
         traced = trace(local, trace_inputs, rec)
     except Exception as e:  # noqa: BLE001 - any tracing failure degrades to the Dynamo graph
         report_fallback(f"tracing {rec.name} ({rec.frame}) to aten", f"{type(e).__name__}: {e}", config,
@@ -254,6 +259,7 @@ def _pre_autodiff(gm: fx.GraphModule, example_inputs: Sequence[Any], kinds: list
         return gm
     n_records = len(state.passes)
     traced = run_passes(traced, "pre_autodiff", config, state, rec, example_inputs=trace_inputs, input_kinds=kinds)
+    autograd_functions.restore(traced)
     if not sharded and rec.pass_cache == "miss":
         from graphtrain.engine.cache import save_pass_result
         traced = save_pass_result(config, rec.pass_cache_key, traced, state.passes[n_records:], rec.ops_captured,

@@ -107,13 +107,7 @@ def pass_cache_key(gm: "fx.GraphModule", example_inputs: "Sequence[Any]", kinds:
     h.update(f"v{PASS_CACHE_VERSION} torch {torch.__version__} {platform.machine()} "
              f"{torch.backends.cpu.get_cpu_capability()} {source_digest()}\n".encode())
     h.update(_machine_and_passes(config).encode())
-    h.update(gm.code.encode())
-    for node in gm.graph.nodes:  # constants the code only names
-        if node.op == "get_attr":
-            value = getattr(gm, str(node.target), None)
-            if isinstance(value, torch.Tensor):
-                h.update(f"{node.target} {tuple(value.shape)} {value.dtype}".encode())
-                h.update(value.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    _digest_graph(h, gm)
     for x, kind in zip(example_inputs, kinds):
         if isinstance(x, torch.Tensor):
             h.update(f"{kind} {tuple(x.shape)} {x.stride()} {x.dtype} {x.device.type} {x.requires_grad}\n".encode())
@@ -124,6 +118,31 @@ def pass_cache_key(gm: "fx.GraphModule", example_inputs: "Sequence[Any]", kinds:
     unkeyed = ("cache_dir", "debug", "compile_in_background", "background_at_exit", "fallback")
     settings = {k: v for k, v in dataclasses.asdict(config).items() if k not in unkeyed}
     h.update(repr(sorted(settings.items())).encode())
+    return h.hexdigest()
+
+
+def _digest_graph(h: Any, gm: "fx.GraphModule") -> None:
+    """Feed `gm`'s code and the constants it only names into `h`: tensors by value, graphs a node calls (an
+    autograd.Function's forward and backward bodies) by their own code and constants."""
+    import torch
+    import torch.fx as fx
+    h.update(gm.code.encode())
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            value = getattr(gm, str(node.target), None)
+            if isinstance(value, torch.Tensor):
+                h.update(f"{node.target} {tuple(value.shape)} {value.dtype}".encode())
+                h.update(value.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+            elif isinstance(value, fx.GraphModule):
+                h.update(f"{node.target} graph\n".encode())
+                _digest_graph(h, value)
+
+
+def graph_digest(gm: "fx.GraphModule") -> str:
+    """A hex digest of `gm`'s code and constants (nested graphs included)."""
+    import hashlib
+    h = hashlib.sha256()
+    _digest_graph(h, gm)
     return h.hexdigest()
 
 
@@ -187,6 +206,13 @@ def save_pass_result(config: EngineConfig, key: str, gm: "fx.GraphModule", recor
     return loaded
 
 
+class _Graph:
+    """A nested graph inside an encoded graph (what _encode_graph returns for it)."""
+
+    def __init__(self, data: dict[str, Any]) -> None:
+        self.data = data
+
+
 class _Ref:
     """A node (by name) or a callable (by where it is defined) inside an encoded graph."""
 
@@ -202,6 +228,9 @@ def _encode_target(target: Any) -> Any:
         return _Ref("op", (target.namespace, target._opname, target._overloadname))
     if isinstance(target, torch._ops.OpOverloadPacket):
         return _Ref("packet", (target._qualified_op_name.split("::")[0], target.__name__.split(".")[-1]))
+    if isinstance(target, torch._ops.HigherOrderOperator) and getattr(torch.ops.higher_order, target.name(),
+                                                                        None) is target:
+        return _Ref("hop", target.name())
     module, name = getattr(target, "__module__", None), getattr(target, "__qualname__", None)
     if not module or not name or "<" in name:
         raise TypeError(f"cannot name {target!r}")
@@ -226,6 +255,8 @@ def _decode_target(ref: Any) -> Any:
     if ref.kind == "packet":
         ns, op = ref.value
         return getattr(getattr(torch.ops, ns), op)
+    if ref.kind == "hop":
+        return getattr(torch.ops.higher_order, ref.value)
     module, name = ref.value
     obj: Any = importlib.import_module(module)
     for part in name.split("."):
@@ -234,8 +265,9 @@ def _decode_target(ref: Any) -> Any:
 
 
 def _encode_graph(gm: "fx.GraphModule") -> dict[str, Any]:
-    """`gm` as plain picklable data: each node's op, name, target and arguments (nodes by name), and the tensors
-    its get_attr nodes read. Node metadata is not kept (AOTAutograd traces the graph again anyway)."""
+    """`gm` as plain picklable data: each node's op, name, target and arguments (nodes by name), and what its
+    get_attr nodes read: tensors, and graphs a node calls (an autograd.Function's forward and backward bodies,
+    encoded the same way). Node metadata is not kept (AOTAutograd traces the graph again anyway)."""
     import torch
     import torch.fx as fx
 
@@ -246,9 +278,12 @@ def _encode_graph(gm: "fx.GraphModule") -> dict[str, Any]:
     for n in gm.graph.nodes:
         if n.op == "get_attr":
             value = getattr(gm, str(n.target))
-            if not isinstance(value, torch.Tensor):
+            if isinstance(value, fx.GraphModule):
+                attrs[str(n.target)] = _Graph(_encode_graph(value))
+            elif isinstance(value, torch.Tensor):
+                attrs[str(n.target)] = value.detach().clone()
+            else:
                 raise TypeError(f"get_attr {n.target} is a {type(value).__name__}")
-            attrs[str(n.target)] = value.detach().clone()
         nodes.append((n.op, n.name, _encode_target(n.target), arg(n.args), arg(n.kwargs), _kept_meta(n)))
     return {"nodes": nodes, "attrs": attrs}
 
@@ -285,4 +320,5 @@ def _decode_graph(data: dict[str, Any]) -> "fx.GraphModule":
         node = graph.create_node(op, _decode_target(target), arg(args), arg(kwargs), name=name)
         node.meta.update(meta)
         env[name] = node
-    return fx.GraphModule(dict(data["attrs"]), graph)  # a dict root: get_attr targets (dotted too) from it
+    attrs = {k: _decode_graph(v.data) if isinstance(v, _Graph) else v for k, v in data["attrs"].items()}
+    return fx.GraphModule(attrs, graph)  # a dict root: get_attr targets (dotted too) from it
