@@ -87,7 +87,18 @@ def test_cpp_fields_name_real_cpu_ext_functions():
 
 def test_facts_the_old_tables_held():
     """What recompute's op sets, mixed precision's table, seeded.py and the predictor knew before the registry
-    (rms_norm's precision was missing: fp32 now, like layer_norm)."""
+    (rms_norm's precision was missing: fp32 now, like layer_norm). The kernels' ops only: a user's autograd.Function
+    held opaque (engine/autograd_functions.py) is random as far as the passes know, never recomputed, and follows."""
+    _import_every_op_module()
+    d = OPS.pop("autograd_function")
+    try:
+        _facts_of_the_kernels_ops()
+    finally:
+        OPS["autograd_function"] = d
+    assert (d.random, d.recompute, d.precision, d.workspace_bytes, d.cpp) == (True, "never", "follow", no_workspace, ())
+
+
+def _facts_of_the_kernels_ops():
     fwd = {n: d for n, d in OPS.items() if d.role in ("forward", "seeded")}
     assert {n for n, d in OPS.items() if d.random} == {"attention", "bias_dropout_add", "dropout_seed"}
     assert {n for n, d in fwd.items() if d.recompute == "cheap" and not d.random} == {

@@ -27,6 +27,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from graphtrain.kernels.registry import FOLLOW, FORWARD, NEVER, OpDescriptor, no_workspace, register_ops
+
 _HOP = getattr(torch.ops.higher_order, "autograd_function_apply", None)
 _BODIES: dict[str, tuple[fx.GraphModule, fx.GraphModule, dict[str, Any]]] = {}
 """Each hidden function's (forward body, backward body, the node's keyword arguments), by digest: content
@@ -53,6 +55,12 @@ def autograd_function(key: str, args: list[torch.Tensor]) -> list[torch.Tensor]:
 @autograd_function.register_fake
 def _(key: str, args: list[torch.Tensor]) -> list[torch.Tensor]:
     return _run_forward(key, args)
+
+
+# random: a user's function may draw random numbers (a dropout inside), so no pass merges two calls of it; it is
+# never recomputed and follows its inputs' precision (it only exists between the trace and autodiff).
+register_ops(OpDescriptor("autograd_function", role=FORWARD, random=True, recompute=NEVER, precision=FOLLOW,
+                          workspace_bytes=no_workspace, cpp=()), owner="engine.autograd_functions")
 
 
 def _hideable(n: fx.Node, gm: fx.GraphModule) -> bool:
