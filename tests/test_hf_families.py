@@ -49,3 +49,35 @@ def test_step_bench_builds_a_family_and_names_bad_input():
         step.main(["--model", "hf:qwen2", "--dims", "32,2"])
     with pytest.raises(ValueError, match="unknown family 'nope'"):
         build_family("nope")
+
+
+def test_a_classifier_decides_its_problem_type_before_capture_and_compiles_once(monkeypatch):
+    """Hugging Face's classification heads set config.problem_type inside their first forward; Dynamo guards on
+    it, so the second call compiled the model again (ViT, Swin). graphtrain sets it before the first call by
+    Hugging Face's own rule: one compile, the value eager sets, eager's loss and gradients on both calls. A model
+    whose forward never reads it keeps None."""
+    from graphtrain.engine import api
+
+    def two_steps(name: str, settle: bool = True):
+        if not settle:
+            monkeypatch.setattr(api, "_reads_problem_type", lambda module: False)
+        ref, batch = _build(name)
+        m = graphtrain.accelerate(copy.deepcopy(ref), provider="aten", fallback="error")
+        for _ in range(2):
+            losses = []
+            for mod in (ref, m):
+                loss = mod(**batch).loss
+                loss.backward()
+                losses.append(loss.detach())
+            assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6, name="loss")
+            assert_grads_close(m, ref, rtol=1e-4, atol=1e-6)
+        assert m.config.problem_type == ref.config.problem_type
+        return graphtrain.report(m), ref.config.problem_type
+
+    rep, problem_type = two_steps("vit")
+    assert problem_type == "single_label_classification" and not rep.recompiles, rep.recompiles
+    assert any("config.problem_type set to 'single_label_classification'" in n for n in rep.notes), rep.notes
+    rep, problem_type = two_steps("gpt2")
+    assert problem_type is None and not any("problem_type" in n for n in rep.notes)
+    rep, _ = two_steps("vit", settle=False)  # what the rule saves: Hugging Face's own first call forces a recompile
+    assert rep.recompiles and all(r["frame_compile"] == 1 for r in rep.recompiles), rep.recompiles

@@ -200,6 +200,31 @@ def _takes_attention_mask(module: torch.nn.Module) -> bool:
         return False
 
 
+def _reads_problem_type(module: torch.nn.Module) -> bool:
+    """Whether `module` is a Hugging Face model whose forward decides ``config.problem_type`` at its first call with
+    labels (the *ForSequenceClassification, *ForImageClassification, ... heads: inline in about 85 models'
+    forwards, or through transformers' ``ForSequenceClassificationLoss``)."""
+    import inspect
+    import sys
+    transformers = sys.modules.get("transformers")
+    if transformers is None or not isinstance(module, getattr(transformers, "PreTrainedModel", ())):
+        return False
+    if not hasattr(getattr(module, "config", None), "problem_type"):
+        return False
+    try:
+        if "problem_type" in inspect.getsource(type(module).forward):
+            return True
+    except (OSError, TypeError):
+        pass
+    loss_utils = sys.modules.get("transformers.loss.loss_utils")
+    if loss_utils is None:
+        return False
+    # the loss_function property, read without it (it logs a warning for a model without a loss type)
+    loss = getattr(module, "_loss_function", None) or getattr(loss_utils, "LOSS_MAPPING", {}).get(
+        getattr(module, "loss_type", None))
+    return loss is not None and loss is getattr(loss_utils, "ForSequenceClassificationLoss", None)
+
+
 def _graph_break_reasons() -> list[Any]:
     from torch._dynamo.utils import graph_break_reasons
     return graph_break_reasons
@@ -213,6 +238,7 @@ class _CallWrapper:
         self.no_cache_in_training = _builds_kv_cache(module)
         self.full_mask_as_none = (_takes_attention_mask(module) and state.config.static_masks
                                   and not state.config.dynamic)
+        self.settles_problem_type = _reads_problem_type(module)
         self.prefault: Any = None  # memory/prefault.py's Session while the first step is recorded
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -223,6 +249,8 @@ class _CallWrapper:
             return self.eager(*args, **kwargs)
         if self.full_mask_as_none:
             self._drop_full_mask(kwargs)
+        if self.settles_problem_type:
+            self._settle_problem_type(kwargs)
         if self.prefault is not None:
             self.prefault.on_call()
         elif state.calls == 0:  # (a first call that raised leaves calls at 0: its session, if any, goes on)
@@ -257,6 +285,26 @@ class _CallWrapper:
                     "causal mask then reaches SDPA as is_causal; engine.static_masks)")
             if note not in self.state.notes:
                 self.state.notes.append(note)
+
+    def _settle_problem_type(self, kwargs: dict) -> None:
+        """Set ``config.problem_type`` before the call, as the model's forward would set it inside the call. Dynamo
+        guards on the attribute, so leaving it to the forward made the second call compile the model again
+        (Hugging Face ViT and Swin classifiers: a second trace and compile at the second step). Hugging Face's
+        rule, the same in every model that has it: one label is regression; more, with integer labels, single-label
+        classification; otherwise multi-label."""
+        config, labels = self.module.config, kwargs.get("labels")
+        if config.problem_type is not None or not isinstance(labels, torch.Tensor):
+            return
+        if config.num_labels == 1:
+            config.problem_type = "regression"
+        elif config.num_labels > 1 and labels.dtype in (torch.long, torch.int):
+            config.problem_type = "single_label_classification"
+        else:
+            config.problem_type = "multi_label_classification"
+        note = (f"config.problem_type set to {config.problem_type!r} before the first call, by Hugging Face's rule "
+                f"(its forward sets it in the first call, which would make the second call compile again)")
+        if note not in self.state.notes:
+            self.state.notes.append(note)
 
     def _begin_prefault(self, args: tuple, kwargs: dict) -> None:
         """A training module's first call on CPU: install the process's CPU allocator now (not at the first compile,
