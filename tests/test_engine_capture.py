@@ -1,6 +1,9 @@
 """Capture edge cases: graph breaks, data-dependent code, shape changes, fallback policy, backend name."""
 from __future__ import annotations
 
+import copy
+import importlib.util
+
 import pytest
 import torch
 import torch.nn as nn
@@ -13,7 +16,7 @@ def _many_instances():
     # Every test builds new instances of the same classes; Dynamo counts their compiles per code object.
     with torch._dynamo.config.patch(recompile_limit=64):
         yield
-from graphtrain.engine.fallback import GraphtrainCaptureError
+from graphtrain.engine.fallback import GraphtrainCaptureError, GraphtrainFallbackWarning
 from graphtrain.testing import assert_close, assert_grads_close
 
 
@@ -140,6 +143,59 @@ def test_dynamic_shapes_compile_once():
         _step_both(ref, m, torch.randn(batch, 8))
     rep = graphtrain.report(m)
     assert len(rep.graphs) == 1 and not rep.recompiles, str(rep)
+
+
+def test_past_the_recompile_limit_new_shapes_run_eagerly_and_say_so():
+    """Regression: past Dynamo's recompile limit (8 input shapes with engine.dynamic=false: a Hugging Face Trainer's
+    dynamic padding gets there) a module ran each new shape eagerly without a word. It is reported once, with the
+    fix; the shapes compiled before stay compiled; under fallback=error it is an error."""
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(recompile_limit=2):
+        torch.manual_seed(0)
+        ref, m = MLP(), MLP()
+        m.load_state_dict(ref.state_dict())
+        graphtrain.accelerate(m, provider="aten")
+        _step_both(ref, m, torch.randn(4, 8))
+        _step_both(ref, m, torch.randn(5, 8))
+        with pytest.warns(GraphtrainFallbackWarning, match="engine.dynamic=true"):
+            _step_both(ref, m, torch.randn(6, 8))  # the third shape: eager, and said so
+        _step_both(ref, m, torch.randn(7, 8))
+        _step_both(ref, m, torch.randn(4, 8))  # a compiled shape: still compiled
+        rep = graphtrain.report(m)
+        assert [p for p, _ in rep.fallbacks] == ["recompile limit of MLP"], rep.fallbacks
+        assert not rep.eager_only and len(rep.graphs) == 2
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(recompile_limit=1):
+        m = graphtrain.accelerate(MLP(), provider="aten", fallback="error")
+        m(torch.randn(4, 8))
+        with pytest.raises(GraphtrainCaptureError, match="recompile limit"):
+            m(torch.randn(5, 8))
+
+
+@pytest.mark.skipif(not importlib.util.find_spec("transformers"), reason="transformers not installed")
+def test_dynamic_shapes_on_a_hugging_face_model_compile_once():
+    """Regression: under engine.dynamic=true AOTAutograd asks Dynamo to trace a Hugging Face GPT-2 again
+    (TensorifyScalarRestartAnalysis), and graphtrain's fallbacks took that request for a failed compile: the model
+    ran eagerly. One graph now serves every sequence length, like eager."""
+    from graphtrain.bench.families import build_family
+    ref, batch = build_family("gpt2", hidden=32, layers=2, vocab=101, batch=2, seq=24, dropout=False)
+    m = graphtrain.accelerate(copy.deepcopy(ref), provider="aten", fallback="error", dynamic=True)
+    graphs = []
+    for length in (24, 17, 9, 13):
+        inputs = {k: v[:, :length] for k, v in batch.items()}
+        losses = []
+        for mod in (ref, m):
+            mod.zero_grad(set_to_none=True)
+            loss = mod(**inputs).loss
+            loss.backward()
+            losses.append(loss.detach())
+        assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6, name="loss")
+        assert_grads_close(m, ref, rtol=1e-4, atol=1e-6)
+        graphs.append(len(graphtrain.report(m).graphs))
+    rep = graphtrain.report(m)
+    # Dynamo may specialize the first call's length and generalize at the second (automatic dynamic); after
+    # that one graph serves every length
+    assert not rep.fallbacks and graphs[1] <= 2 and graphs[1] == graphs[-1], (graphs, str(rep))
 
 
 def test_failing_pass_falls_back_and_is_reported(monkeypatch):

@@ -239,6 +239,7 @@ class _CallWrapper:
         self.full_mask_as_none = (_takes_attention_mask(module) and state.config.static_masks
                                   and not state.config.dynamic)
         self.settles_problem_type = _reads_problem_type(module)
+        self.recompile_limit_hit = False
         self.prefault: Any = None  # memory/prefault.py's Session while the first step is recorded
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -327,6 +328,14 @@ class _CallWrapper:
             self.state.notes.append(f"first-step memory not recorded: {type(e).__name__}: {e}")
 
     def _run_compiled(self, args: tuple, kwargs: dict) -> Any:
+        # Past its recompile limit Dynamo runs a frame's new variants eagerly without a word to the caller; told to
+        # fail instead, it lets the call wrapper say so (_capture_failed) and still run the variants it compiled.
+        if self.recompile_limit_hit:  # reported once: Dynamo's own path from now on
+            return self._run_compiled_reusing(args, kwargs)
+        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+            return self._run_compiled_reusing(args, kwargs)
+
+    def _run_compiled_reusing(self, args: tuple, kwargs: dict) -> Any:
         from graphtrain.engine.blocks import ReuseMisbound, no_subgraph_reuse
         if not self.state.block_reuse:
             with no_subgraph_reuse():
@@ -364,6 +373,18 @@ class _CallWrapper:
         except Exception as user_error:  # noqa: BLE001
             raise user_error from None
         import torch._dynamo.exc as dexc
+        if _caused_by(e, dexc.FailOnRecompileLimitHit):
+            # The module keeps its compiled variants; each new one runs eagerly, reported once (raised under `error`)
+            limit = torch._dynamo.config.recompile_limit
+            self.recompile_limit_hit = True
+            report_fallback(f"recompile limit of {type(self.module).__name__}",
+                            f"Dynamo compiled this module for {limit} different inputs (torch._dynamo.config."
+                            f"recompile_limit; with engine.dynamic=false every new input shape is a new compile) "
+                            f"and compiles no more. Pass engine.dynamic=true to compile one graph for every "
+                            f"sequence length, or pad batches to a few fixed lengths", self.state.config,
+                            what="runs each new input shape eagerly (the shapes compiled so far stay compiled)",
+                            sink=self.state.fallbacks)
+            return out
         if "found no compiled frames" in str(e):  # Dynamo gave up on the frame (recompile limit hit)
             inner = RuntimeError(f"{e} Dynamo compiles one code object at most torch._dynamo.config.recompile_limit "
                                  f"times (all instances of a class count); raise it or use dynamic=True")

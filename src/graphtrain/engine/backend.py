@@ -17,6 +17,7 @@ import torch.fx as fx
 
 from graphtrain.config import EngineConfig
 from graphtrain.engine.fallback import apply_policy, report_fallback
+from graphtrain.engine.pipeline import DYNAMO_RESTARTS
 from graphtrain.engine.state import GLOBAL_STATE, EngineState
 
 
@@ -174,7 +175,7 @@ def _compile_by_blocks(gm: fx.GraphModule, example_inputs: Sequence[Any], config
     check_bindings(gm, kinds)  # raises ReuseMisbound: the call wrapper (engine/api.py) captures again
     try:
         return compile_by_blocks(gm, example_inputs, kinds, piece)
-    except (GraphtrainCaptureError, ReuseMisbound):
+    except (GraphtrainCaptureError, ReuseMisbound, *DYNAMO_RESTARTS):
         raise
     except Exception as e:  # noqa: BLE001 - the Dynamo graph still runs, eagerly
         report_fallback(f"per-block compile of {frame}", f"{type(e).__name__}: {str(e)[:500]}", config,
@@ -214,12 +215,18 @@ def _compile_one(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Engi
         return _PROVIDERS()[p](_pre_autodiff(gm, example_inputs, kinds, cfg, state, rec), example_inputs, cfg, rec,
                                state)
 
-    if measure:
-        compiled = _measured_provider(compile_one, gm, example_inputs, kinds, auto_config, config, state, rec)
-    else:  # falling back inductor -> aten -> eager
-        order = [config.provider] + (["aten"] if config.provider != "aten" else [])
-        compiled, rec.provider = compile_with_fallback(order, compile_one, part=f"{rec.name} ({frame})",
-                                                       config=config, state=state, eager=gm.forward)
+    n_passes = len(state.passes)
+    try:
+        if measure:
+            compiled = _measured_provider(compile_one, gm, example_inputs, kinds, auto_config, config, state, rec)
+        else:  # falling back inductor -> aten -> eager
+            order = [config.provider] + (["aten"] if config.provider != "aten" else [])
+            compiled, rec.provider = compile_with_fallback(order, compile_one, part=f"{rec.name} ({frame})",
+                                                           config=config, state=state, eager=gm.forward)
+    except DYNAMO_RESTARTS:  # Dynamo traces the frame again and hands over a new graph: this one never runs
+        state.graphs.remove(rec)
+        del state.passes[n_passes:]
+        raise
     rec.compile_seconds = time.perf_counter() - t0
     return compiled
 
@@ -323,6 +330,8 @@ def _measured_provider(compile_one: Callable[[str], Callable[..., Any]], gm: fx.
         except UnsuitableProvider as e:  # known to run this graph wrongly: not a failure of auto, a rule
             rec.notes.append(f"provider auto: {p} is not a candidate ({e})")
             continue
+        except DYNAMO_RESTARTS:
+            raise
         except Exception as e:  # noqa: BLE001 - the other candidate still runs the graph
             report_fallback(f"provider {p} on {rec.name} ({rec.frame})", f"{type(e).__name__}: {str(e)[:300]}",
                             config, what="is not a candidate for provider auto", sink=state.fallbacks)
@@ -373,6 +382,8 @@ def _aten_candidate(compile_one: Callable[..., Any], rec: Any,
     n_passes = len(state.passes)
     try:
         fn = compile_one("aten")
+    except DYNAMO_RESTARTS:
+        raise
     except Exception:  # noqa: BLE001 - reported by the synchronous path
         del state.passes[n_passes:]
         return None

@@ -251,6 +251,12 @@ def user_outputs(fw: fx.GraphModule, bw: fx.GraphModule) -> int:
 
 # --------------------------------------------------------------------------- 5. provider --
 
+DYNAMO_RESTARTS: tuple[type[BaseException], ...] = (torch._dynamo.exc.RestartAnalysis,)
+"""Exceptions by which Dynamo asks to trace the frame again (AOTAutograd's float-scalar pass raises one under
+dynamic shapes): they pass through every fallback of the backend, which would otherwise take them for a failed
+compile and run the graph eagerly."""
+
+
 def compile_with_fallback(order: Sequence[str], compile_one: Callable[[str], Any], *, part: str,
                           config: EngineConfig, state: EngineState, eager: Any = None) -> tuple[Any, str]:
     """compile_one(provider) for the first provider in `order` that compiles; returns (compiled, provider).
@@ -262,7 +268,7 @@ def compile_with_fallback(order: Sequence[str], compile_one: Callable[[str], Any
         nxt = order[i + 1] if i + 1 < len(order) else "eager" if eager is not None else None
         try:
             return compile_one(provider), provider
-        except GraphtrainCaptureError:
+        except (GraphtrainCaptureError, *DYNAMO_RESTARTS):
             raise
         except Exception as e:  # noqa: BLE001 - degrade to the next provider, loudly
             if nxt is None:
