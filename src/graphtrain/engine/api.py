@@ -380,8 +380,9 @@ class _CallWrapper:
             report_fallback(f"recompile limit of {type(self.module).__name__}",
                             f"Dynamo compiled this module for {limit} different inputs (torch._dynamo.config."
                             f"recompile_limit; with engine.dynamic=false every new input shape is a new compile) "
-                            f"and compiles no more. Pass engine.dynamic=true to compile one graph for every "
-                            f"sequence length, or pad batches to a few fixed lengths", self.state.config,
+                            f"and compiles no more. Pad batches to a few fixed lengths (each compiled once, "
+                            f"the fastest), or pass engine.dynamic=true (one graph for every length, fewer "
+                            f"fusions)", self.state.config,
                             what="runs each new input shape eagerly (the shapes compiled so far stay compiled)",
                             sink=self.state.fallbacks)
             return out

@@ -88,8 +88,7 @@ def hide(gm: fx.GraphModule) -> tuple[fx.GraphModule, int]:
     """(a copy of `gm` with each autograd.Function node it can hold opaque replaced by a ``graphtrain::
     autograd_function`` call, how many were). `gm` itself is untouched: the eager fallback still runs it."""
     from graphtrain.engine.cache import graph_digest
-    targets = [n for n in gm.graph.nodes if _hideable(n, gm)]
-    if not targets:
+    if not any(_hideable(n, gm) for n in gm.graph.nodes):
         return gm, 0
     out = fx.GraphModule(gm, _copy_graph(gm.graph))
     hidden = 0
