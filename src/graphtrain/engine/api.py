@@ -378,11 +378,13 @@ class _CallWrapper:
             limit = torch._dynamo.config.recompile_limit
             self.recompile_limit_hit = True
             report_fallback(f"recompile limit of {type(self.module).__name__}",
-                            f"Dynamo compiled this module for {limit} different inputs (torch._dynamo.config."
-                            f"recompile_limit; with engine.dynamic=false every new input shape is a new compile) "
-                            f"and compiles no more. Pad batches to a few fixed lengths (each compiled once, "
-                            f"the fastest), or pass engine.dynamic=true (one graph for every length, fewer "
-                            f"fusions)", self.state.config,
+                            f"Dynamo compiled this code for {limit} variants and compiles no more (torch._dynamo."
+                            f"config.recompile_limit: with engine.dynamic=false each new input shape is a variant, "
+                            f"and so is each other accelerated module of this process that runs the same code). "
+                            f"For changing shapes, pad batches to a few fixed lengths (each compiled once, the "
+                            f"fastest) or pass engine.dynamic=true (one graph for every length, fewer fusions); "
+                            f"for many models in one process, call torch._dynamo.reset() between them",
+                            self.state.config,
                             what="runs each new input shape eagerly (the shapes compiled so far stay compiled)",
                             sink=self.state.fallbacks)
             return out
