@@ -21,6 +21,17 @@ from graphtrain.bench.families import FAMILIES, build_family  # noqa: E402
 DEFAULT = {"deberta2", "swin", "bloom", "t5"}  # GPT-2, BERT and Llama are checked by the other HF tests
 
 
+def _step_like_eager(ref, m, batch) -> None:
+    """One forward and backward of each; the accelerated model's loss and gradients (accumulated) match eager's."""
+    losses = []
+    for mod in (ref, m):
+        loss = mod(**batch).loss
+        loss.backward()
+        losses.append(loss.detach())
+    assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6, name="loss")
+    assert_grads_close(m, ref, rtol=1e-4, atol=1e-6)
+
+
 def _build(name: str):
     return build_family(name, hidden=32, layers=2, vocab=101, batch=2, seq=16, dropout=False)
 
@@ -29,13 +40,7 @@ def _build(name: str):
 def test_family_trains_like_eager(name):
     ref, batch = _build(name)
     m = graphtrain.accelerate(copy.deepcopy(ref), provider="aten", fallback="error")
-    losses = []
-    for mod in (ref, m):
-        loss = mod(**batch).loss
-        loss.backward()
-        losses.append(loss.detach())
-    assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6, name="loss")
-    assert_grads_close(m, ref, rtol=1e-4, atol=1e-6)
+    _step_like_eager(ref, m, batch)
     rep = graphtrain.report(m)
     assert not rep.eager_only and rep.graphs
     assert not rep.fallbacks, rep.fallbacks
@@ -64,13 +69,7 @@ def test_a_classifier_decides_its_problem_type_before_capture_and_compiles_once(
         ref, batch = _build(name)
         m = graphtrain.accelerate(copy.deepcopy(ref), provider="aten", fallback="error")
         for _ in range(2):
-            losses = []
-            for mod in (ref, m):
-                loss = mod(**batch).loss
-                loss.backward()
-                losses.append(loss.detach())
-            assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6, name="loss")
-            assert_grads_close(m, ref, rtol=1e-4, atol=1e-6)
+            _step_like_eager(ref, m, batch)
         assert m.config.problem_type == ref.config.problem_type
         return graphtrain.report(m), ref.config.problem_type
 

@@ -28,6 +28,7 @@ import torch
 import torch.fx as fx
 
 from graphtrain.kernels.registry import FOLLOW, FORWARD, NEVER, OpDescriptor, no_workspace, register_ops
+from graphtrain.passes.graph_utils import copy_graph
 
 _HOP = getattr(torch.ops.higher_order, "autograd_function_apply", None)
 _BODIES: dict[str, tuple[fx.GraphModule, fx.GraphModule, dict[str, Any]]] = {}
@@ -90,7 +91,7 @@ def hide(gm: fx.GraphModule) -> tuple[fx.GraphModule, int]:
     from graphtrain.engine.cache import graph_digest
     if not any(_hideable(n, gm) for n in gm.graph.nodes):
         return gm, 0
-    out = fx.GraphModule(gm, _copy_graph(gm.graph))
+    out = copy_graph(gm)
     hidden = 0
     for n in list(out.graph.nodes):
         if not _hideable(n, out):
@@ -139,13 +140,6 @@ def restore(gm: fx.GraphModule) -> int:
         gm.graph.lint()
         gm.recompile()
     return restored
-
-
-def _copy_graph(graph: fx.Graph) -> fx.Graph:
-    new = fx.Graph()
-    out = new.graph_copy(graph, {})
-    new.output(out)
-    return new
 
 
 __all__ = ["autograd_function", "has_autograd_functions", "hide", "restore"]

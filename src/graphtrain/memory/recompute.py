@@ -55,7 +55,7 @@ from graphtrain.kernels.registry import CHEAP, COMPUTE_BOUND, NEVER, op_descript
 from graphtrain.memory.predict import MiB, hint_int, predict_peak, saved_activation_bytes
 from graphtrain.memory.rewrites import drop_dead_random_ops, rewrite_dropout_for_recompute, shrink_attention_masks
 from graphtrain.memory.seeded import split_fused_dropout
-from graphtrain.passes.graph_utils import is_random
+from graphtrain.passes.graph_utils import copy_graph, is_random
 
 aten = torch.ops.aten
 graphtrain_ops = torch.ops.graphtrain
@@ -213,13 +213,6 @@ def layer_regions(joint: fx.GraphModule, bw: set[fx.Node] | None = None) -> dict
             rs = [region[a] for a in n.all_input_nodes if region.get(a) is not None]
             region[n] = max(rs) if rs else None
     return {n: r for n, r in region.items() if r is not None}
-
-
-def _copy(joint: fx.GraphModule) -> fx.GraphModule:
-    g = fx.Graph()
-    out = g.graph_copy(joint.graph, {})
-    g.output(out)
-    return fx.GraphModule(joint, g)
 
 
 def _node_flops(n: fx.Node) -> int:
@@ -436,7 +429,7 @@ def make_partition_fn(engine_cfg: Any, *, n_params_bytes: int = 0, n_param_input
         rec.masks_shrunk = shrink_attention_masks(joint)
         none_saved = None
         if mode != "none":  # the reference: what mode none would save
-            ref_fw, _ = _partition(_copy(joint), joint_inputs, num_fwd_outputs, "none")
+            ref_fw, _ = _partition(copy_graph(joint), joint_inputs, num_fwd_outputs, "none")
             none_saved = saved_activation_bytes(ref_fw, num_fwd_outputs)
             rec.dropout_rewrites = rewrite_dropout_for_recompute(joint)
             rec.seeded_dropouts = split_fused_dropout(joint)
@@ -450,7 +443,7 @@ def make_partition_fn(engine_cfg: Any, *, n_params_bytes: int = 0, n_param_input
 
         def attempt(name: str, how: str, frac: float = 1.0, layers: int | None = None) -> tuple[Any, dict]:
             info: dict[str, Any] = {}
-            fw, bw = _partition(_copy(joint), joint_inputs, num_fwd_outputs, how, frac, info, layers)
+            fw, bw = _partition(copy_graph(joint), joint_inputs, num_fwd_outputs, how, frac, info, layers)
             rec.dead_random_dropped = drop_dead_random_ops(bw)
             choice = describe(name, fw, bw, num_fwd_outputs, none_saved)
             choice.what = _what(how, info)

@@ -11,6 +11,14 @@ import torch.fx as fx
 from graphtrain.kernels.registry import is_random_op
 
 
+def copy_graph(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of `gm` with a graph of its own (new nodes, meta copied; attributes shared), to rewrite while `gm`
+    stays as it is."""
+    g = fx.Graph()
+    g.output(g.graph_copy(gm.graph, {}))
+    return fx.GraphModule(gm, g)
+
+
 def is_random(n: fx.Node) -> bool:
     """`n` draws random numbers: an ATen op tagged nondeterministic_seeded (dropout, bernoulli, rand, ...) or a
     graphtrain op whose descriptor says random (fused dropout and attention draw their seed inside). Such a call

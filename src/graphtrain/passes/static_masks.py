@@ -25,8 +25,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from graphtrain.passes.graph_utils import (call_arg as _arg, constant_ancestors, constant_value, example_value,
-                                          is_sdpa_call as _is_sdpa, mask_kind, static_shape)
+from graphtrain.passes.graph_utils import (call_arg as _arg, constant_ancestors, constant_value, copy_graph,
+                                          example_value, is_sdpa_call as _is_sdpa, mask_kind, static_shape)
 
 
 def _set_arg(n: fx.Node, index: int, name: str, value: Any) -> None:
@@ -111,7 +111,7 @@ def _specialize_bodies(gm: fx.GraphModule, kind_of: Any) -> dict[str, int]:
                 plan[pos] = (i, found.pop())
         if not plan:
             continue
-        new = fx.GraphModule(body, _copy_graph(body.graph))
+        new = copy_graph(body)
         new_placeholders = [p for p in new.graph.nodes if p.op == "placeholder"]
         for pos, sdpa in enumerate(list(new.graph.nodes)):  # graph_copy keeps the order
             if pos in plan:
@@ -131,13 +131,6 @@ def _specialize_bodies(gm: fx.GraphModule, kind_of: Any) -> dict[str, int]:
             operands = [a for j, a in enumerate(c.args[2:]) if j not in unused]
             c.args = (attr, new_ident, *operands)
     return done
-
-
-def _copy_graph(graph: fx.Graph) -> fx.Graph:
-    g = fx.Graph()
-    out = g.graph_copy(graph, {})
-    g.output(out)
-    return g
 
 
 def _free_attr(gm: fx.GraphModule, base: str) -> str:
