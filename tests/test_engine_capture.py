@@ -198,6 +198,52 @@ def test_dynamic_shapes_on_a_hugging_face_model_compile_once():
     assert not rep.fallbacks and graphs[1] <= 2 and graphs[1] == graphs[-1], (graphs, str(rep))
 
 
+@pytest.mark.skipif(not importlib.util.find_spec("transformers"), reason="transformers not installed")
+def test_dynamic_shapes_keep_the_fusions_of_a_model_with_dropout():
+    """Regression: under engine.dynamic=true the trace to aten failed on any dropout (aten's C++ dropout asked
+    torch.func.functionalize's wrapper for a symbolic element count), so a Hugging Face model with dropout ran
+    without any pre-autodiff pass (reported as a fallback). Now the symbolic trace fuses what the static one does,
+    and with the same seed it computes what the static graphs compute (the fused dropouts draw the same masks)
+    at every length, from one graph."""
+    from graphtrain.bench.families import build_family
+    ref, batch = build_family("gpt2", hidden=32, layers=2, vocab=101, batch=2, seq=24, dropout=True)
+    dyn = graphtrain.accelerate(copy.deepcopy(ref), provider="aten", fallback="error", dynamic=True)
+    static = graphtrain.accelerate(copy.deepcopy(ref), provider="aten", fallback="error")
+    for length in (24, 17, 9):
+        inputs = {k: v[:, :length].clone() for k, v in batch.items()}
+        losses = []
+        for mod in (static, dyn):
+            mod.zero_grad(set_to_none=True)
+            torch.manual_seed(length)
+            loss = mod(**inputs).loss
+            loss.backward()
+            losses.append(loss.detach())
+        assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6, name=f"loss at length {length}")
+        assert_grads_close(dyn, static, rtol=1e-4, atol=1e-6)
+    rep = graphtrain.report(dyn)
+    assert not rep.fallbacks and not rep.recompiles and len(rep.graphs) <= 2, str(rep)
+    fused = {r["name"]: r["rewrites"] for r in rep.passes if r["stage"] == "pre_autodiff"}
+    # per compile: attention with its dropout in both blocks; embedding, attention-output and MLP dropouts
+    assert fused["fuse_attention"] >= 2 and fused["fuse_bias_dropout_add"] >= 5 and fused["fuse_bias_gelu"] >= 2, fused
+
+
+def test_gemm_probe_reads_symbolic_sizes_without_guarding_them():
+    """Regression: lower_gemm_onednn's shape probe took int() of a symbolic row count, a guard that made Dynamo
+    compile the graph again for every new sequence length under engine.dynamic=true."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+    from graphtrain.passes import lower_gemm
+    env = ShapeEnv()
+    mode = FakeTensorMode(shape_env=env)
+    a = mode.from_tensor(torch.randn(96, 32),
+                         symbolic_context=StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC] * 2))
+    b = mode.from_tensor(torch.randn(48, 32)).t()
+    na, nb = torch.fx.Graph().placeholder("a"), torch.fx.Graph().placeholder("b")
+    na.meta["val"], nb.meta["val"] = a, b
+    assert lower_gemm._shape(na, nb) == (96, 32, 48, True)
+    assert not env.guards and not env.replacements
+
+
 def test_failing_pass_falls_back_and_is_reported(monkeypatch):
     from graphtrain.passes import cleanup, manager
 

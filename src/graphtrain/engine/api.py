@@ -330,9 +330,15 @@ class _CallWrapper:
     def _run_compiled(self, args: tuple, kwargs: dict) -> Any:
         # Past its recompile limit Dynamo runs a frame's new variants eagerly without a word to the caller; told to
         # fail instead, it lets the call wrapper say so (_capture_failed) and still run the variants it compiled.
-        if self.recompile_limit_hit:  # reported once: Dynamo's own path from now on
-            return self._run_compiled_reusing(args, kwargs)
-        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        patch: dict[str, Any] = {}
+        if not self.recompile_limit_hit:  # reported once: Dynamo's own path from then on
+            patch["fail_on_recompile_limit_hit"] = True
+        if self.state.config.dynamic:
+            # Dynamic shapes make sizes symbolic, and Dynamo then makes Python floats symbolic too (GELU's
+            # sqrt(2/pi), a dropout's p): fusion patterns need them as constants, and AOTAutograd would ask for a
+            # new trace to specialize them anyway (RestartAnalysis). Specialized, as under static shapes.
+            patch["specialize_float"] = True
+        with torch._dynamo.config.patch(**patch):
             return self._run_compiled_reusing(args, kwargs)
 
     def _run_compiled_reusing(self, args: tuple, kwargs: dict) -> Any:

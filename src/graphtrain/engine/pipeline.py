@@ -34,6 +34,7 @@ from graphtrain.engine.state import EngineState, GraphRecord
 from graphtrain.engine.trace import trace_aten_forward
 from graphtrain.memory.predict import param_bytes
 from graphtrain.memory.recompute import make_partition_fn
+from graphtrain.passes.graph_utils import materialize_symints
 from graphtrain.passes.manager import PassContext, PassFn, op_counts, registered_passes, run_pipeline
 
 
@@ -72,6 +73,7 @@ def run_passes(gm: fx.GraphModule, stage: str, config: EngineConfig, state: Engi
     ctx = PassContext(config=config, stage=stage, graph_name=rec.name if rec is not None else f"{stage} graph",
                       example_inputs=list(example_inputs), input_kinds=input_kinds, fallbacks=state.fallbacks)
     gm = run_pipeline(gm, ctx)
+    materialize_symints(gm)  # a size a pass wrote as a raw SymInt (dynamic shapes) becomes graph nodes
     state.passes.extend(ctx.records)
     if rec is not None:
         n_ops = sum(op_counts(gm).values())

@@ -7,6 +7,7 @@ AOTAutograd builds the gradient graph from it.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Any, Callable, Sequence
 
@@ -25,17 +26,62 @@ def trace_aten_forward(fn: Callable[..., Any], example_inputs: Sequence[Any]) ->
         # nn_module_stack of the node it came from (recompute=full finds the model's layers by it).
         gm_in = fn
         fn = lambda *a: fx.Interpreter(gm_in).run(*a)  # noqa: E731
-    functional = torch.func.functionalize(fn, remove="mutations")
     if fake_mode is None:
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         inputs = [fake_mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in example_inputs]
     else:  # inside a Dynamo backend: reuse its fake mode (and shape env), as AOTAutograd does
         inputs = fakify_like_dynamo(fake_mode, example_inputs)
-    with fake_mode, torch.no_grad(), fx.traceback.preserve_node_meta():
+    if _symbolic(inputs):
+        from torch._dispatch.python import enable_python_dispatcher
+        functional, dispatcher = _dispatch_functionalize(fn), enable_python_dispatcher()
+    else:
+        functional, dispatcher = torch.func.functionalize(fn, remove="mutations"), contextlib.nullcontext()
+    with fake_mode, torch.no_grad(), fx.traceback.preserve_node_meta(), dispatcher:
         gm = make_fx(functional, tracing_mode="real", pre_dispatch=False)(*inputs)
     gm.graph.eliminate_dead_code()
     gm.recompile()
     return gm
+
+
+def _symbolic(inputs: Sequence[Any]) -> bool:
+    """Whether any input has a symbolic size (Dynamo's dynamic shapes) or is a SymInt."""
+    return any(isinstance(x, torch.SymInt) or (isinstance(x, torch.Tensor)
+                                                and any(isinstance(s, torch.SymInt) for s in x.shape))
+               for x in inputs)
+
+
+def _dispatch_functionalize(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` functionalized the way AOTAutograd does it (torch's FunctionalTensorMode), for symbolic sizes.
+
+    torch.func.functionalize (the static path above) wraps tensors at the functorch layer, whose wrappers
+    cannot give a symbolic element count: aten's C++ dropout (alone, or inside SDPA's math path) asks for one and
+    the trace fails ("Cannot call numel() on tensor with symbolic sizes/strides"). FunctionalTensorMode runs
+    below __torch_dispatch__ and, with the Python dispatcher on, dropout takes its Python decomposition
+    (native_dropout), which fuse_bias_dropout_add and fuse_attention match. Input mutations become copy_ into
+    the input at the end, as torch.func.functionalize(remove="mutations") writes them; views are kept."""
+    from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
+
+    def functional(*args: Any) -> Any:
+        no_functorch = torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(torch._C.DispatchKey.Functionalize))
+        with no_functorch, FunctionalTensorMode():
+            wrapped = [FunctionalTensor.to_functional(a) if isinstance(a, torch.Tensor) else a for a in args]
+            out = fn(*wrapped)
+            for w in wrapped:
+                if isinstance(w, FunctionalTensor):
+                    torch._sync(w)
+                    if torch._functionalize_has_metadata_mutation(w.elem):  # type: ignore[attr-defined]
+                        raise RuntimeError("the graph changes an input's shape or strides in place (e.g. "
+                                           "`x.t_()` on an input); graphtrain cannot trace that under dynamic "
+                                           "shapes: use engine.dynamic=false")
+            unwrap = lambda t: torch._from_functional_tensor(t.elem) if isinstance(t, FunctionalTensor) else t  # noqa: E731
+            mutated = [(a, unwrap(w)) for a, w in zip(args, wrapped) if isinstance(w, FunctionalTensor)
+                       and torch._functionalize_has_data_mutation(w.elem)]  # type: ignore[attr-defined]
+            out = torch.utils._pytree.tree_map_only(FunctionalTensor, lambda t: (torch._sync(t), unwrap(t))[1], out)
+        for original, new in mutated:  # outside the mode: traced as the graph's write into its input
+            original.copy_(new)
+        return out
+
+    return functional
 
 
 def fakify_like_dynamo(fake_mode: FakeTensorMode, example_inputs: Sequence[Any]) -> list[Any]:

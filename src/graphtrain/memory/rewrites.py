@@ -13,7 +13,7 @@ import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
 
-from graphtrain.passes.graph_utils import is_random
+from graphtrain.passes.graph_utils import is_random, symints_as_nodes
 
 aten = torch.ops.aten
 graphtrain_ops = torch.ops.graphtrain
@@ -85,7 +85,7 @@ def shrink_attention_masks(joint: fx.GraphModule) -> int:
             continue
         fake = detect_fake_mode([zval])
         with g.inserting_before(z):
-            z2 = g.call_function(aten.zeros.default, (list(mshape),),
+            z2 = g.call_function(aten.zeros.default, symints_as_nodes(g, (list(mshape),)),
                                  {"dtype": zval.dtype, "device": zval.device, "pin_memory": False})
         with g.inserting_after(z2):
             mf2 = g.call_function(aten.masked_fill.Scalar, (z2, m, mf.args[2]))

@@ -137,6 +137,8 @@ def _try_fuse(gm: fx.GraphModule, sm: fx.Node, ctx: PassContext) -> bool:
     # forward side: optional dropout, then bmm with v
     users = [u for u in sm.users if not is_op(u, aten.empty_like)]  # empty_like: SDPA's dropout-mask shape
     p, drop_nodes, cur = 0.0, [], (users[0] if len(users) == 1 else None)
+    if cur is not None and is_op(cur, aten.native_dropout) and len(cur.users) == 1:
+        cur = next(iter(cur.users))  # its output (getitem 0): match_dropout's spelling of native_dropout
     d = match_dropout(cur) if cur is not None else None
     if d is not None and d[0] is sm:
         p, drop_nodes, cur = d[1], [cur] + d[2], only_user(cur)

@@ -8,6 +8,8 @@ import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
 
+from graphtrain.passes.graph_utils import symints_as_nodes
+
 aten = torch.ops.aten
 VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.clone.default,
          aten.expand.default, aten.alias.default}
@@ -52,6 +54,13 @@ def scalar_operand(n: fx.Node) -> tuple[fx.Node, float] | None:
 
 def match_dropout(n: fx.Node) -> tuple[fx.Node, float, list[fx.Node]] | None:
     """n = x * (bernoulli(keep) / keep) in any of the spellings the tracer emits -> (x, p, mask nodes)."""
+    if is_op(n, operator.getitem) and n.args[1] == 0 and is_op(n.args[0], aten.native_dropout):
+        # native_dropout's output (the tracer's spelling under dynamic shapes, where dropout takes its Python
+        # decomposition); its mask output must be unused
+        nd = n.args[0]
+        if (len(nd.args) < 3 or nd.args[2] is not False) and all(u.args[1] == 0 for u in nd.users):
+            return nd.args[0], float(nd.args[1]), [nd]
+        return None
     if not is_op(n, aten.mul) or len(n.args) != 2:
         return None
     for x, m in (n.args, n.args[::-1]):
@@ -64,10 +73,6 @@ def match_dropout(n: fx.Node) -> tuple[fx.Node, float, list[fx.Node]] | None:
         if bp is None or abs(bp - keep) > 1e-12 or shape(bern) != shape(n):
             continue
         return x, 1.0 - keep, [m, bern]
-    if is_op(n, operator.getitem) and n.args[1] == 0 and is_op(n.args[0], aten.native_dropout):
-        nd = n.args[0]
-        if nd.args[2] is not False and all(u.args[1] == 0 for u in nd.users):
-            return nd.args[0], float(nd.args[1]), [nd]
     return None
 
 
@@ -111,7 +116,8 @@ def set_meta(node: fx.Node) -> None:
 
 
 def call(graph: fx.Graph, target, *args, **kwargs) -> fx.Node:
-    n = graph.call_function(target, args, kwargs)
+    args, kwargs = symints_as_nodes(graph, (args, kwargs))  # sizes read from symbolic shapes, as graph nodes
+    n = graph.call_function(target, tuple(args), kwargs)
     set_meta(n)
     return n
 

@@ -170,3 +170,32 @@ def constant_mask_kind(gm: fx.GraphModule, mask: fx.Node, q_len: int, k_len: int
     ``is_causal``, ``where(tril(ones), 0, -inf)``, becomes the fused op's is_causal again)."""
     value = constant_value(gm, mask)
     return None if value is None else mask_kind(value, q_len, k_len)
+
+
+
+def symints_as_nodes(graph: fx.Graph, args: Any) -> Any:
+    """`args` with every SymInt (a symbolic size a pass read from a fake value under dynamic shapes) replaced by
+    nodes that compute it from the graph's inputs (torch.fx.Graph.materialize_symints), inserted at the graph's
+    insertion point. A raw SymInt in a node's arguments stands for one trace's symbol, not graph data: FX warns
+    about it, and the graph would not survive pickling into the pass cache or another trace."""
+    from torch.utils import _pytree as pytree
+    raw = [a for a in pytree.tree_leaves(args) if isinstance(a, torch.SymInt)]
+    if not raw:
+        return args
+    made = dict(zip(map(id, raw), graph.materialize_symints(raw)))
+    return pytree.tree_map(lambda a: made.get(id(a), a) if isinstance(a, torch.SymInt) else a, args)
+
+
+def materialize_symints(gm: fx.GraphModule) -> int:
+    """symints_as_nodes for every node of `gm` (the backstop after the passes, for nodes they did not build
+    through fuse_utils.call); returns how many nodes changed."""
+    from torch.utils import _pytree as pytree
+    g, changed = gm.graph, 0
+    for node in list(g.nodes):
+        if any(isinstance(a, torch.SymInt) for a in pytree.tree_leaves((node.args, node.kwargs))):
+            with g.inserting_before(node):
+                node.args, node.kwargs = symints_as_nodes(g, (node.args, node.kwargs))
+            changed += 1
+    if changed:
+        gm.recompile()
+    return changed

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import optimization_hint
 
 from graphtrain.passes.fuse_utils import aten, call, finish, is_op, val
 from graphtrain.passes.graph_utils import has_random_tag
@@ -108,5 +109,8 @@ def _shape(a: fx.Node, b: fx.Node) -> tuple[int, int, int, bool]:
     """(m, k, n, b read transposed) of a @ b, from the fake values: a layer's weight is usually a transposed view
     of its (n, k) parameter (nn.Linear); HF's Conv1D stores it (k, n)."""
     va, vb = val(a), val(b)
-    transposed = vb.dim() == 2 and vb.stride(0) == 1 and vb.shape[0] > 1
-    return int(va.shape[0]), int(va.shape[1]), int(vb.shape[1]), bool(transposed)
+    # Under dynamic shapes a size is symbolic: the probe takes its value in this call (optimization_hint) without
+    # the guard int() would add, which would make Dynamo recompile the graph for every other size.
+    m, k, n, rows = (optimization_hint(x) for x in (*va.shape, vb.shape[1], vb.shape[0]))
+    transposed = vb.dim() == 2 and optimization_hint(vb.stride(0)) == 1 and rows > 1
+    return m, k, n, bool(transposed)
