@@ -191,6 +191,10 @@ def materialize_symints(gm: fx.GraphModule) -> int:
     through fuse_utils.call); returns how many nodes changed."""
     from torch.utils import _pytree as pytree
     g, changed = gm.graph, 0
+    if not any(isinstance(v, torch.SymInt) or (isinstance(v, torch.Tensor) and any(isinstance(d, torch.SymInt)
+                                                                                   for d in v.shape))
+               for v in (example_value(n) for n in g.nodes if n.op == "placeholder")):
+        return 0  # static shapes: nothing symbolic to find
     for node in list(g.nodes):
         if any(isinstance(a, torch.SymInt) for a in pytree.tree_leaves((node.args, node.kwargs))):
             with g.inserting_before(node):
