@@ -73,7 +73,8 @@ def _dispatch_functionalize(fn: Callable[..., Any]) -> Callable[..., Any]:
                         raise RuntimeError("the graph changes an input's shape or strides in place (e.g. "
                                            "`x.t_()` on an input); graphtrain cannot trace that under dynamic "
                                            "shapes: use engine.dynamic=false")
-            unwrap = lambda t: torch._from_functional_tensor(t.elem) if isinstance(t, FunctionalTensor) else t  # noqa: E731
+            def unwrap(t: Any) -> Any:
+                return torch._from_functional_tensor(t.elem) if isinstance(t, FunctionalTensor) else t
             mutated = [(a, unwrap(w)) for a, w in zip(args, wrapped) if isinstance(w, FunctionalTensor)
                        and torch._functionalize_has_data_mutation(w.elem)]  # type: ignore[attr-defined]
             out = torch.utils._pytree.tree_map_only(FunctionalTensor, lambda t: (torch._sync(t), unwrap(t))[1], out)

@@ -172,7 +172,6 @@ def constant_mask_kind(gm: fx.GraphModule, mask: fx.Node, q_len: int, k_len: int
     return None if value is None else mask_kind(value, q_len, k_len)
 
 
-
 def symints_as_nodes(graph: fx.Graph, args: Any) -> Any:
     """`args` with every SymInt (a symbolic size a pass read from a fake value under dynamic shapes) replaced by
     nodes that compute it from the graph's inputs (torch.fx.Graph.materialize_symints), inserted at the graph's
