@@ -17,6 +17,8 @@ from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from graphtrain.passes.graph_utils import is_symbolic
+
 
 def trace_aten_forward(fn: Callable[..., Any], example_inputs: Sequence[Any]) -> fx.GraphModule:
     """Trace `fn(*example_inputs)` (no autograd recorded) into the functional aten forward IR."""
@@ -31,7 +33,7 @@ def trace_aten_forward(fn: Callable[..., Any], example_inputs: Sequence[Any]) ->
         inputs = [fake_mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in example_inputs]
     else:  # inside a Dynamo backend: reuse its fake mode (and shape env), as AOTAutograd does
         inputs = fakify_like_dynamo(fake_mode, example_inputs)
-    if _symbolic(inputs):
+    if any(is_symbolic(x) for x in inputs):
         from torch._dispatch.python import enable_python_dispatcher
         functional, dispatcher = _dispatch_functionalize(fn), enable_python_dispatcher()
     else:
@@ -41,13 +43,6 @@ def trace_aten_forward(fn: Callable[..., Any], example_inputs: Sequence[Any]) ->
     gm.graph.eliminate_dead_code()
     gm.recompile()
     return gm
-
-
-def _symbolic(inputs: Sequence[Any]) -> bool:
-    """Whether any input has a symbolic size (Dynamo's dynamic shapes) or is a SymInt."""
-    return any(isinstance(x, torch.SymInt) or (isinstance(x, torch.Tensor)
-                                                and any(isinstance(s, torch.SymInt) for s in x.shape))
-               for x in inputs)
 
 
 def _dispatch_functionalize(fn: Callable[..., Any]) -> Callable[..., Any]:

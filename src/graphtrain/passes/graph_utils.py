@@ -172,6 +172,12 @@ def constant_mask_kind(gm: fx.GraphModule, mask: fx.Node, q_len: int, k_len: int
     return None if value is None else mask_kind(value, q_len, k_len)
 
 
+def is_symbolic(v: Any) -> bool:
+    """Whether `v` is a SymInt or a tensor with a symbolic size (Dynamo's dynamic shapes)."""
+    return isinstance(v, torch.SymInt) or (isinstance(v, torch.Tensor) and any(isinstance(d, torch.SymInt)
+                                                                                for d in v.shape))
+
+
 def symints_as_nodes(graph: fx.Graph, args: Any) -> Any:
     """`args` with every SymInt (a symbolic size a pass read from a fake value under dynamic shapes) replaced by
     nodes that compute it from the graph's inputs (torch.fx.Graph.materialize_symints), inserted at the graph's
@@ -190,9 +196,7 @@ def materialize_symints(gm: fx.GraphModule) -> int:
     through fuse_utils.call); returns how many nodes changed."""
     from torch.utils import _pytree as pytree
     g, changed = gm.graph, 0
-    if not any(isinstance(v, torch.SymInt) or (isinstance(v, torch.Tensor) and any(isinstance(d, torch.SymInt)
-                                                                                   for d in v.shape))
-               for v in (example_value(n) for n in g.nodes if n.op == "placeholder")):
+    if not any(is_symbolic(example_value(n)) for n in g.nodes if n.op == "placeholder"):
         return 0  # static shapes: nothing symbolic to find
     for node in list(g.nodes):
         if any(isinstance(a, torch.SymInt) for a in pytree.tree_leaves((node.args, node.kwargs))):
