@@ -94,6 +94,26 @@ def test_graph_count_does_not_grow_with_depth():
     assert counts[10][1] - counts[2][1] == 8, counts  # ... the block's run eight more times
 
 
+def test_dynamic_shapes_compile_each_block_once_for_every_length():
+    """engine.dynamic=true used to compile the whole model as one graph (its compile grew with the depth). The
+    blocks now compile once for every length: bitwise eager at three lengths, one block graph, no recompile."""
+    ref, m = _pair(layers=3, dynamic=True)
+    for length in (8, 5, 11):
+        idx = torch.randint(0, 64, (2, length), generator=torch.Generator().manual_seed(length))
+        losses = []
+        for mod in (ref, m):
+            mod.zero_grad(set_to_none=True)
+            torch.manual_seed(length)
+            loss = mod(idx)
+            loss.backward()
+            losses.append(loss.detach())
+        assert_close(losses[1], losses[0], name=f"loss at length {length}", bitwise=True)
+        assert_grads_close(m, ref, bitwise=True)
+    rep = graphtrain.report(m)
+    assert rep.blocks == ["blocks (3 x Block)"] and not rep.recompiles and not rep.fallbacks, str(rep)
+    assert [g["calls_per_step"] for g in rep.graphs if g["calls_per_step"] > 1] == [3], str(rep)
+
+
 def test_whole_graph_when_asked_or_when_recompute_needs_it():
     _, m = _pair(compile_blocks=False)
     m(torch.randint(0, 64, (2, 8))).backward()

@@ -194,8 +194,8 @@ def test_dynamic_shapes_on_a_hugging_face_model_compile_once():
         graphs.append(len(graphtrain.report(m).graphs))
     rep = graphtrain.report(m)
     # Dynamo may specialize the first call's length and generalize at the second (automatic dynamic); after
-    # that one graph serves every length
-    assert not rep.fallbacks and graphs[1] <= 2 and graphs[1] == graphs[-1], (graphs, str(rep))
+    # that one compile (its blocks' graphs) serves every length
+    assert not rep.fallbacks and graphs[1] <= 2 * graphs[0] and graphs[1] == graphs[-1], (graphs, str(rep))
 
 
 @pytest.mark.skipif(not importlib.util.find_spec("transformers"), reason="transformers not installed")
@@ -221,7 +221,7 @@ def test_dynamic_shapes_keep_the_fusions_of_a_model_with_dropout():
         assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6, name=f"loss at length {length}")
         assert_grads_close(dyn, static, rtol=1e-4, atol=1e-6)
     rep = graphtrain.report(dyn)
-    assert not rep.fallbacks and not rep.recompiles and len(rep.graphs) <= 2, str(rep)
+    assert not rep.fallbacks and not rep.recompiles and len(rep.graphs) <= 3 and rep.blocks, str(rep)
     fused = {r["name"]: r["rewrites"] for r in rep.passes if r["stage"] == "pre_autodiff"}
     # per compile: attention with its dropout in both blocks; embedding, attention-output and MLP dropouts
     assert fused["fuse_attention"] >= 2 and fused["fuse_bias_dropout_add"] >= 5 and fused["fuse_bias_gelu"] >= 2, fused

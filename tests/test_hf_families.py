@@ -49,17 +49,19 @@ def test_family_trains_like_eager(name):
 @pytest.mark.parametrize("name", ["deberta2", pytest.param("t5", marks=pytest.mark.slow),
                                   pytest.param("bart", marks=pytest.mark.slow)])
 def test_family_under_dynamic_shapes_trains_like_eager_at_every_length(name):
-    """engine.dynamic=true: one graph for two sequence lengths, each step as eager's. Regression (DeBERTa-v2): the
-    recompute stage's attention-mask shrink wrote its symbolic mask shape into the graph as raw SymInts, and the
-    compiled graph raised NameError on the first call."""
+    """engine.dynamic=true: one compile (the model's graphs, block by block where it repeats one) for two sequence
+    lengths, each step as eager's. Regression (DeBERTa-v2): the recompute stage's attention-mask shrink wrote its
+    symbolic mask shape into the graph as raw SymInts, and the compiled graph raised NameError on the first call."""
     ref, batch = _build(name)
     m = graphtrain.accelerate(copy.deepcopy(ref), provider="aten", fallback="error", dynamic=True)
+    graphs = []
     for length in (16, 11):
         ref.zero_grad(set_to_none=True)
         m.zero_grad(set_to_none=True)
         _step_like_eager(ref, m, {k: v[:, :length].clone() for k, v in batch.items()})
+        graphs.append(len(graphtrain.report(m).graphs))
     rep = graphtrain.report(m)
-    assert not rep.fallbacks and not rep.recompiles and len(rep.graphs) == 1, str(rep)
+    assert not rep.fallbacks and not rep.recompiles and graphs[0] == graphs[1] <= 3, (graphs, str(rep))
 
 
 def test_step_bench_builds_a_family_and_names_bad_input():

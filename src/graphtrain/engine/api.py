@@ -81,7 +81,7 @@ def compile_in_place(modules: torch.nn.Module | list[torch.nn.Module], state: En
     options = {"backend": make_backend(cfg, state), "dynamic": cfg.dynamic, "fullgraph": cfg.fallback == "error"}
     shared: dict[Any, Any] = {}
     for module in modules if isinstance(modules, list) else [modules]:
-        if cfg.compile_blocks and not cfg.dynamic and not hooks_outside:
+        if cfg.compile_blocks and not hooks_outside:
             from graphtrain.engine.blocks import mark_repeated_blocks, whole_model_reason
             why = whole_model_reason(cfg)
             if why:

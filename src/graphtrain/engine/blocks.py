@@ -19,8 +19,8 @@ Two halves, one on each side of Dynamo:
 
 We split here rather than hand ``invoke_subgraph`` to AOTAutograd and Inductor (which support it) because
 graphtrain's passes, recompute policy and memory prediction work on one flat graph: each piece is such a graph,
-so every stage applies to a block exactly as to a whole model. Dynamic shapes (``engine.dynamic``) keep the
-whole-graph path.
+so every stage applies to a block exactly as to a whole model. Dynamic shapes (``engine.dynamic``) split the same
+way: Dynamo traces the block with symbolic sizes, and each piece is compiled once for every length.
 """
 from __future__ import annotations
 
