@@ -388,7 +388,7 @@ class _CallWrapper:
                             f"config.recompile_limit: with engine.dynamic=false each new input shape is a variant, "
                             f"and so is each other accelerated module of this process that runs the same code). "
                             f"For changing shapes, pad batches to a few fixed lengths (each compiled once, the "
-                            f"fastest) or pass engine.dynamic=true (one graph for every length, compiled before "
+                            f"fastest) or pass engine.dynamic=true (one compile for every length, done before "
                             f"its first step); "
                             f"for many models in one process, call torch._dynamo.reset() between them",
                             self.state.config,
