@@ -56,18 +56,23 @@ def _pair(layers: int = 3, **accel):
     return ref, graphtrain.accelerate(m, provider="aten", **accel)
 
 
+def _step_bitwise(ref, m, idx, seed: int) -> None:
+    """One training step of each model on `idx` under the same seed: loss and gradients equal to the bit."""
+    losses = []
+    for mod in (ref, m):
+        mod.zero_grad(set_to_none=True)
+        torch.manual_seed(seed)
+        loss = mod(idx)
+        loss.backward()
+        losses.append(loss.detach())
+    assert_close(losses[1], losses[0], name=f"loss (step {seed}, length {idx.shape[1]})", bitwise=True)
+    assert_grads_close(m, ref, bitwise=True)
+
+
 def _steps(ref, m, steps: int = 2):
     idx = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
     for seed in range(steps):
-        losses = []
-        for mod in (ref, m):
-            mod.zero_grad(set_to_none=True)
-            torch.manual_seed(seed)
-            loss = mod(idx)
-            loss.backward()
-            losses.append(loss.detach())
-        assert_close(losses[1], losses[0], name=f"loss (step {seed})", bitwise=True)
-        assert_grads_close(m, ref, bitwise=True)
+        _step_bitwise(ref, m, idx, seed)
 
 
 def test_blocks_compile_once_and_match_eager_bitwise():
@@ -99,16 +104,8 @@ def test_dynamic_shapes_compile_each_block_once_for_every_length():
     blocks now compile once for every length: bitwise eager at three lengths, one block graph, no recompile."""
     ref, m = _pair(layers=3, dynamic=True)
     for length in (8, 5, 11):
-        idx = torch.randint(0, 64, (2, length), generator=torch.Generator().manual_seed(length))
-        losses = []
-        for mod in (ref, m):
-            mod.zero_grad(set_to_none=True)
-            torch.manual_seed(length)
-            loss = mod(idx)
-            loss.backward()
-            losses.append(loss.detach())
-        assert_close(losses[1], losses[0], name=f"loss at length {length}", bitwise=True)
-        assert_grads_close(m, ref, bitwise=True)
+        _step_bitwise(ref, m, torch.randint(0, 64, (2, length), generator=torch.Generator().manual_seed(length)),
+                      seed=length)
     rep = graphtrain.report(m)
     assert rep.blocks == ["blocks (3 x Block)"] and not rep.recompiles and not rep.fallbacks, str(rep)
     assert [g["calls_per_step"] for g in rep.graphs if g["calls_per_step"] > 1] == [3], str(rep)
