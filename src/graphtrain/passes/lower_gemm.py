@@ -111,6 +111,6 @@ def _shape(a: fx.Node, b: fx.Node) -> tuple[int, int, int, bool]:
     va, vb = val(a), val(b)
     # Under dynamic shapes a size is symbolic: the probe takes its value in this call (optimization_hint) without
     # the guard int() would add, which would make Dynamo recompile the graph for every other size.
-    m, k, n, rows = (optimization_hint(x) for x in (*va.shape, vb.shape[1], vb.shape[0]))
+    m, k, n, rows = (optimization_hint(x) for x in (va.shape[0], va.shape[1], vb.shape[1], vb.shape[0]))
     transposed = vb.dim() == 2 and optimization_hint(vb.stride(0)) == 1 and rows > 1
     return m, k, n, bool(transposed)
