@@ -78,6 +78,28 @@ def test_whole_step_matches_eager_adamw_with_clipping(provider, blocks):
         assert any("mm" in t for t in targets)
 
 
+def test_dynamic_step_by_blocks_compiles_once_for_every_length():
+    """engine.dynamic=true used to take the whole step as one graph, traced anew for every batch shape. By blocks,
+    the model's graphs are symbolic in the length: three lengths, one block graph, no recompile, each step as
+    eager's."""
+    torch.manual_seed(0)
+    cfg = Config(optim=OptimConfig(lr=3e-3, grad_clip=0.5))
+    model = build_model(ModelConfig(name="gpt2-tiny", dropout=0.0))
+    ref = copy.deepcopy(model)
+    step = graphtrain.compile_step(model, cfg, provider="aten", passes=NO_FUSIONS, dynamic=True)
+    assert step.by_blocks
+    batches, lrs = [_batch(i, shape=(2, length)) for i, length in enumerate((16, 9, 23))], [3e-3, 2e-3, 1e-3]
+    for b, lr, (le, ne) in zip(batches, lrs, _eager_steps(ref, batches, cfg, lrs)):
+        out = step(lr=lr, **b)
+        assert_close(out["loss"], le, name="loss")
+        assert_close(out["grad_norm"], torch.tensor(ne), name="grad norm")
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert_close(p, q, name=f"weight {n}", atol=5e-5, rtol=1e-4)
+    rep = graphtrain.report(model)
+    assert rep.blocks == ["blocks (2 x Block)"] and not rep.recompiles and not rep.fallbacks, str(rep)
+    assert [g["calls_per_step"] for g in rep.graphs] == [1, 2, 1], str(rep)
+
+
 def test_whole_step_bf16_with_default_fusions_trains():
     torch.manual_seed(0)
     model = build_model(ModelConfig(name="gpt2-tiny"))  # dropout on

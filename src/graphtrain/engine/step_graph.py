@@ -35,7 +35,8 @@ The design keeps sharding open: gradients are graph values, so a ZeRO-1 step wou
 reduce-scatter after the gradients and an all-gather after the update (not built here).
 
 Limits ("where the model allows"; clear errors otherwise): AdamW; one micro-batch per step (no
-gradient accumulation); fixed input shapes per compile (a new shape traces again); the forward
+gradient accumulation); as one graph, fixed input shapes per compile (a new shape traces again; by blocks,
+``engine.dynamic`` compiles the model's graphs once for every length, as ``accelerate`` does); the forward
 returns the loss (a tensor, or an object with ``.loss`` such as Hugging Face outputs); one graph: no graph
 breaks in the forward (the step is traced whole, not through Dynamo); by blocks, breaks run as in ``accelerate``.
 """
@@ -126,9 +127,11 @@ class CompiledStep:
         self.steps = 0
         self.skipped_steps = 0
         # A model with repeated blocks trains through its own graphs, compiled block by block (engine/blocks.py);
-        # the update after the backward is then a graph of its own (see _build_by_blocks).
-        self.by_blocks = bool(self.engine.compile_blocks and not self.engine.dynamic
-                              and not whole_model_reason(self.engine) and repeated_blocks(model))
+        # the update after the backward is then a graph of its own (see _build_by_blocks). Under engine.dynamic the
+        # model's graphs are symbolic in the batch's sizes (one compile for every length); the update graph does not
+        # depend on them.
+        self.by_blocks = bool(self.engine.compile_blocks and not whole_model_reason(self.engine)
+                              and repeated_blocks(model))
 
     # ----------------------------------------------------------------------------------- build --
     def _build_by_blocks(self, batch: dict[str, Tensor]) -> None:
