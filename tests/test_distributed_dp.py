@@ -125,25 +125,28 @@ def _dp_engine_worker() -> dict:
         par.optimizer.zero_grad()
     rep = graphtrain.report(par.module)
     out.update(buckets=sorted(set(buckets)), graphs=[sum(k == "param" for k in g["input_kinds"]) for g in rep.graphs],
-               eager_only=rep.eager_only, fallbacks=rep.fallbacks, calls=rep.calls)
+               eager_only=rep.eager_only, fallbacks=rep.fallbacks, calls=rep.calls, blocks=rep.blocks)
     return out
 
 
 @pytest.mark.slow  # ~30 s: two ranks compiling with Inductor on a shared 2-core machine
-def test_engine_under_ddp_splits_at_buckets_and_matches_full_batch():
-    """graphtrain.accelerate under DDP (Parallelized.accelerate): Dynamo's DDPOptimizer splits the captured graph
-    at DDP's bucket boundaries (one graphtrain graph per bucket, so a bucket's all-reduce can start while the
-    earlier graph's backward still runs), no_sync holds on the non-final micro-step, and gradients and losses
-    equal the single-process eager full-batch run."""
+def test_engine_under_ddp_compiles_block_by_block_and_matches_full_batch():
+    """graphtrain.accelerate under DDP (Parallelized.accelerate): the repeated blocks keep their own graphs (each
+    block's backward an autograd node, so DDP's reducer all-reduces a bucket as soon as its gradients are ready),
+    no_sync holds on the non-final micro-step, and gradients and losses equal the single-process eager full-batch
+    run."""
     results = run_ranks(_dp_engine_worker, 2)
     ref = _big_vocab_model()
     ref_losses, ref_grads = train_reference(ref, [batch(4, seed=s, vocab=BIG_VOCAB) for s in range(STEPS)])
     n_params = len(list(ref.parameters()))
     for r, out in enumerate(results):
         assert not out["eager_only"] and not out["fallbacks"] and out["calls"] == 2 * STEPS, out
-        assert out["buckets"] == [0, 1], out["buckets"]  # the 1 MiB cap made two DDP buckets...
-        # ...and two graphs, each with parameters (the tied embedding is an input of both)
-        assert len(out["graphs"]) == 2 and min(out["graphs"]) >= 1 and sum(out["graphs"]) >= n_params, out["graphs"]
+        assert out["buckets"] == [0, 1], out["buckets"]  # the 1 MiB cap made two DDP buckets
+        # three graphs, each with parameters: before the blocks, one block's (run for both), after them (the tied
+        # embedding is an input of the first and the last)
+        assert out["blocks"] == ["blocks (2 x Block)"], out["blocks"]
+        g = out["graphs"]
+        assert len(g) == 3 and min(g) >= 1 and g[0] + 2 * g[1] + g[2] >= n_params, g
         # no_sync on the first micro-step, the buckets' all-reduces on the last (after DDP rebuilt its buckets in
         # the first backward, one per graph)
         per_micro = out["allreduces_per_micro_step"]
@@ -169,15 +172,22 @@ def _accelerated_then_ddp_worker() -> dict:
             "fallbacks": rep.fallbacks, "notes": rep.notes, "providers": [g["provider"] for g in rep.graphs]}
 
 
-def test_one_rank_ddp_over_an_accelerated_model_splits_at_buckets_and_matches_eager():
-    """The default suite's guard for the engine under Dynamo's DDPOptimizer (the 2-rank tests are marked slow): one
-    gloo rank in this process, DDP with a 1 MiB bucket cap over graphtrain.accelerate(model). Both regressions the
-    slow tests found show here: provider auto timing a bucket's piece on aten (no backward torch can compile
-    there) and per-block pieces under DDPOptimizer's fake run; the gradients check the inlined blocks' bindings."""
+@pytest.mark.parametrize("blocks,provider", [(True, "auto"), (True, "aten"), (False, "auto")],
+                         ids=["blocks", "blocks-aten", "one-graph"])
+def test_one_rank_ddp_over_an_accelerated_model_matches_eager(blocks, provider):
+    """The default suite's guard for the engine under DDP (the 2-rank tests are marked slow): one gloo rank in this
+    process, DDP with a 1 MiB bucket cap over graphtrain.accelerate(model).
+    blocks: the model's repeated blocks keep their own graphs (Dynamo's DDPOptimizer is bypassed: each block's
+    backward is an autograd node, so DDP's reducer overlaps the buckets), with provider auto's tiered start.
+    blocks-aten: engine.provider=aten works there (distributed.check_engine_under_ddp refuses it only for a graph
+    DDPOptimizer splits).
+    one-graph (engine.compile_blocks false): DDPOptimizer splits the graph at the buckets, Inductor alone compiles
+    the pieces; both regressions the slow tests found show here (provider auto timing a bucket's piece on aten,
+    with no backward torch can compile there; per-block pieces under DDPOptimizer's fake run)."""
     import graphtrain
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        model = graphtrain.accelerate(_big_vocab_model(), fallback="error")
+        model = graphtrain.accelerate(_big_vocab_model(), fallback="error", compile_blocks=blocks, provider=provider)
         ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=1)
         ids, labels = batch(2, seed=0, vocab=BIG_VOCAB)
         loss = ddp(ids, labels)
@@ -185,8 +195,12 @@ def test_one_rank_ddp_over_an_accelerated_model_splits_at_buckets_and_matches_ea
         rep = graphtrain.report(model)
     finally:
         dist.destroy_process_group()
-    assert not rep.fallbacks and [g["provider"] for g in rep.graphs] == ["inductor", "inductor"], rep.graphs
-    assert any("under DDP each bucket's graph is compiled whole" in n for n in rep.notes), rep.notes
+    assert not rep.fallbacks, rep.fallbacks
+    if blocks:
+        assert rep.blocks == ["blocks (2 x Block)"] and len(rep.graphs) == 3, str(rep)
+        assert not any("under DDP" in n for n in rep.notes), rep.notes
+    else:
+        assert [g["provider"] for g in rep.graphs] == ["inductor", "inductor"], rep.graphs  # two buckets' pieces
     ref = _big_vocab_model()
     ref_loss = ref(ids, labels)
     ref_loss.backward()
@@ -196,21 +210,29 @@ def test_one_rank_ddp_over_an_accelerated_model_splits_at_buckets_and_matches_ea
         assert_close(p.grad, q.grad, name=f"grad of {n}", rtol=RTOL, atol=ATOL)
 
 
+def test_aten_under_ddp_is_refused_only_where_ddp_optimizer_splits_the_graph():
+    from graphtrain.config import EngineConfig
+    from graphtrain.distributed import check_engine_under_ddp
+    model = _big_vocab_model()  # 2.1 MB of gradients: more than DDP's 1 MiB first bucket
+    check_engine_under_ddp(EngineConfig(provider="aten"), model)  # block by block: no DDPOptimizer
+    check_engine_under_ddp(EngineConfig(provider="auto", compile_blocks=False), model)
+    for cfg in (EngineConfig(provider="aten", compile_blocks=False), EngineConfig(provider="aten", recompute="full")):
+        with pytest.raises(ValueError, match="span several DDP buckets.*engine.provider=auto"):
+            check_engine_under_ddp(cfg, model)
+
+
 @pytest.mark.slow  # ~30 s: two ranks compiling with Inductor on a shared 2-core machine
 def test_a_model_accelerated_before_ddp_wraps_it_matches_eager():
-    """graphtrain.accelerate(model), then DDP(model): DDPOptimizer splits the captured graph at the buckets and
-    each bucket's repeated blocks are inlined into one graph (it takes one AOTAutograd graph per bucket). Before,
-    provider auto ran those pieces on aten (no compiled backward there) and per-block pieces failed under
-    DDPOptimizer's fake run; an eager fallback of the graph Dynamo's block reuse had bound to the first block's
-    weights left the second block without gradients."""
+    """graphtrain.accelerate(model), then DDP(model): the blocks keep their own graphs under DDP, each block's
+    gradients its own (an eager fallback of the graph Dynamo's block reuse had bound to the first block's weights
+    once left the second block without gradients)."""
     results = run_ranks(_accelerated_then_ddp_worker, 2)
     ref = _big_vocab_model()
     ids, labels = batch(4, seed=0, vocab=BIG_VOCAB)
     ref_loss = ref(ids, labels)
     ref_loss.backward()
     for r, out in enumerate(results):
-        assert not out["fallbacks"] and set(out["providers"]) == {"inductor"}, out
-        assert any("DDP" in n for n in out["notes"]), out["notes"]
+        assert not out["fallbacks"] and len(out["providers"]) == 3, out
         assert_close(torch.tensor(out["loss"]), ref_loss.detach(), name=f"rank {r} loss", rtol=RTOL, atol=ATOL)
         for n, p in ref.named_parameters():
             assert out["grads"][n] is not None, f"rank {r}: no gradient for {n}"

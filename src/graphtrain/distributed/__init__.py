@@ -86,13 +86,13 @@ class Parallelized:
 
         * dp (DDP): the module inside DDP is accelerated (in place), not the DDP wrapper: DDP's forward calls
           `self.module(...)` inside `_inside_ddp_forward`, which Dynamo does not trace but which marks the DDP
-          module active, so the frame compiled there goes through Dynamo's DDPOptimizer: the graph is split at
-          DDP's bucket boundaries, each piece compiled by the graphtrain backend, and each bucket's all-reduce
-          starts as soon as its piece's backward is done (what `torch.compile(ddp_model)` does too;
-          accelerating the wrapper records a graph break at `_inside_ddp_forward` and fails under
-          engine.fallback=error, measured with torch 2.13 on 2 gloo ranks). `no_sync()` keeps working. Each
-          bucket's piece is compiled whole, its repeated blocks inlined (DDPOptimizer takes one AOTAutograd graph
-          per bucket, not one per block: engine/backend.py), and by Inductor (provider auto does not time aten
+          module active (accelerating the wrapper records a graph break at `_inside_ddp_forward` and fails under
+          engine.fallback=error, measured with torch 2.13 on 2 gloo ranks). `no_sync()` keeps working. A model
+          with repeated blocks is compiled block by block as in one process (engine/api.py bypasses Dynamo's
+          DDPOptimizer for it): each block's backward is an autograd node of its own, so DDP's reducer
+          all-reduces each bucket as soon as its gradients are ready. Any other model (or compile_blocks false,
+          recompute full/auto) goes through DDPOptimizer, as `torch.compile(ddp_model)` does: the graph is split
+          at DDP's bucket boundaries, each piece compiled whole by Inductor (provider auto does not time aten
           there: engine/choose.py measurable).
         * tp: the whole module; its DTensor parameters are traced on their local shards (engine/trace.localize),
           so every pass sees the rank's local attention, GELU and LayerNorm, with the tp collectives as nodes.
@@ -167,14 +167,17 @@ class Parallelized:
 
 
 def check_engine_under_ddp(engine: Any, module: nn.Module) -> None:
-    """Refuse engine.provider=aten under DDP when Dynamo's DDPOptimizer will split the graph (gradients over DDP's
-    1 MiB first bucket): the split pieces' backward, compiled lazily, then fails inside torch (measured, torch 2.13:
+    """Refuse engine.provider=aten under DDP when Dynamo's DDPOptimizer will split the graph (a model not compiled
+    block by block, gradients over DDP's 1 MiB first bucket): the split pieces' backward, compiled lazily, then fails inside torch (measured, torch 2.13:
     "expected same # of fw and bw compiles, but found bucket -1"), because the aten provider calls AOTAutograd
     directly and DDPOptimizer only stashes a piece's forward metadata when torch's `aot_autograd` backend wrapper
     counted the call. Inductor goes through that wrapper and works; provider auto (the default) uses it alone for
     those pieces (engine/choose.py measurable)."""
     if getattr(engine, "provider", None) != "aten":
         return
+    from graphtrain.engine.blocks import repeated_blocks, whole_model_reason
+    if engine.compile_blocks and not whole_model_reason(engine) and repeated_blocks(module):
+        return  # compiled block by block, without DDPOptimizer (engine/api.py _run_compiled)
     grad_bytes = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
     if grad_bytes > dist._DEFAULT_FIRST_BUCKET_BYTES:
         raise ValueError(f"engine.provider=aten does not compose with DDP for a model whose gradients "

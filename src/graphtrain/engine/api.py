@@ -333,6 +333,13 @@ class _CallWrapper:
         patch: dict[str, Any] = {}
         if not self.recompile_limit_hit:  # reported once: Dynamo's own path from then on
             patch["fail_on_recompile_limit_hit"] = True
+        if self.state.blocks:
+            # Under DDP, Dynamo's DDPOptimizer would split the graph at DDP's gradient buckets and take one
+            # AOTAutograd graph per bucket, with the blocks inlined (backend.py). Compiled block by block, each block
+            # is an autograd node of its own: its weights' gradients are ready when its backward ends, DDP's reducer
+            # all-reduces each bucket as it fills, overlapped with the blocks still to run (torchtitan's per-block
+            # compile under data parallel). So the blocks keep their own graphs there too.
+            patch["optimize_ddp"] = False
         if self.state.config.dynamic:
             # Dynamic shapes make sizes symbolic, and Dynamo then makes Python floats symbolic too (GELU's
             # sqrt(2/pi), a dropout's p): fusion patterns need them as constants, and AOTAutograd would ask for a

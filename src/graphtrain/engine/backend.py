@@ -137,7 +137,9 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Eng
     if has_block_calls(gm) and under_ddp_optimizer():
         # Dynamo's DDPOptimizer compiles a DDP model's graph bucket by bucket and expects one AOTAutograd graph per
         # bucket (it runs each on fake inputs through AOTAutograd's first-call fakification), which per-block
-        # pieces are not: a bucket's blocks are inlined and compiled with it as one graph.
+        # pieces are not: a bucket's blocks are inlined and compiled with it as one graph. (accelerate's own calls
+        # bypass DDPOptimizer for a model with blocks, engine/api.py _run_compiled; this is for compiles that come
+        # through it anyway, e.g. torch.compile of a DDP wrapper around blocks accelerate marked.)
         kinds = _input_kinds(gm, example_inputs)
         check_bindings(gm, kinds)  # Dynamo's reuse bound the first block's weights?
         _note_once(state.notes, "under DDP each bucket's graph is compiled whole, its repeated blocks inlined "

@@ -23,7 +23,8 @@ The timing runs on copies of the inputs (parameters never receive these gradient
 (the training run's random stream is untouched). Graphs that read DTensors (their collectives would need every
 rank to time in step) or symbolic shapes keep Inductor, and so do the pieces of a graph Dynamo's DDPOptimizer split
 at DDP's buckets: torch compiles such a piece's backward lazily and only when its forward went through torch's own
-AOTAutograd backend wrapper, which the aten provider does not use (distributed.check_engine_under_ddp).
+AOTAutograd backend wrapper, which the aten provider does not use (distributed.check_engine_under_ddp). A model
+compiled block by block under DDP does not go through DDPOptimizer (engine/api.py) and is timed as in one process.
 """
 from __future__ import annotations
 
