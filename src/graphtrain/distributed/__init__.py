@@ -168,7 +168,8 @@ class Parallelized:
 
 def check_engine_under_ddp(engine: Any, module: nn.Module) -> None:
     """Refuse engine.provider=aten under DDP when Dynamo's DDPOptimizer will split the graph (a model not compiled
-    block by block, gradients over DDP's 1 MiB first bucket): the split pieces' backward, compiled lazily, then fails inside torch (measured, torch 2.13:
+    block by block, gradients over DDP's 1 MiB first bucket): the split pieces' backward, compiled lazily, then
+    fails inside torch (measured, torch 2.13:
     "expected same # of fw and bw compiles, but found bucket -1"), because the aten provider calls AOTAutograd
     directly and DDPOptimizer only stashes a piece's forward metadata when torch's `aot_autograd` backend wrapper
     counted the call. Inductor goes through that wrapper and works; provider auto (the default) uses it alone for
@@ -183,7 +184,8 @@ def check_engine_under_ddp(engine: Any, module: nn.Module) -> None:
         raise ValueError(f"engine.provider=aten does not compose with DDP for a model whose gradients "
                          f"({grad_bytes / 2**20:.1f} MiB) span several DDP buckets (Dynamo's DDPOptimizer splits the "
                          f"graph there and torch cannot compile the aten pieces' backward): use engine.provider=auto "
-                         f"(Inductor), or train.accelerate=false")
+                         f"(Inductor), engine.compile_blocks=true with engine.recompute none or selective for a "
+                         f"model with repeated blocks (compiled block by block, no split), or train.accelerate=false")
 
 
 def parallelize(model: nn.Module, optimizer_factory: Callable[[nn.Module], torch.optim.Optimizer],
