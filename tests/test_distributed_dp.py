@@ -210,6 +210,55 @@ def test_one_rank_ddp_over_an_accelerated_model_matches_eager(blocks, provider):
         assert_close(p.grad, q.grad, name=f"grad of {n}", rtol=RTOL, atol=ATOL)
 
 
+def _backward_node_of(loss: torch.Tensor, weight: torch.Tensor):
+    """The autograd node whose backward computes `weight`'s gradient (the one feeding its AccumulateGrad)."""
+    seen, todo = set(), [loss.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        for nxt, _ in node.next_functions:
+            if nxt is not None and getattr(nxt, "variable", None) is weight:
+                return node
+            todo.append(nxt)
+    raise AssertionError("no backward node computes the weight's gradient")
+
+
+def test_ddp_all_reduces_buckets_while_earlier_blocks_still_run_backward():
+    """Block by block under DDP (no DDPOptimizer), each block's backward is its own autograd node: DDP's reducer
+    all-reduces buckets of the later blocks' gradients before the backward of the graph before the first block (the
+    embeddings) starts. One compiled graph for the whole model computes every gradient before any is handed over
+    (checked: with optimize_ddp off and compile_blocks false this test fails), so nothing overlaps."""
+    transformers = pytest.importorskip("transformers")
+    import graphtrain
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        cfg = transformers.GPT2Config(n_layer=3, n_embd=256, n_head=4, vocab_size=512, n_positions=64,
+                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="sdpa")
+        model = graphtrain.accelerate(transformers.GPT2LMHeadModel(cfg), fallback="error", provider="aten")
+        ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=1)  # 2.4 MiB of blocks: several buckets
+        events: list[str] = []
+
+        def hook(state, bucket):
+            events.append("all-reduce")
+            return dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(lambda f: f.value()[0])
+        ddp.register_comm_hook(None, hook)
+        ids = torch.randint(0, 512, (2, 16))
+        for _ in range(2):  # DDP rebuilds its buckets in the order of the first backward's gradients
+            events.clear()
+            loss = ddp(input_ids=ids, labels=ids).loss
+            _backward_node_of(loss, model.transformer.wpe.weight).register_prehook(
+                lambda grad_outputs: events.append("embeddings' backward"))
+            loss.backward()
+        rep = graphtrain.report(model)
+    finally:
+        dist.destroy_process_group()
+    assert rep.blocks == ["transformer.h (3 x GPT2Block)"] and len(rep.graphs) == 3, str(rep)
+    assert events.index("embeddings' backward") >= 2, events  # buckets sent while the backward still ran
+
+
 def test_aten_under_ddp_is_refused_only_where_ddp_optimizer_splits_the_graph():
     from graphtrain.config import EngineConfig
     from graphtrain.distributed import check_engine_under_ddp
