@@ -176,8 +176,8 @@ def check_engine_under_ddp(engine: Any, module: nn.Module) -> None:
     those pieces (engine/choose.py measurable)."""
     if getattr(engine, "provider", None) != "aten":
         return
-    from graphtrain.engine.blocks import repeated_blocks, whole_model_reason
-    if engine.compile_blocks and not whole_model_reason(engine) and repeated_blocks(module):
+    from graphtrain.engine.blocks import splits_into_blocks
+    if splits_into_blocks(engine, module):
         return  # compiled block by block, without DDPOptimizer (engine/api.py _run_compiled)
     grad_bytes = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
     if grad_bytes > dist._DEFAULT_FIRST_BUCKET_BYTES:

@@ -76,6 +76,12 @@ def whole_model_reason(config: Any) -> str:
     return ""
 
 
+def splits_into_blocks(config: Any, module: torch.nn.Module) -> bool:
+    """Whether `accelerate` compiles `module` block by block under engine `config`: compile_blocks on, nothing that
+    needs the model as one graph (whole_model_reason), and a repeated stack to split at."""
+    return bool(config.compile_blocks and not whole_model_reason(config) and repeated_blocks(module))
+
+
 def mark_repeated_blocks(module: torch.nn.Module) -> list[str]:
     """Wrap each repeated block's forward in ``nested_compile_region`` (once; blocks with hooks are left alone,
     since a region covers ``forward`` only and hooks would then run between traced pieces). Returns the names of

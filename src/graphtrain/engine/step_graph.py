@@ -54,7 +54,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from graphtrain.config import Config, EngineConfig, OptimConfig
 from graphtrain.engine.api import compile_in_place, new_state
-from graphtrain.engine.blocks import repeated_blocks, whole_model_reason
+from graphtrain.engine.blocks import splits_into_blocks
 from graphtrain.engine.fallback import apply_policy
 from graphtrain.engine.functional import loss_of, module_as_function
 from graphtrain.engine.pipeline import compile_with_fallback, new_record, run_passes, trace
@@ -130,8 +130,7 @@ class CompiledStep:
         # the update after the backward is then a graph of its own (see _build_by_blocks). Under engine.dynamic the
         # model's graphs are symbolic in the batch's sizes (one compile for every length); the update graph does not
         # depend on them.
-        self.by_blocks = bool(self.engine.compile_blocks and not whole_model_reason(self.engine)
-                              and repeated_blocks(model))
+        self.by_blocks = splits_into_blocks(self.engine, model)
 
     # ----------------------------------------------------------------------------------- build --
     def _build_by_blocks(self, batch: dict[str, Tensor]) -> None:
