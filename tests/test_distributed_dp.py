@@ -269,6 +269,14 @@ def test_aten_under_ddp_is_refused_only_where_ddp_optimizer_splits_the_graph():
     for cfg in (EngineConfig(provider="aten", compile_blocks=False), EngineConfig(provider="aten", recompute="full")):
         with pytest.raises(ValueError, match="span several DDP buckets.*engine.provider=auto"):
             check_engine_under_ddp(cfg, model)
+    # a stack whose blocks carry a forward hook is not split into blocks (mark_repeated_blocks leaves it alone), so
+    # DDPOptimizer would split its one graph: refused as well
+    blocks = next(m for m in model.modules() if isinstance(m, torch.nn.ModuleList))
+    handle = blocks[0].register_forward_hook(lambda *a: None)
+    with pytest.raises(ValueError, match="span several DDP buckets"):
+        check_engine_under_ddp(EngineConfig(provider="aten"), model)
+    handle.remove()
+    check_engine_under_ddp(EngineConfig(provider="aten"), model)
 
 
 @pytest.mark.slow  # ~30 s: two ranks compiling with Inductor on a shared 2-core machine

@@ -78,8 +78,14 @@ def whole_model_reason(config: Any) -> str:
 
 def splits_into_blocks(config: Any, module: torch.nn.Module) -> bool:
     """Whether `accelerate` compiles `module` block by block under engine `config`: compile_blocks on, nothing that
-    needs the model as one graph (whole_model_reason), and a repeated stack to split at."""
-    return bool(config.compile_blocks and not whole_model_reason(config) and repeated_blocks(module))
+    needs the model as one graph (whole_model_reason), and a repeated stack to split at that carries no hooks."""
+    return bool(config.compile_blocks and not whole_model_reason(config) and markable_blocks(module))
+
+
+def markable_blocks(module: torch.nn.Module) -> list[tuple[str, list[torch.nn.Module]]]:
+    """The repeated stacks ``mark_repeated_blocks`` marks: those whose blocks carry no forward (pre-)hook."""
+    return [(name, blocks) for name, blocks in repeated_blocks(module)
+            if not any(b._forward_hooks or b._forward_pre_hooks for b in blocks)]
 
 
 def mark_repeated_blocks(module: torch.nn.Module) -> list[str]:
@@ -89,9 +95,7 @@ def mark_repeated_blocks(module: torch.nn.Module) -> list[str]:
     if not hasattr(torch.compiler, "nested_compile_region"):
         return []
     marked = []
-    for name, blocks in repeated_blocks(module):
-        if any(b._forward_hooks or b._forward_pre_hooks for b in blocks):
-            continue
+    for name, blocks in markable_blocks(module):
         region = _region(type(blocks[0]).forward, len(blocks))
         for block in blocks:
             if getattr(block, _MARK, False):
