@@ -425,3 +425,76 @@ def test_pieces_of_a_ddp_bucket_split_are_not_timed_on_aten():
         ctx.ddp_optimizer_ctx = DDPOptimizerContext()
         assert under_ddp_optimizer() and not measurable(inputs)
     assert measurable(inputs)
+
+
+def test_size_check_of_a_symbolic_graph_compiled_from_data():
+    """Inductor's code for a symbolic graph is compiled in a ShapeEnv of its own (backend.compile_inductor_from):
+    the guards that compile adds (Inductor's C++ codegen bounds a reduction's size at 4096, for one) never reach
+    Dynamo's guards for the frame, so the calls whose sizes break them run on aten (choose.size_checked)."""
+    from graphtrain.engine.backend import SizeChecked, _size_check, _symbolic_inputs, input_metas
+    from graphtrain.engine.choose import size_checked
+    f32 = torch.float32
+    metas = [("tensor", ("s52", "s27", 64), ("64*s27", 64, 1), f32, "cpu", True, {"s52": 4, "s27": 32}),
+             ("symint", "s27", {"s27": 32}), ("value", 0.1)]
+    env, size = _symbolic_inputs(metas)
+    b, t = size("s52"), size("s27")
+    assert isinstance(t, torch.SymInt) and size("64*s27").node.hint == 64 * 32 and size(7) == 7
+    assert _size_check(env, metas, size) is None  # no guard yet
+    assert b * t <= 4096  # what Inductor asks while it compiles: a guard on the fresh symbols
+    check = _size_check(env, metas, size)
+    assert check.guards == "(s27*s52 <= 4096)"
+    big, small = (torch.empty(64, 65, 64), 65, 0.1), (torch.empty(4, 1024, 64), 1024, 0.1)
+    assert check(small) and not check(big)
+    routed = size_checked(SizeChecked(lambda *a: "inductor", check), lambda *a: "aten")
+    assert routed[0](*small) == "inductor" and routed[0](*big) == "aten"
+    assert "calls of other sizes run on aten" in routed[1][0]
+    assert size_checked(len, lambda *a: "aten") == (len, [])
+    # two symbols with the same value at capture stay two (no duck sizing): batch 32, length 32
+    env, size = _symbolic_inputs([("tensor", ("s0", "s1"), ("s1", 1), f32, "cpu", False, {"s0": 32, "s1": 32})])
+    assert size("s0").node.expr != size("s1").node.expr
+    # what input_metas makes of a real tensor and of a fake one with symbolic sizes
+    assert input_metas([torch.ones(2, 3), 5]) == [("tensor", (2, 3), (3, 1), f32, "cpu", False, {}), ("value", 5)]
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    env, size = _symbolic_inputs(metas)
+    with FakeTensorMode(shape_env=env):
+        x = torch.empty_strided([size(d) for d in metas[0][1]], [size(d) for d in metas[0][2]])
+    (meta,) = input_metas([x])
+    assert meta[1][2] == 64 and meta[2][1:] == (64, 1) and sorted(meta[6].values()) == [4, 32]
+
+
+@pytest.mark.slow  # Inductor compiles gpt2-tiny's three symbolic graphs in the background (~40 s on 2 cores)
+def test_dynamic_shapes_start_on_aten_and_switch_to_inductor_for_every_length():
+    """engine.dynamic: the symbolic graphs run on aten from the first step while Inductor compiles them in the
+    background from data (symbolic sizes included), then switch to the measured winner, every length matching
+    eager, with no recompile."""
+    from torch._dynamo.utils import counters
+    torch.manual_seed(0)
+    ref = build_model(ModelConfig(name="gpt2-tiny", dropout=0.0)).train()
+    m = graphtrain.accelerate(copy.deepcopy(ref), dynamic=True, fallback="error")
+
+    def step(model, length, seed, batch=2):
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.randint(0, 512, (batch, length), generator=g)
+        for p in model.parameters():
+            p.grad = None
+        model(ids, torch.randint(0, 512, (batch, length), generator=g)).backward()
+
+    step(m, 32, 0)
+    rep = graphtrain.report(m)
+    assert len(rep.graphs) == 3 and all(g["provider"].startswith("aten (provider auto: Inductor compiles")
+                                        for g in rep.graphs), rep.graphs
+    step(m, 48, 1)  # the second call starts the background process
+    assert graphtrain.wait_compiled(m, timeout=900)
+    # the last: 4480 rows, beyond the 4096 Inductor's C++ codegen bounded the row reductions at (its guard): aten
+    for i, (batch, length) in enumerate(((2, 17), (2, 64), (2, 40), (70, 64))):
+        step(m, length, 2 + i, batch)
+        step(ref, length, 2 + i, batch)
+        assert_grads_close(m, ref, rtol=1e-4, atol=1e-5)
+    rep = graphtrain.report(m)
+    assert not rep.fallbacks and not rep.recompiles and len(rep.graphs) == 3, rep
+    for g in rep.graphs:
+        assert set(g["provider_times"]) == {"aten", "inductor"}, g
+        assert any(n.startswith("tiered compile: aten ran the first") for n in g["notes"]), g["notes"]
+    assert any("4096) (the guards of its compile): calls of other sizes run on aten" in n
+               for g in rep.graphs for n in g["notes"]), [g["notes"] for g in rep.graphs]
+    assert counters["inductor"]["fxgraph_cache_hit"] >= 3

@@ -20,8 +20,8 @@ Inductor winner from the caches at the module's second call, aten running the fi
 Inductor costs seconds, aten's compile from the pass cache a fraction of one).
 
 The timing runs on copies of the inputs (parameters never receive these gradients) and under a forked RNG
-(the training run's random stream is untouched). Graphs that read DTensors (their collectives would need every
-rank to time in step) or symbolic shapes keep Inductor, and so do the pieces of a graph Dynamo's DDPOptimizer split
+(the training run's random stream is untouched); a graph with symbolic sizes is timed at the sizes of that call.
+Graphs that read DTensors (their collectives would need every rank to time in step) keep Inductor, and so do the pieces of a graph Dynamo's DDPOptimizer split
 at DDP's buckets: torch compiles such a piece's backward lazily and only when its forward went through torch's own
 AOTAutograd backend wrapper, which the aten provider does not use (distributed.check_engine_under_ddp). A model
 compiled block by block under DDP does not go through DDPOptimizer (engine/api.py) and is timed as in one process.
@@ -48,13 +48,7 @@ CANDIDATES = ("inductor", "aten")
 def measurable(example_inputs: Sequence[Any]) -> bool:
     """Whether provider auto may run this graph on aten and time it against Inductor (else: Inductor alone)."""
     from graphtrain.engine.trace import dtensor_inputs
-    if dtensor_inputs(example_inputs) or under_ddp_optimizer():
-        return False
-    for x in example_inputs:
-        if isinstance(x, torch.SymInt) or (isinstance(x, torch.Tensor) and
-                                           not all(type(d) is int for d in x.shape)):
-            return False
-    return True
+    return not (dtensor_inputs(example_inputs) or under_ddp_optimizer())
 
 
 def under_ddp_optimizer() -> bool:
@@ -322,6 +316,8 @@ class Tiered:
                                 self.config, what="is not a candidate for provider auto (aten runs it)",
                                 sink=self.state.fallbacks)
             return
+        fn, note = size_checked(result[0], aten_fn)
+        result = (fn, {**result[1], "notes": [*result[1]["notes"], *note]}, result[2])
         # aten's record as its first calls completed it (its backward was compiled at the first backward)
         aten = (aten_fn, copy.copy(rec.__dict__), self.aten[2])
         self.aten = None
@@ -334,6 +330,21 @@ class Tiered:
         rec.notes = [*rec.notes, f"tiered compile: aten ran the first {self.calls - 1} call(s); Inductor compiled "
                                  f"{where}, loaded here in {load:.2f} s"]
         self.chosen = measured.chosen
+
+
+def size_checked(fn: Callable[..., Any], aten_fn: Callable[..., Any]) -> tuple[Callable[..., Any], list[str]]:
+    """(`fn` (Inductor's code loaded from data) for the calls whose sizes its compile assumed and `aten_fn` for the
+    others, the note that says so) for a symbolic graph compiled in a ShapeEnv of its own (backend.SizeChecked);
+    (`fn`, []) for any other."""
+    from graphtrain.engine.backend import SizeChecked
+    if not isinstance(fn, SizeChecked):
+        return fn, []
+    inductor, check = fn.fn, fn.check
+
+    def run(*args: Any) -> Any:
+        return inductor(*args) if check(args) else aten_fn(*args)
+    return run, [f"Inductor's code assumes {check.guards} (the guards of its compile): calls of other sizes run on "
+                 f"aten"]
 
 
 class Deferred:
@@ -379,6 +390,8 @@ class Deferred:
         load = time.perf_counter() - t0
         compile_seconds = rec.compile_seconds
         rec.__dict__.update(record)
+        fn, note = size_checked(fn, aten_fn)
+        rec.notes = [*rec.notes, *note]
         rec.compile_seconds = compile_seconds
         rec.provider, rec.provider_times = "inductor", self.stored["times"]
         rec.notes = [*rec.notes, describe(self.stored["times"], "inductor", cached=True),
