@@ -431,17 +431,17 @@ def test_size_check_of_a_symbolic_graph_compiled_from_data():
     """Inductor's code for a symbolic graph is compiled in a ShapeEnv of its own (backend.compile_inductor_from):
     the guards that compile adds (Inductor's C++ codegen bounds a reduction's size at 4096, for one) never reach
     Dynamo's guards for the frame, so the calls whose sizes break them run on aten (choose.size_checked)."""
-    from graphtrain.engine.backend import SizeChecked, _size_check, _symbolic_inputs, input_metas
+    from graphtrain.engine.graph_data import SizeChecked, size_check, rebuild_sizes, input_metas
     from graphtrain.engine.choose import size_checked
     f32 = torch.float32
     metas = [("tensor", ("s52", "s27", 64), ("64*s27", 64, 1), f32, "cpu", True, {"s52": 4, "s27": 32}),
              ("symint", "s27", {"s27": 32}), ("value", 0.1)]
-    env, size = _symbolic_inputs(metas)
+    env, size = rebuild_sizes(metas)
     b, t = size("s52"), size("s27")
     assert isinstance(t, torch.SymInt) and size("64*s27").node.hint == 64 * 32 and size(7) == 7
-    assert _size_check(env, metas, size) is None  # no guard yet
+    assert size_check(env, metas, size) is None  # no guard yet
     assert b * t <= 4096  # what Inductor asks while it compiles: a guard on the fresh symbols
-    check = _size_check(env, metas, size)
+    check = size_check(env, metas, size)
     assert check.guards == "(s27*s52 <= 4096)"
     big, small = (torch.empty(64, 65, 64), 65, 0.1), (torch.empty(4, 1024, 64), 1024, 0.1)
     assert check(small) and not check(big)
@@ -450,12 +450,12 @@ def test_size_check_of_a_symbolic_graph_compiled_from_data():
     assert "calls of other sizes run on aten" in routed[1][0]
     assert size_checked(len, lambda *a: "aten") == (len, [])
     # two symbols with the same value at capture stay two (no duck sizing): batch 32, length 32
-    env, size = _symbolic_inputs([("tensor", ("s0", "s1"), ("s1", 1), f32, "cpu", False, {"s0": 32, "s1": 32})])
+    env, size = rebuild_sizes([("tensor", ("s0", "s1"), ("s1", 1), f32, "cpu", False, {"s0": 32, "s1": 32})])
     assert size("s0").node.expr != size("s1").node.expr
     # what input_metas makes of a real tensor and of a fake one with symbolic sizes
     assert input_metas([torch.ones(2, 3), 5]) == [("tensor", (2, 3), (3, 1), f32, "cpu", False, {}), ("value", 5)]
     from torch._subclasses.fake_tensor import FakeTensorMode
-    env, size = _symbolic_inputs(metas)
+    env, size = rebuild_sizes(metas)
     with FakeTensorMode(shape_env=env):
         x = torch.empty_strided([size(d) for d in metas[0][1]], [size(d) for d in metas[0][2]])
     (meta,) = input_metas([x])

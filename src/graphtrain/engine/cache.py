@@ -108,7 +108,7 @@ def pass_cache_key(gm: "fx.GraphModule", example_inputs: "Sequence[Any]", kinds:
              f"{torch.backends.cpu.get_cpu_capability()} {source_digest()}\n".encode())
     h.update(_machine_and_passes(config).encode())
     _digest_graph(h, gm)
-    from graphtrain.engine.backend import symbolic_inputs
+    from graphtrain.engine.graph_data import symbolic_inputs
     for x, kind in zip(symbolic_inputs(gm, example_inputs), kinds):  # sizes as Dynamo traced them: s27, not 128
         if isinstance(x, torch.Tensor):
             h.update(f"{kind} {tuple(x.shape)} {x.stride()} {x.dtype} {x.device.type} {x.requires_grad}\n".encode())

@@ -334,9 +334,9 @@ class Tiered:
 
 def size_checked(fn: Callable[..., Any], aten_fn: Callable[..., Any]) -> tuple[Callable[..., Any], list[str]]:
     """(`fn` (Inductor's code loaded from data) for the calls whose sizes its compile assumed and `aten_fn` for the
-    others, the note that says so) for a symbolic graph compiled in a ShapeEnv of its own (backend.SizeChecked);
+    others, the note that says so) for a symbolic graph compiled in a ShapeEnv of its own (graph_data.SizeChecked);
     (`fn`, []) for any other."""
-    from graphtrain.engine.backend import SizeChecked
+    from graphtrain.engine.graph_data import SizeChecked
     if not isinstance(fn, SizeChecked):
         return fn, []
     inductor, check = fn.fn, fn.check
