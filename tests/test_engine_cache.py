@@ -73,6 +73,25 @@ def test_stored_graph_keeps_ops_without_inputs_random():
     assert not torch.equal(loaded(x), b)  # and a fresh mask on the next call
 
 
+def test_stored_graph_keeps_a_size_node_inside_a_slice():
+    """Regression: under dynamic shapes Dynamo writes ``x[:, :n]`` as getitem with a slice whose stop is the size
+    node; the decoder rebuilt lists, tuples and dicts but left the slice holding the encoded reference, and the
+    graph's code failed to compile (HF BERT's position ids, in provider auto's background job)."""
+    import operator
+    import pickle
+
+    import torch
+    import torch.fx as fx
+
+    from graphtrain.engine.cache import _decode_graph, _encode_graph
+    g = fx.Graph()
+    x, n = g.placeholder("x"), g.placeholder("n")
+    g.output(g.call_function(operator.getitem, (x, (slice(None, None, None), slice(0, n, None)))))
+    loaded = _decode_graph(pickle.loads(pickle.dumps(_encode_graph(fx.GraphModule({}, g)))))
+    x = torch.arange(12).reshape(2, 6)
+    assert torch.equal(loaded(x, 4), x[:, :4])
+
+
 def test_cached_pass_failure_still_warns_and_reports(tmp_path, monkeypatch):
     """Regression (a CI failure): a pass that fell back on the first compile is stored with its error; a later
     compile that hits the cache must warn and report the same fallback, not run the stored graph silently."""

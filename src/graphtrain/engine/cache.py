@@ -315,6 +315,8 @@ def _decode_graph(data: dict[str, Any]) -> "fx.GraphModule":
             return type(a)(arg(x) for x in a)
         if isinstance(a, dict):
             return {k: arg(v) for k, v in a.items()}
+        if isinstance(a, slice):  # x[:, :n] under dynamic shapes: a slice whose stop is a size node
+            return slice(arg(a.start), arg(a.stop), arg(a.step))
         return a
 
     for op, name, target, args, kwargs, meta in data["nodes"]:
