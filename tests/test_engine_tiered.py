@@ -449,9 +449,17 @@ def test_size_check_of_a_symbolic_graph_compiled_from_data():
     assert routed[0](*small) == "inductor" and routed[0](*big) == "aten"
     assert "calls of other sizes run on aten" in routed[1][0]
     assert size_checked(len, lambda *a: "aten") == (len, [])
+    # guards printed with Python's builtins (Max as max): HF Bloom's and GPT-J's heads
+    env, size = rebuild_sizes(metas)
+    assert torch.sym_max(size("s52"), size("s27")) <= 64
+    check = size_check(env, metas, size)
+    assert "max(" in check.guards and check((torch.empty(4, 32, 64), 32, 0.1)) and not check(small)
     # two symbols with the same value at capture stay two (no duck sizing): batch 32, length 32
     env, size = rebuild_sizes([("tensor", ("s0", "s1"), ("s1", 1), f32, "cpu", False, {"s0": 32, "s1": 32})])
     assert size("s0").node.expr != size("s1").node.expr
+    # a symbol that was 1 at capture stays a symbol (a fresh shape environment would make it the constant 1)
+    env, size = rebuild_sizes([("symint", "s9", {"s9": 1})])
+    assert isinstance(size("s9"), torch.SymInt)
     # what input_metas makes of a real tensor and of a fake one with symbolic sizes
     assert input_metas([torch.ones(2, 3), 5]) == [("tensor", (2, 3), (3, 1), f32, "cpu", False, {}), ("value", 5)]
     from torch._subclasses.fake_tensor import FakeTensorMode

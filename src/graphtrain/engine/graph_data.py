@@ -73,7 +73,10 @@ def _dims(sizes: Sequence[Any], symbols: dict[str, int]) -> tuple[Any, ...]:
 def rebuild_sizes(metas: list[tuple[Any, ...]]) -> tuple[Any, Callable[[Any], Any]]:
     """(a ShapeEnv, a function from an encoded size to its int or SymInt) for `metas` (input_metas): one dynamic
     symbol per symbol of the capture, each with its capture value as hint. Duck sizing is off: two symbols that
-    happened to have the same value at capture (batch 32, length 32) stay two, as in the captured graph."""
+    happened to have the same value at capture (batch 32, length 32) stay two, as in the captured graph; and a
+    symbol whose value was 0 or 1 stays a symbol, not the constant a fresh shape environment makes of it (HF
+    Bloom's, Falcon's and GPT-J's heads take an integer input that was 0 at capture; a symbol of value 0 or less
+    is not assumed positive)."""
     from torch._dynamo.source import ConstantSource
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
     env = ShapeEnv(duck_shape=False)
@@ -83,7 +86,8 @@ def rebuild_sizes(metas: list[tuple[Any, ...]]) -> tuple[Any, Callable[[Any], An
     names: dict[str, Any] = {}
     for name, hint in sorted(symbols.items()):
         source = ConstantSource(f"graphtrain_{name}")
-        sym = env.create_symbol(hint, source, dynamic_dim=DimDynamic.DYNAMIC)
+        sym = env.create_symbol(hint, source, dynamic_dim=DimDynamic.DYNAMIC, do_not_specialize_zero_one=True,
+                                positive=True if hint > 0 else None)
         names[name] = env.create_symintnode(sym, hint=hint, source=source)
 
     def size(d: Any) -> Any:
@@ -128,7 +132,10 @@ def size_check(env: Any, metas: list[tuple[Any, ...]],
         raise GuardsUnreadable(f"Inductor's compile of this symbolic graph assumed {guards}, on sizes no input "
                                  f"carries alone")
     code = " and ".join(f"({PythonPrinter().doprint(g)})" for g in guards)
-    test = eval(f"lambda {', '.join(free)}: {code}", {"__builtins__": {}})  # noqa: S307 - printed guards
+    import math
+    # torch's printer writes Max/Min/Abs and the float ops as Python builtins and math functions
+    names = {"__builtins__": {}, "max": max, "min": min, "abs": abs, "int": int, "float": float, "math": math}
+    test = eval(f"lambda {', '.join(free)}: {code}", names)  # noqa: S307 - printed guards
     spots = [where[f] for f in free]
 
     def check(args: Sequence[Any]) -> bool:
