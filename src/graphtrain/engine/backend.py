@@ -441,9 +441,8 @@ def compile_inductor_from(gm: fx.GraphModule, metas: list[tuple[Any, ...]], kind
     is compiled now, not at its first call."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from graphtrain.engine.providers import compile_inductor
-    from graphtrain.engine.graph_data import GuardsUnreadable, SizeChecked, size_check, rebuild_sizes
-    from graphtrain.engine.providers import UnsuitableProvider
+    from graphtrain.engine.graph_data import GuardsUnreadable, SizeChecked, rebuild_sizes, size_check
+    from graphtrain.engine.providers import UnsuitableProvider, compile_inductor
     env, size = rebuild_sizes(metas)  # static shapes too: Inductor's caches want a shape env to key on
     mode = FakeTensorMode(shape_env=env)
     inputs: list[Any] = []

@@ -21,10 +21,11 @@ Inductor costs seconds, aten's compile from the pass cache a fraction of one).
 
 The timing runs on copies of the inputs (parameters never receive these gradients) and under a forked RNG
 (the training run's random stream is untouched); a graph with symbolic sizes is timed at the sizes of that call.
-Graphs that read DTensors (their collectives would need every rank to time in step) keep Inductor, and so do the pieces of a graph Dynamo's DDPOptimizer split
-at DDP's buckets: torch compiles such a piece's backward lazily and only when its forward went through torch's own
-AOTAutograd backend wrapper, which the aten provider does not use (distributed.check_engine_under_ddp). A model
-compiled block by block under DDP does not go through DDPOptimizer (engine/api.py) and is timed as in one process.
+Graphs that read DTensors (their collectives would need every rank to time in step) keep Inductor, and so do the
+pieces of a graph Dynamo's DDPOptimizer split at DDP's buckets: torch compiles such a piece's backward lazily and
+only when its forward went through torch's own AOTAutograd backend wrapper, which the aten provider does not use
+(distributed.check_engine_under_ddp). A model compiled block by block under DDP does not go through DDPOptimizer
+(engine/api.py) and is timed as in one process.
 """
 from __future__ import annotations
 
@@ -391,10 +392,9 @@ class Deferred:
         compile_seconds = rec.compile_seconds
         rec.__dict__.update(record)
         fn, note = size_checked(fn, aten_fn)
-        rec.notes = [*rec.notes, *note]
         rec.compile_seconds = compile_seconds
         rec.provider, rec.provider_times = "inductor", self.stored["times"]
-        rec.notes = [*rec.notes, describe(self.stored["times"], "inductor", cached=True),
+        rec.notes = [*rec.notes, *note, describe(self.stored["times"], "inductor", cached=True),
                      f"warm start: aten ran the first {self.calls - 1} call(s); Inductor loaded from the caches "
                      f"in {load:.2f} s"]
         dropped = {id(r) for r in aten_passes}

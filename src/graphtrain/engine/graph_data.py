@@ -97,9 +97,9 @@ def rebuild_sizes(metas: list[tuple[Any, ...]]) -> tuple[Any, Callable[[Any], An
 
 class SizeChecked:
     """Inductor's code for a symbolic graph compiled from data, with the size conditions its compile assumed.
-    Compiled in a ShapeEnv of its own (backend.compile_inductor_from), the guards Inductor added while compiling (a size
-    bound, a specialization) never reached Dynamo's guards for the frame: `check(args)` says whether a call's sizes
-    meet them, and provider auto runs the calls that do not on aten (choose.size_checked)."""
+    Compiled in a ShapeEnv of its own (backend.compile_inductor_from), the guards Inductor added while compiling (a
+    size bound, a specialization) never reached Dynamo's guards for the frame: `check(args)` says whether a call's
+    sizes meet them, and provider auto runs the calls that do not on aten (choose.size_checked)."""
 
     def __init__(self, fn: Callable[..., Any], check: Callable[[Sequence[Any]], bool]) -> None:
         self.fn, self.check = fn, check
@@ -109,12 +109,14 @@ class SizeChecked:
 
 
 def size_check(env: Any, metas: list[tuple[Any, ...]],
-                size: Callable[[Any], Any]) -> Callable[[Sequence[Any]], bool] | None:
+               size: Callable[[Any], Any]) -> Callable[[Sequence[Any]], bool] | None:
     """A check of a call's sizes against the guards `env` collected (None: no guard), reading each symbol where an
-    input carries it alone (a SymInt input, or a tensor dimension). Raises UnsuitableProvider for a guard on a
-    symbol no input carries alone."""
+    input carries it alone (a SymInt input, or a tensor dimension). Raises GuardsUnreadable for a guard on a symbol
+    no input carries alone."""
     if not env.guards:
         return None
+    import math
+
     import sympy
     from torch.utils._sympy.printers import PythonPrinter
 
@@ -130,9 +132,8 @@ def size_check(env: Any, metas: list[tuple[Any, ...]],
     free = sorted({str(f) for g in guards for f in g.free_symbols})
     if any(f not in where for f in free):
         raise GuardsUnreadable(f"Inductor's compile of this symbolic graph assumed {guards}, on sizes no input "
-                                 f"carries alone")
-    code = " and ".join(f"({PythonPrinter().doprint(g)})" for g in guards)
-    import math
+                               f"carries alone")
+    code = " and ".join(dict.fromkeys(f"({PythonPrinter().doprint(g)})" for g in guards))  # each guard once
     # torch's printer writes Max/Min/Abs and the float ops as Python builtins and math functions
     names = {"__builtins__": {}, "max": max, "min": min, "abs": abs, "int": int, "float": float, "math": math}
     test = eval(f"lambda {', '.join(free)}: {code}", names)  # noqa: S307 - printed guards
