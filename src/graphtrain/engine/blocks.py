@@ -83,7 +83,10 @@ def splits_into_blocks(config: Any, module: torch.nn.Module) -> bool:
 
 
 def markable_blocks(module: torch.nn.Module) -> list[tuple[str, list[torch.nn.Module]]]:
-    """The repeated stacks ``mark_repeated_blocks`` marks: those whose blocks carry no forward (pre-)hook."""
+    """The repeated stacks ``mark_repeated_blocks`` marks: those whose blocks carry no forward (pre-)hook; none on a
+    torch without ``nested_compile_region``."""
+    if not hasattr(torch.compiler, "nested_compile_region"):
+        return []
     return [(name, blocks) for name, blocks in repeated_blocks(module)
             if not any(b._forward_hooks or b._forward_pre_hooks for b in blocks)]
 
@@ -92,8 +95,6 @@ def mark_repeated_blocks(module: torch.nn.Module) -> list[str]:
     """Wrap each repeated block's forward in ``nested_compile_region`` (once; blocks with hooks are left alone,
     since a region covers ``forward`` only and hooks would then run between traced pieces). Returns the names of
     the stacks marked, e.g. ``["transformer.h (12 x GPT2Block)"]``."""
-    if not hasattr(torch.compiler, "nested_compile_region"):
-        return []
     marked = []
     for name, blocks in markable_blocks(module):
         region = _region(type(blocks[0]).forward, len(blocks))
