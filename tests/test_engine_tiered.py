@@ -506,3 +506,61 @@ def test_dynamic_shapes_start_on_aten_and_switch_to_inductor_for_every_length():
     assert any("<= 4096)" in n and "(the guards of its compile): calls of other sizes run on aten" in n
                for g in rep.graphs for n in g["notes"]), [g["notes"] for g in rep.graphs]
     assert counters["inductor"]["fxgraph_cache_hit"] >= 3
+
+
+class _TwoBlocks(nn.Module):
+    """A stem, two identical blocks and a head: three graphs block by block (widths no other test uses, so the
+    session's caches hold none of them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem, self.head = nn.Linear(6, 13), nn.Linear(13, 3)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(13, 13), nn.Tanh()) for _ in range(2))
+
+    def forward(self, x):
+        h = torch.relu(self.stem(x))
+        for b in self.blocks:
+            h = h + b(h)
+        return self.head(h)
+
+
+def test_a_background_compile_past_its_time_limit_leaves_aten_and_is_not_retried():
+    from graphtrain.config import EngineConfig
+    from graphtrain.engine import choose
+    from graphtrain.engine.cache import cache_root
+    torch.manual_seed(0)
+    ref = _TwoBlocks().train()
+    x = torch.randn(5, 6)
+    m = graphtrain.accelerate(copy.deepcopy(ref), fallback="error", background_timeout=0.001)
+    for _ in range(2):
+        m(x).sum().backward()
+    assert graphtrain.wait_compiled(m, timeout=600)  # each graph's compile stopped at once: the child restarts
+    for p in [*m.parameters(), *ref.parameters()]:   # itself for the next one (engine/background.py)
+        p.grad = None
+    m(x).sum().backward()
+    ref(x).sum().backward()
+    assert_grads_close(m, ref, rtol=1e-5, atol=1e-6)
+    rep = graphtrain.report(m)
+    assert len(rep.graphs) >= 2 and not rep.fallbacks, rep.fallbacks
+    for g in rep.graphs:
+        assert g["provider"] == "aten", g["provider"]
+        assert any("took more than 0.001 s (engine.background_timeout)" in n for n in g["notes"]), g["notes"]
+    marks = list((cache_root(EngineConfig()) / "providers").glob("*.inductor-timeout"))
+    assert len(marks) >= len(rep.graphs)
+
+    # A later process with the same limit spawns no child for these graphs; a higher limit compiles them again.
+    import torch._dynamo as dynamo
+    dynamo.reset()
+    again = graphtrain.accelerate(copy.deepcopy(ref), fallback="error", background_timeout=0.001)
+    for _ in range(2):
+        again(x).sum().backward()
+    assert getattr(again._graphtrain.background, "proc", None) is None and choose._CHILDREN == []
+    for g in graphtrain.report(again).graphs:
+        assert g["provider"] == "aten" and any("an earlier background compile of this graph took more than 0.001 s"
+                                               in n for n in g["notes"]), g
+    dynamo.reset()
+    later = graphtrain.accelerate(copy.deepcopy(ref), fallback="error", background_timeout=600)
+    later(x).sum().backward()
+    assert all(g["provider"].startswith("aten (provider auto: Inductor compiles") for g in graphtrain.report(later).graphs)
+    with pytest.raises(ValueError, match="engine.background_timeout must be seconds >= 0"):
+        graphtrain.accelerate(_Tiny(), background_timeout=-1)

@@ -104,6 +104,10 @@ class EngineConfig:
     lower CPU priority (nice 10), and says so in one line, so that the next run starts from its results (a run
     shorter than the compile would otherwise start cold every time); `stop` ends it. GRAPHTRAIN_BACKGROUND_AT_EXIT
     overrides this, for harnesses that run many short jobs (the test suite sets it to `stop`)."""
+    background_timeout: float = 600.0
+    """provider auto: seconds a background Inductor compile may spend on one graph (0: no limit). A graph that takes
+    longer stays on aten, with a note in the report, and the cache remembers it, so later runs do not compile it again
+    until the limit is raised. (Swin under ``dynamic=True`` once compiled for more than 15 minutes on one core.)"""
     debug: bool = False
     """Log each pass's time and op-count diff, and lint every graph after every pass."""
 
@@ -116,6 +120,9 @@ class EngineConfig:
             raise ValueError("engine.recompute=auto fits the step into engine.memory_budget, which is not set: give it "
                              "as bytes (e.g. engine.memory_budget=2000000000) or a fraction of device memory (e.g. "
                              "0.5), or choose engine.recompute=selective or full")
+        if self.background_timeout < 0:
+            raise ValueError(f"engine.background_timeout must be seconds >= 0 (0: no limit), got "
+                             f"{self.background_timeout}")
         if self.loss_scale_backoff <= 0 or self.loss_scale_backoff >= 1:
             raise ValueError("engine.loss_scale_backoff must be in (0, 1), e.g. 0.5")
         if self.loss_scale_growth <= 1:

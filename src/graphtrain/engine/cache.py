@@ -116,7 +116,7 @@ def pass_cache_key(gm: "fx.GraphModule", example_inputs: "Sequence[Any]", kinds:
             h.update(f"{kind} {type(x).__name__} {x!r}\n".encode())
     # where, when and how loudly, not what is compiled (a fallback a cached result recorded is replayed under the
     # policy in force: _cached_passes)
-    unkeyed = ("cache_dir", "debug", "compile_in_background", "background_at_exit", "fallback")
+    unkeyed = ("cache_dir", "debug", "compile_in_background", "background_at_exit", "background_timeout", "fallback")
     settings = {k: v for k, v in dataclasses.asdict(config).items() if k not in unkeyed}
     h.update(repr(sorted(settings.items())).encode())
     return h.hexdigest()

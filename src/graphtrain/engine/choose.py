@@ -217,6 +217,33 @@ def inductor_ready(folder: Any, key: str) -> bool:
     return _ready_path(folder, key).exists()
 
 
+def _timeout_path(folder: Any, key: str) -> Any:
+    return folder / "providers" / f"{key}.inductor-timeout"
+
+
+def mark_inductor_timeout(folder: Any, key: str, seconds: float) -> None:
+    """Record that the background compile of the graph with pass-cache key `key` outlived `seconds`
+    (engine.background_timeout; engine/background.py), so that a later process does not spend them again."""
+    try:
+        path = _timeout_path(folder, key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(f"{seconds!r}\n")
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+def inductor_timed_out(folder: Any, key: str, seconds: float) -> float | None:
+    """The limit an earlier background compile of this graph outlived, if that limit was at least `seconds` (a
+    limit of 0 is none: never timed out); None where compiling again may finish in time."""
+    try:
+        limit = float(_timeout_path(folder, key).read_text())
+    except (OSError, ValueError):
+        return None
+    return limit if seconds > 0 and limit >= seconds else None
+
+
 def _next_step(state: Any, calls: int, rec: Any) -> bool:
     """Whether the module's first step is over: its call count (engine/api.py), or, without it
     (``torch.compile(backend="graphtrain")``), more calls of this graph than one step makes."""
@@ -310,7 +337,7 @@ class Tiered:
             load = time.perf_counter() - t0
         if result is None:
             self.chosen, rec.provider, self.aten = aten_fn, "aten", None
-            if kind in ("UnsuitableProvider", "stopped"):
+            if kind in ("UnsuitableProvider", "stopped", "timeout"):
                 rec.notes = [*rec.notes, f"provider auto -> aten: inductor is not a candidate ({text})"]
             else:
                 report_fallback(f"provider inductor on {rec.name} ({rec.frame})", f"{kind}: {text[:300]}",
