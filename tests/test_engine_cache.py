@@ -135,7 +135,7 @@ def test_the_pass_cache_key_names_what_is_compiled_not_where_or_how_loudly():
     base = EngineConfig()
     key = pass_cache_key(gm, [x], ["input"], base)
     for same in ({"fallback": "error"}, {"background_at_exit": "stop"}, {"compile_in_background": False},
-                 {"cache_dir": "/elsewhere"}):
+                 {"cache_dir": "/elsewhere"}, {"background_timeout": 5.0}):
         assert pass_cache_key(gm, [x], ["input"], dataclasses.replace(base, **same)) == key, same
     for other in ({"recompute": "selective"}, {"precision": "bf16"}, {"provider": "aten"}):
         assert pass_cache_key(gm, [x], ["input"], dataclasses.replace(base, **other)) != key, other
