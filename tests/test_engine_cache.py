@@ -153,6 +153,11 @@ def test_inductors_keys_carry_graphtrain_sources(monkeypatch):
     assert passes.uuid() == before
     monkeypatch.setattr(cache, "_SOURCE_DIGEST", "graphtrain with another backward formula")
     assert passes.uuid() != before
+    # and by the vector ISA Inductor generates C++ for (ATEN_CPU_CAPABILITY picks it): AVX2 code loaded by an AVX-512
+    # process corrupted the heap
+    other = passes.uuid()
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "default")  # no vectorization: differs from every x86 machine's pick
+    assert passes.uuid() != other
 
 
 @pytest.mark.slow  # two Inductor compiles, ~11 s on a 2-core Zen 4: the uuid test above is the default suite's check

@@ -139,6 +139,13 @@ class StagePasses(CustomGraphPass):
         # graph before autodiff, so a fused op's changed backward formula (kernels/) would otherwise load the stale
         # backward graph compiled with the old one.
         h = hashlib.sha256(source_digest().encode())
+        # The vector ISA Inductor generates C++ for: its own keys leave it out (torch 2.13 hashes CUDA device facts
+        # only), and the generated source is compiled again at load time with the loading process's ISA flags. Code
+        # generated for AVX2 (8 floats a vector), loaded by a process on AVX-512 (16 a vector), wrote past its buffers:
+        # "double free or corruption", seen after a run under ATEN_CPU_CAPABILITY=avx2 shared the cache folder; a cache
+        # shared between machines of different CPUs would do the same, or worse (AVX-512 code on an AVX2 CPU).
+        from torch._inductor.cpu_vec_isa import pick_vec_isa
+        h.update(f"vec isa: {pick_vec_isa()}".encode())
         for stage in ("forward", "backward"):
             for spec in pipeline(stage, self.config):
                 h.update(f"{stage}:{spec.name}:".encode())
