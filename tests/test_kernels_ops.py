@@ -166,6 +166,33 @@ def test_attention_vs_eager_and_reference(p, causal, shape):
         assert_close(a, e, name="grad vs reference")
 
 
+@pytest.mark.parametrize("p", [0.0, 0.2])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("sq,sk", [(150, 150), (70, 150), (150, 70), (1, 1)])
+def test_attention_head_by_head_cpu_path_vs_reference(p, causal, sq, sk):
+    # fp32 without a mask takes the head-by-head C++ kernel: query blocks of HEADS_QB rows (150 = two whole blocks
+    # and a partial one), causal blocks above the diagonal skipped, q/k/v read through [B, S, H, D] strides.
+    from graphtrain.kernels._common import force_reference
+    from graphtrain.kernels.attention import attention_backward_reference, attention_reference
+    B, H, D = 2, 3, 16
+    q, k, v = (torch.randn(B, s, H, D).transpose(1, 2) for s in (sq, sk, sk))
+    with force_reference(ops=()) as chosen:
+        out, lse, seed = torch.ops.graphtrain.attention(q, k, v, None, 0.3, causal, p)
+        do = torch.randn(B, sq, H, D).transpose(1, 2)
+        got = torch.ops.graphtrain.attention_backward(do, q, k, v, None, out, lse, seed, 0.3, causal, p)
+    assert chosen == {("attention", "c++ heads"), ("attention_backward", "c++ heads")}, chosen
+    ro, rl = attention_reference(q, k, v, None, 0.3, causal, p, seed)
+    assert_close(out, ro, name="out")
+    assert_close(lse, rl, name="lse")
+    ref = attention_backward_reference(do, q, k, v, None, ro, rl, 0.3, causal, p, seed)
+    for name, a, e in zip("qkv", got, ref):
+        assert a.is_contiguous() and a.shape == e.shape
+        assert_close(a, e, name=f"d{name}")
+    if p > 0:  # the same entries dropped as the batched-matmul path (same hash, same element numbering)
+        from graphtrain.kernels.attention import _cpu_fwd
+        assert_close(_cpu_fwd(q, k, v, None, 0.3, causal, p, seed)[0], out, name="out vs the batched path")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("mask_kind", ["none", "padding", "full", "strided", "fully_masked_row"])
 @pytest.mark.parametrize("sq,sk", [(7, 7), (5, 1100)])

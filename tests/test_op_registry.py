@@ -165,7 +165,13 @@ def test_memory_predictor_reads_the_descriptors(monkeypatch):
     q = torch.randn(2, 2, 16, 8)
     _, att = _node(lambda q, k, v: torch.ops.graphtrain.attention(q, k, v, None, 0.35, False, 0.1)[0], q, q, q,
                    target=torch.ops.graphtrain.attention)
-    assert op_workspace_bytes(att) == 2 * 2 * 16 * 16 * 4  # the CPU path's scores with dropout
+    # fp32 without a mask: the head-by-head kernel's [HEADS_QB, Sk] block per thread
+    from graphtrain.kernels.attention import HEADS_QB
+    assert op_workspace_bytes(att) == torch.get_num_threads() * HEADS_QB * 16 * 4
+    mask = torch.zeros(16, 16)
+    _, att_masked = _node(lambda q, k, v: torch.ops.graphtrain.attention(q, k, v, mask, 0.35, False, 0.1)[0], q, q, q,
+                          target=torch.ops.graphtrain.attention)
+    assert op_workspace_bytes(att_masked) == 2 * 2 * 16 * 16 * 4  # with a mask: the dropout path's [B*H, S, S] scores
     _swap(monkeypatch, "attention", workspace_bytes=lambda n: 123)
     assert op_workspace_bytes(att) == 123
     _swap(monkeypatch, "attention", workspace_bytes=lambda n: n.args[99])  # a node without what it reads
@@ -210,4 +216,4 @@ def test_report_lists_phases_and_fused_ops():
     assert fused["layer_norm"]["precision"] == "fp32"
     text = str(rep)
     assert "pre_autodiff/fuse_epilogue fuse_bias_dropout_add" in text
-    assert "attention x2: random, compute-bound, low, attn_probs_fwd+onednn_matmul" in text
+    assert "attention x2: random, compute-bound, low, attn_heads_available+attn_heads_fwd+attn_probs_fwd+onednn_matmul" in text

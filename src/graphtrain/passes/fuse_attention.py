@@ -193,8 +193,9 @@ def _try_fuse(gm: fx.GraphModule, sm: fx.Node, ctx: PassContext) -> bool:
 # gpt2-small's shape [8, 8, 128, 64], causal, p=0.1, fwd+bwd, 2 threads: fp32 5.0 ms vs 25.0 eager
 # (5.8 with graphtrain's fused dropout), bf16 3.7 vs 9.0 (4.1); saved activations 1.1 vs 6.0 MiB.
 # Reproduce: `python -m graphtrain.bench.kernels --ops attention_dropout [--dtype bf16]`. An
-# earlier per-head C++ kernel was slower than the unfused ops (gpt2-mini fp32 0.389 vs 0.358
-# s/step) and was replaced.
+# earlier per-head C++ kernel, with loops of its own for the products, was slower than the unfused ops
+# (gpt2-mini fp32 0.389 vs 0.358 s/step) and was replaced; the head-by-head kernel of today (_cpu_ext.py,
+# attn_heads_*) runs its products through BLAS.
 # after the normalizations, as the numbered pipeline ran them (the fusions are independent)
 @register_pass("pre_autodiff", phase="fuse", after="fuse_rms_norm")
 def fuse_attention_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
