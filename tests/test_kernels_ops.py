@@ -185,8 +185,10 @@ def test_attention_head_by_head_cpu_path_vs_reference(p, causal, sq, sk):
     assert_close(out, ro, name="out")
     assert_close(lse, rl, name="lse")
     ref = attention_backward_reference(do, q, k, v, None, ro, rl, 0.3, causal, p, seed)
-    for name, a, e in zip("qkv", got, ref):
-        assert a.is_contiguous() and a.shape == e.shape
+    # outputs in the inputs' [B, S, H, D] layout: the model's merge of the heads and the gradients' way back are views
+    assert out.transpose(1, 2).is_contiguous() or sq == 1
+    for name, a, e, x in zip("qkv", got, ref, (q, k, v)):
+        assert a.shape == e.shape and (a.stride() == x.stride() or x.shape[2] == 1)
         assert_close(a, e, name=f"d{name}")
     if p > 0:  # the same entries dropped as the batched-matmul path (same hash, same element numbering)
         from graphtrain.kernels.attention import _cpu_fwd

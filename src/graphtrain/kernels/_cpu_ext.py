@@ -393,7 +393,7 @@ void attn_probs_bwd(torch::Tensor s, torch::Tensor dp, torch::Tensor mask, torch
 // single-threaded BLAS GEMMs (MKL's sgemm_, which libtorch_cpu exports; inside the parallel region it runs on the
 // calling thread) on the keys that block can see: for causal attention the blocks above the diagonal are never
 // computed. q, k, v are read in place through their strides (a [B, S, H, D] tensor viewed as [B, H, S, D] needs no
-// copy); outputs are contiguous [B, H, S, D]. Dropout draws the keep mask of element (bh * Sq + i) * Sk + j from
+// copy); outputs are written through their strides too. Dropout draws the keep mask of element (bh * Sq + i) * Sk + j from
 // the hash, as attn_probs_fwd/_bwd do, so both paths drop the same entries. Measured on the 2-core Zen 4 against
 // aten's flash kernel (forward + backward, causal, fp32, [B, S, H, D] inputs): [8, 8, 128, 64] 7.1 against 10.5 ms,
 // [16, 4, 128, 64] 8.5 against 11.4 ms, [2, 8, 1024, 64] 62.9 against 77.9 ms.
@@ -410,6 +410,15 @@ static inline void rm_gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, fl
   sgemm_(&a, &b, &m, &n, &k, &alpha, B, &la, A, &lb, &beta, C, &lc);
 }
 
+// Per-thread scratch that only grows: a malloc/free of it in every call, inside the parallel region, landed between
+// the step's large freed blocks in glibc's heap, so they no longer fitted their next request and came back as fresh
+// pages (HF Llama small: the embedding gradient's 32 MB zero-fill took 19 ms a step instead of 0.6).
+static float* heads_scratch(int64_t n) {
+  thread_local std::vector<float> buf;
+  if ((int64_t)buf.size() < n) buf.resize(n);
+  return buf.data();
+}
+
 static inline const float* head_ptr(const torch::Tensor& t, int64_t b, int64_t h) {
   return t.data_ptr<float>() + b * t.stride(0) + h * t.stride(1);
 }
@@ -421,30 +430,32 @@ static void attn_heads_check(const torch::Tensor& q, const torch::Tensor& k, con
                 "attn_heads: q, k, v must be fp32 [B, H, S, D] with unit stride in D");
 }
 
-// -> {out [B, H, Sq, Dv] contiguous, lse [B, H, Sq] fp32}
-std::vector<torch::Tensor> attn_heads_fwd(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale,
-                                          bool causal, double p, int64_t seed, int64_t qb) {
+// Writes out [B, H, Sq, Dv] (any strides, unit in Dv); returns lse [B, H, Sq] fp32.
+torch::Tensor attn_heads_fwd(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out, double scale,
+                             bool causal, double p, int64_t seed, int64_t qb) {
   attn_heads_check(q, k, v);
+  attn_heads_check(out, out, out);
   const int64_t B = q.size(0), H = q.size(1), Sq = q.size(2), D = q.size(3), Sk = k.size(2), Dv = v.size(3);
-  auto out = torch::empty({B, H, Sq, Dv}, q.options());
   auto lse = torch::empty({B, H, Sq}, q.options());
   const uint32_t thr = gt_threshold(p);
   const float dscale = p < 1.0 ? (float)(1.0 / (1.0 - p)) : 0.f;
   const bool drop = p > 0.0;
   float* lp = lse.data_ptr<float>();
   at::parallel_for(0, B * H, 1, [&](int64_t h0, int64_t h1) {
-    std::vector<float> S(qb * Sk), keep(Sk);
+    float* const S = heads_scratch(qb * Sk + Sk);
+    float* const keep = S + qb * Sk;
     for (int64_t bh = h0; bh < h1; ++bh) {
       const int64_t b = bh / H, h = bh % H;
       const float *Q = head_ptr(q, b, h), *K = head_ptr(k, b, h), *V = head_ptr(v, b, h);
-      float* O = out.data_ptr<float>() + bh * Sq * Dv;
+      float* O = const_cast<float*>(head_ptr(out, b, h));
+      const int64_t ostr = out.stride(2);
       for (int64_t i0 = 0; i0 < Sq; i0 += qb) {
         const int64_t rows = std::min(qb, Sq - i0);
         const int64_t kend = causal ? std::min(Sk, i0 + rows) : Sk;  // the keys this block's rows can see
         rm_gemm(false, true, rows, kend, D, (float)scale, Q + i0 * q.stride(2), q.stride(2), K, k.stride(2), 0.f,
-                S.data(), Sk);
+                S, Sk);
         for (int64_t r = 0; r < rows; ++r) {
-          float* s = S.data() + r * Sk;
+          float* s = S + r * Sk;
           const int64_t n = causal ? std::min(kend, i0 + r + 1) : kend;
           float m = -INFINITY;
           _Pragma("omp simd reduction(max:m)")
@@ -455,7 +466,7 @@ std::vector<torch::Tensor> attn_heads_fwd(torch::Tensor q, torch::Tensor k, torc
           lp[bh * Sq + i0 + r] = m + std::log(l);
           const float inv = 1.f / l;
           if (drop) {
-            keep_block((uint64_t)seed, (uint64_t)(bh * Sq + i0 + r) * Sk, n, thr, dscale * inv, keep.data());
+            keep_block((uint64_t)seed, (uint64_t)(bh * Sq + i0 + r) * Sk, n, thr, dscale * inv, keep);
             _Pragma("omp simd")
             for (int64_t j = 0; j < n; ++j) s[j] *= keep[j];
           } else {
@@ -464,58 +475,62 @@ std::vector<torch::Tensor> attn_heads_fwd(torch::Tensor q, torch::Tensor k, torc
           }
           std::fill(s + n, s + kend, 0.f);
         }
-        rm_gemm(false, false, rows, Dv, kend, 1.f, S.data(), Sk, V, v.stride(2), 0.f, O + i0 * Dv, Dv);
+        rm_gemm(false, false, rows, Dv, kend, 1.f, S, Sk, V, v.stride(2), 0.f, O + i0 * ostr, ostr);
       }
     }
   });
-  return {out, lse};
+  return lse;
 }
 
-// -> {dq, dk, dv}, contiguous [B, H, S, D]. out and lse as attn_heads_fwd returned them; dout any strides.
-std::vector<torch::Tensor> attn_heads_bwd(torch::Tensor dout, torch::Tensor q, torch::Tensor k, torch::Tensor v,
-                                          torch::Tensor out, torch::Tensor lse, double scale, bool causal, double p,
-                                          int64_t seed, int64_t qb) {
+// Writes dq, dk, dv (shaped as q, k, v; any strides, unit in D). out and lse as attn_heads_fwd left them.
+void attn_heads_bwd(torch::Tensor dout, torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out,
+                    torch::Tensor lse, torch::Tensor dq, torch::Tensor dk, torch::Tensor dv, double scale, bool causal,
+                    double p, int64_t seed, int64_t qb) {
   attn_heads_check(q, k, v);
   attn_heads_check(dout, out, out);
+  attn_heads_check(dq, dk, dv);
   TORCH_CHECK(lse.is_contiguous() && lse.scalar_type() == at::kFloat, "attn_heads_bwd: lse must be contiguous fp32");
   const int64_t B = q.size(0), H = q.size(1), Sq = q.size(2), D = q.size(3), Sk = k.size(2), Dv = v.size(3);
-  auto dq = torch::empty({B, H, Sq, D}, q.options());
-  auto dk = torch::empty({B, H, Sk, D}, q.options());
-  auto dv = torch::empty({B, H, Sk, Dv}, q.options());
   const uint32_t thr = gt_threshold(p);
   const float dscale = p < 1.0 ? (float)(1.0 / (1.0 - p)) : 0.f;
   const bool drop = p > 0.0;
   const float fs = (float)scale;
   at::parallel_for(0, B * H, 1, [&](int64_t h0, int64_t h1) {
-    std::vector<float> S(qb * Sk), dP(qb * Sk), keep(Sk);
+    float* const S = heads_scratch(2 * qb * Sk + Sk);
+    float* const dP = S + qb * Sk;
+    float* const keep = dP + qb * Sk;
     for (int64_t bh = h0; bh < h1; ++bh) {
       const int64_t b = bh / H, h = bh % H;
       const float *Q = head_ptr(q, b, h), *K = head_ptr(k, b, h), *V = head_ptr(v, b, h);
       const float *O = head_ptr(out, b, h), *dO = head_ptr(dout, b, h);
       const int64_t qs = q.stride(2), ks = k.stride(2), vs = v.stride(2), os = out.stride(2), ds = dout.stride(2);
-      float* dQ = dq.data_ptr<float>() + bh * Sq * D;
-      float* dK = dk.data_ptr<float>() + bh * Sk * D;
-      float* dV = dv.data_ptr<float>() + bh * Sk * Dv;
+      float* dQ = const_cast<float*>(head_ptr(dq, b, h));
+      float* dK = const_cast<float*>(head_ptr(dk, b, h));
+      float* dV = const_cast<float*>(head_ptr(dv, b, h));
+      const int64_t dqs = dq.stride(2), dks = dk.stride(2), dvs = dv.stride(2);
+      auto zero_rows = [](float* t, int64_t r0, int64_t r1, int64_t ld, int64_t n) {
+        for (int64_t r = r0; r < r1; ++r) std::fill(t + r * ld, t + r * ld + n, 0.f);
+      };
       const float* L = lse.data_ptr<float>() + bh * Sq;
       const int64_t nblk = (Sq + qb - 1) / qb;
-      if (nblk == 0) { std::fill(dK, dK + Sk * D, 0.f); std::fill(dV, dV + Sk * Dv, 0.f); }
+      if (nblk == 0) { zero_rows(dK, 0, Sk, dks, D); zero_rows(dV, 0, Sk, dvs, Dv); }
       // Last block first: under causal attention it sees every key, so its GEMMs (beta 0) initialise all of dK
       // and dV; the others accumulate into the keys they see.
       for (int64_t bi = nblk - 1; bi >= 0; --bi) {
         const int64_t i0 = bi * qb, rows = std::min(qb, Sq - i0);
         const int64_t kend = causal ? std::min(Sk, i0 + rows) : Sk;
-        rm_gemm(false, true, rows, kend, D, fs, Q + i0 * qs, qs, K, ks, 0.f, S.data(), Sk);
-        rm_gemm(false, true, rows, kend, Dv, 1.f, dO + i0 * ds, ds, V, vs, 0.f, dP.data(), Sk);
+        rm_gemm(false, true, rows, kend, D, fs, Q + i0 * qs, qs, K, ks, 0.f, S, Sk);
+        rm_gemm(false, true, rows, kend, Dv, 1.f, dO + i0 * ds, ds, V, vs, 0.f, dP, Sk);
         for (int64_t r = 0; r < rows; ++r) {
           const float *orow = O + (i0 + r) * os, *drow = dO + (i0 + r) * ds;
           float delta = 0.f;  // rowsum(dO * O) = rowsum(P * dP')
           _Pragma("omp simd reduction(+:delta)")
           for (int64_t j = 0; j < Dv; ++j) delta += orow[j] * drow[j];
-          float *s = S.data() + r * Sk, *dp = dP.data() + r * Sk;
+          float *s = S + r * Sk, *dp = dP + r * Sk;
           const int64_t n = causal ? std::min(kend, i0 + r + 1) : kend;
           const float lr = L[i0 + r];
-          if (drop) keep_block((uint64_t)seed, (uint64_t)(bh * Sq + i0 + r) * Sk, n, thr, dscale, keep.data());
-          else std::fill(keep.begin(), keep.begin() + n, 1.f);
+          if (drop) keep_block((uint64_t)seed, (uint64_t)(bh * Sq + i0 + r) * Sk, n, thr, dscale, keep);
+          else std::fill(keep, keep + n, 1.f);
           _Pragma("omp simd")
           for (int64_t j = 0; j < n; ++j) {
             const float pr = gt_exp(s[j] - lr);
@@ -526,17 +541,16 @@ std::vector<torch::Tensor> attn_heads_bwd(torch::Tensor dout, torch::Tensor q, t
           std::fill(dp + n, dp + kend, 0.f);
         }
         const float beta = bi == nblk - 1 ? 0.f : 1.f;
-        rm_gemm(true, false, kend, Dv, rows, 1.f, S.data(), Sk, dO + i0 * ds, ds, beta, dV, Dv);
-        rm_gemm(false, false, rows, D, kend, 1.f, dP.data(), Sk, K, ks, 0.f, dQ + i0 * D, D);
-        rm_gemm(true, false, kend, D, rows, 1.f, dP.data(), Sk, Q + i0 * qs, qs, beta, dK, D);
-        if (beta == 0.f && kend < Sk) {  // not causal-complete (cannot happen for top-left causal with Sq >= Sk)
-          std::fill(dV + kend * Dv, dV + Sk * Dv, 0.f);
-          std::fill(dK + kend * D, dK + Sk * D, 0.f);
+        rm_gemm(true, false, kend, Dv, rows, 1.f, S, Sk, dO + i0 * ds, ds, beta, dV, dvs);
+        rm_gemm(false, false, rows, D, kend, 1.f, dP, Sk, K, ks, 0.f, dQ + i0 * dqs, dqs);
+        rm_gemm(true, false, kend, D, rows, 1.f, dP, Sk, Q + i0 * qs, qs, beta, dK, dks);
+        if (beta == 0.f && kend < Sk) {  // keys no query sees (causal with Sq < Sk): no gradient
+          zero_rows(dV, kend, Sk, dvs, Dv);
+          zero_rows(dK, kend, Sk, dks, D);
         }
       }
     }
   });
-  return {dq, dk, dv};
 }
 
 // Softmax cross-entropy over the rows of x [n, v] (contiguous), in place: losses[r] = logsumexp(x[r]) - x[r, t[r]]
@@ -646,7 +660,7 @@ _ISA_FLAGS: dict[str, list[str]] = {
 # on GELU's tanh, one thread: 11.1 ms scalar, 1.8 ms vectorized (AVX2 build, 2M elements).
 _FP_FLAGS = ["-fno-trapping-math"]
 
-MODULE_NAME = "graphtrain_cpu_kernels_v12"
+MODULE_NAME = "graphtrain_cpu_kernels_v14"
 """The extension's name (and build folder's) before its ISA level: a new version number for each change of _CPP."""
 
 _lock = threading.Lock()

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from graphtrain.kernels import _cpu_ext
-from graphtrain.kernels._common import (HAS_TRITON, check_dropout_p, dense_empty, dispatch, dropout_keep_mask,
+from graphtrain.kernels._common import (HAS_TRITON, check_dropout_p, dispatch, dropout_keep_mask,
                                         sharded_dropout_seed, triton, triton_ok)
 from graphtrain.kernels.gemm import matmul
 from graphtrain.kernels.registry import (BACKWARD, COMPUTE_BOUND, FOLLOW, FORWARD, LOW, KernelSpec, OpDescriptor,
@@ -124,6 +124,29 @@ def _unit_last(t: Tensor) -> Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def _heads_last(t: Tensor) -> bool:
+    """t is a [B, S, H, D] tensor viewed as [B, H, S, D] (how models split heads: view, then transpose(1, 2))."""
+    return t.dim() == 4 and not t.is_contiguous() and t.transpose(1, 2).is_contiguous()
+
+
+def _empty_as(t: Tensor, last: int) -> Tensor:
+    """An empty [B, H, S, last] tensor in t's layout: [B, S, H, last] viewed as [B, H, S, last] when t is such a view,
+    else contiguous. The op's outputs (out like q; dq, dk, dv like q, k, v) are laid out so: the model's merge of
+    the heads (transpose(1, 2), reshape) is then a view, and so are the gradients' way back to the projections."""
+    B, H, S = t.shape[:3]
+    if _heads_last(t):
+        return t.new_empty(B, S, H, last).transpose(1, 2)
+    return t.new_empty(B, H, S, last)
+
+
+def _as(x: Tensor, t: Tensor, last: int) -> Tensor:
+    """x in the layout `_empty_as(t, last)` promises (copied where an implementation returned another)."""
+    want = _empty_as(t, last)
+    if x.stride() == want.stride():
+        return x
+    return want.copy_(x)
+
+
 def _supports_cpu(q, k, v, mask=None, scale=None, is_causal=False, p=0.0) -> bool:
     return _cpu_flash_ok(q, k, v, mask, p) or _cpu_cpp_ok(q, k, v, mask, p)
 
@@ -177,8 +200,9 @@ def _attention_op(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale
             q, k, v, 0.0, is_causal, attn_mask=_mask4d(mask, q, k), scale=scale)[:2]
 
     def heads():
-        return _cpu_ext.load().attn_heads_fwd(_unit_last(q), _unit_last(k), _unit_last(v), scale, is_causal, p,
-                                              int(seed.item()), HEADS_QB)
+        o = _empty_as(q, v.shape[-1])
+        return o, _cpu_ext.load().attn_heads_fwd(_unit_last(q), _unit_last(k), _unit_last(v), o, scale, is_causal, p,
+                                                 int(seed.item()), HEADS_QB)
 
     out, lse = dispatch("attention", [
         ("triton", _supports_triton(q, k, v, mask), triton_path),
@@ -186,15 +210,14 @@ def _attention_op(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale
         ("cpu flash", _cpu_flash_ok(q, k, v, mask, p), flash),
         ("c++", _cpu_cpp_ok(q, k, v, mask, p), lambda: _cpu_fwd(q, k, v, mask, scale, is_causal, p, seed)),
     ], lambda: attention_reference(q, k, v, mask, scale, is_causal, p, seed))
-    return out.contiguous(), lse.contiguous(), seed
+    return _as(out, q, v.shape[-1]), lse.contiguous(), seed
 
 
 @_attention_op.register_fake
 def _(q, k, v, mask, scale, is_causal, p):
     B, H, Sq, _ = q.shape
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    return (q.new_empty(B, H, Sq, v.shape[-1]), q.new_empty(B, H, Sq, dtype=lse_dtype),
-            torch.empty(1, dtype=torch.int64))
+    return (_empty_as(q, v.shape[-1]), q.new_empty(B, H, Sq, dtype=lse_dtype), torch.empty(1, dtype=torch.int64))
 
 
 @torch.library.custom_op("graphtrain::attention_backward", mutates_args=())
@@ -211,9 +234,11 @@ def _attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: 
             dout.contiguous(), q, k, v, out, lse, 0.0, is_causal, attn_mask=_mask4d(mask, q, k), scale=scale)
 
     def heads():
-        return _cpu_ext.load().attn_heads_bwd(_unit_last(dout), _unit_last(q), _unit_last(k), _unit_last(v),
-                                              _unit_last(out), lse.contiguous(), scale, is_causal, p, int(seed.item()),
-                                              HEADS_QB)
+        grads = _empty_as(q, q.shape[-1]), _empty_as(k, k.shape[-1]), _empty_as(v, v.shape[-1])
+        _cpu_ext.load().attn_heads_bwd(_unit_last(dout), _unit_last(q), _unit_last(k), _unit_last(v),
+                                       _unit_last(out), lse.contiguous(), *grads, scale, is_causal, p,
+                                       int(seed.item()), HEADS_QB)
+        return grads
 
     dq, dk, dv = dispatch("attention_backward", [
         ("triton", _supports_triton(q, k, v, mask), triton_path),
@@ -222,13 +247,12 @@ def _attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: 
         ("c++", _cpu_cpp_ok(q, k, v, mask, p),
          lambda: _cpu_bwd(dout, q, k, v, mask, out, lse, scale, is_causal, p, seed)),
     ], lambda: attention_backward_reference(dout, q, k, v, mask, out, lse, scale, is_causal, p, seed))
-    return dq.contiguous(), dk.contiguous(), dv.contiguous()
+    return _as(dq, q, q.shape[-1]), _as(dk, k, k.shape[-1]), _as(dv, v, v.shape[-1])
 
 
 @_attention_backward_op.register_fake
 def _(dout, q, k, v, mask, out, lse, seed, scale, is_causal, p):
-    # contiguous, as every real path returns (empty_like(q) would keep a transposed q's strides)
-    return dense_empty(q), dense_empty(k), dense_empty(v)
+    return _empty_as(q, q.shape[-1]), _empty_as(k, k.shape[-1]), _empty_as(v, v.shape[-1])
 
 
 def _setup(ctx, inputs, output):

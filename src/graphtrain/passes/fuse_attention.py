@@ -11,11 +11,11 @@ SDPA attention (SDPA with dropout is decomposed by the tracer into exactly this)
 GPT-2/BERT, and hand-written modules trace to these forms.
 
 SDPA calls without dropout arrive as aten._scaled_dot_product_flash_attention_for_cpu, which is already one
-fused kernel (graphtrain::attention runs that same kernel on CPU): they are kept, and the pass's note counts
-them. Rewriting them, as this pass once did, only added layout copies: the kernel returns and takes
-[B, S, H, D]-strided tensors, and the custom op's contiguous [B, H, S, D] outputs cost a transpose copy each
-way. Measured on HF Llama (6 layers, width 512, batch 8 x 128, fp32, 2-core AVX2 EPYC, aten provider):
-0.90x eager's step with the rewrite, 0.95x without.
+fused kernel. Those graphtrain::attention would run head by head (fp32, no mask, CPU: `_flash_to_heads`) are
+rewritten to it; the others are kept, and the pass's note counts both. The rewrite once cost more than it gained
+(HF Llama, 6 layers, width 512, batch 8 x 128, fp32, 2-core AVX2 EPYC, aten provider: 0.90x eager's step with it,
+0.95x without) because the op's outputs were contiguous [B, H, S, D] where the flash kernel's keep the model's
+[B, S, H, D] layout, a transpose copy each way; they now keep q's (and k's, v's) layout.
 
 Safe: the fused op computes the same function (fully masked rows give zeros, as _safe_softmax;
 with a plain _softmax they would be NaN); dropout keeps probability 1 - p and scales by 1/(1 - p)
@@ -26,11 +26,13 @@ or when shapes do not line up (a mask that would not broadcast to the fused op's
 """
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx as fx
 
 from graphtrain.passes.fuse_utils import (aten, call, erase_dead, finish, getitem, is_op, match_dropout,
-                                          needs_gradient, number, only_user, shape, strip_views)
+                                          needs_gradient, number, only_user, shape, strip_views, val)
 from graphtrain.passes.graph_utils import constant_mask_kind
 from graphtrain.passes.manager import PassContext, register_pass
 
@@ -182,9 +184,42 @@ def _try_fuse(gm: fx.GraphModule, sm: fx.Node, ctx: PassContext) -> bool:
                 return False
         att = call(g, torch.ops.graphtrain.attention.default, q4, k4, v4, mask, qs * ks * post_scale, causal, p)
         out = getitem(g, att, 0)
-        out = call(g, aten.view.default, out, list(shape(bmm2)))
+        out = call(g, aten.reshape.default, out, list(shape(bmm2)))  # a view unless the op's layout forbids one
     bmm2.replace_all_uses_with(out)
     erase_dead(g, [bmm2] + drop_nodes + [sm, masked, scores])
+    return True
+
+
+def _flash_to_heads(g: fx.Graph, node: fx.Node) -> bool:
+    """Rewrite one aten CPU flash-attention call (SDPA without dropout) to graphtrain::attention where the op would
+    run it head by head (kernels/attention.py `_cpu_heads_ok`: fp32, no mask, static shapes), which was 1.2-1.5x
+    aten's kernel forward + backward at 128 to 1024 tokens on the 2-core Zen 4. The op's output keeps q's [B, S, H, D]
+    layout, as the flash kernel's does, so the model's merge of the heads stays a view. Only where the call's
+    logsumexp output is unused (it is in a graph before autodiff)."""
+    from graphtrain.kernels.attention import _cpu_heads_ok
+    args = list(node.args) + [None] * (7 - len(node.args))
+    names = ("query", "key", "value", "dropout_p", "is_causal", "attn_mask", "scale")
+    q, k, v, p, causal, mask, scale = (node.kwargs.get(name, a) for name, a in zip(names, args))
+    p, causal = p or 0.0, bool(causal)
+    vals = [val(x) if isinstance(x, fx.Node) else None for x in (q, k, v)]
+    if mask is not None or p != 0.0 or any(not isinstance(x, torch.Tensor) for x in vals):
+        return False
+    if not all(isinstance(d, int) for x in vals for d in x.shape) or not _cpu_heads_ok(*vals, None, 0.0):
+        return False
+    users = list(node.users)
+    if not all(u.op == "call_function" and u.target is operator.getitem for u in users):
+        return False
+    if any(u.args[1] != 0 and u.users for u in users):  # the logsumexp is read
+        return False
+    with g.inserting_before(node):
+        att = call(g, torch.ops.graphtrain.attention.default, q, k, v, None,
+                   float(scale) if scale is not None else vals[0].shape[-1] ** -0.5, causal, 0.0)
+        out = getitem(g, att, 0)
+    for u in users:
+        if u.args[1] == 0:
+            u.replace_all_uses_with(out)
+        g.erase_node(u)
+    g.erase_node(node)
     return True
 
 
@@ -200,13 +235,19 @@ def _try_fuse(gm: fx.GraphModule, sm: fx.Node, ctx: PassContext) -> bool:
 @register_pass("pre_autodiff", phase="fuse", after="fuse_rms_norm")
 def fuse_attention_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Rewrite each softmax-attention subgraph to graphtrain::attention (see module docstring)."""
-    n = kept = 0
+    n = kept = heads = 0
     for node in list(gm.graph.nodes):
         if node.graph is gm.graph and is_op(node, aten._softmax, aten._safe_softmax):
             n += bool(_try_fuse(gm, node, ctx))
         elif is_op(node, aten._scaled_dot_product_flash_attention_for_cpu):
-            kept += 1
+            if _flash_to_heads(gm.graph, node):
+                heads += 1
+            else:
+                kept += 1
     if kept:
         ctx.note(f"{kept} SDPA call(s) without dropout kept as aten's flash attention (already one fused kernel)")
-    ctx.count(n)
+    if heads:
+        ctx.note(f"{heads} SDPA call(s) without dropout or mask (fp32, CPU) moved to graphtrain's head-by-head "
+                 f"attention kernel")
+    ctx.count(n + heads)
     return finish(gm)
