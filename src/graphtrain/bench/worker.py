@@ -17,6 +17,23 @@ SETUP_TIMEOUT_S = 3600.0  # a cold compile of a large model on 2 cores is slow; 
 STEP_TIMEOUT_S = 600.0  # per step, on top of a fixed minute
 
 
+def worker_env() -> dict[str, str]:
+    """The workers' environment: this process's, with torch's own Inductor cache (what the torch.compile baselines
+    use; graphtrain's variants point Inductor at graphtrain's cache) in a folder of its own when Inductor is told to
+    generate C++ for another vector ISA than the machine's (ATEN_CPU_CAPABILITY, as the AVX2 simulation sets it).
+    torch 2.13 leaves the ISA out of its cache keys, and its C++ is compiled again at load time for the loading
+    process's ISA: a native run that loaded the AVX2 code a simulated run had cached wrote past its buffers (the
+    torch.compile workers died with "malloc(): unaligned tcache chunk detected"). graphtrain's own Inductor keys
+    carry the ISA (engine/providers.py)."""
+    import os
+    env = dict(os.environ)
+    isa = env.get("ATEN_CPU_CAPABILITY", "").strip().lower()
+    if isa and "TORCHINDUCTOR_CACHE_DIR" not in env:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+        env["TORCHINDUCTOR_CACHE_DIR"] = f"{default_cache_dir()}-isa-{isa}"
+    return env
+
+
 class WorkerProc:
     """A `python -m graphtrain.bench.case` process and its JSON-lines channel."""
 
@@ -26,7 +43,8 @@ class WorkerProc:
         self.log_path = log_path
         self._log = open(log_path, "w")
         self.proc = subprocess.Popen([sys.executable, "-m", "graphtrain.bench.case", spec], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self._log, text=True, bufsize=1)
+                                     stdout=subprocess.PIPE, stderr=self._log, text=True, bufsize=1,
+                                     env=worker_env())
 
     def call(self, op: str, timeout: float, **args: Any) -> dict[str, Any]:
         try:
