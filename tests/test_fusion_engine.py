@@ -221,3 +221,36 @@ def test_mlm_head_becomes_linear_bias_cross_entropy(kind="bert-tiny"):
     gm = fuse_linear_cross_entropy_pass(gm, ctx)
     assert ctx.rewrites == 1
     assert [n for n in gm.graph.nodes if n.target is torch.ops.graphtrain.linear_bias_cross_entropy.default]
+
+
+class _SdpaAttention(torch.nn.Module):
+    """Causal SDPA without dropout whose output is merged with transpose(1, 2).view(...), as Hugging Face models do.
+    `contiguous_q`: q is made contiguous [B, H, S, D] first (the flash kernel's output is [B, S, H, D]-strided
+    either way, and the traced view relies on it)."""
+
+    def __init__(self, contiguous_q: bool) -> None:
+        super().__init__()
+        self.qkv, self.out, self.contiguous_q = torch.nn.Linear(32, 96), torch.nn.Linear(32, 32), contiguous_q
+
+    def forward(self, x):
+        B, S, _ = x.shape
+        q, k, v = (t.view(B, S, 4, 8).transpose(1, 2) for t in self.qkv(x).split(32, -1))
+        if self.contiguous_q:
+            q = q.contiguous()
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(o.transpose(1, 2).reshape(B, S, 32).view(B * S, 32)).sum()
+
+
+@pytest.mark.parametrize("contiguous_q", [False, True])
+def test_sdpa_without_dropout_runs_head_by_head_where_its_layout_allows(contiguous_q):
+    torch.manual_seed(0)
+    ref = _SdpaAttention(contiguous_q)
+    m = graphtrain.accelerate(copy.deepcopy(ref), provider="aten", fallback="error")
+    x = torch.randn(2, 16, 32)
+    m(x).backward()
+    ref(x).backward()
+    assert_grads_close(m, ref, rtol=1e-4, atol=1e-5)
+    notes = [n for p in graphtrain.report(m).passes if p["name"] == "fuse_attention" for n in p["notes"]]
+    moved = any("moved to graphtrain's head-by-head attention kernel" in n for n in notes)
+    from graphtrain.kernels import _cpu_ext
+    assert moved == (not contiguous_q and _cpu_ext.load() is not None), notes

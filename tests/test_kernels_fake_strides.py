@@ -4,7 +4,7 @@ AOTAutograd and Inductor plan the graph from the fake kernels' metadata. A fake 
 differ from the real one breaks training: AOTAutograd emits `view`s in the backward graph that the real
 (contiguous) gradient cannot take ("view size is not compatible"), and Inductor's stride asserts fire
 ("expected stride 8192==64"). The contract (kernels/_common.py dense_empty): every output contiguous, except
-attention's, which follow their inputs' layout where that is [B, S, H, D] viewed as [B, H, S, D]
+attention's, which are [B, S, H, D] viewed as [B, H, S, D] where their inputs' memory runs that way
 (kernels/attention.py `_empty_as`: the model's merge of the heads is then a view), and fake and real agree.
 The inputs include the non-contiguous layouts models produce: BERT/GPT's q/k/v are
 x.view(B, S, H, D).transpose(1, 2), LayerNorm inputs can be transposed, LM-head weights transposed.

@@ -133,13 +133,14 @@ def _unit_last(t: Tensor) -> Tensor:
 
 
 def _heads_last(t: Tensor) -> bool:
-    """t is a [B, S, H, D] tensor viewed as [B, H, S, D] (how models split heads: view, then transpose(1, 2))."""
-    return t.dim() == 4 and not t.is_contiguous() and t.transpose(1, 2).is_contiguous()
+    """t's memory runs [B, S, H, D] and it is viewed as [B, H, S, D] (how models split heads: view, then
+    transpose(1, 2), often of a slice of a fused q/k/v projection): its sequence stride is the larger."""
+    return t.dim() == 4 and t.shape[1] > 1 and t.shape[2] > 1 and t.stride(1) < t.stride(2)
 
 
 def _empty_as(t: Tensor, last: int) -> Tensor:
-    """An empty [B, H, S, last] tensor in t's layout: [B, S, H, last] viewed as [B, H, S, last] when t is such a view,
-    else contiguous. The op's outputs (out like q; dq, dk, dv like q, k, v) are laid out so: the model's merge of
+    """An empty [B, H, S, last] tensor in t's layout: a dense [B, S, H, last] viewed as [B, H, S, last] when t's
+    memory runs that way (`_heads_last`), else contiguous. The op's outputs (out like q; dq, dk, dv like q, k, v) are laid out so: the model's merge of
     the heads (transpose(1, 2), reshape) is then a view, and so are the gradients' way back to the projections."""
     B, H, S = t.shape[:3]
     if _heads_last(t):

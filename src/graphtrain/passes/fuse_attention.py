@@ -193,10 +193,11 @@ def _try_fuse(gm: fx.GraphModule, sm: fx.Node, ctx: PassContext) -> bool:
 def _flash_to_heads(g: fx.Graph, node: fx.Node) -> bool:
     """Rewrite one aten CPU flash-attention call (SDPA without dropout) to graphtrain::attention where the op would
     run it head by head (kernels/attention.py `_cpu_heads_ok`: fp32, no mask, static shapes), which was 1.2-1.5x
-    aten's kernel forward + backward at 128 to 1024 tokens on the 2-core Zen 4. The op's output keeps q's [B, S, H, D]
-    layout, as the flash kernel's does, so the model's merge of the heads stays a view. Only where the call's
+    aten's kernel forward + backward at 128 to 1024 tokens on the 2-core Zen 4. Only where q's memory runs
+    [B, S, H, D] (`_heads_last`): the op's output is then laid out as the flash kernel's always is, so what the
+    graph does with it after (the model's merge of the heads, a view) still holds. And only where the call's
     logsumexp output is unused (it is in a graph before autodiff)."""
-    from graphtrain.kernels.attention import _cpu_heads_ok
+    from graphtrain.kernels.attention import _cpu_heads_ok, _heads_last
     args = list(node.args) + [None] * (7 - len(node.args))
     names = ("query", "key", "value", "dropout_p", "is_causal", "attn_mask", "scale")
     q, k, v, p, causal, mask, scale = (node.kwargs.get(name, a) for name, a in zip(names, args))
@@ -206,6 +207,9 @@ def _flash_to_heads(g: fx.Graph, node: fx.Node) -> bool:
         return False
     if not all(isinstance(d, int) for x in vals for d in x.shape) or not _cpu_heads_ok(*vals, None, 0.0):
         return False
+    if not _heads_last(vals[0]):  # the flash kernel's output is [B, S, H, D]-strided whatever q's layout, and the
+        return False             # graph after it was traced so; the op's is laid out as q is (a contiguous q: a
+        #                          Hugging Face DDP test's view of the merged heads failed on it)
     users = list(node.users)
     if not all(u.op == "call_function" and u.target is operator.getitem for u in users):
         return False
