@@ -90,9 +90,11 @@ def test_hf_models_every_op_fused(kind, impl):
     ln = 2 * 2 + 1 if kind == "gpt2" else 2 * 2 + 2  # GPT-2: 2 per block + final; BERT: embeddings + 2 per block + head
     gelu = 2 if kind == "gpt2" else 3
     # SDPA without dropout traces to aten's flash attention kernel: moved to graphtrain's head-by-head kernel where
-    # that runs it (fp32, no mask, batch x heads = 4 at least the threads, the C++ kernels built), else kept
+    # that runs it (fp32, causal (GPT-2), no mask, batch x heads = 4 at least the threads, the C++ kernels built),
+    # else kept
     from graphtrain.kernels import _cpu_ext
-    heads = _cpu_ext.load() is not None and _cpu_ext.load().attn_heads_available() and torch.get_num_threads() <= 4
+    heads = (kind == "gpt2" and _cpu_ext.load() is not None and _cpu_ext.load().attn_heads_available()
+             and torch.get_num_threads() <= 4)
     attention = 2 if impl == "eager" or heads else 0
     after, _ = check_parity(f, inputs, {"fuse_layer_norm": ln, "fuse_attention": attention, "fuse_bias_gelu": gelu,
                                         "fuse_linear_cross_entropy": 1, "fuse_cross_entropy": 0})

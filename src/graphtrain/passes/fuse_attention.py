@@ -192,7 +192,7 @@ def _try_fuse(gm: fx.GraphModule, sm: fx.Node, ctx: PassContext) -> bool:
 
 def _flash_to_heads(g: fx.Graph, node: fx.Node) -> bool:
     """Rewrite one aten CPU flash-attention call (SDPA without dropout) to graphtrain::attention where the op would
-    run it head by head (kernels/attention.py `_cpu_heads_ok`: fp32, no mask, static shapes), which was 1.2-1.5x
+    run it head by head (kernels/attention.py `_cpu_heads_ok`: fp32, causal, no mask, static shapes), which was 1.2-1.5x
     aten's kernel forward + backward at 128 to 1024 tokens on the 2-core Zen 4. Only where q's memory runs
     [B, S, H, D] (`_heads_last`): the op's output is then laid out as the flash kernel's always is, so what the
     graph does with it after (the model's merge of the heads, a view) still holds. And only where the call's
@@ -205,7 +205,7 @@ def _flash_to_heads(g: fx.Graph, node: fx.Node) -> bool:
     vals = [val(x) if isinstance(x, fx.Node) else None for x in (q, k, v)]
     if mask is not None or p != 0.0 or any(not isinstance(x, torch.Tensor) for x in vals):
         return False
-    if not all(isinstance(d, int) for x in vals for d in x.shape) or not _cpu_heads_ok(*vals, None, 0.0):
+    if not all(isinstance(d, int) for x in vals for d in x.shape) or not _cpu_heads_ok(*vals, None, 0.0, causal):
         return False
     if not _heads_last(vals[0]):  # the flash kernel's output is [B, S, H, D]-strided whatever q's layout, and the
         return False             # graph after it was traced so; the op's is laid out as q is (a contiguous q: a
@@ -251,7 +251,7 @@ def fuse_attention_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     if kept:
         ctx.note(f"{kept} SDPA call(s) without dropout kept as aten's flash attention (already one fused kernel)")
     if heads:
-        ctx.note(f"{heads} SDPA call(s) without dropout or mask (fp32, CPU) moved to graphtrain's head-by-head "
+        ctx.note(f"{heads} causal SDPA call(s) without dropout or mask (fp32, CPU) moved to graphtrain's head-by-head "
                  f"attention kernel")
     ctx.count(n + heads)
     return finish(gm)
