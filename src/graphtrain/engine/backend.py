@@ -409,15 +409,15 @@ def _tiered(compile_one: Callable[..., Any], gm: fx.GraphModule, example_inputs:
     if aten is None:
         return None
     timed_out = choose.inductor_timed_out(folder, inductor_key, config.background_timeout)
-    if timed_out is not None:  # an earlier process's background compile of it outlived the limit: not again
+    if choose.inductor_ready(folder, inductor_key):  # an earlier process's background compile finished it
+        rec.provider = "aten (provider auto: Inductor is in the caches, loaded and measured at the next step)"
+        job = b""
+    elif timed_out is not None:  # an earlier process's background compile of it outlived the limit: not again
         rec.provider = "aten"
         rec.notes.append(f"provider auto -> aten: inductor is not a candidate (an earlier background compile of this "
                          f"graph took more than {timed_out:g} s, engine.background_timeout, and was stopped; raise the "
                          f"limit (0: none) to compile it again)")
         return aten[0]
-    if choose.inductor_ready(folder, inductor_key):  # an earlier process's background compile finished it
-        rec.provider = "aten (provider auto: Inductor is in the caches, loaded and measured at the next step)"
-        job = b""
     else:
         rec.provider = "aten (provider auto: Inductor compiles in a background process, measured when ready)"
     return choose.Tiered(aten, compile_inductor, job, rec, folder, key, state, config)

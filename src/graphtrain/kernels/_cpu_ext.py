@@ -386,9 +386,10 @@ void attn_probs_bwd(torch::Tensor s, torch::Tensor dp, torch::Tensor mask, torch
   });
 }
 
-// Attention head by head, for fp32 without a mask (causal or not, dropout or not): a hand-written kernel because
-// neither aten nor oneDNN has one for short sequences. aten's CPU flash kernel computes a causal row's whole
-// [Sq, Sk] tile at these lengths and the batched-matmul path above needs [B*H, S, S] scores and contiguous heads.
+// Attention head by head, for fp32 without a mask (causal or not, dropout or not; kernels/attention.py decides
+// which calls come here). Hand-written because no library kernel skips what it can here: aten's CPU flash kernel
+// computes a causal row's whole [Sq, Sk] tile at these lengths, and the batched-matmul path above needs
+// [B*H, S, S] scores and contiguous heads.
 // Here each thread takes whole heads (at::parallel_for over B*H) and, for each block of QB query rows, runs the
 // single-threaded BLAS GEMMs (MKL's sgemm_, which libtorch_cpu exports; inside the parallel region it runs on the
 // calling thread) on the keys that block can see: for causal attention the blocks above the diagonal are never
@@ -397,6 +398,8 @@ void attn_probs_bwd(torch::Tensor s, torch::Tensor dp, torch::Tensor mask, torch
 // the hash, as attn_probs_fwd/_bwd do, so both paths drop the same entries. Measured on the 2-core Zen 4 against
 // aten's flash kernel (forward + backward, causal, fp32, [B, S, H, D] inputs): [8, 8, 128, 64] 7.1 against 10.5 ms,
 // [16, 4, 128, 64] 8.5 against 11.4 ms, [2, 8, 1024, 64] 62.9 against 77.9 ms.
+// The Fortran BLAS entry with 32-bit integers (LP64), as torch's own CPU BLAS code declares and calls it; weak, so
+// that a build without it loads and attn_heads_available() says no.
 extern "C" void sgemm_(const char*, const char*, const int*, const int*, const int*, const float*, const float*,
                        const int*, const float*, const int*, const float*, float*, const int*) __attribute__((weak));
 
@@ -660,7 +663,7 @@ _ISA_FLAGS: dict[str, list[str]] = {
 # on GELU's tanh, one thread: 11.1 ms scalar, 1.8 ms vectorized (AVX2 build, 2M elements).
 _FP_FLAGS = ["-fno-trapping-math"]
 
-MODULE_NAME = "graphtrain_cpu_kernels_v14"
+MODULE_NAME = "graphtrain_cpu_kernels_v15"
 """The extension's name (and build folder's) before its ISA level: a new version number for each change of _CPP."""
 
 _lock = threading.Lock()
