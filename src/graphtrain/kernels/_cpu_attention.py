@@ -132,8 +132,8 @@ void attn_probs_bwd(torch::Tensor s, torch::Tensor dp, torch::Tensor mask, torch
 // single-threaded BLAS GEMMs (MKL's sgemm_, which libtorch_cpu exports; inside the parallel region it runs on the
 // calling thread) on the keys that block can see: for causal attention the blocks above the diagonal are never
 // computed. q, k, v are read in place through their strides (a [B, S, H, D] tensor viewed as [B, H, S, D] needs no
-// copy); outputs are written through their strides too. Dropout draws the keep mask of element (bh * Sq + i) * Sk + j from
-// the hash, as attn_probs_fwd/_bwd do, so both paths drop the same entries. Measured on the 2-core Zen 4 against
+// copy); outputs are written through their strides too. Dropout draws the keep mask of element
+// (bh * Sq + i) * Sk + j from the hash, as attn_probs_fwd/_bwd do, so both paths drop the same entries. Measured on the 2-core Zen 4 against
 // aten's flash kernel (forward + backward, causal, fp32, [B, S, H, D] inputs): [8, 8, 128, 64] 7.1 against 10.5 ms,
 // [16, 4, 128, 64] 8.5 against 11.4 ms, [2, 8, 1024, 64] 62.9 against 77.9 ms.
 // The Fortran BLAS entry with 32-bit integers (LP64), as torch's own CPU BLAS code declares and calls it; weak, so

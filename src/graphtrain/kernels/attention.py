@@ -124,7 +124,8 @@ def _cpu_heads_ok(q, k, v, mask, p, causal) -> bool:
     if not p and (not causal or k.shape[2] > HEADS_MAX_KEYS_WITHOUT_DROPOUT):
         return False
     if not (mask is None and q.device.type == "cpu" and q.dtype == k.dtype == v.dtype == torch.float32
-            and q.dim() == k.dim() == v.dim() == 4 and k.shape[2] > 0 and q.shape[0] * q.shape[1] >= torch.get_num_threads()
+            and q.dim() == k.dim() == v.dim() == 4 and k.shape[2] > 0
+            and q.shape[0] * q.shape[1] >= torch.get_num_threads()
             and max(max(t.stride()) for t in (q, k, v)) < 2 ** 31):
         return False
     mod = _cpu_ext.load()
@@ -143,8 +144,9 @@ def _heads_last(t: Tensor) -> bool:
 
 def _empty_as(t: Tensor, last: int) -> Tensor:
     """An empty [B, H, S, last] tensor in t's layout: a dense [B, S, H, last] viewed as [B, H, S, last] when t's
-    memory runs that way (`_heads_last`), else contiguous. The op's outputs (out like q; dq, dk, dv like q, k, v) are laid out so: the model's merge of
-    the heads (transpose(1, 2), reshape) is then a view, and so are the gradients' way back to the projections."""
+    memory runs that way (`_heads_last`), else contiguous. The op's outputs (out like q; dq, dk, dv like q, k, v)
+    are laid out so: the model's merge of the heads (transpose(1, 2), reshape) is then a view, and so are the
+    gradients' way back to the projections."""
     B, H, S = t.shape[:3]
     if _heads_last(t):
         return t.new_empty(B, S, H, last).transpose(1, 2)
