@@ -408,11 +408,11 @@ def _tiered(compile_one: Callable[..., Any], gm: fx.GraphModule, example_inputs:
     aten = _aten_candidate(compile_one, rec, state)
     if aten is None:
         return None
-    timed_out = choose.inductor_timed_out(folder, inductor_key, config.background_timeout)
     if choose.inductor_ready(folder, inductor_key):  # an earlier process's background compile finished it
         rec.provider = "aten (provider auto: Inductor is in the caches, loaded and measured at the next step)"
         job = b""
-    elif timed_out is not None:  # an earlier process's background compile of it outlived the limit: not again
+    elif (timed_out := choose.inductor_timed_out(folder, inductor_key, config.background_timeout)) is not None:
+        # an earlier process's background compile of it outlived the limit: not again
         rec.provider = "aten"
         rec.notes.append(f"provider auto -> aten: inductor is not a candidate (an earlier background compile of this "
                          f"graph took more than {timed_out:g} s, engine.background_timeout, and was stopped; raise the "

@@ -154,11 +154,13 @@ def _empty_as(t: Tensor, last: int) -> Tensor:
 
 
 def _as(x: Tensor, t: Tensor, last: int) -> Tensor:
-    """x in the layout `_empty_as(t, last)` promises (copied where an implementation returned another)."""
-    want = _empty_as(t, last)
-    if x.stride() == want.stride():
+    """x in the layout `_empty_as(t, last)` promises (copied where an implementation returned another). The strides
+    are compared without allocating: this runs on every call of the op."""
+    _, H, S = t.shape[:3]
+    want = (S * H * last, last, H * last, 1) if _heads_last(t) else (H * S * last, S * last, last, 1)
+    if x.stride() == want:
         return x
-    return want.copy_(x)
+    return _empty_as(t, last).copy_(x)
 
 
 def _supports_cpu(q, k, v, mask=None, scale=None, is_causal=False, p=0.0) -> bool:
@@ -306,16 +308,16 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor] = None, sc
     return torch.ops.graphtrain.attention(q, k, v, mask, scale, bool(is_causal), float(dropout_p) if training else 0.0)[0]
 
 
-def _cpu_scores_bytes(q: torch.fx.Node, k: torch.fx.Node, mask: object, p: float, copies: int) -> int:
-    """What the CPU paths allocate inside the op, invisible to the graph: the head-by-head kernel (fp32, no mask)
-    `copies` [HEADS_QB, Sk] blocks per thread; the path with dropout [B*H, Sq, Sk] scores (forward: one buffer the
-    probabilities overwrite; backward: scores and d-probabilities). The CPU flash kernel (no dropout, a mask) and
-    the Triton kernels work in tiles."""
+def _cpu_scores_bytes(q: torch.fx.Node, k: torch.fx.Node, mask: object, p: float, causal: bool, copies: int) -> int:
+    """What the CPU paths allocate inside the op, invisible to the graph: the head-by-head kernel (fp32, no mask, with
+    dropout or causal: `_cpu_heads_ok`) `copies` [HEADS_QB, Sk] blocks per thread; the path with dropout [B*H,
+    Sq, Sk] scores (forward: one buffer the probabilities overwrite; backward: scores and d-probabilities). The
+    CPU flash kernel (no dropout, a mask) and the Triton kernels work in tiles."""
     qv, kv = q.meta["val"], k.meta["val"]
     if qv.device.type != "cpu":
         return 0
     sk = hint_int(kv.shape[2])
-    if mask is None and qv.dtype == torch.float32:
+    if mask is None and qv.dtype == torch.float32 and (p or causal):
         return copies * torch.get_num_threads() * HEADS_QB * sk * 4
     if not p:
         return 0
@@ -328,11 +330,13 @@ def _arg(n: torch.fx.Node, i: int, name: str, default: object) -> object:
 
 
 def _forward_workspace(n: torch.fx.Node) -> int:
-    return _cpu_scores_bytes(n.args[0], n.args[1], _arg(n, 3, "mask", None), _arg(n, 6, "p", 0.0), 1)
+    return _cpu_scores_bytes(n.args[0], n.args[1], _arg(n, 3, "mask", None), _arg(n, 6, "p", 0.0),
+                             _arg(n, 5, "is_causal", False), 1)
 
 
 def _backward_workspace(n: torch.fx.Node) -> int:
-    return _cpu_scores_bytes(n.args[1], n.args[2], _arg(n, 4, "mask", None), _arg(n, 10, "p", 0.0), 2)
+    return _cpu_scores_bytes(n.args[1], n.args[2], _arg(n, 4, "mask", None), _arg(n, 10, "p", 0.0),
+                             _arg(n, 9, "is_causal", False), 2)
 
 
 SPEC = register_kernel_spec(KernelSpec(
