@@ -282,5 +282,9 @@ def test_workers_keep_torchs_inductor_cache_apart_per_simulated_isa(monkeypatch)
     assert "TORCHINDUCTOR_CACHE_DIR" not in worker_env()
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
     assert worker_env()["TORCHINDUCTOR_CACHE_DIR"].endswith("-isa-avx2")
+    # torch's cache_dir() puts its default into the runner's environment once anything asks for it: still unset
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
+    assert worker_env()["TORCHINDUCTOR_CACHE_DIR"] == default_cache_dir() + "-isa-avx2"
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/somewhere")  # the user's choice stands
     assert worker_env()["TORCHINDUCTOR_CACHE_DIR"] == "/somewhere"

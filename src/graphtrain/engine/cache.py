@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from graphtrain.config import EngineConfig
 
@@ -40,7 +40,7 @@ def configure_cache(config: EngineConfig) -> Path:
     import torch._inductor.config as inductor_config
 
     root = cache_root(config)
-    if not _user_set_inductor_cache() or os.environ.get("_GRAPHTRAIN_SET_CACHE") == "1":
+    if not user_set_inductor_cache() or os.environ.get("_GRAPHTRAIN_SET_CACHE") == "1":
         root.mkdir(parents=True, exist_ok=True)
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(root)
         os.environ["_GRAPHTRAIN_SET_CACHE"] = "1"
@@ -49,9 +49,10 @@ def configure_cache(config: EngineConfig) -> Path:
     return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
 
 
-def _user_set_inductor_cache() -> bool:
-    """Whether TORCHINDUCTOR_CACHE_DIR names a folder other than the default torch fills in itself."""
-    value = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+def user_set_inductor_cache(env: Mapping[str, str] | None = None) -> bool:
+    """Whether TORCHINDUCTOR_CACHE_DIR (in `env`, default this process's) names a folder other than the default
+    torch fills in itself (torch's `cache_dir()` writes the default into os.environ the first time it runs)."""
+    value = (os.environ if env is None else env).get("TORCHINDUCTOR_CACHE_DIR")
     if not value:
         return False
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
