@@ -12,20 +12,14 @@ Values are validated on creation: an unknown key, a wrong type or an out-of-rang
 """
 from __future__ import annotations
 
-import ast
 import dataclasses
-import difflib
-import inspect
-import math
-import textwrap
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 import yaml
 
+from graphtrain.config_schema import field_docs, from_dict, suggest, validate
 from graphtrain.jobfile import load_job_file, yaml_load  # noqa: F401 - re-exported (graphtrain.config API)
 
 
@@ -398,7 +392,7 @@ class Config:
     # -- construction -------------------------------------------------------------------------
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> "Config":
-        return _from_dict(cls, d or {}, prefix="")
+        return from_dict(cls, d or {}, prefix="")
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "Config":
@@ -424,7 +418,7 @@ class Config:
             for i, p in enumerate(parts[:-1]):
                 if not isinstance(node.get(p), dict):
                     raise ValueError(f"unknown config key {key!r}: {'.'.join(parts[: i + 1])!r} is not a section"
-                                     f"{_suggest(p, [k for k, v in node.items() if isinstance(v, dict)])}")
+                                     f"{suggest(p, [k for k, v in node.items() if isinstance(v, dict)])}")
                 node = node[p]
             node[parts[-1]] = value
         return Config.from_dict(d)
@@ -443,12 +437,6 @@ def _split_override(o: str) -> tuple[str, Any]:
 
 # ----------------------------------------------------------------------------- validation ----
 
-def _suggest(name: str, options: list[str], prefix: str = "") -> str:
-    """A hint naming the closest key in full (`prefix` is its section, e.g. "optim.")."""
-    close = difflib.get_close_matches(name, options, n=1)
-    return f" (did you mean {prefix + close[0]!r}?)" if close else f" (known: {', '.join(sorted(options))})"
-
-
 def _section_name(cls: type) -> str:
     for f in dataclasses.fields(Config):
         if f.default_factory is cls:  # type: ignore[comparison-overlap]
@@ -456,125 +444,8 @@ def _section_name(cls: type) -> str:
     return ""
 
 
-def _from_dict(cls: type, d: Any, prefix: str) -> Any:
-    if not isinstance(d, dict):
-        section = prefix.rstrip('.') or 'root'
-        raise TypeError(f"config section {section!r} must be a mapping of keys, got {type(d).__name__} {d!r}; e.g. "
-                        f"{section if section != 'root' else 'train'}: {{steps: 50}}")
-    names = {f.name: f for f in dataclasses.fields(cls)}
-    hints = typing.get_type_hints(cls)
-    kwargs = {}
-    for key, value in d.items():
-        if key not in names:
-            raise ValueError(f"unknown config key {prefix + str(key)!r}{_suggest(str(key), list(names), prefix)}")
-        tp = hints[key]
-        if dataclasses.is_dataclass(tp):
-            kwargs[key] = _from_dict(tp, value if value is not None else {}, prefix + key + ".")
-        else:
-            kwargs[key] = value
-    try:
-        return cls(**kwargs)
-    except (TypeError, ValueError) as e:
-        raise type(e)(str(e)) from None
-
-
-def _check(value: Any, tp: Any, key: str) -> Any:
-    """Check (and gently coerce: int->float, list->tuple) one value against a type hint."""
-    origin = typing.get_origin(tp)
-    if tp is Any:
-        return value
-    if origin in (Union, types.UnionType):
-        errors = []
-        for arm in typing.get_args(tp):
-            try:
-                return _check(value, arm, key)
-            except (TypeError, ValueError) as e:
-                errors.append(e)
-        right_type = [e for e in errors if isinstance(e, ValueError) and "finite" in str(e)]
-        if right_type:  # a number, but nan or inf
-            raise right_type[0]
-        raise TypeError(f"{key} must be {_describe(tp)}, got {value!r}")
-    if origin is Literal:
-        allowed = typing.get_args(tp)
-        if value not in allowed or type(value) is bool and not any(a is value for a in allowed):
-            raise ValueError(f"{key} must be one of {', '.join(repr(a) for a in allowed)}; got {value!r}")
-        return value
-    if tp is type(None):
-        if value is not None:
-            raise TypeError(f"{key} must be null")
-        return None
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise TypeError(f"{key} must be true or false, got {value!r}")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{key} must be an integer, got {value!r}")
-        return value
-    if tp is float:
-        if isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string; the user meant a number
-            try:
-                value = float(value)
-            except ValueError:
-                pass
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise TypeError(f"{key} must be a number, got {value!r}")
-        if not math.isfinite(value):
-            raise ValueError(f"{key} must be a finite number, got {value!r}")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise TypeError(f"{key} must be a string, got {value!r}")
-        return value
-    if origin is tuple:
-        args = typing.get_args(tp)
-        if not isinstance(value, (list, tuple)) or len(value) != len(args):
-            raise TypeError(f"{key} must be a list of {len(args)} values, got {value!r}")
-        return tuple(_check(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise TypeError(f"{key} must be a mapping, got {value!r}")
-        return dict(value)
-    if origin is list:
-        if not isinstance(value, (list, tuple)):
-            raise TypeError(f"{key} must be a list, e.g. [a, b], got {value!r}")
-        (arg,) = typing.get_args(tp)
-        return [_check(v, arg, f"{key}[{i}]") for i, v in enumerate(value)]
-    if dataclasses.is_dataclass(tp):
-        if not isinstance(value, tp):
-            raise TypeError(f"{key} must be a {tp.__name__}, got {type(value).__name__}")
-        return value
-    raise AssertionError(f"config type {tp} of {key} is not handled")
-
-
-def _describe(tp: Any) -> str:
-    if typing.get_origin(tp) in (Union, types.UnionType):
-        return " or ".join(_describe(a) for a in typing.get_args(tp))
-    if typing.get_origin(tp) is Literal:
-        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
-    return {type(None): "null", int: "an integer", float: "a number", str: "a string", bool: "true/false"}.get(
-        tp, getattr(tp, "__name__", str(tp)))
-
-
 def _validate(obj: Any) -> None:
-    prefix = _section_name(type(obj))
-    hints = typing.get_type_hints(type(obj))
-    for f in dataclasses.fields(obj):
-        setattr(obj, f.name, _check(getattr(obj, f.name), hints[f.name], prefix + f.name))
-
-
-# ------------------------------------------------------------------------------ field docs ----
-
-def field_docs(cls: type) -> dict[str, str]:
-    """The docstring written under each field of a config dataclass (shown as CLI help)."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    body = tree.body[0].body  # type: ignore[attr-defined]
-    docs: dict[str, str] = {}
-    for node, nxt in zip(body, body[1:]):
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(nxt, ast.Expr)
-                and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
-            docs[node.target.id] = " ".join(nxt.value.value.split())
-    return docs
+    validate(obj, _section_name(type(obj)))
 
 
 def describe_all() -> str:
@@ -603,4 +474,4 @@ def resolve_engine_config(config: "Config | EngineConfig | dict | None", overrid
     else:
         raise TypeError(f"config must be a graphtrain.Config, EngineConfig, dict or None, got {type(config).__name__}")
     base.update(overrides)
-    return _from_dict(EngineConfig, base, prefix="engine.")
+    return from_dict(EngineConfig, base, prefix="engine.")
