@@ -449,7 +449,7 @@ def _validate(obj: Any) -> None:
 
 
 def describe_all() -> str:
-    """Every config key with its default and documentation, for `graphtrain train --help-config`."""
+    """Every config key with its default and documentation, for `graphtrain config` (no arguments)."""
     lines = []
     default = Config()
     for sec in dataclasses.fields(Config):
