@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import os
 import resource
 import statistics
 import time
@@ -117,6 +118,11 @@ def _worker(conn: Any, variant: str, model: str, batch: int, seq: int, threads: 
 def run(model: str, batch: int, seq: int, variants: list[str], steps: int, repeats: int, threads: int,
         show_report: bool = False, dims: tuple[int, int, int] = (256, 4, 8192)) -> dict[str, dict[str, Any]]:
     ctx = mp.get_context("spawn")
+    # the spawned workers inherit this environment: torch.compile's own Inductor cache kept apart per simulated
+    # ISA, as for `graphtrain bench`'s workers (worker.worker_env says why)
+    from graphtrain.bench.worker import worker_env
+    if "TORCHINDUCTOR_CACHE_DIR" in (env := worker_env()):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = env["TORCHINDUCTOR_CACHE_DIR"]
     workers = {}
     res: dict[str, dict[str, Any]] = {v: {"times": []} for v in variants}
     for v in variants:  # start (and compile) one at a time: two cores, no overlap
