@@ -48,9 +48,7 @@ std::vector<torch::Tensor> attn_probs_fwd(torch::Tensor s, torch::Tensor mask, i
   TORCH_CHECK(s.is_contiguous() && s.dim() == 3, "attn_probs_fwd: scores must be contiguous [BH, Sq, Sk]");
   const int64_t BH = s.size(0), sq = s.size(1), sk = s.size(2);
   auto lse = torch::empty({BH, sq}, s.options().dtype(torch::kFloat));
-  const uint32_t thr = gt_threshold(p);
-  const float dscale = p < 1.0 ? (float)(1.0 / (1.0 - p)) : 0.f;
-  const bool drop = p > 0.0;
+  const DropSpec drop(p);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, s.scalar_type(), "attn_probs_fwd", [&] {
     scalar_t* sp = s.data_ptr<scalar_t>();
     float* lp = lse.data_ptr<float>();
@@ -70,7 +68,7 @@ std::vector<torch::Tensor> attn_probs_fwd(torch::Tensor s, torch::Tensor mask, i
         for (int64_t j = 0; j < n; ++j) { v[j] = gt_exp(v[j] - mm); l += v[j]; }
         lp[r] = l > 0.f ? mm + std::log(l) : INFINITY;
         const float inv = l > 0.f ? 1.f / l : 0.f;
-        if (drop) keep_block((uint64_t)seed, (uint64_t)r * sk, n, thr, dscale * inv, keep.data());
+        if (drop.on) keep_block((uint64_t)seed, (uint64_t)r * sk, n, drop.thr, drop.scale * inv, keep.data());
         else std::fill(keep.begin(), keep.begin() + n, inv);
         _Pragma("omp simd")
         for (int64_t j = 0; j < n; ++j) v[j] *= keep[j];
@@ -89,9 +87,7 @@ void attn_probs_bwd(torch::Tensor s, torch::Tensor dp, torch::Tensor mask, torch
   TORCH_CHECK(s.is_contiguous() && dp.is_contiguous() && lse.is_contiguous() && delta.is_contiguous(),
               "attn_probs_bwd: contiguous inputs expected");
   const int64_t BH = s.size(0), sq = s.size(1), sk = s.size(2);
-  const uint32_t thr = gt_threshold(p);
-  const float dscale = p < 1.0 ? (float)(1.0 / (1.0 - p)) : 0.f;
-  const bool drop = p > 0.0;
+  const DropSpec drop(p);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, s.scalar_type(), "attn_probs_bwd", [&] {
     scalar_t* sp = s.data_ptr<scalar_t>();
     scalar_t* dpp = dp.data_ptr<scalar_t>();
@@ -106,7 +102,7 @@ void attn_probs_bwd(torch::Tensor s, torch::Tensor dp, torch::Tensor mask, torch
         const int64_t n = causal_len(causal, r % sq, sk);
         attn_row_logits(row, mask_row<scalar_t>(mask, r, heads, sq), ms3, n, (float)scale, v.data());
         const float lse_r = lp[r], delta_r = dl[r], fs = (float)scale;
-        if (drop) keep_block((uint64_t)seed, (uint64_t)r * sk, n, thr, dscale, keep.data());
+        if (drop.on) keep_block((uint64_t)seed, (uint64_t)r * sk, n, drop.thr, drop.scale, keep.data());
         else std::fill(keep.begin(), keep.begin() + n, 1.f);
         const float* df = as_f32(drow, n, d.data());
         _Pragma("omp simd")
@@ -178,9 +174,7 @@ torch::Tensor attn_heads_fwd(torch::Tensor q, torch::Tensor k, torch::Tensor v, 
   attn_heads_check(out, out, out);
   const int64_t B = q.size(0), H = q.size(1), Sq = q.size(2), D = q.size(3), Sk = k.size(2), Dv = v.size(3);
   auto lse = torch::empty({B, H, Sq}, q.options());
-  const uint32_t thr = gt_threshold(p);
-  const float dscale = p < 1.0 ? (float)(1.0 / (1.0 - p)) : 0.f;
-  const bool drop = p > 0.0;
+  const DropSpec drop(p);
   float* lp = lse.data_ptr<float>();
   at::parallel_for(0, B * H, 1, [&](int64_t h0, int64_t h1) {
     float* const S = heads_scratch(qb * Sk + Sk);
@@ -206,8 +200,8 @@ torch::Tensor attn_heads_fwd(torch::Tensor q, torch::Tensor k, torch::Tensor v, 
           for (int64_t j = 0; j < n; ++j) { s[j] = gt_exp(s[j] - m); l += s[j]; }
           lp[bh * Sq + i0 + r] = m + std::log(l);
           const float inv = 1.f / l;
-          if (drop) {
-            keep_block((uint64_t)seed, (uint64_t)(bh * Sq + i0 + r) * Sk, n, thr, dscale * inv, keep);
+          if (drop.on) {
+            keep_block((uint64_t)seed, (uint64_t)(bh * Sq + i0 + r) * Sk, n, drop.thr, drop.scale * inv, keep);
             _Pragma("omp simd")
             for (int64_t j = 0; j < n; ++j) s[j] *= keep[j];
           } else {
@@ -232,9 +226,7 @@ void attn_heads_bwd(torch::Tensor dout, torch::Tensor q, torch::Tensor k, torch:
   attn_heads_check(dq, dk, dv);
   TORCH_CHECK(lse.is_contiguous() && lse.scalar_type() == at::kFloat, "attn_heads_bwd: lse must be contiguous fp32");
   const int64_t B = q.size(0), H = q.size(1), Sq = q.size(2), D = q.size(3), Sk = k.size(2), Dv = v.size(3);
-  const uint32_t thr = gt_threshold(p);
-  const float dscale = p < 1.0 ? (float)(1.0 / (1.0 - p)) : 0.f;
-  const bool drop = p > 0.0;
+  const DropSpec drop(p);
   const float fs = (float)scale;
   at::parallel_for(0, B * H, 1, [&](int64_t h0, int64_t h1) {
     float* const S = heads_scratch(2 * qb * Sk + Sk);
@@ -270,7 +262,7 @@ void attn_heads_bwd(torch::Tensor dout, torch::Tensor q, torch::Tensor k, torch:
           float *s = S + r * Sk, *dp = dP + r * Sk;
           const int64_t n = causal ? std::min(kend, i0 + r + 1) : kend;
           const float lr = L[i0 + r];
-          if (drop) keep_block((uint64_t)seed, (uint64_t)(bh * Sq + i0 + r) * Sk, n, thr, dscale, keep);
+          if (drop.on) keep_block((uint64_t)seed, (uint64_t)(bh * Sq + i0 + r) * Sk, n, drop.thr, drop.scale, keep);
           else std::fill(keep, keep + n, 1.f);
           _Pragma("omp simd")
           for (int64_t j = 0; j < n; ++j) {

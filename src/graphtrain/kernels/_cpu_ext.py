@@ -70,6 +70,15 @@ static inline uint32_t gt_threshold(double p) {
   return t >= 4294967295.0 ? 0xFFFFFFFFu : (uint32_t)t;
 }
 
+// Dropout with probability p as every kernel here applies it: the hash threshold below which an element drops, the
+// scale of the kept ones (1 / (1 - p); 0 when p = 1 drops everything) and whether anything drops at all.
+struct DropSpec {
+  uint32_t thr;
+  float scale;
+  bool on;
+  explicit DropSpec(double p) : thr(gt_threshold(p)), scale(p < 1.0 ? (float)(1.0 / (1.0 - p)) : 0.f), on(p > 0.0) {}
+};
+
 // Keep-factors for elements base..base+n-1: scale where hash32(seed, i) >= thr, else 0. A loop of its
 // own so that gcc vectorizes the 64-bit hash (the fused loops below did not, at 2 ns/element).
 static inline void keep_block(uint64_t seed, uint64_t base, int64_t n, uint32_t thr, float scale, float* keep) {
@@ -119,8 +128,7 @@ torch::Tensor bias_dropout_add_fwd(torch::Tensor x, torch::Tensor bias, torch::T
   const bool has_b = bias.numel() > 0, has_r = residual.numel() > 0;
   auto bc = has_b ? bias.contiguous() : bias;
   auto rc = has_r ? residual.contiguous() : residual;
-  const uint32_t thr = gt_threshold(p);
-  const float scale = p < 1.0 ? (float)(1.0 / (1.0 - p)) : 0.f;
+  const DropSpec drop(p);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, xc.scalar_type(), "bias_dropout_add_fwd", [&] {
     const scalar_t* xp = xc.data_ptr<scalar_t>();
     const scalar_t* bp = has_b ? bc.data_ptr<scalar_t>() : nullptr;
@@ -132,7 +140,7 @@ torch::Tensor bias_dropout_add_fwd(torch::Tensor x, torch::Tensor bias, torch::T
       for (int64_t r = r0; r < r1; ++r) {
         for (int64_t j0 = 0; j0 < n; j0 += GT_CHUNK) {
           const int64_t o = r * n + j0, len = std::min(GT_CHUNK, n - j0);
-          keep_block((uint64_t)seed, (uint64_t)o, len, thr, scale, keep);
+          keep_block((uint64_t)seed, (uint64_t)o, len, drop.thr, drop.scale, keep);
           const float* xf = as_f32(xp + o, len, xb);
           const float* bf = has_b ? as_f32(bp + j0, len, bb) : nullptr;
           const float* rf = has_r ? as_f32(rp + o, len, rb) : nullptr;
@@ -163,8 +171,7 @@ torch::Tensor dropout_bwd(torch::Tensor g, double p, int64_t seed) {
   auto gc = g.contiguous();
   auto out = torch::empty_like(gc);
   const int64_t numel = gc.numel();
-  const uint32_t thr = gt_threshold(p);
-  const float scale = p < 1.0 ? (float)(1.0 / (1.0 - p)) : 0.f;
+  const DropSpec drop(p);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gc.scalar_type(), "dropout_bwd", [&] {
     const scalar_t* gp = gc.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
@@ -172,7 +179,7 @@ torch::Tensor dropout_bwd(torch::Tensor g, double p, int64_t seed) {
       float keep[GT_CHUNK], gb[GT_CHUNK], ob[GT_CHUNK];
       for (int64_t i0 = begin; i0 < end; i0 += GT_CHUNK) {
         const int64_t len = std::min(GT_CHUNK, end - i0);
-        keep_block((uint64_t)seed, (uint64_t)i0, len, thr, scale, keep);
+        keep_block((uint64_t)seed, (uint64_t)i0, len, drop.thr, drop.scale, keep);
         const float* gf = as_f32(gp + i0, len, gb);
         float* of = std::is_same_v<scalar_t, float> ? reinterpret_cast<float*>(op + i0) : ob;
 _Pragma("omp simd")
