@@ -142,25 +142,24 @@ def _heads_last(t: Tensor) -> bool:
     return t.dim() == 4 and t.shape[1] > 1 and t.shape[2] > 1 and t.stride(1) < t.stride(2)
 
 
-def _empty_as(t: Tensor, last: int) -> Tensor:
-    """An empty [B, H, S, last] tensor in t's layout: a dense [B, S, H, last] viewed as [B, H, S, last] when t's
-    memory runs that way (`_heads_last`), else contiguous. The op's outputs (out like q; dq, dk, dv like q, k, v)
+def _strides_as(t: Tensor, last: int) -> tuple[int, int, int, int]:
+    """The strides of a [B, H, S, last] tensor in t's layout: a dense [B, S, H, last] viewed as [B, H, S, last] when
+    t's memory runs that way (`_heads_last`), else contiguous. The op's outputs (out like q; dq, dk, dv like q, k, v)
     are laid out so: the model's merge of the heads (transpose(1, 2), reshape) is then a view, and so are the
     gradients' way back to the projections."""
-    B, H, S = t.shape[:3]
-    if _heads_last(t):
-        return t.new_empty(B, S, H, last).transpose(1, 2)
-    return t.new_empty(B, H, S, last)
+    _, H, S = t.shape[:3]
+    return (S * H * last, last, H * last, 1) if _heads_last(t) else (H * S * last, S * last, last, 1)
+
+
+def _empty_as(t: Tensor, last: int) -> Tensor:
+    """An empty [B, H, S, last] tensor in t's layout (`_strides_as`)."""
+    return t.new_empty_strided((*t.shape[:3], last), _strides_as(t, last))
 
 
 def _as(x: Tensor, t: Tensor, last: int) -> Tensor:
-    """x in the layout `_empty_as(t, last)` promises (copied where an implementation returned another). The strides
-    are compared without allocating: this runs on every call of the op."""
-    _, H, S = t.shape[:3]
-    want = (S * H * last, last, H * last, 1) if _heads_last(t) else (H * S * last, S * last, last, 1)
-    if x.stride() == want:
-        return x
-    return _empty_as(t, last).copy_(x)
+    """x in t's layout (`_strides_as`), copied where an implementation returned another. The strides are compared
+    without allocating: this runs on every call of the op."""
+    return x if x.stride() == _strides_as(t, last) else _empty_as(t, last).copy_(x)
 
 
 def _supports_cpu(q, k, v, mask=None, scale=None, is_causal=False, p=0.0) -> bool:

@@ -207,9 +207,10 @@ def _flash_to_heads(g: fx.Graph, node: fx.Node) -> bool:
         return False
     if not all(isinstance(d, int) for x in vals for d in x.shape) or not _cpu_heads_ok(*vals, None, 0.0, causal):
         return False
-    if not _heads_last(vals[0]):  # the flash kernel's output is [B, S, H, D]-strided whatever q's layout, and the
-        return False             # graph after it was traced so; the op's is laid out as q is (a contiguous q: a
-        #                          Hugging Face DDP test's view of the merged heads failed on it)
+    # the flash kernel's output is [B, S, H, D]-strided whatever q's layout, and the graph after it was traced so;
+    # the op's is laid out as q is (with a contiguous q, a Hugging Face DDP test's view of the merged heads failed)
+    if not _heads_last(vals[0]):
+        return False
     users = list(node.users)
     if not all(u.op == "call_function" and u.target is operator.getitem for u in users):
         return False
