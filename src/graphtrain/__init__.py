@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from graphtrain import compat as _compat  # noqa: F401  first: an unsupported torch stops here, naming the range
 from graphtrain.config import Config, DataConfig, EngineConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
 
 __version__ = "0.1.0"

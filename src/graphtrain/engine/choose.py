@@ -267,10 +267,11 @@ def prefetch_inductor_setup() -> None:
     _PREFETCHED = True
     import threading
 
-    import torch._inductor.codecache as codecache
     from torch._inductor import cpu_vec_isa
     from torch._inductor.runtime import triton_compat  # noqa: F401 - imported here, not in the thread (above)
-    for key in (codecache.torch_key, codecache.triton_key):
+
+    from graphtrain.compat import inductor_cache_key_functions
+    for key in inductor_cache_key_functions():
         prefetch = getattr(key, "prefetch", None)  # torch.utils._functools.prefetchable_cache, where this torch has it
         if prefetch is not None:
             prefetch()
@@ -481,13 +482,20 @@ class _Worker:
         del job
         self.running = jobs
         self.t0 = time.perf_counter()
+        state = self.state_ref()
+        finish = state is not None and finish_at_exit(state.config)
+        (self.folder / "owner.json").write_text(json.dumps({
+            "parent_pid": os.getpid(), "command": " ".join(sys.argv)[:300], "started": time.time(),
+            "detached": finish}))
+        # Its own process group (it and its Inductor compile workers are stopped together, background.kill_tree);
+        # `finish`: its own session too, so that it outlives this process and its terminal (engine/background.py)
         with open(self.folder / "stderr.txt", "wb") as err:
             self.proc = subprocess.Popen([sys.executable, "-m", "graphtrain.engine.background", str(self.folder),
-                                          str(os.getpid())],
-                                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err)
+                                          str(os.getpid()), *(["--detach"] if finish else [])],
+                                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
+                                         start_new_session=finish, process_group=None if finish else 0)
         self.proc.graphtrain_folder = self.folder
-        state = self.state_ref()
-        self.proc.graphtrain_finish = state is not None and finish_at_exit(state.config)
+        self.proc.graphtrain_finish = finish
         _CHILDREN.append(self.proc)
         if not _AT_EXIT:
             _AT_EXIT.append(atexit.register(_at_exit))
@@ -539,10 +547,11 @@ def finish_at_exit(config: Any) -> bool:
 
 
 def _at_exit() -> None:
-    """At the training process's exit: each background compile still running whose engine says ``finish`` goes
-    on, reniced to FINISH_NICE, and removes its own folder when done (engine/background.py); its results land in
-    the caches for the next run. Every other one is stopped. Written by hand: a child that outlives its parent is
-    plain POSIX (no library involved)."""
+    """At the training process's exit: each background compile still running whose engine says ``finish`` (it was
+    started detached) goes on, reniced to FINISH_NICE, and removes its own folder when done (engine/background.py);
+    its results land in the caches for the next run. Every other one is stopped with its compile workers (the
+    default, ``stop``): nothing of graphtrain's outlives the command. Written by hand: a child that outlives its
+    parent is plain POSIX (no library involved)."""
     import sys
     finishing = [p for p in _CHILDREN if p.poll() is None and getattr(p, "graphtrain_finish", False)]
     for proc in finishing:
@@ -554,8 +563,9 @@ def _at_exit() -> None:
     if finishing:
         pids = ", ".join(str(p.pid) for p in finishing)
         print(f"graphtrain: the background Inductor compile (pid {pids}) finishes after this process, at low "
-              f"priority, so that the next run starts from its results; engine.background_at_exit=stop (or "
-              f"{AT_EXIT_ENV}=stop) ends it at exit instead", file=sys.stderr)
+              f"priority, as engine.background_at_exit=finish asks, so that the next run starts from its results; "
+              f"`graphtrain cache list` shows it, `graphtrain cache stop` ends it (engine.background_at_exit=stop, "
+              f"the default, ends it with the run)", file=sys.stderr)
     stop_background()
 
 
@@ -563,11 +573,14 @@ def stop_background() -> None:
     """Stop every background compile process of this process (at exit; tests call it between tests). A graph
     whose child was stopped keeps running on aten."""
     import shutil
+    import signal
+
+    from graphtrain.engine.background import kill_tree
     while _CHILDREN:
         proc = _CHILDREN.pop()
         if proc.poll() is None:
             proc.graphtrain_stopped = True
-            proc.kill()
+            kill_tree(proc.pid, signal.SIGKILL)  # its group: the child and the Inductor workers it started
             proc.wait()
         shutil.rmtree(proc.graphtrain_folder, ignore_errors=True)  # also a finished child's that was not collected
 
