@@ -35,6 +35,7 @@ import os
 import signal
 import sys
 import tempfile
+import threading
 from pathlib import Path
 from typing import Callable, NamedTuple
 
@@ -132,12 +133,14 @@ def _worker_argv(args: argparse.Namespace) -> list[str]:
     return argv
 
 
-def _resume_mode(args: argparse.Namespace) -> "bool | str | Path":
-    """What Trainer(resume=) gets. A worker that torchrun's elastic agent restarted (TORCHELASTIC_RESTART_COUNT
-    > 0) always continues from the latest valid checkpoint: it is the same run, started again."""
+def _resume_mode(args: argparse.Namespace, out_dir: str) -> "bool | str | Path":
+    """What Trainer(resume=) gets. A worker that torchrun's elastic agent restarted after a crash continues from the
+    latest valid checkpoint once this launch has written one (it is the same run, started again); before that it
+    does what the command asked, so that --resume-from CKPT still means CKPT (distributed/launch.py)."""
     if args.resume is not None and args.resume_from:
         raise ValueError("give either --resume (latest checkpoint in out_dir) or --resume-from CKPT, not both")
-    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
+    from graphtrain.distributed import launch
+    if launch.restart_count() > 0 and launch.written_since_launch(out_dir):
         return "auto"
     if args.resume_from:
         return Path(args.resume_from)
@@ -156,7 +159,28 @@ def _check_out_dir(out_dir: str) -> None:
                          f"can write with --out DIR (or train.out_dir=...)") from None
 
 
+_LOCKED_ENV = "GRAPHTRAIN_RUN_LOCKED"  # the run folder the launching process holds the lock of, for its workers
+
+
+def _lock_out_dir(out_dir: str) -> None:
+    """One run per folder (trainer/resume.py, `lock_run_folder`): taken before anything touches the folder. Under
+    `graphtrain train --nproc/--max-restarts` the launching process holds it for its workers; under a torchrun
+    started by hand, global rank 0 takes it."""
+    from graphtrain.trainer.resume import lock_run_folder
+    folder = str(Path(out_dir).expanduser().resolve())
+    if os.environ.get("TORCHELASTIC_RUN_ID") is not None:
+        if os.environ.get(_LOCKED_ENV) == folder or os.environ.get("RANK", "0") != "0":
+            return
+    lock_run_folder(folder)
+
+
 def run_train(args: argparse.Namespace) -> int:
+    from graphtrain.distributed import launch
+    if launch.refused_earlier() is not None:  # a restart after a refusal: the command still cannot run
+        if os.environ.get("RANK", "0") == "0":
+            print("error: not restarted: an earlier attempt refused this command (its error is above); a restart is "
+                  "for a crash, never for a usage error: fix the command and run it again", file=sys.stderr)
+        return EXIT_USAGE
     from graphtrain.trainer import Trainer, TrainingPreempted
     from graphtrain.trainer.resume import allowed_keys
 
@@ -170,7 +194,7 @@ def run_train(args: argparse.Namespace) -> int:
     config = load_config(args.items)
     if overrides:
         config = config.with_overrides(overrides)
-    resume = _resume_mode(args)
+    resume = _resume_mode(args, config.train.out_dir)
     # checked here too, so that a typo under --nproc is one error line, not one per worker
     allowed = allowed_keys(args.allow_config_change or (), config)
     if args.max_restarts is not None and args.max_restarts < 0:
@@ -186,8 +210,13 @@ def run_train(args: argparse.Namespace) -> int:
             from graphtrain.trainer.runtime import check_supported
             check_supported(config)  # here, once, rather than as an error line from every worker
             _check_out_dir(config.train.out_dir)
+            _lock_out_dir(config.train.out_dir)
             return _launch(nproc, args, config)
     _check_out_dir(config.train.out_dir)
+    _lock_out_dir(config.train.out_dir)
+    launch.record_checkpoints(config.train.out_dir)  # under torchrun: what a restart must not mistake for its own
+    if hasattr(signal, "SIGXFSZ") and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # past `ulimit -f` a write fails (EFBIG, one error line)
     if config.train.loggers != ["jsonl"]:  # the MFU curve's denominator, measured once per machine
         from graphtrain.kernels.flops import ensure_machine_peak
         ensure_machine_peak(log=lambda m: print(m, file=sys.stderr, flush=True))
@@ -216,6 +245,7 @@ def _launch(nproc: int, args: argparse.Namespace, config: Config) -> int:
 
     from graphtrain.distributed.launch import launch
     started = time.time()
+    os.environ[_LOCKED_ENV] = str(Path(config.train.out_dir).expanduser().resolve())  # the workers inherit it
     code = launch(nproc, _worker_argv(args), max_restarts=args.max_restarts or 0,
                   shutdown_timeout_s=math.ceil(config.train.preempt_grace_s) + 15)
     if code in (EXIT_OK, EXIT_USAGE, EXIT_FAILURE):  # the workers said why (one error line each)
@@ -299,6 +329,28 @@ def _bench_run(args: argparse.Namespace) -> int:
     return bench_cli.run(args)
 
 
+def _cache_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("action", choices=("list", "stop"), help="list: this user's background compile processes; "
+                   "stop: end them (all, or the PIDs given)")
+    p.add_argument("pids", nargs="*", type=int, metavar="PID", help="stop only these")
+
+
+def _cache_run(args: argparse.Namespace) -> int:
+    from graphtrain.engine import background
+    if args.action == "stop":
+        stopped = background.stop(args.pids)
+        print(f"stopped {len(stopped)} background compile(s){': pid ' + ', '.join(map(str, stopped)) if stopped else ''}")
+        return 0
+    rows = background.running()
+    for r in rows:
+        owner = (f"its run (pid {r['parent_pid']}) is running" if r["parent_alive"] else
+                 f"detached: its run (pid {r['parent_pid']}) exited")
+        print(f"pid {r['pid']}  {r['seconds']:.0f} s  {r['done']}/{r['jobs']} graphs done  {owner}  {r['folder']}"
+              f"{'  ' + r['command'] if r['command'] else ''}")
+    print(f"{len(rows)} background compile(s) running" + ("; `graphtrain cache stop [PID]` ends them" if rows else ""))
+    return 0
+
+
 # ------------------------------------------------------------------------------------ main ----
 
 SUBCOMMANDS: dict[str, Subcommand] = {
@@ -323,6 +375,8 @@ SUBCOMMANDS: dict[str, Subcommand] = {
                          "gradients out of tolerance of eager PyTorch", add_bisect_arguments, run_bisect),
     "bench": Subcommand("compare eager PyTorch, torch.compile and graphtrain training steps side by side",
                         _bench_arguments, _bench_run),
+    "cache": Subcommand("list (or stop) the background Inductor compiles still running: those of runs in progress "
+                        "and those engine.background_at_exit=finish left to finish", _cache_arguments, _cache_run),
 }
 EPILOGS = {"train": TRAIN_EPILOG, "bisect": BISECT_EPILOG}
 
@@ -371,6 +425,9 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_INTERRUPTED
     except Exception as e:
         code = exit_status(e)
+        if code == EXIT_USAGE and os.environ.get("TORCHELASTIC_RUN_ID") is not None:
+            from graphtrain.distributed.launch import record_refusal
+            record_refusal(_one_line(e))  # torchrun's agent restarts on any failure: its restarts must refuse too
         if code is None or args.debug:
             raise  # a bug in graphtrain (or --debug): the traceback
         print(f"error: {_os_error(e) if isinstance(e, OSError) else _one_line(e)}", file=sys.stderr)

@@ -93,11 +93,13 @@ class EngineConfig:
     the faster. Warm cache: a graph whose stored winner is Inductor runs its first step on aten and loads Inductor
     from the caches at the second. false compiles (and on a cold cache times) both before the first step (slower to
     start; every step runs on the winner)."""
-    background_at_exit: Literal["finish", "stop"] = "finish"
-    """A background Inductor compile still running when the training process exits: `finish` lets it complete, at
-    lower CPU priority (nice 10), and says so in one line, so that the next run starts from its results (a run
-    shorter than the compile would otherwise start cold every time); `stop` ends it. GRAPHTRAIN_BACKGROUND_AT_EXIT
-    overrides this, for harnesses that run many short jobs (the test suite sets it to `stop`)."""
+    background_at_exit: Literal["finish", "stop"] = "stop"
+    """A background Inductor compile still running when the training process exits: `stop` (the default) ends it
+    with the run, on a normal exit, SIGTERM or Ctrl-C (and, on Linux, when the training process is killed): nothing
+    is left running. `finish` lets it complete as a detached process named graphtrain-bg at lower CPU priority
+    (nice 10), saying so in one line, so that the next run starts from its results (a run shorter than the compile
+    otherwise starts cold every time); `graphtrain cache list` shows it, `graphtrain cache stop` ends it.
+    GRAPHTRAIN_BACKGROUND_AT_EXIT overrides this (finish or stop)."""
     background_timeout: float = 600.0
     """provider auto: seconds a background Inductor compile may spend on one graph (0: no limit). A graph that takes
     longer stays on aten, with a note in the report, and the cache remembers it, so later runs do not compile it again

@@ -14,17 +14,31 @@ Each graph's compile has a time limit (``engine.background_timeout``): one that 
 ``timeout``, its graph stays on aten in the training process, and a mark in the cache (``providers/<key>.
 inductor-timeout``) keeps later runs from compiling it again under the same or a lower limit.
 
-A training process that exits before this one is done leaves it running (``engine.background_at_exit: finish``,
-reniced to 10), so that its results reach the caches; it then removes its folder itself. Measured on the 2-core
-AVX2 EPYC (HF Llama, 4 layers, width 256, b16 s128): the background compile takes ~35 s, so a run of a few steps
-used to kill it every time and the next run started as cold as the first.
+The child ends with the training process (``engine.background_at_exit: stop``, the default): the training process
+kills it and its compile workers (one process group) at exit, on a normal return and after SIGTERM or Ctrl-C alike,
+and on Linux the kernel kills it when the training process dies without running its exit handlers (SIGKILL, an
+out-of-memory kill): the child asks for that itself with ``prctl(PR_SET_PDEATHSIG)`` as it starts. Nothing of
+graphtrain's is left running after ``graphtrain train`` returns.
+
+``engine.background_at_exit: finish`` opts in to finishing in the background instead: the child starts detached (a
+session of its own, ``--detach``), named ``graphtrain-bg``, is reniced to 10 when the training process exits, removes
+its folder when done, and its results land in the caches for the next run (a run shorter than the compile otherwise
+starts cold every time; measured on the 2-core AVX2 EPYC, HF Llama 4 layers width 256 b16 s128: ~35 s of compile).
+``graphtrain cache list`` shows such processes (``running()``), ``graphtrain cache stop`` ends them (``stop()``).
 """
 from __future__ import annotations
 
+import json
 import os
 import pickle
+import signal
 import sys
+import time
 from pathlib import Path
+
+MODULE = "graphtrain.engine.background"
+NAME = b"graphtrain-bg"  # the process name (/proc/PID/comm, what `top` and `ps -o comm` show)
+OWNER = "owner.json"     # in the job folder: who started the child, when, and whether it was detached
 
 
 def compile_job(data: dict) -> None:
@@ -59,11 +73,35 @@ def _limit(seconds: float) -> None:
     signal.setitimer(signal.ITIMER_REAL, max(0.0, seconds))
 
 
+def _prctl(option: int, value: "int | bytes") -> None:
+    """prctl(2) through libc (Linux only; elsewhere nothing). No library wraps it for Python's standard library."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _die_with(parent: int) -> None:
+    """End this process when the training process `parent` dies (PR_SET_PDEATHSIG, SIGKILL), and now if it is
+    already gone (it died before the prctl took effect)."""
+    _prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:
+        os._exit(0)
+
+
 def main(argv: list[str]) -> int:
+    detach = "--detach" in argv
+    argv = [a for a in argv if a != "--detach"]
     folder = Path(argv[0])
     # the training process's pid, from it: read here, getppid() may already name init (the package import that
     # precedes main() takes seconds, and a short run can exit meanwhile)
     parent = int(argv[1]) if len(argv) > 1 else os.getppid()
+    _prctl(15, NAME)  # PR_SET_NAME
+    if not detach:
+        _die_with(parent)
     try:
         os.nice(int(os.environ.get("GRAPHTRAIN_BACKGROUND_NICE", "0")))
     except OSError:
@@ -104,11 +142,89 @@ def main(argv: list[str]) -> int:
             # which skips the graphs that have a status.
             sys.stdout.flush()
             sys.stderr.flush()
-            os.execv(sys.executable, [sys.executable, "-m", "graphtrain.engine.background", str(folder), str(parent)])
+            os.execv(sys.executable, [sys.executable, "-m", MODULE, str(folder), str(parent),
+                                      *(["--detach"] if detach else [])])
     if os.getppid() != parent:  # the training process exited and left us to finish (engine.background_at_exit):
         import shutil           # nobody else will collect the folder
         shutil.rmtree(folder, ignore_errors=True)
     return 0
+
+
+# ------------------------------------------------------------------- `graphtrain cache list / stop` --
+
+def running() -> list[dict]:
+    """This user's background compile processes (Linux: read from /proc): pid, folder, the pid and command of the
+    training process that started it, whether that one still runs, detached or not, seconds running, graphs done
+    out of queued."""
+    if not Path("/proc/self").exists():
+        raise OSError("graphtrain cache list reads /proc, which this system does not have (Linux only); use ps")
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if entry.stat().st_uid != os.getuid():
+                continue
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        args = [a.decode(errors="replace") for a in argv if a]
+        if MODULE not in args or args.index(MODULE) + 1 >= len(args):
+            continue
+        folder = Path(args[args.index(MODULE) + 1])
+        try:
+            owner = json.loads((folder / OWNER).read_text())
+        except (OSError, ValueError):
+            owner = {}
+        parent = owner.get("parent_pid")
+        out.append({"pid": int(entry.name), "folder": str(folder), "detached": "--detach" in args,
+                    "parent_pid": parent, "parent_alive": parent is not None and Path(f"/proc/{parent}").exists(),
+                    "command": owner.get("command", ""), "seconds": time.time() - owner.get("started", time.time()),
+                    "done": len(list(folder.glob("*.status"))), "jobs": len(list(folder.glob("*.job")))})
+    return sorted(out, key=lambda r: r["pid"])
+
+
+def stop(pids: list[int] | None = None, grace_s: float = 5.0) -> list[int]:
+    """Stop this user's background compiles (all, or those in `pids`): SIGTERM to each one's process group (its
+    Inductor compile workers with it), SIGKILL after `grace_s`; their folders are removed. Returns the pids
+    stopped. A pid that is not one of them is a ValueError (nothing else is ever signalled)."""
+    import shutil
+    procs = {r["pid"]: r for r in running()}
+    if pids:
+        unknown = [p for p in pids if p not in procs]
+        if unknown:
+            raise ValueError(f"no background compile of yours has pid {', '.join(map(str, unknown))}: "
+                             f"`graphtrain cache list` shows the ones running")
+        procs = {p: procs[p] for p in pids}
+    for pid in procs:
+        kill_tree(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(Path(f"/proc/{p}").exists() and not _zombie(p) for p in procs):
+        time.sleep(0.05)
+    for pid, r in procs.items():
+        if Path(f"/proc/{pid}").exists() and not _zombie(pid):
+            kill_tree(pid, signal.SIGKILL)
+        shutil.rmtree(r["folder"], ignore_errors=True)
+    return sorted(procs)
+
+
+def kill_tree(pid: int, sig: int) -> None:
+    """Send `sig` to `pid`'s process group when `pid` leads one (a child started with its own group: its Inductor
+    compile workers are in it), else to `pid` alone."""
+    try:
+        if os.getpgid(pid) == pid:
+            os.killpg(pid, sig)
+        else:
+            os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] == "Z"
+    except OSError:
+        return True
 
 
 if __name__ == "__main__":
