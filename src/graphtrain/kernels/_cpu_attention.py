@@ -1,6 +1,67 @@
 """The C++ source of graphtrain's CPU attention kernels (kernels/attention.py), built into the same extension as the
 other kernels: _cpu_ext.py inserts it into their source after the helpers it uses (gt_exp, keep_block, as_f32,
-store_f32, GT_CHUNK)."""
+store_f32, GT_CHUNK) and the contracts' checks (contract.py). The contracts below state what each entry point
+relies on; attention.py's gates evaluate them in Python before choosing a kernel, and each entry point's first
+statement is the same contract's C++ check."""
+from graphtrain.kernels.contract import Contract, Rule, register_contract
+
+_4D = "must be [B, H, S, D]"
+_BLAS = ("each row's stride (S) at least its length (D), every size and row stride within 32 bits: they are "
+         "BLAS's leading dimensions")
+
+HEADS_FWD = register_contract(Contract("attn_heads_fwd", ("q", "k", "v", "out"), ints=("qb",), rules=(
+    Rule("q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && out.dim() == 4", f"q, k, v and out {_4D}"),
+    Rule("cpu(q) && cpu(k) && cpu(v) && cpu(out) && f32(q) && f32(k) && f32(v) && f32(out)",
+         "q, k, v and out must be fp32 CPU tensors"),
+    Rule("k.size(0) == q.size(0) && v.size(0) == q.size(0)", "q, k and v must have one batch size"),
+    Rule("k.size(1) > 0 && v.size(1) == k.size(1) && q.size(1) % k.size(1) == 0",
+         "k and v must have the same number of heads, which divides q's (grouped-query attention)"),
+    Rule("k.size(2) > 0 && v.size(2) == k.size(2)", "k and v must have the same number of keys, at least one"),
+    Rule("q.size(3) > 0 && k.size(3) == q.size(3) && v.size(3) > 0", "k must have q's head size (> 0)"),
+    Rule("out.size(0) == q.size(0) && out.size(1) == q.size(1) && out.size(2) == q.size(2) && "
+         "out.size(3) == v.size(3)", "out must be [B, H, Sq, Dv] for q [B, H, Sq, D] and v [B, Hkv, Sk, Dv]"),
+    Rule("q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1 && out.stride(3) == 1",
+         "q, k, v and out must have unit stride in D"),
+    Rule("q.stride(2) >= q.size(3) && k.stride(2) >= k.size(3) && v.stride(2) >= v.size(3) && "
+         "out.stride(2) >= out.size(3) && q.size(2) <= GT_INT32_MAX && k.size(2) <= GT_INT32_MAX && "
+         "q.size(3) <= GT_INT32_MAX && v.size(3) <= GT_INT32_MAX && q.stride(2) <= GT_INT32_MAX && "
+         "k.stride(2) <= GT_INT32_MAX && v.stride(2) <= GT_INT32_MAX && out.stride(2) <= GT_INT32_MAX", _BLAS),
+    Rule("qb > 0 && qb <= GT_INT32_MAX", "the query block must be 1 to 2^31 - 1 rows"),
+)))
+
+HEADS_BWD = register_contract(Contract(
+    "attn_heads_bwd", ("dout", "q", "k", "v", "out", "lse", "dq", "dk", "dv"), ints=("qb",), rules=(
+        *HEADS_FWD.rules,
+        Rule("dout.dim() == 4 && dq.dim() == 4 && dk.dim() == 4 && dv.dim() == 4", f"dout, dq, dk and dv {_4D}"),
+        Rule("cpu(dout) && cpu(dq) && cpu(dk) && cpu(dv) && f32(dout) && f32(dq) && f32(dk) && f32(dv)",
+             "dout, dq, dk and dv must be fp32 CPU tensors"),
+        Rule("same_shape(dout, out) && same_shape(dq, q) && same_shape(dk, k) && same_shape(dv, v)",
+             "dout must be shaped as out, and dq, dk, dv as q, k, v"),
+        Rule("dout.stride(3) == 1 && dq.stride(3) == 1 && dk.stride(3) == 1 && dv.stride(3) == 1 && "
+             "dout.stride(2) >= dout.size(3) && dq.stride(2) >= dq.size(3) && dk.stride(2) >= dk.size(3) && "
+             "dv.stride(2) >= dv.size(3) && dout.stride(2) <= GT_INT32_MAX && dq.stride(2) <= GT_INT32_MAX && "
+             "dk.stride(2) <= GT_INT32_MAX && dv.stride(2) <= GT_INT32_MAX", _BLAS),
+        Rule("cpu(lse) && f32(lse) && lse.is_contiguous() && lse.dim() == 3 && lse.size(0) == q.size(0) && "
+             "lse.size(1) == q.size(1) && lse.size(2) == q.size(2)", "lse must be a contiguous fp32 [B, H, Sq]"),
+    )))
+
+_PROBS_MASK = Rule("mask.numel() == 0 || (mask.dim() == 4 && same_dtype(mask, s) && cpu(mask) && "
+                   "mask.size(1) == heads && mask.size(0) * heads == s.size(0) && mask.size(2) == s.size(1) && "
+                   "mask.size(3) == s.size(2))", "mask must be empty or [B, H, Sq, Sk] (any strides) of the scores' dtype")
+
+PROBS_FWD = register_contract(Contract("attn_probs_fwd", ("s", "mask"), ints=("heads",), rules=(
+    Rule("s.dim() == 3 && s.is_contiguous() && cpu(s) && floating(s)",
+         "scores must be a contiguous floating-point CPU [BH, Sq, Sk]"),
+    Rule("s.size(2) > 0 && heads > 0 && s.size(0) % heads == 0", "at least one key, and BH a multiple of H"),
+    _PROBS_MASK,
+)))
+
+PROBS_BWD = register_contract(Contract("attn_probs_bwd", ("s", "dp", "mask", "lse", "delta"), ints=("heads",), rules=(
+    *PROBS_FWD.rules,
+    Rule("dp.is_contiguous() && same_shape(dp, s) && same_dtype(dp, s)", "dp must be shaped and typed as the scores"),
+    Rule("lse.is_contiguous() && f32(lse) && lse.numel() == s.size(0) * s.size(1) && delta.is_contiguous() && "
+         "f32(delta) && delta.numel() == lse.numel()", "lse and delta must be contiguous fp32 [BH, Sq]"),
+)))
 
 ATTENTION_CPP = r"""
 // Attention's elementwise middle, between the batched matmuls that the caller runs with aten (MKL /
@@ -45,7 +106,7 @@ static const T* mask_row(const torch::Tensor& mask, int64_t r, int64_t H, int64_
 // (lse = +inf on fully masked rows, whose probabilities are 0, as aten._safe_softmax).
 std::vector<torch::Tensor> attn_probs_fwd(torch::Tensor s, torch::Tensor mask, int64_t heads, double scale,
                                           bool causal, double p, int64_t seed) {
-  TORCH_CHECK(s.is_contiguous() && s.dim() == 3, "attn_probs_fwd: scores must be contiguous [BH, Sq, Sk]");
+  gt_check_attn_probs_fwd(s, mask, heads);
   const int64_t BH = s.size(0), sq = s.size(1), sk = s.size(2);
   auto lse = torch::empty({BH, sq}, s.options().dtype(torch::kFloat));
   const DropSpec drop(p);
@@ -84,8 +145,7 @@ std::vector<torch::Tensor> attn_probs_fwd(torch::Tensor s, torch::Tensor mask, i
 // dp -> dS * scale (for dQ = dS K and dK = dS^T Q), with dS = P * (dP' * keep - delta).
 void attn_probs_bwd(torch::Tensor s, torch::Tensor dp, torch::Tensor mask, torch::Tensor lse, torch::Tensor delta,
                     int64_t heads, double scale, bool causal, double p, int64_t seed) {
-  TORCH_CHECK(s.is_contiguous() && dp.is_contiguous() && lse.is_contiguous() && delta.is_contiguous(),
-              "attn_probs_bwd: contiguous inputs expected");
+  gt_check_attn_probs_bwd(s, dp, mask, lse, delta, heads);
   const int64_t BH = s.size(0), sq = s.size(1), sk = s.size(2);
   const DropSpec drop(p);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, s.scalar_type(), "attn_probs_bwd", [&] {
@@ -160,19 +220,15 @@ static inline const float* head_ptr(const torch::Tensor& t, int64_t b, int64_t h
   return t.data_ptr<float>() + b * t.stride(0) + h * t.stride(1);
 }
 
-static void attn_heads_check(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
-  TORCH_CHECK(&sgemm_ != nullptr, "attn_heads: this torch build exports no sgemm_");
-  for (const auto* t : {&q, &k, &v})
-    TORCH_CHECK(t->dim() == 4 && t->scalar_type() == at::kFloat && t->stride(3) == 1,
-                "attn_heads: q, k, v must be fp32 [B, H, S, D] with unit stride in D");
-}
-
+// Grouped-query attention: k and v have Hkv heads, a divisor of q's H; query head h reads key/value head
+// h / (H / Hkv), as SDPA's enable_gqa does.
 // Writes out [B, H, Sq, Dv] (any strides, unit in Dv); returns lse [B, H, Sq] fp32.
 torch::Tensor attn_heads_fwd(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out, double scale,
                              bool causal, double p, int64_t seed, int64_t qb) {
-  attn_heads_check(q, k, v);
-  attn_heads_check(out, out, out);
+  gt_check_attn_heads_fwd(q, k, v, out, qb);
+  TORCH_CHECK(&sgemm_ != nullptr, "attn_heads_fwd: this torch build exports no sgemm_");
   const int64_t B = q.size(0), H = q.size(1), Sq = q.size(2), D = q.size(3), Sk = k.size(2), Dv = v.size(3);
+  const int64_t G = H / k.size(1);  // query heads per key/value head
   auto lse = torch::empty({B, H, Sq}, q.options());
   const DropSpec drop(p);
   float* lp = lse.data_ptr<float>();
@@ -181,7 +237,7 @@ torch::Tensor attn_heads_fwd(torch::Tensor q, torch::Tensor k, torch::Tensor v, 
     float* const keep = S + qb * Sk;
     for (int64_t bh = h0; bh < h1; ++bh) {
       const int64_t b = bh / H, h = bh % H;
-      const float *Q = head_ptr(q, b, h), *K = head_ptr(k, b, h), *V = head_ptr(v, b, h);
+      const float *Q = head_ptr(q, b, h), *K = head_ptr(k, b, h / G), *V = head_ptr(v, b, h / G);
       float* O = const_cast<float*>(head_ptr(out, b, h));
       const int64_t ostr = out.stride(2);
       for (int64_t i0 = 0; i0 < Sq; i0 += qb) {
@@ -218,68 +274,73 @@ torch::Tensor attn_heads_fwd(torch::Tensor q, torch::Tensor k, torch::Tensor v, 
 }
 
 // Writes dq, dk, dv (shaped as q, k, v; any strides, unit in D). out and lse as attn_heads_fwd left them.
+// Each thread takes whole key/value heads and, for each, the G query heads that read it, one after the other: the
+// G heads' contributions to dK and dV add up in place, with no other thread writing them.
 void attn_heads_bwd(torch::Tensor dout, torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out,
                     torch::Tensor lse, torch::Tensor dq, torch::Tensor dk, torch::Tensor dv, double scale, bool causal,
                     double p, int64_t seed, int64_t qb) {
-  attn_heads_check(q, k, v);
-  attn_heads_check(dout, out, out);
-  attn_heads_check(dq, dk, dv);
-  TORCH_CHECK(lse.is_contiguous() && lse.scalar_type() == at::kFloat, "attn_heads_bwd: lse must be contiguous fp32");
+  gt_check_attn_heads_bwd(dout, q, k, v, out, lse, dq, dk, dv, qb);
+  TORCH_CHECK(&sgemm_ != nullptr, "attn_heads_bwd: this torch build exports no sgemm_");
   const int64_t B = q.size(0), H = q.size(1), Sq = q.size(2), D = q.size(3), Sk = k.size(2), Dv = v.size(3);
+  const int64_t Hkv = k.size(1), G = H / Hkv;
   const DropSpec drop(p);
   const float fs = (float)scale;
-  at::parallel_for(0, B * H, 1, [&](int64_t h0, int64_t h1) {
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t g0, int64_t g1) {
     float* const S = heads_scratch(2 * qb * Sk + Sk);
     float* const dP = S + qb * Sk;
     float* const keep = dP + qb * Sk;
-    for (int64_t bh = h0; bh < h1; ++bh) {
-      const int64_t b = bh / H, h = bh % H;
-      const float *Q = head_ptr(q, b, h), *K = head_ptr(k, b, h), *V = head_ptr(v, b, h);
-      const float *O = head_ptr(out, b, h), *dO = head_ptr(dout, b, h);
-      const int64_t qs = q.stride(2), ks = k.stride(2), vs = v.stride(2), os = out.stride(2), ds = dout.stride(2);
-      float* dQ = const_cast<float*>(head_ptr(dq, b, h));
-      float* dK = const_cast<float*>(head_ptr(dk, b, h));
-      float* dV = const_cast<float*>(head_ptr(dv, b, h));
-      const int64_t dqs = dq.stride(2), dks = dk.stride(2), dvs = dv.stride(2);
-      auto zero_rows = [](float* t, int64_t r0, int64_t r1, int64_t ld, int64_t n) {
-        for (int64_t r = r0; r < r1; ++r) std::fill(t + r * ld, t + r * ld + n, 0.f);
-      };
-      const float* L = lse.data_ptr<float>() + bh * Sq;
+    auto zero_rows = [](float* t, int64_t r0, int64_t r1, int64_t ld, int64_t n) {
+      for (int64_t r = r0; r < r1; ++r) std::fill(t + r * ld, t + r * ld + n, 0.f);
+    };
+    for (int64_t bg = g0; bg < g1; ++bg) {
+      const int64_t b = bg / Hkv, hk = bg % Hkv;
+      const float *K = head_ptr(k, b, hk), *V = head_ptr(v, b, hk);
+      float* dK = const_cast<float*>(head_ptr(dk, b, hk));
+      float* dV = const_cast<float*>(head_ptr(dv, b, hk));
+      const int64_t ks = k.stride(2), vs = v.stride(2), dks = dk.stride(2), dvs = dv.stride(2);
       const int64_t nblk = (Sq + qb - 1) / qb;
       if (nblk == 0) { zero_rows(dK, 0, Sk, dks, D); zero_rows(dV, 0, Sk, dvs, Dv); }
-      // Last block first: under causal attention it sees every key, so its GEMMs (beta 0) initialise all of dK
-      // and dV; the others accumulate into the keys they see.
-      for (int64_t bi = nblk - 1; bi >= 0; --bi) {
-        const int64_t i0 = bi * qb, rows = std::min(qb, Sq - i0);
-        const int64_t kend = causal ? std::min(Sk, i0 + rows) : Sk;
-        rm_gemm(false, true, rows, kend, D, fs, Q + i0 * qs, qs, K, ks, 0.f, S, Sk);
-        rm_gemm(false, true, rows, kend, Dv, 1.f, dO + i0 * ds, ds, V, vs, 0.f, dP, Sk);
-        for (int64_t r = 0; r < rows; ++r) {
-          const float *orow = O + (i0 + r) * os, *drow = dO + (i0 + r) * ds;
-          float delta = 0.f;  // rowsum(dO * O) = rowsum(P * dP')
-          _Pragma("omp simd reduction(+:delta)")
-          for (int64_t j = 0; j < Dv; ++j) delta += orow[j] * drow[j];
-          float *s = S + r * Sk, *dp = dP + r * Sk;
-          const int64_t n = causal ? std::min(kend, i0 + r + 1) : kend;
-          const float lr = L[i0 + r];
-          if (drop.on) keep_block((uint64_t)seed, (uint64_t)(bh * Sq + i0 + r) * Sk, n, drop.thr, drop.scale, keep);
-          else std::fill(keep, keep + n, 1.f);
-          _Pragma("omp simd")
-          for (int64_t j = 0; j < n; ++j) {
-            const float pr = gt_exp(s[j] - lr);
-            dp[j] = pr * (dp[j] * keep[j] - delta) * fs;  // dS * scale, for dQ and dK
-            s[j] = pr * keep[j];                           // the dropped probabilities, for dV
+      for (int64_t gi = 0; gi < G; ++gi) {
+        const int64_t h = hk * G + gi, bh = b * H + h;
+        const float *Q = head_ptr(q, b, h), *O = head_ptr(out, b, h), *dO = head_ptr(dout, b, h);
+        const int64_t qs = q.stride(2), os = out.stride(2), ds = dout.stride(2), dqs = dq.stride(2);
+        float* dQ = const_cast<float*>(head_ptr(dq, b, h));
+        const float* L = lse.data_ptr<float>() + bh * Sq;
+        // The first query head's last block first: under causal attention it sees every key, so its GEMMs (beta 0)
+        // initialise all of dK and dV; every other block accumulates into the keys it sees.
+        for (int64_t bi = nblk - 1; bi >= 0; --bi) {
+          const int64_t i0 = bi * qb, rows = std::min(qb, Sq - i0);
+          const int64_t kend = causal ? std::min(Sk, i0 + rows) : Sk;
+          rm_gemm(false, true, rows, kend, D, fs, Q + i0 * qs, qs, K, ks, 0.f, S, Sk);
+          rm_gemm(false, true, rows, kend, Dv, 1.f, dO + i0 * ds, ds, V, vs, 0.f, dP, Sk);
+          for (int64_t r = 0; r < rows; ++r) {
+            const float *orow = O + (i0 + r) * os, *drow = dO + (i0 + r) * ds;
+            float delta = 0.f;  // rowsum(dO * O) = rowsum(P * dP')
+            _Pragma("omp simd reduction(+:delta)")
+            for (int64_t j = 0; j < Dv; ++j) delta += orow[j] * drow[j];
+            float *sr = S + r * Sk, *dp = dP + r * Sk;
+            const int64_t n = causal ? std::min(kend, i0 + r + 1) : kend;
+            const float lr = L[i0 + r];
+            if (drop.on) keep_block((uint64_t)seed, (uint64_t)(bh * Sq + i0 + r) * Sk, n, drop.thr, drop.scale, keep);
+            else std::fill(keep, keep + n, 1.f);
+            _Pragma("omp simd")
+            for (int64_t j = 0; j < n; ++j) {
+              const float pr = gt_exp(sr[j] - lr);
+              dp[j] = pr * (dp[j] * keep[j] - delta) * fs;  // dS * scale, for dQ and dK
+              sr[j] = pr * keep[j];                          // the dropped probabilities, for dV
+            }
+            std::fill(sr + n, sr + kend, 0.f);
+            std::fill(dp + n, dp + kend, 0.f);
           }
-          std::fill(s + n, s + kend, 0.f);
-          std::fill(dp + n, dp + kend, 0.f);
-        }
-        const float beta = bi == nblk - 1 ? 0.f : 1.f;
-        rm_gemm(true, false, kend, Dv, rows, 1.f, S, Sk, dO + i0 * ds, ds, beta, dV, dvs);
-        rm_gemm(false, false, rows, D, kend, 1.f, dP, Sk, K, ks, 0.f, dQ + i0 * dqs, dqs);
-        rm_gemm(true, false, kend, D, rows, 1.f, dP, Sk, Q + i0 * qs, qs, beta, dK, dks);
-        if (beta == 0.f && kend < Sk) {  // keys no query sees (causal with Sq < Sk): no gradient
-          zero_rows(dV, kend, Sk, dvs, Dv);
-          zero_rows(dK, kend, Sk, dks, D);
+          const bool first = gi == 0 && bi == nblk - 1;
+          const float beta = first ? 0.f : 1.f;
+          rm_gemm(true, false, kend, Dv, rows, 1.f, S, Sk, dO + i0 * ds, ds, beta, dV, dvs);
+          rm_gemm(false, false, rows, D, kend, 1.f, dP, Sk, K, ks, 0.f, dQ + i0 * dqs, dqs);
+          rm_gemm(true, false, kend, D, rows, 1.f, dP, Sk, Q + i0 * qs, qs, beta, dK, dks);
+          if (first && kend < Sk) {  // keys no query sees (causal with Sq < Sk): no gradient
+            zero_rows(dV, kend, Sk, dvs, Dv);
+            zero_rows(dK, kend, Sk, dks, D);
+          }
         }
       }
     }

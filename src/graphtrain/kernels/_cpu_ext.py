@@ -34,6 +34,48 @@ from typing import Iterator
 from graphtrain.kernels import capability
 from graphtrain.kernels._cpu_alloc import ALLOCATOR_CPP
 from graphtrain.kernels._cpu_attention import ATTENTION_CPP
+from graphtrain.kernels.contract import Contract, Rule, cpp_checks, register_contract
+
+# The contracts of the entry points below (contract.py): each entry point's first statement is its check, and the
+# kernel files' gates evaluate the same rules before choosing it. An absent optional tensor is an empty one.
+_ROWS = Rule("x.dim() > 0 && x.size(-1) > 0 && cpu(x) && floating(x)",
+             "x must be a floating-point CPU tensor with a non-empty last dim (the rows the kernel walks)")
+_BIAS = Rule("bias.numel() == 0 || (bias.numel() == x.size(-1) && same_dtype(bias, x) && cpu(bias))",
+             "bias must be empty or hold the last dim's size, in x's dtype")
+BIAS_DROPOUT_ADD_FWD = register_contract(Contract("bias_dropout_add_fwd", ("x", "bias", "residual"), rules=(
+    _ROWS, _BIAS,
+    Rule("residual.numel() == 0 || (same_shape(residual, x) && same_dtype(residual, x) && cpu(residual))",
+         "residual must be empty or shaped and typed as x"),
+)))
+DROPOUT_BWD = register_contract(Contract("dropout_bwd", ("g",), rules=(
+    Rule("cpu(g) && floating(g)", "g must be a floating-point CPU tensor"),
+)))
+GELU_TANH_FWD = register_contract(Contract("gelu_tanh_fwd", ("x", "bias"), rules=(_ROWS, _BIAS)))
+GELU_TANH_BWD = register_contract(Contract("gelu_tanh_bwd", ("dy", "x", "bias"), rules=(
+    _ROWS, _BIAS, Rule("same_shape(dy, x) && same_dtype(dy, x) && cpu(dy)", "dy must be shaped and typed as x"),
+)))
+_CE = (
+    Rule("x.dim() == 2 && x.is_contiguous() && cpu(x) && floating(x)",
+         "x must be a contiguous floating-point CPU [n, v] tensor"),
+    Rule("int64(target) && target.is_contiguous() && target.numel() == x.size(0)", "target must be int64 [n]"),
+    Rule("f32(losses) && losses.is_contiguous() && losses.numel() == x.size(0)", "losses must be fp32 [n]"),
+)
+CE_INPLACE = register_contract(Contract("ce_fwd_bwd_inplace", ("x", "target", "losses"), rules=_CE))
+CE_ROWS = register_contract(Contract("ce_fwd_bwd_rows", ("x", "src", "rows", "target", "losses"), rules=(
+    *_CE,
+    Rule("src.dim() == 2 && src.is_contiguous() && src.size(1) == x.size(1) && same_dtype(src, x) && cpu(src)",
+         "src must be a contiguous [m, v] tensor of x's dtype"),
+    Rule("int64(rows) && rows.is_contiguous() && rows.numel() == x.size(0)", "rows must be int64 [n]"),
+)))
+ONEDNN_MATMUL = register_contract(Contract("onednn_matmul", ("a", "b", "out"), rules=(
+    Rule("(a.dim() == 2 || a.dim() == 3) && b.dim() == a.dim() && out.dim() == a.dim()",
+         "a, b and out must all be 2-D or all 3-D"),
+    Rule("a.size(-1) == b.size(-2) && out.size(-2) == a.size(-2) && out.size(-1) == b.size(-1) && "
+         "(a.dim() == 2 || (b.size(0) == a.size(0) && out.size(0) == a.size(0)))",
+         "shapes must be a [.., M, K] @ b [.., K, N] -> out [.., M, N]"),
+    Rule("out.is_contiguous() && same_dtype(a, b) && same_dtype(a, out) && floating(a) && cpu(a) && cpu(b) && "
+         "cpu(out)", "a, b and a contiguous out must be CPU tensors of one floating dtype"),
+)))
 
 _CPP = r"""
 #include <torch/extension.h>
@@ -117,10 +159,12 @@ _Pragma("omp simd")
 }
 
 constexpr int64_t GT_CHUNK = 1024;
+""" + cpp_checks() + r"""
 
 // out = dropout(x + bias) + residual over rows of length n (bias [n] or empty, residual like x or empty).
 torch::Tensor bias_dropout_add_fwd(torch::Tensor x, torch::Tensor bias, torch::Tensor residual, double p,
                                    int64_t seed) {
+  gt_check_bias_dropout_add_fwd(x, bias, residual);
   auto xc = x.contiguous();
   auto out = torch::empty_like(xc);
   const int64_t numel = xc.numel();
@@ -168,6 +212,7 @@ _Pragma("omp simd")
 
 // grad of x (and of bias, after a row-sum by the caller): g * mask / (1 - p).
 torch::Tensor dropout_bwd(torch::Tensor g, double p, int64_t seed) {
+  gt_check_dropout_bwd(g);
   auto gc = g.contiguous();
   auto out = torch::empty_like(gc);
   const int64_t numel = gc.numel();
@@ -212,7 +257,6 @@ static torch::Tensor gelu_tanh(torch::Tensor x, torch::Tensor bias, torch::Tenso
   const int64_t n = xc.dim() ? xc.size(-1) : 1;
   const bool has_b = bias.numel() > 0;
   auto bc = has_b ? bias.contiguous() : bias;
-  TORCH_CHECK(!has_b || bc.numel() == n, "gelu_tanh: bias must have the last dim's size");
   constexpr float K = 0.7978845608028654f, C = 0.044715f;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, xc.scalar_type(), "gelu_tanh", [&] {
     const scalar_t* xp = xc.data_ptr<scalar_t>();
@@ -253,8 +297,12 @@ _Pragma("omp simd")
   return out;
 }
 
-torch::Tensor gelu_tanh_fwd(torch::Tensor x, torch::Tensor bias) { return gelu_tanh(x, bias, x, false); }
+torch::Tensor gelu_tanh_fwd(torch::Tensor x, torch::Tensor bias) {
+  gt_check_gelu_tanh_fwd(x, bias);
+  return gelu_tanh(x, bias, x, false);
+}
 torch::Tensor gelu_tanh_bwd(torch::Tensor dy, torch::Tensor x, torch::Tensor bias) {
+  gt_check_gelu_tanh_bwd(dy, x, bias);
   return gelu_tanh(x, bias, dy, true);
 }
 
@@ -284,16 +332,9 @@ torch::Tensor dropout_mask(std::vector<int64_t> shape, double p, int64_t seed) {
 // x is its own source.
 static void ce_rows(torch::Tensor x, torch::Tensor src, torch::Tensor rows, torch::Tensor target,
                     int64_t ignore_index, double scale, torch::Tensor losses) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "ce_fwd_bwd_inplace: x must be a contiguous [n, v] tensor");
-  TORCH_CHECK(target.scalar_type() == at::kLong && target.is_contiguous() && target.numel() == x.size(0),
-              "ce_fwd_bwd_inplace: target must be int64 [n]");
-  TORCH_CHECK(losses.scalar_type() == at::kFloat && losses.is_contiguous() && losses.numel() == x.size(0),
-              "ce_fwd_bwd_inplace: losses must be fp32 [n]");
+  // the callers below checked their contracts
   const int64_t n = x.size(0), v = x.size(1);
   const bool gather = rows.numel() > 0;
-  TORCH_CHECK(!gather || (src.dim() == 2 && src.is_contiguous() && src.size(1) == v && src.scalar_type() ==
-              x.scalar_type() && rows.scalar_type() == at::kLong && rows.is_contiguous() && rows.numel() == n),
-              "ce_fwd_bwd_rows: src must be a contiguous [m, v] tensor of x's dtype, rows int64 [n]");
   const int64_t* rp = gather ? rows.data_ptr<int64_t>() : nullptr;
   for (int64_t r = 0; gather && r < n; ++r)
     TORCH_CHECK(rp[r] >= 0 && rp[r] < src.size(0), "ce_fwd_bwd_rows: row ", rp[r], " out of range");
@@ -338,12 +379,13 @@ _Pragma("omp simd")
 
 void ce_fwd_bwd_inplace(torch::Tensor x, torch::Tensor target, int64_t ignore_index, double scale,
                         torch::Tensor losses) {
+  gt_check_ce_fwd_bwd_inplace(x, target, losses);
   ce_rows(x, x, x.new_empty(0, torch::kLong), target, ignore_index, scale, losses);
 }
 
 void ce_fwd_bwd_rows(torch::Tensor x, torch::Tensor src, torch::Tensor rows, torch::Tensor target,
                      int64_t ignore_index, double scale, torch::Tensor losses) {
-  TORCH_CHECK(rows.numel() == x.size(0), "ce_fwd_bwd_rows: one source row per row of x");
+  gt_check_ce_fwd_bwd_rows(x, src, rows, target, losses);
   ce_rows(x, src, rows, target, ignore_index, scale, losses);
 }
 
@@ -357,7 +399,7 @@ TORCH_API void mkldnn_matmul(const at::Tensor& mat1, const at::Tensor& mat2, con
 // out = beta * out + a @ b; a, b, out 2-D (or 3-D: batched), each contiguous or with its last two dims
 // transposed (others are copied by aten first); out must be contiguous.
 void onednn_matmul(const at::Tensor& a, const at::Tensor& b, const at::Tensor& out, double beta) {
-  TORCH_CHECK(out.is_contiguous(), "onednn_matmul: out must be contiguous");
+  gt_check_onednn_matmul(a, b, out);
   at::native::mkldnn_matmul(a, b, out, (float)beta, 1.f);
 }
 """ + ALLOCATOR_CPP  # the allocator's source (_cpu_alloc.py) starts with its own blank line
@@ -381,7 +423,7 @@ _ISA_FLAGS: dict[str, list[str]] = {
 # on GELU's tanh, one thread: 11.1 ms scalar, 1.8 ms vectorized (AVX2 build, 2M elements).
 _FP_FLAGS = ["-fno-trapping-math"]
 
-MODULE_NAME = "graphtrain_cpu_kernels_v17"
+MODULE_NAME = "graphtrain_cpu_kernels_v18"
 """The extension's name (and build folder's) before its ISA level: a new version number for each change of _CPP."""
 
 _lock = threading.Lock()
@@ -407,22 +449,45 @@ def load(level: str | None = None):
         return _modules.get(level)
     if level not in _ISA_FLAGS:
         raise ValueError(f"unknown ISA level {level!r}; known: {', '.join(_ISA_FLAGS)}")
+    checks = sanitizers()  # a misspelt GRAPHTRAIN_SANITIZE raises here, not as a failed build
     with _lock:
         if level not in _modules and level not in _failed:
             try:
                 from torch.utils.cpp_extension import load_inline
-                name = f"{MODULE_NAME}_{level}"
+                name = f"{MODULE_NAME}_{level}" + "".join(f"_{c}" for c in checks)
                 build_dir = build_directory(name)
+                san = [f"-fsanitize={','.join(checks)}", "-fno-omit-frame-pointer", "-g"] if checks else []
                 with _build_lock(build_dir):
                     _modules[level] = load_inline(
                         name=name, cpp_sources=[_CPP], functions=_DECLS,
-                        extra_cflags=["-O3", *_ISA_FLAGS[level], "-fopenmp", *_FP_FLAGS], extra_ldflags=["-fopenmp"],
-                        build_directory=build_dir, verbose=False)
+                        extra_cflags=["-O3", *_ISA_FLAGS[level], "-fopenmp", *_FP_FLAGS, *san],
+                        extra_ldflags=["-fopenmp", *san], build_directory=build_dir, verbose=False)
             except Exception as e:  # no compiler / headers: correctness first, reference path
+                if checks:  # a sanitizer run on the references would check nothing: say why it cannot run
+                    raise RuntimeError(f"graphtrain: the {'+'.join(checks)}-sanitized CPU kernels ({level}) could not "
+                                       f"be built or loaded (GRAPHTRAIN_SANITIZE): {type(e).__name__}: {e}") from e
                 _failed[level] = f"{type(e).__name__}: {e}"
                 warnings.warn(f"graphtrain: CPU kernels ({level}) could not be built, using reference ops: "
                               f"{_failed[level][:300]}")
     return _modules.get(level)
+
+
+SANITIZERS = ("address", "undefined")
+"""What GRAPHTRAIN_SANITIZE may name (comma-separated): gcc's AddressSanitizer and UndefinedBehaviorSanitizer."""
+
+
+def sanitizers() -> tuple[str, ...]:
+    """The sanitizers GRAPHTRAIN_SANITIZE asks the C++ kernels to be built with (debugging and the slow suite's
+    sanitizer job, tests/test_sanitizers.py): each such build has a name and folder of its own, so it never replaces
+    the normal build. An ASan build loads only into a process that starts with libasan first
+    (LD_PRELOAD=$(gcc -print-file-name=libasan.so), ASAN_OPTIONS=detect_leaks=0: Python frees little at exit)."""
+    raw = os.environ.get("GRAPHTRAIN_SANITIZE", "")
+    names = tuple(sorted({s.strip() for s in raw.split(",") if s.strip()}))
+    unknown = [s for s in names if s not in SANITIZERS]
+    if unknown:
+        raise ValueError(f"GRAPHTRAIN_SANITIZE={raw!r}: unknown sanitizer {', '.join(unknown)}; use a comma-separated "
+                         f"list of {', '.join(SANITIZERS)} (or leave it unset)")
+    return names
 
 
 def build_directory(name: str) -> str:
@@ -475,4 +540,5 @@ def build_error(level: str | None = None) -> str | None:
 def loaded_variant() -> str | None:
     """A label of the build the current CPU uses, if it is loaded (for the report)."""
     level = isa_level()
-    return f"c++ ({level} build)" if level in _modules else None
+    san = "".join(f", {c} sanitizer" for c in sanitizers())
+    return f"c++ ({level} build{san})" if level in _modules else None

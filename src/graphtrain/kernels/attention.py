@@ -1,7 +1,7 @@
 """graphtrain::attention: out = dropout(softmax(q @ k^T * scale + mask [+ causal]), p) @ v.
 
-q [B, H, Sq, D], k [B, H, Sk, D], v [B, H, Sk, Dv]; mask: additive (float, broadcastable to
-[B, H, Sq, Sk]) or None; is_causal masks j > i (top-left, as SDPA). Fully masked rows give zeros
+q [B, H, Sq, D], k [B, Hkv, Sk, D], v [B, Hkv, Sk, Dv] with Hkv dividing H (grouped-query attention); mask:
+additive (float, broadcastable to [B, H, Sq, Sk]) or None; is_causal masks j > i (top-left, as SDPA). Fully masked rows give zeros
 (as aten._safe_softmax). Outputs (out, lse [B, H, Sq] fp32, seed); backward recomputes the
 probabilities from lse and regenerates the dropout mask from the seed (_common.py's hash), so
 nothing of size Sq x Sk is saved.
@@ -28,6 +28,8 @@ import torch
 from torch import Tensor
 
 from graphtrain.kernels import _cpu_ext
+from graphtrain.kernels._cpu_attention import HEADS_BWD, HEADS_FWD, PROBS_BWD, PROBS_FWD
+from graphtrain.kernels.contract import Layout
 from graphtrain.kernels._common import (HAS_TRITON, check_dropout_p, dispatch, dropout_keep_mask,
                                         sharded_dropout_seed, triton, triton_ok)
 from graphtrain.kernels.gemm import matmul
@@ -57,8 +59,27 @@ def _probs(s, lse, p, seed):
     return pr, keep
 
 
+def _groups(q: Tensor, k: Tensor) -> int:
+    """Query heads per key/value head: 1, or more under grouped-query (multi-query) attention."""
+    return q.shape[1] // k.shape[1]
+
+
+def _repeat_kv(t: Tensor, groups: int) -> Tensor:
+    """k or v [B, Hkv, S, D] as [B, Hkv * groups, S, D]: query head h reads head h // groups (SDPA's enable_gqa)."""
+    return t if groups == 1 else t.repeat_interleave(groups, dim=1)
+
+
+def _sum_groups(g: Tensor, groups: int) -> Tensor:
+    """The gradient of `_repeat_kv`: [B, Hkv * groups, S, D] summed back to [B, Hkv, S, D]."""
+    if groups == 1:
+        return g
+    b, h, s, d = g.shape
+    return g.reshape(b, h // groups, groups, s, d).sum(2)
+
+
 def attention_reference(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: float, is_causal: bool,
                         p: float, seed: Tensor) -> tuple[Tensor, Tensor]:
+    k, v = _repeat_kv(k, _groups(q, k)), _repeat_kv(v, _groups(q, k))
     s = _scores(q, k, mask, scale, is_causal)
     lse = torch.logsumexp(s, -1)
     lse = torch.where(torch.isneginf(lse), torch.full_like(lse, float("inf")), lse)
@@ -69,6 +90,11 @@ def attention_reference(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor],
 
 
 def attention_backward_reference(dout, q, k, v, mask, out, lse, scale, is_causal, p, seed):
+    groups = _groups(q, k)
+    if groups > 1:
+        dq, dk, dv = attention_backward_reference(dout, q, _repeat_kv(k, groups), _repeat_kv(v, groups), mask, out,
+                                                  lse, scale, is_causal, p, seed)
+        return dq, _sum_groups(dk, groups).to(k.dtype), _sum_groups(dv, groups).to(v.dtype)
     acc = _acc(q)
     s = _scores(q, k, mask, scale, is_causal)
     pr, keep = _probs(s, lse.to(acc), p, seed)
@@ -99,8 +125,16 @@ def _cpu_flash_ok(q, k, v, mask, p) -> bool:
 
 
 def _cpu_cpp_ok(q, k, v, mask, p) -> bool:
-    return (p > 0 and q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    """The batched-matmul path with dropout: its C++ pass must take the scores and mask `_cpu_fwd` gives it
+    (_cpu_attention.py PROBS_FWD; PROBS_BWD adds only what `_cpu_bwd` derives from them)."""
+    if not (p > 0 and q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16, torch.float16)
             and k.dtype == q.dtype and v.dtype == q.dtype and (mask is None or mask.dtype == q.dtype)
+            and q.dim() == 4 and k.dim() == 4):
+        return False
+    B, H, Sq = q.shape[:3]
+    m = _mask4d(mask, q, k)
+    scores = Layout.contiguous((B * H, Sq, k.shape[2]), q.dtype)
+    return (PROBS_FWD.holds(scores, m if m is not None else Layout((0,), (1,), q.dtype), H)
             and _cpu_ext.load() is not None)
 
 
@@ -116,24 +150,44 @@ alternative materializes [B*H, Sq, Sk] scores, so the head-by-head kernel has no
 
 
 def _cpu_heads_ok(q, k, v, mask, p, causal) -> bool:
-    """The head-by-head C++ kernel takes fp32 CPU attention without a mask with at least as many heads (B * H) as
-    threads, which it runs one per thread (fewer would leave threads idle): with dropout always; without, only
-    causal attention up to HEADS_MAX_KEYS_WITHOUT_DROPOUT keys. Its gain over aten's flash kernel is the blocks above
-    the diagonal it skips: non-causal, forward + backward on the 2-core Zen 4, [8, 4, 197, 64] (ViT) 9.2 against
-    9.3 ms alone and 11.5 against 10.5 ms a layer inside HF ViT's step (`torch.profiler`)."""
-    if not p and (not causal or k.shape[2] > HEADS_MAX_KEYS_WITHOUT_DROPOUT):
+    """The head-by-head C++ kernel takes fp32 CPU attention without a mask with at least as many key/value heads
+    (B * Hkv: its backward runs one per thread) as threads (fewer would leave threads idle): with dropout always;
+    without, only causal attention up to HEADS_MAX_KEYS_WITHOUT_DROPOUT keys. Its gain over aten's flash kernel is the
+    blocks above the diagonal it skips: non-causal, forward + backward on the 2-core Zen 4, [8, 4, 197, 64] (ViT)
+    9.2 against 9.3 ms alone and 11.5 against 10.5 ms a layer inside HF ViT's step (`torch.profiler`). And only where
+    its contract holds (_cpu_attention.py HEADS_FWD, HEADS_BWD: shapes, grouped-query head counts, 32-bit BLAS
+    dimensions) for the layouts it will be given (`_blas_layout`)."""
+    if not p and (not causal or k.dim() < 3 or k.shape[2] > HEADS_MAX_KEYS_WITHOUT_DROPOUT):
         return False
-    if not (mask is None and q.device.type == "cpu" and q.dtype == k.dtype == v.dtype == torch.float32
-            and q.dim() == k.dim() == v.dim() == 4 and k.shape[2] > 0
-            and q.shape[0] * q.shape[1] >= torch.get_num_threads()
-            and max(max(t.stride()) for t in (q, k, v)) < 2 ** 31):
+    if mask is not None or q.device.type != "cpu" or q.dim() != 4 or k.dim() != 4:
+        return False
+    if q.shape[0] * k.shape[1] < torch.get_num_threads():
+        return False
+    q_, k_, v_ = (_blas_layout(t) for t in (q, k, v))
+    out = Layout.contiguous((*q.shape[:3], v.shape[-1]), q.dtype).with_strides(_strides_as(q, v.shape[-1]))
+    if not HEADS_FWD.holds(q_, k_, v_, out, HEADS_QB):
+        return False
+    lse = Layout.contiguous(q.shape[:3], torch.float32)
+    grads = (Layout.contiguous(t.shape, t.dtype).with_strides(_strides_as(t, t.shape[-1])) for t in (q, k, v))
+    if not HEADS_BWD.holds(out, q_, k_, v_, out, lse, *grads, HEADS_QB):
         return False
     mod = _cpu_ext.load()
     return mod is not None and mod.attn_heads_available()
 
 
-def _unit_last(t: Tensor) -> Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
+def _blas_ready(t: Tensor) -> bool:
+    """BLAS reads t's rows in place: unit stride in D and a row stride of at least D (an expanded, stride-0 sequence
+    or an overlapping view is no BLAS matrix)."""
+    return t.stride(-1) == 1 and t.stride(-2) >= max(1, t.shape[-1])
+
+
+def _blas_layout(t: Tensor) -> Layout:
+    """t's layout as the head-by-head kernel receives it (`_for_blas`)."""
+    return Layout.of(t) if _blas_ready(t) else Layout.contiguous(t.shape, t.dtype, t.device.type)
+
+
+def _for_blas(t: Tensor) -> Tensor:
+    return t if _blas_ready(t) else t.contiguous()
 
 
 def _heads_last(t: Tensor) -> bool:
@@ -177,6 +231,7 @@ def _flat(t: Tensor) -> Tensor:
 def _cpu_fwd(q, k, v, mask, scale, is_causal, p, seed):
     B, H, Sq, _ = q.shape
     m = _mask4d(mask, q, k)
+    k, v = _repeat_kv(k, _groups(q, k)), _repeat_kv(v, _groups(q, k))
     s = matmul(_flat(q), _flat(k).transpose(1, 2)).contiguous()
     probs, lse = _cpu_ext.load().attn_probs_fwd(s, m if m is not None else q.new_empty(0), H, scale, is_causal, p,
                                                 int(seed.item()))
@@ -185,8 +240,10 @@ def _cpu_fwd(q, k, v, mask, scale, is_causal, p, seed):
 
 
 def _cpu_bwd(dout, q, k, v, mask, out, lse, scale, is_causal, p, seed):
-    H, Sq = q.shape[1], q.shape[2]
+    H, Sq, groups = q.shape[1], q.shape[2], _groups(q, k)
     m = _mask4d(mask, q, k)
+    k_shape, v_shape = k.shape, v.shape
+    k, v = _repeat_kv(k, groups), _repeat_kv(v, groups)
     qf, kf, vf, dof = _flat(q), _flat(k), _flat(v), _flat(dout)
     s = matmul(qf, kf.transpose(1, 2)).contiguous()
     dp = matmul(dof, vf.transpose(1, 2)).contiguous()
@@ -196,7 +253,8 @@ def _cpu_bwd(dout, q, k, v, mask, out, lse, scale, is_causal, p, seed):
     dv = matmul(s.transpose(1, 2), dof)  # s now holds the dropped probabilities, dp holds dS * scale
     dq = matmul(dp, kf)
     dk = matmul(dp.transpose(1, 2), qf)
-    return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape)
+    dk, dv = _sum_groups(dk.reshape(k.shape), groups), _sum_groups(dv.reshape(v.shape), groups)
+    return dq.reshape(q.shape), dk.reshape(k_shape), dv.reshape(v_shape)
 
 
 @torch.library.custom_op("graphtrain::attention", mutates_args=())
@@ -208,7 +266,9 @@ def _attention_op(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale
 
     def triton_path():
         from graphtrain.kernels._attention_triton import attention_fwd_triton
-        return attention_fwd_triton(q, k, v, _mask4d(mask, q, k), scale, is_causal, p, int(seed.item()))
+        groups = _groups(q, k)  # the Triton kernels read one key/value head per query head
+        return attention_fwd_triton(q, _repeat_kv(k, groups), _repeat_kv(v, groups), _mask4d(mask, q, k), scale,
+                                    is_causal, p, int(seed.item()))
 
     def flash():  # returns a [B, S, H, D]-strided view; made contiguous below
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
@@ -216,7 +276,7 @@ def _attention_op(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale
 
     def heads():
         o = _empty_as(q, v.shape[-1])
-        return o, _cpu_ext.load().attn_heads_fwd(_unit_last(q), _unit_last(k), _unit_last(v), o, scale, is_causal, p,
+        return o, _cpu_ext.load().attn_heads_fwd(_for_blas(q), _for_blas(k), _for_blas(v), o, scale, is_causal, p,
                                                  int(seed.item()), HEADS_QB)
 
     out, lse = dispatch("attention", [
@@ -241,8 +301,10 @@ def _attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: 
                            p: float) -> tuple[Tensor, Tensor, Tensor]:
     def triton_path():
         from graphtrain.kernels._attention_triton import attention_bwd_triton
-        return attention_bwd_triton(dout, q, k, v, _mask4d(mask, q, k), out, lse, scale, is_causal, p,
-                                    int(seed.item()))
+        groups = _groups(q, k)
+        dq, dk, dv = attention_bwd_triton(dout, q, _repeat_kv(k, groups), _repeat_kv(v, groups), _mask4d(mask, q, k),
+                                          out, lse, scale, is_causal, p, int(seed.item()))
+        return dq, _sum_groups(dk, groups), _sum_groups(dv, groups)
 
     def flash():
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
@@ -250,8 +312,8 @@ def _attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: 
 
     def heads():
         grads = _empty_as(q, q.shape[-1]), _empty_as(k, k.shape[-1]), _empty_as(v, v.shape[-1])
-        _cpu_ext.load().attn_heads_bwd(_unit_last(dout), _unit_last(q), _unit_last(k), _unit_last(v),
-                                       _unit_last(out), lse.contiguous(), *grads, scale, is_causal, p,
+        _cpu_ext.load().attn_heads_bwd(_for_blas(dout), _for_blas(q), _for_blas(k), _for_blas(v),
+                                       _for_blas(out), lse.contiguous(), *grads, scale, is_causal, p,
                                        int(seed.item()), HEADS_QB)
         return grads
 
@@ -288,13 +350,18 @@ _attention_op.register_autograd(_backward, setup_context=_setup)
 
 def attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor] = None, scale: Optional[float] = None,
               is_causal: bool = False, dropout_p: float = 0.0, training: bool = True) -> Tensor:
-    """Fused attention on [B, H, S, D] tensors. mask: additive float or bool (True = attend), no gradient."""
+    """Fused attention on [B, H, S, D] tensors. mask: additive float or bool (True = attend), no gradient.
+    k and v may have fewer heads than q, a divisor of its count (grouped-query or multi-query attention: query head
+    h reads key/value head h // (H / Hkv), as SDPA's enable_gqa)."""
     check_dropout_p(dropout_p, "attention")
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"attention: q, k, v must be [batch, heads, seq, head_dim], got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
-    if k.shape[:2] != q.shape[:2] or v.shape[:3] != k.shape[:3] or k.shape[-1] != q.shape[-1]:
-        raise ValueError(f"attention: incompatible shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if (k.shape[0] != q.shape[0] or k.shape[1] == 0 or q.shape[1] % k.shape[1] or v.shape[:3] != k.shape[:3]
+            or k.shape[-1] != q.shape[-1]):
+        raise ValueError(f"attention: incompatible shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: "
+                         f"k and v need q's batch and head size, and a number of heads that divides q's "
+                         f"(grouped-query attention)")
     if mask is not None:
         if mask.requires_grad:
             raise ValueError("attention: a mask that requires grad (learned bias) is not supported; "
