@@ -3,6 +3,9 @@
     out_dir/ckpt-0000100.pt.sha256     beside a checkpoint file: "<64 hex digits>  ckpt-0000100.pt"
     out_dir/ckpt-0000100/SHA256SUMS    inside a sharded folder: one line per file, paths relative to the folder
 
+A checksum file names the file it describes, and a file is held to the line of its own name
+(`verify_file`): a checksum file copied from another checkpoint, which names that one, verifies nothing.
+
 A checksum file is written atomically (temporary file, fsync, rename) before the checkpoint it describes
 becomes visible, so a visible checkpoint always has one. While a file is replaced under the same name,
 its checksum file lists the old and the new digest; a name may therefore have several lines, and a file
@@ -124,6 +127,24 @@ def verify_sums(path: str | os.PathLike, base: str | os.PathLike) -> list[str]:
             raise ChecksumMismatch(file, f"{name} has SHA-256 {got[:16]}..., {path.name} records {want}... "
                                          f"(the file was truncated or changed after it was written)")
     return list(sums)
+
+
+def verify_file(sums_path: str | os.PathLike, file: str | os.PathLike) -> None:
+    """Check one file against the checksum file beside it (`<file>.sha256`). Only the line(s) naming `file` count: a
+    checksum file that names other files only (copied from another checkpoint) is refused, naming what it
+    describes. Raises ChecksumMismatch."""
+    sums_path, file = Path(sums_path), Path(file)
+    sums = read_sums(sums_path)
+    digests = {d for name, ds in sums.items() if Path(name) == Path(file.name) for d in ds}
+    if not digests:
+        named = ", ".join(sorted(sums))
+        raise ChecksumMismatch(file, f"its checksum file {sums_path.name} describes {named}, not {file.name} (copied "
+                                     f"from another checkpoint?), so it proves nothing about this file")
+    got = sha256_file(file)
+    if got not in digests:
+        want = " or ".join(d[:16] for d in sorted(digests))
+        raise ChecksumMismatch(file, f"{file.name} has SHA-256 {got[:16]}..., {sums_path.name} records {want}... "
+                                     f"(the file was truncated or changed after it was written)")
 
 
 def fsync_dir(folder: str | os.PathLike) -> None:

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Callable, NamedTuple
 
 from graphtrain import cli_runs
+from graphtrain.bench import conformance
 from graphtrain.cli_jobs import (BISECT_EPILOG, add_bisect_arguments, add_config_items, add_precompile_arguments,
                                  add_report_arguments, load_config, run_bisect, run_precompile, run_report)
 from graphtrain.config import Config, describe_all
@@ -246,7 +247,7 @@ def _launch(nproc: int, args: argparse.Namespace, config: Config) -> int:
     from graphtrain.distributed.launch import launch
     started = time.time()
     os.environ[_LOCKED_ENV] = str(Path(config.train.out_dir).expanduser().resolve())  # the workers inherit it
-    code = launch(nproc, _worker_argv(args), max_restarts=args.max_restarts or 0,
+    code = launch(nproc, _worker_argv(args), out_dir=config.train.out_dir, max_restarts=args.max_restarts or 0,
                   shutdown_timeout_s=math.ceil(config.train.preempt_grace_s) + 15)
     if code in (EXIT_OK, EXIT_USAGE, EXIT_FAILURE):  # the workers said why (one error line each)
         return code
@@ -377,6 +378,9 @@ SUBCOMMANDS: dict[str, Subcommand] = {
                         _bench_arguments, _bench_run),
     "cache": Subcommand("list (or stop) the background Inductor compiles still running: those of runs in progress "
                         "and those engine.background_at_exit=finish left to finish", _cache_arguments, _cache_run),
+    "conformance": Subcommand("train tiny models through each entry point, precision and provider against eager "
+                              "PyTorch and print the pass/fallback/fail table", conformance.add_arguments,
+                              conformance.run),
 }
 EPILOGS = {"train": TRAIN_EPILOG, "bisect": BISECT_EPILOG}
 

@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -53,28 +56,84 @@ def load_run(run_dir: str | Path, checkpoint: str = "latest") -> tuple[Any, torc
 
 def export_run(run_dir: str | Path, fmt: str, out: str | Path | None = None, *, checkpoint: str = "latest",
                force: bool = False) -> dict[str, Any]:
-    """Export the run; returns {format, out, checkpoint, max_abs_diff, ...}."""
+    """Export the run; returns {format, out, checkpoint, max_abs_diff, ...}.
+
+    The export is written into a temporary folder beside `out` and renamed into place once it is complete and
+    checked, so an interrupted export leaves no half-written `out` (at most a `.NAME.*.tmp` folder beside it) and
+    an earlier export that `force` replaces stays in place until then. `force` replaces only an earlier export:
+    a folder holding anything an export does not write (a run folder, a folder that holds one, a checkpoint) is
+    refused, as is `out` being the run folder or one of its parents."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown export format {fmt!r}; choose from {list(FORMATS)}")
+    out = Path(out).expanduser() if out is not None else Path(run_dir) / f"export-{fmt}"
+    _check_out(out, Path(run_dir), force)
     config, model, ckpt = load_run(run_dir, checkpoint)
-    out = Path(out) if out is not None else Path(run_dir) / f"export-{fmt}"
-    if out.exists() and (out.is_file() or any(out.iterdir())):
-        if not force:
-            raise ValueError(f"{str(out)!r} exists and is not empty: choose another --out, or --force to replace it")
-        shutil.rmtree(out) if out.is_dir() else out.unlink()
-    out.mkdir(parents=True, exist_ok=True)
-    sample = _sample(model, batch=2, seq=min(16, model.max_seq_len))
-    with torch.no_grad():
-        ref = model(sample)
-    result = {"format": fmt, "out": str(out), "checkpoint": str(ckpt), "model": config.model.label}
-    if fmt == "safetensors":
-        result.update(_safetensors(model, out, sample, ref))
-    elif fmt == "hf":
-        result.update(_hf(model, config, out, sample, ref, ckpt))
-    else:
-        result.update(_onnx(model, out, sample, ref))
-    (out / "export.json").write_text(json.dumps(result, indent=2))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    try:
+        os.chmod(tmp, 0o755)  # mkdtemp's 0700: an export is for others to read
+        sample = _sample(model, batch=2, seq=min(16, model.max_seq_len))
+        with torch.no_grad():
+            ref = model(sample)
+        result: dict[str, Any] = {"format": fmt, "out": str(out), "checkpoint": str(ckpt), "model": config.model.label}
+        if fmt == "safetensors":
+            written = _safetensors(model, tmp, sample, ref)
+        elif fmt == "hf":
+            written = _hf(model, config, tmp, sample, ref, ckpt)
+        else:
+            written = _onnx(model, tmp, sample, ref)
+        # the files are named where they will be once the folder is in place
+        result.update({k: v.replace(str(tmp), str(out)) if isinstance(v, str) else v for k, v in written.items()})
+        (tmp / "export.json").write_text(json.dumps(result, indent=2))
+        _replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return result
+
+
+# What an export writes, and so all that --force may delete: safetensors, Hugging Face (save_pretrained and the
+# tokenizer files) and ONNX (a large graph's external data file) outputs, and export.json.
+_EXPORT_FILE = re.compile(r"^(export\.json|config\.json|generation_config\.json|tokenizer(_config)?\.json|"
+                          r"special_tokens_map\.json|model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json|"
+                          r"model\.onnx(\.data|_data)?)$")
+
+
+def _check_out(out: Path, run: Path, force: bool) -> None:
+    """Refuse an --out that would overwrite or delete the run, or anything but an earlier export (usage errors)."""
+    target, run_r = out.resolve(), run.expanduser().resolve()
+    fix = f"choose another --out (the default is {str(run / 'export-FORMAT')!r})"
+    if target == run_r or run_r.is_relative_to(target):
+        what = "the run folder itself" if target == run_r else f"a folder that holds the run {str(run)!r}"
+        raise ValueError(f"--out {str(out)!r} is {what}: an export never writes over a run; {fix}")
+    if not (out.exists() or out.is_symlink()):
+        return
+    if not out.is_dir():
+        raise ValueError(f"--out {str(out)!r} is a file; an export is a folder: {fix}")
+    entries = sorted(out.iterdir())
+    if not entries:
+        return
+    if not force:
+        raise ValueError(f"{str(out)!r} exists and is not empty: choose another --out, or --force to replace it")
+    foreign = [p.name for p in entries if not (_EXPORT_FILE.match(p.name) and p.is_file() and not p.is_symlink())]
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        raise ValueError(f"--force replaces only an earlier export, and {str(out)!r} holds {shown}, which an export "
+                         f"does not write (a run, checkpoints or your own files?): {fix}, or move that folder away "
+                         f"yourself")
+
+
+def _replace(tmp: Path, out: Path) -> None:
+    """Move the finished export `tmp` to `out`, an earlier export there (checked by `_check_out`) deleted after."""
+    old = None
+    if out.is_dir() and any(out.iterdir()):
+        old = out.with_name(f".{out.name}.{os.getpid()}.old")
+        os.replace(out, old)
+    elif out.is_dir():
+        out.rmdir()
+    os.replace(tmp, out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _sample(model: torch.nn.Module, batch: int, seq: int, seed: int = 0) -> torch.Tensor:

@@ -26,6 +26,7 @@ only). Pruning runs only after a save succeeded.
 """
 from __future__ import annotations
 
+import errno
 import os
 import pickle
 import random
@@ -40,7 +41,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from graphtrain.checksums import (ChecksumMismatch, digests_reused, fsync_dir, sha256_file, sidecar_path, verify_sums,
+from graphtrain.checksums import (ChecksumMismatch, digests_reused, fsync_dir, sha256_file, sidecar_path, verify_file,
                                   write_sums)
 
 FORMAT_VERSION = 1
@@ -91,7 +92,10 @@ def save_checkpoint(path: str | Path, state: dict[str, Any]) -> Path:
     try:
         with os.fdopen(fd, "wb") as f:
             os.fchmod(f.fileno(), 0o644)  # mkstemp creates 0600; checkpoints are ordinary files
-            torch.save(state, f)
+            try:
+                torch.save(state, f)
+            except RuntimeError as e:  # torch's writer turns a failed write into a RuntimeError: the OSError again
+                raise _write_error(e, path) from None
             f.flush()
             os.fsync(f.fileno())
         digest = sha256_file(tmp)
@@ -109,6 +113,25 @@ def save_checkpoint(path: str | Path, state: dict[str, Any]) -> Path:
         raise
     fsync_dir(path.parent)
     return path
+
+
+def _write_error(e: RuntimeError, path: Path) -> BaseException:
+    """The OSError behind torch.save's RuntimeError (a full disk, a file-size limit, an I/O error), naming `path`.
+
+    torch's zip writer reports a failed write of the file object as "[enforce fail at inline_container.cc]
+    unexpected pos ..." with the file object's OSError only as the exception's context (torch 2.13; measured with
+    RLIMIT_FSIZE: EFBIG). A RuntimeError with no OSError behind it is not an I/O failure and is returned as is."""
+    seen: BaseException | None = e
+    while seen is not None and not isinstance(seen, OSError):
+        seen = seen.__cause__ or seen.__context__
+    if seen is None:
+        if "PytorchStreamWriter failed" not in str(e) and "file write failed" not in str(e):
+            return e
+        return OSError(errno.EIO, f"write failed ({_first_line(e, 160)})", str(path))
+    strerror = seen.strerror or str(seen)
+    if seen.errno == errno.EFBIG:
+        strerror += " (the file-size limit of this process, `ulimit -f`)"
+    return OSError(seen.errno, strerror, str(path))
 
 
 def prune_checkpoints(out_dir: str | Path, keep: int = KEEP_LAST, protect: Path | None = None) -> list[Path]:
@@ -179,7 +202,7 @@ def _verify(path: Path) -> bool:
         from graphtrain.distributed.checkpoint import verify_folder
         return verify_folder(path)
     if sidecar_path(path).is_file():
-        verify_sums(sidecar_path(path), path.parent)
+        verify_file(sidecar_path(path), path)
         return True
     _check_zip(path)
     return False

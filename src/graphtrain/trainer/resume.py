@@ -1,5 +1,9 @@
 """What resuming does to a run folder, besides loading the checkpoint (trainer/checkpoint.py).
 
+- `lock_run_folder`: one run per folder. `graphtrain train` takes an exclusive `flock` on `out_dir/.graphtrain.lock`
+  before anything else touches the folder and holds it until the process ends (the kernel releases it, however
+  the process ends: no stale lock). A second run on the same folder is refused (a usage error) with the PID,
+  host and start time of the run that holds it, before it removes, writes or truncates anything.
 - `clean_orphans`: at every start, remove what killed saves left behind. Only graphtrain's own temporary
   names are touched: `.ckpt-NNNNNNN.pt.*.tmp` (a checkpoint file or its checksum file being written),
   `ckpt-NNNNNNN.tmp/` (a sharded folder being written), `ckpt-NNNNNNN.old/` (the previous folder of that
@@ -18,8 +22,14 @@
 """
 from __future__ import annotations
 
+import errno
+import fcntl
+import json
+import os
 import re
 import shutil
+import socket
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -49,6 +59,62 @@ def is_free(key: str) -> bool:
     section, _, name = key.partition(".")
     return (key in FREE_KEYS or section == "parallel"
             or (section == "engine" and name != "precision" and not name.startswith("loss_scale")))
+
+
+# ------------------------------------------------------------------------------------ lock ----
+
+LOCK_NAME = ".graphtrain.lock"
+_held: dict[str, int] = {}  # folder (resolved) -> the open lock file of this process
+
+
+def lock_run_folder(out_dir: str | Path) -> Path:
+    """Take the run folder's exclusive lock for the rest of this process (created if missing); returns the lock
+    file. Taking it again in the process that holds it does nothing. Raises ValueError naming the process that
+    holds it. The lock file is never deleted (deleting a lock file lets two processes hold "the" lock)."""
+    folder = Path(out_dir).expanduser().resolve()
+    path = folder / LOCK_NAME
+    if str(folder) in _held:
+        return path
+    folder.mkdir(parents=True, exist_ok=True)
+    try:  # O_NOFOLLOW: a symlink planted under the lock's name is not followed (and not truncated below)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        raise ValueError(f"cannot open the run folder's lock file {str(path)!r} ({e.strerror or e}): choose a folder "
+                         f"you can write with --out DIR") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        holder = _holder(fd)
+        os.close(fd)
+        if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            raise
+        raise ValueError(f"train.out_dir {str(folder)!r} is in use by another graphtrain run ({holder}); two runs in "
+                         f"one folder would overwrite each other's checkpoints: wait for it to end (or stop it), "
+                         f"or choose another folder with --out DIR") from None
+    record = {"pid": os.getpid(), "host": socket.gethostname(),
+              "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "argv": sys.argv}
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
+    _held[str(folder)] = fd
+    return path
+
+
+def _holder(fd: int) -> str:
+    """Who holds the lock, from what it wrote into the lock file (best effort: it may be writing it right now)."""
+    try:
+        record = json.loads(os.pread(fd, 65536, 0) or b"{}")
+        pid, host, started = record["pid"], record["host"], record["started"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return "its PID is not recorded yet"
+    alive = ""
+    if host == socket.gethostname():
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            alive = "; that process has ended, a child process it started still holds the lock"
+        except (OSError, ValueError):
+            pass
+    return f"PID {pid} on {host}, started {started}{alive}"
 
 
 # --------------------------------------------------------------------------------- orphans ----
