@@ -120,14 +120,16 @@ def _no_dropout(cfg: Any) -> None:
 
 
 def build_family(name: str, *, hidden: int = 256, layers: int = 4, vocab: int = 8192, batch: int = 8, seq: int = 128,
-                 dropout: bool = True, seed: int = 0) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
-    """(model in train mode, one fixed batch) for family `name` (module docstring)."""
+                 dropout: bool = True, seed: int = 0, overrides: dict[str, Any] | None = None,
+                 ) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    """(model in train mode, one fixed batch) for family `name` (module docstring). `overrides`: config keys set
+    after the family's own (e.g. Mistral's ``sliding_window``, shorter than the sequence to make it slide)."""
     import transformers
     if name not in FAMILIES:
         raise ValueError(f"unknown family {name!r}: choose from {', '.join(FAMILIES)}")
     fam = FAMILIES[name]
     heads = max(4, hidden // 64)
-    cfg = getattr(transformers, fam.config)(**fam.kwargs(hidden, layers, heads, vocab))
+    cfg = getattr(transformers, fam.config)(**(fam.kwargs(hidden, layers, heads, vocab) | (overrides or {})))
     if not dropout:
         _no_dropout(cfg)
     cfg._attn_implementation = fam.attention
