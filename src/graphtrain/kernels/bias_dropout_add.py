@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from graphtrain.kernels import _cpu_ext
+from graphtrain.kernels._cpu_ext import BIAS_DROPOUT_ADD_FWD, DROPOUT_BWD
 from graphtrain.kernels._common import (HAS_TRITON, check_dropout_p, dense_empty, dispatch, dropout_keep_mask,
                                         keep_threshold, new_seed, tl, triton, triton_ok)
 from graphtrain.kernels.registry import (BACKWARD, CHEAP, FOLLOW, FORWARD, SEED, SEEDED, KernelSpec, OpDescriptor,
@@ -83,7 +84,8 @@ def _supports_triton(x, bias=None, residual=None, *rest) -> bool:
 
 
 def _supports_cpu(x, bias=None, residual=None, *rest) -> bool:
-    return x.device.type == "cpu" and x.dtype != torch.float64 and _cpu_ext.load() is not None
+    return (x.device.type == "cpu" and x.dtype != torch.float64 and BIAS_DROPOUT_ADD_FWD.holds(x, bias, residual)
+            and _cpu_ext.load() is not None)
 
 
 def _forward(x: Tensor, bias: Optional[Tensor], residual: Optional[Tensor], p: float, seed: Tensor) -> Tensor:
@@ -119,7 +121,8 @@ def _(x, bias, residual, p):
 def _dropout_backward_op(g: Tensor, p: float, seed: Tensor) -> Tensor:
     return dispatch("dropout_backward", [
         ("triton", p > 0 and _supports_triton(g), lambda: _bda_triton(g, None, None, p, seed)),
-        ("c++", p > 0 and _supports_cpu(g), lambda: _cpu_ext.load().dropout_bwd(g, p, int(seed.item()))),
+        ("c++", p > 0 and g.dtype != torch.float64 and DROPOUT_BWD.holds(g) and _cpu_ext.load() is not None,
+         lambda: _cpu_ext.load().dropout_bwd(g, p, int(seed.item()))),
     ], lambda: dropout_backward_reference(g.contiguous(), p, seed)).contiguous()
 
 

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from graphtrain.kernels import _cpu_ext
+from graphtrain.kernels._cpu_ext import GELU_TANH_BWD, GELU_TANH_FWD
 from graphtrain.kernels._common import HAS_TRITON, dense_empty, dispatch, tl, triton, triton_ok
 from graphtrain.kernels.registry import (BACKWARD, CHEAP, FOLLOW, FORWARD, KernelSpec, OpDescriptor, no_workspace,
                                          register_kernel_spec)
@@ -99,9 +100,8 @@ def cpp_tanh_ok(x: Tensor, bias: Optional[Tensor], approximate: str) -> bool:
     """The C++ tanh-form kernel takes this call (CPU, fp32/bf16/fp16, a bias of the last dim's size or none) and
     measured faster than aten's on this machine (`gelu_tanh_probe`)."""
     return (approximate == "tanh" and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16,
-            torch.float16) and x.dim() > 0 and (bias is None or (bias.dtype == x.dtype and bias.dim() == 1
-            and bias.numel() == x.shape[-1] and bias.device.type == "cpu")) and _cpu_ext.load() is not None
-            and gelu_tanh_probe()["cpp_wins"])
+            torch.float16) and (bias is None or bias.dim() == 1) and GELU_TANH_FWD.holds(x, bias)
+            and _cpu_ext.load() is not None and gelu_tanh_probe()["cpp_wins"])
 
 
 _PROBE: dict[str, dict] = {}
@@ -166,7 +166,7 @@ def _(x, bias, approximate):
 def _bias_gelu_backward_op(dy: Tensor, x: Tensor, bias: Optional[Tensor], approximate: str) -> Tensor:
     return dispatch("bias_gelu_backward", [
         ("triton", _supports_triton(x, bias), lambda: _gelu_triton(x, bias, approximate, dy)),
-        ("c++", cpp_tanh_ok(x, bias, approximate) and dy.dtype == x.dtype and dy.shape == x.shape,
+        ("c++", cpp_tanh_ok(x, bias, approximate) and GELU_TANH_BWD.holds(dy, x, bias),
          lambda: _cpu_ext.load().gelu_tanh_bwd(dy, x, bias if bias is not None else _no_bias(x))),
         ("cpu", _supports_cpu(x, bias), lambda: torch.ops.aten.gelu_backward(
             dy, x + bias if bias is not None else x, approximate=approximate).contiguous()),

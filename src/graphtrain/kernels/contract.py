@@ -55,13 +55,17 @@ class Layout(NamedTuple):
         return self._replace(strides=tuple(int(s) for s in strides))
 
 
+_ABSENT = Layout((0,), (1,), torch.float32)
+"""An optional tensor not given: the empty tensor the C++ entry points take for it."""
+
+
 class _View:
     """A tensor or Layout seen through the C++ tensor methods the rules use."""
 
     __slots__ = ("shape", "strides", "dtype", "device")
 
-    def __init__(self, t: torch.Tensor | Layout) -> None:
-        lay = t if isinstance(t, Layout) else Layout.of(t)
+    def __init__(self, t: torch.Tensor | Layout | None) -> None:
+        lay = t if isinstance(t, Layout) else Layout.of(t) if t is not None else _ABSENT
         self.shape, self.strides, self.dtype, self.device = lay
 
     def dim(self) -> int:
@@ -146,7 +150,8 @@ class Contract:
         object.__setattr__(self, "_code", code)
 
     def violation(self, *args: Any) -> str | None:
-        """The first broken rule's message for these arguments (tensors, Layouts, ints), or None."""
+        """The first broken rule's message for these arguments (tensors, Layouts, ints; None for an absent optional
+        tensor, which the C++ entry point receives as an empty one), or None."""
         if len(args) != len(self.tensors) + len(self.ints):
             raise TypeError(f"contract {self.name}: {len(args)} arguments for {self.tensors + self.ints}")
         env = dict(_HELPERS_PY)

@@ -36,6 +36,8 @@ import torch
 from torch import Tensor
 
 from graphtrain.kernels import _cpu_ext, capability
+from graphtrain.kernels._cpu_ext import ONEDNN_MATMUL
+from graphtrain.kernels.contract import Layout
 from graphtrain.kernels._common import guarded
 from graphtrain.kernels.registry import (FOLLOW, FORWARD, NEVER, KernelSpec, OpDescriptor, no_workspace,
                                          register_kernel_spec)
@@ -85,13 +87,22 @@ def _fp32_cpu(*ts: Optional[Tensor]) -> bool:
     return all(t is None or (t.device.type == "cpu" and t.dtype == torch.float32) for t in ts)
 
 
+def _contract_ok(a: Tensor, b: Tensor, out: Optional[Tensor] = None) -> bool:
+    """_cpu_ext.py ONEDNN_MATMUL holds for a @ b into `out` (a fresh contiguous output when None)."""
+    if out is None:
+        if a.dim() not in (2, 3) or b.dim() != a.dim():
+            return False
+        out = Layout.contiguous((*a.shape[:-1], b.shape[-1]), a.dtype, a.device.type)
+    return ONEDNN_MATMUL.holds(a, b, out)
+
+
 def _takes(a: Tensor, b: Tensor, bias: Optional[Tensor]) -> bool:
     """Whether the oneDNN path serves these inputs: 2-D fp32 CPU operands, a bias broadcastable to the output."""
     if not (a.dim() == 2 and b.dim() == 2 and a.shape[1] == b.shape[0] and _fp32_cpu(a, b, bias)):
         return False
     if bias is not None and bias.dim() > 2:
         return False
-    return min(a.shape[0], a.shape[1], b.shape[1]) > 0 and onednn_available()
+    return min(a.shape[0], a.shape[1], b.shape[1]) > 0 and _contract_ok(a, b) and onednn_available()
 
 
 def gemm_onednn(a: Tensor, b: Tensor, bias: Optional[Tensor] = None, out: Optional[Tensor] = None,
@@ -118,8 +129,8 @@ def matmul(a: Tensor, b: Tensor, bias: Optional[Tensor] = None) -> Tensor:
     """a @ b (+ bias) for 2-D or batched 3-D operands, through oneDNN where `onednn_gemm_wins()` (fp32 CPU),
     else torch.matmul: graphtrain's own CPU kernels (attention, chunked linear cross-entropy) call this."""
     if (a.dim() == b.dim() and a.dim() in (2, 3) and a.shape[:-2] == b.shape[:-2] and a.shape[-1] == b.shape[-2]
-            and a.numel() > 0 and b.numel() > 0 and _fp32_cpu(a, b, bias) and onednn_available()
-            and onednn_gemm_wins()):
+            and a.numel() > 0 and b.numel() > 0 and _fp32_cpu(a, b, bias) and _contract_ok(a, b)
+            and onednn_available() and onednn_gemm_wins()):
         return guarded("gemm", "onednn", lambda: gemm_onednn(a, b, bias), lambda: gemm_reference(a, b, bias))
     return gemm_reference(a, b, bias)
 
@@ -137,8 +148,8 @@ def mm_into(a: Tensor, b: Tensor, out: Tensor, accumulate: bool) -> None:
         else:
             out.copy_(a @ b)
 
-    if (out.is_contiguous() and out.dtype == a.dtype and _fp32_cpu(a, b) and onednn_available()
-            and onednn_gemm_wins()):
+    if (out.is_contiguous() and out.dtype == a.dtype and _fp32_cpu(a, b) and _contract_ok(a, b, out)
+            and onednn_available() and onednn_gemm_wins()):
         # beta = 1 reads `out`; a oneDNN failure raises before it writes (primitive creation), so the retry
         # through aten sees the same `out`
         guarded("gemm", "onednn", lambda: gemm_onednn(a, b, out=out, accumulate=accumulate), aten)

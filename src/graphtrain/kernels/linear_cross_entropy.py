@@ -25,6 +25,8 @@ import torch
 from torch import Tensor
 
 from graphtrain.kernels import _cpu_ext
+from graphtrain.kernels._cpu_ext import CE_INPLACE
+from graphtrain.kernels.contract import Layout
 from graphtrain.kernels._common import dense_empty, dispatch
 from graphtrain.kernels.cross_entropy import REDUCTIONS, _supports_triton, ce_bwd_triton, ce_fwd_triton
 from graphtrain.kernels.gemm import gemm_probe_ran, matmul, mm_into, onednn_gemm_wins
@@ -67,8 +69,11 @@ def _chunked(hidden, weight, target, ignore_index, reduction, chunk, bias=None, 
     the head's full logits, already computed (the `_logits` ops): each chunk copies its rows instead of computing
     them."""
     use_triton = _supports_triton(hidden, target)
+    # the C++ kernel's contract for each chunk's logits, targets and losses, as the loop makes them
+    rows, targets, losses = (Layout.contiguous((chunk, weight.shape[0]), hidden.dtype),
+                             Layout.contiguous((chunk,), torch.int64), Layout.contiguous((chunk,), torch.float32))
     use_cpp = (not use_triton and hidden.device.type == "cpu" and hidden.dtype in _CPP_DTYPES
-               and _cpu_ext.load() is not None)
+               and CE_INPLACE.holds(rows, targets, losses) and _cpu_ext.load() is not None)
 
     def run(impl):
         return lambda: _chunk_loop(hidden, weight, target, ignore_index, reduction, chunk, bias, impl, skip_ignored,
