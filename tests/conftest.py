@@ -17,6 +17,22 @@ def pytest_configure(config):
     os.environ.setdefault("GRAPHTRAIN_BACKGROUND_AT_EXIT", "stop")
 
 
+def _register_fuzz_profiles() -> None:
+    """The layout fuzzing's Hypothesis budgets (tests/fuzz_layouts.py): a fixed, derandomized one for the default
+    suite and a larger one for ``-m slow``; no example database (the runs are reproducible as they are)."""
+    try:
+        from hypothesis import HealthCheck, settings
+    except ImportError:  # the fuzz modules skip themselves
+        return
+    quiet = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much]
+    settings.register_profile("graphtrain-fuzz", max_examples=25, deadline=None, derandomize=True, database=None,
+                              suppress_health_check=quiet)
+    settings.register_profile("graphtrain-fuzz-slow", settings.get_profile("graphtrain-fuzz"), max_examples=400)
+
+
+_register_fuzz_profiles()
+
+
 def pytest_unconfigure(config):
     import shutil
     if getattr(config, "_graphtrain_cache", None):

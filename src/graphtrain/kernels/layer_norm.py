@@ -38,7 +38,8 @@ def layer_norm_reference(x: Tensor, weight: Optional[Tensor], bias: Optional[Ten
 
 def layer_norm_backward_reference(dy, x, weight, mean, rstd):
     n = x.shape[-1]
-    xf, dyf = x.to(_acc(x)).reshape(-1, n), dy.to(_acc(x)).reshape(-1, n)
+    rows = x.shape[:-1].numel()  # not reshape(-1, n): an empty last dim leaves -1 undetermined
+    xf, dyf = x.to(_acc(x)).reshape(rows, n), dy.to(_acc(x)).reshape(rows, n)
     xhat = (xf - mean[:, None]) * rstd[:, None]
     g = dyf * weight.to(xf.dtype) if weight is not None else dyf
     dx = rstd[:, None] * (g - g.mean(-1, keepdim=True) - xhat * (g * xhat).mean(-1, keepdim=True))
@@ -124,7 +125,7 @@ def _ln_bwd_triton(dy, x, weight, mean, rstd):
 
 
 def _supports_triton(x, weight, bias, *rest) -> bool:
-    return triton_ok(x, weight, bias) and x.shape[-1] <= 65536
+    return triton_ok(x, weight, bias) and 0 < x.shape[-1] <= 65536 and x.numel() > 0
 
 
 def _supports_cpu(x, *rest) -> bool:
@@ -147,7 +148,7 @@ def _layer_norm_op(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], 
 
 @_layer_norm_op.register_fake
 def _(x, weight, bias, eps):
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    rows = x.shape[:-1].numel()  # one statistic per row, also for an empty last dim (what the kernels give)
     return dense_empty(x), x.new_empty(rows, dtype=_acc(x)), x.new_empty(rows, dtype=_acc(x))
 
 

@@ -31,7 +31,8 @@ def rms_norm_reference(x: Tensor, weight: Optional[Tensor], eps: float):
 
 def rms_norm_backward_reference(dy, x, weight, rstd):
     n = x.shape[-1]
-    xf, dyf = x.to(_acc(x)).reshape(-1, n), dy.to(_acc(x)).reshape(-1, n)
+    rows = x.shape[:-1].numel()  # not reshape(-1, n): an empty last dim leaves -1 undetermined
+    xf, dyf = x.to(_acc(x)).reshape(rows, n), dy.to(_acc(x)).reshape(rows, n)
     xhat = xf * rstd[:, None]
     g = dyf * weight.to(xf.dtype) if weight is not None else dyf
     dx = rstd[:, None] * (g - xhat * (g * xhat).mean(-1, keepdim=True))
@@ -75,7 +76,7 @@ if HAS_TRITON:
 
 
 def _supports_triton(x, weight=None, *rest) -> bool:
-    return triton_ok(x, weight) and x.shape[-1] <= 65536
+    return triton_ok(x, weight) and 0 < x.shape[-1] <= 65536 and x.numel() > 0
 
 
 def _supports_cpu(x, *rest) -> bool:
@@ -108,7 +109,7 @@ def _rms_norm_op(x: Tensor, weight: Optional[Tensor], eps: float) -> tuple[Tenso
 
 @_rms_norm_op.register_fake
 def _(x, weight, eps):
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    rows = x.shape[:-1].numel()  # one statistic per row, also for an empty last dim (what the kernels give)
     return dense_empty(x), x.new_empty(rows, dtype=_acc(x))
 
 
