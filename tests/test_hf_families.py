@@ -98,3 +98,43 @@ def test_a_classifier_decides_its_problem_type_before_capture_and_compiles_once(
     assert problem_type is None and not any("problem_type" in n for n in rep.notes)
     rep, _ = two_steps("vit", settle=False)  # what the rule saves: Hugging Face's own first call forces a recompile
     assert rep.recompiles and all(r["frame_compile"] == 1 for r in rep.recompiles), rep.recompiles
+
+
+GQA_LLAMA = r"""
+import copy, sys, torch
+from transformers import LlamaConfig, LlamaForCausalLM
+import graphtrain
+from graphtrain.testing import assert_close, assert_grads_close
+torch.manual_seed(0)
+cfg = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=128, attn_implementation="sdpa", attention_dropout=0.0)
+ref = LlamaForCausalLM(cfg)
+m = copy.deepcopy(ref)
+step = torch.compile(m, backend="graphtrain")
+opts = [torch.optim.AdamW(x.parameters(), lr=1e-3, fused=True) for x in (ref, m)]
+x = torch.randint(0, 512, (4, 64))
+for i in range(2):
+    losses = []
+    for mod, fn, opt in ((ref, ref, opts[0]), (m, step, opts[1])):
+        loss = fn(input_ids=x, labels=x).loss
+        loss.backward()
+        losses.append(loss.detach())
+    assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6, name=f"loss {i}")
+    assert_grads_close(m, ref, rtol=1e-4, atol=1e-6)
+    for opt in opts:
+        opt.step()
+        opt.zero_grad()
+print("ok", losses[0].item())
+"""
+
+
+def test_grouped_query_llama_trains_through_the_compile_backend_like_eager():
+    """Issue #49: a Llama with 4 query and 2 key/value heads, SDPA, through `torch.compile(backend="graphtrain")` with
+    fused AdamW. Its head-by-head attention once read K and V by the query head: SIGSEGV in the first backward. Run in
+    a child process, so a crash fails this test instead of ending the suite."""
+    import os
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-c", GQA_LLAMA], capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert r.returncode == 0 and "ok" in r.stdout, (r.returncode, r.stderr[-3000:])
