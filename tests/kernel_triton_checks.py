@@ -120,6 +120,19 @@ def check_attention(dtype):
         ref = attention_backward_reference(do, q, k, v, mask, outr, lser, 0.35, causal, p, seed)
         for a, e, n in zip(got, ref, "qkv"):
             assert_close(a, e, name=f"attn d{n} p={p} causal={causal}")
+    for p, causal, hkv in ((0.0, True, 1), (0.25, False, 2)):  # grouped-query: 4 query heads, 1 or 2 key/value heads
+        q = torch.randn(2, 4, 11, 8, dtype=dtype)
+        k, v = torch.randn(2, hkv, 11, 8, dtype=dtype), torch.randn(2, hkv, 11, 6, dtype=dtype)
+        assert KERNELS["attention"].implementation_for("cuda", q, k, v, None) == "triton flash"
+        out, lse, seed = ops.attention(q, k, v, None, 0.35, causal, p)
+        outr, lser = attention_reference(q, k, v, None, 0.35, causal, p, seed)
+        assert_close(out, outr, name=f"gqa attn out p={p} hkv={hkv}")
+        do = torch.randn_like(out)
+        got = ops.attention_backward(do, q, k, v, None, out, lse, seed, 0.35, causal, p)
+        ref = attention_backward_reference(do, q, k, v, None, outr, lser, 0.35, causal, p, seed)
+        for a, e, n in zip(got, ref, "qkv"):
+            assert a.shape == e.shape, (n, a.shape, e.shape)
+            assert_close(a, e, name=f"gqa attn d{n} p={p} hkv={hkv}")
 
 
 if __name__ == "__main__":
