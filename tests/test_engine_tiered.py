@@ -314,7 +314,8 @@ def test_at_exit_a_running_compile_finishes_at_low_priority_or_is_stopped(monkey
     from graphtrain.config import EngineConfig
 
     monkeypatch.delenv(choose.AT_EXIT_ENV, raising=False)
-    assert choose.finish_at_exit(EngineConfig()) and not choose.finish_at_exit(EngineConfig(background_at_exit="stop"))
+    # the default ends the child with the run (issue #50); finish is the opt-in
+    assert not choose.finish_at_exit(EngineConfig()) and choose.finish_at_exit(EngineConfig(background_at_exit="finish"))
     monkeypatch.setenv(choose.AT_EXIT_ENV, "stop")
     assert not choose.finish_at_exit(EngineConfig())
     monkeypatch.setenv(choose.AT_EXIT_ENV, "finish")
@@ -340,7 +341,7 @@ def test_at_exit_a_running_compile_finishes_at_low_priority_or_is_stopped(monkey
         assert finishing.poll() is None and finishing.graphtrain_folder.exists()
         assert os.getpriority(os.PRIO_PROCESS, finishing.pid) >= choose.FINISH_NICE
         err = capsys.readouterr().err
-        assert f"(pid {finishing.pid}) finishes after this process" in err and "background_at_exit=stop" in err
+        assert f"(pid {finishing.pid}) finishes after this process" in err and "graphtrain cache stop" in err
     finally:
         finishing.kill()
         finishing.wait()

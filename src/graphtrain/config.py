@@ -13,6 +13,7 @@ Values are validated on creation: an unknown key, a wrong type or an out-of-rang
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -198,6 +199,7 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         _validate(self)
+        self.path, self.cache_dir, self.tokenizer = map(_expand_user, (self.path, self.cache_dir, self.tokenizer))
         if self.seq_len < 2:
             raise ValueError(f"data.seq_len must be at least 2, got {self.seq_len}")
         if not 0.0 < self.val_fraction < 1.0:
@@ -327,6 +329,10 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         _validate(self)
+        # `~` expanded here, once, so that every reader of out_dir (the run's writes, the lock, the checks) means the
+        # same folder: a run once landed in ./~/... while the out_dir check created an empty folder under $HOME
+        self.out_dir = _expand_user(self.out_dir)
+        self.init_from = _expand_user(self.init_from)
         if self.preempt_grace_s <= 0:
             raise ValueError(f"train.preempt_grace_s must be positive (seconds), got {self.preempt_grace_s}")
         unknown = [n for n in self.loggers if n not in LOGGERS]
@@ -448,6 +454,11 @@ def _section_name(cls: type) -> str:
 
 def _validate(obj: Any) -> None:
     validate(obj, _section_name(type(obj)))
+
+
+def _expand_user(path: str | None) -> str | None:
+    """A path key with a leading `~` or `~user` expanded (os.path.expanduser); other paths as given."""
+    return os.path.expanduser(path) if isinstance(path, str) and path.startswith("~") else path
 
 
 def describe_all() -> str:

@@ -168,40 +168,91 @@ def _machine_and_passes(config: EngineConfig) -> str:
     return h.hexdigest()
 
 
+# A pass result is a pickle (graph nodes, tensors, pass records), and `engine.cache_dir` can name any folder (a job
+# file sets it): a planted file there once ran its code on load. Each file carries an HMAC-SHA256 of its bytes under
+# a key only this user can read (`_user_key`, outside every cache folder); a file whose tag does not verify is never
+# unpickled: it counts as absent, the graph is traced again and the entry rewritten. (Inductor's own caches in the
+# same folder are torch's pickles, which graphtrain does not read: docs/reliability.md.)
+_MAGIC = b"graphtrain-pass-cache-hmac-sha256\n"
+
+
+def _user_key() -> bytes | None:
+    """32 random bytes in ``$XDG_CONFIG_HOME/graphtrain/cache.key`` (``~/.config/...``), mode 0600, made on first
+    use; None (the pass cache is off) when it cannot be made or is readable by others or owned by someone else."""
+    import secrets
+    import stat
+    base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+    path = Path(base).expanduser() / "graphtrain" / "cache.key"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        except FileExistsError:
+            pass
+        else:
+            with os.fdopen(fd, "wb") as f:
+                f.write(secrets.token_bytes(32))
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            key = f.read()
+    except OSError:
+        return None
+    if st.st_uid != os.getuid() or st.st_mode & (stat.S_IRWXG | stat.S_IRWXO) or len(key) != 32:
+        return None
+    return key
+
+
+def _tag(key: bytes, data: bytes) -> bytes:
+    import hashlib
+    import hmac
+    return hmac.new(key, data, hashlib.sha256).digest()
+
+
 def load_pass_result(config: EngineConfig, key: str) -> "tuple[fx.GraphModule, list[Any], int, int] | None":
-    """(graph, pass records, ops captured, ops after) stored under `key`, or None (absent, or unreadable: then
-    the graph is simply traced again)."""
+    """(graph, pass records, ops captured, ops after) stored under `key`, or None (absent, unreadable, or not
+    written by this user's graphtrain: then the graph is simply traced again). Nothing is unpickled before its
+    HMAC verifies."""
+    import hmac
     import pickle
     path = cache_root(config) / "passes" / f"{key}.pkl"
-    try:
-        with open(path, "rb") as f:
-            # Our own file in the user's cache folder, written by save_pass_result (as Inductor's own FX-graph
-            # cache is a pickle in the same folder).
-            encoded, records, ops_captured, ops_after = pickle.load(f)  # noqa: S301
-        return _decode_graph(encoded), records, ops_captured, ops_after
-    except FileNotFoundError:
+    secret = _user_key()
+    if secret is None:
         return None
-    except Exception:  # noqa: BLE001 - a truncated or stale entry: recompute and overwrite it
+    try:
+        blob = path.read_bytes()
+    except OSError:
+        return None
+    n = len(_MAGIC)
+    if not blob.startswith(_MAGIC) or not hmac.compare_digest(blob[n:n + 32], _tag(secret, blob[n + 32:])):
+        return None
+    try:
+        encoded, records, ops_captured, ops_after = pickle.loads(blob[n + 32:])  # noqa: S301 - verified above
+        return _decode_graph(encoded), records, ops_captured, ops_after
+    except Exception:  # noqa: BLE001 - a stale entry (an older graphtrain's classes): recompute and overwrite it
         return None
 
 
 def save_pass_result(config: EngineConfig, key: str, gm: "fx.GraphModule", records: list[Any], ops_captured: int,
                      ops_after: int) -> "fx.GraphModule":
-    """Store the optimized graph atomically (a reader never sees half a file) and return the graph as a later
-    process will load it: compile that one, so this process and the next hand Inductor the same graph and share
-    its cache entries (a freshly traced graph and its pickled copy differ in node metadata, which Inductor's and
-    AOTAutograd's keys see: measured, every entry missed once more). A graph that does not pickle is not cached
-    and comes back as it is."""
+    """Store the optimized graph atomically (a reader never sees half a file), tagged (_user_key), and return the
+    graph as a later process will load it: compile that one, so this process and the next hand Inductor the same
+    graph and share its cache entries (a freshly traced graph and its pickled copy differ in node metadata, which
+    Inductor's and AOTAutograd's keys see: measured, every entry missed once more). A graph that does not pickle is
+    not cached and comes back as it is."""
     import pickle
     import tempfile
     folder = cache_root(config) / "passes"
+    secret = _user_key()
     try:
         data = pickle.dumps((_encode_graph(gm), records, ops_captured, ops_after))
         loaded = _decode_graph(pickle.loads(data)[0])  # noqa: S301 - the bytes we just made
+        if secret is None:
+            return loaded
         folder.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            f.write(_MAGIC + _tag(secret, data) + data)
         os.replace(tmp, folder / f"{key}.pkl")
     except Exception:  # noqa: BLE001 - caching is an optimization; the compile goes on
         return gm

@@ -282,7 +282,12 @@ def prefetch_inductor_setup() -> None:
         except Exception:  # noqa: BLE001 - only a head start: Inductor runs (and reports) the probe itself
             pass
 
-    threading.Thread(target=probe, name="graphtrain-vec-isa-probe", daemon=True).start()
+    thread = threading.Thread(target=probe, name="graphtrain-vec-isa-probe", daemon=True)
+    thread.start()
+    import atexit
+    # the probe runs a compiler and a Python: waited for at exit (a second or two at most), so that no process of
+    # graphtrain's outlives the command (measured: a g++ of the probe was still running after a 4-step run returned)
+    atexit.register(thread.join, 60.0)
 
 
 class Tiered:

@@ -97,30 +97,53 @@ class MetricsLog:
             sink.purge_after(step)
         if not self.path.is_file():
             return
+        _refuse_link(self.path)
         kept = []
         for line in self.path.read_text().splitlines():
             try:
                 if json.loads(line).get("step", 0) <= step:
                     kept.append(line)
-            except json.JSONDecodeError:  # a torn last line from a crash
+            except (json.JSONDecodeError, AttributeError):  # a torn last line from a crash, or not a record
                 continue
         tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text("".join(line + "\n" for line in kept))
+        tmp.unlink(missing_ok=True)  # a link planted there is removed, never written through
+        with _open(tmp, os.O_CREAT | os.O_EXCL) as f:
+            f.write("".join(line + "\n" for line in kept))
         os.replace(tmp, self.path)
 
     def reset(self) -> None:
         """On a fresh run: start an empty log."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.path.write_text("")
+        with _open(self.path, os.O_CREAT | os.O_TRUNC):
+            pass
 
     def write(self, kind: str, step: int, **values: Any) -> dict[str, Any]:
         record = {"kind": kind, "step": step, **{k: _jsonable(v) for k, v in values.items()}, "time": time.time()}
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        with self.path.open("a") as f:
+        with _open(self.path, os.O_CREAT | os.O_APPEND) as f:
             f.write(json.dumps(record) + "\n")
         for sink in self.sinks:
             sink.record(record)
         return record
+
+
+def _refuse_link(path: Path) -> None:
+    if path.is_symlink():
+        raise ValueError(f"{str(path)!r} is a symbolic link (to {os.readlink(path)!r}): graphtrain writes a run's "
+                         f"metrics only to a file of its own, never through a link (a file elsewhere would be "
+                         f"overwritten); remove the link, or use another --out")
+
+
+def _open(path: Path, flags: int) -> Any:
+    """`path` opened for writing with `flags`, refusing a symbolic link (O_NOFOLLOW: a metrics.jsonl that was a link
+    to another file once truncated that file)."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0) | flags, 0o644)
+    except OSError as e:
+        if path.is_symlink():
+            _refuse_link(path)
+        raise e
+    return os.fdopen(fd, "w")
 
 
 def _jsonable(v: Any) -> Any:

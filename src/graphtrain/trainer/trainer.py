@@ -33,6 +33,7 @@ folder) before training starts at step 0 with a fresh optimizer (BERT phase 2 fr
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import math
@@ -60,6 +61,36 @@ from graphtrain.trainer.strategies import build_strategy
 _INIT_FROM_AND_RESUME = ("train.init_from and --resume cannot be combined: --resume continues a run (weights, "
                          "optimizer, step), init_from starts a new one from a checkpoint's weights; to continue a "
                          "run started with init_from, add train.init_from=null")
+
+
+class _PreemptedBeforeStart(SystemExit):
+    """SIGTERM while a Trainer is built (data preparation: reading the corpus, training the tokenizer; the model):
+    nothing has run, so the process ends at once with status 75 (preempted, `graphtrain train`'s rule), saying so,
+    where SIGTERM's default action ended it with 143 and no word."""
+
+
+@contextlib.contextmanager
+def _preempted_before_first_step() -> Iterator[None]:
+    import os
+    import signal
+    import sys
+    import threading
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handle(signum: int, frame: Any) -> None:
+        if os.environ.get("RANK", "0") == "0":
+            print("preempted: SIGTERM before the first step (while the data and model were prepared): nothing was "
+                  "lost, no step had run and no checkpoint was written or changed; run the same command again "
+                  "(--resume auto continues a run that has checkpoints)", file=sys.stderr, flush=True)
+        raise _PreemptedBeforeStart(75)
+
+    previous = signal.signal(signal.SIGTERM, handle)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 class Trainer:
@@ -91,39 +122,42 @@ class Trainer:
             self.env = init_distributed(config.parallel)  # clear error when not launched under torchrun
         self.is_main = self.env is None or self.env.is_main
         self.device = self.env.device if self.env is not None else runtime.pick_device()
-        runtime.setup(config.train)  # threads, deterministic algorithms
+        with _preempted_before_first_step():  # SIGTERM while the data and model are prepared
+            runtime.setup(config.train)  # threads, deterministic algorithms
 
-        family = model.family if model is not None else resolve_spec(config.model).family
-        self.data = data if data is not None else runtime.load_data(config, family, self.env)
-        if config.train.batch_size == "auto":
-            config, line = runtime.auto_batch_size(config, model, self.data.vocab_size, self.device)
-            self.config = config
-            self._log(line)
-        runtime.seed_everything(config.train.seed)  # weights depend on the seed only, not on data preparation
-        if model is None:
-            model = build_model(config.model, vocab_size=self.data.vocab_size)
-        self.family, self.spec = model.family, model.spec
-        if config.data.seq_len > self.spec.max_seq_len:
-            raise ValueError(f"data.seq_len={config.data.seq_len} is longer than model {config.model.label!r} supports "
-                             f"(max_seq_len={self.spec.max_seq_len}): lower data.seq_len, or set "
-                             f"model.max_seq_len={config.data.seq_len}")
-        self.init_source = None
-        # resume "auto" in a run that has checkpoints continues it (fit() picks and verifies the checkpoint, and
-        # refuses when none verifies), so init_from applies only to a fresh start; listing is enough here
-        if config.train.init_from is not None and not (_is_auto(resume) and list_checkpoints(config.train.out_dir)):
-            self.init_source, step = load_weights(model, config.train.init_from, config, self._model_spec(), self._log)
-            self._log(f"initialised weights from {self.init_source} (step {step} of that run); optimizer and step "
-                      f"start fresh")
-        self._flops_per_token, self._peak = self._mfu_inputs(model)
-        self.strategy = build_strategy(model, config, self.device, self.env, self._log)
-        # what trains (accelerated module, DDP wrapper, pipeline stage) and its optimizer (WholeStepGraph: the graph)
-        self.model, self.optimizer = self.strategy.model, self.strategy.optimizer
-        self.out_dir = Path(config.train.out_dir)
-        # eval_callbacks: f(step, val_loss) -> a reason to stop training now, or None (graphtrain sweep's pruner)
-        self.eval_callbacks: list[Callable[[int, float], str | None]] = []
-        self.metrics = MetricsLog(self.out_dir / "metrics.jsonl",
-                                  make_loggers(config.train.loggers, self.out_dir, config.to_dict())
-                                  if self.is_main else [])
+            family = model.family if model is not None else resolve_spec(config.model).family
+            self.data = data if data is not None else runtime.load_data(config, family, self.env)
+            if config.train.batch_size == "auto":
+                config, line = runtime.auto_batch_size(config, model, self.data.vocab_size, self.device)
+                self.config = config
+                self._log(line)
+            runtime.seed_everything(config.train.seed)  # weights depend on the seed only, not on data preparation
+            if model is None:
+                model = build_model(config.model, vocab_size=self.data.vocab_size)
+            self.family, self.spec = model.family, model.spec
+            if config.data.seq_len > self.spec.max_seq_len:
+                raise ValueError(f"data.seq_len={config.data.seq_len} is longer than model {config.model.label!r} "
+                                 f"supports (max_seq_len={self.spec.max_seq_len}): lower data.seq_len, or set "
+                                 f"model.max_seq_len={config.data.seq_len}")
+            self.init_source = None
+            # resume "auto" in a run that has checkpoints continues it (fit() picks and verifies the checkpoint, and
+            # refuses when none verifies), so init_from applies only to a fresh start; listing is enough here
+            if config.train.init_from is not None and not (_is_auto(resume)
+                                                           and list_checkpoints(config.train.out_dir)):
+                self.init_source, step = load_weights(model, config.train.init_from, config, self._model_spec(),
+                                                      self._log)
+                self._log(f"initialised weights from {self.init_source} (step {step} of that run); optimizer and step "
+                          f"start fresh")
+            self._flops_per_token, self._peak = self._mfu_inputs(model)
+            self.strategy = build_strategy(model, config, self.device, self.env, self._log)
+            # what trains (accelerated module, DDP wrapper, pipeline stage), its optimizer (WholeStepGraph: the graph)
+            self.model, self.optimizer = self.strategy.model, self.strategy.optimizer
+            self.out_dir = Path(config.train.out_dir)
+            # eval_callbacks: f(step, val_loss) -> a reason to stop training now, or None (graphtrain sweep's pruner)
+            self.eval_callbacks: list[Callable[[int, float], str | None]] = []
+            self.metrics = MetricsLog(self.out_dir / "metrics.jsonl",
+                                      make_loggers(config.train.loggers, self.out_dir, config.to_dict())
+                                      if self.is_main else [])
         self.step = 0  # optimizer steps completed
 
     # ------------------------------------------------------------------------------ training ----

@@ -1,0 +1,199 @@
+"""A careful user's surprises (issue #50, item 6), each with the real fault: a real `~`, a run folder inside the data,
+a planted pickle in the pass cache, a symlinked metrics.jsonl, a large file under data.max_bytes, a real SIGTERM
+during data preparation, and the mistakes that used to end in tracebacks. docs/reliability.md lists each case with
+its test."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from graphtrain.cli import main
+
+TINY = ["model.name=gpt2-tiny", "data.seq_len=32", "data.vocab_size=512", "data.max_bytes=300000",
+        "train.batch_size=4", "train.steps=2", "train.eval_every=0", "train.eval_batches=1", "train.log_every=1",
+        "train.ckpt_every=1", "train.progress=false", "train.threads=1", "train.sample_tokens=0",
+        "train.loggers=[jsonl]", "--no-accelerate"]
+
+pytestmark = pytest.mark.usefixtures("tiny_env")  # conftest.py: shared data cache, settings restored
+
+
+def _code(n: int) -> str:
+    return "".join(f"def f{i}(x):\n    return x * {i} + {n}\n\n" for i in range(400))
+
+
+def _error_line(capsys) -> str:
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err
+    lines = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+# ------------------------------------------------------------------------------------ (a) `~` ----
+
+def test_tilde_in_out_dir_is_the_home_folder(tmp_path, monkeypatch):
+    """train.out_dir=~/runs/x writes under $HOME, not into a folder named `~` in the working directory."""
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    home.mkdir()
+    cwd.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(cwd)
+    assert main(["train", *TINY, "train.out_dir=~/runs/x"]) == 0
+    assert (home / "runs" / "x" / "ckpt-0000002.pt").is_file()
+    assert (home / "runs" / "x" / "metrics.jsonl").is_file()
+    assert not (cwd / "~").exists()
+
+
+# ------------------------------------------------------------------------ (b) run inside data ----
+
+def test_a_run_folder_inside_data_path_is_not_read_as_data(tmp_path, capsys):
+    """The run writes its checkpoints and metrics inside data.path; resuming it reads the same corpus (the run's own
+    files are not data), so `--resume auto` continues instead of being refused as "another tokenizer"."""
+    data = tmp_path / "data"
+    data.mkdir()
+    for i in range(3):
+        (data / f"m{i}.py").write_text(_code(i))
+    args = [*TINY, f"data.path={data}", f"data.cache_dir={tmp_path / 'cache'}", "--out", str(data / "run")]
+    assert main(["train", *args]) == 0
+    assert main(["train", *args, "--resume", "auto", "--steps", "3"]) == 0, capsys.readouterr().err
+    records = [json.loads(line) for line in (data / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert max(r["step"] for r in records) == 3
+    from graphtrain.config import Config
+    from graphtrain.data.corpus import list_files
+    _, files = list_files(Config().with_overrides([f"data.path={data}"]).data)
+    assert sorted(f.relpath for f in files) == ["m0.py", "m1.py", "m2.py"]
+
+
+# ------------------------------------------------------------------- (c) planted pass cache ----
+
+class _Payload:
+    """What a planted pickle runs when it is loaded: it creates a file."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def _accelerated_step(cache: Path) -> object:
+    import graphtrain
+    from graphtrain.config import ModelConfig
+    from graphtrain.models import build_model
+    torch.manual_seed(0)
+    model = graphtrain.accelerate(build_model(ModelConfig(name="gpt2-tiny", dropout=0.0)), provider="aten",
+                                  cache_dir=str(cache), fallback="error")
+    x = torch.randint(0, 512, (2, 16))
+    model(x, x).backward()
+    torch._dynamo.reset()
+    return model._graphtrain
+
+
+def test_a_planted_pass_cache_entry_runs_no_code(tmp_path, one_thread):
+    """engine.cache_dir can name any folder: a pickle planted in its passes/ (raw, or with a forged header) is never
+    loaded; the graph is traced again, the entry rewritten, and a genuine entry still hits."""
+    import pickle
+    forged = b"graphtrain-pass-cache-hmac-sha256\n" + b"\0" * 32  # engine/cache.py's header, with a made-up tag
+    cache = tmp_path / "cache"
+    _accelerated_step(cache)
+    entries = sorted((cache / "passes").glob("*.pkl"))
+    assert entries
+    markers = []
+    for i, path in enumerate(entries):
+        markers.append(tmp_path / f"ran-{i}")
+        payload = pickle.dumps(_Payload(markers[-1]))
+        path.write_bytes(payload if i % 2 == 0 else forged + payload)
+    state = _accelerated_step(cache)
+    assert not any(m.exists() for m in markers), "a planted pickle ran"
+    assert {g.pass_cache for g in state.graphs if g.pass_cache} == {"miss"}
+    state = _accelerated_step(cache)  # the rewritten entries are genuine: they load
+    assert {g.pass_cache for g in state.graphs if g.pass_cache} == {"hit"}
+
+
+# ------------------------------------------------------------------- (d) symlinked metrics ----
+
+def test_a_symlinked_metrics_log_is_refused_and_its_target_untouched(tmp_path, capsys):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").symlink_to(victim)
+    assert main(["train", *TINY, "--out", str(run)]) == 2
+    line = _error_line(capsys)
+    assert "metrics.jsonl" in line and "symbolic link" in line and "remove the link" in line
+    assert victim.read_text() == "precious\n"
+
+
+def test_a_symlink_planted_as_the_metrics_temporary_file_is_not_written_through(tmp_path, capsys):
+    """On resume metrics.jsonl is rewritten through metrics.jsonl.tmp: a link planted there is replaced."""
+    from graphtrain.trainer.metrics import MetricsLog
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    log = MetricsLog(tmp_path / "metrics.jsonl")
+    log.reset()
+    for step in (1, 2, 3):
+        log.write("train", step, loss=1.0)
+    (tmp_path / "metrics.jsonl.tmp").symlink_to(victim)
+    log.truncate_after(2)
+    assert victim.read_text() == "precious\n"
+    assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+
+
+# ------------------------------------------------------------------------ (e) max_bytes reads ----
+
+def test_a_large_file_is_read_only_up_to_max_bytes(tmp_path):
+    """data.max_bytes=20000 over a 64 MB text file: the read allocates about 20 KB, not the file (tracemalloc)."""
+    import tracemalloc
+
+    from graphtrain.config import Config
+    from graphtrain.data.corpus import list_files, read_files
+    data = tmp_path / "data"
+    data.mkdir()
+    with open(data / "big.py", "wb") as f:
+        line = "x = 'é' * 3  # a multi-byte character, cut or not\n".encode()
+        f.write(line * (64 * 2**20 // len(line)))
+    cfg = Config().with_overrides([f"data.path={data}", "data.max_bytes=20000"]).data
+    _, files = list_files(cfg)
+    tracemalloc.start()
+    try:
+        docs = read_files(files, cfg.max_bytes)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    text = docs["big.py"]
+    assert len(text.encode()) <= 20000 and text.startswith("x = 'é'")
+    assert peak < 1 * 2**20, f"reading 20 KB of a 64 MB file peaked at {peak / 2**20:.1f} MiB"
+
+
+# --------------------------------------------------------------- (f) SIGTERM in data preparation ----
+
+def test_sigterm_during_data_preparation_exits_75_and_says_nothing_was_lost(tmp_path):
+    """A real SIGTERM while the tokenizer trains on a cold data cache (3 MB of the standard library, ~10 s): exit 75
+    with one line saying nothing was lost; nothing of a run is written."""
+    env = dict(os.environ)
+    args = [a for a in TINY if not a.startswith(("data.vocab_size", "data.max_bytes"))]
+    proc = subprocess.Popen([sys.executable, "-m", "graphtrain", "train", *args, "data.vocab_size=2048",
+                             "data.max_bytes=3000000", f"data.cache_dir={tmp_path / 'cache'}",
+                             "--out", str(tmp_path / "run")],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:  # the trainer imported: data preparation begins
+        if "tokenizers" in Path(f"/proc/{proc.pid}/maps").read_text():
+            break
+        time.sleep(0.05)
+    time.sleep(1.5)
+    assert proc.poll() is None, "the run ended before the signal: the test would prove nothing"
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 75, err[-2000:]
+    assert "preempted: SIGTERM before the first step" in err and "nothing was lost" in err
+    assert "Traceback" not in err
+    assert not list((tmp_path / "run").glob("ckpt-*"))

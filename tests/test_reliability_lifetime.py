@@ -1,0 +1,168 @@
+"""Runs that surprise no one (issue #50, items 5 and 6), each with the real fault: a real `graphtrain train` whose
+background compile is looked for in /proc, real signals, real symlinks, real files; docs/reliability.md lists each
+case with its test.
+
+The runs with a background compile (provider auto on a cold cache) are slow-marked: each is a real training
+process that imports torch and compiles (25-40 s on the shared 2-core machine)."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from graphtrain.cli import main
+
+TINY = ["model.name=gpt2-tiny", "data.seq_len=32", "data.vocab_size=512", "data.max_bytes=300000",
+        "train.batch_size=4", "train.steps=2", "train.eval_every=0", "train.eval_batches=1", "train.log_every=1",
+        "train.ckpt_every=1", "train.progress=false", "train.threads=1", "train.sample_tokens=0"]
+BACKGROUND = "graphtrain.engine.background"
+
+
+# ------------------------------------------------------------ item 5: no process left behind ----
+
+def _processes_of(session: int, parent: int) -> dict[int, str]:
+    """Every live process of the session `session` (the training command's: started with a session of its own) and
+    every background compile whose training process was `parent`, wherever it runs (a detached one has its own
+    session): pid -> command line."""
+    out = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        pid = int(entry.name)
+        try:
+            argv = [a.decode(errors="replace") for a in (entry / "cmdline").read_bytes().split(b"\0") if a]
+            state = (entry / "stat").read_text().rpartition(")")[2].split()[0]
+            sid = os.getsid(pid)
+        except (OSError, ProcessLookupError):
+            continue
+        if state == "Z":
+            continue
+        ours = BACKGROUND in argv and str(parent) in argv[argv.index(BACKGROUND):]
+        if sid == session or ours:
+            out[pid] = " ".join(argv)[:200]
+    return out
+
+
+def _train(out: Path, cache: Path, data_cache: Path, *extra: str, steps: int = 4) -> subprocess.Popen:
+    """`graphtrain train` with provider auto on a cold compile cache (a background compile starts at step 2), in a
+    session of its own, under the default engine.background_at_exit (the test suite's override removed)."""
+    env = {k: v for k, v in os.environ.items() if k != "GRAPHTRAIN_BACKGROUND_AT_EXIT"}
+    env["GRAPHTRAIN_CACHE"] = str(cache)
+    args = [a for a in TINY if not a.startswith(("train.steps=", "train.ckpt_every="))]
+    return subprocess.Popen([sys.executable, "-m", "graphtrain", "train", *args, f"train.steps={steps}",
+                             "train.ckpt_every=0", "train.loggers=[jsonl]", f"data.cache_dir={data_cache}",
+                             "--out", str(out), *extra],
+                            env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+
+
+class _Watch:
+    """Polls /proc while the run goes on and keeps the pids of the background compiles it saw."""
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        self.proc, self.seen = proc, set()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while self.proc.poll() is None:
+            self.seen |= {pid for pid, cmd in _processes_of(self.proc.pid, self.proc.pid).items() if BACKGROUND in cmd}
+            time.sleep(0.05)
+
+    def wait_for_child(self, timeout: float = 240.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not self.seen and time.monotonic() < deadline and self.proc.poll() is None:
+            time.sleep(0.05)
+        assert self.seen, "no background compile was started: the test would prove nothing"
+
+
+def _left(proc: subprocess.Popen, wait_s: float = 0.0) -> dict[int, str]:
+    """What of the run is still running, after waiting up to `wait_s` for it to go."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        left = _processes_of(proc.pid, proc.pid)
+        if not left or time.monotonic() >= deadline:
+            return left
+        time.sleep(0.1)
+
+
+@pytest.mark.slow
+def test_a_finished_run_leaves_no_process_behind(tmp_path):
+    """The run returns (4 steps, long before its background compile is done): nothing of it is left, not the
+    compile child, not its compile workers, not a compiler."""
+    proc = _train(tmp_path / "run", tmp_path / "cache", tmp_path / "data")
+    watch = _Watch(proc)
+    out, _ = proc.communicate(timeout=600)
+    watch.thread.join()
+    assert proc.returncode == 0, out[-3000:]
+    assert watch.seen, "no background compile was started: the test would prove nothing"
+    assert _left(proc) == {}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_sigterm_or_ctrl_c_leaves_no_process_behind(tmp_path, sig):
+    """SIGTERM to the run, or Ctrl-C (SIGINT to the terminal's process group): exit 75 and nothing left."""
+    proc = _train(tmp_path / "run", tmp_path / "cache", tmp_path / "data", steps=400)
+    watch = _Watch(proc)
+    watch.wait_for_child()
+    if sig == signal.SIGINT:
+        os.killpg(proc.pid, sig)
+    else:
+        proc.send_signal(sig)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 75, out[-3000:]
+    assert _left(proc) == {}
+
+
+@pytest.mark.slow
+def test_a_killed_run_takes_its_background_compile_with_it(tmp_path):
+    """SIGKILL (the OOM killer, a scheduler past its grace): no exit handler runs; the kernel ends the compile child
+    (PR_SET_PDEATHSIG) and its workers follow (they watch their parent)."""
+    proc = _train(tmp_path / "run", tmp_path / "cache", tmp_path / "data", steps=400)
+    watch = _Watch(proc)
+    watch.wait_for_child()
+    proc.kill()
+    proc.communicate(timeout=60)
+    assert _left(proc, wait_s=10.0) == {}
+
+
+@pytest.mark.slow
+def test_finishing_in_the_background_is_opt_in_listed_and_stopped(tmp_path):
+    """engine.background_at_exit=finish: the compile goes on after the run, detached, named graphtrain-bg;
+    `graphtrain cache list` shows it and `graphtrain cache stop` ends it."""
+    proc = _train(tmp_path / "run", tmp_path / "cache", tmp_path / "data", "engine.background_at_exit=finish")
+    watch = _Watch(proc)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-3000:]
+    left = _left(proc)
+    try:
+        assert len(left) == 1, (left, out[-2000:])
+        (pid,) = left
+        assert "finishes after this process" in out and "graphtrain cache stop" in out
+        assert Path(f"/proc/{pid}/comm").read_text().strip() == "graphtrain-bg"
+        assert os.getsid(pid) == pid  # detached: a session of its own
+        listed = subprocess.run([sys.executable, "-m", "graphtrain", "cache", "list"], capture_output=True, text=True,
+                                timeout=120)
+        assert f"pid {pid} " in listed.stdout and f"its run (pid {proc.pid}) exited" in listed.stdout, listed
+        stopped = subprocess.run([sys.executable, "-m", "graphtrain", "cache", "stop", str(pid)], capture_output=True,
+                                 text=True, timeout=120)
+        assert stopped.returncode == 0 and f"pid {pid}" in stopped.stdout, stopped
+        assert _left(proc, wait_s=10.0) == {}
+    finally:
+        for pid in _left(proc):
+            os.kill(pid, signal.SIGKILL)
+    assert watch.seen
+
+
+def test_cache_stop_refuses_a_pid_that_is_not_a_background_compile(capsys):
+    """`graphtrain cache stop PID` never signals a process that is not one of this user's background compiles."""
+    assert main(["cache", "stop", str(os.getpid())]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: no background compile of yours has pid") and err.count("\n") == 1
