@@ -288,3 +288,51 @@ def test_workers_keep_torchs_inductor_cache_apart_per_simulated_isa(monkeypatch)
     assert worker_env()["TORCHINDUCTOR_CACHE_DIR"] == default_cache_dir() + "-isa-avx2"
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/somewhere")  # the user's choice stands
     assert worker_env()["TORCHINDUCTOR_CACHE_DIR"] == "/somewhere"
+
+
+def test_mfu_counts_the_flops_that_run_and_marks_the_shortcut_eager_does_not_get():
+    """A variant whose sparse LM head skipped rows: MFU on its executed FLOPs, the dense formula's figure beside it
+    labelled, and each of its ratios marked, with the shortcut named under the table (issue #52)."""
+    run = _fake_run()
+    sparse = {**run["cases"][0]["variants"]["compile-fp32"]}
+    sparse["setup"] = {**sparse["setup"], "executed_flops_per_step": 0.6e9,
+                       "flops_shortcut": "sparse LM head: 5 of 32 rows"}
+    run["cases"][0]["variants"]["graphtrain-fp32"] = sparse
+    rows = {r["variant"]: r for r in report.summarize(run)}
+    g = rows["graphtrain-fp32"]
+    assert g["mfu"] == pytest.approx(0.6e9 / 0.055 / 1e11) and g["mfu_dense"] == pytest.approx(1e9 / 0.055 / 1e11)
+    assert rows["eager-fp32"]["mfu_dense"] is None and rows["eager-fp32"]["shortcut"] is None
+    md = report.markdown(run)
+    line = next(ln for ln in md.splitlines() if ln.startswith("| graphtrain-fp32"))
+    assert f"2.00x (2.00-2.00){report.SHORTCUT_MARK}" in line and "10.9% (dense-equivalent 18.2%)" in line
+    assert "shortcut eager does not get (sparse LM head: 5 of 32 rows)" in md
+    assert "no-sparse-head ablation" in md
+
+
+def test_a_simulated_cpu_is_named_in_the_machine_line(monkeypatch):
+    run = _fake_run()
+    run["env"].update(simulated="avx2", isa_env={"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"})
+    machine = next(ln for ln in report.markdown(run).splitlines() if ln.startswith("Machine:"))
+    assert "**simulated avx2**" in machine and "ONEDNN_MAX_CPU_ISA=AVX2" in machine
+    from graphtrain.bench.runner import environment
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert environment("cpu")["isa_env"] == {"ONEDNN_MAX_CPU_ISA": "AVX2"}
+
+
+def test_a_bert_workload_counts_its_labelled_rows_as_the_sparse_heads_flops():
+    """bert-tiny under graphtrain: after a step the engine's records show the sparse head, and the executed FLOPs are
+    the dense formula's less 6 x vocab x d_model per unlabelled row; eager runs the dense head."""
+    from graphtrain.bench.case import build_workload, executed_flops, labelled_rows
+    case = suites.Case("bert-tiny", 2, 32)
+    for name in ("eager-fp32", "graphtrain-fp32"):
+        work, info = build_workload(case, suites.VARIANTS[name])
+        work.step()
+        got = executed_flops(case, work, info)
+        rows = labelled_rows(case, work.batch, work.hf)
+        assert 0 < rows < 64
+        if name == "eager-fp32":
+            assert got == {"executed_flops_per_step": info["flops_per_step"], "flops_shortcut": None}
+        else:
+            skipped = 6 * info["vocab"] * info["d_model"] * (64 - rows)
+            assert got["executed_flops_per_step"] == info["flops_per_step"] - skipped
+            assert got["flops_shortcut"] == f"sparse LM head: {rows} of 64 rows"

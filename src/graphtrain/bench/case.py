@@ -135,6 +135,43 @@ def make_batch(case: Case, vocab_size: int, hf: bool, device: torch.device) -> d
     return {k: v.contiguous().to(device) for k, v in batch.items()}
 
 
+def labelled_rows(case: Case, batch: dict[str, torch.Tensor], hf: bool) -> int:
+    """The rows of the LM head's input that carry a label: what a sparse head computes. Hugging Face's causal LMs
+    shift their labels (position i predicts labels[i + 1]), so each sequence's last position has none."""
+    labels = batch["labels"]
+    if case.family == "gpt2" and hf:
+        labels = labels[:, 1:]
+    return int(labels.ne(-100).sum())
+
+
+def sparse_head_ran(work: "Workload") -> bool:
+    """Whether the variant's graphs run the sparse LM head (graphtrain's `sparse_lm_head` pass rewrote a head):
+    read from the engine's pass records after the first step. Unknown (no record) counts as sparse, so that MFU is
+    never counted on FLOPs that may not run."""
+    if work.variant.mode not in ("graphtrain", "graphtrain-step") or "sparse_lm_head" in work.variant.passes_off:
+        return False
+    try:
+        from graphtrain.engine.report import report
+        passes = report(work.model).passes
+    except Exception:  # noqa: BLE001 - no engine state to read: assume the shortcut ran
+        return True
+    return any(p["name"] == "sparse_lm_head" and p["rewrites"] for p in passes) or not passes
+
+
+def executed_flops(case: Case, work: "Workload", info: dict[str, Any]) -> dict[str, Any]:
+    """The FLOPs each step runs (`executed_flops_per_step`), from the dense formula less the LM head rows a sparse
+    head skips (6 FLOPs per weight per row: forward, and backward for the input and the weight); what it skips is
+    named in `flops_shortcut`, which the report prints beside the variant's MFU."""
+    dense = info["flops_per_step"]
+    if not sparse_head_ran(work):
+        return {"executed_flops_per_step": dense, "flops_shortcut": None}
+    rows = case.batch * case.seq
+    run = labelled_rows(case, work.batch, work.hf)
+    head = info["vocab"] * info["d_model"]
+    return {"executed_flops_per_step": dense - 6 * head * (rows - run),
+            "flops_shortcut": f"sparse LM head: {run} of {rows} rows"}
+
+
 def wrap_model(model: torch.nn.Module, variant: Variant) -> torch.nn.Module:
     if variant.mode == "eager":
         return model
@@ -196,7 +233,7 @@ def build_workload(case: Case, variant: Variant, device: str = "cpu") -> tuple[W
     model.to(dev).train()
     n_layer, d_model = flops.model_dims(model)
     info = {"params": sum(p.numel() for p in model.parameters()), "matmul_params": flops.matmul_params(model),
-            "n_layer": n_layer, "d_model": d_model, "hf": hf}
+            "n_layer": n_layer, "d_model": d_model, "hf": hf, "vocab": vocab}
     batch = make_batch(case, vocab, hf, dev)
     wrapped = wrap_model(model, variant)
     optimizer = make_optimizer(model, variant)
@@ -292,6 +329,7 @@ class Worker:
             wait_compiled(self.work.model)
             self._run(1)  # each graph measures its candidates and switches
             info["background_compile_s"] = time.perf_counter() - t2
+        info.update(executed_flops(self.case, self.work, info))
         info["threads"] = torch.get_num_threads()
         info["optimizer"] = ("AdamW in the step graph" if self.work.step_graph is not None
                              else type(self.work.optimizer).__name__)

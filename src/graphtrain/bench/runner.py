@@ -111,6 +111,12 @@ def _slug(s: str) -> str:
 
 # ------------------------------------------------------------------------------ environment ----
 
+ISA_ENV = ("GRAPHTRAIN_SIMULATE_CPU", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA",
+           "MKL_ENABLE_INSTRUCTIONS", "MKL_DEBUG_CPU_TYPE")
+"""Environment variables that limit the instruction set torch, oneDNN, MKL or graphtrain use: recorded with each run
+and named in its machine line."""
+
+
 def environment(device: str) -> dict[str, Any]:
     """Versions and machine facts recorded with every run."""
     import torch
@@ -125,7 +131,9 @@ def environment(device: str) -> dict[str, Any]:
                            "cpu_flags": _cpu_flags(), "cpu_family_model": _cpu_family_model(),
                            "isa": c.isa, "torch_isa": c.torch_isa, "git_sha": _git("rev-parse", "HEAD"),
                            "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
-                           "loadavg_start": _loadavg()}
+                           "loadavg_start": _loadavg(), "simulated": c.simulated or None,
+                           # what changes the code a run executes without changing the machine: a simulated CPU
+                           "isa_env": {k: os.environ[k] for k in ISA_ENV if os.environ.get(k)}}
     try:
         import transformers
         env["transformers"] = transformers.__version__
