@@ -309,6 +309,17 @@ def test_mfu_counts_the_flops_that_run_and_marks_the_shortcut_eager_does_not_get
     assert "no-sparse-head ablation" in md
 
 
+def test_tables_print_time_to_full_speed_and_the_compile_childs_peak():
+    run = _fake_run()
+    rec = run["cases"][0]["variants"]["compile-fp32"]
+    rec["setup"] = {**rec["setup"], "time_to_full_speed_s": 19.0}
+    rec["children_peak_mem_mib"] = 700.0
+    md = report.markdown(run)
+    line = next(ln for ln in md.splitlines() if ln.startswith("| compile-fp32"))
+    assert "3.0 / 19.0" in line and "500 (450) +700 child" in line
+    assert "whole job peaked at no more than the sum" in md
+
+
 def test_a_simulated_cpu_is_named_in_the_machine_line(monkeypatch):
     run = _fake_run()
     run["env"].update(simulated="avx2", isa_env={"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"})

@@ -272,6 +272,14 @@ def peak_memory_mib(device: torch.device) -> float:
     return kib / 1024
 
 
+def children_peak_mib() -> float:
+    """The largest peak RSS of this process's finished children (the background compile, Inductor's compile
+    workers): what a whole-process peak adds to the worker's own. Linux reports KiB."""
+    import resource
+    r = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    return (r / 2 ** 20 if sys.platform == "darwin" else r / 1024)
+
+
 def current_memory_mib(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.memory_allocated(device) / 2 ** 20
@@ -329,6 +337,9 @@ class Worker:
             wait_compiled(self.work.model)
             self._run(1)  # each graph measures its candidates and switches
             info["background_compile_s"] = time.perf_counter() - t2
+        # from the start of setup to the first step at the speed the variant keeps: the same as the first step for
+        # every variant but graphtrain's, whose first steps run on aten while Inductor compiles in the background
+        info["time_to_full_speed_s"] = time.perf_counter() - t0
         info.update(executed_flops(self.case, self.work, info))
         info["threads"] = torch.get_num_threads()
         info["optimizer"] = ("AdamW in the step graph" if self.work.step_graph is not None
@@ -361,7 +372,7 @@ class Worker:
     def finish(self) -> dict[str, Any]:
         now = peak_memory_mib(self.device)
         return {"peak_mem_mib": max(now, self.peak_before_reset), "step_peak_mem_mib": now if self.was_reset else None,
-                "steps_done": self.steps_done, "final_loss": self.loss}
+                "children_peak_mem_mib": children_peak_mib(), "steps_done": self.steps_done, "final_loss": self.loss}
 
 
 def serve(case: Case, variant: Variant, device: str, stdin: Any, channel: Any, pin_mmap: bool = False) -> None:

@@ -60,6 +60,8 @@ def summarize(run: dict[str, Any]) -> list[dict[str, Any]]:
                            mfu_dense=flops.mfu(setup.get("flops_per_step", 0), med, peak.get(prec))
                            if setup.get("flops_shortcut") else None, shortcut=setup.get("flops_shortcut"),
                            flops_per_step=setup.get("flops_per_step"), ttfs_s=setup.get("time_to_first_step_s"),
+                           full_speed_s=setup.get("time_to_full_speed_s"),
+                           children_peak_mem_mib=rec.get("children_peak_mem_mib"),
                            peak_mem_mib=rec.get("peak_mem_mib"), step_peak_mem_mib=rec.get("step_peak_mem_mib"),
                            final_loss=rec.get("final_loss"), steps_done=rec.get("steps_done"),
                            opt_ms=statistics.median(rec["opt_s"]) * 1e3 if rec.get("opt_s") else None,
@@ -125,7 +127,7 @@ def _maxbatch(row: dict[str, Any]) -> str:
 
 COLUMNS = ("variant", "ms/step median (min-max)", "IQR ms", "samples/s", "tokens/s", "vs eager fp32",
            "vs compile same prec", "vs best baseline same prec", "MFU", "optimizer ms", "peak MiB (steps)",
-           "1st step s", "loss@N", "max batch")
+           "1st step / full speed s", "loss@N", "max batch")
 
 
 def row_cells(row: dict[str, Any]) -> list[str]:
@@ -133,6 +135,8 @@ def row_cells(row: dict[str, Any]) -> list[str]:
         return [row["variant"], row["status"] if row["status"] != "ok" else "no timings"] + [""] * (len(COLUMNS) - 2)
     ms = f"{row['median_s'] * 1e3:.1f} ({row['min_s'] * 1e3:.1f}-{row['max_s'] * 1e3:.1f})"
     mem = f"{_f(row['peak_mem_mib'], '.0f')} ({_f(row.get('step_peak_mem_mib'), '.0f')})"
+    if (row.get("children_peak_mem_mib") or 0) >= 1:  # a compile process beside the worker (see the footnote)
+        mem += f" +{row['children_peak_mem_mib']:.0f} child"
     loss = f"{row['final_loss']:.4f}@{row['steps_done']}" if row.get("final_loss") is not None else "-"
     mfu = _pct(row.get("mfu"))
     if row.get("mfu_dense") is not None:
@@ -142,7 +146,7 @@ def row_cells(row: dict[str, Any]) -> list[str]:
             f"{row['tokens_s']:.0f}", _ratio(row, "vs_eager") + mark, _ratio(row, "vs_compile") + mark,
             _ratio(row, "vs_best") + mark + (f" {row['best_baseline']}" if row.get("best_baseline") else ""), mfu,
             _f(row.get("opt_ms"), ".1f") + (f" {row['optimizer']}" if row.get("optimizer") else ""), mem,
-            _f(row.get("ttfs_s"), ".1f"), loss, _maxbatch(row)]
+            f"{_f(row.get('ttfs_s'), '.1f')} / {_f(row.get('full_speed_s'), '.1f')}", loss, _maxbatch(row)]
 
 
 SHORTCUT_MARK = " +"
@@ -241,8 +245,12 @@ def markdown(run: dict[str, Any], heading: str = "##") -> str:
         lines += [f"* {n}" for n in notes(rows, case["name"])]
         lines += [""] if notes(rows, case["name"]) else []
         lines += ablation_table(rows, case["name"])
-    lines += ["Peak MiB: whole-process peak RSS (VmHWM; CUDA: max allocated), including compile; in brackets the "
-              "peak during the timed steps only. Max batch: largest measured batch whose peak stays under the cap "
+    lines += ["Peak MiB: the worker process's peak RSS (VmHWM; CUDA: max allocated), including compile; in brackets "
+              "the peak during the timed steps only; `+N child`: the largest peak of a process it started (the "
+              "background Inductor compile, compile workers), so the whole job peaked at no more than the sum. "
+              "1st step / full speed: seconds from building the model to the end of the first step, and to the end "
+              "of the first step at the speed the variant keeps (graphtrain's first steps run on aten while Inductor "
+              "compiles in the background; for the other variants the two are the same). Max batch: largest measured batch whose peak stays under the cap "
               "(`+`: a measured lower bound, the search ran out of trials).", ""]
     return "\n".join(lines)
 
