@@ -136,11 +136,14 @@ def test_huge_page_allocator_backs_large_blocks_with_huge_pages():
 
 
 def test_measure_harness_allocator_flags():
-    """The memory harness's process allocator: as graphtrain would set it unless a flag says otherwise."""
+    """The memory harness's process allocator: one setting for every mode (glibc's default, what a user's eager loop
+    gets) unless a flag says otherwise, so a comparison never pits two allocator settings against each other."""
     from graphtrain.engine.measure import _allocator, _parser
     parse = _parser().parse_args
-    assert _allocator(parse(["--mode", "eager"])) == "keep"
-    assert _allocator(parse(["--mode", "accelerate", "--recompute", "selective"])) == "release"
+    assert _allocator(parse(["--mode", "eager"])) == "default"
+    assert _allocator(parse(["--mode", "accelerate", "--recompute", "selective"])) == "default"
+    assert _allocator(parse(["--mode", "accelerate", "--recompute", "auto", "--allocator", "release"])) == "release"
+    assert _allocator(parse(["--mode", "eager", "--allocator", "release"])) == "release"
     assert _allocator(parse(["--mode", "accelerate", "--recompute", "selective", "--keep-malloc"])) == "keep"
     assert _allocator(parse(["--mode", "eager", "--no-pin-malloc"])) == "default"
     assert _allocator(parse(["--mode", "eager", "--pin-malloc"])) == "release"

@@ -14,6 +14,10 @@ counts it. For ``accelerate`` the engine's prediction is also turned into a pred
 (``memory.process.predict_process_peak``: the resident set before the timed steps, less the parameters,
 optimizer state and batch measured in it, plus the predicted step peak) and compared with ``peak_rss``:
 ``process_peak_error`` = (predicted - measured) / measured.
+
+Every mode runs under one allocator setting (``--allocator``, glibc's default unless given), recorded in the JSON
+line as ``allocator``: a comparison of eager with graphtrain measures both under the same one, since the setting
+alone moves a peak by 9-31% (docs/memory.md).
 """
 from __future__ import annotations
 
@@ -135,19 +139,19 @@ def _vision(path: str, batch: int, attention: str) -> tuple[Any, tuple]:
 
 
 def _allocator(a: argparse.Namespace) -> str:
-    """engine.cpu_allocator for this measurement's process (memory/allocator.py apply): release when pinned (as
-    accelerate does under recompute), glibc's default with --no-pin-malloc, else keep (as accelerate does without
-    recompute, engine/backend.py allocator_mode)."""
-    return "release" if _pinned(a) else "default" if a.no_pin_malloc else "keep"
+    """engine.cpu_allocator for this measurement's process (memory/allocator.py apply), the same for every mode
+    unless a flag says otherwise, so that two modes compared run under one setting: `--allocator`, else release with
+    --pin-malloc, keep with --keep-malloc, else glibc's default (what a user's eager loop runs under). What graphtrain
+    itself would set (release under recompute and memory budgets, keep without: engine/backend.py allocator_mode) is
+    one flag away, and a comparison gives that flag to eager too."""
+    if a.allocator:
+        return a.allocator
+    return "release" if a.pin_malloc else "keep" if a.keep_malloc else "default"
 
 
 def _pinned(a: argparse.Namespace) -> bool:
-    """glibc's mmap threshold pinned in this measurement's process: as asked (--pin-malloc / --no-pin-malloc; the
-    memory benchmark sets one of them for every variant alike), else as graphtrain would (accelerate pins it for
-    recompute and memory budgets, engine/backend.py)."""
-    if a.pin_malloc or a.no_pin_malloc or a.keep_malloc:
-        return bool(a.pin_malloc)
-    return a.mode in ("graphtrain", "accelerate") and (a.recompute != "none" or a.budget is not None)
+    """glibc's mmap threshold pinned in this measurement's process (the release setting)."""
+    return _allocator(a) == "release"
 
 
 def _child(a: argparse.Namespace) -> dict[str, Any]:
@@ -290,9 +294,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--provider", default="aten", choices=("aten", "inductor", "auto"), help="accelerate mode only")
     p.add_argument("--inplace", action="store_true", help="run the in-place elementwise pass")
     p.add_argument("--unboxed", action="store_true", help="hold backward inputs until it returns")
-    p.add_argument("--pin-malloc", action="store_true",
-                   help="pin glibc's mmap threshold (default: as graphtrain would, i.e. for recompute or a budget)")
-    p.add_argument("--no-pin-malloc", action="store_true", help="keep glibc's dynamic threshold")
+    p.add_argument("--allocator", choices=("default", "keep", "release"), default=None,
+                   help="engine.cpu_allocator in this process, whatever the mode (default: glibc's default for every "
+                        "mode; give every mode of a comparison the same value)")
+    p.add_argument("--pin-malloc", action="store_true", help="the same as --allocator release")
+    p.add_argument("--no-pin-malloc", action="store_true", help="the same as --allocator default (the default)")
     p.add_argument("--keep-malloc", action="store_true",
                    help="glibc keeps freed blocks for the next step (engine.cpu_allocator keep, what graphtrain sets "
                         "without recompute) whatever the recompute mode")
