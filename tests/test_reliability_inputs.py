@@ -197,3 +197,69 @@ def test_sigterm_during_data_preparation_exits_75_and_says_nothing_was_lost(tmp_
     assert "preempted: SIGTERM before the first step" in err and "nothing was lost" in err
     assert "Traceback" not in err
     assert not list((tmp_path / "run").glob("ckpt-*"))
+
+
+# ------------------------------------------------------------ (g) mistakes that were tracebacks ----
+
+def _prepare_mistake(case: str, tmp: Path, monkeypatch) -> list[str]:
+    """The files a case needs; returns the command (after `graphtrain`)."""
+    import numpy as np
+    if case == "model vocabulary smaller than the tokenizer's":
+        return ["train", *TINY, "model.vocab_size=300", "--out", str(tmp / "run")]
+    if case == "negative token ids":
+        ids = np.arange(4000, dtype=np.int32) % 500
+        ids[100] = -3
+        np.save(tmp / "tokens.npy", ids)
+        return ["train", *TINY, f"data.path={tmp / 'tokens.npy'}", "--out", str(tmp / "run")]
+    if case == "absurd model.vocab_size":
+        return ["train", *TINY, "model.vocab_size=100000000000", "--out", str(tmp / "run")]
+    if case == "logger package missing":
+        monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` raises ImportError, as when not installed
+        return ["train", *TINY, "train.loggers=[jsonl,wandb]", "--out", str(tmp / "run")]
+    if case == "exporter package missing":
+        assert main(["train", *TINY, "--out", str(tmp / "run")]) == 0
+        monkeypatch.setitem(sys.modules, "onnxruntime", None)
+        return ["export", str(tmp / "run"), "--format", "onnx"]
+    if case == "bad YAML in a sweep file":
+        (tmp / "sweep.yaml").write_text("space: {optim.lr: [1\n")
+        return ["sweep", str(tmp / "sweep.yaml")]
+    if case in ("bad YAML in a run's config.yaml given to plot", "malformed metrics.jsonl record"):
+        (tmp / "run").mkdir()
+        (tmp / "run" / "metrics.jsonl").write_text('{"kind": "train", "step": 1, "loss": 2.0}\n[1, 2]\n'
+                                                   if case.startswith("malformed") else
+                                                   '{"kind": "train", "step": 1, "loss": 2.0}\n')
+        (tmp / "run" / "config.yaml").write_text("model: {name: [gpt2\n" if case.startswith("bad") else "{}\n")
+        return ["plot", str(tmp / "run"), "--out", str(tmp / "report.html")]
+    if case == "deeply nested YAML":
+        (tmp / "deep.yaml").write_text("train: " + "[" * 100_000 + "]" * 100_000 + "\n")
+        return ["train", str(tmp / "deep.yaml"), *TINY, "--out", str(tmp / "run")]
+    if case == "deeply nested override":
+        return ["train", *TINY, "train.loggers=" + "[" * 100_000 + "]" * 100_000, "--out", str(tmp / "run")]
+    raise AssertionError(case)
+
+
+MISTAKES = {  # case: (exit status, text the one error line holds: the key or file, and the fix)
+    "model vocabulary smaller than the tokenizer's": (2, "model.vocab_size=300 is smaller than the tokenizer's "
+                                                         "vocabulary (512 ids): set model.vocab_size to at least 512"),
+    "negative token ids": (2, "tokens.npy' holds token id -3: token ids are 0 or more"),
+    "absurd model.vocab_size": (2, "model.vocab_size=100000000000 is out of range: give 1 to 16,777,216"),
+    "logger package missing": (2, "train.loggers asks for wandb, which is not installed: pip install wandb, or drop"),
+    "exporter package missing": (2, "export --format onnx needs onnxruntime (not installed): pip install"),
+    "bad YAML in a sweep file": (2, "sweep.yaml' is not valid YAML at line 2, column 1"),
+    "bad YAML in a run's config.yaml given to plot": (2, "config.yaml' is not valid YAML at line 2"),
+    "malformed metrics.jsonl record": (2, "metrics.jsonl' line 2 is not a metrics record"),
+    "deeply nested YAML": (2, "deep.yaml' is not valid YAML: it nests deeper than the YAML reader can follow"),
+    "deeply nested override": (2, "override train.loggers: it nests deeper than the YAML reader can follow"),
+}
+
+
+@pytest.mark.parametrize("case", list(MISTAKES))
+def test_a_mistake_is_one_error_line_not_a_traceback(case, tmp_path, capsys, monkeypatch):
+    argv = _prepare_mistake(case, tmp_path, monkeypatch)
+    capsys.readouterr()
+    code = main(argv)
+    line = _error_line(capsys)
+    status, expected = MISTAKES[case]
+    assert expected in line, line
+    assert len(line) < 400, line  # one readable line, not a pasted blob
+    assert code == status

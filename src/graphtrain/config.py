@@ -21,7 +21,7 @@ from typing import Any, Literal
 import yaml
 
 from graphtrain.config_schema import field_docs, from_dict, suggest, validate
-from graphtrain.jobfile import load_job_file, yaml_load  # noqa: F401 - re-exported (graphtrain.config API)
+from graphtrain.jobfile import NestedTooDeep, load_job_file, yaml_load  # noqa: F401 - re-exported (graphtrain.config API)
 
 
 @dataclass
@@ -129,6 +129,9 @@ class EngineConfig:
                 raise TypeError(f"engine.passes.{k} must be true or false, got {v!r}")
 
 
+MAX_VOCAB = 2**24  # ids: a vocabulary past this is a typo (its embedding alone would be gigabytes per layer width)
+
+
 @dataclass
 class ModelConfig:
     """Which reference model to build."""
@@ -166,6 +169,9 @@ class ModelConfig:
             raise ValueError(f"model.dropout must be in [0, 1), got {self.dropout}")
         if self.hf is not None and (not isinstance(self.hf, str) or not self.hf):
             raise ValueError(f"model.hf must be a path (a model folder or a config.json), got {self.hf!r}")
+        if self.vocab_size is not None and not 1 <= self.vocab_size <= MAX_VOCAB:
+            raise ValueError(f"model.vocab_size={self.vocab_size} is out of range: give 1 to {MAX_VOCAB:,} ids (the "
+                             f"largest published vocabularies hold about 256,000), or null for the tokenizer's size")
         if self.objective is not None and self.hf is None:
             raise ValueError("model.objective applies to model.hf models only (a preset's objective is its family): "
                              "set model.hf, or drop model.objective")
@@ -206,6 +212,9 @@ class DataConfig:
             raise ValueError(f"data.val_fraction must be in (0, 1), got {self.val_fraction}")
         if self.vocab_size < 260:
             raise ValueError(f"data.vocab_size must be at least 260 (256 bytes + specials), got {self.vocab_size}")
+        if self.vocab_size > MAX_VOCAB:
+            raise ValueError(f"data.vocab_size={self.vocab_size} is out of range: give at most {MAX_VOCAB:,} (the "
+                             f"largest published vocabularies hold about 256,000)")
         if not 0.0 < self.mlm_probability < 1.0:
             raise ValueError(f"data.mlm_probability must be in (0, 1), got {self.mlm_probability}")
 
@@ -438,6 +447,8 @@ def _split_override(o: str) -> tuple[str, Any]:
     key, raw = o.split("=", 1)
     try:
         value = yaml_load(raw) if raw != "" else None
+    except NestedTooDeep as e:
+        raise ValueError(f"override {key.strip()}: {e}") from None
     except yaml.YAMLError:
         value = raw
     return key.strip(), value

@@ -29,7 +29,7 @@ def from_dict(cls: type, d: Any, prefix: str) -> Any:
     """An instance of config dataclass `cls` from a mapping; nested sections recurse, `prefix` names them."""
     if not isinstance(d, dict):
         section = prefix.rstrip('.') or 'root'
-        raise TypeError(f"config section {section!r} must be a mapping of keys, got {type(d).__name__} {d!r}; e.g. "
+        raise TypeError(f"config section {section!r} must be a mapping of keys, got {type(d).__name__} {_shown(d)}; e.g. "
                         f"{section if section != 'root' else 'train'}: {{steps: 50}}")
     names = {f.name: f for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
@@ -63,11 +63,11 @@ def check(value: Any, tp: Any, key: str) -> Any:
         right_type = [e for e in errors if isinstance(e, ValueError) and "finite" in str(e)]
         if right_type:  # a number, but nan or inf
             raise right_type[0]
-        raise TypeError(f"{key} must be {describe_type(tp)}, got {value!r}")
+        raise TypeError(f"{key} must be {describe_type(tp)}, got {_shown(value)}")
     if origin is Literal:
         allowed = typing.get_args(tp)
         if value not in allowed or type(value) is bool and not any(a is value for a in allowed):
-            raise ValueError(f"{key} must be one of {', '.join(repr(a) for a in allowed)}; got {value!r}")
+            raise ValueError(f"{key} must be one of {', '.join(repr(a) for a in allowed)}; got {_shown(value)}")
         return value
     if tp is type(None):
         if value is not None:
@@ -75,11 +75,11 @@ def check(value: Any, tp: Any, key: str) -> Any:
         return None
     if tp is bool:
         if not isinstance(value, bool):
-            raise TypeError(f"{key} must be true or false, got {value!r}")
+            raise TypeError(f"{key} must be true or false, got {_shown(value)}")
         return value
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{key} must be an integer, got {value!r}")
+            raise TypeError(f"{key} must be an integer, got {_shown(value)}")
         return value
     if tp is float:
         if isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string; the user meant a number
@@ -88,26 +88,26 @@ def check(value: Any, tp: Any, key: str) -> Any:
             except ValueError:
                 pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise TypeError(f"{key} must be a number, got {value!r}")
+            raise TypeError(f"{key} must be a number, got {_shown(value)}")
         if not math.isfinite(value):
-            raise ValueError(f"{key} must be a finite number, got {value!r}")
+            raise ValueError(f"{key} must be a finite number, got {_shown(value)}")
         return float(value)
     if tp is str:
         if not isinstance(value, str):
-            raise TypeError(f"{key} must be a string, got {value!r}")
+            raise TypeError(f"{key} must be a string, got {_shown(value)}")
         return value
     if origin is tuple:
         args = typing.get_args(tp)
         if not isinstance(value, (list, tuple)) or len(value) != len(args):
-            raise TypeError(f"{key} must be a list of {len(args)} values, got {value!r}")
+            raise TypeError(f"{key} must be a list of {len(args)} values, got {_shown(value)}")
         return tuple(check(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
     if origin is dict:
         if not isinstance(value, dict):
-            raise TypeError(f"{key} must be a mapping, got {value!r}")
+            raise TypeError(f"{key} must be a mapping, got {_shown(value)}")
         return dict(value)
     if origin is list:
         if not isinstance(value, (list, tuple)):
-            raise TypeError(f"{key} must be a list, e.g. [a, b], got {value!r}")
+            raise TypeError(f"{key} must be a list, e.g. [a, b], got {_shown(value)}")
         (arg,) = typing.get_args(tp)
         return [check(v, arg, f"{key}[{i}]") for i, v in enumerate(value)]
     if dataclasses.is_dataclass(tp):
@@ -124,6 +124,12 @@ def describe_type(tp: Any) -> str:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
     return {type(None): "null", int: "an integer", float: "a number", str: "a string", bool: "true/false"}.get(
         tp, getattr(tp, "__name__", str(tp)))
+
+
+def _shown(value: Any, limit: int = 120) -> str:
+    """`value`'s repr for an error line, cut to `limit` characters (a pasted blob stays one readable line)."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
 
 
 def validate(obj: Any, prefix: str) -> None:

@@ -20,8 +20,36 @@ _Loader.add_implicit_resolver(
     list("-+0123456789."))
 
 
+class NestedTooDeep(yaml.YAMLError):
+    """YAML nested deeper than the parser's recursion allows (PyYAML composes recursively: a few thousand `[` ended
+    in a RecursionError traceback)."""
+
+    def __init__(self) -> None:
+        super().__init__("it nests deeper than the YAML reader can follow (thousands of levels), where a job file "
+                         "or a value needs a few (section, key, value)")
+        self.problem, self.problem_mark = str(self), None
+
+
 def yaml_load(text: str) -> Any:
-    return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
+    try:
+        return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
+    except RecursionError:
+        raise NestedTooDeep() from None
+
+
+def read_yaml_file(path: str | Path, what: str, fix: str) -> Any:
+    """A YAML file's data; ValueError naming `what` (e.g. "sweep file") and the file, where the syntax breaks and
+    `fix`, for a file that is not valid YAML (or nests too deep) or cannot be read."""
+    path = Path(path)
+    try:
+        return yaml_load(path.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = " ".join(str(getattr(e, "problem", None) or e).split())
+        raise ValueError(f"{what} {str(path)!r} is not valid YAML{where}: {problem}; {fix}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{what} {str(path)!r} cannot be read ({getattr(e, 'strerror', None) or e}): {fix}") from None
 
 
 def load_job_file(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
@@ -33,14 +61,8 @@ def load_job_file(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, A
     if path.resolve() in _seen:
         chain = " -> ".join(str(p) for p in (*_seen, path.resolve()))
         raise ValueError(f"config files include each other in a cycle: {chain}; remove one of these defaults")
-    try:
-        d = yaml_load(path.read_text())
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        problem = " ".join(str(getattr(e, "problem", None) or e).split())
-        raise ValueError(f"config file {str(path)!r} is not valid YAML{where}: {problem}; fix the syntax there "
-                         f"(`graphtrain config {path}` checks a file without training)") from None
+    d = read_yaml_file(path, "config file", f"fix the syntax there (`graphtrain config {path}` checks a file "
+                                            f"without training)")
     if d is None:
         d = {}
     if not isinstance(d, dict):

@@ -47,19 +47,22 @@ def open_array(path: Path) -> np.ndarray:
     return arr
 
 
-def _max_id(cfg: DataConfig, path: Path, arr: np.ndarray) -> int:
-    """The largest id in `arr`: scanned in chunks the first time, then read from the data cache while the file's
-    size and modification time stay the same (a corpus of many GB is not re-read at every start)."""
+def _id_range(cfg: DataConfig, path: Path, arr: np.ndarray) -> tuple[int, int]:
+    """The smallest and largest id in `arr`: scanned in chunks the first time, then read from the data cache while
+    the file's size and modification time stay the same (a corpus of many GB is not re-read at every start)."""
     st = path.stat()
     key = hashlib.sha256(f"{path}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:20]
     memo = cache_root(cfg) / "token-max" / f"{key}.json"
     try:
-        return int(json.loads(memo.read_text())["max_id"])
-    except (OSError, ValueError, KeyError):
+        d = json.loads(memo.read_text())
+        return int(d["min_id"]), int(d["max_id"])
+    except (OSError, ValueError, KeyError, TypeError):
         pass
-    top = max((int(arr[i:i + _CHUNK].max()) for i in range(0, arr.shape[0], _CHUNK)), default=-1)
-    _atomic_write(memo, lambda f: f.write(json.dumps({"path": str(path), "max_id": top}).encode()))
-    return top
+    chunks = [arr[i:i + _CHUNK] for i in range(0, arr.shape[0], _CHUNK)]
+    low = min((int(c.min()) for c in chunks), default=0)
+    top = max((int(c.max()) for c in chunks), default=-1)
+    _atomic_write(memo, lambda f: f.write(json.dumps({"path": str(path), "min_id": low, "max_id": top}).encode()))
+    return low, top
 
 
 def load_token_shards(cfg: DataConfig, tokenizer: CodeTokenizer | None) -> TokenShards:
@@ -70,7 +73,10 @@ def load_token_shards(cfg: DataConfig, tokenizer: CodeTokenizer | None) -> Token
     arrays = {f: open_array(f) for f in files}
     vocab = tokenizer.vocab_size if tokenizer is not None else cfg.vocab_size
     for f, arr in arrays.items():
-        top = _max_id(cfg, f, arr)
+        low, top = _id_range(cfg, f, arr)
+        if low < 0:  # a negative id indexes the embedding from its end, or fails the step with a traceback
+            raise ValueError(f"data.path: {str(f)!r} holds token id {low}: token ids are 0 or more; rewrite the file "
+                             f"with the tokenizer's ids (a signed dtype that wrapped around is a common cause)")
         if top >= vocab:
             where = f"data.tokenizer's vocabulary ({vocab})" if tokenizer is not None else f"data.vocab_size={vocab}"
             raise ValueError(f"data.path: {str(f)!r} holds token id {top}, outside {where}: set data.vocab_size above "

@@ -68,6 +68,11 @@ def resolve_spec(cfg: ModelConfig, vocab_size: int | None = None) -> ModelSpec:
         return spec_of(*configure(cfg, vocab_size))
     spec = get_spec(cfg.name)
     changes: dict[str, object] = {}
+    if cfg.vocab_size is not None and vocab_size is not None and cfg.vocab_size < vocab_size:
+        # ids past the embedding's rows ended the first step in an IndexError traceback
+        raise ValueError(f"model.vocab_size={cfg.vocab_size} is smaller than the tokenizer's vocabulary ({vocab_size} "
+                         f"ids): set model.vocab_size to at least {vocab_size}, or leave it unset (null: the "
+                         f"tokenizer's size)")
     if cfg.vocab_size is not None:
         changes["vocab_size"] = cfg.vocab_size
     elif vocab_size is not None:

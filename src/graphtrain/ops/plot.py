@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-import yaml
+from graphtrain.jobfile import read_yaml_file
 
 CURVES = (  # (title, [(record kind, field, line style)], y label)
     ("loss", [("train", "loss", "-"), ("eval", "val_loss", "--")], "loss (train solid, validation dashed)"),
@@ -33,16 +33,29 @@ def load_run(folder: str | Path) -> dict[str, Any]:
     if not folder.is_dir() or not metrics.is_file():
         raise ValueError(f"{str(folder)!r} is not a graphtrain run directory: a run directory holds metrics.jsonl "
                          f"and config.yaml (the train.out_dir of a `graphtrain train`)")
-    records = []
-    for line in metrics.read_text().splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:  # a torn last line of a killed run
-            continue
+    records = read_records(metrics)
     config_file = folder / "config.yaml"
-    config = yaml.safe_load(config_file.read_text()) if config_file.is_file() else {}
+    config = read_yaml_file(config_file, "the run's config", "fix or delete that file (the run's checkpoints hold "
+                            "their config too)") if config_file.is_file() else {}
     return {"name": folder.name or str(folder), "path": str(folder), "records": records,
             "config": config if isinstance(config, dict) else {}}
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """The records of a metrics.jsonl: JSON objects with an integer step. A line that is not JSON is skipped (the
+    torn last line of a killed run); a JSON value that is not a record is a ValueError naming the file, the line and
+    the fix (a malformed record once ended `graphtrain plot` in an AttributeError traceback)."""
+    records = []
+    for i, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+        try:
+            r = json.loads(line)
+        except (json.JSONDecodeError, RecursionError):
+            continue
+        if not (isinstance(r, dict) and isinstance(r.get("step", 0), int) and isinstance(r.get("kind", ""), str)):
+            raise ValueError(f"{str(path)!r} line {i} is not a metrics record (a JSON object with a string kind and "
+                             f"an integer step, as graphtrain writes them): fix or delete that line")
+        records.append(r)
+    return records
 
 
 def series(run: dict[str, Any], kind: str, field: str) -> tuple[list[int], list[float]]:

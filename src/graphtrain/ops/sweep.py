@@ -60,11 +60,13 @@ class Sweep:
 
 def load_sweep(path: str | Path) -> Sweep:
     """The sweep file, checked completely (every key of the space, every range) before any trial starts."""
-    from graphtrain.config import Config, load_job_file, yaml_load
+    from graphtrain.config import Config, load_job_file
+    from graphtrain.jobfile import read_yaml_file
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"sweep file {str(path)!r} does not exist")
-    d = yaml_load(path.read_text()) or {}
+    d = read_yaml_file(path, "sweep file", "fix the syntax there (job:, space:, trials:, ... as in "
+                       "configs/sweep-tiny.yaml)") or {}
     if not isinstance(d, dict):
         raise ValueError(f"sweep file {str(path)!r} must hold a mapping (job:, space:, trials:, ...)")
     unknown = sorted(set(d) - set(KEYS))
@@ -218,14 +220,9 @@ def _run_trials(sweep: Sweep, study: Any, log: Any) -> None:
 
 
 def _records(run_dir: Path) -> list[dict[str, Any]]:
-    out = []
+    from graphtrain.ops.plot import read_records
     path = run_dir / "metrics.jsonl"
-    for line in path.read_text().splitlines() if path.is_file() else []:
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return out
+    return read_records(path) if path.is_file() else []
 
 
 def _outcome(returncode: int, run_dir: Path) -> tuple[str, float | None]:

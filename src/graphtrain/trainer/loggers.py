@@ -21,8 +21,8 @@ class TensorBoardLogger:
         try:
             from torch.utils.tensorboard import SummaryWriter  # noqa: F401
         except ImportError as e:
-            raise RuntimeError(f"train.loggers asks for tensorboard, which is not installed ({e}): "
-                               f"pip install tensorboard, or set train.loggers=[jsonl]") from None
+            raise ValueError(f"train.loggers asks for tensorboard, which is not installed ({e}): "
+                             f"pip install tensorboard, or set train.loggers=[jsonl]") from None
         self.folder = folder
         self.writer: Any = None
         self.purge_step: int | None = None
@@ -77,9 +77,9 @@ def _require(module: str, key: str) -> Any:
     import importlib
     try:
         return importlib.import_module(module)
-    except ImportError:
-        raise RuntimeError(f"train.loggers asks for {key}, which is not installed: pip install {key}, or drop it "
-                           f"from train.loggers") from None
+    except ImportError:  # a usage error (exit 2), found before the first step: one line, no traceback
+        raise ValueError(f"train.loggers asks for {key}, which is not installed: pip install {key}, or drop it "
+                         f"from train.loggers") from None
 
 
 class WandbLogger:

@@ -93,6 +93,20 @@ def _preempted_before_first_step() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+def _build_model(cfg: Any, vocab_size: int) -> torch.nn.Module:
+    """build_model, with a model too big for memory as one line (the allocator's RuntimeError was a traceback)."""
+    try:
+        return build_model(cfg, vocab_size=vocab_size)
+    except (RuntimeError, MemoryError) as e:
+        if not isinstance(e, (MemoryError, torch.OutOfMemoryError)) and "allocate" not in str(e):
+            raise
+        with torch.device("meta"):
+            n = sum(p.numel() for p in build_model(cfg, vocab_size=vocab_size).parameters())
+        raise TrainingFailed(f"building model {cfg.label!r} ({n:,} parameters, {n * 4 / 2**30:.1f} GiB of fp32 "
+                             f"weights) ran out of memory: choose a smaller model (model.name) or lower "
+                             f"model.vocab_size / model.max_seq_len") from None
+
+
 class Trainer:
     """Train `config.model` on `config.data`; `model`/`data` may be passed in instead of built.
 
@@ -133,7 +147,7 @@ class Trainer:
                 self._log(line)
             runtime.seed_everything(config.train.seed)  # weights depend on the seed only, not on data preparation
             if model is None:
-                model = build_model(config.model, vocab_size=self.data.vocab_size)
+                model = _build_model(config.model, self.data.vocab_size)
             self.family, self.spec = model.family, model.spec
             if config.data.seq_len > self.spec.max_seq_len:
                 raise ValueError(f"data.seq_len={config.data.seq_len} is longer than model {config.model.label!r} "
