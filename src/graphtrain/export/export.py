@@ -15,6 +15,25 @@ FORMATS = ("safetensors", "hf", "onnx")
 ONNX_ATOL = 1e-4
 
 
+_PACKAGES = {"safetensors": ("safetensors",), "hf": ("safetensors", "transformers"),
+             "onnx": ("onnx", "onnxscript", "onnxruntime")}
+
+
+def _require(fmt: str) -> None:
+    """Each package the format's writer and checker import, before anything is read or written: a missing one is
+    one line naming it (it was a RuntimeError traceback, after the model was loaded)."""
+    import importlib
+    missing = []
+    for module in _PACKAGES[fmt]:
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            missing.append(module)
+    if missing:
+        raise ValueError(f"export --format {fmt} needs {', '.join(missing)} (not installed): pip install "
+                         f"'graphtrain[export]' (or {' '.join(missing)})")
+
+
 def load_run(run_dir: str | Path, checkpoint: str = "latest") -> tuple[Any, torch.nn.Module, Path]:
     """(the run's Config, its model with the checkpoint's weights, in eval mode, the checkpoint) of a run folder.
     `checkpoint`: latest (the newest that verifies), a step number, or a checkpoint path."""
@@ -65,6 +84,7 @@ def export_run(run_dir: str | Path, fmt: str, out: str | Path | None = None, *, 
     refused, as is `out` being the run folder or one of its parents."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown export format {fmt!r}; choose from {list(FORMATS)}")
+    _require(fmt)
     out = Path(out).expanduser() if out is not None else Path(run_dir) / f"export-{fmt}"
     _check_out(out, Path(run_dir), force)
     config, model, ckpt = load_run(run_dir, checkpoint)
@@ -191,90 +211,17 @@ class _HFLogits(torch.nn.Module):
 
 def _hf(model: torch.nn.Module, config: Any, out: Path, sample: torch.Tensor, ref: torch.Tensor,
         ckpt: Path) -> dict[str, Any]:
-    import transformers
-    family = model.spec.family
-    if getattr(model.spec, "hf_type", None):  # a model.hf run: the trained transformers model itself
-        hf = model.hf
-        hf.config.use_cache = True  # back to inference defaults
-    else:
-        hf = _to_gpt2(model) if family == "gpt2" else _to_bert(model)
-    hf.save_pretrained(str(out), safe_serialization=True)
-    tok = _save_tokenizer(config, out, model.spec.max_seq_len, ckpt)
-    auto = transformers.AutoModelForCausalLM if family == "gpt2" else transformers.AutoModelForMaskedLM
-    loaded = auto.from_pretrained(str(out), local_files_only=True).eval()
-    with torch.no_grad():
-        logits = loaded(input_ids=sample).logits
-    return {"class": type(loaded).__name__, "tokenizer": tok, "max_abs_diff": _diff(logits, ref)}
+    """The Hugging Face folder (models/hf_export.py): the special-token ids in config.json and
+    generation_config.json are the exported tokenizer's."""
+    from graphtrain.models.hf_export import write_hf_folder
+    tok, note = _run_tokenizer(config, ckpt)
+    written = write_hf_folder(model, tok, out, sample, ref)
+    return {**written, "tokenizer": str(out / "tokenizer.json") if tok is not None else note}
 
 
-def _lin(dst: Any, src: torch.nn.Linear, transpose: bool = False) -> None:
-    dst.weight.copy_(src.weight.t() if transpose else src.weight)
-    if getattr(dst, "bias", None) is not None:
-        dst.bias.copy_(src.bias)
-
-
-@torch.no_grad()
-def _to_gpt2(model: torch.nn.Module) -> Any:
-    import transformers
-    s = model.spec
-    cfg = transformers.GPT2Config(vocab_size=s.vocab_size, n_positions=s.max_seq_len, n_embd=s.d_model,
-                                  n_layer=s.n_layer, n_head=s.n_head, n_inner=s.d_ff, activation_function="gelu",
-                                  resid_pdrop=s.dropout, embd_pdrop=s.dropout, attn_pdrop=s.dropout,
-                                  layer_norm_epsilon=s.layer_norm_eps, tie_word_embeddings=True,
-                                  bos_token_id=None, eos_token_id=None)
-    hf = transformers.GPT2LMHeadModel(cfg)
-    t = hf.transformer
-    t.wte.weight.copy_(model.wte.weight)
-    t.wpe.weight.copy_(model.wpe.weight)
-    for h, b in zip(t.h, model.blocks):  # HF's Conv1D keeps [in, out]: the transposed Linear
-        _lin(h.ln_1, b.ln_1)
-        _lin(h.attn.c_attn, b.attn.qkv, transpose=True)
-        _lin(h.attn.c_proj, b.attn.proj, transpose=True)
-        _lin(h.ln_2, b.ln_2)
-        _lin(h.mlp.c_fc, b.mlp.fc, transpose=True)
-        _lin(h.mlp.c_proj, b.mlp.proj, transpose=True)
-    _lin(t.ln_f, model.ln_f)
-    hf.tie_weights()
-    return hf
-
-
-@torch.no_grad()
-def _to_bert(model: torch.nn.Module) -> Any:
-    import transformers
-    s = model.spec
-    cfg = transformers.BertConfig(vocab_size=s.vocab_size, hidden_size=s.d_model, num_hidden_layers=s.n_layer,
-                                  num_attention_heads=s.n_head, intermediate_size=s.d_ff, hidden_act="gelu",
-                                  max_position_embeddings=s.max_seq_len, type_vocab_size=s.type_vocab_size,
-                                  layer_norm_eps=s.layer_norm_eps, hidden_dropout_prob=s.dropout,
-                                  attention_probs_dropout_prob=s.dropout, tie_word_embeddings=True)
-    hf = transformers.BertForMaskedLM(cfg)
-    e, d = hf.bert.embeddings, s.d_model
-    e.word_embeddings.weight.copy_(model.embeddings.word.weight)
-    e.position_embeddings.weight.copy_(model.embeddings.position.weight)
-    e.token_type_embeddings.weight.copy_(model.embeddings.token_type.weight)
-    _lin(e.LayerNorm, model.embeddings.ln)
-    for h, b in zip(hf.bert.encoder.layer, model.layers):
-        att = h.attention.self
-        for i, proj in enumerate((att.query, att.key, att.value)):  # the fused qkv, split in its order
-            proj.weight.copy_(b.attn.qkv.weight[i * d:(i + 1) * d])
-            proj.bias.copy_(b.attn.qkv.bias[i * d:(i + 1) * d])
-        _lin(h.attention.output.dense, b.attn.proj)
-        _lin(h.attention.output.LayerNorm, b.ln_1)
-        _lin(h.intermediate.dense, b.mlp.fc)
-        _lin(h.output.dense, b.mlp.proj)
-        _lin(h.output.LayerNorm, b.ln_2)
-    p = hf.cls.predictions
-    _lin(p.transform.dense, model.mlm.dense)
-    _lin(p.transform.LayerNorm, model.mlm.ln)
-    p.bias.copy_(model.mlm.bias)
-    hf.tie_weights()
-    return hf
-
-
-def _save_tokenizer(config: Any, out: Path, max_len: int, ckpt: Path) -> str | None:
-    """The run's tokenizer (the one the checkpoint holds; for older checkpoints rebuilt from the data cache, as the
-    run built it) as tokenizer.json plus a tokenizer_config.json for PreTrainedTokenizerFast naming its special
-    tokens; a note instead (said in the result) where there is none."""
+def _run_tokenizer(config: Any, ckpt: Path) -> tuple[Any, str | None]:
+    """(the run's tokenizer: the one the checkpoint holds, for older checkpoints rebuilt from the data cache as the
+    run built it; or None and a note saying why there is none)."""
     from graphtrain.trainer.checkpoint import checkpoint_tokenizer
     tok = checkpoint_tokenizer(ckpt)
     if tok is None:
@@ -283,16 +230,10 @@ def _save_tokenizer(config: Any, out: Path, max_len: int, ckpt: Path) -> str | N
             from graphtrain.models import resolve_spec
             tok = build_data(config, family=resolve_spec(config.model).family).tokenizer
         except Exception as e:  # noqa: BLE001 - the weights are exported all the same
-            return f"not exported: the run's data could not be rebuilt ({type(e).__name__}: {e})"
+            return None, f"not exported: the run's data could not be rebuilt ({type(e).__name__}: {e})"
     if tok is None:
-        return "not exported: the run trained on token arrays without data.tokenizer"
-    tok.save(out / "tokenizer.json")
-    settings: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_len}
-    for role in ("eos", "pad", "mask", "cls", "sep"):
-        if tok.specials.get(role) is not None:
-            settings[f"{role}_token"] = tok.specials[role]
-    (out / "tokenizer_config.json").write_text(json.dumps(settings, indent=2))
-    return str(out / "tokenizer.json")
+        return None, "not exported: the run trained on token arrays without data.tokenizer"
+    return tok, None
 
 
 def _onnx(model: torch.nn.Module, out: Path, sample: torch.Tensor, ref: torch.Tensor) -> dict[str, Any]:
