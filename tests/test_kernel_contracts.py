@@ -189,3 +189,16 @@ def test_layouts_and_tensors_read_the_same_through_a_contract():
     assert c.violation(t) == "probe: contiguous" == c.violation(Layout.of(t))
     assert c.holds(t.contiguous()) and c.holds(Layout.contiguous(t.shape, t.dtype))
     assert c.holds(torch.empty(3, 1, 4)[:, :, :2].expand(3, 1, 2).contiguous())
+
+
+def test_triton_paths_refuse_tensors_whose_offsets_pass_int32(monkeypatch):
+    """The Triton kernels' offsets are int32 (row * stride + column): a tensor with 2^32 elements (an expanded view,
+    no memory behind it) is not given to them; a small one is."""
+    from graphtrain.kernels import _common
+    if not _common.HAS_TRITON:
+        pytest.skip("triton is not installed")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert _common.triton_ok(torch.empty(4, 4))
+    big = torch.empty(2 ** 16, 1).expand(2 ** 16, 2 ** 16)
+    assert not _common.triton_ok(big)
+    assert not _common.triton_ok(torch.empty(4, 4), torch.empty(1).expand(2 ** 31))

@@ -132,11 +132,25 @@ def interpret_mode() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+TRITON_MAX_NUMEL = 2 ** 31 - 1
+"""The Triton kernels compute element offsets from int32 program ids and strides (row * stride + column): every
+tensor they take must have fewer elements than an int32 holds, or an offset wraps and the kernel reads or writes
+outside the tensor. Larger tensors run the next implementation (part of each Triton kernel's contract)."""
+
+
+def _max_offset(t: torch.Tensor) -> int:
+    """The largest element offset a view of t reaches from its first element."""
+    return sum((d - 1) * st for d, st in zip(t.shape, t.stride()) if d > 0)
+
+
 def triton_ok(*tensors: torch.Tensor | None) -> bool:
-    """Whether the Triton path may take these tensors: CUDA tensors (or CPU under TRITON_INTERPRET=1)."""
+    """Whether the Triton path may take these tensors: CUDA tensors (or CPU under TRITON_INTERPRET=1), each with
+    offsets within int32 (`TRITON_MAX_NUMEL`)."""
     if not HAS_TRITON:
         return False
     ts = [t for t in tensors if t is not None]
+    if any(t.numel() > TRITON_MAX_NUMEL or _max_offset(t) > TRITON_MAX_NUMEL for t in ts):
+        return False
     if interpret_mode():
         return all(t.device.type == "cpu" for t in ts)
     return all(t.device.type == "cuda" for t in ts)
