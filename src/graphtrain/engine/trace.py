@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import operator
 from typing import Any, Callable, Sequence
 
 import torch
@@ -40,9 +41,45 @@ def trace_aten_forward(fn: Callable[..., Any], example_inputs: Sequence[Any]) ->
         functional, dispatcher = torch.func.functionalize(fn, remove="mutations"), contextlib.nullcontext()
     with fake_mode, torch.no_grad(), fx.traceback.preserve_node_meta(), dispatcher:
         gm = make_fx(functional, tracing_mode="real", pre_dispatch=False)(*inputs)
+    if any(isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs):
+        keep_attention_logsumexp(gm, fake_mode)
     gm.graph.eliminate_dead_code()
     gm.recompile()
     return gm
+
+
+def keep_attention_logsumexp(gm: fx.GraphModule, fake_mode: FakeTensorMode) -> int:
+    """Set compute_log_sumexp back on the SDPA kernels that have the flag; returns how many nodes changed.
+
+    On CUDA, scaled_dot_product_attention's efficient and cuDNN kernels return the logsumexp their backward reads
+    only when asked, and SDPA asks only when grad is enabled and an input requires grad. The trace above runs under
+    no_grad, so it records compute_log_sumexp=False; AOTAutograd then differentiates that node and its backward gets
+    a [B, H, 0] logsumexp (head stride 1), which the CUDA kernel rejects: "LSE is not correctly aligned (strideH)"
+    (issue #48). For a graph that will be differentiated this restores what eager autograd passes. CPU's SDPA
+    kernels have no such flag: there the graph does not change."""
+    changed = 0
+    for node in gm.graph.nodes:
+        schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+        names = [a.name for a in schema.arguments] if schema is not None else []
+        if "compute_log_sumexp" not in names:
+            continue
+        i = names.index("compute_log_sumexp")
+        if i < len(node.args):
+            if node.args[i] is True:
+                continue
+            node.args = (*node.args[:i], True, *node.args[i + 1:])
+        elif node.kwargs.get("compute_log_sumexp") is not True:
+            node.kwargs = {**node.kwargs, "compute_log_sumexp": True}
+        else:
+            continue
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
+        with fake_mode:
+            node.meta["val"] = out = node.target(*args, **kwargs)
+        for user in node.users:  # operator.getitem(node, k): the logsumexp is output 1
+            if user.target is operator.getitem and isinstance(user.args[1], int):
+                user.meta["val"] = out[user.args[1]]
+        changed += 1
+    return changed
 
 
 def _dispatch_functionalize(fn: Callable[..., Any]) -> Callable[..., Any]:
