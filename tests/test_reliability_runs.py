@@ -225,3 +225,33 @@ def test_a_checksum_file_copied_from_another_checkpoint_verifies_nothing(tmp_pat
         verify_checkpoint(two)
     assert latest_valid_checkpoint(out) == one
     assert verify_checkpoint(one)  # a checksum file as graphtrain writes it (sha256sum format, its own name)
+
+
+# ------------------------------------------------------- the next ones: arguments that name a path ----
+
+def test_resume_from_another_folder_into_a_folder_with_checkpoints_is_refused(tmp_path, capsys):
+    """--resume-from A/ckpt-2 --out B, B holding another history: refused, B's checkpoints kept (before: B's later
+    ones moved aside and its ckpt-2 was pruned once the new history had saved three)."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    Trainer(_tiny(a, "train.steps=4", "train.ckpt_every=1")).fit()
+    Trainer(_tiny(b, "train.steps=4", "train.ckpt_every=1", "optim.lr=0.002")).fit()
+    before = _snapshot(b)
+    code = main(["train", *TINY, "train.steps=6", "train.ckpt_every=1", "--out", str(b),
+                 "--resume-from", str(a / "ckpt-0000002.pt")])
+    err = capsys.readouterr().err
+    assert code == 2 and "holds checkpoints of its own (latest ckpt-0000004.pt)" in err, err
+    assert _snapshot(b) == before
+    # the same checkpoint continued in an empty folder, or within its own folder, still works
+    assert main(["train", *TINY, "train.steps=5", "--out", str(tmp_path / "c"),
+                 "--resume-from", str(a / "ckpt-0000002.pt")]) == 0
+
+
+@pytest.mark.parametrize("name", ["config.yaml", "metrics.jsonl", "ckpt-0000002.pt", "."])
+def test_plot_never_writes_its_page_over_a_run_file(finished_run, name, capsys):
+    run = finished_run
+    before = _snapshot(run)
+    code = main(["plot", str(run), "--out", str(run / name)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: --out") and len(err.strip().splitlines()) == 1, err
+    assert _snapshot(run) == before
+    assert main(["plot", str(run), "--out", str(run.parent / "report.html")]) == 0

@@ -160,6 +160,24 @@ def _check_out_dir(out_dir: str) -> None:
                          f"can write with --out DIR (or train.out_dir=...)") from None
 
 
+def _check_resume_from(resume: "bool | str | Path", out_dir: str) -> None:
+    """--resume-from a checkpoint of another folder continues that history in out_dir: refused when out_dir holds
+    checkpoints of its own (another history: the later ones would move aside, and pruning would delete the
+    earlier ones once the new history has saved three)."""
+    if not isinstance(resume, Path):
+        return
+    from graphtrain.trainer.checkpoint import is_sharded, list_checkpoints
+    source, folder = resume.expanduser().resolve(), Path(out_dir).expanduser().resolve()
+    home = source if source.is_dir() and not is_sharded(source) else source.parent
+    found = list_checkpoints(folder)
+    if not found or home.is_relative_to(folder):
+        return
+    raise ValueError(f"--resume-from {str(resume)!r} is outside train.out_dir {str(folder)!r}, which holds checkpoints "
+                     f"of its own (latest {found[-1][1].name}): continuing another run there would mix two histories "
+                     f"and pruning would delete its checkpoints. Choose an empty folder with --out DIR, or continue "
+                     f"the run in {str(folder)!r} with --resume")
+
+
 _LOCKED_ENV = "GRAPHTRAIN_RUN_LOCKED"  # the run folder the launching process holds the lock of, for its workers
 
 
@@ -196,6 +214,7 @@ def run_train(args: argparse.Namespace) -> int:
     if overrides:
         config = config.with_overrides(overrides)
     resume = _resume_mode(args, config.train.out_dir)
+    _check_resume_from(resume, config.train.out_dir)
     # checked here too, so that a typo under --nproc is one error line, not one per worker
     allowed = allowed_keys(args.allow_config_change or (), config)
     if args.max_restarts is not None and args.max_restarts < 0:

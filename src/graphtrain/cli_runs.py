@@ -3,6 +3,7 @@ arguments and what they run; cli.py registers them)."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 
 def add_plot_arguments(p: argparse.ArgumentParser) -> None:
@@ -13,9 +14,21 @@ def add_plot_arguments(p: argparse.ArgumentParser) -> None:
 
 def run_plot(args: argparse.Namespace) -> int:
     from graphtrain.ops.plot import write_report
+    _check_page_path(args.out)
     out = write_report(args.runs, args.out, args.title)
     print(f"wrote {out} ({len(args.runs)} run{'s' if len(args.runs) > 1 else ''}): open it in a browser")
     return 0
+
+
+def _check_page_path(out: str) -> None:
+    """`plot --out` writes an HTML page: refuse any other name (it could be a run's config.yaml, metrics.jsonl or a
+    checkpoint, which the page would replace) and a folder (usage errors)."""
+    path = Path(out).expanduser()
+    if path.suffix.lower() not in (".html", ".htm"):
+        raise ValueError(f"--out {out!r}: graphtrain plot writes an HTML page, and replaces the file it names; give "
+                         f"it a name ending in .html (e.g. --out report.html)")
+    if path.is_dir():
+        raise ValueError(f"--out {out!r} is a folder: name the page's file, e.g. --out {str(path / 'report.html')!r}")
 
 
 def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
@@ -34,8 +47,8 @@ def add_export_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--format", required=True, choices=("safetensors", "hf", "onnx"),
                    help="safetensors: the weights; hf: a Hugging Face model folder; onnx: an inference graph")
     p.add_argument("--out", metavar="PATH", help="the folder to write (default RUN_DIR/export-FORMAT)")
-    p.add_argument("--checkpoint", default="latest", metavar="latest|STEP|PATH",
-                   help="which checkpoint (default: the latest that verifies)")
+    p.add_argument("--checkpoint", default="latest", metavar="latest|best|STEP|PATH",
+                   help="which checkpoint (default: the latest that verifies; best: train.keep_best's ckpt-best)")
     p.add_argument("--force", action="store_true", help="replace a non-empty --out")
 
 
