@@ -255,3 +255,27 @@ def test_plot_never_writes_its_page_over_a_run_file(finished_run, name, capsys):
     assert code == 2 and err.startswith("error: --out") and len(err.strip().splitlines()) == 1, err
     assert _snapshot(run) == before
     assert main(["plot", str(run), "--out", str(run.parent / "report.html")]) == 0
+
+
+def test_an_export_killed_half_way_leaves_the_earlier_export_and_the_run_intact(finished_run):
+    """SIGKILL of `export --format hf --force` while it writes (its temporary folder exists): the earlier export and
+    the run are untouched, only the temporary folder is left; the same command then succeeds."""
+    run = finished_run
+    assert main(["export", str(run), "--format", "safetensors", "--out", str(run.parent / "e")]) == 0
+    before, earlier = _snapshot(run), _snapshot(run.parent / "e")
+    argv = [sys.executable, "-m", "graphtrain", "export", str(run), "--format", "hf", "--out", str(run.parent / "e"),
+            "--force"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env())
+    deadline = time.monotonic() + 120
+    while (not [p for p in run.parent.iterdir() if p.name.startswith(".e.")] and proc.poll() is None
+           and time.monotonic() < deadline):
+        time.sleep(0.002)
+    proc.kill()
+    proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    assert _snapshot(run) == before and _snapshot(run.parent / "e") == earlier
+    left = [p for p in run.parent.iterdir() if p.name not in ("a", "e")]
+    assert len(left) == 1 and re.fullmatch(r"\.e\..+\.tmp", left[0].name) and left[0].is_dir(), left
+    done = _run(argv)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (run.parent / "e" / "config.json").is_file() and _snapshot(run) == before
