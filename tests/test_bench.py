@@ -347,3 +347,21 @@ def test_a_bert_workload_counts_its_labelled_rows_as_the_sparse_heads_flops():
             skipped = 6 * info["vocab"] * info["d_model"] * (64 - rows)
             assert got["executed_flops_per_step"] == info["flops_per_step"] - skipped
             assert got["flops_shortcut"] == f"sparse LM head: {rows} of 64 rows"
+
+
+def test_the_fp32_matmul_in_bf16_baseline_sets_torchs_flag_and_no_autocast():
+    """Issue #52: eager fp32 with torch.backends.mkldnn.matmul.fp32_precision = "bf16" is one of the bf16 baselines
+    (the best-baseline column considers it); its steps run without autocast."""
+    from graphtrain.bench.case import build_workload
+    v = suites.VARIANTS["eager-fp32-matmul-bf16"]
+    assert v.precision == "bf16" and not v.autocast and suites.VARIANTS["eager-bf16"].autocast
+    assert "eager-fp32-matmul-bf16" in suites.BF16_BASELINES
+    if not hasattr(torch.backends.mkldnn, "matmul"):
+        pytest.skip("this torch has no mkldnn.matmul.fp32_precision")
+    before = torch.backends.mkldnn.matmul.fp32_precision
+    try:
+        work, _ = build_workload(suites.Case("gpt2-tiny", 2, 16), v)
+        assert torch.backends.mkldnn.matmul.fp32_precision == "bf16"
+        assert not torch.is_autocast_enabled("cpu") and math.isfinite(float(work.step()))
+    finally:
+        torch.backends.mkldnn.matmul.fp32_precision = before

@@ -67,8 +67,7 @@ class Workload:
         return loss.detach()
 
     def _autocast(self) -> contextlib.AbstractContextManager:
-        # graphtrain applies bf16 as a graph pass, so only eager/compile variants use autocast.
-        if self.variant.precision == "bf16" and self.variant.mode in ("eager", "compile"):
+        if self.variant.autocast:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
@@ -229,6 +228,10 @@ def build_workload(case: Case, variant: Variant, device: str = "cpu") -> tuple[W
     """Build everything for one (case, variant); returns the workload and facts about it."""
     dev = torch.device(device)
     t0 = time.perf_counter()
+    if variant.fp32_matmul_bf16:
+        if not hasattr(torch.backends.mkldnn, "matmul"):
+            raise Skip(f"torch {torch.__version__} has no torch.backends.mkldnn.matmul.fp32_precision (2.9 and later)")
+        torch.backends.mkldnn.matmul.fp32_precision = "bf16"
     model, vocab, hf = build_model(case)
     model.to(dev).train()
     n_layer, d_model = flops.model_dims(model)

@@ -35,6 +35,16 @@ class Variant:
     """graphtrain only: engine passes switched off (`fuse_*` switches off every fusion): ablations."""
     ablates: str | None = None
     """The lever this ablation variant switches off (the ablation table's row label)."""
+    fp32_matmul_bf16: bool = False
+    """eager/compile only: fp32 model and no autocast, with ``torch.backends.mkldnn.matmul.fp32_precision = "bf16"``
+    (stock torch's one flag that runs fp32 matmuls in bf16 on oneDNN, since 2.9): a bf16-class baseline, timed against
+    the bf16 peak."""
+
+    @property
+    def autocast(self) -> bool:
+        """Whether its steps run under torch.autocast(bfloat16): eager and torch.compile in bf16 (graphtrain applies
+        bf16 as a graph pass)."""
+        return self.precision == "bf16" and self.mode in ("eager", "compile") and not self.fp32_matmul_bf16
 
 
 _LEVERS = (
@@ -49,6 +59,8 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
     Variant("eager-fp32-loop-adamw", "eager", "fp32", "plain PyTorch, torch.optim.AdamW's default per-parameter loop",
             optimizer="loop"),
     Variant("eager-bf16", "eager", "bf16", "PyTorch with torch.autocast(bfloat16), AdamW(fused=True)"),
+    Variant("eager-fp32-matmul-bf16", "eager", "bf16", 'plain PyTorch in fp32 with torch.backends.mkldnn.matmul.'
+            'fp32_precision = "bf16" (its matmuls in bf16, no autocast), AdamW(fused=True)', fp32_matmul_bf16=True),
     Variant("compile-fp32", "compile", "fp32", "torch.compile(model), default mode (Inductor), AdamW(fused=True)"),
     Variant("compile-bf16", "compile", "bf16", "torch.compile(model) under torch.autocast(bfloat16)"),
     Variant("compile-max-autotune-fp32", "compile", "fp32", 'torch.compile(model, mode="max-autotune")',
@@ -72,6 +84,8 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
     Variant("ortmodule-fp32", "ortmodule", "fp32", "onnxruntime-training ORTModule (skipped if not installed)"),
 )}
 DEFAULT_VARIANTS = ("eager-fp32", "eager-bf16", "compile-fp32", "compile-bf16", "graphtrain-fp32", "graphtrain-bf16")
+BF16_BASELINES = ("eager-bf16", "eager-fp32-matmul-bf16", "compile-bf16", "compile-max-autotune-bf16")
+"""Every one-flag bf16 baseline a CPU user has (`graphtrain bench hf --variants ...` with graphtrain-bf16)."""
 AUTOTUNE_VARIANTS = ("compile-max-autotune-fp32", "compile-max-autotune-bf16")
 ABLATION_VARIANTS = ("eager-fp32", "compile-fp32", "graphtrain-fp32", *(name for name, _, _ in _LEVERS),
                      "graphtrain-selective-fp32")
