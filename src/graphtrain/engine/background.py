@@ -189,6 +189,8 @@ def stop(pids: list[int] | None = None, grace_s: float = 5.0) -> list[int]:
     Inductor compile workers with it), SIGKILL after `grace_s`; their folders are removed. Returns the pids
     stopped. A pid that is not one of them is a ValueError (nothing else is ever signalled)."""
     import shutil
+
+    from graphtrain.engine.choose import kill_tree
     procs = {r["pid"]: r for r in running()}
     if pids:
         unknown = [p for p in pids if p not in procs]
@@ -206,18 +208,6 @@ def stop(pids: list[int] | None = None, grace_s: float = 5.0) -> list[int]:
             kill_tree(pid, signal.SIGKILL)
         shutil.rmtree(r["folder"], ignore_errors=True)
     return sorted(procs)
-
-
-def kill_tree(pid: int, sig: int) -> None:
-    """Send `sig` to `pid`'s process group when `pid` leads one (a child started with its own group: its Inductor
-    compile workers are in it), else to `pid` alone."""
-    try:
-        if os.getpgid(pid) == pid:
-            os.killpg(pid, sig)
-        else:
-            os.kill(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def _zombie(pid: int) -> bool:

@@ -498,7 +498,7 @@ class _Worker:
             self.proc = subprocess.Popen([sys.executable, "-m", "graphtrain.engine.background", str(self.folder),
                                           str(os.getpid()), *(["--detach"] if finish else [])],
                                          stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
-                                         start_new_session=finish, process_group=None if finish else 0)
+                                         start_new_session=finish, **_own_group(finish))
         self.proc.graphtrain_folder = self.folder
         self.proc.graphtrain_finish = finish
         _CHILDREN.append(self.proc)
@@ -528,6 +528,13 @@ class _Worker:
             job.status = (kind, text)
         shutil.rmtree(self.folder, ignore_errors=True)
         self.proc, self.running = None, []
+
+
+def _own_group(detached: bool) -> dict[str, Any]:
+    """Popen's argument for a process group of the child's own (Python 3.11+; on 3.10 the child stays in ours and
+    is stopped alone, its Inductor workers following when they see it gone). A detached child has its session."""
+    import sys
+    return {"process_group": 0} if not detached and sys.version_info >= (3, 11) else {}
 
 
 _CHILDREN: list[Any] = []
@@ -579,8 +586,6 @@ def stop_background() -> None:
     whose child was stopped keeps running on aten."""
     import shutil
     import signal
-
-    from graphtrain.engine.background import kill_tree
     while _CHILDREN:
         proc = _CHILDREN.pop()
         if proc.poll() is None:
@@ -588,6 +593,18 @@ def stop_background() -> None:
             kill_tree(proc.pid, signal.SIGKILL)  # its group: the child and the Inductor workers it started
             proc.wait()
         shutil.rmtree(proc.graphtrain_folder, ignore_errors=True)  # also a finished child's that was not collected
+
+
+def kill_tree(pid: int, sig: int) -> None:
+    """Send `sig` to `pid`'s process group when `pid` leads one (a child started with its own group: its Inductor
+    compile workers are in it), else to `pid` alone."""
+    try:
+        if os.getpgid(pid) == pid:
+            os.killpg(pid, sig)
+        else:
+            os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def worker(state: Any) -> _Worker:
