@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-slow bench clean
+.PHONY: run test test-slow bench docs clean
 
 $(STAMP): requirements-dev.txt pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -24,6 +24,9 @@ test-slow: $(STAMP)  ## only the slow checks
 
 bench: $(STAMP)  ## the small benchmark suite
 	$(BIN)/graphtrain bench small
+
+docs: $(STAMP)  ## the documentation site into build/site (mkdocs build --strict: warnings are errors)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 clean:
 	rm -rf $(VENV) runs bench_results .pytest_cache
