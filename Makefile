@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-slow bench docs clean
+.PHONY: run test test-slow test-gpu bench docs clean
 
 $(STAMP): requirements-dev.txt pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -21,6 +21,9 @@ test: $(STAMP)  ## the default test suite (slow checks excluded)
 
 test-slow: $(STAMP)  ## only the slow checks
 	$(BIN)/python -m pytest -q -m slow
+
+test-gpu: $(STAMP)  ## only the tests that need an NVIDIA GPU (a GPU machine from source: scripts/gpu-check.sh)
+	$(BIN)/python -m pytest -q -m cuda
 
 bench: $(STAMP)  ## the small benchmark suite
 	$(BIN)/graphtrain bench small
