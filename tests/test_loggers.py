@@ -1,7 +1,10 @@
 """train.loggers: TensorBoard event files next to metrics.jsonl, with every metric and the engine's report."""
 from __future__ import annotations
 
+import textwrap
+
 import pytest
+import yaml
 
 from graphtrain import Trainer
 from graphtrain.config import Config
@@ -34,6 +37,26 @@ def test_tensorboard_has_every_curve_and_the_engine_report(tmp_path, monkeypatch
     assert "engine/report/text_summary" in ea.Tags()["tensors"]
     text = ea.Tensors("engine/report/text_summary")[0].tensor_proto.string_val[0].decode()
     assert "graphtrain report" in text and "graphs captured" in text
+
+
+def test_tensorboard_has_the_hyperparameters_and_the_config(tmp_path):
+    """The HParams dashboard's experiment (the config keys, the metrics) and this run's values, and the config as
+    YAML text, read back from the event file as TensorBoard reads it."""
+    from tensorboard.plugins.hparams import plugin_data_pb2
+    cfg = Config().with_overrides([*TINY, "train.accelerate=false", "optim.lr=0.003", f"train.out_dir={tmp_path}"])
+    Trainer(cfg).fit()
+    ea = _scalars(tmp_path / "tensorboard")
+    content = ea.PluginTagToContent("hparams")
+    experiment = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/experiment"]).experiment
+    assert {m.name.tag for m in experiment.metric_infos} >= {"eval/val_loss", "train/loss"}
+    assert {"optim.lr", "model.name", "train.batch_size", "train.loggers"} <= {h.name for h in experiment.hparam_infos}
+    start = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/session_start_info"]).session_start_info
+    assert start.hparams["optim.lr"].number_value == 0.003
+    assert start.hparams["model.name"].string_value == "gpt2-tiny"
+    assert start.hparams["train.loggers"].string_value == '["jsonl", "tensorboard"]'
+    assert [e.step for e in ea.Scalars("eval/val_loss")] == [2, 3]  # the metric the dashboard sets against them
+    text = ea.Tensors("config/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert Config.from_dict(yaml.safe_load(textwrap.dedent(text))) == cfg
 
 
 def test_jsonl_only_writes_no_event_files(tmp_path):

@@ -6,32 +6,55 @@ says otherwise (nothing leaves the machine by default); MLflow writes to ``<out_
 ``MLFLOW_TRACKING_URI`` points elsewhere. ``tensorboard`` writes event files under ``<out_dir>/tensorboard`` with
 ``torch.utils.tensorboard`` (every numeric field of every metrics record as a scalar ``<kind>/<field>``:
 train/loss, train/lr, train/grad_norm, train/tokens_per_s, train/ms_per_step, train/mfu, train/peak_mem_bytes,
-train/loss_scale, eval/val_loss, skip/... as the trainer writes them), and the engine's report as text at the end
-of a run. Only rank 0 logs. On resume the events after the resumed step are purged, as metrics.jsonl's records
+train/loss_scale, eval/val_loss, skip/... as the trainer writes them), the run's config as hyperparameters (the
+HParams dashboard: every config key, flattened as ``optim.lr``, against the metrics eval/val_loss and train/loss, so
+runs compare by config) and as YAML text (tag ``config``), and the engine's report as text at the end of a run.
+Only rank 0 logs. On resume the events after the resumed step are purged, as metrics.jsonl's records
 are (``SummaryWriter(purge_step=)``).
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
+import yaml
+
+
+# The metrics the HParams dashboard sets against each run's hyperparameters (scalars the run writes itself).
+HPARAM_METRICS = ("eval/val_loss", "train/loss", "train/tokens_per_s")
+
+
+def hparam_values(config: dict[str, Any]) -> dict[str, Any]:
+    """The config as HParams takes it: flat keys, each value a number, string or bool (lists and null as text)."""
+    out = {}
+    for key, value in _flat(config).items():
+        out[key] = value if isinstance(value, (bool, int, float, str)) else json.dumps(value)
+    return out
+
 
 class TensorBoardLogger:
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, config: dict[str, Any] | None = None) -> None:
         try:
             from torch.utils.tensorboard import SummaryWriter  # noqa: F401
         except ImportError as e:
             raise ValueError(f"train.loggers asks for tensorboard, which is not installed ({e}): "
                              f"pip install tensorboard, or set train.loggers=[jsonl]") from None
         self.folder = folder
+        self.config = config or {}
         self.writer: Any = None
         self.purge_step: int | None = None
 
     def _open(self) -> Any:
         if self.writer is None:
             from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard.summary import hparams
             self.folder.mkdir(parents=True, exist_ok=True)
             self.writer = SummaryWriter(str(self.folder), purge_step=self.purge_step)
+            if self.config:  # into this run's own event file (add_hparams would start another run folder)
+                for summary in hparams(hparam_values(self.config), {m: 0.0 for m in HPARAM_METRICS}):
+                    self.writer.file_writer.add_summary(summary)
+                self.text("config", yaml.safe_dump(self.config, sort_keys=False), 0)
         return self.writer
 
     def purge_after(self, step: int) -> None:
@@ -135,7 +158,7 @@ def make_loggers(names: list[str], out_dir: Path, config: dict[str, Any] | None 
     out: list[Any] = []
     for name in names:
         if name == "tensorboard":
-            out.append(TensorBoardLogger(Path(out_dir) / "tensorboard"))
+            out.append(TensorBoardLogger(Path(out_dir) / "tensorboard", config))
         elif name == "wandb":
             out.append(WandbLogger(Path(out_dir), config or {}))
         elif name == "mlflow":
