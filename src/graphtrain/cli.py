@@ -448,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_INTERRUPTED
     except Exception as e:
         code = exit_status(e)
-        if code == EXIT_USAGE and os.environ.get("TORCHELASTIC_RUN_ID") is not None:
+        if code == EXIT_USAGE and args.command == "train" and os.environ.get("TORCHELASTIC_RUN_ID") is not None:
             from graphtrain.distributed.launch import record_refusal
             record_refusal(_one_line(e))  # torchrun's agent restarts on any failure: its restarts must refuse too
         if code is None or args.debug:

@@ -152,11 +152,15 @@ def restart_count() -> int:
 def launch_state() -> Path | None:
     """The folder the attempts of this launch share: `launch`'s (GRAPHTRAIN_LAUNCH_STATE), or under a torchrun
     started by hand one per agent (its run id and PID: the parent of every attempt's workers) in the temporary
-    folder. None outside torchrun."""
+    folder. None outside torchrun, and under a torchrun that restarts nothing (TORCHELASTIC_MAX_RESTARTS 0)."""
     if os.environ.get(STATE_ENV):
         return Path(os.environ[STATE_ENV])
     run_id = os.environ.get("TORCHELASTIC_RUN_ID")
-    if run_id is None:
+    try:
+        restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
+    except ValueError:
+        restarts = 0
+    if run_id is None or restarts == 0:
         return None
     safe = re.sub(r"[^A-Za-z0-9_.-]", "_", run_id)[:64]
     return Path(tempfile.gettempdir()) / f"graphtrain-launch-{os.getuid()}-{safe}-{os.getppid()}"
