@@ -109,7 +109,8 @@ def run_matrix(rows: list[str], cols: list[Column], *, steps: int = STEPS, isola
             res = run_isolated(r, c, steps, timeout) if isolate else run_cell(ROWS[r], c, steps)
             results.append(res)
             if progress:
-                print(f"  {r:<12} {c.name:<36} {res.status:<8} {res.seconds:6.1f} s  {res.reason[:90]}",
+                diff = "" if res.max_loss_diff is None else f"loss diff {res.max_loss_diff:.1e}  "
+                print(f"  {r:<12} {c.name:<36} {res.status:<8} {res.seconds:6.1f} s  {diff}{res.reason[:90]}",
                       file=sys.stderr, flush=True)
     return results
 

@@ -12,7 +12,7 @@ Columns are ``entry/precision/provider[/recompute][/frozen-emb]``:
 - precision fp32 or bf16 (``engine.precision``; eager stays fp32, the reference the bf16 table is written against);
 - provider aten, inductor or auto (``engine.provider``; auto waits for its background compile after the first
   step, so that the later steps run on the measured winner);
-- ``recompute``: ``engine.recompute=auto`` under a 1-byte ``memory_budget`` (nothing fits, so recompute goes as far
+- ``recompute``: ``engine.recompute=auto`` under a 1 MiB ``memory_budget`` (nothing fits, so recompute goes as far
   as it can); ``frozen-emb``: the input embedding's weight does not require grad (tied heads freeze with it).
 
 What is compared, under `graphtrain.testing`'s tolerance table for the column's precision: the loss of every step
@@ -49,6 +49,10 @@ PROVIDERS = ("aten", "inductor", "auto")
 STEPS = 3
 OPTIM = OptimConfig(lr=1e-3, grad_clip=None, schedule="constant", warmup_steps=0)
 _DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# bf16's table (2e-2 absolute) alone would pass most gradients of a tiny model whatever they held: each bf16 gradient
+# is also held to 5e-2 relative error in norm against eager fp32's, the bound tests/test_mixed_precision.py puts on
+# accelerate's bf16 (8 bits of mantissa).
+BF16_GRAD_REL = 5e-2
 
 
 # --------------------------------------------------------------------------------------------- rows ----
@@ -160,7 +164,7 @@ class Column:
         kw: dict[str, Any] = dict(provider=self.provider, precision=self.precision, recompute=self.recompute,
                                   fallback="warn")
         if self.recompute != "none":
-            kw["memory_budget"] = 2.0  # bytes: nothing fits, so auto recomputes as much as it can
+            kw["memory_budget"] = float(2**20)  # 1 MiB, the least it takes: nothing fits, auto recomputes all it can
         return kw
 
 
@@ -348,6 +352,9 @@ def _compare(ours: _Trace, ref: _Trace, precision: str) -> tuple[str | None, flo
                 return f"gradient of {n}: {'missing' if mine is None else 'unexpected'}", diff
             if g is not None:
                 assert_close(mine.float(), g.float(), name=f"gradient of {n}", rtol=rtol, atol=atol)
+                rel = float((mine.double() - g.double()).norm() / g.double().norm().clamp_min(1e-30))
+                if precision != "fp32" and rel > BF16_GRAD_REL:
+                    return f"gradient of {n}: relative error {rel:.2e} > {BF16_GRAD_REL} of eager fp32's", diff
     except AssertionError as e:
         return _one_line(str(e)), diff
     return None, diff
@@ -414,7 +421,7 @@ def run_cell(row: Row, col: Column, steps: int = STEPS) -> Result:
         ref = _eager(ref_model, batch, col, steps)
         bad, diff = _compare(ours, ref, col.precision)
     except Exception as e:  # noqa: BLE001 - a cell reports, the matrix goes on
-        return Result(row.name, col.name, "fail", f"{type(e).__name__}: {_one_line(str(e))}",
+        return Result(row.name, col.name, "fail", f"{type(e).__name__}: {' '.join(str(e).split())[:300]}",
                       seconds=time.perf_counter() - t0)
     fb = _fallbacks(ours, start)
     res = Result(row.name, col.name, "fail" if bad else "fallback" if fb else "pass", bad or "", fb,
