@@ -86,6 +86,11 @@ def lock_run_folder(out_dir: str | Path) -> Path:
     except OSError as e:
         holder = _holder(fd)
         os.close(fd)
+        if e.errno in (errno.ENOLCK, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS):  # NFS without lockd, FUSE
+            print(f"warning: the file system of {str(folder)!r} cannot lock files ({e.strerror}): a second run started "
+                  f"on this folder would not be refused", file=sys.stderr)
+            _held[str(folder)] = -1
+            return path
         if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
             raise
         raise ValueError(f"train.out_dir {str(folder)!r} is in use by another graphtrain run ({holder}); two runs in "
