@@ -291,6 +291,17 @@ class TrainConfig:
     """Record metrics every N steps."""
     ckpt_every: int = 200
     """Save a checkpoint every N steps (and at the end); 0 saves only at the end."""
+    keep_last: int = 3
+    """Keep the N newest checkpoints (ckpt-NNNNNNN.pt), deleting older ones after each successful save; 0 keeps
+    every checkpoint."""
+    keep_best: bool = False
+    """Also keep the checkpoint with the lowest validation loss as ckpt-best.pt (a sharded run: ckpt-best/), never
+    pruned: updated at each save whose step was evaluated (train.eval_every, and the last step) and improved on it.
+    `graphtrain export RUN --checkpoint best` exports it."""
+    export_hf: bool = False
+    """At the end of the run, write the final checkpoint as a Hugging Face folder in <out_dir>/hf (config.json,
+    generation_config.json, model.safetensors and the run's tokenizer; what `graphtrain export RUN --format hf`
+    writes), replacing the one an earlier run of the folder wrote."""
     out_dir: str = "runs/default"
     """Checkpoints, metrics.jsonl and the saved config go here."""
     seed: int = 1337
@@ -350,6 +361,8 @@ class TrainConfig:
         if self.loss_spike_factor is not None and self.loss_spike_factor <= 1:
             raise ValueError(f"train.loss_spike_factor must be > 1 (a multiple of the median loss), e.g. 3.0, or "
                              f"null (off); got {self.loss_spike_factor}")
+        if self.keep_last < 0:
+            raise ValueError(f"train.keep_last must be >= 0 (0 keeps every checkpoint), got {self.keep_last}")
         for name in ("steps", "grad_accum", "eval_batches", "log_every", "max_bad_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")

@@ -36,11 +36,13 @@ def _require(fmt: str) -> None:
 
 def load_run(run_dir: str | Path, checkpoint: str = "latest") -> tuple[Any, torch.nn.Module, Path]:
     """(the run's Config, its model with the checkpoint's weights, in eval mode, the checkpoint) of a run folder.
-    `checkpoint`: latest (the newest that verifies), a step number, or a checkpoint path."""
+    `checkpoint`: latest (the newest that verifies), best (train.keep_best's ckpt-best), a step number, or a
+    checkpoint path."""
     from graphtrain.config import Config, ModelConfig
     from graphtrain.models import build_model
     from graphtrain.trainer.checkpoint import (is_sharded, latest_valid_checkpoint, list_checkpoints,
-                                               load_checkpoint)
+                                               load_checkpoint, to_module_keys)
+    from graphtrain.trainer.run_outputs import best_checkpoint
     run = Path(run_dir)
     if not (run / "config.yaml").is_file():
         raise ValueError(f"{str(run)!r} is not a graphtrain run directory (no config.yaml): pass the train.out_dir "
@@ -51,6 +53,11 @@ def load_run(run_dir: str | Path, checkpoint: str = "latest") -> tuple[Any, torc
         if path is None:
             raise ValueError(f"{str(run)!r} has no valid checkpoint (ckpt-*): train it first (train.ckpt_every "
                              f"saves them; a finished run always has one)")
+    elif checkpoint == "best":
+        path = best_checkpoint(run)
+        if path is None:
+            raise ValueError(f"{str(run)!r} has no best checkpoint (ckpt-best.pt): train with train.keep_best=true, "
+                             f"or export --checkpoint latest")
     elif checkpoint.isdigit():
         path = next((p for s, p in list_checkpoints(run) if s == int(checkpoint)), None)
         if path is None:
@@ -69,7 +76,7 @@ def load_run(run_dir: str | Path, checkpoint: str = "latest") -> tuple[Any, torc
         emb = next(v for k, v in weights.items() if k.endswith(("wte.weight", "embeddings.word.weight")))
         model = build_model(ModelConfig(**{**config.model.__dict__, "vocab_size": int(emb.shape[0])}),
                             vocab_size=int(emb.shape[0]))
-    model.load_state_dict(weights)
+    model.load_state_dict(to_module_keys(weights, model))
     return config, model.eval(), path
 
 

@@ -8,6 +8,14 @@ Layout of a run folder::
     out_dir/ckpt-0000300/           distributed runs: a sharded checkpoint folder (graphtrain.distributed.checkpoint:
                                     DCP files, extra.pt holding the same metadata as a .pt file minus the tensors,
                                     SHA256SUMS listing every file)
+    out_dir/ckpt-best.pt            train.keep_best: the checkpoint of the lowest validation loss, never pruned,
+    out_dir/ckpt-best.pt.sha256     never `latest` (trainer/run_outputs.py)
+    out_dir/hf/                     train.export_hf: the final checkpoint as a Hugging Face folder (run_outputs.py)
+
+Pruning keeps the `train.keep_last` newest ckpt-N (0: all). The model state dict holds the keys of the plain
+model: a model.hf run's are the transformers model's own (``model.layers.0...``, ``lm_head.weight``), so
+``AutoModelForCausalLM.from_config(cfg).load_state_dict(torch.load(ckpt)["model"])`` works; checkpoints written
+before that carry graphtrain's wrapper prefix ``hf.`` and still load (`to_module_keys`).
 
 A checkpoint is a dict (see `FORMAT_VERSION`) holding the model and optimizer state dicts, the
 number of completed optimizer steps, every RNG state (torch CPU, CUDA, python, numpy) and the
@@ -45,7 +53,8 @@ from graphtrain.checksums import (ChecksumMismatch, digests_reused, fsync_dir, s
                                   write_sums)
 
 FORMAT_VERSION = 1
-KEEP_LAST = 3
+KEEP_LAST = 3  # train.keep_last's default
+_WRAPPER = "hf."  # graphtrain's wrapper around a transformers model (models/hf.py, HFLanguageModel.hf)
 _NAME = re.compile(r"^ckpt-(\d{7,})(\.pt)?$")  # .pt: a file; no suffix: a sharded folder
 REQUIRED_KEYS = ("format_version", "step", "model", "optimizer", "rng", "config")
 # Config keys that decide the model's shapes or the meaning of its token ids: resuming across a
@@ -135,7 +144,8 @@ def _write_error(e: RuntimeError, path: Path) -> BaseException:
 
 
 def prune_checkpoints(out_dir: str | Path, keep: int = KEEP_LAST, protect: Path | None = None) -> list[Path]:
-    """Delete all but the `keep` highest-step checkpoints (never `protect`); returns what was deleted."""
+    """Delete all but the `keep` highest-step checkpoints (0: none; never `protect`, never the best checkpoint,
+    which has its own name); returns what was deleted."""
     found = list_checkpoints(out_dir)
     doomed = [p for _, p in found[:-keep]] if keep > 0 else []
     doomed = [p for p in doomed if protect is None or p.resolve() != Path(protect).resolve()]
@@ -146,6 +156,26 @@ def prune_checkpoints(out_dir: str | Path, keep: int = KEEP_LAST, protect: Path 
             p.unlink(missing_ok=True)  # the checkpoint first: a checksum file left alone is cleaned next start
             sidecar_path(p).unlink(missing_ok=True)
     return doomed
+
+
+# ------------------------------------------------------------------------------ model keys ----
+
+def plain_state_dict(state: dict[str, Any]) -> dict[str, Any]:
+    """A model state dict with the keys of the plain model: a model.hf model's without graphtrain's wrapper prefix
+    `hf.` (they load into the transformers class as they are); other state dicts unchanged."""
+    if state and all(k.startswith(_WRAPPER) for k in state):
+        return {k[len(_WRAPPER):]: v for k, v in state.items()}
+    return state
+
+
+def to_module_keys(state: dict[str, Any], model: torch.nn.Module) -> dict[str, Any]:
+    """A checkpoint's model state dict with the keys `model` (graphtrain's module) expects: plain keys get the
+    wrapper prefix back for a model.hf model; checkpoints that carry it already (written before plain keys) pass
+    unchanged."""
+    wanted = model.state_dict().keys()
+    if wanted and all(k.startswith(_WRAPPER) for k in wanted) and not any(k.startswith(_WRAPPER) for k in state):
+        return {_WRAPPER + k: v for k, v in state.items()}
+    return state
 
 
 # ------------------------------------------------------------------------------------- RNG ----
@@ -357,7 +387,7 @@ def load_weights(model: torch.nn.Module, init_from: str, config: Any, model_spec
             else:
                 state = load_checkpoint(source, config, model_spec)
                 step = state["step"]
-                model.load_state_dict(state["model"])
+                model.load_state_dict(to_module_keys(state["model"], model))
     except RuntimeError as e:
         raise ValueError(f"train.init_from={init_from!r}: the checkpoint's weights do not fit this model "
                          f"({str(e).splitlines()[0]})") from None

@@ -8,8 +8,9 @@
   names are touched: `.ckpt-NNNNNNN.pt.*.tmp` (a checkpoint file or its checksum file being written),
   `ckpt-NNNNNNN.tmp/` (a sharded folder being written), `ckpt-NNNNNNN.old/` (the previous folder of that
   step, restored when the new one never took its place), `ckpt-NNNNNNN.pt.sha256` without its checkpoint
-  (a save killed between the two renames, or a prune between the two deletes), and the temporary files
-  of config.yaml and metrics.jsonl.
+  (a save killed between the two renames, or a prune between the two deletes), the same for ckpt-best
+  (trainer/run_outputs.py), the temporary files of config.yaml and metrics.jsonl, and `.hf.tmp/`, `.hf.old/`
+  (train.export_hf).
 - `config_changes` / `check_config_changes`: a resumed run must be the same run. Every config key that
   differs from the checkpoint's is listed (key: checkpoint value -> current value) and the resume is
   refused unless each is named in `allow_config_change` (CLI: --allow-config-change KEY[,KEY]), except
@@ -36,11 +37,13 @@ from typing import Any, Callable, Iterable
 
 from graphtrain.checksums import fsync_dir, sidecar_path
 from graphtrain.trainer.checkpoint import MODEL_KEYS, is_sharded, list_checkpoints
+from graphtrain.trainer.run_outputs import best_info
 
-_TMP_FILE = re.compile(r"^\.ckpt-\d{7,}\.pt(\.sha256)?\..+\.tmp$")
-_TMP_DIR = re.compile(r"^(ckpt-\d{7,})\.(tmp|old)$")
-_SIDECAR = re.compile(r"^(ckpt-\d{7,}\.pt)\.sha256$")
+_TMP_FILE = re.compile(r"^\.ckpt-(\d{7,}|best)\.pt(\.sha256)?\..+\.tmp$")
+_TMP_DIR = re.compile(r"^(ckpt-(?:\d{7,}|best))\.(tmp|old)$")
+_SIDECAR = re.compile(r"^(ckpt-(?:\d{7,}|best)\.pt)\.sha256$")
 _RUN_TMP_FILES = (".config.yaml.tmp", "metrics.jsonl.tmp")  # runtime.write_text_atomic, MetricsLog.truncate_after
+_RUN_TMP_DIRS = (".hf.tmp", ".hf.old")  # run_outputs.write_hf_folder
 
 # Keys a resumed run may change without being named: length and place of the run, logging, evaluation,
 # checkpoint cadence, threads and execution path (eager, engine, whole-step graph), the fault guards.
@@ -48,7 +51,8 @@ FREE_KEYS = frozenset({
     "train.steps", "train.out_dir", "train.eval_every", "train.eval_batches", "train.log_every", "train.ckpt_every",
     "train.threads", "train.progress", "train.sample_prompt", "train.sample_tokens", "train.init_from",
     "train.accelerate", "train.whole_step", "train.deterministic", "train.preempt_grace_s", "train.max_bad_steps",
-    "train.loss_spike_factor", "train.trust_checkpoint", "data.cache_dir", "model.attention", "optim.fused",
+    "train.loss_spike_factor", "train.trust_checkpoint", "train.keep_last", "train.keep_best", "train.export_hf",
+    "data.cache_dir", "model.attention", "optim.fused",
 })
 
 
@@ -135,9 +139,12 @@ def clean_orphans(out_dir: str | Path) -> list[str]:
         if (_TMP_FILE.match(name) or name in _RUN_TMP_FILES) and p.is_file():
             p.unlink(missing_ok=True)
             done.append(name)
+        elif name in _RUN_TMP_DIRS and p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+            done.append(f"{name}/")
         elif (m := _TMP_DIR.match(name)) and p.is_dir():
             target = out / m.group(1)
-            if m.group(2) == "old" and not target.exists() and is_sharded(p):
+            if m.group(2) == "old" and not target.exists() and is_sharded(p):  # ckpt-best.old/ too
                 p.rename(target)  # killed between moving the old folder aside and the new one into place
                 done.append(f"{name}/ (restored as {target.name}/)")
             else:
@@ -214,10 +221,14 @@ def _show(v: Any) -> str:
 # ------------------------------------------------------------------------------ supersede ----
 
 def supersede_later(out_dir: str | Path, step: int) -> tuple[Path | None, list[str]]:
-    """Move every checkpoint of `out_dir` past `step` (and its checksum file) into a new folder
-    `superseded-<step>-<YYYYmmdd-HHMMSS>/`; returns the folder (None: nothing to move) and the names moved."""
+    """Move every checkpoint of `out_dir` past `step` (and its checksum file), the best checkpoint too when it is
+    of a later step, into a new folder `superseded-<step>-<YYYYmmdd-HHMMSS>/`; returns the folder (None: nothing
+    to move) and the names moved."""
     out = Path(out_dir)
     later = [p for s, p in list_checkpoints(out) if s > step]
+    best = best_info(out)
+    if best is not None and best[1] > step:
+        later.append(best[0])
     if not later:
         return None, []
     stamp = time.strftime("%Y%m%d-%H%M%S")

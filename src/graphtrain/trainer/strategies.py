@@ -34,9 +34,9 @@ from graphtrain.config import Config
 from graphtrain.models import build_model
 from graphtrain.optim import build_optimizer, make_loss_scaler, optimizer_step
 from graphtrain.trainer import runtime
-from graphtrain.trainer.checkpoint import (KEEP_LAST, checkpoint_path, is_sharded, latest_checkpoint, load_checkpoint,
-                                           load_sharded_meta, prune_checkpoints, rng_state, save_checkpoint,
-                                           set_rng_state)
+from graphtrain.trainer.checkpoint import (checkpoint_path, is_sharded, latest_checkpoint, load_checkpoint,
+                                           load_sharded_meta, plain_state_dict, prune_checkpoints, rng_state,
+                                           save_checkpoint, set_rng_state, to_module_keys)
 from graphtrain.trainer.faults import rejection
 from graphtrain.trainer.schedule import set_lr
 
@@ -136,17 +136,17 @@ class SingleProcessStep:
         return torch.stack(losses).double().mean().item()
 
     def save(self, out_dir: Path, meta: dict[str, Any]) -> Path:
-        """ckpt-{step}.pt, written atomically (trainer/checkpoint.py)."""
-        state = {**meta, "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+        """ckpt-{step}.pt, written atomically (trainer/checkpoint.py), with the plain model's keys."""
+        state = {**meta, "model": plain_state_dict(self.model.state_dict()), "optimizer": self.optimizer.state_dict(),
                  "rng": rng_state(), "loss_scaler": None if self.scaler is None else self.scaler.state_dict()}
         path = save_checkpoint(checkpoint_path(out_dir, meta["step"]), state)
-        prune_checkpoints(out_dir, keep=KEEP_LAST, protect=path)
+        prune_checkpoints(out_dir, keep=self.config.train.keep_last, protect=path)
         return path
 
     def load(self, path: Path, model_spec: dict[str, Any]) -> int:
         state = load_checkpoint(path, self.config, model_spec)
         try:
-            self.model.load_state_dict(state["model"])
+            self.model.load_state_dict(to_module_keys(state["model"], self.model))
             self.optimizer.load_state_dict(state["optimizer"])
         except (RuntimeError, ValueError, KeyError) as e:
             raise ValueError(f"checkpoint {str(path)!r} does not fit this model/optimizer ({str(e).splitlines()[0]}); "
@@ -250,7 +250,7 @@ class DistributedStep:
         extra = {**meta, "rng": rngs, "parallel": dataclasses.asdict(self.config.parallel)}
         path = self.par.save(checkpoint_path(out_dir, meta["step"], sharded=True), extra=extra)
         if self.env.is_main:
-            prune_checkpoints(out_dir, keep=KEEP_LAST, protect=path)
+            prune_checkpoints(out_dir, keep=self.config.train.keep_last, protect=path)
         dist.barrier()
         return path
 

@@ -55,6 +55,7 @@ from graphtrain.trainer.faults import (NumericsGuard, PreemptionGuard, TrainingF
 from graphtrain.trainer.loggers import make_loggers
 from graphtrain.trainer.metrics import MetricsLog, Throughput, format_bytes, peak_memory_bytes
 from graphtrain.trainer.resume import allowed_keys, check_config_changes, clean_orphans, supersede_later
+from graphtrain.trainer.run_outputs import best_checkpoint, update_best, write_hf_folder
 from graphtrain.trainer.schedule import lr_at
 from graphtrain.trainer.strategies import build_strategy
 
@@ -197,6 +198,7 @@ class Trainer:
                 recent: list[float] = []  # train losses of updated steps since the last log line
                 skipped = 0  # skipped updates since the last log line
                 train_loss = val_loss = math.nan
+                val_step = None  # the step val_loss was measured at (train.keep_best compares only those)
                 saved: Path | None = None
                 self.model.train()
                 bar = tqdm(total=tc.steps, initial=self.step, disable=not (tc.progress and self.is_main), unit="step",
@@ -236,12 +238,12 @@ class Trainer:
                                   f"{ms:.0f} ms/step  peak mem {format_bytes(mem)}", flush=True)
                     stop = None
                     if (tc.eval_every and done % tc.eval_every == 0) or done == tc.steps:
-                        val_loss = self.evaluate()
+                        val_loss, val_step = self.evaluate(), done
                         if self.is_main:
                             self.metrics.write("eval", done, val_loss=val_loss)
                         self._log(f"step {done}: val loss {val_loss:.4f}")
                         stop = next((r for cb in self.eval_callbacks if (r := cb(done, val_loss))), None)
-                    metrics = {"train_loss": train_loss, "val_loss": val_loss}
+                    metrics = {"train_loss": train_loss, "val_loss": val_loss, "val_step": val_step}
                     if (tc.ckpt_every and done % tc.ckpt_every == 0) or done == tc.steps:
                         preempt.phase = "save"
                         saved, saved_step = self._save(metrics), done
@@ -271,6 +273,11 @@ class Trainer:
                    "ms_per_step": ms, "first_step_ms": first_ms,
                    "peak_mem_bytes": peak_memory_bytes(self.device), "tokens_per_step": tokens_per_step,
                    "checkpoint": str(saved or latest_checkpoint(self.out_dir) or ""), "out_dir": str(self.out_dir)}
+        if self.is_main and tc.export_hf:  # after the last save: the folder is the final checkpoint
+            hf = write_hf_folder(self.out_dir, cfg, self.data.tokenizer, self.data.vocab_size)
+            summary["hf_folder"] = hf["out"]
+            self._log(f"train.export_hf: wrote {hf['out']} ({hf['class']}, from {Path(hf['checkpoint']).name}; "
+                      f"reloaded by transformers, max abs logit difference {hf['max_abs_diff']:.2e})")
         if self.is_main:
             self.metrics.write("summary", self.step, **summary)
             self._log_engine_report()
@@ -353,13 +360,20 @@ class Trainer:
 
     # ---------------------------------------------------------------------------- checkpoints ----
     def save_checkpoint(self, metrics: dict[str, Any] | None = None) -> Path:
-        """Save ckpt-{step}.pt atomically (distributed: the sharded folder ckpt-{step}/), keep the last few."""
+        """Save ckpt-{step}.pt atomically (distributed: the sharded folder ckpt-{step}/), keep the train.keep_last
+        newest, and with train.keep_best make it ckpt-best when its step was evaluated and beat the best so far."""
         meta = {"format_version": FORMAT_VERSION, "step": self.step, "config": self.config.to_dict(),
                 "model_spec": self._model_spec(), "metrics": metrics or {}}
         tok = getattr(self.data, "tokenizer", None)
         if tok is not None and hasattr(tok, "to_str"):  # the tokenizer travels with the weights; resume checks it
             meta["tokenizer"] = {"sha256": tok.digest(), "json": tok.to_str(), "specials": tok.specials}
-        return self.strategy.save(self.out_dir, meta)
+        path = self.strategy.save(self.out_dir, meta)
+        val = (metrics or {}).get("val_loss")
+        if (self.config.train.keep_best and self.is_main and (metrics or {}).get("val_step") == self.step
+                and isinstance(val, float) and update_best(self.out_dir, path, val)):
+            self._log(f"step {self.step}: best validation loss so far ({val:.4f}): kept as "
+                      f"{best_checkpoint(self.out_dir)}")
+        return path
 
     def load_checkpoint(self, path: str | Path) -> int:
         """Restore weights, optimizer, RNG from `path` (verified, validated against this model); returns its step.
