@@ -122,8 +122,8 @@ def export_run(run_dir: str | Path, fmt: str, out: str | Path | None = None, *, 
 # What an export writes, and so all that --force may delete: safetensors, Hugging Face (save_pretrained and the
 # tokenizer files) and ONNX (a large graph's external data file) outputs, and export.json.
 _EXPORT_FILE = re.compile(r"^(export\.json|config\.json|generation_config\.json|tokenizer(_config)?\.json|"
-                          r"special_tokens_map\.json|model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json|"
-                          r"model\.onnx(\.data|_data)?)$")
+                          r"special_tokens_map\.json|model(-\d{5}-of-\d{5})?\.safetensors|"
+                          r"model\.safetensors\.index\.json|model\.onnx(\.data|_data)?)$")
 
 
 def _check_out(out: Path, run: Path, force: bool) -> None:
