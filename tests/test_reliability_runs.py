@@ -188,8 +188,8 @@ def test_a_second_run_on_a_live_folder_is_refused_and_touches_nothing(tmp_path):
 # -------------------------------------------------------------------- 4. a real disk error while saving ----
 
 def _file_size_limit(limit: int):
-    def apply():  # in the child, before exec: past `limit` bytes a write fails with EFBIG (SIGXFSZ ignored)
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    def apply():  # in the child, before exec: past `limit` bytes a write fails with EFBIG (SIGXFSZ ignored, as
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # CPython does at start-up anyway: a shell's ulimit -f too)
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
     return apply
 

@@ -35,7 +35,6 @@ import os
 import signal
 import sys
 import tempfile
-import threading
 from pathlib import Path
 from typing import Callable, NamedTuple
 
@@ -235,8 +234,6 @@ def run_train(args: argparse.Namespace) -> int:
     _check_out_dir(config.train.out_dir)
     _lock_out_dir(config.train.out_dir)
     launch.record_checkpoints(config.train.out_dir)  # under torchrun: what a restart must not mistake for its own
-    if hasattr(signal, "SIGXFSZ") and threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # past `ulimit -f` a write fails (EFBIG, one error line)
     if config.train.loggers != ["jsonl"]:  # the MFU curve's denominator, measured once per machine
         from graphtrain.kernels.flops import ensure_machine_peak
         ensure_machine_peak(log=lambda m: print(m, file=sys.stderr, flush=True))
