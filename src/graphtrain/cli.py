@@ -76,7 +76,7 @@ examples:
   graphtrain train --out runs/tiny --resume --steps 100   continue runs/tiny up to step 100
   graphtrain train configs/x.yaml --out runs/x --resume auto   the same command starts or continues
                                                        the run: what a scheduler re-runs after preemption
-  graphtrain train configs/x.yaml parallel.dp=2 --nproc 2 --max-restarts 3   restart failed workers (up to
+  graphtrain train configs/x.yaml parallel.dp=2 --nproc 2 --max-restarts 3   restart crashed workers (up to
                                                        3 times); they continue from the last checkpoint
   graphtrain train data.path=~/src/myproject           train on your own folder of text/code files
   graphtrain train configs/x.yaml parallel.dp=2 --nproc 2   data-parallel on 2 processes (torchrun)
@@ -109,9 +109,10 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                    help="run on N local processes under torchrun (parallel.dp*tp*pp must equal N, e.g. "
                         "parallel.dp=N); the same command runs in every worker, without --nproc")
     p.add_argument("--max-restarts", type=int, metavar="K",
-                   help="torchrun's elastic agent restarts the workers up to K times when one fails; restarted "
-                        "workers continue from the latest valid checkpoint (--resume auto). Default 0; "
-                        "without --nproc, N is parallel.dp*tp*pp")
+                   help="torchrun's elastic agent restarts the workers up to K times when one crashes (a signal, "
+                        "exit 1), never after a usage error (exit 2); restarted workers continue from the latest "
+                        "valid checkpoint this launch wrote (--resume auto), or do what the command asked when it "
+                        "wrote none. Default 0; without --nproc, N is parallel.dp*tp*pp")
 
 
 def _worker_argv(args: argparse.Namespace) -> list[str]:
