@@ -3,11 +3,18 @@
     print(graphtrain.report(model))     # text
     graphtrain.report(model).to_dict()  # the same facts, machine-readable
     graphtrain.report(model, optimizer=opt).process_peak  # + the next step's predicted peak RSS of the process
+
+The text opens with a one-screen summary (graphs and the provider each ran on, graph breaks, fallbacks and why,
+predicted and measured memory), then the details graph by graph and pass by pass. Names are the model's own:
+Dynamo's placeholder names (``l_self_modules_transformer_modules_wte_parameters_weight_``) are written back as the
+parameter they stand for (``transformer.wte.weight``) wherever the engine quoted them.
 """
 from __future__ import annotations
 
 import collections
 import dataclasses
+import re
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -130,6 +137,11 @@ class Report:
     ``primed_blocks`` faulted in ahead (of ``primed_bytes`` asked; ``primed_from``: ``record``, or ``gradients``
     without one), ``primed_taken`` by the step and ``returned_bytes`` given back unasked. Empty before the first
     step settles or with ``engine.cpu_prefault`` off."""
+    step_peak: dict[str, Any] | None = None
+    """The latest graphs' predicted step peak by component (``step_prediction``), None before a training graph."""
+    measured_peak: dict[str, Any] | None = None
+    """The peak memory measured so far, to hold against the predictions: ``bytes`` and ``what`` (the process's
+    peak resident set on CPU, the CUDA allocator's peak on a GPU)."""
     fused_ops: list[dict[str, Any]] | None = None
     """The graphtrain ops the passes put into the graphs (``count``, summed over graphs), each with what its
     descriptor tells recompute, mixed precision and the memory predictor (kernels/registry.py)."""
@@ -150,9 +162,51 @@ class Report:
         return eng + ("\n" + _machine_lines(self.machine)[0] + "; cpu fp32 GEMM: " + self.machine["cpu_fp32_gemm"]
                       if self.machine else "")
 
+    def headline(self) -> list[str]:
+        """The one-screen summary the text opens with: graphs and providers, breaks, fallbacks and why, memory."""
+        latest = [g for g in self.graphs if g["frame_compile"] == max(
+            h["frame_compile"] for h in self.graphs if h["frame"] == g["frame"])]
+        by_provider: dict[str, list[str]] = {}
+        for g in latest:
+            runs = g.get("calls_per_step", 1)
+            key = f"{g['provider'] or '?'} ({g['precision'] or '?'})"
+            by_provider.setdefault(key, []).append(g["name"] + (f" (x{runs} per step)" if runs > 1 else ""))
+        providers = "; ".join(f"{p} for {', '.join(names) if len(names) <= 6 else f'{len(names)} graphs'}"
+                              for p, names in by_provider.items()) or "no graph captured yet"
+        L = [f"summary: {len(self.graphs)} graph(s) captured" + (f", {len(self.recompiles)} of them recompiles"
+                                                                  if self.recompiles else "")
+             + (f"; blocks compiled once: {', '.join(self.blocks)}" if self.blocks else ""),
+             f"  providers: {providers}"]
+        if self.eager_only:
+            L.append("  CAPTURE FAILED: the module runs eagerly")
+        L.append(f"  graph breaks: {len(self.graph_breaks)}" + (f" (first: {self.graph_breaks[0]})"
+                                                               if self.graph_breaks else ""))
+        kernel_fb = (self.machine or {}).get("runtime_fallbacks") or []
+        L.append(f"  fallbacks: {len(self.fallbacks)} (engine), {len(kernel_fb)} (fused ops at run time)"
+                 + (": none" if not self.fallbacks and not kernel_fb else ", why:"))
+        why = [f"{part}: {reason}" for part, reason in self.fallbacks] + [
+            f"{f['op']} ({f['implementation']}): {f['reason']}" for f in kernel_fb]
+        L += [f"    - {w if len(w) <= 160 else w[:157] + '...'}" for w in why[:4]]
+        if len(why) > 4:
+            L.append(f"    ... {len(why) - 4} more below")
+        step, mem = self.step_peak, []
+        if step is not None:
+            mem.append(f"predicted step peak {_mib(step['peak'])} ({step['peak_phase']})")
+        if self.process_peak:
+            mem.append(f"predicted process peak {_mib(self.process_peak['process_peak'])}")
+        if self.measured_peak:
+            mem.append(f"measured {self.measured_peak['what']} {_mib(self.measured_peak['bytes'])}")
+        L.append("  memory: " + ("; ".join(mem) if mem else "no prediction (no training graph yet)"))
+        fs = "n/a" if self.first_step_seconds is None else f"{self.first_step_seconds:.2f} s"
+        L.append(f"  time to first step {fs} (compile {self.compile_seconds:.2f} s); {self.calls} accelerated calls")
+        return L
+
     def __str__(self) -> str:
         L = [f"graphtrain report ({self.source}; provider={self.config['provider']}, "
              f"fallback={self.config['fallback']}, dynamic={self.config['dynamic']})"]
+        L += self.headline()
+        L.append("")
+        L.append("details:")
         if self.eager_only:
             L.append("  CAPTURE FAILED: the module runs eagerly (see fallbacks)")
         fs = "n/a" if self.first_step_seconds is None else f"{self.first_step_seconds:.2f} s"
@@ -270,7 +324,7 @@ def report(module: torch.nn.Module | None = None, *, optimizer: torch.optim.Opti
         except Exception:  # noqa: BLE001 - an estimate only (odd tensor subclasses): the report goes on without it
             pp = None
         process = {**pp.to_dict(), "graph": name, "step": step} if pp is not None else None
-    return Report(
+    rep = Report(
         source=source, config=dataclasses.asdict(state.config),
         graphs=[dataclasses.asdict(g) for g in state.graphs], graph_breaks=list(state.graph_breaks),
         recompiles=[dict(frame=g.frame, frame_compile=g.frame_compile, input_shapes=[s for s, k in zip(
@@ -280,7 +334,76 @@ def report(module: torch.nn.Module | None = None, *, optimizer: torch.optim.Opti
         first_step_seconds=state.first_call_seconds, compile_seconds=sum(g.compile_seconds for g in state.graphs),
         calls=state.calls, eager_only=state.eager_only, machine=capabilities(), process_peak=process,
         blocks=list(state.blocks), notes=list(state.notes), cache=_cache_stats(state),
-        allocator=_allocator_state(), first_step_memory=dict(state.first_step_memory), fused_ops=_fused_ops(state.passes, runs))
+        allocator=_allocator_state(), first_step_memory=dict(state.first_step_memory),
+        fused_ops=_fused_ops(state.passes, runs), step_peak=step, measured_peak=_measured_peak(module))
+    return _with_user_names(rep, module)
+
+
+def _measured_peak(module: torch.nn.Module | None) -> dict[str, Any] | None:
+    """The peak memory measured so far: the CUDA allocator's on the module's GPU, else the process's peak RSS."""
+    device = next((p.device for p in module.parameters()), None) if module is not None else None
+    if device is not None and device.type == "cuda":
+        return dict(bytes=int(torch.cuda.max_memory_allocated(device)), what="CUDA peak allocated")
+    try:
+        import resource
+    except ImportError:  # Windows
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return dict(bytes=int(peak if sys.platform == "darwin" else peak * 1024), what="peak RSS of the process")
+
+
+# Dynamo's names for a module's tensors: placeholders (l_self_modules_h_modules_0_modules_attn_parameters_weight_)
+# and guard sources (L['self']._modules['h']._modules['0']._parameters['weight']).
+_PLACEHOLDER = re.compile(r"\b[lL]_self_((?:modules_[A-Za-z0-9_]+?_)*(?:parameters|buffers)_[A-Za-z0-9_]+?)_?"
+                          r"(?![A-Za-z0-9_])")
+_SOURCE = re.compile(r"L\['self'\]((?:\._modules\['[^']+'\])*)\._(?:parameters|buffers)\['([^']+)'\]")
+
+
+def user_name(mangled: str) -> str:
+    """transformer.wte.weight for l_self_modules_transformer_modules_wte_parameters_weight_ (a placeholder name of
+    the module's tensor); anything else unchanged."""
+    m = _PLACEHOLDER.fullmatch(mangled)
+    if m is None:
+        return mangled
+    parts = re.split(r"(?:^|_)(?:modules|parameters|buffers)_", m.group(1))
+    return ".".join(p for p in parts if p)
+
+
+def _rename(text: str, known: set[str]) -> str:
+    def placeholder(m: re.Match) -> str:
+        name = user_name(m.group(0))
+        return name if not known or name in known else m.group(0)
+
+    def source(m: re.Match) -> str:
+        return ".".join([*re.findall(r"\['([^']+)'\]", m.group(1)), m.group(2)])
+    return _SOURCE.sub(source, _PLACEHOLDER.sub(placeholder, text))
+
+
+def _with_user_names(rep: Report, module: torch.nn.Module | None) -> Report:
+    """`rep` with every Dynamo placeholder name in its text (notes, breaks, fallbacks, pass notes) written as the
+    model's own name for that tensor. Names are checked against the module's parameters and buffers (those of a
+    block, named from the block, count too); without a module every name that parses is rewritten."""
+    known: set[str] = set()
+
+    def names() -> set[str]:  # built once, at the first quoted name
+        if not known and module is not None:
+            for _, sub in module.named_modules(remove_duplicate=False):
+                known.update(n for n, _ in sub.named_parameters(remove_duplicate=False))
+                known.update(n for n, _ in sub.named_buffers(remove_duplicate=False))
+        return known
+
+    def walk(v: Any) -> Any:
+        if isinstance(v, str):
+            return _rename(v, names()) if ("_self_" in v or "L['self']" in v) else v
+        if isinstance(v, list):
+            return [walk(x) for x in v]
+        if isinstance(v, tuple):
+            return tuple(walk(x) for x in v)
+        if isinstance(v, dict):
+            return {k: walk(x) for k, x in v.items()}
+        return v
+    return dataclasses.replace(rep, **{f.name: walk(getattr(rep, f.name)) for f in dataclasses.fields(rep)
+                                       if f.name not in ("config", "machine", "params")})
 
 
 def _allocator_state() -> dict[str, Any] | None:

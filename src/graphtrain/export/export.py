@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from graphtrain.export.quiet import quiet_libraries
+
 FORMATS = ("safetensors", "hf", "onnx")
 ONNX_ATOL = 1e-4
 
@@ -80,6 +82,7 @@ def load_run(run_dir: str | Path, checkpoint: str = "latest") -> tuple[Any, torc
     return config, model.eval(), path
 
 
+@quiet_libraries()  # other libraries' progress bars and chatter (export/quiet.py)
 def export_run(run_dir: str | Path, fmt: str, out: str | Path | None = None, *, checkpoint: str = "latest",
                force: bool = False) -> dict[str, Any]:
     """Export the run; returns {format, out, checkpoint, max_abs_diff, ...}.
@@ -251,7 +254,8 @@ def _onnx(model: torch.nn.Module, out: Path, sample: torch.Tensor, ref: torch.Te
             from None
     path = out / "model.onnx"
     batch, seq = torch.export.Dim("batch", min=1, max=1024), torch.export.Dim("seq", min=2, max=model.max_seq_len)
-    torch.onnx.export(model, (sample,), str(path), dynamo=True, input_names=["input_ids"], output_names=["logits"],
+    torch.onnx.export(model, (sample,), str(path), dynamo=True, verbose=False, input_names=["input_ids"],
+                      output_names=["logits"],
                       dynamic_shapes={"input_ids": {0: batch, 1: seq}})
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     other = _sample(model, batch=3, seq=max(2, min(model.max_seq_len, sample.shape[1] + 7)), seed=1)

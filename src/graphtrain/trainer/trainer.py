@@ -46,7 +46,7 @@ from tqdm.auto import tqdm
 
 from graphtrain.config import Config
 from graphtrain.models import build_model, resolve_spec
-from graphtrain.trainer import runtime
+from graphtrain.trainer import console, runinfo, runtime
 from graphtrain.checksums import digests_reused
 from graphtrain.trainer.checkpoint import (FORMAT_VERSION, check_trusted, checkpoint_meta, is_sharded,
                                            latest_checkpoint, latest_valid_checkpoint, list_checkpoints, load_weights)
@@ -201,7 +201,8 @@ class Trainer:
                 val_step = None  # the step val_loss was measured at (train.keep_best compares only those)
                 saved: Path | None = None
                 self.model.train()
-                bar = tqdm(total=tc.steps, initial=self.step, disable=not (tc.progress and self.is_main), unit="step",
+                bar = tqdm(total=tc.steps, initial=self.step, unit="step",
+                           disable=not console.show_bar(tc.progress, self.is_main),
                            dynamic_ncols=True, desc=f"train {cfg.model.label}")
                 for step in range(self.step, tc.steps):
                     preempt.phase = "step"
@@ -232,10 +233,9 @@ class Trainer:
                                            peak_mem_bytes=mem, grad_norm=out.grad_norm, skipped=skipped,
                                            bad_steps=numerics.total, loss_scale=out.scale, mfu=mfu)
                         skipped = 0
-                        bar.set_postfix(loss=f"{train_loss:.3f}", tok_s=f"{tok_s:,.0f}", mem=format_bytes(mem))
-                        if not tc.progress:
-                            print(f"step {done:>6}/{tc.steps}  loss {train_loss:.4f}  lr {lr:.2e}  {tok_s:,.0f} tok/s  "
-                                  f"{ms:.0f} ms/step  peak mem {format_bytes(mem)}", flush=True)
+                        bar.set_postfix(loss=f"{train_loss:.3f}", tok_s=console.human(tok_s), mem=format_bytes(mem))
+                        if bar.disable:  # no terminal (a log file): plain lines, no carriage-return redraws
+                            print(console.step_line(done, tc.steps, train_loss, lr, tok_s, ms, mem), flush=True)
                     stop = None
                     if (tc.eval_every and done % tc.eval_every == 0) or done == tc.steps:
                         val_loss, val_step = self.evaluate(), done
@@ -280,6 +280,7 @@ class Trainer:
                       f"reloaded by transformers, max abs logit difference {hf['max_abs_diff']:.2e})")
         if self.is_main:
             self.metrics.write("summary", self.step, **summary)
+            runinfo.finish_session(self.out_dir, self.step, self.strategy.module)
             self._log_engine_report()
         return summary
 
@@ -404,19 +405,14 @@ class Trainer:
                                  f"choose a new out_dir (--out DIR / train.out_dir=...)")
             if self.is_main:
                 self.metrics.reset()
-        if self.is_main:
+        par, module = self.config.parallel, self.strategy.module
+        if self.is_main:  # the full config goes to the run folder; the console gets a few lines (trainer/console.py)
             runtime.write_text_atomic(self.out_dir / "config.yaml", self.config.to_yaml())
-        self._log(f"# graphtrain config (saved to {self.out_dir / 'config.yaml'})\n{self.config.to_yaml()}")
-        where = f"device {self.device}, {torch.get_num_threads()} threads"
-        par = self.config.parallel
-        if self.env is not None:
-            where += (f" per rank, {self.env.world_size} ranks (pp {par.pp} x dp {par.dp} x tp {par.tp}"
-                      f"{', ZeRO-1' if par.zero_stage else ''})")
-        module = self.strategy.module
+            runinfo.start_session(self.out_dir, self.config, self.device, par.world_size, start,
+                                  tc.batch_size * tc.grad_accum * self.config.data.seq_len)
         n_params = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in module.parameters())
-        local = " (this rank)" if par.tp > 1 or par.pp > 1 else ""
-        self._log(f"model {self.config.model.label}: {n_params:,} params{local}, {where}, "
-                  f"{'graphtrain engine' if runtime.is_accelerated(module) else 'eager PyTorch'}")
+        self._log(console.banner(self.config, n_params, par.tp > 1 or par.pp > 1, self.data.vocab_size, self.device,
+                                 self.env, runtime.is_accelerated(module), self.out_dir))
         return start
 
     def _resume_source(self, resume: bool | str | Path) -> Path | None:

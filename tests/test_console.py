@@ -1,0 +1,119 @@
+"""A quiet, honest console (issue #51 item 5): a short start banner (the full config is in the run folder), a
+progress bar on a terminal and plain periodic lines in a log file (no carriage-return redraws), and exports that
+print their own line, not other libraries' progress bars."""
+from __future__ import annotations
+
+import fcntl
+import os
+import pty
+import re
+import struct
+import subprocess
+import sys
+import termios
+
+import pytest
+import yaml
+
+from graphtrain.trainer.console import human, human_bytes, human_seconds
+
+TINY = ["model.name=gpt2-tiny", "data.seq_len=32", "data.vocab_size=512", "data.max_bytes=300000",
+        "train.batch_size=2", "train.steps=4", "train.eval_every=2", "train.eval_batches=1", "train.log_every=1",
+        "train.ckpt_every=0", "train.threads=1", "train.sample_tokens=0", "train.accelerate=false",
+        "train.loggers=[jsonl]"]
+
+
+def _env(cache):
+    return {**os.environ, "GRAPHTRAIN_CACHE": str(cache)}
+
+
+@pytest.fixture(scope="module")
+def logged_run(tmp_path_factory):
+    """`graphtrain train` with stdout and stderr going to a file, as under nohup or a batch scheduler."""
+    tmp = tmp_path_factory.mktemp("console")
+    cache = tmp_path_factory.getbasetemp() / "graphtrain-cache"
+    cache.mkdir(exist_ok=True)
+    log = tmp / "train.log"
+    with open(log, "w") as f:
+        proc = subprocess.run([sys.executable, "-m", "graphtrain", "train", *TINY, "--out", str(tmp / "run")],
+                              stdout=f, stderr=subprocess.STDOUT, timeout=600, env=_env(cache))
+    text = log.read_text()
+    assert proc.returncode == 0, text
+    return tmp / "run", text, cache
+
+
+def test_a_log_file_gets_plain_lines_and_no_redraws(logged_run):
+    run, text, _ = logged_run
+    assert "\r" not in text and "\x1b[" not in text, repr(text[:2000])
+    steps = re.findall(r"^step +(\d+)/4 +loss [\d.]+ +lr \S+ +([\d.]+k?) tok/s +\d+ ms/step +peak mem [\d.]+ \w+$",
+                       text, re.M)
+    assert [s for s, _ in steps] == ["1", "2", "3", "4"], text
+    assert not re.search(r"\de[+-]\d+ tok/s", text)
+
+
+def test_the_banner_is_short_and_the_config_is_in_the_run_folder(logged_run):
+    run, text, _ = logged_run
+    lines = text.splitlines()
+    banner = lines[:next(i for i, line in enumerate(lines) if line.startswith("step "))]
+    assert 3 <= len(banner) <= 15, "\n".join(banner)
+    head = "\n".join(banner)
+    assert "gpt2-tiny" in head and "params" in head and "cpu" in head and str(run) in head and "config.yaml" in head
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    assert config["engine"]["loss_scale_hysteresis"] and "loss_scale_hysteresis" not in text  # not printed
+
+
+def test_a_terminal_gets_the_progress_bar(tmp_path, logged_run):
+    """The same command with stderr on a pseudo-terminal: tqdm's bar (carriage-return redraws), no plain lines."""
+    _, _, cache = logged_run
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))  # a 120-column terminal
+    with open(tmp_path / "stdout.log", "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "graphtrain", "train", *TINY, "--out", str(tmp_path / "run")],
+                                stdout=out, stderr=follower, env=_env(cache))
+    os.close(follower)
+    seen = b""
+    while True:
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not chunk:
+            break
+        seen += chunk
+    assert proc.wait(timeout=600) == 0, seen.decode(errors="replace")[-3000:]
+    os.close(leader)
+    bar = seen.decode(errors="replace")
+    assert "\r" in bar and "4/4" in bar and ("step/s" in bar or "s/step" in bar), bar[-2000:]
+    assert not re.search(r"^step +\d+/4 ", (tmp_path / "stdout.log").read_text(), re.M)
+
+
+def test_export_prints_its_own_line_only(logged_run, tmp_path):
+    run, _, cache = logged_run
+    log = tmp_path / "export.log"
+    with open(log, "w") as f:
+        proc = subprocess.run([sys.executable, "-m", "graphtrain", "export", str(run), "--format", "hf", "--out",
+                               str(tmp_path / "hf")], stdout=f, stderr=subprocess.STDOUT, timeout=600, env=_env(cache))
+    text = log.read_text()
+    assert proc.returncode == 0, text
+    assert "\r" not in text and "it/s" not in text and "Loading weights" not in text, text
+    assert text.splitlines() == [line for line in text.splitlines() if line.startswith("exported ")], text
+
+
+@pytest.mark.slow
+def test_onnx_export_prints_its_own_line_only(logged_run, tmp_path):
+    run, _, cache = logged_run
+    proc = subprocess.run([sys.executable, "-m", "graphtrain", "export", str(run), "--format", "onnx", "--out",
+                           str(tmp_path / "onnx")], capture_output=True, text=True, timeout=900, env=_env(cache))
+    assert proc.returncode == 0, proc.stderr
+    text = proc.stdout + proc.stderr
+    assert "[torch.onnx]" not in text and "Skipping" not in text and "FutureWarning" not in text, text
+    assert len(text.splitlines()) == 1 and text.startswith("exported "), text
+
+
+def test_numbers_read_as_people_write_them():
+    assert human(25012.3, "tok/s") == "25.0k tok/s" and human(2.501e4) == "25.0k" and human(1.53e9) == "1.5G"
+    assert human(64) == "64" and human(12.34) == "12.3" and human(0.0004) == "0.0004" and human(None) == "n/a"
+    assert human(float("nan")) == "n/a" and human(-2500.0) == "-2.5k"
+    assert human_bytes(612429824) == "584.1 MiB" and human_bytes(512) == "512 B"
+    assert human_seconds(12.34) == "12.3 s" and human_seconds(185) == "3 min 05 s"
+    assert human_seconds(3725) == "1 h 02 min"
