@@ -34,11 +34,27 @@ def _check_page_path(out: str) -> None:
 def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("sweep", metavar="SWEEP.yaml", help="the sweep file (job, space, trials, parallel, sampler, pruner)")
     p.add_argument("--summary", action="store_true", help="only print the summary of the trials run so far")
+    p.add_argument("--trials", type=_positive_int, metavar="N",
+                   help="trials in all, replacing the file's trials: (a continued sweep counts those it has run)")
+    p.add_argument("--parallel", type=_positive_int, metavar="N",
+                   help="trials run at once, each its own process, replacing the file's parallel:")
+    p.add_argument("--out", metavar="DIR", help="the sweep's folder (trials, study.db, summary), replacing the "
+                                                "file's out:")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
 
 
 def run_sweep(args: argparse.Namespace) -> int:
     from graphtrain.ops.sweep import run_sweep as sweep
-    sweep(args.sweep, summary_only=args.summary)
+    sweep(args.sweep, summary_only=args.summary, trials=args.trials, parallel=args.parallel, out=args.out)
     return 0
 
 

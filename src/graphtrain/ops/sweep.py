@@ -21,26 +21,36 @@ validation loss to the study (Optuna's SQLite storage, ``<out>/study.db``, which
 the same command continues it) and stops when the pruner says so (its metrics.jsonl ends with a ``stopped``
 record; the trial is PRUNED). The summary: a table of trials, ``best.yaml`` (the best trial's full job, ready for
 ``graphtrain train``), ``summary.json`` and ``report.html`` (graphtrain plot of the best runs).
+
+``--trials N``, ``--parallel N`` and ``--out DIR`` on the command line (``run_sweep(..., trials=, parallel=, out=)``)
+override the file's values. When the best trial's value of a numeric parameter lies at an edge of its range
+(within `EDGE_FRACTION` of the range's width from it, measured in log space for log_uniform; the first or last of
+three or more numeric choices), the optimum may lie outside the range: the summary says so with one warning per
+parameter (``edge_warnings`` in summary.json) and the range to try next.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 ENV_STORAGE, ENV_STUDY, ENV_TRIAL = "GRAPHTRAIN_SWEEP_STORAGE", "GRAPHTRAIN_SWEEP_STUDY", "GRAPHTRAIN_SWEEP_TRIAL"
 ENV_PRUNER = "GRAPHTRAIN_SWEEP_PRUNER"  # "<name>:<startup trials>": Optuna's storage does not keep the pruner
+ENV_SWEEP_PID = "GRAPHTRAIN_SWEEP_PID"  # the sweep process: a trial is preempted (SIGTERM) when it dies
 DISTRIBUTIONS = ("log_uniform", "uniform", "int", "choices")
 SAMPLERS = ("tpe", "random")
 PRUNERS = ("median", "asha", "none")
 KEYS = ("job", "config", "space", "trials", "parallel", "sampler", "pruner", "seed", "out", "metric", "direction",
         "startup_trials")
+EDGE_FRACTION = 0.05  # a best value this close to an end of its range (a fraction of the width) is at the edge
 
 
 @dataclass
@@ -58,8 +68,10 @@ class Sweep:
     job_items: list[str] = field(default_factory=list)
 
 
-def load_sweep(path: str | Path) -> Sweep:
-    """The sweep file, checked completely (every key of the space, every range) before any trial starts."""
+def load_sweep(path: str | Path, *, trials: int | None = None, parallel: int | None = None,
+               out: str | Path | None = None) -> Sweep:
+    """The sweep file, checked completely (every key of the space, every range) before any trial starts; `trials`,
+    `parallel` and `out` (the command line's) replace the file's values."""
     from graphtrain.config import Config, load_job_file
     from graphtrain.jobfile import read_yaml_file
     path = Path(path)
@@ -100,6 +112,11 @@ def load_sweep(path: str | Path) -> Sweep:
         raise ValueError(f"sweep sampler {sweep.sampler!r} is unknown; choose from {list(SAMPLERS)}")
     if sweep.pruner not in PRUNERS:
         raise ValueError(f"sweep pruner {sweep.pruner!r} is unknown; choose from {list(PRUNERS)}")
+    for name, value in (("trials", trials), ("parallel", parallel)):
+        if value is not None:
+            setattr(sweep, name, _positive({name: value}, name, 1))
+    if out is not None:
+        sweep.out = Path(out).expanduser()
     return sweep
 
 
@@ -165,11 +182,13 @@ def _storage(sweep: Sweep) -> str:
     return f"sqlite:///{(sweep.out / 'study.db').resolve()}"
 
 
-def run_sweep(path: str | Path, *, summary_only: bool = False, log: Any = print) -> dict[str, Any]:
-    """Run (or continue) the sweep, then write and return its summary."""
+def run_sweep(path: str | Path, *, summary_only: bool = False, trials: int | None = None,
+              parallel: int | None = None, out: str | Path | None = None, log: Any = print) -> dict[str, Any]:
+    """Run (or continue) the sweep, then write and return its summary; `trials`, `parallel`, `out` override the
+    file's values (a sweep continued in the same `out` counts the trials it has run: `trials` is the total)."""
     import optuna
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    sweep = load_sweep(path)
+    sweep = load_sweep(path, trials=trials, parallel=parallel, out=out)
     study = _study(sweep)
     if not summary_only:
         _run_trials(sweep, study, log)
@@ -184,6 +203,13 @@ def _run_trials(sweep: Sweep, study: Any, log: Any) -> None:
         if t.state == optuna.trial.TrialState.RUNNING:
             study.tell(t.number, state=optuna.trial.TrialState.FAIL)
     running: dict[int, tuple[Any, subprocess.Popen, Path]] = {}
+    with _stop_trials_at_exit(running, sweep):
+        _trial_loop(sweep, study, log, running, done, threads)
+
+
+def _trial_loop(sweep: Sweep, study: Any, log: Any, running: dict[int, tuple[Any, subprocess.Popen, Path]],
+                done: int, threads: int) -> None:
+    import optuna
     while done + len(running) < sweep.trials or running:
         while len(running) < sweep.parallel and done + len(running) < sweep.trials:
             trial = study.ask()
@@ -194,7 +220,8 @@ def _run_trials(sweep: Sweep, study: Any, log: Any) -> None:
                                              "train.threads": threads, "train.sample_tokens": 0})
             (sweep.out / f"{name}.yaml").write_text(job.to_yaml())
             env = {**os.environ, ENV_STORAGE: _storage(sweep), ENV_STUDY: study.study_name,
-                   ENV_TRIAL: str(trial._trial_id), ENV_PRUNER: f"{sweep.pruner}:{sweep.startup_trials}"}
+                   ENV_TRIAL: str(trial._trial_id), ENV_PRUNER: f"{sweep.pruner}:{sweep.startup_trials}",
+                   ENV_SWEEP_PID: str(os.getpid())}
             logf = open(sweep.out / f"{name}.log", "w")  # noqa: SIM115 - closed when the trial ends
             proc = subprocess.Popen([sys.executable, "-m", "graphtrain", "train", str(sweep.out / f"{name}.yaml")],
                                     stdout=logf, stderr=subprocess.STDOUT, env=env)
@@ -217,6 +244,51 @@ def _run_trials(sweep: Sweep, study: Any, log: Any) -> None:
                 study.tell(trial, state=optuna.trial.TrialState.FAIL)
             log(f"trial {number}: {state}" + (f", val loss {value:.4f}" if value is not None else "")
                 + ("" if state != "failed" else f" (see {sweep.out / (run_dir.name + '.log')})"))
+
+
+class _SweepPreempted(Exception):
+    """SIGTERM to the sweep process."""
+
+
+@contextlib.contextmanager
+def _stop_trials_at_exit(running: dict[int, tuple[Any, subprocess.Popen, Path]], sweep: Sweep) -> Iterator[None]:
+    """No trial outlives its sweep. On SIGTERM, Ctrl-C or an error in the sweep process, each running trial gets
+    SIGTERM (it finishes its step, saves and exits 75; a continued sweep counts it failed) and is waited for, killed
+    past its grace period; SIGTERM then ends the sweep with status 75. A SIGKILLed sweep's trials get SIGTERM from
+    the kernel (`pruning_callback`: PR_SET_PDEATHSIG). Was: the trials trained on, orphaned."""
+    import signal
+    import threading
+
+    def preempted(signum: int, frame: Any) -> None:
+        raise _SweepPreempted
+
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, preempted) if main else None
+    try:
+        yield
+    except _SweepPreempted:
+        _stop(running, sweep)
+        print(f"preempted: the sweep stopped on SIGTERM, and its {len(running)} running trial(s) with it (their "
+              f"checkpoints are kept; they count as failed); run the same command to continue the sweep",
+              file=sys.stderr, flush=True)
+        raise SystemExit(75) from None
+    finally:
+        _stop(running, sweep)
+        if main:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _stop(running: dict[int, tuple[Any, subprocess.Popen, Path]], sweep: Sweep) -> None:
+    procs = [proc for _, proc, _ in running.values() if proc.poll() is None]
+    for proc in procs:
+        proc.terminate()
+    deadline = time.monotonic() + sweep.base.train.preempt_grace_s + 15
+    for proc in procs:
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def _records(run_dir: Path) -> list[dict[str, Any]]:
@@ -261,6 +333,7 @@ def write_summary(sweep: Sweep, study: Any, log: Any = print) -> dict[str, Any]:
                                              + job.to_yaml())
         summary["best"] = {"trial": best.number, "val_loss": best.value, "params": best.params,
                            "config": str(sweep.out / "best.yaml")}
+        summary["edge_warnings"] = edge_warnings(sweep.space, best.params)
         ranked = sorted(complete, key=lambda t: t.value)[:3]
         try:
             from graphtrain.ops.plot import write_report
@@ -273,7 +346,48 @@ def write_summary(sweep: Sweep, study: Any, log: Any = print) -> dict[str, Any]:
     if "best" in summary:
         log(f"best: trial {summary['best']['trial']}, val loss {summary['best']['val_loss']:.4f}, "
             f"{summary['best']['params']} -> {summary['best']['config']}")
+        for line in summary["edge_warnings"]:
+            log(f"warning: {line}")
     return summary
+
+
+def edge_warnings(space: dict[str, tuple[str, list[Any]]], params: dict[str, Any]) -> list[str]:
+    """One line per parameter whose best value lies at an edge of its search range (see the module docstring),
+    naming the range to search next (shifted by half its width; for log_uniform by the square root of its ratio)."""
+    out = []
+    for key, (kind, args) in space.items():
+        if key not in params:
+            continue
+        value = params[key]
+        if kind == "choices":
+            numbers = [a for a in args if isinstance(a, (int, float)) and not isinstance(a, bool)]
+            if len(numbers) != len(args) or len(set(numbers)) < 3 or value not in (min(numbers), max(numbers)):
+                continue
+            side = "lowest" if value == min(numbers) else "highest"
+            out.append(f"the best {key}={value:g} is the {side} of its choices {args}: the optimum may lie beyond "
+                       f"it; add choices {'below' if side == 'lowest' else 'above'} {value:g}")
+            continue
+        low, high = float(args[0]), float(args[1])
+        if high <= low:
+            continue
+        log = kind == "log_uniform"
+        f = math.log if log else float
+        pos = (f(float(value)) - f(low)) / (f(high) - f(low))
+        at_low, at_high = pos <= EDGE_FRACTION, pos >= 1 - EDGE_FRACTION
+        if not (at_low or at_high):
+            continue
+        if log:
+            ratio = math.sqrt(high / low)
+            new = (low / ratio, high / ratio) if at_low else (low * ratio, high * ratio)
+        else:
+            half = (high - low) / 2
+            new = (low - half, high - half) if at_low else (low + half, high + half)
+        if kind == "int":
+            new = (math.floor(new[0]), math.ceil(new[1]))
+        out.append(f"the best {key}={value:.3g} is at the {'low' if at_low else 'high'} edge of its range "
+                   f"[{low:g}, {high:g}] ({kind}): the optimum may lie outside it; search e.g. "
+                   f"{{{kind}: [{new[0]:.3g}, {new[1]:.3g}]}} next")
+    return out
 
 
 def _table(rows: list[dict[str, Any]]) -> str:
@@ -291,6 +405,9 @@ def pruning_callback() -> Any:
     storage, study_name, trial_id = (os.environ.get(k) for k in (ENV_STORAGE, ENV_STUDY, ENV_TRIAL))
     if not (storage and study_name and trial_id):
         return None
+    if os.environ.get(ENV_SWEEP_PID, "").isdigit():  # preempted (SIGTERM) when the sweep dies, even by SIGKILL
+        from graphtrain.engine.background import die_with_parent
+        die_with_parent(int(os.environ[ENV_SWEEP_PID]), signal.SIGTERM)
     import optuna
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     name, _, startup = os.environ.get(ENV_PRUNER, "median:2").partition(":")
