@@ -1,6 +1,7 @@
 """`graphtrain` CLI: end to end on gpt2-tiny (in process and as `python -m graphtrain`), help, bad input."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -37,7 +38,8 @@ def test_train_end_to_end_then_resume(tmp_path, capsys):
     out_dir = tmp_path / "run"
     code, out, err = run(capsys, "train", *TINY, "--no-accelerate", "--out", str(out_dir))
     assert code == 0, err
-    assert "model:\n  name: gpt2-tiny" in out             # the full config is printed first
+    assert out.startswith("graphtrain: gpt2-tiny") and "config.yaml" in out  # a short banner; the config: a file
+    assert "model:\n  name: gpt2-tiny" in (out_dir / "config.yaml").read_text() and "model:\n" not in out
     assert "val loss" in out and "tok/s" in out
     assert "completion of 'def '" in out
     assert [s for s, _ in ck.list_checkpoints(out_dir)] == [2, 4]
@@ -46,6 +48,8 @@ def test_train_end_to_end_then_resume(tmp_path, capsys):
     assert code == 0, err
     assert "resumed from" in out and "done: 6 steps" in out
     assert [s for s, _ in ck.list_checkpoints(out_dir)] == [2, 4, 6]
+    sessions = json.loads((out_dir / "run.json").read_text())["sessions"]  # one per start, the resume appended
+    assert [(s["resumed_at_step"], s["steps_done"]) for s in sessions] == [(0, 4), (4, 6)]
 
 
 def test_yaml_config_as_subprocess(tmp_path):

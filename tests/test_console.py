@@ -13,6 +13,7 @@ import sys
 import termios
 
 import pytest
+import torch
 import yaml
 
 from graphtrain.trainer.console import human, human_bytes, human_seconds
@@ -45,10 +46,26 @@ def logged_run(tmp_path_factory):
 def test_a_log_file_gets_plain_lines_and_no_redraws(logged_run):
     run, text, _ = logged_run
     assert "\r" not in text and "\x1b[" not in text, repr(text[:2000])
-    steps = re.findall(r"^step +(\d+)/4 +loss [\d.]+ +lr \S+ +([\d.]+k?) tok/s +\d+ ms/step +peak mem [\d.]+ \w+$",
-                       text, re.M)
-    assert [s for s, _ in steps] == ["1", "2", "3", "4"], text
+    steps = re.findall(r"^step +(\d+)/4 +loss [\d.]+ +lr \S+ +([\d.]+k?) tok/s +\d+ ms/step +peak mem [\d.]+ \w+"
+                       r"(  \(includes the first step: warm-up, capture, compile\))?$", text, re.M)
+    assert [(s, bool(first)) for s, _, first in steps] == [("1", True), ("2", False), ("3", False), ("4", False)], text
     assert not re.search(r"\de[+-]\d+ tok/s", text)
+
+
+def test_run_json_says_where_when_and_from_what(logged_run):
+    """run.json (trainer/runinfo.py) of the logged run, and the plot page's table reading it."""
+    import json
+
+    from graphtrain.ops.plot import load_run, run_facts
+    run, _, _ = logged_run
+    (session,) = json.loads((run / "run.json").read_text())["sessions"]
+    assert session["started_unix"] < session["finished_unix"] and session["steps_done"] == 4
+    assert session["resumed_at_step"] == 0 and session["provider"] == "eager" and session["tokens_per_step"] == 64
+    assert session["host"] and session["cpu"] and session["torch"] == torch.__version__ and session["device"] == "cpu"
+    assert session["commit"] is None or re.fullmatch(r"[0-9a-f]{40}( \(dirty\))?", session["commit"])
+    facts = run_facts(load_run(run))
+    assert facts["machine"] == f"{session['host']} / {session['cpu']}" and facts["tokens/step"] == "64"
+    assert facts["duration"].endswith(" s") and facts["first step (capture + compile)"] != "n/a"
 
 
 def test_the_banner_is_short_and_the_config_is_in_the_run_folder(logged_run):

@@ -61,10 +61,13 @@ def show_bar(progress: bool, is_main: bool, stream: TextIO | None = None) -> boo
     return bool(progress and is_main and tty)
 
 
-def step_line(done: int, steps: int, loss: float, lr: float, tok_s: float, ms: float, mem: int | None) -> str:
-    """The plain progress line printed every train.log_every steps when there is no bar."""
+def step_line(done: int, steps: int, loss: float, lr: float, tok_s: float, ms: float, mem: int | None,
+              first: bool = False) -> str:
+    """The plain progress line printed every train.log_every steps when there is no bar. `first`: its window holds
+    the session's first step (warm-up, graph capture and compilation), so its speed is not the run's."""
     return (f"step {done:>6}/{steps}  loss {loss:.4f}  lr {lr:.2e}  {human(tok_s, 'tok/s')}  {ms:.0f} ms/step  "
-            f"peak mem {human_bytes(mem)}")
+            f"peak mem {human_bytes(mem)}" + ("  (includes the first step: warm-up, capture, compile)" if first
+                                             else ""))
 
 
 def banner(config: Any, n_params: int, this_rank_only: bool, vocab_size: int, device: torch.device, env: Any,

@@ -235,7 +235,8 @@ class Trainer:
                         skipped = 0
                         bar.set_postfix(loss=f"{train_loss:.3f}", tok_s=console.human(tok_s), mem=format_bytes(mem))
                         if bar.disable:  # no terminal (a log file): plain lines, no carriage-return redraws
-                            print(console.step_line(done, tc.steps, train_loss, lr, tok_s, ms, mem), flush=True)
+                            print(console.step_line(done, tc.steps, train_loss, lr, tok_s, ms, mem,
+                                                    first=done - tc.log_every <= self._first_step), flush=True)
                     stop = None
                     if (tc.eval_every and done % tc.eval_every == 0) or done == tc.steps:
                         val_loss, val_step = self.evaluate(), done
