@@ -166,3 +166,52 @@ def test_cache_stop_refuses_a_pid_that_is_not_a_background_compile(capsys):
     assert main(["cache", "stop", str(os.getpid())]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: no background compile of yours has pid") and err.count("\n") == 1
+
+
+# ------------------------------------------------ a sweep's trials end with the sweep (same kind) ----
+
+def _sweep(tmp: Path) -> subprocess.Popen:
+    """`graphtrain sweep` of long trials (400 eager steps each), in a session of its own."""
+    (tmp / "job.yaml").write_text(
+        "model: {name: gpt2-tiny}\n"
+        f"data: {{seq_len: 32, vocab_size: 512, max_bytes: 300000, cache_dir: {tmp / 'data'}}}\n"
+        "train: {steps: 400, batch_size: 4, eval_every: 0, eval_batches: 1, log_every: 50, ckpt_every: 0,\n"
+        "        threads: 1, accelerate: false, loggers: [jsonl]}\n")
+    (tmp / "sweep.yaml").write_text(f"job: job.yaml\nspace:\n  optim.lr: {{log_uniform: [1.0e-4, 1.0e-2]}}\n"
+                                    f"trials: 2\nparallel: 1\npruner: none\nout: {tmp / 'sweep'}\n")
+    return subprocess.Popen([sys.executable, "-m", "graphtrain", "sweep", str(tmp / "sweep.yaml")],
+                            start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _wait_for_trial(proc: subprocess.Popen, timeout: float = 240.0) -> None:
+    """Until a trial (`graphtrain train`) runs in the sweep's session, and a moment more (its imports)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        if any(" train " in cmd for cmd in _processes_of(proc.pid, proc.pid).values()):
+            time.sleep(5.0)
+            return
+        time.sleep(0.1)
+    raise AssertionError("no trial started: the test would prove nothing")
+
+
+@pytest.mark.slow
+def test_sigterm_to_a_sweep_stops_its_trials(tmp_path):
+    """SIGTERM to the sweep process alone (as a scheduler sends it): each running trial is preempted too; the sweep
+    exits 75 and nothing of it is left (was: the trials trained on, orphaned)."""
+    proc = _sweep(tmp_path)
+    _wait_for_trial(proc)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 75, out[-3000:]
+    assert "preempted: the sweep stopped on SIGTERM" in out
+    assert _left(proc) == {}
+
+
+@pytest.mark.slow
+def test_a_killed_sweep_preempts_its_trials(tmp_path):
+    """SIGKILL to the sweep: the kernel sends each trial SIGTERM (PR_SET_PDEATHSIG); it saves and exits."""
+    proc = _sweep(tmp_path)
+    _wait_for_trial(proc)
+    proc.kill()
+    proc.communicate(timeout=60)
+    assert _left(proc, wait_s=90.0) == {}

@@ -84,12 +84,12 @@ def _prctl(option: int, value: "int | bytes") -> None:
         pass
 
 
-def _die_with(parent: int) -> None:
-    """End this process when the training process `parent` dies (PR_SET_PDEATHSIG, SIGKILL), and now if it is
-    already gone (it died before the prctl took effect)."""
-    _prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+def die_with_parent(parent: int, sig: int = signal.SIGKILL) -> None:
+    """Have the kernel send `sig` to this process when its parent `parent` dies (PR_SET_PDEATHSIG, Linux), and send
+    it now if that parent is already gone (it died before the prctl took effect)."""
+    _prctl(1, int(sig))  # PR_SET_PDEATHSIG
     if os.getppid() != parent:
-        os._exit(0)
+        os.kill(os.getpid(), sig)
 
 
 def main(argv: list[str]) -> int:
@@ -101,7 +101,7 @@ def main(argv: list[str]) -> int:
     parent = int(argv[1]) if len(argv) > 1 else os.getppid()
     _prctl(15, NAME)  # PR_SET_NAME
     if not detach:
-        _die_with(parent)
+        die_with_parent(parent)
     try:
         os.nice(int(os.environ.get("GRAPHTRAIN_BACKGROUND_NICE", "0")))
     except OSError:
