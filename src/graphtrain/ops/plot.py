@@ -186,9 +186,8 @@ def run_facts(run: dict[str, Any]) -> dict[str, str]:
     tok_s, first_s, how = steady_throughput(run)
     mfu = [r["mfu"] for r in _train(run)[1:] if _finite(r.get("mfu"))]
     machine = _joined([" / ".join(x for x in (s.get("host"), s.get("gpu") or s.get("cpu")) if x) for s in sessions])
-    device = _joined([f"{s.get('device')}, {s.get('threads')} threads" + (f", {s['world_size']} ranks"
-                                                                           if (s.get("world_size") or 1) > 1 else "")
-                      for s in sessions])
+    device = _joined([f"{s.get('device')}, {s.get('threads')} thread{'' if s.get('threads') == 1 else 's'}"
+                      + (f", {s['world_size']} ranks" if (s.get("world_size") or 1) > 1 else "") for s in sessions])
     provider = _joined([(s.get("provider") or "?") + (f" (ran {'/'.join(s['providers_used'])})"
                                                        if s.get("providers_used") else "") for s in sessions])
     mem = summary.get("peak_mem_bytes", last.get("peak_mem_bytes"))
@@ -292,7 +291,7 @@ def write_report(run_dirs: list[str | Path], out: str | Path, title: str | None 
             missing.append(spec[1])
             continue
         if spec[6]:
-            firsts = [f"{n}: steps up to {t[0]['step']}, {human(t[0].get('tokens_per_s'), 'tok/s')}"
+            firsts = [f"{n}: the window to step {t[0]['step']}, {human(t[0].get('tokens_per_s'), 'tok/s')}"
                       for n, t in ((n, _train(r)) for n, r in zip(names, runs)) if len(t) > 1]
             if firsts:
                 chart["note"] = ("Steady state: each run's first logged window, which holds graph capture and "
