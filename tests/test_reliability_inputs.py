@@ -147,6 +147,18 @@ def test_a_symlink_planted_as_the_metrics_temporary_file_is_not_written_through(
     assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2]
 
 
+def test_resume_over_a_malformed_metrics_record_continues(tmp_path, capsys):
+    """A metrics.jsonl line that is JSON but not a record (a list) is dropped with the records past the resumed
+    step, as a torn line is (was: an AttributeError traceback at every --resume)."""
+    run = tmp_path / "run"
+    assert main(["train", *TINY, "--out", str(run)]) == 0
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write("[1, 2]\n")
+    assert main(["train", *TINY, "--out", str(run), "--resume", "auto", "--steps", "3"]) == 0, capsys.readouterr().err
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert all(isinstance(r, dict) for r in records) and max(r["step"] for r in records) == 3
+
+
 # ------------------------------------------------------------------------ (e) max_bytes reads ----
 
 def test_a_large_file_is_read_only_up_to_max_bytes(tmp_path):
