@@ -38,11 +38,12 @@ BUDGET_PARAMS = [pytest.param("default", id="default"), pytest.param("slow", id=
 """Parametrize a fuzz test over these: the default suite runs the small budget, ``-m slow`` the large one."""
 
 
-def fuzz(prop: Callable, budget: str) -> None:
-    """Run ``prop(data)`` (data: Hypothesis's st.data()) under the budget's profile."""
+def fuzz(prop: Callable, budget: str, share: float = 1.0) -> None:
+    """Run ``prop(data)`` (data: Hypothesis's st.data()) under the budget's profile, with `share` of its examples (a
+    property run once per stratum, such as per dtype, takes its part of the budget)."""
     profile = settings.get_profile("graphtrain-fuzz" if budget == "default" else "graphtrain-fuzz-slow")
-    n = int(os.environ.get("GRAPHTRAIN_FUZZ_EXAMPLES", "0") or 0)
-    s = settings(profile, max_examples=n) if n > 0 else profile
+    n = int(os.environ.get("GRAPHTRAIN_FUZZ_EXAMPLES", "0") or 0) or profile.max_examples
+    s = settings(profile, max_examples=max(1, round(n * share)))
     s(given(st.data())(prop))()
 
 
@@ -133,7 +134,8 @@ def close(actual: torch.Tensor | None, expected: torch.Tensor | None, dtype: tor
     assert (actual is None) == (expected is None), f"{name}: {actual is None=} but {expected is None=}"
     if actual is None:
         return
-    assert tuple(actual.shape) == tuple(expected.shape), f"{name}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    assert tuple(actual.shape) == tuple(expected.shape), \
+        f"{name}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
     a, e = actual.detach().double(), expected.detach().double()
     nan_a, nan_e = torch.isnan(a), torch.isnan(e)
     assert torch.equal(nan_a, nan_e), f"{name}: NaN at {int((nan_a & ~nan_e).sum())} unexpected places, " \
