@@ -127,6 +127,8 @@ def table(results: list[Result], rows: list[str], cols: list[Column], markdown: 
         if res is None:
             return "-"
         text = SHORT[res.status]
+        if markdown and res.status in ("pass", "fallback") and res.fused_ops is not None:
+            text += f" ({res.fused_ops} fused, {res.providers})"
         if res.status in ("fail", "fallback"):
             notes.append(f"[{len(notes) + 1}] {r} x {c.name}: {res.status}: "
                          + "; ".join([res.reason] + [f for f in res.fallbacks if f != res.reason]))
@@ -141,7 +143,10 @@ def table(results: list[Result], rows: list[str], cols: list[Column], markdown: 
         widths = [max(len(x) for x in col) for col in zip(head, *grid)]
         lines = ["  ".join(x.ljust(w) for x, w in zip(line, widths)).rstrip() for line in [head, *grid]]
     counts = {s: sum(r.status == s for r in results) for s in SHORT}
+    ran = [r for r in results if r.status in ("pass", "fallback")]
     lines += ["", f"{len(results)} cells: " + ", ".join(f"{n} {s}" for s, n in counts.items()),
+              f"of the {len(ran)} that ran within tolerance, {sum(bool(r.fused_ops) for r in ran)} ran graphtrain's "
+              f"fused ops (the count in a cell: ops the passes put into its graphs, per graph)",
               f"time: {sum(r.seconds for r in results):.0f} s"]
     if notes:
         lines += [""] + [("- " if markdown else "") + n for n in notes]
@@ -250,9 +255,10 @@ def _bisect(row: str, col: Column, steps: int) -> int:
     engine = {k: v for k, v in col.engine().items() if k in ("recompute", "memory_budget")}
     if col.entry != "accelerate":
         print(f"note: bisect trains through accelerate; this cell's entry point is {col.entry}", file=sys.stderr)
-    print(graphtrain.bisect(factory, batch, steps=steps, provider=col.provider, precision=col.precision,
-                            engine=engine, name=f"{row} ({col.name})"))
-    return 0
+    rep = graphtrain.bisect(factory, batch, steps=steps, provider=col.provider, precision=col.precision,
+                            engine=engine, name=f"{row} ({col.name})")
+    print(rep)
+    return 0 if rep.ok else 1  # as `graphtrain bisect`
 
 
 def main(argv: list[str] | None = None) -> int:
