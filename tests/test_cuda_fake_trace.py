@@ -82,6 +82,14 @@ def _fake_step(name: str, device: str, seq: int = 50):
     return (lambda *a: (step(*a),)), inputs, kinds + ["input", "input"], mode
 
 
+def _check_logsumexp(kernel: str, lse: torch.Tensor) -> None:
+    """A full logsumexp for 2 x 4 heads x 50 queries: one per query row ([B, H, S, 1] from cuDNN), the efficient
+    kernel's rows padded to 32 (ceil(50 / 32) * 32 = 64) with the head and batch strides its backward checks."""
+    assert lse.shape[:3] == (2, 4, 64 if kernel == "efficient" else 50), (lse.shape, lse.stride())
+    if kernel == "efficient":
+        assert lse.stride(0) % 8 == 0 and lse.stride(1) % 8 == 0, lse.stride()
+
+
 def _lse_kernels(gm):
     return [n for n in gm.graph.nodes if n.target in LSE_KERNELS.values()]
 
@@ -97,15 +105,15 @@ def test_training_trace_for_cuda_keeps_the_logsumexp(cuda_sdpa, model):
     nodes = _lse_kernels(gm)
     assert nodes and all(n.args[4] is True for n in nodes), [n.format_node() for n in nodes]
     for n in nodes:
-        lse = n.meta["val"][1]
-        assert lse.device.type == "cuda" and lse.numel() > 0 and lse.stride(1) % 8 == 0, (lse.shape, lse.stride())
+        _check_logsumexp(cuda_sdpa, n.meta["val"][1])
+        assert n.meta["val"][1].device.type == "cuda"
 
 
 @pytest.mark.parametrize("model", ["gpt2", "llama"])
 def test_backward_gets_an_aligned_logsumexp(cuda_sdpa, model):
-    """Through trace, autodiff and graphtrain's partitioner: each attention backward reads a full logsumexp (one
-    per query row, [B, H, S] or the efficient kernel's [B, H, ceil(S/32)*32]), with the head and batch strides the
-    efficient kernel checks (multiples of 8: "LSE is not correctly aligned (strideH)" on a GPU otherwise)."""
+    """Through trace, autodiff and graphtrain's partitioner: each attention backward reads a full logsumexp, laid
+    out as the kernel's forward returns it in eager training ("LSE is not correctly aligned (strideH)" on a GPU
+    otherwise)."""
     fn, inputs, kinds, mode = _fake_step(model, "meta")
     cfg = EngineConfig(provider="aten")
     state = EngineState(cfg)
@@ -121,10 +129,7 @@ def test_backward_gets_an_aligned_logsumexp(cuda_sdpa, model):
     assert backwards, f"no {cuda_sdpa} attention backward in the backward graph"
     at = [a.name for a in BACKWARDS[cuda_sdpa]._schema.arguments].index("logsumexp")
     for n in backwards:
-        lse = n.args[at].meta["val"]
-        assert lse.shape[:3] == (2, 4, 64 if cuda_sdpa == "efficient" else 50), (lse.shape, lse.stride())
-        if cuda_sdpa == "efficient":  # its rows padded to 32: ceil(50 / 32) * 32
-            assert lse.stride(0) % 8 == 0 and lse.stride(1) % 8 == 0, lse.stride()
+        _check_logsumexp(cuda_sdpa, n.args[at].meta["val"])
 
 
 def test_inference_trace_leaves_the_flag_off(cuda_sdpa):
