@@ -16,11 +16,11 @@ def _model():
     return transformers.GPT2LMHeadModel(cfg)
 
 
-def _losses(model, out_dir, callbacks=()):
+def _losses(model, out_dir, callbacks=(), report_to="none"):
     g = torch.Generator().manual_seed(1)
     data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 128, (8, 16), generator=g)]
     args = transformers.TrainingArguments(output_dir=str(out_dir), per_device_train_batch_size=2, max_steps=4,
-                                          learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to="none",
+                                          learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to=report_to,
                                           use_cpu=True, seed=0, data_seed=0, dataloader_num_workers=0,
                                           disable_tqdm=True)
     trainer = transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=list(callbacks))
@@ -42,3 +42,31 @@ def test_trainer_losses_match_plain_trainer(tmp_path):
     summary = next(h for h in log if "graphtrain_graphs" in h)
     assert summary["graphtrain_graphs"] >= 3 and summary["graphtrain_fallbacks"] == 0 and not \
         summary["graphtrain_eager_only"]
+
+
+def test_callback_logs_through_the_trainer_so_report_to_loggers_get_it(tmp_path):
+    """report_to=tensorboard: the engine's summary reaches TensorBoard's event file as scalars (train/...), written
+    by transformers' own TensorBoardCallback from Trainer.log, and the Trainer's log history."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from graphtrain.integrations.hf import GraphtrainCallback, accelerate_for_trainer
+    threads = torch.get_num_threads()
+    try:
+        model = accelerate_for_trainer(_model(), provider="aten", fallback="error")
+        _, log = _losses(model, tmp_path / "out", [GraphtrainCallback()], report_to=["tensorboard"])
+    finally:
+        torch.set_num_threads(threads)
+    entries = [h for h in log if "graphtrain_graphs" in h]
+    assert len(entries) == 1 and entries[0]["step"] == 4, log
+    events = sorted(tmp_path.rglob("events.out.tfevents.*"))
+    assert events, list(tmp_path.rglob("*"))
+    scalars = {}
+    for path in events:
+        acc = EventAccumulator(str(path))
+        acc.Reload()
+        for tag in acc.Tags()["scalars"]:
+            scalars[tag] = [(e.step, e.value) for e in acc.Scalars(tag)]
+    assert scalars["train/graphtrain_graphs"] == [(4, float(entries[0]["graphtrain_graphs"]))], scalars.keys()
+    assert entries[0]["graphtrain_graphs"] >= 3
+    assert scalars["train/graphtrain_fallbacks"] == [(4, 0.0)] and "train/loss" in scalars
