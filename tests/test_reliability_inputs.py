@@ -52,6 +52,27 @@ def test_tilde_in_out_dir_is_the_home_folder(tmp_path, monkeypatch):
     assert not (cwd / "~").exists()
 
 
+def test_a_run_saved_with_an_unexpanded_tilde_resumes(tmp_path, monkeypatch, capsys):
+    """A checkpoint whose config says data.path=~/data (saved before `~` was expanded when a config is made) resumes
+    with the same command: ~/data and its expansion are the same folder, not a config change."""
+    import torch as _torch
+
+    from graphtrain.checksums import sha256_file, sidecar_path, write_sums
+    home = tmp_path / "home"
+    (home / "data").mkdir(parents=True)
+    (home / "data" / "a.py").write_text(_code(1))
+    (home / "data" / "b.py").write_text(_code(2))
+    monkeypatch.setenv("HOME", str(home))
+    args = [*TINY, "data.path=~/data", f"data.cache_dir={tmp_path / 'cache'}", "--out", str(tmp_path / "run")]
+    assert main(["train", *args]) == 0
+    ckpt = tmp_path / "run" / "ckpt-0000002.pt"
+    state = _torch.load(ckpt, weights_only=True)
+    state["config"]["data"]["path"] = "~/data"  # as the checkpoints of earlier graphtrain versions hold it
+    _torch.save(state, ckpt)
+    write_sums(sidecar_path(ckpt), [(ckpt.name, sha256_file(ckpt))])
+    assert main(["train", *args, "--resume", "auto", "--steps", "3"]) == 0, capsys.readouterr().err
+
+
 # ------------------------------------------------------------------------ (b) run inside data ----
 
 def test_a_run_folder_inside_data_path_is_not_read_as_data(tmp_path, capsys):

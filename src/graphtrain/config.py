@@ -485,6 +485,20 @@ def _expand_user(path: str | None) -> str | None:
     return os.path.expanduser(path) if isinstance(path, str) and path.startswith("~") else path
 
 
+PATH_KEYS = (("train", "out_dir"), ("train", "init_from"), ("data", "path"), ("data", "cache_dir"),
+             ("data", "tokenizer"))  # expanded when a Config is made
+
+
+def expand_path_keys(d: dict[str, Any]) -> dict[str, Any]:
+    """A config dict (a checkpoint's, saved before `~` was expanded at creation) with PATH_KEYS expanded as a new
+    Config's are, so that comparing it with one does not see `~/x` and `/home/me/x` as a change."""
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in d.items()}
+    for section, key in PATH_KEYS:
+        if isinstance(out.get(section), dict) and key in out[section]:
+            out[section][key] = _expand_user(out[section][key])
+    return out
+
+
 def describe_all() -> str:
     """Every config key with its default and documentation, for `graphtrain config` (no arguments)."""
     lines = []

@@ -44,7 +44,7 @@ from typing import Any, Callable, Iterator
 import torch
 from tqdm.auto import tqdm
 
-from graphtrain.config import Config
+from graphtrain.config import Config, expand_path_keys
 from graphtrain.models import build_model, resolve_spec
 from graphtrain.trainer import console, runinfo, runtime
 from graphtrain.checksums import digests_reused
@@ -448,7 +448,8 @@ class Trainer:
         if step > tc.steps:
             raise ValueError(f"checkpoint {str(source)!r} is at step {step}, past train.steps={tc.steps}: "
                              f"set train.steps above {step} to continue training it")
-        check_config_changes(meta["config"], self.config, self.allow_config_change, source, self._log)
+        check_config_changes(expand_path_keys(meta["config"]), self.config, self.allow_config_change, source,
+                             self._log)
         self._check_tokenizer(meta, source)
         start = self.load_checkpoint(source)
         moved = self._on_main(lambda: supersede_later(self.out_dir, start))
