@@ -215,3 +215,23 @@ def test_a_killed_sweep_preempts_its_trials(tmp_path):
     proc.kill()
     proc.communicate(timeout=60)
     assert _left(proc, wait_s=90.0) == {}
+
+
+def test_cache_stop_removes_only_a_compile_folder(tmp_path):
+    """A process whose command line looks like a background compile but names another folder is stopped, and that
+    folder is kept: `graphtrain cache stop` removes only folders graphtrain made for its compiles."""
+    from graphtrain.engine import background
+    keep = tmp_path / "important"
+    keep.mkdir()
+    (keep / "owner.json").write_text("{}")
+    impostor = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "-m", BACKGROUND, str(keep)])
+    try:
+        deadline = time.monotonic() + 10
+        while impostor.pid not in {r["pid"] for r in background.running()} and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert background.stop([impostor.pid], grace_s=5.0) == [impostor.pid]
+        assert impostor.wait(10) is not None
+        assert keep.is_dir() and (keep / "owner.json").is_file()
+    finally:
+        if impostor.poll() is None:
+            impostor.kill()

@@ -206,8 +206,16 @@ def stop(pids: list[int] | None = None, grace_s: float = 5.0) -> list[int]:
     for pid, r in procs.items():
         if Path(f"/proc/{pid}").exists() and not _zombie(pid):
             kill_tree(pid, signal.SIGKILL)
-        shutil.rmtree(r["folder"], ignore_errors=True)
+        if _is_job_folder(Path(r["folder"])):  # named by the process's command line: removed only if it is one
+            shutil.rmtree(r["folder"], ignore_errors=True)
     return sorted(procs)
+
+
+def _is_job_folder(folder: Path) -> bool:
+    """A folder engine/choose.py made for a child: tempfile's, named graphtrain-precompile-*, with owner.json."""
+    import tempfile
+    return (folder.name.startswith("graphtrain-precompile-") and (folder / OWNER).is_file()
+            and folder.resolve().parent == Path(tempfile.gettempdir()).resolve())
 
 
 def _zombie(pid: int) -> bool:
