@@ -4,6 +4,7 @@ print their own line, not other libraries' progress bars."""
 from __future__ import annotations
 
 import fcntl
+import importlib.util
 import os
 import pty
 import re
@@ -30,16 +31,19 @@ def _env(cache):
 
 @pytest.fixture(scope="module")
 def logged_run(tmp_path_factory):
-    """`graphtrain train` with stdout and stderr going to a file, as under nohup or a batch scheduler."""
+    """`graphtrain train` with stdout and stderr going to a file, as under nohup or a batch scheduler; with
+    train.export_hf, whose transformers save and reload once drew their progress bars into the log."""
+    hf = ["train.export_hf=true"] if importlib.util.find_spec("transformers") else []
     tmp = tmp_path_factory.mktemp("console")
     cache = tmp_path_factory.getbasetemp() / "graphtrain-cache"
     cache.mkdir(exist_ok=True)
     log = tmp / "train.log"
     with open(log, "w") as f:
-        proc = subprocess.run([sys.executable, "-m", "graphtrain", "train", *TINY, "--out", str(tmp / "run")],
+        proc = subprocess.run([sys.executable, "-m", "graphtrain", "train", *TINY, *hf, "--out", str(tmp / "run")],
                               stdout=f, stderr=subprocess.STDOUT, timeout=600, env=_env(cache))
     text = log.read_text()
     assert proc.returncode == 0, text
+    assert not hf or (tmp / "run" / "hf" / "config.json").is_file()
     return tmp / "run", text, cache
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from graphtrain.export.quiet import quiet_libraries
+from graphtrain.trainer.console import quiet_libraries
 
 FORMATS = ("safetensors", "hf", "onnx")
 ONNX_ATOL = 1e-4
@@ -82,7 +82,7 @@ def load_run(run_dir: str | Path, checkpoint: str = "latest") -> tuple[Any, torc
     return config, model.eval(), path
 
 
-@quiet_libraries()  # other libraries' progress bars and chatter (export/quiet.py)
+@quiet_libraries()  # other libraries' progress bars and chatter (trainer/console.py)
 def export_run(run_dir: str | Path, fmt: str, out: str | Path | None = None, *, checkpoint: str = "latest",
                force: bool = False) -> dict[str, Any]:
     """Export the run; returns {format, out, checkpoint, max_abs_diff, ...}.

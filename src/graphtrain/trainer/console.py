@@ -1,13 +1,21 @@
 """What a run prints: a short start banner (the full config is the run folder's config.yaml, not the console's), a
 progress bar when stderr is a terminal and plain periodic lines otherwise (a log file gets no carriage-return
-redraws), and numbers in the units people read (25.0k tok/s, 3 min 05 s).
+redraws), numbers in the units people read (25.0k tok/s, 3 min 05 s), and other libraries quiet while graphtrain
+writes exports (`quiet_libraries`): one line of graphtrain's own, not transformers' "Writing model shards" /
+"Loading weights" bars, huggingface_hub's download bars, torch.onnx's step-by-step lines and registry warnings, or
+deprecation warnings from inside those libraries. Errors still surface (logging stays at ERROR, exceptions
+propagate); every setting is restored on the way out.
 """
 from __future__ import annotations
 
+import contextlib
+import importlib.util
+import logging
 import math
 import sys
+import warnings
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Iterator, TextIO
 
 import torch
 
@@ -91,3 +99,32 @@ def banner(config: Any, n_params: int, this_rank_only: bool, vocab_size: int, de
         f"  device: {where}",
         f"  out:    {out_dir} (full config: config.yaml; run info: run.json; metrics: metrics.jsonl)",
     ])
+
+
+@contextlib.contextmanager
+def quiet_libraries() -> Iterator[None]:
+    restore = []
+    if importlib.util.find_spec("transformers") is not None:
+        from transformers.utils import logging as hf_logging
+        verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+        restore.append(lambda: (hf_logging.set_verbosity(verbosity),
+                                hf_logging.enable_progress_bar() if bars else None))
+    if importlib.util.find_spec("huggingface_hub") is not None:
+        from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+        if not are_progress_bars_disabled():
+            disable_progress_bars()
+            restore.append(enable_progress_bars)
+    onnx_log = logging.getLogger("torch.onnx")
+    level = onnx_log.level
+    onnx_log.setLevel(logging.ERROR)
+    restore.append(lambda: onnx_log.setLevel(level))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            warnings.simplefilter("ignore", DeprecationWarning)
+            yield
+    finally:
+        for undo in reversed(restore):
+            undo()

@@ -22,6 +22,7 @@ import torch
 from graphtrain.checksums import fsync_dir, read_sums, sha256_file, sidecar_path, write_sums
 from graphtrain.trainer.checkpoint import (checkpoint_meta, is_sharded, latest_valid_checkpoint, load_checkpoint,
                                            to_module_keys)
+from graphtrain.trainer.console import quiet_libraries
 
 BEST = "ckpt-best"  # train.keep_best: ckpt-best.pt, or the sharded folder ckpt-best/
 
@@ -122,6 +123,7 @@ def _swap_best_folder(out: Path, saved: Path) -> None:
 
 # ------------------------------------------------------------------------------ HF folder ----
 
+@quiet_libraries()  # transformers' bars would land in the run's log (trainer/console.py)
 def write_hf_folder(out_dir: str | Path, config: Any, tokenizer: Any, vocab_size: int) -> dict[str, Any]:
     """train.export_hf: the latest checkpoint of `out_dir` as a Hugging Face folder `out_dir/hf` (what
     `graphtrain export RUN --format hf` writes, models/hf_export.py), loaded back by transformers and its logits
