@@ -296,3 +296,43 @@ def test_a_mistake_is_one_error_line_not_a_traceback(case, tmp_path, capsys, mon
     assert expected in line, line
     assert len(line) < 400, line  # one readable line, not a pasted blob
     assert code == status
+
+
+# ------------------------------------------------------- hostile JSON files the loaders read (same kind) ----
+
+DEEP_JSON = "[" * 100_000 + "]" * 100_000
+
+
+@pytest.mark.parametrize("content", [DEEP_JSON, "[1, 2]"])
+def test_a_hostile_model_hf_config_is_one_error_line(tmp_path, capsys, content):
+    """model.hf's config.json nested 100,000 deep (a RecursionError traceback) or not an object: one error line."""
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(content)
+    assert main(["train", *TINY, f"model.hf={tmp_path / 'hf'}", "--out", str(tmp_path / "run")]) == 2
+    line = _error_line(capsys)
+    assert "config.json" in line and "model.hf" in line
+
+
+@pytest.mark.parametrize("content", [DEEP_JSON, "[1, 2]"])
+def test_a_hostile_tokenizer_config_is_ignored(tmp_path, capsys, content):
+    """data.tokenizer's tokenizer_config.json nested 100,000 deep or not an object (RecursionError and AttributeError
+    tracebacks): ignored, the special tokens are found by their usual names, and the run trains."""
+    from graphtrain.config import Config
+    from graphtrain.data.tokenizer import load_or_build
+    built = load_or_build(Config().with_overrides(["data.vocab_size=512", "data.max_bytes=300000"]).data)
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok" / "tokenizer.json").write_bytes((built.cache_dir / "tokenizer.json").read_bytes())
+    (tmp_path / "tok" / "tokenizer_config.json").write_text(content)
+    assert main(["train", *TINY, f"data.tokenizer={tmp_path / 'tok'}", "--out", str(tmp_path / "run")]) == 0, \
+        capsys.readouterr().err
+
+
+def test_resume_over_metrics_records_of_the_wrong_types_continues(tmp_path, capsys):
+    """metrics.jsonl lines whose step is a string, or nested 100,000 deep (TypeError and RecursionError tracebacks
+    at every --resume): dropped as torn lines are."""
+    run = tmp_path / "run"
+    assert main(["train", *TINY, "--out", str(run)]) == 0
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"kind": "train", "step": "7"}\n' + DEEP_JSON + "\n")
+    assert main(["train", *TINY, "--out", str(run), "--resume", "auto", "--steps", "3"]) == 0, capsys.readouterr().err
+    assert max(json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()) == 3

@@ -56,7 +56,7 @@ def _id_range(cfg: DataConfig, path: Path, arr: np.ndarray) -> tuple[int, int]:
     try:
         d = json.loads(memo.read_text())
         return int(d["min_id"]), int(d["max_id"])
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):  # absent or not ours: scanned again
         pass
     chunks = [arr[i:i + _CHUNK] for i in range(0, arr.shape[0], _CHUNK)]
     low = min((int(c.min()) for c in chunks), default=0)

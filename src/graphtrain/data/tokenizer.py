@@ -144,7 +144,9 @@ def load_user_tokenizer(path: str) -> CodeTokenizer:
     if config_file.is_file():
         try:
             raw = json.loads(config_file.read_text())
-        except ValueError:
+        except (ValueError, RecursionError):
+            raw = {}
+        if not isinstance(raw, dict):  # not a tokenizer config: its special tokens are found by name instead
             raw = {}
         for role in _SPECIAL_CANDIDATES:
             value = raw.get(f"{role}_token")

@@ -68,9 +68,9 @@ def load_hf_config(path: str) -> Any:
     folder, config_file = hf_folder(path)
     try:
         raw = json.loads(config_file.read_text())
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:
         raise ValueError(f"model.hf: {str(config_file)!r} is not readable JSON ({e}): fix or re-save the config") from None
-    if "model_type" not in raw:
+    if not isinstance(raw, dict) or "model_type" not in raw:
         raise ValueError(f"model.hf: {str(config_file)!r} has no model_type: it is not a transformers config "
                          f"(write it with config.save_pretrained(folder))")
     try:

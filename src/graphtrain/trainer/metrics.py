@@ -103,8 +103,8 @@ class MetricsLog:
             try:
                 if json.loads(line).get("step", 0) <= step:
                     kept.append(line)
-            except (json.JSONDecodeError, AttributeError):  # a torn last line from a crash, or not a record
-                continue
+            except (json.JSONDecodeError, AttributeError, TypeError, RecursionError):
+                continue  # a torn last line from a crash, or a line that is not a record
         tmp = self.path.with_name(self.path.name + ".tmp")
         tmp.unlink(missing_ok=True)  # a link planted there is removed, never written through
         with _open(tmp, os.O_CREAT | os.O_EXCL) as f:
