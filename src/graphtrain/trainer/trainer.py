@@ -294,7 +294,9 @@ class Trainer:
         per_token = flops.step_flops(flops.matmul_params(model), self.spec.n_layer, self.config.data.seq_len,
                                      self.spec.d_model, 1)
         peak = capability.peek_probe(f"matmul_peak_{self.device.type}", any_threads=True) or {}
-        precision = "bf16" if self.config.engine.precision in ("bf16", "fp16") else "fp32"
+        # the precision the engine runs (auto resolved as the engine resolves it), so bf16 steps meet the bf16 peak
+        resolved = capability.resolve_precision(self.config.engine.precision, self.device.type)
+        precision = "bf16" if self.config.train.accelerate and resolved in ("bf16", "fp16") else "fp32"
         value = peak.get(precision)
         if not value:
             self._log(f"MFU not logged: this machine's {precision} matmul peak was never measured (python -m "
