@@ -21,6 +21,7 @@ from graphtrain.cli import main
 from graphtrain.config import Config
 from graphtrain.trainer import Trainer, list_checkpoints
 from graphtrain.trainer.checkpoint import latest_valid_checkpoint, load_checkpoint, verify_checkpoint
+from graphtrain.trainer.resume import lock_run_folder
 
 TINY = ["model.name=gpt2-tiny", "data.seq_len=32", "data.vocab_size=512", "data.max_bytes=300000",
         "train.batch_size=4", "train.eval_every=0", "train.eval_batches=1", "train.log_every=1",
@@ -74,6 +75,7 @@ def test_max_restarts_never_restarts_a_refused_command_into_a_finished_run(tmp_p
     assert _snapshot(out) == before  # nothing trained, written or truncated
 
 
+@pytest.mark.slow  # a torchrun launch or a Hugging Face export: 25-35 s on the shared 2-core machine
 def test_max_restarts_keeps_the_checkpoint_a_mistyped_resume_from_asked_for(tmp_path):
     """--resume-from with a typo is refused; before, the restart resumed from the newest checkpoint and pruning then
     deleted the very checkpoint the user meant (ckpt-2)."""
@@ -88,6 +90,7 @@ def test_max_restarts_keeps_the_checkpoint_a_mistyped_resume_from_asked_for(tmp_
     assert _snapshot(out) == before  # ckpt-0000002.pt is still there, nothing after it
 
 
+@pytest.mark.slow  # a torchrun launch or a Hugging Face export: 25-35 s on the shared 2-core machine
 def test_a_crash_before_the_first_save_restarts_from_the_checkpoint_asked_for(tmp_path):
     """A real crash (SIGKILL of the worker during its start-up) under --resume-from ckpt-2: the restart continues from
     ckpt-2 again, not from the newest checkpoint of the folder (ckpt-4, of the history the user left)."""
@@ -158,12 +161,16 @@ def test_a_second_run_on_a_live_folder_is_refused_and_touches_nothing(tmp_path):
     """Two real processes on one --out: the second is refused (exit 2) naming the first's PID and start time, and
     removes nothing, not even what looks like a killed save's leftover (here: the live run's save in flight)."""
     out = tmp_path / "run"
-    first = subprocess.Popen(_cli(out, "train.steps=100000", "train.ckpt_every=0"), stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True, env=_env())
+    log = tmp_path / "first.log"  # a file, not a pipe: a pipe nobody reads would stall the run's logging
+    with log.open("w") as sink:
+        first = subprocess.Popen(_cli(out, "train.steps=100000", "train.ckpt_every=0"), stdout=sink,
+                                 stderr=subprocess.STDOUT, env=_env())
     try:
-        for line in first.stdout:
-            if re.match(r"step +2/", line):
-                break
+        deadline = time.monotonic() + 120
+        while not re.search(r"^step +2/", log.read_text(), re.M) and first.poll() is None \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert first.poll() is None, log.read_text()[-2000:]
         in_flight = out / ".ckpt-0000009.pt.x7k2.tmp"  # the name a live save writes under
         in_flight.write_bytes(b"a checkpoint being written")
         second = _run(_cli(out, "train.steps=3", "--resume", "auto"), timeout=120)
@@ -180,9 +187,7 @@ def test_a_second_run_on_a_live_folder_is_refused_and_touches_nothing(tmp_path):
     steps = [r["step"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
              if r["kind"] == "train"]
     assert steps == list(range(1, len(steps) + 1))  # one run's records, each step once
-    # the lock dies with its process: the same command now continues the run
-    again = _run(_cli(out, f"train.steps={len(steps) + 1}", "--resume", "auto"))
-    assert again.returncode == 0, again.stderr[-2000:]
+    assert lock_run_folder(out) == out / ".graphtrain.lock"  # the kernel released it with its process
 
 
 # -------------------------------------------------------------------- 4. a real disk error while saving ----
@@ -257,6 +262,7 @@ def test_plot_never_writes_its_page_over_a_run_file(finished_run, name, capsys):
     assert main(["plot", str(run), "--out", str(run.parent / "report.html")]) == 0
 
 
+@pytest.mark.slow  # a torchrun launch or a Hugging Face export: 25-35 s on the shared 2-core machine
 def test_an_export_killed_half_way_leaves_the_earlier_export_and_the_run_intact(finished_run):
     """SIGKILL of `export --format hf --force` while it writes (its temporary folder exists): the earlier export and
     the run are untouched, only the temporary folder is left; the same command then succeeds."""
@@ -279,3 +285,37 @@ def test_an_export_killed_half_way_leaves_the_earlier_export_and_the_run_intact(
     done = _run(argv)
     assert done.returncode == 0, done.stderr[-2000:]
     assert (run.parent / "e" / "config.json").is_file() and _snapshot(run) == before
+
+
+def _small_disk_available() -> bool:
+    """A tmpfs of our own, mounted in a user and mount namespace (`unshare -rm`): no root needed where the kernel
+    lets users create namespaces."""
+    if shutil.which("unshare") is None:
+        return False
+    probe = subprocess.run(["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o size=64k tmpfs /mnt"],
+                           capture_output=True, timeout=30)
+    return probe.returncode == 0
+
+
+@pytest.mark.slow  # two CLI runs in a namespace: 35 s on the shared 2-core machine
+def test_a_real_full_disk_during_a_save_is_one_line_and_keeps_the_last_checkpoint(tmp_path):
+    """The run folder on a real 4 MiB tmpfs: two checkpoints of gpt2-tiny (1.7 MB each) fit, the third does not
+    (ENOSPC in torch.save). The tmpfs lives in the namespace only, so the script copies the folder out."""
+    if not _small_disk_available():
+        pytest.skip("needs `unshare -rm` (user namespaces) to mount a tmpfs")
+    disk, copy = tmp_path / "disk", tmp_path / "copy"
+    disk.mkdir()
+    run = disk / "run"
+    first = " ".join(_cli(run, "train.steps=2", "train.ckpt_every=1"))
+    second = " ".join(_cli(run, "train.steps=4", "train.ckpt_every=1", "--resume", "auto"))
+    script = (f"mount -t tmpfs -o size=4m tmpfs {disk} && {first} >/dev/null 2>&1 && {second} >/dev/null "
+              f"2>{tmp_path / 'err'}; echo $? > {tmp_path / 'rc'}; cp -a {run} {copy}")
+    subprocess.run(["unshare", "-rm", "sh", "-c", script], timeout=600, env=_env(), check=True)
+    err = (tmp_path / "err").read_text().strip()
+    assert (tmp_path / "rc").read_text().strip() == "1", err[-3000:]
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err[-3000:]
+    assert err.startswith("error: could not write the checkpoint of step 3: the disk is full"), err
+    assert f"{run / 'ckpt-0000002.pt'}, is kept" in err, err
+    assert [p.name for p in copy.iterdir() if p.name.endswith(".tmp")] == []
+    assert [s for s, _ in list_checkpoints(copy)] == [1, 2]
+    assert verify_checkpoint(copy / "ckpt-0000002.pt") and load_checkpoint(copy / "ckpt-0000002.pt")["step"] == 2
