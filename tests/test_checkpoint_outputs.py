@@ -165,3 +165,38 @@ def test_export_hf_writes_a_transformers_folder_at_the_end_of_the_run(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(model(input_ids=ids).logits, trained(ids), rtol=1e-5, atol=1e-5)
     assert not (run / ".hf.tmp").exists() and not (run / ".hf.old").exists()
+
+
+@pytest.mark.dist
+@pytest.mark.slow  # two ranks on the shared 2-core machine: 50 s
+def test_sharded_run_keeps_its_best_folder_and_writes_the_hf_folder(tmp_path):
+    """Two data-parallel ranks (gloo) write sharded checkpoints: the best is ckpt-best/, linked file by file and
+    verified by its SHA256SUMS; export_hf reads the final sharded checkpoint on rank 0, and its logits are the
+    checkpoint's."""
+    import subprocess
+    import sys
+
+    import transformers
+
+    from graphtrain.distributed.checkpoint import load_model_weights_local
+    from graphtrain.models import build_model
+    out = tmp_path / "dp2"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "graphtrain", "train", *TINY, "train.steps=4", "train.ckpt_every=1",
+                           "train.eval_every=1", "train.keep_last=1", "train.keep_best=true", "train.export_hf=true",
+                           "model.dropout=0.0", "parallel.dp=2", "--out", str(out), "--nproc", "2"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert [s for s, _ in ck.list_checkpoints(out)] == [4]
+    evals = _evals(out)
+    path, step, loss = ro.best_info(out)
+    assert path.name == "ckpt-best" and ck.is_sharded(path) and ck.verify_checkpoint(path)
+    assert step == min(evals, key=evals.get) and loss == pytest.approx(evals[step])
+    assert not (out / "ckpt-best.tmp").exists() and not (out / "ckpt-best.old").exists()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out / "hf", local_files_only=True).eval()
+    config = Config.from_yaml(out / "config.yaml")
+    model = build_model(config.model, vocab_size=hf.config.vocab_size)
+    load_model_weights_local(ck.latest_checkpoint(out), model)
+    ids = torch.randint(0, hf.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(input_ids=ids).logits, model.eval()(ids), rtol=1e-5, atol=1e-5)
