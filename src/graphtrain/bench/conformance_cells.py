@@ -406,8 +406,10 @@ def run_cell(row: Row, col: Column, steps: int = STEPS) -> Result:
         return Result(row.name, col.name, "n/a", "the Trainer trains language models (graphtrain's, Hugging Face "
                       "causal or masked LMs); this row is not one")
     torch._dynamo.reset()
-    start = {"engine": len(GLOBAL_STATE.fallbacks), "passes": len(GLOBAL_STATE.passes),
-             "graphs": len(GLOBAL_STATE.graphs), "kernels": len(runtime_fallbacks())}         if col.entry == "backend" else {"kernels": len(runtime_fallbacks())}
+    start = {"kernels": len(runtime_fallbacks())}
+    if col.entry == "backend":  # the process-wide record: this cell's part is what it adds
+        start |= {"engine": len(GLOBAL_STATE.fallbacks), "passes": len(GLOBAL_STATE.passes),
+                  "graphs": len(GLOBAL_STATE.graphs)}
     try:
         model, batch = row.build()
         if col.entry == "trainer":
