@@ -148,6 +148,10 @@ def test_model_hf_checkpoint_loads_into_the_transformers_class_and_old_prefixed_
     from graphtrain.export import load_run
     _, model, _ = load_run(run, "2")  # the prefixed checkpoint
     assert torch.equal(model.hf.lm_head.weight, old["model"]["hf.lm_head.weight"])
+    # train.init_from a plain-keyed checkpoint: the weights land in graphtrain's wrapper
+    fresh = Trainer(Config().with_overrides([*TINY, f"model.hf={llama_cfg}", f"train.out_dir={tmp_path / 'next'}",
+                                             f"train.init_from={ck.latest_checkpoint(run)}"]))
+    assert torch.equal(fresh.strategy.module.hf.lm_head.weight, again["lm_head.weight"])
 
 
 def test_export_hf_writes_a_transformers_folder_at_the_end_of_the_run(tmp_path):
