@@ -266,6 +266,10 @@ def _prepare_mistake(case: str, tmp: Path, monkeypatch) -> list[str]:
     if case == "deeply nested YAML":
         (tmp / "deep.yaml").write_text("train: " + "[" * 100_000 + "]" * 100_000 + "\n")
         return ["train", str(tmp / "deep.yaml"), *TINY, "--out", str(tmp / "run")]
+    if case in ("data.cache_dir is a file", "engine.cache_dir is a file"):
+        (tmp / "afile").write_text("x\n")
+        args = [a for a in TINY if a != "--no-accelerate"] if case.startswith("engine") else TINY
+        return ["train", *args, f"{case.split()[0]}={tmp / 'afile'}", "--out", str(tmp / "run")]
     if case == "deeply nested override":
         return ["train", *TINY, "train.loggers=" + "[" * 100_000 + "]" * 100_000, "--out", str(tmp / "run")]
     raise AssertionError(case)
@@ -283,6 +287,10 @@ MISTAKES = {  # case: (exit status, text the one error line holds: the key or fi
     "malformed metrics.jsonl record": (2, "metrics.jsonl' line 2 is not a metrics record"),
     "deeply nested YAML": (2, "deep.yaml' is not valid YAML: it nests deeper than the YAML reader can follow"),
     "deeply nested override": (2, "override train.loggers: it nests deeper than the YAML reader can follow"),
+    # an unusable cache folder: a usage error naming the key (was exit 1, "continue with --resume auto")
+    "data.cache_dir is a file": (2, "data.cache_dir '{tmp}/afile' cannot be used as a cache folder (File exists): "
+                                    "point data.cache_dir at a folder you can write"),
+    "engine.cache_dir is a file": (2, "engine.cache_dir '{tmp}/afile' cannot be used as the compile cache"),
 }
 
 
@@ -293,7 +301,7 @@ def test_a_mistake_is_one_error_line_not_a_traceback(case, tmp_path, capsys, mon
     code = main(argv)
     line = _error_line(capsys)
     status, expected = MISTAKES[case]
-    assert expected in line, line
+    assert expected.replace("{tmp}", str(tmp_path)) in line, line
     assert len(line) < 400, line  # one readable line, not a pasted blob
     assert code == status
 

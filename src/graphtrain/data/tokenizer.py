@@ -170,6 +170,19 @@ def cache_root(cfg: DataConfig) -> Path:
     return base / "data"
 
 
+def usable_folder(folder: Path, key: str) -> Path:
+    """`folder` created if needed and writable, else a ValueError naming `key` (the setting that chose it) and the
+    fix: an unusable cache folder was an OSError, reported as a failed run to --resume."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise PermissionError(13, "Permission denied")
+    except OSError as e:
+        raise ValueError(f"{key} {str(folder)!r} cannot be used as a cache folder ({e.strerror or e}): point {key} "
+                         f"at a folder you can write") from None
+    return folder
+
+
 def cache_key(cfg: DataConfig, root: Path, files: list[SourceFile]) -> str:
     """Hash of everything the tokenizer and token ids depend on."""
     h = hashlib.sha256()
@@ -246,7 +259,9 @@ def load_or_build(cfg: DataConfig) -> TokenizedCorpus:
     """The tokenizer and token ids of both splits, from the cache or built (then cached)."""
     root, files = list_files(cfg)
     key = cache_key(cfg, root, files)
-    folder = cache_root(cfg) / key
+    where = "data.cache_dir" if cfg.cache_dir is not None else \
+        ("$GRAPHTRAIN_CACHE (or data.cache_dir)" if os.environ.get("GRAPHTRAIN_CACHE") else "data.cache_dir")
+    folder = usable_folder(cache_root(cfg), where) / key
     meta_path = folder / "meta.json"
     if meta_path.is_file():  # meta.json is written last: its presence means the folder is complete
         try:

@@ -41,7 +41,13 @@ def configure_cache(config: EngineConfig) -> Path:
 
     root = cache_root(config)
     if not user_set_inductor_cache() or os.environ.get("_GRAPHTRAIN_SET_CACHE") == "1":
-        root.mkdir(parents=True, exist_ok=True)
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # a usage error naming the setting (an OSError read as a failed run to --resume)
+            key = ("$GRAPHTRAIN_CACHE (or engine.cache_dir)" if not config.cache_dir
+                   and os.environ.get("GRAPHTRAIN_CACHE") else "engine.cache_dir")
+            raise ValueError(f"{key} {str(root)!r} cannot be used as the compile cache ({e.strerror or e}): point "
+                             f"{key} at a folder you can write") from None
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(root)
         os.environ["_GRAPHTRAIN_SET_CACHE"] = "1"
     inductor_config.fx_graph_cache = True
