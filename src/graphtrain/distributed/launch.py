@@ -13,9 +13,10 @@ is this process that receives a scheduler's SIGTERM or a Ctrl-C: the agent forwa
 before SIGKILL. With `max_restarts` K > 0 it restarts all workers when one fails, up to K times.
 
 A restart is for a crash (a signal, or exit 1: a runtime failure), never for a refusal (exit 2: the command as
-given cannot run), yet torchrun's agent restarts on any failure. The attempts of one launch therefore share a
-folder (`launch_state`): a worker that refuses records it there, and the workers of a restart find the record
-and exit 2 at once, touching nothing (`refused_earlier`). A restarted worker continues from the latest valid
+given cannot run), yet torchrun's agent restarts on any failure. In `launch` the agent stops at once when every
+failed worker exited 2 (`_no_restart_after_refusal`). Under a torchrun started by hand (or should torch's agent
+change) the attempts of one launch share a folder (`launch_state`): a worker that refuses records it there, and
+the workers of a restart find the record and exit 2 at once, touching nothing (`refused_earlier`). A restarted worker continues from the latest valid
 checkpoint once this launch has written one (`written_since_launch`: compared with the listing of out_dir
 taken when the launch began); until then it repeats what the command asked (a fresh start, --resume,
 --resume-from CKPT), so a crash before the first save never swaps the checkpoint the user named for another.
