@@ -319,3 +319,16 @@ def test_a_real_full_disk_during_a_save_is_one_line_and_keeps_the_last_checkpoin
     assert [p.name for p in copy.iterdir() if p.name.endswith(".tmp")] == []
     assert [s for s, _ in list_checkpoints(copy)] == [1, 2]
     assert verify_checkpoint(copy / "ckpt-0000002.pt") and load_checkpoint(copy / "ckpt-0000002.pt")["step"] == 2
+
+
+def test_a_symlink_planted_as_the_lock_file_is_refused_and_its_target_untouched(tmp_path, capsys):
+    """The lock file is opened with O_NOFOLLOW: a symlink under its name never gets the holder's record written
+    through it (the lock writer truncates the file it opens)."""
+    out, victim = tmp_path / "run", tmp_path / "victim.txt"
+    out.mkdir()
+    victim.write_text("someone's file")
+    (out / ".graphtrain.lock").symlink_to(victim)
+    code = main(["train", *TINY, "train.steps=1", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2 and "cannot open the run folder's lock file" in err and len(err.strip().splitlines()) == 1, err
+    assert victim.read_text() == "someone's file" and sorted(p.name for p in out.iterdir()) == [".graphtrain.lock"]
