@@ -70,3 +70,19 @@ def test_callback_logs_through_the_trainer_so_report_to_loggers_get_it(tmp_path)
     assert scalars["train/graphtrain_graphs"] == [(4, float(entries[0]["graphtrain_graphs"]))], scalars.keys()
     assert entries[0]["graphtrain_graphs"] >= 3
     assert scalars["train/graphtrain_fallbacks"] == [(4, 0.0)] and "train/loss" in scalars
+
+
+def test_callback_driven_by_hand_says_where_its_summary_went(tmp_path):
+    """Outside a Trainer's loop there is no Trainer to log through: one warning naming the fix, and the summary
+    in state.log_history all the same."""
+    from graphtrain.integrations.hf import GraphtrainCallback, accelerate_for_trainer
+    model = accelerate_for_trainer(_model(), provider="aten")
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True)
+    state, control = transformers.TrainerState(), transformers.TrainerControl()
+    callback = GraphtrainCallback()
+    callback.on_train_begin(args, state, control, model=model)
+    assert callback.trainer is None
+    with pytest.warns(UserWarning, match=r"pass the trainer: GraphtrainCallback\(trainer\)"):
+        callback.on_train_end(args, state, control, model=model)
+    assert state.log_history == [{"graphtrain_graphs": 0, "graphtrain_graph_breaks": 0, "graphtrain_fallbacks": 0,
+                                  "graphtrain_eager_only": 0, "step": 0}]

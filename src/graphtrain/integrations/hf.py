@@ -51,13 +51,12 @@ class GraphtrainCallback(TrainerCallback):  # type: ignore[misc]
     """Logs the engine's summary (graphs, breaks, fallbacks) through `Trainer.log` after the last step."""
 
     def __init__(self, trainer: Any = None) -> None:
-        self.trainer = trainer
+        self._given = self.trainer = trainer
         self._logged = False
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         self._logged = False
-        if self.trainer is None:
-            self.trainer = _calling_trainer()
+        self.trainer = self._given or _calling_trainer()  # found anew for each train(): the callback may be reused
         if _checkpointing(model) and hasattr(model, "_graphtrain"):
             warnings.warn(_CHECKPOINTING, stacklevel=2)
 
