@@ -51,6 +51,12 @@ def test_a_silently_wrong_model_fails_its_cell():
     assert res.status == "fail" and "loss of step 1" in res.reason, res
 
 
+def test_a_model_that_runs_eagerly_is_a_fallback_with_its_reason():
+    res = run_cell(ROWS["_eager"], Column("accelerate"), steps=1)
+    assert res.status == "fallback" and "Dynamo compiled no graph" in res.reason, res
+    assert "capture of _Eager" in res.fallbacks[0], res
+
+
 @pytest.mark.parametrize("row, sig", [pytest.param("_abort", "SIGABRT", marks=pytest.mark.slow), ("_segv", "SIGSEGV")])
 def test_isolate_reports_a_crash_as_a_failed_cell_named_by_its_signal(row, sig):
     res = run_isolated(row, Column("accelerate"), steps=1, timeout=300)

@@ -118,6 +118,19 @@ class _Wrong(nn.Module):
         return loss * 1.01 if torch.compiler.is_compiling() else loss
 
 
+class _Eager(nn.Module):
+    """A test-only row: its forward is hidden from Dynamo (``torch.compiler.disable``), so accelerate captures no
+    graph and runs it eagerly: a real fallback, which the cell must report with its reason."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    @torch.compiler.disable
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x).square().mean()
+
+
 def _crash(how: str) -> Callable[[], tuple[nn.Module, dict[str, torch.Tensor]]]:
     return lambda: (_Crash(how), {"x": torch.ones(2, 4)})
 
@@ -140,6 +153,8 @@ ROWS: dict[str, Row] = {r.name: r for r in [
     Row("bert-tiny", "graphtrain preset", _preset("bert-tiny"), "mlm"),
     Row("_abort", "test only: forward calls os.abort()", _crash("abort"), None, hidden=True),
     Row("_segv", "test only: forward reads address 0", _crash("segv"), None, hidden=True),
+    Row("_eager", "test only: forward hidden from Dynamo", lambda: (_Eager(), {"x": torch.ones(2, 4)}), None,
+        hidden=True),
     Row("_wrong", "test only: 1% off eager when compiled", lambda: (_Wrong(), {"x": torch.ones(2, 4)}), None,
         hidden=True),
 ]}
