@@ -1,10 +1,14 @@
 """Triton kernels vs references under TRITON_INTERPRET=1 (run in a subprocess by test_kernels_triton.py).
 
-TRITON_INTERPRET must be set before triton is imported, so this runs as its own process."""
+TRITON_INTERPRET must be set before triton is imported, so this runs as its own process. On a GPU
+(GRAPHTRAIN_CHECK_DEVICE=cuda, tests/test_cuda.py) the same checks run the compiled kernels on CUDA tensors, in the
+dtypes GRAPHTRAIN_CHECK_DTYPES names (float32 by default, TF32 off: the fp32 table)."""
 import os
 import sys
 
-os.environ["TRITON_INTERPRET"] = "1"
+DEVICE = os.environ.get("GRAPHTRAIN_CHECK_DEVICE", "cpu")
+if DEVICE == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"
 
 import torch  # noqa: E402
 
@@ -137,7 +141,11 @@ def check_attention(dtype):
 
 if __name__ == "__main__":
     torch.manual_seed(0)
+    if DEVICE == "cuda":
+        torch.set_default_device("cuda")
+        torch.backends.cuda.matmul.allow_tf32 = False
     names = sys.argv[1:] or ["layer_norm", "rms_norm", "bias_gelu", "bias_dropout_add", "cross_entropy", "attention"]
     for name in names:
-        globals()[f"check_{name}"](torch.float32)
+        for dtype in os.environ.get("GRAPHTRAIN_CHECK_DTYPES", "float32").split(","):
+            globals()[f"check_{name}"](getattr(torch, dtype))
         print("ok", name, flush=True)
