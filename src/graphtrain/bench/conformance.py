@@ -163,8 +163,11 @@ def machine() -> dict[str, str]:
     except (OSError, StopIteration):
         pass
     try:
+        where = Path(__file__).parent
         commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).parent, timeout=10).stdout.strip() or "unknown"
+                                cwd=where, timeout=10).stdout.strip() or "unknown"
+        if subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "."], cwd=where.parent, timeout=10).returncode:
+            commit += " (the package had uncommitted changes)"
     except (OSError, subprocess.SubprocessError):
         commit = "unknown"
     isa = torch.backends.cpu.get_cpu_capability()
@@ -185,7 +188,7 @@ def markdown(results: list[Result], rows: list[str], cols: list[Column], command
             f"same command. What a cell runs and compares: `src/graphtrain/bench/conformance_cells.py`.", "",
             f"- commit: {m['commit']}", f"- machine: {m['cpu']}; torch CPU capability {m['isa']}",
             f"- torch {m['torch']}, transformers {m['transformers']}", "",
-            "Rows: " + "; ".join(f"`{r}` {ROWS[r].what}" for r in rows) + ".", ""]
+            "Rows: " + "; ".join(f"`{r}` {ROWS[r].what}" for r in rows) + ".", "", ""]
     return "\n".join(head) + table(results, rows, cols, markdown=True) + "\n"
 
 
