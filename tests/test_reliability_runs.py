@@ -332,3 +332,21 @@ def test_a_symlink_planted_as_the_lock_file_is_refused_and_its_target_untouched(
     err = capsys.readouterr().err
     assert code == 2 and "cannot open the run folder's lock file" in err and len(err.strip().splitlines()) == 1, err
     assert victim.read_text() == "someone's file" and sorted(p.name for p in out.iterdir()) == [".graphtrain.lock"]
+
+
+def test_a_job_file_that_is_the_run_folders_config_yaml_is_never_overwritten(tmp_path, capsys):
+    """`graphtrain train DIR/config.yaml --out DIR` with a job file the user wrote (comments, a few keys): refused
+    before anything runs, the file untouched. A run's own saved config given back is exactly what the run writes,
+    so it is taken."""
+    out = tmp_path / "run"
+    out.mkdir()
+    job = out / "config.yaml"
+    job.write_text("# my job: a tiny GPT-2\nmodel:\n  name: gpt2-tiny\ntrain:\n  steps: 2\n")
+    before = job.read_text()
+    code = main(["train", str(job), *TINY[1:], "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2 and "is the run folder's config.yaml" in err and err.count("\n") == 1, err
+    assert job.read_text() == before and not list_checkpoints(out)
+    saved = tmp_path / "saved"
+    assert main(["train", *TINY, "train.steps=2", "--out", str(saved)]) == 0
+    assert main(["train", str(saved / "config.yaml"), "train.steps=3", "--out", str(saved), "--resume"]) == 0

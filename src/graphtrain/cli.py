@@ -160,6 +160,21 @@ def _check_out_dir(out_dir: str) -> None:
                          f"can write with --out DIR (or train.out_dir=...)") from None
 
 
+def _check_job_file(items: list[str], config: Config) -> None:
+    """A job file that is the run folder's own config.yaml: the run writes its resolved config there (no comments,
+    every key), so a file the user wrote would be lost. Refused, unless it is itself such a resolved config (a run's
+    saved config given back to continue it, with overrides or not: nothing in it is the user's own writing)."""
+    target = Path(config.train.out_dir).expanduser() / "config.yaml"
+    for item in items:
+        job = Path(item).expanduser()
+        if "=" in item or not job.is_file() or not target.exists() or not job.samefile(target):
+            continue
+        if job.read_text() != load_config([item]).to_yaml():
+            raise ValueError(f"the job file {item!r} is the run folder's config.yaml, which the run overwrites with "
+                             f"its resolved config (your comments and layout would be lost): move the job file out "
+                             f"of {str(target.parent)!r} or choose another --out DIR")
+
+
 def _check_resume_from(resume: "bool | str | Path", out_dir: str) -> None:
     """--resume-from a checkpoint of another folder continues that history in out_dir: refused when out_dir holds
     checkpoints of its own (another history: the later ones would move aside, and pruning would delete the
@@ -214,6 +229,7 @@ def run_train(args: argparse.Namespace) -> int:
     if overrides:
         config = config.with_overrides(overrides)
     resume = _resume_mode(args, config.train.out_dir)
+    _check_job_file(args.items, config)
     _check_resume_from(resume, config.train.out_dir)
     # checked here too, so that a typo under --nproc is one error line, not one per worker
     allowed = allowed_keys(args.allow_config_change or (), config)
