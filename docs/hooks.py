@@ -159,17 +159,28 @@ def missing_descriptions() -> list[str]:
 DESIGN_SECTION = "Design notes"
 
 
+def _nav_paths(items) -> set[str]:
+    out: set[str] = set()
+    for item in items or []:
+        values = [item] if isinstance(item, str) else list(item.values())
+        for v in values:
+            out |= _nav_paths(v) if isinstance(v, list) else {v}
+    return out
+
+
 def on_config(config):
-    """A record added under docs/design/ joins the design notes' nav by itself (titled from its file name), so an
-    engineering note never fails the strict build for want of a nav entry; the guides' nav stays as written."""
+    """An engineering record written under docs/design/ (or, by habit, at the top of docs/) joins the design notes'
+    nav by itself, titled from its file name, so a new note never fails the strict build for want of a nav entry.
+    Guides and references (docs/guides/, docs/reference/) must be listed by hand: one missing from the nav fails."""
     from pathlib import Path
     docs_dir = Path(config["docs_dir"])
+    listed = _nav_paths(config["nav"])
     for item in config["nav"] or []:
         if isinstance(item, dict) and isinstance(item.get(DESIGN_SECTION), list):
             section = item[DESIGN_SECTION]
-            listed = {v if isinstance(v, str) else next(iter(v.values())) for v in section}
-            for path in sorted((docs_dir / "design").glob("*.md")):
-                rel = f"design/{path.name}"
+            records = sorted((docs_dir / "design").glob("*.md")) + sorted(docs_dir.glob("*.md"))
+            for path in records:
+                rel = path.relative_to(docs_dir).as_posix()
                 if rel not in listed:
                     section.append({path.stem.replace("-", " ").capitalize(): rel})
     return config
