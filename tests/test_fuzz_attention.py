@@ -144,19 +144,12 @@ def test_known_bug_low_precision_dropout_gradients(error_policy):  # in process:
 # The child: python tests/test_fuzz_attention.py <budget>
 
 
-def _bind(fn, **kw):
-    """fn with keyword arguments bound, as a plain function of `data` (Hypothesis's @given takes no partials)."""
-    def prop(data):
-        return fn(data, **kw)
-    return prop
-
-
 def _child(budget: str) -> None:
     import torch
     from hypothesis import strategies as st
 
     import conftest  # noqa: F401  (registers the Hypothesis profiles)
-    from fuzz_layouts import close, dtypes, fuzz, sizes, tensor, upstream
+    from fuzz_layouts import bind, close, dtypes, fuzz, sizes, tensor, upstream
     from graphtrain import fallback
     from graphtrain.kernels._common import force_reference
     from graphtrain.kernels.attention import attention, attention_backward_reference, attention_reference
@@ -308,7 +301,7 @@ def _child(budget: str) -> None:
         strata = [(dt, p) for dt in (torch.float32, torch.bfloat16, torch.float16) for p in (0.0, 0.2)
                   if not (p and dt != torch.float32 and "low-precision dropout grads" in KNOWN_BUGS)]
         for dt, p in strata:
-            fuzz(_bind(stratum, dtype=dt, p=p), budget, share=1.2 / len(strata))
+            fuzz(bind(stratum, dtype=dt, p=p), budget, share=1.2 / len(strata))
         fuzz(bad_prop, budget, share=0.4)
     for op, impl in sorted(chosen):
         print(f"path {op} {impl}")

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fuzz_layouts import BUDGET_PARAMS, check_op, dtypes, fuzz, optional, sizes, tensor
+from fuzz_layouts import BUDGET_PARAMS, check_op, fuzz_per_dtype, optional, sizes, tensor
 from hypothesis import strategies as st
 
 from graphtrain import fallback
@@ -54,8 +54,7 @@ VECTOR = ("contiguous", "sliced", "expanded")
 # --- layer_norm, rms_norm --------------------------------------------------------------------------------------
 
 def _norm_prop(kind: str):
-    def prop(data):
-        dtype = data.draw(dtypes(), label="dtype")
+    def prop(data, dtype):
         shape = _shape(data)
         n = shape[-1]
         # a spread and an offset: the mean subtraction must not lose the spread
@@ -78,14 +77,13 @@ def _norm_prop(kind: str):
 @pytest.mark.parametrize("budget", BUDGET_PARAMS)
 @pytest.mark.parametrize("kind", ["layer_norm", "rms_norm"])
 def test_fuzz_norms(kind, budget, strict_fast_paths):
-    fuzz(_norm_prop(kind), budget)
+    fuzz_per_dtype(_norm_prop(kind), budget)
     assert (kind, "cpu") in strict_fast_paths, strict_fast_paths  # aten's fused kernel for fp32 inputs ran
 
 
 # --- bias_gelu ---------------------------------------------------------------------------------------------------
 
-def _gelu_prop(data):
-    dtype = data.draw(dtypes(), label="dtype")
+def _gelu_prop(data, dtype):
     shape = _shape(data)
     approx = data.draw(st.sampled_from(["none", "tanh"]), label="approximate")
     x = tensor(data, shape, dtype, scale=data.draw(st.sampled_from([1.0, 4.0])), label="x")
@@ -97,14 +95,13 @@ def _gelu_prop(data):
 
 @pytest.mark.parametrize("budget", BUDGET_PARAMS)
 def test_fuzz_bias_gelu(budget, strict_fast_paths):
-    fuzz(_gelu_prop, budget)
+    fuzz_per_dtype(_gelu_prop, budget)
     assert strict_fast_paths & {("bias_gelu", "cpu"), ("bias_gelu", "c++")}, strict_fast_paths
 
 
 # --- bias_dropout_add: the fused op draws its seed, eager and the reference use that seed -----------------------
 
-def _bda_prop(data):
-    dtype = data.draw(dtypes(), label="dtype")
+def _bda_prop(data, dtype):
     shape = _shape(data)
     p = data.draw(st.sampled_from([0.0, 0.1, 0.5, 0.9]), label="p")
     x = tensor(data, shape, dtype, label="x")
@@ -123,7 +120,7 @@ def _bda_prop(data):
 
 @pytest.mark.parametrize("budget", BUDGET_PARAMS)
 def test_fuzz_bias_dropout_add(budget, strict_fast_paths):
-    fuzz(_bda_prop, budget)
+    fuzz_per_dtype(_bda_prop, budget)
     if _cpu_ext.load() is not None:
         assert ("bias_dropout_add", "c++") in strict_fast_paths and ("dropout_backward", "c++") in strict_fast_paths
 
@@ -162,8 +159,7 @@ def _lead(data, hi: int) -> tuple[list[int], int]:
     return lead, n
 
 
-def _ce_prop(data):
-    dtype = data.draw(dtypes(), label="dtype")
+def _ce_prop(data, dtype):
     lead, n = _lead(data, 13)
     v = data.draw(sizes(1, 130), label="vocab")
     reduction = data.draw(st.sampled_from(sorted(REDUCTIONS)), label="reduction")
@@ -182,14 +178,13 @@ def _ce_prop(data):
 
 @pytest.mark.parametrize("budget", BUDGET_PARAMS)
 def test_fuzz_cross_entropy(budget, strict_fast_paths):
-    fuzz(_ce_prop, budget)
+    fuzz_per_dtype(_ce_prop, budget)
     assert ("cross_entropy", "cpu") in strict_fast_paths and ("cross_entropy_backward", "cpu") in strict_fast_paths
 
 
 # --- linear_cross_entropy: hidden [.., H] @ weight [V, H]^T (+ bias), chunked ----------------------------------
 
-def _lce_prop(data):
-    dtype = data.draw(dtypes(), label="dtype")
+def _lce_prop(data, dtype):
     lead, n = _lead(data, 11)
     h, v = data.draw(sizes(1, 37), label="hidden"), data.draw(sizes(1, 67), label="vocab")
     reduction = data.draw(st.sampled_from(["mean", "sum"]), label="reduction")
@@ -212,15 +207,14 @@ def _lce_prop(data):
 
 @pytest.mark.parametrize("budget", BUDGET_PARAMS)
 def test_fuzz_linear_cross_entropy(budget, strict_fast_paths):
-    fuzz(_lce_prop, budget)
+    fuzz_per_dtype(_lce_prop, budget)
     if _cpu_ext.load() is not None:
         assert ("linear_cross_entropy", "c++") in strict_fast_paths, strict_fast_paths
 
 
 # --- gemm: a [m, k] @ b [k, n] (+ bias broadcastable to [m, n]) ------------------------------------------------
 
-def _gemm_prop(data):
-    dtype = data.draw(dtypes(), label="dtype")
+def _gemm_prop(data, dtype):
     m, k, n = (data.draw(sizes(1, 67), label=d) for d in "mkn")
     a = tensor(data, [m, k], dtype, label="a")
     b = tensor(data, [k, n], dtype, label="b")
@@ -232,7 +226,7 @@ def _gemm_prop(data):
 
 @pytest.mark.parametrize("budget", BUDGET_PARAMS)
 def test_fuzz_gemm(budget, strict_fast_paths):
-    fuzz(_gemm_prop, budget)
+    fuzz_per_dtype(_gemm_prop, budget)
     if onednn_available():
         assert ("gemm", "onednn") in strict_fast_paths, strict_fast_paths
 
