@@ -52,7 +52,7 @@ def cuda_sdpa(request, monkeypatch):
 
     lib = torch.library.Library("aten", "IMPL")
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*Overriding a previously registered kernel")
+        warnings.filterwarnings("ignore", message="(?s).*Overriding a previously registered kernel")
         lib.impl("scaled_dot_product_attention", sdpa, "CompositeImplicitAutograd")
     import transformers.masking_utils as masking
     monkeypatch.setattr(masking, "is_tracing", lambda *a, **k: True)
