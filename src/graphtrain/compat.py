@@ -1,9 +1,9 @@
 """What graphtrain does differently by torch version: the supported range and one shim per difference.
 
 Supported: torch 2.11 (the stock build on the GPU machines, 2.11.0+cu130) through 2.14 (2.14.1 checked). An older
-torch fails `import graphtrain` with an ImportError naming the range; a newer one imports with a warning, once, since
-most minor releases keep these private APIs and the shims below say what to do when one moved. The pinned CI torch
-(requirements-dev.txt) lies inside the range.
+torch fails `import graphtrain` with an ImportError naming the range. A newer one imports with a warning: a minor
+release mostly keeps the private APIs used here, and where one moved, the fix is a shim in this file. The pinned CI
+torch (requirements-dev.txt) lies inside the range.
 
 Every import of a torch API that is not the same across the range goes through a function here, so a new torch
 release means reading one file. Each shim names the versions on both sides of the difference.
@@ -18,7 +18,7 @@ import torch
 
 MIN_TORCH = (2, 11)
 NEWEST_TESTED = (2, 14)
-SUPPORTED = "torch 2.11 to 2.14"
+SUPPORTED = f"torch {MIN_TORCH[0]}.{MIN_TORCH[1]} to {NEWEST_TESTED[0]}.{NEWEST_TESTED[1]}"
 
 
 def parse_version(version: str) -> tuple[int, int]:
