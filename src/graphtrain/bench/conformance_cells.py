@@ -18,7 +18,8 @@ Columns are ``entry/precision/provider[/recompute][/frozen-emb]``:
 What is compared, under `graphtrain.testing`'s tolerance table for the column's precision: the loss of every step
 (AdamW between steps, grad_clip off) and every trained parameter's gradient of the first step (compile_step: its
 first moment after the first step divided by 1 - beta1, which is that gradient; trainer: the optimizer's first
-moments after the last step, eager Trainer against accelerated Trainer). The verdict: ``pass``, ``fallback``
+moments after the last step, eager Trainer against accelerated Trainer); in bf16 each gradient also within a
+relative error in norm (BF16_GRAD_REL, or eager autocast's times AUTOCAST_FACTOR). The verdict: ``pass``, ``fallback``
 (in tolerance, but part of it did not run through graphtrain: the engine's recorded fallbacks, a capture that ran
 eagerly, or a fused op's fast path that failed at run time; each reason is kept) or ``fail`` (out of tolerance, or
 an exception; in a child process, a signal).
