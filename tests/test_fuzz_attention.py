@@ -24,7 +24,8 @@ import sys
 
 import pytest
 
-KNOWN_BUGS = {"strided head dim", "flash with Dv != D", "flash takes mismatched shapes", "low-precision dropout grads"}
+KNOWN_BUGS = {"strided head dim", "flash with Dv != D", "flash takes mismatched shapes", "low-precision dropout grads",
+              "heads gate and size-1 dims"}
 """Bugs the fuzzing found, each reproduced by a strict xfail test below (test_known_bug_*): while one is listed here the
 fuzzing steers clear of its inputs. When a fix lands its xfail test passes, which fails it (strict): then delete the
 test's xfail mark and the name here, and the fuzzing covers those inputs again."""
@@ -95,6 +96,17 @@ def test_known_bug_flash_with_dv_unlike_d(error_policy):  # in process: aten rai
     assert torch.ops.graphtrain.attention(q, k, v, None, 0.3, False, 0.0)[0].shape == (1, 2, 3, 4)
 
 
+@pytest.mark.xfail(strict=True, reason="the head-by-head kernel's gate and its C++ check disagree on a size-1 dim: "
+                   "_for_blas makes an input dense with .contiguous(), which keeps a size-1 dim's stride as it was (a "
+                   "[1, 2, 1, 1] v of strides (2, 1, 2, 2)), while the gate evaluates the contract on fresh contiguous "
+                   "strides; attn_heads_fwd then refuses 'unit stride in D' and the fallback switches the path off")
+def test_known_bug_heads_gate_and_size_one_dims(error_policy):  # in process: the C++ check refuses, nothing is read
+    import torch
+    q, k = torch.randn(1, 4, 1, 3), torch.randn(1, 2, 1, 3)
+    v = torch.randn(1, 1, 1, 2).permute(0, 3, 1, 2)  # [1, 2, 1, 1], strides (2, 1, 2, 2)
+    assert torch.ops.graphtrain.attention(q, k, v, None, 0.3, False, 0.2)[0].shape == (1, 4, 1, 1)
+
+
 @pytest.mark.xfail(strict=True, reason="graphtrain::attention called directly (torch.ops, or a pass that inserts it) "
                    "with k/v shapes outside its contract takes the 'cpu flash' path at dropout 0, and aten's CPU flash "
                    "kernel checks none of them: query heads that k/v's head count does not divide, k and v with "
@@ -154,8 +166,10 @@ def _child(budget: str) -> None:
     from graphtrain.kernels._common import force_reference
     from graphtrain.kernels.attention import attention, attention_backward_reference, attention_reference
 
-    def _unit_last(t):
-        return t if t.stride(-1) == 1 else t.contiguous()
+    def _dense_rows(t):
+        if t.stride(-1) == 1 and t.stride(-2) >= t.shape[-1]:
+            return t
+        return t.clone(memory_format=torch.contiguous_format)  # standard strides, also on size-1 dims
 
     def eager(q, k, v, mask, scale, causal, p, seed):
         """SDPA's math path in the inputs' dtype (scores and probabilities rounded to it), with the reference's
@@ -200,8 +214,8 @@ def _child(budget: str) -> None:
         q = tensor(data, [B, H, Sq, D], dtype, label="q")
         k = tensor(data, [B, Hkv, Sk, D], dtype, label="k")
         v = tensor(data, [B, Hkv, Sk, Dv], dtype, label="v")
-        if "strided head dim" in KNOWN_BUGS:  # each head's vectors dense
-            return [(a, lambda t, a=a: _unit_last(a.view(t))) for a in (q, k, v)]
+        if KNOWN_BUGS & {"strided head dim", "heads gate and size-1 dims"}:  # standard strides for D and S
+            return [(a, lambda t, a=a: _dense_rows(a.view(t))) for a in (q, k, v)]
         return [(a, a.view) for a in (q, k, v)]
 
     def stratum(data, *, dtype, p):
