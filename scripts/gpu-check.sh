@@ -5,7 +5,7 @@
 #   bash scripts/gpu-check.sh            # from the repository root
 #
 # 1. the cuda-marked tests (tests/test_cuda.py: Triton kernels on CUDA vs references, HF GPT-2/Llama through the
-#    engine vs eager, the run-time fallback) plus the fake-tensor CUDA traces, which also run on CPU;
+#    engine vs eager, the run-time fallback); the fake-tensor CUDA traces run in the CPU suite;
 # 2. the smoke (scripts/gpu_smoke.py): HF GPT-2, Llama (GQA), BERT and ViT built from config, through accelerate,
 #    torch.compile(backend="graphtrain") and compile_step, fp32 with TF32 off and bf16, a few AdamW steps each
 #    against eager, one process per case, printed as a table.
@@ -27,13 +27,18 @@ print(f"torch {torch.__version__} (CUDA {torch.version.cuda}) | triton {triton._
       f"{transformers.__version__} | {torch.cuda.get_device_name()} | graphtrain at {graphtrain.__file__}")
 PYEOF
 
-echo "== 1/2 cuda-marked tests (limit 200 s)"
-timeout -k 10 200 "$PY" -m pytest -q -p no:cacheprovider -m "cuda or not slow" -rs \
-    tests/test_cuda.py tests/test_cuda_fake_trace.py
-TESTS=$?
+echo "== 1/2 cuda-marked tests (limit 240 s)"
+if "$PY" -c "import pytest" 2>/dev/null; then
+    timeout -k 10 240 "$PY" -m pytest -q -p no:cacheprovider -m cuda -rs tests/test_cuda.py
+    TESTS=$?
+else
+    echo "pytest is not installed for $PY: the cuda-marked tests cannot run here (the smoke still runs)"
+    TESTS=3
+fi
 echo "== tests: exit $TESTS after $((SECONDS - T0)) s"
 
 LEFT=$((460 - (SECONDS - T0)))
+[ "$LEFT" -lt 30 ] && LEFT=30
 echo "== 2/2 smoke (budget $LEFT s)"
 timeout -k 10 $((LEFT + 15)) "$PY" scripts/gpu_smoke.py --budget "$LEFT" --case-timeout 90
 SMOKE=$?
