@@ -24,6 +24,9 @@ from graphtrain.passes.graph_utils import is_symbolic
 def trace_aten_forward(fn: Callable[..., Any], example_inputs: Sequence[Any]) -> fx.GraphModule:
     """Trace `fn(*example_inputs)` (no autograd recorded) into the functional aten forward IR."""
     fake_mode = detect_fake_mode(example_inputs)
+    # differentiated later: an input or a parameter of its own (a graph that holds its weights) requires grad
+    needs_grad = any(isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs) or (
+        isinstance(fn, torch.nn.Module) and any(p.requires_grad for p in fn.parameters()))
     if isinstance(fn, fx.GraphModule):
         # Run the Dynamo graph node by node with node meta preserved, so each aten node keeps the
         # nn_module_stack of the node it came from (recompute=full finds the model's layers by it).
@@ -41,7 +44,7 @@ def trace_aten_forward(fn: Callable[..., Any], example_inputs: Sequence[Any]) ->
         functional, dispatcher = torch.func.functionalize(fn, remove="mutations"), contextlib.nullcontext()
     with fake_mode, torch.no_grad(), fx.traceback.preserve_node_meta(), dispatcher:
         gm = make_fx(functional, tracing_mode="real", pre_dispatch=False)(*inputs)
-    if any(isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs):
+    if needs_grad:
         keep_attention_logsumexp(gm, fake_mode)
     gm.graph.eliminate_dead_code()
     gm.recompile()
