@@ -24,11 +24,10 @@ import sys
 
 import pytest
 
-KNOWN_BUGS = {"strided head dim", "flash with Dv != D", "flash takes mismatched shapes", "low-precision dropout grads",
-              "heads gate and size-1 dims"}
-"""Bugs the fuzzing found, each reproduced by a strict xfail test below (test_known_bug_*): while one is listed here the
-fuzzing steers clear of its inputs. When a fix lands its xfail test passes, which fails it (strict): then delete the
-test's xfail mark and the name here, and the fuzzing covers those inputs again."""
+KNOWN_BUGS: set[str] = set()  # the five found so far are fixed; their tests below now guard the fixes
+"""Bugs the fuzzing found and not yet fixed, each reproduced by a strict xfail test (test_known_bug_*): while one is
+listed here the fuzzing steers clear of its inputs. When a fix lands its xfail test passes, which fails it (strict):
+then delete the test's xfail mark and the name here, and the fuzzing covers those inputs again."""
 
 
 @pytest.mark.parametrize("budget", [pytest.param("default", id="default"),
@@ -72,11 +71,9 @@ def _assert_child_ok(r: subprocess.CompletedProcess) -> None:
     assert r.returncode == 0 and "ok" in r.stdout, f"rc {r.returncode}: {r.stdout[-1000:]}{r.stderr[-2000:]}"
 
 
-@pytest.mark.xfail(strict=True, reason="graphtrain::attention's 'cpu flash' path hands q, k, v to "
-                   "aten._scaled_dot_product_flash_attention_for_cpu as they are; that kernel assumes unit stride in D "
-                   "(F.scaled_dot_product_attention makes it so before calling it) and returns NaN or other wrong, "
-                   "run-to-run varying numbers otherwise")
 def test_known_bug_flash_with_strided_head_dim():
+    """Fixed: the "cpu flash" path handed aten's CPU flash kernel q, k, v with a strided D, which it assumes unit
+    (NaN or run-to-run varying numbers); the op now makes D unit-stride first."""
     _assert_child_ok(_run_child("""
 from graphtrain.kernels.attention import attention_reference
 q, k, v = (torch.randn(1, 64, 13, 2).permute(0, 3, 2, 1) for _ in range(3))  # [1, 2, 13, 64], D strided
@@ -87,32 +84,26 @@ print("ok")
 """))
 
 
-@pytest.mark.xfail(strict=True, reason="_cpu_flash_ok accepts v with another head size than q and k; aten's CPU flash "
-                   "kernel raises 'Q/K/V should have the same head size', and the run-time fallback then turns the "
-                   "flash path off for the rest of the process (policy warn) or fails the step (policy error)")
 def test_known_bug_flash_with_dv_unlike_d(error_policy):  # in process: aten raises before it reads anything
+    """Fixed: _cpu_flash_ok took v with another head size than q and k, which aten's flash kernel refuses (and the
+    fallback then switched the path off); the gate now requires one head size."""
     import torch
     q, k, v = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 4)
     assert torch.ops.graphtrain.attention(q, k, v, None, 0.3, False, 0.0)[0].shape == (1, 2, 3, 4)
 
 
-@pytest.mark.xfail(strict=True, reason="the head-by-head kernel's gate and its C++ check disagree on a size-1 dim: "
-                   "_for_blas makes an input dense with .contiguous(), which keeps a size-1 dim's stride as it was (a "
-                   "[1, 2, 1, 1] v of strides (2, 1, 2, 2)), while the gate evaluates the contract on fresh contiguous "
-                   "strides; attn_heads_fwd then refuses 'unit stride in D' and the fallback switches the path off")
 def test_known_bug_heads_gate_and_size_one_dims(error_policy):  # in process: the C++ check refuses, nothing is read
+    """Fixed: the head-by-head gate judged a canonical contiguous layout while .contiguous() kept a size-1 dim's
+    stride, so the C++ check refused what the gate took; the copy now has canonical strides."""
     import torch
     q, k = torch.randn(1, 4, 1, 3), torch.randn(1, 2, 1, 3)
     v = torch.randn(1, 1, 1, 2).permute(0, 3, 1, 2)  # [1, 2, 1, 1], strides (2, 1, 2, 2)
     assert torch.ops.graphtrain.attention(q, k, v, None, 0.3, False, 0.2)[0].shape == (1, 4, 1, 1)
 
 
-@pytest.mark.xfail(strict=True, reason="graphtrain::attention called directly (torch.ops, or a pass that inserts it) "
-                   "with k/v shapes outside its contract takes the 'cpu flash' path at dropout 0, and aten's CPU flash "
-                   "kernel checks none of them: query heads that k/v's head count does not divide, k and v with "
-                   "different head counts or lengths (v shorter than k: read past v's end) or another batch size "
-                   "return numbers instead of an error; the public attention() refuses them")
 def test_known_bug_flash_takes_mismatched_shapes():
+    """Fixed: graphtrain::attention called directly with k/v shapes outside its contract reached aten's flash kernel,
+    which checks none of them (v shorter than k was read past its end); the op checks its shape contract first."""
     _assert_child_ok(_run_child("""
 q = torch.randn(2, 4, 5, 8)
 cases = {"heads do not divide": (torch.randn(2, 3, 6, 8), torch.randn(2, 3, 6, 8)),
@@ -129,11 +120,9 @@ print("ok")
 """))
 
 
-@pytest.mark.xfail(strict=True, reason="bf16/fp16 attention with dropout (batched matmuls + the C++ softmax pass): "
-                   "dP = dO V^T is rounded to the dtype by the matmul, while delta = rowsum(dO * O) comes from the "
-                   "output, so dS = P (dP - delta) does not cancel where eager's softmax backward does: on a peaked "
-                   "softmax dq and dk are off by ~30x their size, 25x eager's error")
 def test_known_bug_low_precision_dropout_gradients(error_policy):  # in process: wrong digits, no stray reads
+    """Fixed: bf16/fp16 attention with dropout took delta from the output while dP came rounded from its matmul, so
+    dS did not cancel on a peaked softmax (dq, dk ~30x off); the kernel now takes delta from each rounded row."""
     import torch
     from graphtrain.kernels.attention import attention_backward_reference, attention_reference
 

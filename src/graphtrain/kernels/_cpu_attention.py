@@ -59,8 +59,9 @@ PROBS_FWD = register_contract(Contract("attn_probs_fwd", ("s", "mask"), ints=("h
 PROBS_BWD = register_contract(Contract("attn_probs_bwd", ("s", "dp", "mask", "lse", "delta"), ints=("heads",), rules=(
     *PROBS_FWD.rules,
     Rule("dp.is_contiguous() && same_shape(dp, s) && same_dtype(dp, s)", "dp must be shaped and typed as the scores"),
-    Rule("lse.is_contiguous() && f32(lse) && lse.numel() == s.size(0) * s.size(1) && delta.is_contiguous() && "
-         "f32(delta) && delta.numel() == lse.numel()", "lse and delta must be contiguous fp32 [BH, Sq]"),
+    Rule("lse.is_contiguous() && f32(lse) && lse.numel() == s.size(0) * s.size(1) && (delta.numel() == 0 || "
+         "(delta.is_contiguous() && f32(delta) && delta.numel() == lse.numel()))",
+         "lse must be a contiguous fp32 [BH, Sq], delta one too or empty (computed from each row)"),
 )))
 
 ATTENTION_CPP = r"""
@@ -143,6 +144,10 @@ std::vector<torch::Tensor> attn_probs_fwd(torch::Tensor s, torch::Tensor mask, i
 
 // In place, from recomputed scores s and dP' = dO @ V^T: s -> P' (dropped probabilities, for dV),
 // dp -> dS * scale (for dQ = dS K and dK = dS^T Q), with dS = P * (dP' * keep - delta).
+// delta = rowsum(dO * O) (given) or, with an empty delta, rowsum(P' * dP') from the row itself: the same number in
+// exact arithmetic, but bf16/fp16 dP' comes out of its matmul rounded, and only a delta of the same rounded row
+// cancels it where a peaked softmax makes dS small (as eager's softmax backward does). Measured by the fuzzing
+// (tests/test_fuzz_attention.py): with delta from O, bf16 dq and dk were off by ~30x their size on a peaked row.
 void attn_probs_bwd(torch::Tensor s, torch::Tensor dp, torch::Tensor mask, torch::Tensor lse, torch::Tensor delta,
                     int64_t heads, double scale, bool causal, double p, int64_t seed) {
   gt_check_attn_probs_bwd(s, dp, mask, lse, delta, heads);
@@ -152,7 +157,7 @@ void attn_probs_bwd(torch::Tensor s, torch::Tensor dp, torch::Tensor mask, torch
     scalar_t* sp = s.data_ptr<scalar_t>();
     scalar_t* dpp = dp.data_ptr<scalar_t>();
     const float* lp = lse.data_ptr<float>();
-    const float* dl = delta.data_ptr<float>();
+    const float* dl = delta.numel() ? delta.data_ptr<float>() : nullptr;
     const int64_t ms3 = mask.numel() ? mask.stride(3) : 0;
     at::parallel_for(0, BH * sq, std::max<int64_t>(1, 16384 / sk), [&](int64_t r0, int64_t r1) {
       std::vector<float> v(sk), keep(sk), d(sk), out(sk);
@@ -161,13 +166,20 @@ void attn_probs_bwd(torch::Tensor s, torch::Tensor dp, torch::Tensor mask, torch
         scalar_t* drow = dpp + r * sk;
         const int64_t n = causal_len(causal, r % sq, sk);
         attn_row_logits(row, mask_row<scalar_t>(mask, r, heads, sq), ms3, n, (float)scale, v.data());
-        const float lse_r = lp[r], delta_r = dl[r], fs = (float)scale;
+        const float lse_r = lp[r], fs = (float)scale;
         if (drop.on) keep_block((uint64_t)seed, (uint64_t)r * sk, n, drop.thr, drop.scale, keep.data());
         else std::fill(keep.begin(), keep.begin() + n, 1.f);
         const float* df = as_f32(drow, n, d.data());
         _Pragma("omp simd")
+        for (int64_t j = 0; j < n; ++j) v[j] = std::isinf(lse_r) ? 0.f : gt_exp(v[j] - lse_r);
+        float delta_r = dl != nullptr ? dl[r] : 0.f;
+        if (dl == nullptr) {
+          _Pragma("omp simd reduction(+:delta_r)")
+          for (int64_t j = 0; j < n; ++j) delta_r += v[j] * keep[j] * df[j];
+        }
+        _Pragma("omp simd")
         for (int64_t j = 0; j < n; ++j) {
-          const float pr = std::isinf(lse_r) ? 0.f : gt_exp(v[j] - lse_r);
+          const float pr = v[j];
           out[j] = pr * (df[j] * keep[j] - delta_r) * fs;
           v[j] = pr * keep[j];
         }

@@ -423,7 +423,7 @@ _ISA_FLAGS: dict[str, list[str]] = {
 # on GELU's tanh, one thread: 11.1 ms scalar, 1.8 ms vectorized (AVX2 build, 2M elements).
 _FP_FLAGS = ["-fno-trapping-math"]
 
-MODULE_NAME = "graphtrain_cpu_kernels_v18"
+MODULE_NAME = "graphtrain_cpu_kernels_v19"
 """The extension's name (and build folder's) before its ISA level: a new version number for each change of _CPP."""
 
 _lock = threading.Lock()

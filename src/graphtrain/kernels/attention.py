@@ -29,7 +29,7 @@ from torch import Tensor
 
 from graphtrain.kernels import _cpu_ext
 from graphtrain.kernels._cpu_attention import HEADS_BWD, HEADS_FWD, PROBS_BWD, PROBS_FWD
-from graphtrain.kernels.contract import Layout
+from graphtrain.kernels.contract import Contract, Layout, Rule
 from graphtrain.kernels._common import (HAS_TRITON, check_dropout_p, dispatch, dropout_keep_mask,
                                         sharded_dropout_seed, triton, triton_ok)
 from graphtrain.kernels.gemm import matmul
@@ -119,9 +119,37 @@ def _mask4d(mask: Optional[Tensor], q: Tensor, k: Tensor) -> Optional[Tensor]:
     return mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
 
 
+SHAPES = Contract("attention", ("q", "k", "v"), rules=(
+    Rule("q.dim() == 4 && k.dim() == 4 && v.dim() == 4", "q, k and v must be [batch, heads, seq, head_dim]"),
+    Rule("k.size(0) == q.size(0) && v.size(0) == q.size(0)", "q, k and v must have one batch size"),
+    Rule("k.size(1) > 0 && v.size(1) == k.size(1) && q.size(1) % k.size(1) == 0",
+         "k and v must have the same number of heads, which divides q's (grouped-query attention)"),
+    Rule("v.size(2) == k.size(2) && k.size(3) == q.size(3)", "k and v must have one length, and k q's head size"),
+))
+"""The op's own contract, on every path: graphtrain::attention is reached from the public `attention`, from fusion
+passes and from torch.ops directly, and aten's CPU flash kernel checks none of it (a v shorter than k was read past
+its end). Not a C++ entry point's: checked in Python by the op and its fake (`_check_shapes`)."""
+
+
+def _check_shapes(q: Tensor, k: Tensor, v: Tensor) -> None:
+    if any(isinstance(d, torch.SymInt) for t in (q, k, v) for d in (*t.shape, *t.stride())):
+        return  # a fake under dynamic shapes: reading a symbol would specialize the graph; the run-time call checks
+    why = SHAPES.violation(q, k, v)
+    if why is not None:
+        raise ValueError(f"graphtrain::{why}; got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+
+
+def _unit_d(t: Tensor) -> Tensor:
+    """t with unit stride in its last dim: aten's CPU flash kernel assumes it (F.scaled_dot_product_attention makes
+    its inputs so before it calls the kernel); with a strided D it returned NaN or run-to-run varying numbers."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
 def _cpu_flash_ok(q, k, v, mask, p) -> bool:
+    """aten's CPU flash kernel: no dropout, fp32 or bf16, one head size for q, k and v (it raises otherwise)."""
     return (p == 0 and q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16)
-            and k.dtype == q.dtype and v.dtype == q.dtype and (mask is None or mask.dtype == q.dtype))
+            and k.dtype == q.dtype and v.dtype == q.dtype and (mask is None or mask.dtype == q.dtype)
+            and v.shape[-1] == q.shape[-1])
 
 
 def _cpu_cpp_ok(q, k, v, mask, p) -> bool:
@@ -187,7 +215,10 @@ def _blas_layout(t: Tensor) -> Layout:
 
 
 def _for_blas(t: Tensor) -> Tensor:
-    return t if _blas_ready(t) else t.contiguous()
+    """t, or a dense copy of it with canonical strides: `.contiguous()` would return a tensor torch deems contiguous
+    as it is, keeping a size-1 dim's stride (a [1, 2, 1, 1] v of strides (2, 1, 2, 2)), which the kernel's contract
+    refuses; the gate evaluates the contract on the canonical layout (`_blas_layout`)."""
+    return t if _blas_ready(t) else torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
 
 
 def _heads_last(t: Tensor) -> bool:
@@ -247,7 +278,9 @@ def _cpu_bwd(dout, q, k, v, mask, out, lse, scale, is_causal, p, seed):
     qf, kf, vf, dof = _flat(q), _flat(k), _flat(v), _flat(dout)
     s = matmul(qf, kf.transpose(1, 2)).contiguous()
     dp = matmul(dof, vf.transpose(1, 2)).contiguous()
-    delta = (dout.float() * out.float()).sum(-1).reshape(-1, Sq).contiguous()  # rowsum(dO * O) = rowsum(P * dP)
+    # rowsum(dO * O) = rowsum(P * dP); bf16/fp16: the kernel computes it from each rounded row (_cpu_attention.py)
+    delta = ((dout.float() * out.float()).sum(-1).reshape(-1, Sq).contiguous() if q.dtype == torch.float32
+             else q.new_empty(0, dtype=torch.float32))
     _cpu_ext.load().attn_probs_bwd(s, dp, m if m is not None else q.new_empty(0), lse.reshape(-1, Sq).contiguous(),
                                    delta, H, scale, is_causal, p, int(seed.item()))
     dv = matmul(s.transpose(1, 2), dof)  # s now holds the dropped probabilities, dp holds dS * scale
@@ -260,6 +293,7 @@ def _cpu_bwd(dout, q, k, v, mask, out, lse, scale, is_causal, p, seed):
 @torch.library.custom_op("graphtrain::attention", mutates_args=())
 def _attention_op(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: float, is_causal: bool,
                   p: float) -> tuple[Tensor, Tensor, Tensor]:
+    _check_shapes(q, k, v)
     # Salted with the tp rank under tensor parallelism (each rank's heads differ: see _common.py); the op
     # returns the salted seed, so backward regenerates the same mask.
     seed = sharded_dropout_seed()
@@ -272,7 +306,7 @@ def _attention_op(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale
 
     def flash():  # returns a [B, S, H, D]-strided view; made contiguous below
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, is_causal, attn_mask=_mask4d(mask, q, k), scale=scale)[:2]
+            _unit_d(q), _unit_d(k), _unit_d(v), 0.0, is_causal, attn_mask=_mask4d(mask, q, k), scale=scale)[:2]
 
     def heads():
         o = _empty_as(q, v.shape[-1])
@@ -290,6 +324,7 @@ def _attention_op(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale
 
 @_attention_op.register_fake
 def _(q, k, v, mask, scale, is_causal, p):
+    _check_shapes(q, k, v)
     B, H, Sq, _ = q.shape
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     return (_empty_as(q, v.shape[-1]), q.new_empty(B, H, Sq, dtype=lse_dtype), torch.empty(1, dtype=torch.int64))
@@ -299,6 +334,8 @@ def _(q, k, v, mask, scale, is_causal, p):
 def _attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], out: Tensor,
                            lse: Tensor, seed: Tensor, scale: float, is_causal: bool,
                            p: float) -> tuple[Tensor, Tensor, Tensor]:
+    _check_shapes(q, k, v)
+
     def triton_path():
         from graphtrain.kernels._attention_triton import attention_bwd_triton
         groups = _groups(q, k)
@@ -308,7 +345,8 @@ def _attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: 
 
     def flash():
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout.contiguous(), q, k, v, out, lse, 0.0, is_causal, attn_mask=_mask4d(mask, q, k), scale=scale)
+            dout.contiguous(), _unit_d(q), _unit_d(k), _unit_d(v), _unit_d(out), lse, 0.0, is_causal,
+            attn_mask=_mask4d(mask, q, k), scale=scale)
 
     def heads():
         grads = _empty_as(q, q.shape[-1]), _empty_as(k, k.shape[-1]), _empty_as(v, v.shape[-1])
@@ -354,14 +392,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor] = None, sc
     k and v may have fewer heads than q, a divisor of its count (grouped-query or multi-query attention: query head
     h reads key/value head h // (H / Hkv), as SDPA's enable_gqa)."""
     check_dropout_p(dropout_p, "attention")
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError(f"attention: q, k, v must be [batch, heads, seq, head_dim], got {tuple(q.shape)}, "
-                         f"{tuple(k.shape)}, {tuple(v.shape)}")
-    if (k.shape[0] != q.shape[0] or k.shape[1] == 0 or q.shape[1] % k.shape[1] or v.shape[:3] != k.shape[:3]
-            or k.shape[-1] != q.shape[-1]):
-        raise ValueError(f"attention: incompatible shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: "
-                         f"k and v need q's batch and head size, and a number of heads that divides q's "
-                         f"(grouped-query attention)")
+    _check_shapes(q, k, v)
     if mask is not None:
         if mask.requires_grad:
             raise ValueError("attention: a mask that requires grad (learned bias) is not supported; "
