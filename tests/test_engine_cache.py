@@ -187,3 +187,39 @@ def test_inductor_caches_are_keyed_by_graphtrain_sources(tmp_path, monkeypatch):
     # changed sources: compiled again, nothing stale loaded (unchanged ones hit: test_second_process_compiles_...)
     monkeypatch.setattr(cache, "_SOURCE_DIGEST", "graphtrain with another backward formula")
     assert compile_once() == (0, first[1])
+
+
+AUTOCAST_RUN = r"""
+import sys, torch
+import graphtrain  # noqa: F401  (registers the backend)
+from graphtrain.models import build_model
+from graphtrain.config import ModelConfig
+torch.manual_seed(0)
+model = build_model(ModelConfig(name="gpt2-tiny", dropout=0.0))
+ref = build_model(ModelConfig(name="gpt2-tiny", dropout=0.0))
+ref.load_state_dict(model.state_dict())
+x = torch.randint(0, model.spec.vocab_size, (2, 32))
+y = torch.randint(0, model.spec.vocab_size, (2, 32))
+bf16 = sys.argv[1] == "bf16"
+ctx = (lambda: torch.autocast("cpu", torch.bfloat16)) if bf16 else torch.enable_grad
+step = torch.compile(model, backend="graphtrain")
+with ctx():
+    got = step(x, y)
+    want = ref(x, y)
+tol = 2e-2 if bf16 else 1e-5
+assert abs(float(got) - float(want)) <= tol * abs(float(want)), (float(got), float(want))
+print("ok", float(got), float(want))
+"""
+
+
+def test_one_cache_keeps_fp32_and_bf16_autocast_graphs_apart(tmp_path):
+    """The same model through the torch.compile backend, once in fp32 and once under bf16 autocast, in two processes
+    sharing one cache, in both orders: each matches eager under its own precision. The pass-cache key once left the
+    ambient autocast out: the bf16 run after the fp32 one crashed on mixed dtypes, and the fp32 run after the bf16
+    one silently trained the bf16 graph."""
+    for order in (("fp32", "bf16"), ("bf16", "fp32")):
+        env = {**os.environ, "GRAPHTRAIN_CACHE": str(tmp_path / "-".join(order)), "PYTHONWARNINGS": "ignore"}
+        for precision in order:
+            r = subprocess.run([sys.executable, "-c", AUTOCAST_RUN, precision], capture_output=True, text=True,
+                               env=env, timeout=600)
+            assert r.returncode == 0 and "ok" in r.stdout, (order, precision, r.stderr[-3000:])

@@ -114,6 +114,11 @@ def pass_cache_key(gm: "fx.GraphModule", example_inputs: "Sequence[Any]", kinds:
     h.update(f"v{PASS_CACHE_VERSION} torch {torch.__version__} {platform.machine()} "
              f"{torch.backends.cpu.get_cpu_capability()} {source_digest()}\n".encode())
     h.update(_machine_and_passes(config).encode())
+    # the ambient autocast state: Dynamo leaves an autocast entered outside the compiled region out of the graph's
+    # code, and the trace applies it, so one graph's fp32 and bf16-autocast results differ by this alone (a bf16 run
+    # after an fp32 one on one cache crashed on mixed dtypes; the reverse order silently trained the bf16 graph)
+    for device in ("cpu", "cuda"):
+        h.update(f"autocast {device} {torch.is_autocast_enabled(device)} {torch.get_autocast_dtype(device)}\n".encode())
     _digest_graph(h, gm)
     from graphtrain.engine.graph_data import symbolic_inputs
     for x, kind in zip(symbolic_inputs(gm, example_inputs), kinds):  # sizes as Dynamo traced them: s27, not 128
