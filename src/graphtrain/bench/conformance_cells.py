@@ -253,7 +253,7 @@ def _freeze_embedding(model: nn.Module) -> None:
     emb = get() if callable(get) else next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
     if emb is None:
         raise ValueError(f"{type(model).__name__} has no input embedding to freeze")
-    emb.weight.requires_grad_(False)
+    emb.requires_grad_(False)  # every parameter of it (ViT's patch embedding is a convolution with a bias)
 
 
 def _loop(model: nn.Module, call: Callable[..., Any], batch: dict[str, torch.Tensor], steps: int,
