@@ -9,6 +9,7 @@ are fp32 [rows], saved for backward.
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -38,7 +39,7 @@ def layer_norm_reference(x: Tensor, weight: Optional[Tensor], bias: Optional[Ten
 
 def layer_norm_backward_reference(dy, x, weight, mean, rstd):
     n = x.shape[-1]
-    rows = x.shape[:-1].numel()  # not reshape(-1, n): an empty last dim leaves -1 undetermined
+    rows = math.prod(x.shape[:-1])  # not reshape(-1, n): an empty last dim leaves -1 undetermined
     xf, dyf = x.to(_acc(x)).reshape(rows, n), dy.to(_acc(x)).reshape(rows, n)
     xhat = (xf - mean[:, None]) * rstd[:, None]
     g = dyf * weight.to(xf.dtype) if weight is not None else dyf
@@ -148,7 +149,7 @@ def _layer_norm_op(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], 
 
 @_layer_norm_op.register_fake
 def _(x, weight, bias, eps):
-    rows = x.shape[:-1].numel()  # one statistic per row, also for an empty last dim (what the kernels give)
+    rows = math.prod(x.shape[:-1])  # one statistic per row, also for an empty last dim (what the kernels give)
     return dense_empty(x), x.new_empty(rows, dtype=_acc(x)), x.new_empty(rows, dtype=_acc(x))
 
 

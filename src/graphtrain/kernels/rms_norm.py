@@ -6,6 +6,7 @@ Outputs (y, rstd) with rstd fp32 [rows] (fp64 for fp64 inputs), saved for backwa
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -31,7 +32,7 @@ def rms_norm_reference(x: Tensor, weight: Optional[Tensor], eps: float):
 
 def rms_norm_backward_reference(dy, x, weight, rstd):
     n = x.shape[-1]
-    rows = x.shape[:-1].numel()  # not reshape(-1, n): an empty last dim leaves -1 undetermined
+    rows = math.prod(x.shape[:-1])  # not reshape(-1, n): an empty last dim leaves -1 undetermined
     xf, dyf = x.to(_acc(x)).reshape(rows, n), dy.to(_acc(x)).reshape(rows, n)
     xhat = xf * rstd[:, None]
     g = dyf * weight.to(xf.dtype) if weight is not None else dyf
@@ -109,7 +110,7 @@ def _rms_norm_op(x: Tensor, weight: Optional[Tensor], eps: float) -> tuple[Tenso
 
 @_rms_norm_op.register_fake
 def _(x, weight, eps):
-    rows = x.shape[:-1].numel()  # one statistic per row, also for an empty last dim (what the kernels give)
+    rows = math.prod(x.shape[:-1])  # one statistic per row, also for an empty last dim (what the kernels give)
     return dense_empty(x), x.new_empty(rows, dtype=_acc(x))
 
 
