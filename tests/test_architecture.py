@@ -1,4 +1,4 @@
-"""Imports point one way, down the layers, with no cycle (docs/architecture.md, "Layers").
+"""Imports point one way, down the layers, with no cycle (docs/design/architecture.md, "Layers").
 
 Every `import` in every module of the package counts, at module level and inside functions alike: a lazy
 import that dodges a cycle is the cycle all the same. The files are read with `ast`, nothing is imported.
@@ -111,7 +111,7 @@ def _edges() -> list[tuple[str, int, str]]:
 
 def test_every_module_has_a_layer():
     unplaced = sorted(m for m in MODULES if m != FACADE and _layer(m) not in RANK)
-    assert not unplaced, f"place these in LAYERS (and docs/architecture.md): {unplaced}"
+    assert not unplaced, f"place these in LAYERS (and docs/design/architecture.md): {unplaced}"
 
 
 def test_imports_point_down():

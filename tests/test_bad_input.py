@@ -2,7 +2,7 @@
 problem and the fix, no traceback, and the exit status of its kind (cli.py's docstring): 2 usage error (the
 command can never run as given), 1 runtime failure (the job started and failed: diverged, out of memory, disk
 full). Preemption (75) is in test_preemption.py. In process (cli.main) for speed; a few as subprocesses to see
-that nothing but the one line reaches the terminal. docs/reliability.md lists every case with this test name."""
+that nothing but the one line reaches the terminal. docs/design/reliability.md lists every case with this test name."""
 from __future__ import annotations
 
 import errno

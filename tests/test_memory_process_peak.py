@@ -1,5 +1,5 @@
 """The predicted peak resident memory of the whole process (memory/process.py) against the measured VmHWM:
-the figure the README and docs/memory.md quote, not a derived one."""
+the figure the README and docs/design/memory.md quote, not a derived one."""
 from __future__ import annotations
 
 import sys
@@ -34,7 +34,7 @@ def test_predicted_process_peak_matches_measured_vmhwm(model, recompute):
     before that step, less the parameters, optimizer state and batch measured in it, plus the step peak the
     engine predicted when it compiled. glibc's mmap threshold is pinned (freed buffers go back to the OS, as
     graphtrain sets it for recompute and memory budgets): the prediction models no allocator cache, and with
-    glibc's default dynamic threshold a process holds up to ~9% more (docs/memory.md)."""
+    glibc's default dynamic threshold a process holds up to ~9% more (docs/design/memory.md)."""
     from graphtrain.engine.measure import measure
     r = measure(model=model, seq=128, batch=16, mode="accelerate", recompute=recompute, steps=1, warmup=1,
                 pin_malloc=True, timeout=600)

@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCES = ("docs/benchmarks.md", "docs/memory.md", "docs/design/measured.md")
+SOURCES = ("docs/design/benchmarks.md", "docs/design/memory.md", "docs/design/measured.md")
 
 
 def _measured() -> str:

@@ -1,6 +1,6 @@
 """A careful user's surprises (issue #50, item 6), each with the real fault: a real `~`, a run folder inside the data,
 a planted pickle in the pass cache, a symlinked metrics.jsonl, a large file under data.max_bytes, a real SIGTERM
-during data preparation, and the mistakes that used to end in tracebacks. docs/reliability.md lists each case with
+during data preparation, and the mistakes that used to end in tracebacks. docs/design/reliability.md lists each case with
 its test."""
 from __future__ import annotations
 

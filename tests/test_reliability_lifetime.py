@@ -1,5 +1,5 @@
 """Runs that surprise no one (issue #50, items 5 and 6), each with the real fault: a real `graphtrain train` whose
-background compile is looked for in /proc, real signals, real symlinks, real files; docs/reliability.md lists each
+background compile is looked for in /proc, real signals, real symlinks, real files; docs/design/reliability.md lists each
 case with its test.
 
 The runs with a background compile (provider auto on a cold cache) are slow-marked: each is a real training

@@ -1,7 +1,7 @@
 """Runs lose nothing and surprise no one (issue #50), each with a real fault: restarts under torchrun's agent that
 respect a refusal, one run per folder (two real concurrent processes), an export that cannot delete the run, a
 real file-size limit (RLIMIT_FSIZE) during a checkpoint save, and a checksum file copied from another checkpoint.
-docs/reliability.md lists each fault, what the user sees and the test here."""
+docs/design/reliability.md lists each fault, what the user sees and the test here."""
 from __future__ import annotations
 
 import json

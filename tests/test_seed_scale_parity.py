@@ -1,4 +1,4 @@
-"""Parity at the seed models' depth and sequence length (slow): what docs/benchmarks.md's loss@N cannot show.
+"""Parity at the seed models' depth and sequence length (slow): what docs/design/benchmarks.md's loss@N cannot show.
 
 The seed models (GPT-2 Medium, BERT-Large) are 24 layers deep and train at seq 512-1024. These tests keep the
 depth and the sequence length and shrink the width (d_model 256, 4 heads) so a run fits minutes on 2 cores:

@@ -37,7 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     mb.add_argument("--no-maxbatch", dest="maxbatch", action="store_false", help="skip the largest-batch search")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where to run the steps")
     parser.add_argument("--docs", metavar="PATH",
-                        help="afterwards, regenerate this page (e.g. docs/benchmarks.md) from the latest run of each "
+                        help="afterwards, regenerate this page (e.g. docs/design/benchmarks.md) from the latest run of each "
                              "suite in --out; with no SUITE, only regenerate it")
     parser.add_argument("--partial", action="store_true",
                         help="with --docs: also use an interrupted run's cases (<suite>-<time>.partial.json)")

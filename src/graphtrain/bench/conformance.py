@@ -3,7 +3,7 @@ trained a few steps against eager PyTorch (what a cell runs and compares: bench/
 
     graphtrain conformance                                    every row, the four entry points at fp32/aten
     graphtrain conformance --rows gpt2,llama-gqa --cols 'accelerate/*,backend/*'
-    graphtrain conformance --cols all --isolate --markdown docs/conformance.md
+    graphtrain conformance --cols all --isolate --markdown docs/design/conformance.md
     graphtrain conformance --list                             the rows and columns
     graphtrain conformance --bisect llama-gqa:accelerate/bf16/aten   graphtrain.bisect on that cell's model
 

@@ -4,7 +4,7 @@ Single node:   launch(4, ["job.yaml", "parallel.dp=4"])
                ==  torchrun --standalone --nproc-per-node=4 -m graphtrain train job.yaml parallel.dp=4
 (`graphtrain train job.yaml parallel.dp=4 --nproc 4` does exactly this: the CLI takes the YAML
 positionally, then section.key=value overrides and options, and passes them on minus --nproc.)
-Multi-node:    run on every node with the same rendezvous endpoint (see docs/distributed.md):
+Multi-node:    run on every node with the same rendezvous endpoint (see docs/design/distributed.md):
     launch(16, argv, nnodes=4, rdzv_endpoint="node0:29500", rdzv_id="job42")
 
 The agent runs in this process (`torch.distributed.run.run`, what the `torchrun` script calls), so it

@@ -33,7 +33,7 @@ Dropout: every tp rank of a replica shares the default generator's state, so dro
 activations (embeddings, after each row-parallel all-reduce) drops the same elements on every rank.
 Attention dropout runs on each rank's own heads and must not: `LocalHeadsRNG` gives it a stream per
 tp rank in eager mode, and graphtrain::attention salts its seed with the tp rank in compiled graphs
-(kernels/_common.py, `set_sharded_dropout_salt`). docs/distributed.md states the design.
+(kernels/_common.py, `set_sharded_dropout_salt`). docs/design/distributed.md states the design.
 
 The fused qkv is split into q/k/v because a contiguous column shard of [Wq; Wk; Wv] would mix
 q, k and v. `checkpoint.py` re-fuses them (`FUSED_ATTR`) so checkpoints keep the unsharded

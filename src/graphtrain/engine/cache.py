@@ -183,7 +183,7 @@ def _machine_and_passes(config: EngineConfig) -> str:
 # file sets it): a planted file there once ran its code on load. Each file carries an HMAC-SHA256 of its bytes under
 # a key only this user can read (`_user_key`, outside every cache folder); a file whose tag does not verify is never
 # unpickled: it counts as absent, the graph is traced again and the entry rewritten. (Inductor's own caches in the
-# same folder are torch's pickles, which graphtrain does not read: docs/reliability.md.)
+# same folder are torch's pickles, which graphtrain does not read: docs/design/reliability.md.)
 _MAGIC = b"graphtrain-pass-cache-hmac-sha256\n"
 
 

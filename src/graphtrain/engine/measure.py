@@ -8,7 +8,7 @@ whole engine with its default passes, what users run). Method on CPU: build the 
 steps (compile, optimizer state), then ``gc.collect()`` + glibc ``malloc_trim(0)``, note the
 resident set, reset the kernel's high-water mark (``echo 5 > /proc/self/clear_refs``) and run the
 timed steps. ``peak_rss`` is the absolute high-water mark of those steps (the figure the README and
-docs/memory.md quote); ``peak_tensor_bytes`` subtracts what was resident before them but is not a tensor
+docs/design/memory.md quote); ``peak_tensor_bytes`` subtracts what was resident before them but is not a tensor
 (interpreter, libraries, compile caches), i.e. it is the step's peak counted the way ``predict_peak``
 counts it. For ``accelerate`` the engine's prediction is also turned into a predicted process peak
 (``memory.process.predict_process_peak``: the resident set before the timed steps, less the parameters,
@@ -17,7 +17,7 @@ optimizer state and batch measured in it, plus the predicted step peak) and comp
 
 Every mode runs under one allocator setting (``--allocator``, glibc's default unless given), recorded in the JSON
 line as ``allocator``: a comparison of eager with graphtrain measures both under the same one, since the setting
-alone moves a peak by 9-31% (docs/memory.md).
+alone moves a peak by 9-31% (docs/design/memory.md).
 """
 from __future__ import annotations
 

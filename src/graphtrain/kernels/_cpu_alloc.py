@@ -12,7 +12,7 @@ ALLOCATOR_CPP = r"""
 //   the bytes cached never exceed the most ever in use at once (a request that would pass that first evicts
 //   the smallest cached block that makes room, else the largest), counting every block from 128 KiB up (what
 //   release would give back to the OS), so the process peak stays what returning every freed block gives
-//   (docs/memory.md).
+//   (docs/design/memory.md).
 // - priming (a warm start's first step): a background thread faults in, ahead of time, blocks of the sizes a
 //   recorded first step asked for (its gradients and optimizer state), while the main thread is still tracing;
 //   the step then finds them ready. A primed block asked for once stays with this allocator (back to the idle
@@ -20,7 +20,7 @@ ALLOCATOR_CPP = r"""
 //   not from the priming thread's, and fault it in again. Primed blocks never asked for are given back when
 //   the first step is settled (block_cache_settle).
 // Written by hand: c10's CPU allocator has no caching (its CUDA one does), and glibc's heap, which does keep
-// freed blocks, fragments (docs/memory.md) and has no such bound. Every block is freed the same way (profiler
+// freed blocks, fragments (docs/design/memory.md) and has no such bound. Every block is freed the same way (profiler
 // report, then free), so either deleter frees either block.
 #include <c10/core/CPUAllocator.h>
 #include <pthread.h>
@@ -210,7 +210,7 @@ void gt_prime_run(std::vector<size_t> sizes, bool huge, bool follow) {
     if (huge) madvise(p, r, MADV_HUGEPAGE);
     // A write per page (a read would map the shared zero page). Not MADV_POPULATE_WRITE: faster alone (3.0 against
     // 1.5-1.8 GB/s with 4 KiB pages on a 2-core Zen 4 VM), it slowed the main thread's trace beside it so much that
-    // the first step took longer than without priming (docs/first-step.md).
+    // the first step took longer than without priming (docs/design/first-step.md).
     volatile char* c = static_cast<volatile char*>(p);
     for (size_t off = 0; off < r; off += kPage) c[off] = 0;
     std::lock_guard<std::mutex> g(gt_blocks.mu);

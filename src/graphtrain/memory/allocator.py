@@ -39,7 +39,7 @@ ever in use at once: a request that would pass it evicts kept blocks first. Bloc
 (release would give them back too): counting only the cached sizes let the backward's smaller blocks (gradients of
 small weights) come on top of the kept ones, 9 MiB over release's peak on gpt2-mini. A step's requests repeat
 every step, so most are served from the cache; the ones that are not are the sizes the backward frees in place of
-the forward's (ViT, batch 32, ``full``: 176 hits and 58 misses a step). Measured in docs/memory.md ("The block
+the forward's (ViT, batch 32, ``full``: 176 hits and 58 misses a step). Measured in docs/design/memory.md ("The block
 cache under release").
 """
 from __future__ import annotations

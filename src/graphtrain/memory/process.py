@@ -1,10 +1,10 @@
 """The process's peak resident memory over a training step: a measured baseline plus the predicted step.
 
 ``predict_peak`` predicts the step's *tensors* at their peak (trained parameters, gradients, optimizer
-state, batch, activations, temporaries). What a user sees, and what the README and ``docs/memory.md``
+state, batch, activations, temporaries). What a user sees, and what the README and ``docs/design/memory.md``
 quote, is the whole process's peak resident set (Linux ``VmHWM``): the step's tensors on top of the
 interpreter, torch and its libraries (365 MiB resident once torch and graphtrain are imported, on the
-2-core AVX2 EPYC of docs/memory.md), the compiled graphs and Dynamo's caches, frozen parameters, buffers
+2-core AVX2 EPYC of docs/design/memory.md), the compiled graphs and Dynamo's caches, frozen parameters, buffers
 and the allocator's overhead. None of that is predicted, so it is measured, once, right before the
 step::
 

@@ -162,7 +162,7 @@ class SingleProcessStep:
 
 
 class WholeStepGraph(SingleProcessStep):
-    """train.whole_step: the whole optimizer step compiled (graphtrain.compile_step, docs/architecture.md section
+    """train.whole_step: the whole optimizer step compiled (graphtrain.compile_step, docs/design/architecture.md section
     10): a model with repeated blocks through its own graphs compiled block by block (the model compiled in place,
     so its evaluations go through the engine too) and one update graph; otherwise one graph of the whole step (the
     model itself then evaluated eagerly). The step holds the AdamW moments, step counts and loss-scale state, so it
@@ -205,7 +205,7 @@ class DistributedStep:
         # first stage of replica 0 keeps a single process's stream. Tensor-parallel ranks of one stage share
         # theirs: dropout on replicated activations (after a row-parallel all-reduce) must drop the same
         # elements on every tp rank. Attention dropout, on each rank's own heads, salts that shared stream with
-        # the tp rank (docs/distributed.md, "Dropout under tensor parallelism").
+        # the tp rank (docs/design/distributed.md, "Dropout under tensor parallelism").
         if env.dp_rank or env.pp_rank:
             runtime.seed_everything(runtime.rank_seed(config.train.seed, env.dp_rank, env.pp_rank))
         self._capture_checked = False
