@@ -142,9 +142,9 @@ def close(actual: torch.Tensor | None, expected: torch.Tensor | None, dtype: tor
     """`actual` (the fused op's, in `dtype`) against `expected` (the fp64 reference's): NaN exactly where the
     reference has NaN, and the other values within the table's tolerance, or, where that strict comparison fails, no
     further from the reference than eager PyTorch's own result in `dtype` (`eager`) is, up to 2x for a different
-    summation order (the parity rule of docs/design/kernels-testing.md: an ill-conditioned input, such as a LayerNorm row
-    whose spread is tiny against its mean, costs the fused op and eager the same digits). `scale` multiplies the
-    absolute tolerance: the magnitude of the terms a result sums, where it cancels to about 0."""
+    summation order (the parity rule of docs/design/kernels-testing.md: an ill-conditioned input, such as a
+    LayerNorm row whose spread is tiny against its mean, costs the fused op and eager the same digits). `scale`
+    multiplies the absolute tolerance: the magnitude of the terms a result sums, where it cancels to about 0."""
     assert (actual is None) == (expected is None), f"{name}: {actual is None=} but {expected is None=}"
     if actual is None:
         return
