@@ -128,3 +128,16 @@ def test_bisect_names_what_takes_a_cell_out_of_tolerance(capsys):
     assert cli.main(["conformance", "--bisect", "_wrong:accelerate/fp32/aten", "--steps", "1"]) == 1
     out = capsys.readouterr().out
     assert "CULPRIT: row 0, the engine without any pass" in out, out
+
+
+def test_the_commands_parser_does_not_import_the_cells():
+    """Every `graphtrain` command builds this verb's parser: it must not import torch (`graphtrain --help` took 2.8 s
+    when it did); its --steps default is the cells' own."""
+    import subprocess
+    import sys
+
+    from graphtrain.bench import conformance, conformance_cells
+    assert conformance.DEFAULT_STEPS == conformance_cells.STEPS
+    code = "import sys, graphtrain.cli; print('torch' in sys.modules)"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.stdout.strip() == "False", r.stdout + r.stderr[-2000:]

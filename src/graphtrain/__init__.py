@@ -14,8 +14,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from graphtrain import compat as _compat  # noqa: F401  first: an unsupported torch stops here, naming the range
-from graphtrain.config import Config, DataConfig, EngineConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
+from graphtrain.torch_range import check_installed_torch
+
+check_installed_torch()  # first: an unsupported torch stops here, naming the range (without importing torch)
+
+from graphtrain.config import (Config, DataConfig, EngineConfig, ModelConfig, OptimConfig,  # noqa: E402
+                               ParallelConfig, TrainConfig)
 
 __version__ = "0.1.0"
 

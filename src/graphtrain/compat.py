@@ -10,37 +10,15 @@ release means reading one file. Each shim names the versions on both sides of th
 """
 from __future__ import annotations
 
-import re
-import warnings
 from typing import Any, Callable
 
 import torch
 
-MIN_TORCH = (2, 11)
-NEWEST_TESTED = (2, 14)
-SUPPORTED = f"torch {MIN_TORCH[0]}.{MIN_TORCH[1]} to {NEWEST_TESTED[0]}.{NEWEST_TESTED[1]}"
+# the range itself lives in torch_range.py, which `import graphtrain` reads without importing torch; named here too
+from graphtrain.torch_range import (MIN_TORCH, NEWEST_TESTED, SUPPORTED, check_torch_version,  # noqa: F401
+                                    parse_version)
 
-
-def parse_version(version: str) -> tuple[int, int]:
-    """(major, minor) of a torch version string: '2.11.0+cu130' -> (2, 11)."""
-    m = re.match(r"(\d+)\.(\d+)", version)
-    if m is None:
-        raise ImportError(f"graphtrain: cannot read the torch version {version!r}; graphtrain supports {SUPPORTED}")
-    return int(m.group(1)), int(m.group(2))
-
-
-def check_torch_version(version: str) -> None:
-    """Raise ImportError for a torch older than MIN_TORCH; warn for one newer than NEWEST_TESTED."""
-    found = parse_version(version)
-    if found < MIN_TORCH:
-        raise ImportError(f"graphtrain supports {SUPPORTED}, found torch {version}: "
-                          f"install a supported one (pip install 'torch>={MIN_TORCH[0]}.{MIN_TORCH[1]}')")
-    if found > NEWEST_TESTED:
-        warnings.warn(f"graphtrain is tested with {SUPPORTED}; torch {version} is newer: it should work, and a "
-                      f"failure naming a torch private API belongs in graphtrain/compat.py", stacklevel=3)
-
-
-check_torch_version(torch.__version__)
+check_torch_version(torch.__version__)  # a torch imported some other way than its installed distribution
 
 
 # --- symbolic sizes -----------------------------------------------------------------------------------------------

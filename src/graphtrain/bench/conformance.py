@@ -31,7 +31,20 @@ import sys
 import time
 from pathlib import Path
 
-from graphtrain.bench.conformance_cells import COLUMNS, ROWS, STEPS, Column, Result, parse_column, run_cell
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from graphtrain.bench.conformance_cells import Column, Result
+
+DEFAULT_STEPS = 3
+"""--steps' default: conformance_cells.STEPS (tests/test_conformance.py holds them equal)."""
+
+
+def _cells():
+    """bench/conformance_cells.py, imported on first use: it imports torch and transformers (seconds), and every
+    `graphtrain` command, `--help` too, builds this verb's parser."""
+    from graphtrain.bench import conformance_cells
+    return conformance_cells
 
 DEFAULT_COLS = "*/fp32/aten"
 MARK = "conformance-result: "
@@ -55,18 +68,20 @@ def select(rows: str | None, cols: str | None) -> tuple[list[str], list[Column]]
     """The rows and columns named by --rows/--cols: names or shell patterns, comma-separated; `all`: every one in
     the matrix. A test-only row is taken only by its full name; a column outside the matrix's list may be named in
     full (``trainer/bf16/auto/recompute/frozen-emb``)."""
-    visible = [n for n, r in ROWS.items() if not r.hidden]
+    all_rows = _cells().ROWS
+    visible = [n for n, r in all_rows.items() if not r.hidden]
     row_names: list[str] = []
     for part in _parts("*" if rows in (None, "all") else rows):
-        row_names += [n for n in ([part] if part in ROWS else _matches(part, visible, "rows")) if n not in row_names]
+        found_rows = [part] if part in all_rows else _matches(part, visible, "rows")
+        row_names += [n for n in found_rows if n not in row_names]
     columns: list[Column] = []
     for part in _parts({None: DEFAULT_COLS, "all": "*"}.get(cols, cols)):
-        if part in COLUMNS:
-            found = [COLUMNS[part]]
+        if part in _cells().COLUMNS:
+            found = [_cells().COLUMNS[part]]
         elif "*" in part or "?" in part or "[" in part:
-            found = [COLUMNS[n] for n in _matches(part, list(COLUMNS), "cols")]
+            found = [_cells().COLUMNS[n] for n in _matches(part, list(_cells().COLUMNS), "cols")]
         else:
-            found = [parse_column(part)]
+            found = [_cells().parse_column(part)]
         columns += [c for c in found if c not in columns]
     if not row_names or not columns:
         raise ValueError("--rows and --cols must name at least one row and one column")
@@ -83,11 +98,11 @@ def run_isolated(row: str, col: Column, steps: int, timeout: float) -> Result:
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
-        return Result(row, col.name, "fail", f"timeout: no result after {timeout:.0f} s (child killed)",
+        return _cells().Result(row, col.name, "fail", f"timeout: no result after {timeout:.0f} s (child killed)",
                       seconds=time.perf_counter() - t0)
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith(MARK):
-            return Result.from_json(line[len(MARK):])
+            return _cells().Result.from_json(line[len(MARK):])
     if proc.returncode < 0:
         try:
             name = signal.Signals(-proc.returncode).name
@@ -97,16 +112,16 @@ def run_isolated(row: str, col: Column, steps: int, timeout: float) -> Result:
     else:
         why = f"child exited with status {proc.returncode} without a result"
     tail = [ln for ln in proc.stderr.splitlines() if ln.strip()][-1:]
-    return Result(row, col.name, "fail", why + (f" (last stderr line: {tail[0][:200]})" if tail else ""),
+    return _cells().Result(row, col.name, "fail", why + (f" (last stderr line: {tail[0][:200]})" if tail else ""),
                   seconds=time.perf_counter() - t0)
 
 
-def run_matrix(rows: list[str], cols: list[Column], *, steps: int = STEPS, isolate: bool = False,
+def run_matrix(rows: list[str], cols: list[Column], *, steps: int = DEFAULT_STEPS, isolate: bool = False,
                timeout: float = 900.0, progress: bool = True) -> list[Result]:
     results = []
     for r in rows:
         for c in cols:
-            res = run_isolated(r, c, steps, timeout) if isolate else run_cell(ROWS[r], c, steps)
+            res = run_isolated(r, c, steps, timeout) if isolate else _cells().run_cell(_cells().ROWS[r], c, steps)
             results.append(res)
             if progress:
                 diff = "" if res.max_loss_diff is None else f"loss diff {res.max_loss_diff:.1e}  "
@@ -188,7 +203,7 @@ def markdown(results: list[Result], rows: list[str], cols: list[Column], command
             f"same command. What a cell runs and compares: `src/graphtrain/bench/conformance_cells.py`.", "",
             f"- commit: {m['commit']}", f"- machine: {m['cpu']}; torch CPU capability {m['isa']}",
             f"- torch {m['torch']}, transformers {m['transformers']}", "",
-            "Rows: " + "; ".join(f"`{r}` {ROWS[r].what}" for r in rows) + ".", "", ""]
+            "Rows: " + "; ".join(f"`{r}` {_cells().ROWS[r].what}" for r in rows) + ".", "", ""]
     return "\n".join(head) + table(results, rows, cols, markdown=True) + "\n"
 
 
@@ -199,7 +214,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "see --list)")
     p.add_argument("--cols", metavar="NAMES", help=f"comma-separated columns ENTRY/PRECISION/PROVIDER[/recompute]"
                    f"[/frozen-emb] or patterns, `all` for the whole matrix (default: {DEFAULT_COLS!r})")
-    p.add_argument("--steps", type=int, default=STEPS, help=f"training steps per cell (default {STEPS})")
+    p.add_argument("--steps", type=int, default=DEFAULT_STEPS,
+                   help=f"training steps per cell (default {DEFAULT_STEPS})")
     p.add_argument("--isolate", action="store_true", help="run each cell in a child process: a crash is a failed "
                    "cell named by its signal")
     p.add_argument("--timeout", type=float, default=900.0, metavar="S",
@@ -212,9 +228,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _cell(spec: str) -> tuple[str, Column]:
     row, sep, col = spec.partition(":")
-    if not sep or row not in ROWS:
-        raise ValueError(f"cell {spec!r} must be ROW:COLUMN with ROW one of {', '.join(ROWS)}")
-    return row, COLUMNS.get(col) or parse_column(col)
+    if not sep or row not in _cells().ROWS:
+        raise ValueError(f"cell {spec!r} must be ROW:COLUMN with ROW one of {', '.join(_cells().ROWS)}")
+    return row, _cells().COLUMNS.get(col) or _cells().parse_column(col)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -222,11 +238,11 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--steps must be >= 1, got {args.steps}")
     if args.cell:
         row, col = _cell(args.cell)
-        print(MARK + run_cell(ROWS[row], col, args.steps).to_json(), flush=True)
+        print(MARK + _cells().run_cell(_cells().ROWS[row], col, args.steps).to_json(), flush=True)
         return 0
     if args.list:
-        print("rows:\n" + "\n".join(f"  {n:<12} {r.what}" for n, r in ROWS.items()))
-        print("columns (--cols all):\n" + "\n".join(f"  {c}" for c in COLUMNS))
+        print("rows:\n" + "\n".join(f"  {n:<12} {r.what}" for n, r in _cells().ROWS.items()))
+        print("columns (--cols all):\n" + "\n".join(f"  {c}" for c in _cells().COLUMNS))
         return 0
     if args.bisect:
         return _bisect(*_cell(args.bisect), steps=args.steps)
@@ -250,11 +266,11 @@ def _bisect(row: str, col: Column, steps: int) -> int:
     from graphtrain.bench.conformance_cells import _freeze_embedding
 
     def factory():
-        model, _ = ROWS[row].build()
+        model, _ = _cells().ROWS[row].build()
         if col.frozen:
             _freeze_embedding(model)
         return model
-    _, batch = ROWS[row].build()
+    _, batch = _cells().ROWS[row].build()
     engine = {k: v for k, v in col.engine().items() if k in ("recompute", "memory_budget")}
     if col.entry != "accelerate":
         print(f"note: bisect trains through accelerate; this cell's entry point is {col.entry}", file=sys.stderr)

@@ -48,6 +48,7 @@ ENTRIES = ("accelerate", "backend", "compile_step", "trainer")
 PRECISIONS = ("fp32", "bf16")
 PROVIDERS = ("aten", "inductor", "auto")
 STEPS = 3
+"""Training steps per cell (bench/conformance.py's --steps default)."""
 OPTIM = OptimConfig(lr=1e-3, grad_clip=None, schedule="constant", warmup_steps=0)
 _DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # bf16's table (2e-2 absolute) alone would pass most gradients of a tiny model whatever they held, so each bf16
