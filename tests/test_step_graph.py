@@ -241,3 +241,34 @@ def test_a_second_compile_of_the_same_step_loads_it_from_inductors_cache(tmp_pat
         assert counters["inductor"]["fxgraph_cache_bypass"] == before[1]
     assert counters["inductor"]["fxgraph_cache_hit"] > before[0]  # the second compile found the first's
     assert seen[0] == seen[1]
+
+
+def test_a_step_that_cannot_be_traced_whole_runs_uncompiled_and_says_why(recwarn):
+    """HF BART reads a tensor's value in its mask helpers: the whole step cannot be traced on fake tensors
+    (DataDependentOutputException). compile_step then runs the same step op by op, matching eager AdamW, with the
+    fallback named in the report and one warning; under fallback=error it is one GraphtrainCaptureError line."""
+    pytest.importorskip("transformers")
+    from graphtrain.bench.families import build_family
+    from graphtrain.engine.fallback import GraphtrainCaptureError
+    torch.manual_seed(0)
+    model, batch = build_family("bart", hidden=32, layers=1, vocab=101, batch=2, seq=16, dropout=False)
+    ref = copy.deepcopy(model)
+    cfg = Config(optim=OptimConfig(lr=1e-3, grad_clip=1.0))
+    step = graphtrain.compile_step(model, cfg, fallback="warn")
+    opt = build_optimizer(ref, cfg.optim)
+    for _ in range(2):
+        got = step(**batch)
+        loss = ref(**batch).loss
+        loss.backward()
+        optimizer_step(opt, ref.parameters(), grad_clip=cfg.optim.grad_clip)
+        opt.zero_grad(set_to_none=True)
+        assert_close(got["loss"], loss.detach(), name="loss")
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert_close(p, q, name=f"weight {n}", atol=1e-6, rtol=1e-5)
+    assert step.provider == "eager"
+    (part, reason), = graphtrain.report(model).fallbacks
+    assert "step graph" in part and "DataDependentOutputException" in reason
+    assert sum("runs uncompiled" in str(w.message) for w in recwarn) == 1
+    strict = graphtrain.compile_step(copy.deepcopy(ref), cfg, fallback="error")
+    with pytest.raises(GraphtrainCaptureError, match="DataDependentOutputException"):
+        strict(**batch)

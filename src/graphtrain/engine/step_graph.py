@@ -55,7 +55,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from graphtrain.config import Config, EngineConfig, OptimConfig
 from graphtrain.engine.api import compile_in_place, new_state
 from graphtrain.engine.blocks import splits_into_blocks
-from graphtrain.engine.fallback import apply_policy
+from graphtrain.engine.fallback import GraphtrainCaptureError, apply_policy, report_fallback
 from graphtrain.engine.functional import loss_of, module_as_function
 from graphtrain.engine.pipeline import compile_with_fallback, new_record, run_passes, trace
 from graphtrain.engine.providers import resolve_runtime
@@ -197,6 +197,37 @@ class CompiledStep:
         rec = new_record("step", f"compile_step({type(self.model).__name__})", example, kinds, self.state,
                          frame_compile=sum(g.name == "step" for g in self.state.graphs), precision=cfg.precision)
         fn, _, _ = module_as_function(self.model, input_names=names, loss=True)
+        try:
+            graph, fake_args = self._trace_step(fn, example, kinds, inputs, cfg, rec, provider)
+        except GraphtrainCaptureError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the step runs, uncompiled, and says why (or raises under error)
+            # A forward that reads a tensor's value (Hugging Face's mask helpers on BART, GPT-2 under recompute)
+            # cannot be traced whole on fake tensors (DataDependentOutputException); accelerate's Dynamo capture
+            # breaks the graph there, a whole-step graph cannot. The same step runs op by op on the real tensors:
+            # the model, autograd and the AdamW update, nothing skipped.
+            what = "runs uncompiled (the model, autograd and AdamW op by op" + (
+                ", in fp32)" if cfg.precision != "fp32" else ")")  # precision is one of the passes it skips
+            report_fallback(f"the step graph of {rec.name} ({rec.frame})", f"{type(e).__name__}: {str(e)[:300]}",
+                            cfg, what=what, sink=self.state.fallbacks)
+            self._compiled, self._provider = self._step_fn(fn, len(inputs), fused_kernel=True), "eager"
+            rec.provider, self._batch_names, self.graph = "eager", names, None
+            rec.compile_seconds = time.perf_counter() - t0
+            self.compile_seconds += rec.compile_seconds
+            return
+        self._compiled, self._provider = compile_with_fallback(
+            ["inductor", "aten"] if provider == "inductor" else ["aten"], lambda p: self._compile(graph, fake_args, p),
+            part=f"{rec.name} ({rec.frame})", config=cfg, state=self.state)
+        rec.provider = self._provider
+        self._batch_names = names
+        self.graph = graph
+        rec.compile_seconds = time.perf_counter() - t0
+        self.compile_seconds += rec.compile_seconds
+
+    def _trace_step(self, fn: Any, example: list[Tensor], kinds: list[str], inputs: list[Tensor], cfg: EngineConfig,
+                    rec: Any, provider: str) -> tuple[torch.fx.GraphModule, list[Tensor]]:
+        """The whole step as one graph: the forward traced and optimized by the pre-autodiff passes, then forward,
+        autograd and the update traced together on fake tensors. Returns the graph and its fake arguments."""
         fwd = trace(fn, example, rec)
         n_records = len(self.state.passes)
         fwd = run_passes(fwd, "pre_autodiff", cfg, self.state, rec, example_inputs=example, input_kinds=kinds)
@@ -208,8 +239,8 @@ class CompiledStep:
         args = self._args(inputs)
         # Fake tensors: tracing must not run the update on the real weights. Non-fake inputs are allowed
         # because the forward graph may hold constant tensors (folded masks) as attributes.
-        # Inductor compiles from these fake inputs too: their shape environment (static shapes all the same) is what its
-        # FX-graph cache keys a graph's guards on. Compiled from the real inputs it bypassed the cache ("No shape
+        # Inductor compiles from these fake inputs too: their shape environment (static shapes all the same) is what
+        # its FX-graph cache keys a graph's guards on. Compiled from the real inputs it bypassed the cache ("No shape
         # env"), and every process compiled the step anew (HF GPT-2, 4 layers, width 256: a second process's first
         # step took 22 s against 38 s cold, 2-core Zen 4). The aten graph goes without: its fused AdamW kernel has no
         # fake implementation, which a fake mode runs (on meta tensors) only without a shape environment.
@@ -217,15 +248,7 @@ class CompiledStep:
                                    shape_env=ShapeEnv() if provider == "inductor" else None)
         fake_args = [fake_mode.from_tensor(a) for a in args]
         with fake_mode:
-            graph = make_fx(step_fn, tracing_mode="real")(*fake_args)
-        self._compiled, self._provider = compile_with_fallback(
-            ["inductor", "aten"] if provider == "inductor" else ["aten"], lambda p: self._compile(graph, fake_args, p),
-            part=f"{rec.name} ({rec.frame})", config=cfg, state=self.state)
-        rec.provider = self._provider
-        self._batch_names = names
-        self.graph = graph
-        rec.compile_seconds = time.perf_counter() - t0
-        self.compile_seconds += rec.compile_seconds
+            return make_fx(step_fn, tracing_mode="real")(*fake_args), fake_args
 
     def _args(self, inputs: list[Tensor]) -> list[Tensor]:
         return [*self._tensors, *inputs, *self.exp_avg, *self.exp_avg_sq, *self.state_steps, self.lr, self.max_loss,
