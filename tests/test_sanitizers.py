@@ -59,7 +59,7 @@ def _reports(text: str, logs: str) -> list[str]:
     return [ln for ln in text.splitlines() if REPORT.search(ln)]
 
 
-@pytest.mark.timeout(5400)  # ASan slows the run ~2-3x; ~12 min alone on the 2-core Zen 4
+@pytest.mark.timeout(5400)  # ASan slows the run ~2-3x; ~12 min alone on the 2-core Zen 5 EPYC
 def test_kernel_tests_and_fuzzing_run_clean_under_asan_and_ubsan(tmp_path):
     logs = str(tmp_path)
     env = _sanitized_env(logs)
