@@ -80,14 +80,16 @@ def test_user_name_reads_dynamo_placeholders():
     assert user_name("l_x_") == "l_x_" and user_name("primals_1") == "primals_1"
 
 
-def test_fallbacks_are_in_the_summary_with_why(monkeypatch):
+def test_fallbacks_are_in_the_summary_with_why():
     """A real fallback (Dynamo's recompile limit reached: new shapes run eagerly) is counted and explained first."""
     import torch._dynamo
     torch._dynamo.reset()  # the limit counts every compile of the engine's call frame in this process
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
-    accelerated = graphtrain.accelerate(nn.Linear(4, 4), provider="aten")
-    for n in (2, 3, 5):
-        accelerated(torch.randn(n, 4)).sum().backward()
+    # torch's config patch, not pytest's monkeypatch: monkeypatch's undo deleted the key from Dynamo's config
+    # module, and every later test in the process failed on "recompile_limit does not exist"
+    with torch._dynamo.config.patch(recompile_limit=1):
+        accelerated = graphtrain.accelerate(nn.Linear(4, 4), provider="aten")
+        for n in (2, 3, 5):
+            accelerated(torch.randn(n, 4)).sum().backward()
     rep = graphtrain.report(accelerated)
     head = str(rep).split("\ndetails:")[0].splitlines()
     assert len(rep.fallbacks) >= 1
