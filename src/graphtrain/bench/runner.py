@@ -21,6 +21,8 @@ from typing import Any, Callable
 
 from graphtrain.bench.suites import Case, Suite, Variant
 from graphtrain.bench.worker import SETUP_TIMEOUT_S, STEP_TIMEOUT_S, WorkerProc
+from graphtrain.trainer.runinfo import cpu_name
+
 
 def _failed(reply: dict[str, Any]) -> dict[str, Any]:
     if "skipped" in reply:
@@ -127,7 +129,7 @@ def environment(device: str) -> dict[str, Any]:
     c = capability.cpu()
     env: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
                            "graphtrain": graphtrain.__version__, "platform": platform.platform(),
-                           "cpu": _cpu_model(), "cores": os.cpu_count(), "device": device,
+                           "cpu": cpu_name(), "cores": os.cpu_count(), "device": device,
                            "cpu_flags": _cpu_flags(), "cpu_family_model": _cpu_family_model(),
                            "isa": c.isa, "torch_isa": c.torch_isa, "git_sha": _git("rev-parse", "HEAD"),
                            "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
@@ -151,16 +153,6 @@ def _loadavg() -> list[float] | None:
         return [round(x, 2) for x in os.getloadavg()]
     except OSError:
         return None
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def _cpu_family_model() -> str | None:

@@ -45,7 +45,9 @@ def _git(folder: Path) -> str | None:
         return None
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
+    """/proc/cpuinfo's model name (the platform's processor or machine elsewhere): what run.json and the bench
+    record as the machine."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -83,7 +85,7 @@ def start_session(out_dir: Path, config: Any, device: torch.device, world_size: 
     session = {
         "started": datetime.datetime.fromtimestamp(now, datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "started_unix": now, "finished_unix": None, "resumed_at_step": resumed_at, "steps_done": None,
-        "host": platform.node(), "cpu": _cpu_name(), "gpu": gpu, "device": str(device),
+        "host": platform.node(), "cpu": cpu_name(), "gpu": gpu, "device": str(device),
         "threads": torch.get_num_threads(), "world_size": world_size, "accelerate": bool(config.train.accelerate),
         "provider": config.engine.provider if config.train.accelerate else "eager", "providers_used": None,
         "precision": config.engine.precision, "commit": _git(Path.cwd()),
