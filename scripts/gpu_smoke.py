@@ -79,12 +79,19 @@ def _adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
 
 
 def _eager(model: torch.nn.Module, batch: dict, steps: int, precision: str) -> tuple[list[float], list[float]]:
+    return _loop(model, model, batch, steps, autocast=precision == "bf16")
+
+
+def _loop(call: Any, model: torch.nn.Module, batch: dict, steps: int,
+          autocast: bool) -> tuple[list[float], list[float]]:
+    """`steps` training steps of `call` (the model, or its compiled form) with AdamW on `model`'s parameters:
+    the losses and the step times."""
     opt = _adamw(model)
     losses, times = [], []
     for _ in range(steps):
         t0 = time.perf_counter()
-        with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=precision == "bf16"):
-            loss = model(**batch).loss
+        with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=autocast):
+            loss = call(**batch).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -114,19 +121,7 @@ def _graphtrain(entry: str, model: torch.nn.Module, batch: dict, steps: int,
         compiled = graphtrain.accelerate(model, precision=precision)
     else:  # the torch.compile backend: precision as autocast, as a user of torch.compile writes it
         compiled = torch.compile(model, backend="graphtrain")
-    opt = _adamw(model)
-    losses, times = [], []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=precision == "bf16" and entry == "torch.compile"):
-            loss = compiled(**batch).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        _sync()
-        times.append(time.perf_counter() - t0)
-        losses.append(loss.item())
-    return losses, times
+    return _loop(compiled, model, batch, steps, autocast=precision == "bf16" and entry == "torch.compile")
 
 
 def run_case(make: Callable[[], tuple[torch.nn.Module, dict]], entry: str, precision: str,
