@@ -43,8 +43,9 @@ from graphtrain.bench import conformance
 from graphtrain.cli_jobs import (BISECT_EPILOG, add_bisect_arguments, add_config_items, add_precompile_arguments,
                                  add_report_arguments, load_config, run_bisect, run_precompile, run_report)
 from graphtrain.config import Config, describe_all
+from graphtrain.early_preempt import EXIT_PREEMPTED, before_first_step
 
-EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_PREEMPTED, EXIT_INTERRUPTED = 0, 1, 2, 75, 130
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 
 class Subcommand(NamedTuple):
@@ -209,6 +210,16 @@ def _lock_out_dir(out_dir: str) -> None:
 
 
 def run_train(args: argparse.Namespace) -> int:
+    """`graphtrain train`. SIGTERM from its first line until fit() begins (torch imported, data prepared, model
+    built) exits 75 saying nothing was lost (early_preempt); fit()'s PreemptionGuard takes over from there."""
+    with before_first_step():
+        then = _prepare_train(args)
+    return then if isinstance(then, int) else then()
+
+
+def _prepare_train(args: argparse.Namespace) -> int | Callable[[], int]:
+    """run_train up to fit(): an exit status (a refusal), or what runs next (fit, or launching the workers: the
+    elastic agent handles SIGTERM itself) returning the command's exit status."""
     from graphtrain.distributed import launch
     if launch.refused_earlier() is not None:  # a restart after a refusal: the command still cannot run
         if os.environ.get("RANK", "0") == "0":
@@ -247,7 +258,7 @@ def run_train(args: argparse.Namespace) -> int:
             check_supported(config)  # here, once, rather than as an error line from every worker
             _check_out_dir(config.train.out_dir)
             _lock_out_dir(config.train.out_dir)
-            return _launch(nproc, args, config)
+            return lambda: _launch(nproc, args, config)
     _check_out_dir(config.train.out_dir)
     _lock_out_dir(config.train.out_dir)
     launch.record_checkpoints(config.train.out_dir)  # under torchrun: what a restart must not mistake for its own
@@ -259,6 +270,10 @@ def run_train(args: argparse.Namespace) -> int:
     prune = pruning_callback()  # a trial of `graphtrain sweep` (its environment says so): report, maybe stop early
     if prune is not None:
         trainer.eval_callbacks.append(prune)
+    return lambda: _fit(trainer, TrainingPreempted)
+
+
+def _fit(trainer, TrainingPreempted: type) -> int:
     try:
         s = trainer.fit()
         if trainer.is_main:

@@ -45,6 +45,7 @@ import torch
 from tqdm.auto import tqdm
 
 from graphtrain.config import Config, expand_path_keys
+from graphtrain.early_preempt import before_first_step
 from graphtrain.models import build_model, resolve_spec
 from graphtrain.trainer import console, runinfo, runtime
 from graphtrain.checksums import digests_reused
@@ -62,36 +63,6 @@ from graphtrain.trainer.strategies import build_strategy
 _INIT_FROM_AND_RESUME = ("train.init_from and --resume cannot be combined: --resume continues a run (weights, "
                          "optimizer, step), init_from starts a new one from a checkpoint's weights; to continue a "
                          "run started with init_from, add train.init_from=null")
-
-
-class _PreemptedBeforeStart(SystemExit):
-    """SIGTERM while a Trainer is built (data preparation: reading the corpus, training the tokenizer; the model):
-    nothing has run, so the process ends at once with status 75 (preempted, `graphtrain train`'s rule), saying so,
-    where SIGTERM's default action ended it with 143 and no word."""
-
-
-@contextlib.contextmanager
-def _preempted_before_first_step() -> Iterator[None]:
-    import os
-    import signal
-    import sys
-    import threading
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def handle(signum: int, frame: Any) -> None:
-        if os.environ.get("RANK", "0") == "0":
-            print("preempted: SIGTERM before the first step (while the data and model were prepared): nothing was "
-                  "lost, no step had run and no checkpoint was written or changed; run the same command again "
-                  "(--resume auto continues a run that has checkpoints)", file=sys.stderr, flush=True)
-        raise _PreemptedBeforeStart(75)
-
-    previous = signal.signal(signal.SIGTERM, handle)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def _build_model(cfg: Any, vocab_size: int) -> torch.nn.Module:
@@ -137,7 +108,7 @@ class Trainer:
             self.env = init_distributed(config.parallel)  # clear error when not launched under torchrun
         self.is_main = self.env is None or self.env.is_main
         self.device = self.env.device if self.env is not None else runtime.pick_device()
-        with _preempted_before_first_step():  # SIGTERM while the data and model are prepared
+        with before_first_step():  # SIGTERM while the data and model are prepared: exit 75, saying so
             runtime.setup(config.train)  # threads, deterministic algorithms
 
             family = model.family if model is not None else resolve_spec(config.model).family
