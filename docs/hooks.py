@@ -2,8 +2,8 @@
 
 `docs/reference/config.md` and `docs/reference/cli.md` hold a marker each (`<!-- graphtrain:config-reference -->`,
 `<!-- graphtrain:cli-reference -->`); `on_page_markdown` replaces it with tables built from the config dataclasses
-(their type hints, defaults and the docstring under each field: graphtrain.config_schema.field_docs) and from the
-`graphtrain` argparse parser (graphtrain.cli.build_parser, walked verb by verb). Nothing generated is committed, so
+(their type hints, defaults and the docstring under each field: graphtrain.config.schema.field_docs) and from the
+`graphtrain` argparse parser (graphtrain.cli.main.build_parser, walked verb by verb). Nothing generated is committed, so
 the pages cannot drift from the code. `missing_descriptions()` lists every key, verb or argument without a
 description; tests/test_docs.py requires it to be empty.
 """
@@ -43,8 +43,8 @@ def _yaml(value) -> str:
 
 def config_sections() -> list[tuple[str, type, list[tuple[str, str, str, str]]]]:
     """(section, dataclass, [(key, type, default, description)]) for every section of graphtrain.Config."""
-    from graphtrain.config import Config
-    from graphtrain.config_schema import describe_type, field_docs
+    from graphtrain.config.sections import Config
+    from graphtrain.config.schema import describe_type, field_docs
     default = Config()
     out = []
     for sec in dataclasses.fields(Config):
@@ -110,14 +110,14 @@ def _arguments(parser: argparse.ArgumentParser) -> list[tuple[str, str, str]]:
 
 def cli_verbs() -> list[tuple[str, str, argparse.ArgumentParser]]:
     """(verb, help, parser) for every `graphtrain` subcommand, in the parser's order."""
-    from graphtrain.cli import build_parser
+    from graphtrain.cli.main import build_parser
     parser = build_parser()
     helps = _verb_help(parser)
     return [(name, helps.get(name, ""), sub) for name, sub in _subparsers(parser).items()]
 
 
 def cli_reference() -> str:
-    from graphtrain.cli import build_parser
+    from graphtrain.cli.main import build_parser
     top = build_parser()
     lines = ["Global option: `graphtrain --debug COMMAND ...` (or `--debug` after the command) shows full tracebacks "
              "for errors.", "", "| command | what it does |", "|---|---|"]

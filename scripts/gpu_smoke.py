@@ -104,7 +104,7 @@ def _loop(call: Any, model: torch.nn.Module, batch: dict, steps: int,
 def _graphtrain(entry: str, model: torch.nn.Module, batch: dict, steps: int,
                 precision: str) -> tuple[list[float], list[float]]:
     import graphtrain
-    from graphtrain.config import Config
+    from graphtrain.config.sections import Config
     if entry == "compile_step":
         cfg = Config().with_overrides([f"engine.precision={precision}", "optim.lr=1e-3", "optim.weight_decay=0.0",
                                        "optim.grad_clip=null"])

@@ -50,10 +50,10 @@ def _fresh_dynamo():
     import sys
     if "torch._dynamo" in sys.modules:
         sys.modules["torch._dynamo"].reset()
-    if "graphtrain.engine.choose" in sys.modules:  # provider auto's background compiles end with their test
-        sys.modules["graphtrain.engine.choose"].stop_background()
-    if "graphtrain.fallback" in sys.modules:  # the once-per-process fallback warnings: once per test instead
-        sys.modules["graphtrain.fallback"]._WARNED.clear()
+    if "graphtrain.runtime.provider_auto" in sys.modules:  # provider auto's background compiles end with their test
+        sys.modules["graphtrain.runtime.provider_auto"].stop_background()
+    if "graphtrain.config.fallback" in sys.modules:  # the once-per-process fallback warnings: once per test instead
+        sys.modules["graphtrain.config.fallback"]._WARNED.clear()
 
 
 @pytest.fixture

@@ -11,8 +11,8 @@ import textwrap
 import pytest
 import torch
 
-from graphtrain.config import EngineConfig
-from graphtrain.engine import backend
+from graphtrain.config.sections import EngineConfig
+from graphtrain.runtime import backend
 
 
 def test_auto_releases_under_recompute_and_keeps_otherwise():
@@ -138,7 +138,7 @@ def test_huge_page_allocator_backs_large_blocks_with_huge_pages():
 def test_measure_harness_allocator_flags():
     """The memory harness's process allocator: one setting for every mode (glibc's default, what a user's eager loop
     gets) unless a flag says otherwise, so a comparison never pits two allocator settings against each other."""
-    from graphtrain.engine.measure import _allocator, _parser
+    from graphtrain.tools.measure import _allocator, _parser
     parse = _parser().parse_args
     assert _allocator(parse(["--mode", "eager"])) == "default"
     assert _allocator(parse(["--mode", "accelerate", "--recompute", "selective"])) == "default"
@@ -151,7 +151,7 @@ def test_measure_harness_allocator_flags():
 
 _CACHE = textwrap.dedent("""
     import json, os, resource, torch
-    from graphtrain.engine.backend import set_cpu_allocator
+    from graphtrain.runtime.backend import set_cpu_allocator
     from graphtrain.memory import allocator
 
     def faults():
@@ -210,7 +210,7 @@ def test_block_cache_reuses_freed_blocks_within_the_most_ever_in_use():
 
 _CACHE_TRAINING = textwrap.dedent("""
     import copy, json, torch
-    from graphtrain.engine.backend import set_cpu_allocator
+    from graphtrain.runtime.backend import set_cpu_allocator
     from graphtrain.memory import allocator
 
     torch.manual_seed(0)
@@ -285,7 +285,7 @@ def test_report_shows_the_cpu_allocator_and_the_block_cache():
 def test_report_goes_on_when_the_block_cache_counters_fail(monkeypatch):
     """A failing C++ extension (tests/test_capability.py breaks every function of it) must not take the report down
     with the allocator line: the line says the counters are unavailable."""
-    from graphtrain.engine import report
+    from graphtrain.tools import report
     from graphtrain.memory import allocator
 
     def broken():

@@ -12,17 +12,21 @@ PACKAGE = Path(__file__).resolve().parents[1] / "src" / "graphtrain"
 
 # Top to bottom. A module may import its own layer and the layers below it.
 LAYERS: list[tuple[str, ...]] = [
-    ("cli", "cli_jobs", "cli_runs", "__main__"),
+    ("cli", "__main__"),
     ("bench",),
-    ("ops", "export"),
+    ("runs",),
     ("trainer", "integrations"),
     ("distributed",),
-    ("engine",),
+    ("tools",),
+    ("frontend",),
+    ("runtime",),
+    ("pipeline",),
     ("memory",),
     ("optim", "passes", "models", "data"),
     ("kernels",),
     ("testing",),
-    ("config", "config_schema", "jobfile", "fallback", "checksums", "compat", "torch_range"),
+    ("checksums", "early_preempt"),
+    ("config",),
 ]
 RANK = {name: i for i, names in enumerate(LAYERS) for name in names}
 
@@ -171,9 +175,9 @@ def test_no_import_cycles():
 def test_the_checker_sees_lazy_and_relative_imports(tmp_path):
     """The walk finds imports inside functions and resolves relative ones (what the rules above rely on)."""
     src = tmp_path / "m.py"
-    src.write_text("import torch\n\ndef f():\n    from graphtrain.engine.api import accelerate\n"
-                   "    from . import predict\n    from .. import fallback\n    import graphtrain\n")
+    src.write_text("import torch\n\ndef f():\n    from graphtrain.frontend.accelerate import accelerate\n"
+                   "    from . import predict\n    from .. import checksums\n    import graphtrain\n")
     found = sorted(t for _, t in _imports("graphtrain.memory.m", src))
-    assert found == ["graphtrain", "graphtrain.engine.api", "graphtrain.fallback", "graphtrain.memory.predict"], found
+    assert found == ["graphtrain", "graphtrain.checksums", "graphtrain.frontend.accelerate", "graphtrain.memory.predict"], found
     names, top = _facade_names()
-    assert names["accelerate"] == "graphtrain.engine.api" and "trainer" in LAYERS[top]  # graphtrain.Trainer
+    assert names["accelerate"] == "graphtrain.frontend.accelerate" and "trainer" in LAYERS[top]  # graphtrain.Trainer

@@ -1,5 +1,5 @@
 """The bad-input table: every mistake a user can make on `graphtrain train` gets one `error: ...` line naming the
-problem and the fix, no traceback, and the exit status of its kind (cli.py's docstring): 2 usage error (the
+problem and the fix, no traceback, and the exit status of its kind (cli/main.py's docstring): 2 usage error (the
 command can never run as given), 1 runtime failure (the job started and failed: diverged, out of memory, disk
 full). Preemption (75) is in test_preemption.py. In process (cli.main) for speed; a few as subprocesses to see
 that nothing but the one line reaches the terminal. docs/design/reliability.md lists every case with this test name."""
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from graphtrain.cli import main
+from graphtrain.cli.main import main
 from graphtrain.trainer import checkpoint as ck
 
 TINY = ["model.name=gpt2-tiny", "data.seq_len=32", "data.vocab_size=512", "data.max_bytes=300000",
@@ -152,7 +152,7 @@ def _cache_of_another_corpus(tmp: Path) -> None:
     corpus: e.g. copied from another machine or run."""
     import shutil
 
-    from graphtrain.config import Config
+    from graphtrain.config.sections import Config
     from graphtrain.data.corpus import list_files
     from graphtrain.data.tokenizer import cache_key, load_or_build
     other = tmp / "other"

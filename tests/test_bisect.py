@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import graphtrain
-from graphtrain.engine.bisect import bisect, compare, switch_off_dropout
+from graphtrain.tools.bisect import bisect, compare, switch_off_dropout
 from graphtrain.passes.manager import _REGISTRY, register_pass, registered_passes
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -200,7 +200,7 @@ def test_bad_input_is_explained():
 
 
 def test_cli_rejects_an_unknown_provider(capsys):
-    from graphtrain.cli import main
+    from graphtrain.cli.main import main
     assert main(["bisect", "configs/gpt2-tiny-test.yaml", "--provider", "tensorrt"]) == 2
     assert "invalid choice: 'tensorrt'" in capsys.readouterr().err
 
@@ -208,7 +208,7 @@ def test_cli_rejects_an_unknown_provider(capsys):
 @pytest.mark.slow  # bert-tiny: ~12 compiles of the aten provider
 def test_reference_bert_tiny_is_healthy():
     """The masked-LM head (sparse labels, attention mask, tied decoder) through every pass and fast path."""
-    from graphtrain.config import ModelConfig
+    from graphtrain.config.sections import ModelConfig
     from graphtrain.models import build_model
 
     g = torch.Generator().manual_seed(1)
@@ -223,7 +223,7 @@ def test_reference_bert_tiny_is_healthy():
 
 @pytest.mark.slow  # gpt2-tiny: ~15 compiles of the aten provider, measured ~90 s on the shared 2-core box
 def test_cli_on_the_tiny_config_prints_the_table(tmp_path, monkeypatch, capsys):
-    from graphtrain.cli import main
+    from graphtrain.cli.main import main
     monkeypatch.setenv("GRAPHTRAIN_CACHE", str(tmp_path / "cache"))
     code = main(["bisect", "configs/gpt2-tiny-test.yaml", "data.seq_len=32", "train.batch_size=2", "--steps", "2",
                  "--provider", "aten"])

@@ -34,7 +34,7 @@ def _clean_fallbacks():
 
 
 def _tiny_gpt2(dropout=0.0):
-    from graphtrain.config import ModelConfig
+    from graphtrain.config.sections import ModelConfig
     from graphtrain.models import build_model
     torch.manual_seed(0)
     return build_model(ModelConfig(name="gpt2-tiny", dropout=dropout))
@@ -72,7 +72,7 @@ def test_simulated_avx2_machine_selects_the_next_implementation():
 
 @x86
 def test_precision_auto_and_the_slow_bf16_warning():
-    from graphtrain.engine.providers import SlowPrecisionWarning, _WARNED_SLOW
+    from graphtrain.runtime.providers import SlowPrecisionWarning, _WARNED_SLOW
     ids = torch.randint(0, 512, (2, 16))
     with capability.simulate("avx2"):
         m = graphtrain.accelerate(_tiny_gpt2(), provider="aten", precision="auto", fallback="error")

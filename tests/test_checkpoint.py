@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from graphtrain.config import Config
+from graphtrain.config.sections import Config
 from graphtrain.trainer import checkpoint as ck
 
 

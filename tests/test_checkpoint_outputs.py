@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from graphtrain import Trainer
-from graphtrain.config import Config
+from graphtrain.config.sections import Config
 from graphtrain.trainer import checkpoint as ck
 from graphtrain.trainer import run_outputs as ro
 from graphtrain.trainer.resume import clean_orphans, supersede_later
@@ -102,7 +102,7 @@ def test_keep_last_and_keep_best_in_a_run(tmp_path):
     path, step, loss = ro.best_info(run)  # step 4's checkpoint, pruned as ckpt-0000004.pt, lives on as the best
     assert (path.name, step, loss) == ("ckpt-best.pt", 4, 4.0)
     assert ck.load_checkpoint(path)["metrics"]["val_step"] == 4
-    from graphtrain.export import load_run
+    from graphtrain.runs.export import load_run
     _, _, used = load_run(run, "best")  # graphtrain export RUN --checkpoint best
     assert used == path
     # keep_last 0 keeps them all; a resume may change both keys without naming them; real validation losses now
@@ -145,7 +145,7 @@ def test_model_hf_checkpoint_loads_into_the_transformers_class_and_old_prefixed_
     assert t.fit()["steps"] == 4
     again = torch.load(ck.latest_checkpoint(run), weights_only=True)["model"]
     assert set(again) == set(state["model"])  # saved plain again
-    from graphtrain.export import load_run
+    from graphtrain.runs.export import load_run
     _, model, _ = load_run(run, "2")  # the prefixed checkpoint
     assert torch.equal(model.hf.lm_head.weight, old["model"]["hf.lm_head.weight"])
     # train.init_from a plain-keyed checkpoint: the weights land in graphtrain's wrapper
@@ -163,7 +163,7 @@ def test_export_hf_writes_a_transformers_folder_at_the_end_of_the_run(tmp_path):
     model = transformers.AutoModelForCausalLM.from_pretrained(run / "hf", local_files_only=True).eval()
     tok = transformers.AutoTokenizer.from_pretrained(run / "hf", local_files_only=True)
     assert model.generation_config.eos_token_id == tok.eos_token_id == 0
-    from graphtrain.export import load_run
+    from graphtrain.runs.export import load_run
     _, trained, _ = load_run(run)
     ids = torch.tensor([tok("import os\n")["input_ids"]])
     with torch.no_grad():

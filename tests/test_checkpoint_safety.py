@@ -21,7 +21,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from graphtrain.checksums import SUMS_NAME, read_sums, sidecar_path, write_sums
-from graphtrain.config import Config
+from graphtrain.config.sections import Config
 from graphtrain.distributed import checkpoint as dck
 from graphtrain.models import build_model
 from graphtrain.trainer import Trainer, checkpoint as ck, list_checkpoints
@@ -174,7 +174,7 @@ def test_two_rank_sharded_save_checksums_both_ranks_files(tmp_path):
 
 
 def _save_two_ranks(path: str) -> None:
-    from graphtrain.config import ParallelConfig
+    from graphtrain.config.sections import ParallelConfig
     from graphtrain.distributed import parallelize
     model = build_model(Config().with_overrides(["model.name=gpt2-tiny"]).model, vocab_size=512)
     par = parallelize(model, lambda m: torch.optim.AdamW(m.parameters()), ParallelConfig(dp=2, timeout_s=60))

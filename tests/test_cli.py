@@ -9,8 +9,8 @@ import sys
 import pytest
 import torch
 
-from graphtrain.cli import SUBCOMMANDS, main
-from graphtrain.config import Config
+from graphtrain.cli.main import SUBCOMMANDS, main
+from graphtrain.config.sections import Config
 from graphtrain.trainer import checkpoint as ck
 
 TINY = ["model.name=gpt2-tiny", "data.seq_len=32", "data.vocab_size=512", "data.max_bytes=300000",
@@ -127,7 +127,7 @@ def test_a_torchrun_worker_exits_with_its_status_after_atexit_without_teardown()
     # program() skips interpreter teardown in torchrun workers (a gloo abort at exit), but not the atexit
     # handlers (the background compile's) or the exit status.
     code = ("import atexit, sys, torch.distributed; atexit.register(lambda: print('atexit ran', flush=True)); "
-            "sys.argv = ['graphtrain'] + sys.argv[1:]; from graphtrain.cli import program; program()")
+            "sys.argv = ['graphtrain'] + sys.argv[1:]; from graphtrain.cli.main import program; program()")
     env = {**os.environ, "TORCHELASTIC_RUN_ID": "t"}
     r = subprocess.run([sys.executable, "-c", code, "config", "no.such=1"], env=env, capture_output=True, text=True,
                        timeout=120)

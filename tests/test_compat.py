@@ -1,4 +1,4 @@
-"""The supported torch range and the version shims (graphtrain/compat.py)."""
+"""The supported torch range and the version shims (graphtrain/config/torch_compat.py)."""
 from __future__ import annotations
 
 import re
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from graphtrain import compat
+from graphtrain.config import torch_compat as compat
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
@@ -71,7 +71,7 @@ def test_inductor_cache_key_functions_are_this_torchs():
 
 TF32_STATES = """
 import torch
-from graphtrain.compat import cuda_matmul_allows_tf32 as tf32
+from graphtrain.config.torch_compat import cuda_matmul_allows_tf32 as tf32
 m = torch.backends.cuda.matmul
 seen = [tf32()]                                   # default: exact
 m.allow_tf32 = True; seen.append(tf32())          # the legacy flag

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from graphtrain.config import Config
+from graphtrain.config.sections import Config
 
 
 def _write(tmp_path, name, text):

@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from graphtrain import cli  # noqa: E402
+from graphtrain.cli import main as cli  # noqa: E402
 from graphtrain.bench.conformance import run_isolated, run_matrix, select  # noqa: E402
 from graphtrain.bench.conformance_cells import COLUMNS, ROWS, Column, parse_column, run_cell  # noqa: E402
 
@@ -138,6 +138,6 @@ def test_the_commands_parser_does_not_import_the_cells():
 
     from graphtrain.bench import conformance, conformance_cells
     assert conformance.DEFAULT_STEPS == conformance_cells.STEPS
-    code = "import sys, graphtrain.cli; print('torch' in sys.modules)"
+    code = "import sys, graphtrain.cli.main; print('torch' in sys.modules)"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.stdout.strip() == "False", r.stdout + r.stderr[-2000:]

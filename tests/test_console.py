@@ -60,7 +60,7 @@ def test_run_json_says_where_when_and_from_what(logged_run):
     """run.json (trainer/runinfo.py) of the logged run, and the plot page's table reading it."""
     import json
 
-    from graphtrain.ops.plot import load_run, run_facts
+    from graphtrain.runs.plot import load_run, run_facts
     run, _, _ = logged_run
     (session,) = json.loads((run / "run.json").read_text())["sessions"]
     assert session["started_unix"] < session["finished_unix"] and session["steps_done"] == 4

@@ -96,7 +96,7 @@ def test_a_compiled_graph_that_raises_on_cuda_falls_back_with_a_warning(monkeypa
     eagerly on CUDA as on CPU (test_engine_capture.py's check, on CUDA tensors). It covers the forward call; an
     error raised later inside the compiled backward (loss.backward()) is outside it, on any device."""
     import graphtrain
-    from graphtrain.engine import api
+    from graphtrain.frontend import accelerate as api
     model, batch = _hf("gpt2")
     graphtrain.accelerate(model, provider="aten")
 

@@ -19,10 +19,10 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from graphtrain.config import EngineConfig
-from graphtrain.engine.functional import module_as_function
-from graphtrain.engine.pipeline import autodiff, new_record, trace
-from graphtrain.engine.state import EngineState
+from graphtrain.config.sections import EngineConfig
+from graphtrain.pipeline.functional import module_as_function
+from graphtrain.pipeline.stages import autodiff, new_record, trace
+from graphtrain.pipeline.state import EngineState
 
 transformers = pytest.importorskip("transformers")
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from graphtrain.config import Config, DataConfig
+from graphtrain.config.sections import Config, DataConfig
 from graphtrain.data import (IGNORE_INDEX, CodeTokenizer, build_data, cache_root, default_root, list_files,
                              load_corpus, load_or_build, split_documents)
 
@@ -248,7 +248,7 @@ def test_unusable_folders_raise(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("family", ["gpt2", "bert"])
 def test_batches_feed_the_reference_models(family: str) -> None:
-    from graphtrain.config import ModelConfig
+    from graphtrain.config.sections import ModelConfig
     from graphtrain.models import build_model
 
     data = build_data(config(), family)

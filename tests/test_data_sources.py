@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from graphtrain.config import Config, DataConfig
+from graphtrain.config.sections import Config, DataConfig
 from graphtrain.data import build_data
 
 pytestmark = pytest.mark.usefixtures("tiny_env")

@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from graphtrain.config import ParallelConfig
+from graphtrain.config.sections import ParallelConfig
 from graphtrain.distributed import parallelize
 from graphtrain.distributed.checkpoint import load_checkpoint
 from graphtrain.distributed.launch import torchrun_command

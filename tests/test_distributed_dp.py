@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from graphtrain.config import ParallelConfig
+from graphtrain.config.sections import ParallelConfig
 from graphtrain.distributed import parallelize
 from graphtrain.distributed.spawn import run_ranks
 from graphtrain.testing import assert_close
@@ -86,7 +86,7 @@ BIG_VOCAB = 8192
 
 
 def _big_vocab_model() -> torch.nn.Module:
-    from graphtrain.config import ModelConfig
+    from graphtrain.config.sections import ModelConfig
     from graphtrain.models import build_model
     torch.manual_seed(0)
     return build_model(ModelConfig(name="gpt2-tiny", dropout=0.0, vocab_size=BIG_VOCAB))
@@ -94,7 +94,7 @@ def _big_vocab_model() -> torch.nn.Module:
 
 def _dp_engine_worker() -> dict:
     import graphtrain
-    from graphtrain.config import EngineConfig
+    from graphtrain.config.sections import EngineConfig
     from graphtrain.distributed.data_parallel import apply_data_parallel
     par = parallelize(_big_vocab_model(), optim_factory(), ParallelConfig(dp=2, timeout_s=60))
     par.model = apply_data_parallel(par.module, par.env.mesh["dp"], par.env.device, bucket_cap_mb=1)
@@ -261,7 +261,7 @@ def test_ddp_all_reduces_buckets_while_earlier_blocks_still_run_backward():
 
 
 def test_aten_under_ddp_is_refused_only_where_ddp_optimizer_splits_the_graph():
-    from graphtrain.config import EngineConfig
+    from graphtrain.config.sections import EngineConfig
     from graphtrain.distributed import check_engine_under_ddp
     model = _big_vocab_model()  # 2.1 MB of gradients: more than DDP's 1 MiB first bucket
     check_engine_under_ddp(EngineConfig(provider="aten"), model)  # block by block: no DDPOptimizer

@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from graphtrain.config import ModelConfig, OptimConfig, ParallelConfig
+from graphtrain.config.sections import ModelConfig, OptimConfig, ParallelConfig
 from graphtrain.distributed.mesh import check_layout, init_distributed
 from graphtrain.distributed.spawn import free_port
 
@@ -78,7 +78,7 @@ def test_layout_must_match_world_size(monkeypatch):
 
 _DYING_RANK = textwrap.dedent("""
     import os, sys, time, torch, torch.distributed as dist
-    from graphtrain.config import ParallelConfig
+    from graphtrain.config.sections import ParallelConfig
     from graphtrain.distributed.mesh import init_distributed
     env = init_distributed(ParallelConfig(dp=2, timeout_s=5))
     if env.rank == 1:

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from graphtrain.config import ParallelConfig
+from graphtrain.config.sections import ParallelConfig
 from graphtrain.distributed import parallelize
 from graphtrain.distributed.spawn import run_ranks
 from graphtrain.distributed.tensor_parallel import check_tp
@@ -39,7 +39,7 @@ def _worker(layout: dict, name: str, engine: dict | None = None) -> dict:
         par.optimizer.step()
         par.optimizer.zero_grad()
     if engine is not None:
-        from graphtrain.engine.report import report
+        from graphtrain.tools.report import report
         rep = report(par.module)
         out["passes"] = {f"{p['stage']}/{p['name']}": p["rewrites"] for p in rep.passes}
         out["graphs"], out["fallbacks"] = len(rep.graphs), len(rep.fallbacks)
@@ -119,7 +119,7 @@ def _dp_composed_worker(layout: dict, name: str, n: int, accum: int, engine: dic
         par.optimizer.step()
         par.optimizer.zero_grad()
     if engine is not None:
-        from graphtrain.engine.report import report
+        from graphtrain.tools.report import report
         rep = report(par.module)
         out["graphs"], out["fallbacks"], out["recompiles"] = len(rep.graphs), len(rep.fallbacks), len(rep.recompiles)
     return out
@@ -228,7 +228,7 @@ def _hf_worker(engine: dict | None) -> dict:
         par.optimizer.step()
         par.optimizer.zero_grad()
     if engine is not None:
-        from graphtrain.engine.report import report
+        from graphtrain.tools.report import report
         rep = report(par.module)
         out["passes"] = {f"{p['stage']}/{p['name']}": p["rewrites"] for p in rep.passes}
         out["fallbacks"] = len(rep.fallbacks)
@@ -297,7 +297,7 @@ TP_DROPOUT = 0.1
 def _dropout_masks_worker(name: str, engine: dict | None) -> dict:
     """One recorded training step of `name` (dropout TP_DROPOUT) at tp=2: every dropout mask drawn, in order;
     then the same step again from the same generator state (what a resumed run replays)."""
-    from graphtrain.config import ModelConfig
+    from graphtrain.config.sections import ModelConfig
     from graphtrain.models import build_model
     from test_dropout_statistics import DropoutDraws
     torch.manual_seed(0)

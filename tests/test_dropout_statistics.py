@@ -321,7 +321,7 @@ def test_compiled_step_draws_a_fresh_seed_per_op_and_step(one_thread):
     within or across steps, backward regenerates exactly the forward's masks (its seeds are the forward's),
     and the masks of two layers and of two steps (torch.manual_seed set once) are uncorrelated."""
     import graphtrain
-    from graphtrain.config import ModelConfig
+    from graphtrain.config.sections import ModelConfig
     from graphtrain.models import build_model
     torch.manual_seed(0)
     model = build_model(ModelConfig(name="gpt2-tiny", dropout=0.1))

@@ -1,4 +1,4 @@
-"""A user's torch.autograd.Function inside a captured graph (engine/autograd_functions.py): held opaque through the
+"""A user's torch.autograd.Function inside a captured graph (passes/autograd_functions.py): held opaque through the
 trace to aten and the pre-autodiff passes, restored before autodiff, so the passes run on the graph around it and
 the step runs the function's own backward. Checked against eager PyTorch with a backward that is deliberately not
 the forward's derivative (a passes-era inlining of the forward would give autograd's gradient instead)."""
@@ -122,8 +122,8 @@ def _dynamo_graph(fn: type[torch.autograd.Function]) -> tuple[torch.fx.GraphModu
 def test_two_functions_that_differ_only_in_their_bodies_get_different_cache_keys():
     """Regression: the pass cache's key hashed the graph's code, which names an autograd.Function's bodies
     (self.fwd_body_0) but not what they compute."""
-    from graphtrain.config import EngineConfig
-    from graphtrain.engine.cache import pass_cache_key
+    from graphtrain.config.sections import EngineConfig
+    from graphtrain.pipeline.cache import pass_cache_key
     keys = []
     for fn in (ScaledSiLU, HalvedSiLU):
         gm, inputs, _ = _dynamo_graph(fn)
@@ -134,7 +134,7 @@ def test_two_functions_that_differ_only_in_their_bodies_get_different_cache_keys
 def test_a_graph_with_a_function_is_plain_data():
     """What the background compile receives: the graph encoded (bodies included) runs the same forward and the
     function's own backward after a pickle round trip."""
-    from graphtrain.engine.cache import _decode_graph, _encode_graph
+    from graphtrain.pipeline.cache import _decode_graph, _encode_graph
     gm, inputs, block = _dynamo_graph(ScaledSiLU)
     loaded = _decode_graph(pickle.loads(pickle.dumps(_encode_graph(gm))))
     args = [t.detach().clone().requires_grad_(t.requires_grad) for t in inputs]
@@ -150,7 +150,7 @@ def test_a_graph_with_a_function_is_plain_data():
 def test_hide_leaves_the_captured_graph_alone_and_the_op_has_no_gradient_of_its_own():
     """hide() works on a copy (the eager fallback runs the captured graph); the opaque op never reaches autograd
     silently: un-restored, its backward is an error, not a gradient through the forward."""
-    from graphtrain.engine import autograd_functions as af
+    from graphtrain.passes import autograd_functions as af
     gm, inputs, _ = _dynamo_graph(ScaledSiLU)
     hidden, n = af.hide(gm)
     assert n == 1 and af.has_autograd_functions(gm) and not af.has_autograd_functions(hidden)

@@ -1,4 +1,4 @@
-"""Repeated blocks compile once (engine/blocks.py): parity with eager, one block graph for any depth, the
+"""Repeated blocks compile once (pipeline/blocks.py): parity with eager, one block graph for any depth, the
 fallbacks, and Hugging Face models (no KV cache built in training)."""
 from __future__ import annotations
 
@@ -88,7 +88,7 @@ def test_blocks_compile_once_and_match_eager_bitwise():
 
 def test_graph_count_does_not_grow_with_depth():
     # 10 layers: past torch's default of 8 reuse entries per region, which failed the capture of any deeper model
-    # that is traced block by block (this loop-called Stack is; engine/blocks.py _region)
+    # that is traced block by block (this loop-called Stack is; pipeline/blocks.py _region)
     counts = {}
     for layers in (2, 10):
         ref, m = _pair(layers=layers)
@@ -123,7 +123,7 @@ def test_whole_graph_when_asked_or_when_recompute_needs_it():
 
 
 def test_failed_block_split_runs_eagerly_with_one_warning(monkeypatch):
-    import graphtrain.engine.blocks as blocks
+    import graphtrain.pipeline.blocks as blocks
 
     def broken(*args, **kwargs):
         raise RuntimeError("split failed on purpose")
@@ -214,7 +214,7 @@ def test_a_learned_bias_handed_through_the_blocks_trains_like_eager():
 
 
 def test_the_blocks_that_repeat_are_found_where_one_differs():
-    from graphtrain.engine.blocks import repeated_blocks
+    from graphtrain.pipeline.blocks import repeated_blocks
 
     class Biased(Block):  # T5's first block: the same class, one more weight (its relative-position bias)
         def __init__(self) -> None:
@@ -242,7 +242,7 @@ def test_hugging_face_t5_repeats_its_later_blocks_like_eager():
 
 
 def test_a_piece_gets_its_inputs_in_the_layout_it_was_compiled_for():
-    from graphtrain.engine.blocks import _conforming
+    from graphtrain.pipeline.blocks import _conforming
     expanded = torch.randn(1, 1, 4, 4).expand(3, 1, 4, 4)  # an expand in the trace ...
     dense = expanded.contiguous()                           # ... that the piece before returned materialized
     seen = []
@@ -319,7 +319,7 @@ class _Kw(nn.Module):
 
 
 def test_keyword_and_tuple_arguments_reach_the_block_flat(monkeypatch):
-    """engine/blocks.py _region: a block called with keywords and a tuple gets one flat positional call, so Dynamo
+    """pipeline/blocks.py _region: a block called with keywords and a tuple gets one flat positional call, so Dynamo
     reuses its traced body without flattening the arguments through pytree; same numbers as eager, one body."""
     import importlib
     sub = importlib.import_module("torch._dynamo.variables.invoke_subgraph")
@@ -355,7 +355,7 @@ def test_keyword_and_tuple_arguments_reach_the_block_flat(monkeypatch):
 
 
 def test_flat_call_spec_round_trips():
-    from graphtrain.engine.blocks import _flatten_call, _unflatten_call
+    from graphtrain.pipeline.blocks import _flatten_call, _unflatten_call
     for args, kwargs in [((1, None), {"mask": "m", "rope": ("c", "s"), "flag": False}), ((), {}), (("x",), {}),
                          ((("a", "b"), ()), {"empty": (), "one": ("z",)})]:
         spec, leaves = _flatten_call(args, kwargs)
@@ -363,7 +363,7 @@ def test_flat_call_spec_round_trips():
 
 
 def test_dynamo_source_names_are_not_built_for_logs_that_are_off():
-    """engine/api.py _source_names_only_when_logged: Dynamo tokenizes no source file for its debug-log names."""
+    """frontend/accelerate.py _source_names_only_when_logged: Dynamo tokenizes no source file for its debug-log names."""
     import importlib
     import logging
     fc = importlib.import_module("torch._dynamo.funcname_cache")

@@ -59,8 +59,8 @@ def test_stored_graph_keeps_ops_without_inputs_random():
     import torch
     import torch.fx as fx
 
-    from graphtrain.engine.cache import _decode_graph, _encode_graph
-    from graphtrain.engine.pipeline import trace
+    from graphtrain.pipeline.cache import _decode_graph, _encode_graph
+    from graphtrain.pipeline.stages import trace
     gm = trace(fx.symbolic_trace(lambda x: torch.nn.functional.dropout(x, 0.5, True) + torch.arange(8.0)),
                [torch.randn(8, 8)])
     loaded = _decode_graph(pickle.loads(pickle.dumps(_encode_graph(gm))))
@@ -83,7 +83,7 @@ def test_stored_graph_keeps_a_size_node_inside_a_slice():
     import torch
     import torch.fx as fx
 
-    from graphtrain.engine.cache import _decode_graph, _encode_graph
+    from graphtrain.pipeline.cache import _decode_graph, _encode_graph
     g = fx.Graph()
     x, n = g.placeholder("x"), g.placeholder("n")
     g.output(g.call_function(operator.getitem, (x, (slice(None, None, None), slice(0, n, None)))))
@@ -98,9 +98,9 @@ def test_cached_pass_failure_still_warns_and_reports(tmp_path, monkeypatch):
     import torch
 
     import graphtrain
-    from graphtrain import fallback
+    from graphtrain.config import fallback
     from graphtrain.kernels import capability
-    from graphtrain.config import ModelConfig
+    from graphtrain.config.sections import ModelConfig
     from graphtrain.models import build_model
 
     monkeypatch.setenv("GRAPHTRAIN_CACHE", str(tmp_path / "cache"))
@@ -127,8 +127,8 @@ def test_the_pass_cache_key_names_what_is_compiled_not_where_or_how_loudly():
     import torch
     import torch.fx as fx
 
-    from graphtrain.config import EngineConfig
-    from graphtrain.engine.cache import pass_cache_key
+    from graphtrain.config.sections import EngineConfig
+    from graphtrain.pipeline.cache import pass_cache_key
 
     gm = fx.symbolic_trace(torch.nn.Linear(4, 3))
     x = torch.randn(2, 4)
@@ -145,9 +145,9 @@ def test_the_pass_cache_key_names_what_is_compiled_not_where_or_how_loudly():
 def test_inductors_keys_carry_graphtrain_sources(monkeypatch):
     """What keys Inductor's caches by graphtrain's sources (the end-to-end check below is slow): the uuid of the
     forward/backward passes Inductor runs, which its FX-graph and AOTAutograd cache keys include."""
-    from graphtrain.config import EngineConfig
-    from graphtrain.engine import cache
-    from graphtrain.engine.providers import StagePasses
+    from graphtrain.config.sections import EngineConfig
+    from graphtrain.pipeline import cache
+    from graphtrain.runtime.providers import StagePasses
     passes = StagePasses(EngineConfig(provider="inductor"), rec=None, state=None)
     before = passes.uuid()
     assert passes.uuid() == before
@@ -169,7 +169,7 @@ def test_inductor_caches_are_keyed_by_graphtrain_sources(tmp_path, monkeypatch):
     from torch._dynamo.utils import counters
 
     import graphtrain
-    from graphtrain.engine import cache
+    from graphtrain.pipeline import cache
 
     def compile_once() -> tuple[int, int]:
         torch._dynamo.reset()
@@ -193,7 +193,7 @@ AUTOCAST_RUN = r"""
 import sys, torch
 import graphtrain  # noqa: F401  (registers the backend)
 from graphtrain.models import build_model
-from graphtrain.config import ModelConfig
+from graphtrain.config.sections import ModelConfig
 torch.manual_seed(0)
 model = build_model(ModelConfig(name="gpt2-tiny", dropout=0.0))
 ref = build_model(ModelConfig(name="gpt2-tiny", dropout=0.0))

@@ -16,7 +16,7 @@ def _many_instances():
     # Every test builds new instances of the same classes; Dynamo counts their compiles per code object.
     with torch._dynamo.config.patch(recompile_limit=64):
         yield
-from graphtrain.engine.fallback import GraphtrainCaptureError, GraphtrainFallbackWarning
+from graphtrain.config.fallback import GraphtrainCaptureError, GraphtrainFallbackWarning
 from graphtrain.testing import assert_close, assert_grads_close
 
 
@@ -85,7 +85,7 @@ def test_a_compiled_graph_that_raises_where_eager_runs_falls_back(policy, monkey
     """A graph graphtrain got wrong (a pass that built what eager's code does not compute: the DeBERTa attention
     fusion broadcast its mask wrongly) raised a shape error the user never wrote. Eager runs the same call, so the
     module falls back with a warning (or the `error` policy's error) instead of raising it."""
-    from graphtrain.engine import api
+    from graphtrain.frontend import accelerate as api
     ref, m = _pair("plain", fallback=policy)
     x = torch.randn(4, 8)
 
@@ -122,7 +122,7 @@ class _Identity(nn.Module):
 
 def test_a_call_that_compiles_no_graph_is_reported():
     m = graphtrain.accelerate(_Identity(), provider="aten")
-    from graphtrain import fallback
+    from graphtrain.config import fallback
     with pytest.warns(fallback.GraphtrainFallbackWarning, match="compiled no graph"):
         m(torch.randn(2))
     assert [part for part, _ in graphtrain.report(m).fallbacks] == ["capture of _Identity"]
@@ -259,7 +259,7 @@ def test_failing_pass_falls_back_and_is_reported(monkeypatch):
 
 
 def test_provider_failure_falls_back_to_aten(monkeypatch):
-    from graphtrain.engine import providers
+    from graphtrain.runtime import providers
 
     def broken(*a, **k):
         raise RuntimeError("no compiler here")
@@ -287,7 +287,7 @@ def test_torch_compile_backend_name_and_entry_point():
         mod(x).square().mean().backward()
     assert_grads_close(m, ref, bitwise=True)
     eps = md.entry_points(group="torch_dynamo_backends")
-    assert any(ep.name == "graphtrain" and ep.value == "graphtrain.engine.backend:graphtrain_backend" for ep in eps)
+    assert any(ep.name == "graphtrain" and ep.value == "graphtrain.runtime.backend:graphtrain_backend" for ep in eps)
 
 
 def test_import_is_light_and_the_backend_name_still_resolves():

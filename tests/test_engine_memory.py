@@ -14,10 +14,10 @@ import torch.nn as nn
 from torch._dynamo.utils import counters
 
 import graphtrain
-from graphtrain.config import Config, ModelConfig
+from graphtrain.config.sections import Config, ModelConfig
 from graphtrain.memory.recompute import is_random
 from graphtrain.models import build_model
-from graphtrain.fallback import GraphtrainCaptureError
+from graphtrain.config.fallback import GraphtrainCaptureError
 from graphtrain.testing import assert_close, assert_grads_close
 
 # Fusion passes are other engineers' (with their own parity tests); these tests check the memory wiring.
@@ -50,7 +50,7 @@ def _passes(**extra):
 @pytest.fixture
 def boxed_graphs(monkeypatch):
     """Every fw/bw graph the aten provider hands to to_boxed (after the stage passes)."""
-    import graphtrain.engine.pipeline as pipeline
+    import graphtrain.pipeline.stages as pipeline
     seen: list[torch.fx.GraphModule] = []
     real = pipeline.to_boxed
 
@@ -121,7 +121,8 @@ def test_recompute_modes_through_accelerate(mode):
 
 def test_stage_passes_see_the_resolved_provider(monkeypatch):
     """With provider=auto choosing aten, inplace_elementwise (aten only) must run."""
-    from graphtrain.engine import choose, providers
+    from graphtrain.runtime import provider_auto as choose
+    from graphtrain.runtime import providers
     monkeypatch.setattr(providers, "resolve_provider", lambda config, ins: "aten")
     monkeypatch.setattr(choose, "CANDIDATES", ("aten",))
     torch.manual_seed(0)
@@ -191,7 +192,7 @@ def test_inductor_refuses_aten_dropout_on_cpu_with_the_fix():
 
 
 def test_report_for_config(tmp_path, monkeypatch):
-    from graphtrain.cli_jobs import report_for_config
+    from graphtrain.cli.jobs import report_for_config
     monkeypatch.setenv("GRAPHTRAIN_CACHE", str(tmp_path))
     cfg = {"model": {"name": "gpt2-tiny"}, "data": {"max_bytes": 300000, "vocab_size": 512}}
     # gpt2-tiny has 64 positions and data.seq_len defaults to 128: the Trainer's error, before any compile
@@ -279,7 +280,7 @@ def test_auto_through_accelerate_picks_the_first_mode_that_fits():
 
 def test_trainer_config_selects_layer_checkpointing(tmp_path, monkeypatch):
     """engine.recompute in a job config reaches the partitioner through the Trainer (report_for_config)."""
-    from graphtrain.cli_jobs import report_for_config
+    from graphtrain.cli.jobs import report_for_config
     monkeypatch.setenv("GRAPHTRAIN_CACHE", str(tmp_path))
     cfg = {"model": {"name": "gpt2-tiny"}, "data": {"max_bytes": 300000, "vocab_size": 512, "seq_len": 64},
            "engine": {"provider": "aten", "recompute": "full"}}

@@ -192,7 +192,7 @@ def test_hf_models_match_eager(family, attn):
 @pytest.mark.skipif(not HAS_MODELS, reason="graphtrain.models (reference models) is not in this checkout yet")
 @pytest.mark.parametrize("name", ["gpt2-tiny", "bert-tiny"])
 def test_reference_models_match_eager(name):
-    from graphtrain.config import ModelConfig
+    from graphtrain.config.sections import ModelConfig
     from graphtrain.models import build_model
 
     ids = _ids(512)

@@ -1,4 +1,4 @@
-"""provider auto's tiered compile (engine/choose.py Tiered, engine/background.py): aten runs a graph from the first
+"""provider auto's tiered compile (runtime/provider_auto.py Tiered, runtime/background.py): aten runs a graph from the first
 step, a background process compiles Inductor into the caches from the second, and the graph switches to the
 measured winner loaded from those caches. Checked against eager PyTorch like every provider."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 import graphtrain
-from graphtrain.config import ModelConfig
+from graphtrain.config.sections import ModelConfig
 from graphtrain.models import build_model
 from graphtrain.testing import assert_grads_close
 
@@ -29,7 +29,7 @@ def _step(model: nn.Module, step: int) -> None:
 def test_aten_first_then_the_measured_winner_loaded_from_the_background_compile(monkeypatch):
     from torch._dynamo.utils import counters
 
-    import graphtrain.engine.choose as choose
+    import graphtrain.runtime.provider_auto as choose
     timed = []
     real_time_step = choose.time_step
 
@@ -68,8 +68,8 @@ def test_aten_first_then_the_measured_winner_loaded_from_the_background_compile(
     # the second step, loading Inductor from the caches, and store the decision.
     import torch._dynamo as dynamo
 
-    from graphtrain.config import EngineConfig
-    from graphtrain.engine.cache import cache_root
+    from graphtrain.config.sections import EngineConfig
+    from graphtrain.pipeline.cache import cache_root
     decisions = list((cache_root(EngineConfig()) / "providers").glob("*.json"))
     assert len(decisions) == len(rep.graphs)
     for d in decisions:
@@ -93,7 +93,7 @@ def test_aten_first_then_the_measured_winner_loaded_from_the_background_compile(
 
 
 def test_time_step_warms_up_only_a_candidate_that_has_not_run():
-    from graphtrain.engine.choose import time_step
+    from graphtrain.runtime.provider_auto import time_step
     calls = []
     x = torch.randn(4, requires_grad=True)
 
@@ -111,7 +111,7 @@ def test_time_step_calls_a_candidate_with_its_inputs_own_layout():
     # ModernBERT's) raised and the module fell back to eager.
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from graphtrain.engine.choose import time_step
+    from graphtrain.runtime.provider_auto import time_step
     mask = torch.randn(1, 1, 4, 4).expand(3, 1, 4, 4)
     w = torch.randn(4, 3).t()
     with FakeTensorMode() as mode:
@@ -192,7 +192,7 @@ def test_a_graph_with_a_no_grad_region_runs_on_aten_while_inductor_compiles_in_t
     rep = graphtrain.report(m)
     g = rep.graphs[0]
     assert g["provider"].startswith("aten (provider auto: Inductor compiles"), g["provider"]
-    assert any("no_grad region in a graph: lifted" in n for n in rep.notes), rep.notes  # engine/no_grad_regions.py
+    assert any("no_grad region in a graph: lifted" in n for n in rep.notes), rep.notes  # passes/no_grad_regions.py
 
 
 class _TwoLayers(nn.Module):
@@ -207,7 +207,7 @@ class _TwoLayers(nn.Module):
 def test_an_evaluation_graph_of_a_module_that_trains_runs_on_aten_without_a_background_compile():
     """The default job's evaluation at step 200 used to queue a background compile of its no_grad graph, which
     slowed the next ~30 training steps about 2.5x on 2 cores. A module used only for inference is still tiered."""
-    from graphtrain.engine import choose
+    from graphtrain.runtime import provider_auto as choose
     torch.manual_seed(0)
     ref = _TwoLayers()
     m = graphtrain.accelerate(copy.deepcopy(ref), compile_blocks=False, fallback="error")
@@ -253,7 +253,7 @@ def test_warm_start_runs_aten_first_then_loads_the_stored_inductor_winner(monkey
     loads Inductor from the caches at the second call, without timing again; gradients match eager at every step."""
     import torch._dynamo
 
-    import graphtrain.engine.choose as choose
+    import graphtrain.runtime.provider_auto as choose
     monkeypatch.setattr(choose, "decide", lambda times: "inductor")  # the stored winner, whatever the timing
     torch.manual_seed(0)
     ref = _NoGradRegion().train()
@@ -292,7 +292,7 @@ def test_warm_start_runs_aten_first_then_loads_the_stored_inductor_winner(monkey
 def test_the_prefetched_inductor_setup_gives_the_keys_inductor_computes_itself(monkeypatch):
     import torch._inductor.codecache as codecache
 
-    from graphtrain.engine import choose
+    from graphtrain.runtime import provider_auto as choose
     if not hasattr(codecache.torch_key, "prefetch"):
         pytest.skip("this torch's torch_key cannot be prefetched")
     monkeypatch.setattr(choose, "_PREFETCHED", False)
@@ -310,8 +310,8 @@ def test_at_exit_a_running_compile_finishes_at_low_priority_or_is_stopped(monkey
     import subprocess
     import sys
 
-    import graphtrain.engine.choose as choose
-    from graphtrain.config import EngineConfig
+    import graphtrain.runtime.provider_auto as choose
+    from graphtrain.config.sections import EngineConfig
 
     monkeypatch.delenv(choose.AT_EXIT_ENV, raising=False)
     # the default ends the child with the run (issue #50); finish is the opt-in
@@ -349,8 +349,8 @@ def test_at_exit_a_running_compile_finishes_at_low_priority_or_is_stopped(monkey
 
 _SHORT_RUN = """
 import sys, torch, graphtrain
-import graphtrain.engine.choose as choose
-from graphtrain.config import ModelConfig
+import graphtrain.runtime.provider_auto as choose
+from graphtrain.config.sections import ModelConfig
 from graphtrain.models import build_model
 torch.manual_seed(0)
 m = graphtrain.accelerate(build_model(ModelConfig(name="gpt2-tiny", dropout=0.0)), fallback="error")
@@ -370,7 +370,7 @@ def test_a_run_shorter_than_its_background_compile_leaves_the_caches_filled(tmp_
     import sys
     import time
 
-    import graphtrain.engine.choose as choose
+    import graphtrain.runtime.provider_auto as choose
     env = {**os.environ, "GRAPHTRAIN_CACHE": str(tmp_path / "cache")}
     env.pop("TORCHINDUCTOR_CACHE_DIR", None)
     env[choose.AT_EXIT_ENV] = "finish"
@@ -388,9 +388,9 @@ def test_a_run_shorter_than_its_background_compile_leaves_the_caches_filled(tmp_
     # second step, times both providers and stores the decision
     check = """
 import torch, graphtrain
-import graphtrain.engine.choose as choose
+import graphtrain.runtime.provider_auto as choose
 from torch._dynamo.utils import counters
-from graphtrain.config import ModelConfig
+from graphtrain.config.sections import ModelConfig
 from graphtrain.models import build_model
 torch.manual_seed(0)
 m = graphtrain.accelerate(build_model(ModelConfig(name="gpt2-tiny", dropout=0.0)), fallback="error")
@@ -416,7 +416,7 @@ def test_pieces_of_a_ddp_bucket_split_are_not_timed_on_aten():
     from torch._dynamo.backends.distributed import DDPOptimizerContext
     from torch._guards import TracingContext, tracing
 
-    from graphtrain.engine.choose import measurable, under_ddp_optimizer
+    from graphtrain.runtime.provider_auto import measurable, under_ddp_optimizer
 
     inputs = [torch.randn(2, 3)]
     assert not under_ddp_optimizer() and measurable(inputs)
@@ -432,8 +432,8 @@ def test_size_check_of_a_symbolic_graph_compiled_from_data():
     """Inductor's code for a symbolic graph is compiled in a ShapeEnv of its own (backend.compile_inductor_from):
     the guards that compile adds (Inductor's C++ codegen bounds a reduction's size at 4096, for one) never reach
     Dynamo's guards for the frame, so the calls whose sizes break them run on aten (choose.size_checked)."""
-    from graphtrain.engine.graph_data import SizeChecked, size_check, rebuild_sizes, input_metas
-    from graphtrain.engine.choose import size_checked
+    from graphtrain.pipeline.graph_data import SizeChecked, size_check, rebuild_sizes, input_metas
+    from graphtrain.runtime.provider_auto import size_checked
     f32 = torch.float32
     metas = [("tensor", ("s52", "s27", 64), ("64*s27", 64, 1), f32, "cpu", True, {"s52": 4, "s27": 32}),
              ("symint", "s27", {"s27": 32}), ("value", 0.1)]
@@ -526,9 +526,9 @@ class _TwoBlocks(nn.Module):
 
 
 def test_a_background_compile_past_its_time_limit_leaves_aten_and_is_not_retried():
-    from graphtrain.config import EngineConfig
-    from graphtrain.engine import choose
-    from graphtrain.engine.cache import cache_root
+    from graphtrain.config.sections import EngineConfig
+    from graphtrain.runtime import provider_auto as choose
+    from graphtrain.pipeline.cache import cache_root
     torch.manual_seed(0)
     ref = _TwoBlocks().train()
     x = torch.randn(5, 6)
@@ -536,7 +536,7 @@ def test_a_background_compile_past_its_time_limit_leaves_aten_and_is_not_retried
     for _ in range(2):
         m(x).sum().backward()
     assert graphtrain.wait_compiled(m, timeout=600)  # each graph's compile stopped at once: the child restarts
-    for p in [*m.parameters(), *ref.parameters()]:   # itself for the next one (engine/background.py)
+    for p in [*m.parameters(), *ref.parameters()]:   # itself for the next one (runtime/background.py)
         p.grad = None
     m(x).sum().backward()
     ref(x).sum().backward()

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from graphtrain import Trainer
-from graphtrain.config import Config
-from graphtrain.export import export_run, load_run
+from graphtrain.config.sections import Config
+from graphtrain.runs.export import export_run, load_run
 
 pytestmark = pytest.mark.usefixtures("tiny_env")
 TINY = ["data.seq_len=32", "data.vocab_size=512", "data.max_bytes=300000", "train.batch_size=2", "train.steps=2",

@@ -42,7 +42,7 @@ def _make(kind: str, dropout: float = 0.0):
     mask[1, -5:] = 0  # padding in the second sequence: the attention mask path
     mlm_labels = torch.where(_ids(seed=3, high=10) < 3, ids, torch.full_like(ids, -100))
     if kind in ("gpt2-tiny", "bert-tiny"):
-        from graphtrain.config import ModelConfig
+        from graphtrain.config.sections import ModelConfig
         from graphtrain.models import build_model
         m = build_model(ModelConfig(name=kind, dropout=dropout))
         kw = {"input_ids": ids, "labels": ids}
@@ -190,7 +190,7 @@ def test_default_fusions_cover_every_layer_inductor(kind):
     assert passes["fuse_layer_norm"]["rewrites"] >= 2 * n_layer
     # the loss: the LM head + cross-entropy is rewritten under Inductor too (graphtrain's chunked op). HF models
     # return their logits as well: those are detached from the graph and computed beside it
-    # (engine/returned_heads.py), so their head and loss are fused like the reference models'
+    # (passes/returned_heads.py), so their head and loss are fused like the reference models'
     lce, ce = passes["fuse_linear_cross_entropy"], passes["fuse_cross_entropy"]
     assert lce["left_to"] is None and (lce["rewrites"], ce["rewrites"]) == (1, 0), (lce, ce)
     if kind.startswith("hf"):
@@ -205,7 +205,7 @@ def test_mlm_head_becomes_linear_bias_cross_entropy(kind="bert-tiny"):
     materialized. check_parity above covers the numerics on this model and on HF BERT (whose decoder is a Linear
     with bias, addmm: the other spelling, checked on a graph in test_fusion_passes.py); HF's forward has
     data-dependent checks that only Dynamo (graph breaks) traces, so it is not traced whole here."""
-    from graphtrain.engine.trace import trace_aten_forward
+    from graphtrain.pipeline.trace import trace_aten_forward
     from graphtrain.passes.fuse_cross_entropy import fuse_linear_cross_entropy_pass
     from graphtrain.passes.manager import PassContext
     m, kw, _ = _make(kind)

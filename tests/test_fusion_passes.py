@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from graphtrain.config import EngineConfig
-from graphtrain.engine.trace import trace_aten_forward
+from graphtrain.config.sections import EngineConfig
+from graphtrain.pipeline.trace import trace_aten_forward
 from graphtrain.passes.manager import PassContext, registered_passes
 from graphtrain.testing import assert_close
 
@@ -272,7 +272,7 @@ def test_linear_cross_entropy_with_a_bias():
 
 
 def test_a_returned_head_fuses_into_the_op_that_returns_its_logits():
-    """An LM head whose logits also leave the graph detached (engine/returned_heads.py), with or without a bias and
+    """An LM head whose logits also leave the graph detached (passes/returned_heads.py), with or without a bias and
     through views: graphtrain's *_logits op, the detached output its logits (same values), the loss and its
     gradients as the unfused graph's. Logits returned without the detach are the caller's to differentiate: those
     keep the plain cross-entropy."""

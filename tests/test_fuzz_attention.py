@@ -55,7 +55,7 @@ def test_fuzz_attention_in_a_child_process(budget):
 @pytest.fixture
 def error_policy():
     import graphtrain.kernels  # noqa: F401  (registers the ops)
-    from graphtrain import fallback
+    from graphtrain.config import fallback
     before = fallback.policy()
     fallback.set_policy("error")
     yield
@@ -63,7 +63,7 @@ def error_policy():
 
 
 def _run_child(code: str) -> subprocess.CompletedProcess:
-    prelude = "import torch\nimport graphtrain.kernels\nfrom graphtrain import fallback\nfallback.set_policy('error')\n"
+    prelude = "import torch\nimport graphtrain.kernels\nfrom graphtrain.config import fallback\nfallback.set_policy('error')\n"
     return subprocess.run([sys.executable, "-c", prelude + code], capture_output=True, text=True, timeout=600)
 
 
@@ -151,7 +151,7 @@ def _child(budget: str) -> None:
 
     import conftest  # noqa: F401  (registers the Hypothesis profiles)
     from fuzz_layouts import bind, close, dtypes, fuzz, sizes, tensor, upstream
-    from graphtrain import fallback
+    from graphtrain.config import fallback
     from graphtrain.kernels._common import force_reference
     from graphtrain.kernels.attention import attention, attention_backward_reference, attention_reference
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from fuzz_layouts import BUDGET_PARAMS, check_op, fuzz_per_dtype, optional, sizes, tensor
 from hypothesis import strategies as st
 
-from graphtrain import fallback
+from graphtrain.config import fallback
 from graphtrain.kernels import _cpu_ext, bias_dropout_add, bias_gelu, cross_entropy, gemm, layer_norm, \
     linear_cross_entropy, rms_norm
 from graphtrain.kernels._common import force_reference

@@ -3,7 +3,7 @@ init): each trains under `accelerate` with fallback=error (no fallback, no crash
 gradient. Dropout and stochastic depth are set to 0 so that both runs compute the same function.
 
 The default suite runs the architectures that once broke (DeBERTa-v2's attention fusion, Swin's learned mask,
-Bloom's autograd.Function GELU, once a fallback: engine/autograd_functions.py) and T5 (encoder-decoder); the rest
+Bloom's autograd.Function GELU, once a fallback: passes/autograd_functions.py) and T5 (encoder-decoder); the rest
 are marked slow."""
 from __future__ import annotations
 
@@ -79,7 +79,7 @@ def test_a_classifier_decides_its_problem_type_before_capture_and_compiles_once(
     it, so the second call compiled the model again (ViT, Swin). graphtrain sets it before the first call by
     Hugging Face's own rule: one compile, the value eager sets, eager's loss and gradients on both calls. A model
     whose forward never reads it keeps None."""
-    from graphtrain.engine import api
+    from graphtrain.frontend import accelerate as api
 
     def two_steps(name: str, settle: bool = True):
         if not settle:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from graphtrain import Trainer
-from graphtrain.config import Config, ModelConfig
+from graphtrain.config.sections import Config, ModelConfig
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("tiny_env")
@@ -72,7 +72,7 @@ def test_llama_from_config_trains_through_the_engine_like_eager(hf_dirs, tmp_pat
     assert meta["model_spec"]["hf_type"] == "llama" and meta["config"]["model"]["hf"].endswith("config.json")
     assert checkpoint_tokenizer(ckpt).digest() == runs["true"][0].data.tokenizer.digest()
     # what it trained leaves as itself: the transformers model's own safetensors, and ONNX checked by onnxruntime
-    from graphtrain.export import ONNX_ATOL, export_run
+    from graphtrain.runs.export import ONNX_ATOL, export_run
     st = export_run(runs["true"][1], "safetensors", tmp_path / "st")
     assert st["max_abs_diff"] == 0.0
     from safetensors.torch import load_file
@@ -106,7 +106,7 @@ def test_bert_mlm_with_a_users_tokenizer_then_export_hf(hf_dirs, tmp_path):
     is a folder AutoModelForMaskedLM + AutoTokenizer load, with the trained logits."""
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
 
-    from graphtrain.export import export_run, load_run
+    from graphtrain.runs.export import export_run, load_run
     tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
     tok.normalizer, tok.pre_tokenizer = normalizers.BertNormalizer(lowercase=True), pre_tokenizers.BertPreTokenizer()
     texts = [json.loads(line)["content"] for line in open(hf_dirs / "corpus.jsonl")]

@@ -8,7 +8,7 @@ import torch
 lightning = pytest.importorskip("lightning")
 
 import graphtrain  # noqa: E402
-from graphtrain.config import ModelConfig  # noqa: E402
+from graphtrain.config.sections import ModelConfig  # noqa: E402
 from graphtrain.models import build_model  # noqa: E402
 
 

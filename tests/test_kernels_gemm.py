@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import graphtrain
-from graphtrain.config import EngineConfig
-from graphtrain.engine.fallback import GraphtrainFallbackWarning
+from graphtrain.config.sections import EngineConfig
+from graphtrain.config.fallback import GraphtrainFallbackWarning
 from graphtrain.kernels.gemm import (WIN_MARGIN, gemm, gemm_onednn, gemm_probe, onednn_available, onednn_fp32,
                                      onednn_gemm_wins)
 from graphtrain.testing import assert_close, assert_grads_close
@@ -134,7 +134,7 @@ def _gemm_rewrites(m) -> int:
 
 
 def _tiny_gpt2(dropout=0.0):
-    from graphtrain.config import ModelConfig
+    from graphtrain.config.sections import ModelConfig
     from graphtrain.models import build_model
     torch.manual_seed(0)
     return build_model(ModelConfig(name="gpt2-tiny", dropout=dropout))
@@ -182,7 +182,7 @@ def test_pass_switched_off_by_name_and_off_by_default_under_aten():
 @needs_onednn
 def test_pass_leaves_graphs_with_aten_dropout_alone():
     """Dropout left as ATen's (fuse_bias_dropout_add and fuse_attention off) draws from eager's RNG stream. Inductor
-    on CPU misordered such a mask's bernoulli_ after its reader (see passes/lower_gemm.py, engine/providers.py), so
+    on CPU misordered such a mask's bernoulli_ after its reader (see passes/lower_gemm.py, runtime/providers.py), so
     those graphs are not given to Inductor: they fall back to aten (loudly), keep aten's matmuls, and the loss
     matches eager's under the same seed; fallback=error refuses them with the fix."""
     ref = _tiny_gpt2(dropout=0.1)

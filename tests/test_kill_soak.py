@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from graphtrain.config import Config
+from graphtrain.config.sections import Config
 from graphtrain.trainer import Trainer, list_checkpoints
 from graphtrain.trainer.checkpoint import load_checkpoint, load_sharded_meta, verify_checkpoint
 

@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 from graphtrain import Trainer
-from graphtrain.config import Config
+from graphtrain.config.sections import Config
 
 pytestmark = pytest.mark.usefixtures("tiny_env")
 TINY = ["model.name=gpt2-tiny", "data.seq_len=32", "data.vocab_size=512", "data.max_bytes=300000",

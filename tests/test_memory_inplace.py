@@ -6,8 +6,8 @@ import copy
 import pytest
 import torch
 
-from graphtrain.config import EngineConfig, ModelConfig
-from graphtrain.engine.capture import capture_graphs, compile_train_step
+from graphtrain.config.sections import EngineConfig, ModelConfig
+from graphtrain.frontend.capture import capture_graphs, compile_train_step
 from graphtrain.memory.predict import graph_liveness, placeholder_keys
 from graphtrain.models import build_model
 from graphtrain.passes.memory_inplace import inplace_candidates, inplace_elementwise_pass

@@ -5,9 +5,9 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from graphtrain.config import EngineConfig, ModelConfig
-from graphtrain.engine.autobatch import largest_fitting, pick_batch_size
-from graphtrain.engine.capture import predict_for_model
+from graphtrain.config.sections import EngineConfig, ModelConfig
+from graphtrain.tools.autobatch import largest_fitting, pick_batch_size
+from graphtrain.frontend.capture import predict_for_model
 from graphtrain.memory.predict import graph_liveness, placeholder_keys
 from graphtrain.models import build_model
 
@@ -68,7 +68,7 @@ def test_largest_fitting_bisects():
 @pytest.mark.parametrize("model,seq,batch", [("gpt2-mini", 128, 16), ("bert-mini", 128, 16)])
 @pytest.mark.parametrize("recompute", ["none", "selective", "full"])
 def test_prediction_within_15_percent_of_measured(model, seq, batch, recompute):
-    from graphtrain.engine.measure import build, measure
+    from graphtrain.tools.measure import build, measure
     m, b = build(model, seq, batch)
     est = predict_for_model(m, b, EngineConfig(recompute=recompute))
     r = measure(model=model, seq=seq, batch=batch, mode="graphtrain", recompute=recompute, steps=2, warmup=2,
@@ -83,7 +83,7 @@ def test_prediction_within_15_percent_of_measured(model, seq, batch, recompute):
 def test_engine_prediction_within_15_percent_of_measured(recompute):
     """The prediction graphtrain.report shows (graphs after the default passes, fused ops' internal scratch
     memory included) against one real step through graphtrain.accelerate, in a fresh process."""
-    from graphtrain.engine.measure import measure
+    from graphtrain.tools.measure import measure
     r = measure(model="gpt2-small", seq=1024, batch=2, mode="accelerate", recompute=recompute, steps=1, warmup=2,
                 pin_malloc=True)
     assert "error" not in r, r.get("error")

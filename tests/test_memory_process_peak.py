@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import graphtrain
-from graphtrain.config import ModelConfig
+from graphtrain.config.sections import ModelConfig
 from graphtrain.memory.process import ProcessPeak, predict_process_peak, resident_state
 from graphtrain.models import build_model
 
@@ -30,12 +30,12 @@ TOLERANCE = 0.02
 @pytest.mark.parametrize("model,recompute", [("gpt2-mini", "none"), ("bert-mini", "selective")])
 def test_predicted_process_peak_matches_measured_vmhwm(model, recompute):
     """One warm-up step (compile, AdamW state), then one step whose VmHWM is measured, in a fresh process
-    (graphtrain.engine.measure, the benchmark's harness); the predicted process peak is the resident set
+    (graphtrain.tools.measure, the benchmark's harness); the predicted process peak is the resident set
     before that step, less the parameters, optimizer state and batch measured in it, plus the step peak the
     engine predicted when it compiled. glibc's mmap threshold is pinned (freed buffers go back to the OS, as
     graphtrain sets it for recompute and memory budgets): the prediction models no allocator cache, and with
     glibc's default dynamic threshold a process holds up to ~9% more (docs/design/memory.md)."""
-    from graphtrain.engine.measure import measure
+    from graphtrain.tools.measure import measure
     r = measure(model=model, seq=128, batch=16, mode="accelerate", recompute=recompute, steps=1, warmup=1,
                 pin_malloc=True, timeout=600)
     assert "error" not in r, r.get("error")
@@ -83,7 +83,7 @@ def test_report_shows_process_peak_next_to_step_peak():
     opt.zero_grad(set_to_none=True)
     rep = graphtrain.report(m, optimizer=opt, batch=(x, x))
     pp = rep.process_peak
-    mem = pp["step"]  # the step prediction the process peak builds on (composed over blocks, engine/blocks.py)
+    mem = pp["step"]  # the step prediction the process peak builds on (composed over blocks, pipeline/blocks.py)
     assert isinstance(pp, dict) and pp["step_peak"] == mem["peak"] and pp["optimizer_measured"]
     assert pp["resident_parts"]["params"] == mem["params"] and pp["resident_parts"]["grads"] == 0
     assert pp["resident_parts"]["optimizer_state"] >= mem["optimizer_state"]

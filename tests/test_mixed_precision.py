@@ -6,9 +6,9 @@ import copy
 import pytest
 import torch
 
-from graphtrain.config import EngineConfig, ModelConfig
-from graphtrain.engine.functional import module_as_function
-from graphtrain.engine.trace import trace_aten_forward
+from graphtrain.config.sections import EngineConfig, ModelConfig
+from graphtrain.pipeline.functional import module_as_function
+from graphtrain.pipeline.trace import trace_aten_forward
 from graphtrain.kernels.registry import op_descriptor
 from graphtrain.models import build_model
 from graphtrain.passes import PassContext, pipeline

@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphtrain.config import EngineConfig, ModelConfig
-from graphtrain.engine.functional import module_as_function
-from graphtrain.engine.trace import trace_aten_forward
+from graphtrain.config.sections import EngineConfig, ModelConfig
+from graphtrain.pipeline.functional import module_as_function
+from graphtrain.pipeline.trace import trace_aten_forward
 from graphtrain.models import build_model
 from graphtrain.optim import FusedAdamW, make_loss_scaler, optimizer_step
 from graphtrain.passes import PassContext

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphtrain.config import ModelConfig
+from graphtrain.config.sections import ModelConfig
 from graphtrain.models import BERT, GPT2, PRESETS, build_model, count_parameters
 from graphtrain.testing import assert_close, assert_grads_close
 

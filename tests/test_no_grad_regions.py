@@ -1,4 +1,4 @@
-"""A no_grad region inside a training graph (engine/no_grad_regions.py): lifted, its values detached, so that the
+"""A no_grad region inside a training graph (passes/no_grad_regions.py): lifted, its values detached, so that the
 pre-autodiff passes run on the graph (Hugging Face Llama's rotary embedding); a region that mutates is left alone.
 Checked against eager PyTorch."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import graphtrain
-from graphtrain.engine.no_grad_regions import lift_no_grad_regions
+from graphtrain.passes.no_grad_regions import lift_no_grad_regions
 from graphtrain.testing import assert_close, assert_grads_close
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from graphtrain.config import Config
+from graphtrain.config.sections import Config
 from graphtrain.trainer import Trainer, TrainingFailed
 from graphtrain.trainer.faults import NumericsGuard, rejection
 
@@ -160,7 +160,7 @@ def test_graph_engine_path_never_writes_nan(tmp_path, precision):
 
 def test_whole_step_graph_skips_nonfinite_and_spiking_steps():
     """graphtrain.compile_step (fp32): a NaN loss or one above max_loss leaves weights, moments and step counts."""
-    from graphtrain.engine.step_graph import compile_step
+    from graphtrain.frontend.compile_step import compile_step
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))

@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 
 import graphtrain
-from graphtrain.config import EngineConfig
-from graphtrain.engine.trace import trace_aten_forward
+from graphtrain.config.sections import EngineConfig
+from graphtrain.pipeline.trace import trace_aten_forward
 from graphtrain.kernels import _cpu_ext
 from graphtrain.kernels.registry import (FORWARD, KERNELS, OPS, PRECISIONS, RECOMPUTE, ROLES, OpDescriptor,
                                          dispatcher_graphtrain_ops, no_workspace, op_descriptor)
@@ -88,7 +88,7 @@ def test_cpp_fields_name_real_cpu_ext_functions():
 def test_facts_the_old_tables_held():
     """What recompute's op sets, mixed precision's table, seeded.py and the predictor knew before the registry
     (rms_norm's precision was missing: fp32 now, like layer_norm). The kernels' ops only: a user's autograd.Function
-    held opaque (engine/autograd_functions.py) is random as far as the passes know, never recomputed, and follows."""
+    held opaque (passes/autograd_functions.py) is random as far as the passes know, never recomputed, and follows."""
     _import_every_op_module()
     d = OPS.pop("autograd_function")
     try:
@@ -104,7 +104,7 @@ def _facts_of_the_kernels_ops():
     assert {n for n, d in fwd.items() if d.recompute == "cheap" and not d.random} == {
         "layer_norm", "rms_norm", "bias_gelu", "bias_dropout_add_seeded"}
     lce = {"linear_cross_entropy", "linear_bias_cross_entropy", "linear_cross_entropy_logits",
-           "linear_bias_cross_entropy_logits"}  # the *_logits ops: a returned head's (engine/returned_heads.py)
+           "linear_bias_cross_entropy_logits"}  # the *_logits ops: a returned head's (passes/returned_heads.py)
     assert {n for n, d in fwd.items() if d.recompute == "compute-bound" and not d.random} == lce
     assert {n for n, d in fwd.items() if d.recompute == "never"} == {"gemm"}
     assert {n: d.precision for n, d in fwd.items()} == {
@@ -200,7 +200,7 @@ def test_passes_never_merge_or_drop_fused_random_ops():
 
 
 def test_report_lists_phases_and_fused_ops():
-    from graphtrain.config import ModelConfig
+    from graphtrain.config.sections import ModelConfig
     from graphtrain.models import build_model
     torch.manual_seed(0)
     m = build_model(ModelConfig(name="gpt2-tiny", dropout=0.1)).train()

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from graphtrain.config import Config
+from graphtrain.config.sections import Config
 
 T0 = 1795852400.0
 

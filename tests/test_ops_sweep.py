@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from graphtrain.ops.sweep import load_sweep
+from graphtrain.runs.sweep import load_sweep
 
 ROOT = Path(__file__).resolve().parent.parent
 BASE = """
@@ -75,7 +75,7 @@ def test_bad_sampler_or_pruner(tmp_path):
 
 
 def test_edge_warnings_name_the_parameter_and_the_next_range():
-    from graphtrain.ops.sweep import edge_warnings
+    from graphtrain.runs.sweep import edge_warnings
     space = {"optim.lr": ("log_uniform", [1.0e-5, 3.0e-2]), "optim.weight_decay": ("uniform", [0.0, 0.1]),
              "optim.warmup_steps": ("int", [0, 100]), "train.batch_size": ("choices", [2, 4, 8]),
              "model.attention": ("choices", ["sdpa", "explicit", "flash"])}
@@ -101,7 +101,7 @@ def test_summary_warns_when_the_best_trial_sits_at_an_edge(tmp_path):
     the log and in summary.json; the second-best trial's edge value is not the best's and says nothing."""
     import optuna
 
-    from graphtrain.ops.sweep import _study, write_summary
+    from graphtrain.runs.sweep import _study, write_summary
     sweep = load_sweep(_file(tmp_path, f"space: {{optim.lr: {{log_uniform: [1.0e-5, 3.0e-2]}}}}\n"
                                        f"out: {tmp_path / 'out'}\n"))
     study = _study(sweep)
@@ -149,7 +149,7 @@ def test_command_line_out_and_counts_reach_the_sweep(tmp_path):
     the edge warning, while the file's own out: stays untouched."""
     import optuna
 
-    from graphtrain.ops.sweep import _study, write_summary
+    from graphtrain.runs.sweep import _study, write_summary
     path = _file(tmp_path, f"space: {{optim.lr: {{log_uniform: [1.0e-5, 3.0e-2]}}}}\ntrials: 5\nparallel: 2\n"
                            f"out: {tmp_path / 'file-out'}\n")
     sweep = load_sweep(path, trials=1, parallel=3, out=tmp_path / "cli-out")
@@ -170,7 +170,7 @@ def test_command_line_out_and_counts_reach_the_sweep(tmp_path):
 
 @pytest.mark.parametrize("flag,value", [("--parallel", "two"), ("--trials", "0"), ("--trials", "-3")])
 def test_bad_sweep_counts_are_one_usage_error(tmp_path, capsys, flag, value):
-    from graphtrain.cli import main
+    from graphtrain.cli.main import main
     path = _file(tmp_path, f"space: {{optim.lr: {{choices: [0.1]}}}}\nout: {tmp_path / 'out'}\n")
     assert main(["sweep", str(path), flag, value]) == 2
     err = capsys.readouterr().err

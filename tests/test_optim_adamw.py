@@ -6,7 +6,7 @@ import copy
 import pytest
 import torch
 
-from graphtrain.config import OptimConfig
+from graphtrain.config.sections import OptimConfig
 from graphtrain.optim import FusedAdamW, build_optimizer, optimizer_step, param_groups
 
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from graphtrain.config import OptimConfig
+from graphtrain.config.sections import OptimConfig
 from graphtrain.optim import LAMB, build_optimizer
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from graphtrain.config import EngineConfig
+from graphtrain.config.sections import EngineConfig
 from graphtrain.passes.manager import STAGES, pipeline, registered_passes
 
 CLEANUPS = ["remove_noop_ops", "fold_view_chains", "eliminate_common_subexpressions", "eliminate_dead_code",

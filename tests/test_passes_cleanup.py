@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from graphtrain.config import EngineConfig
-from graphtrain.engine.trace import trace_aten_forward
+from graphtrain.config.sections import EngineConfig
+from graphtrain.pipeline.trace import trace_aten_forward
 from graphtrain.passes.cleanup import (eliminate_common_subexpressions_pass, eliminate_dead_code_pass,
                                        fold_constants_pass, remove_noop_ops_pass)
 from graphtrain.passes.manager import PassContext, op_counts, run_pipeline
@@ -126,7 +126,7 @@ def test_unknown_pass_name_is_a_clear_error():
 
 def test_provider_limited_defaults():
     """Fusions Inductor does better itself are on by default under aten only; engine.passes overrides."""
-    from graphtrain.config import EngineConfig
+    from graphtrain.config.sections import EngineConfig
     from graphtrain.passes.manager import pipeline
 
     def names(**kw):

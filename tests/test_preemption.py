@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from graphtrain.config import Config
+from graphtrain.config.sections import Config
 from graphtrain.trainer import Trainer, TrainingPreempted, list_checkpoints
 
 TINY = ["model.name=gpt2-tiny", "data.seq_len=32", "data.vocab_size=512", "data.max_bytes=300000",

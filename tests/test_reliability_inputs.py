@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from graphtrain.cli import main
+from graphtrain.cli.main import main
 
 TINY = ["model.name=gpt2-tiny", "data.seq_len=32", "data.vocab_size=512", "data.max_bytes=300000",
         "train.batch_size=4", "train.steps=2", "train.eval_every=0", "train.eval_batches=1", "train.log_every=1",
@@ -87,7 +87,7 @@ def test_a_run_folder_inside_data_path_is_not_read_as_data(tmp_path, capsys):
     assert main(["train", *args, "--resume", "auto", "--steps", "3"]) == 0, capsys.readouterr().err
     records = [json.loads(line) for line in (data / "run" / "metrics.jsonl").read_text().splitlines()]
     assert max(r["step"] for r in records) == 3
-    from graphtrain.config import Config
+    from graphtrain.config.sections import Config
     from graphtrain.data.corpus import list_files
     _, files = list_files(Config().with_overrides([f"data.path={data}"]).data)
     assert sorted(f.relpath for f in files) == ["m0.py", "m1.py", "m2.py"]
@@ -107,7 +107,7 @@ class _Payload:
 
 def _accelerated_step(cache: Path) -> object:
     import graphtrain
-    from graphtrain.config import ModelConfig
+    from graphtrain.config.sections import ModelConfig
     from graphtrain.models import build_model
     torch.manual_seed(0)
     model = graphtrain.accelerate(build_model(ModelConfig(name="gpt2-tiny", dropout=0.0)), provider="aten",
@@ -122,7 +122,7 @@ def test_a_planted_pass_cache_entry_runs_no_code(tmp_path, one_thread):
     """engine.cache_dir can name any folder: a pickle planted in its passes/ (raw, or with a forged header) is never
     loaded; the graph is traced again, the entry rewritten, and a genuine entry still hits."""
     import pickle
-    forged = b"graphtrain-pass-cache-hmac-sha256\n" + b"\0" * 32  # engine/cache.py's header, with a made-up tag
+    forged = b"graphtrain-pass-cache-hmac-sha256\n" + b"\0" * 32  # pipeline/cache.py's header, with a made-up tag
     cache = tmp_path / "cache"
     _accelerated_step(cache)
     entries = sorted((cache / "passes").glob("*.pkl"))
@@ -186,7 +186,7 @@ def test_a_large_file_is_read_only_up_to_max_bytes(tmp_path):
     """data.max_bytes=20000 over a 64 MB text file: the read allocates about 20 KB, not the file (tracemalloc)."""
     import tracemalloc
 
-    from graphtrain.config import Config
+    from graphtrain.config.sections import Config
     from graphtrain.data.corpus import list_files, read_files
     data = tmp_path / "data"
     data.mkdir()
@@ -342,7 +342,7 @@ def test_a_hostile_model_hf_config_is_one_error_line(tmp_path, capsys, content):
 def test_a_hostile_tokenizer_config_is_ignored(tmp_path, capsys, content):
     """data.tokenizer's tokenizer_config.json nested 100,000 deep or not an object (RecursionError and AttributeError
     tracebacks): ignored, the special tokens are found by their usual names, and the run trains."""
-    from graphtrain.config import Config
+    from graphtrain.config.sections import Config
     from graphtrain.data.tokenizer import load_or_build
     built = load_or_build(Config().with_overrides(["data.vocab_size=512", "data.max_bytes=300000"]).data)
     (tmp_path / "tok").mkdir()

@@ -16,12 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from graphtrain.cli import main
+from graphtrain.cli.main import main
 
 TINY = ["model.name=gpt2-tiny", "data.seq_len=32", "data.vocab_size=512", "data.max_bytes=300000",
         "train.batch_size=4", "train.steps=2", "train.eval_every=0", "train.eval_batches=1", "train.log_every=1",
         "train.ckpt_every=1", "train.progress=false", "train.threads=1", "train.sample_tokens=0"]
-BACKGROUND = "graphtrain.engine.background"
+BACKGROUND = "graphtrain.runtime.background"
 
 
 # ------------------------------------------------------------ item 5: no process left behind ----
@@ -220,7 +220,7 @@ def test_a_killed_sweep_preempts_its_trials(tmp_path):
 def test_cache_stop_removes_only_a_compile_folder(tmp_path):
     """A process whose command line looks like a background compile but names another folder is stopped, and that
     folder is kept: `graphtrain cache stop` removes only folders graphtrain made for its compiles."""
-    from graphtrain.engine import background
+    from graphtrain.runtime import background
     keep = tmp_path / "important"
     keep.mkdir()
     (keep / "owner.json").write_text("{}")

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from graphtrain.cli import main
-from graphtrain.config import Config
+from graphtrain.cli.main import main
+from graphtrain.config.sections import Config
 from graphtrain.trainer import Trainer, list_checkpoints
 from graphtrain.trainer.checkpoint import latest_valid_checkpoint, load_checkpoint, verify_checkpoint
 from graphtrain.trainer.resume import lock_run_folder

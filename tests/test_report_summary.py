@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import graphtrain
-from graphtrain.engine.report import user_name
+from graphtrain.tools.report import user_name
 
 pytestmark = pytest.mark.usefixtures("tiny_env")
 MANGLED = re.compile(r"[lL]_self_|L\['self'\]")

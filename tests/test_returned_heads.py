@@ -1,4 +1,4 @@
-"""Logits a model returns beside its loss (engine/returned_heads.py): detached from the compiled graph and given
+"""Logits a model returns beside its loss (passes/returned_heads.py): detached from the compiled graph and given
 linear's backward outside it, so a step that trains on the loss fills no zero gradient of the logits' size. Checked
 against eager PyTorch: the loss alone, and a caller that backpropagates through the returned logits too."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import graphtrain
-from graphtrain.engine.returned_heads import _HeadGrad
+from graphtrain.passes.returned_heads import _HeadGrad
 from graphtrain.testing import assert_close, assert_grads_close
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from graphtrain.config import EngineConfig
+from graphtrain.config.sections import EngineConfig
 from graphtrain.passes.graph_utils import mask_kind
 from graphtrain.passes.static_masks import specialize_static_masks
-from graphtrain.engine.trace import trace_aten_forward
+from graphtrain.pipeline.trace import trace_aten_forward
 from graphtrain.passes.manager import PassContext, registered_passes
 from graphtrain.testing import assert_close
 
@@ -103,12 +103,12 @@ def test_shape_masks_rewritten_only_when_constant_and_exact(style, kind):
 
 
 def test_repeated_block_bodies_lose_the_mask_input():
-    """Blocks compiled once (engine/blocks.py) read the mask as an input: every call gets it from the same constant,
+    """Blocks compiled once (pipeline/blocks.py) read the mask as an input: every call gets it from the same constant,
     so the body is specialized and the mask no longer computed or passed. A padding mask keeps its mask; an
     all-ones attention_mask is passed as None (what it means) and takes the causal path."""
     transformers = pytest.importorskip("transformers")
     import graphtrain
-    from graphtrain.engine.report import _state_of
+    from graphtrain.pipeline.state import state_of
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
                                    num_attention_heads=4, num_key_value_heads=2, use_cache=False,
@@ -129,7 +129,7 @@ def test_repeated_block_bodies_lose_the_mask_input():
             assert_close(a.grad, b.grad, name=name)
         model.zero_grad()
         ref.zero_grad()
-    state, _ = _state_of(fast)
+    state, _ = state_of(fast)
     notes = [n for n in state.notes if "static_masks" in n]
     assert notes == ["3 SDPA call(s) with a constant causal mask (built from shapes, e.g. Hugging Face's under "
                      "tracing): rewritten to is_causal=True (engine.static_masks)",
@@ -139,10 +139,10 @@ def test_repeated_block_bodies_lose_the_mask_input():
 
 def test_switch_off_keeps_the_mask():
     import graphtrain
-    from graphtrain.engine.report import _state_of
+    from graphtrain.pipeline.state import state_of
     m = graphtrain.accelerate(ShapeMasked("causal_bool"), provider="aten", static_masks=False)
     m(torch.randn(2, 7, 16)).sum().backward()
-    state, _ = _state_of(m)
+    state, _ = state_of(m)
     assert not [n for n in state.notes if "static_masks" in n]
 
 

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import graphtrain
-from graphtrain.config import Config, ModelConfig, OptimConfig
+from graphtrain.config.sections import Config, ModelConfig, OptimConfig
 from graphtrain.models import build_model
 from graphtrain.optim import build_optimizer, optimizer_step
 from graphtrain.testing import assert_close
@@ -196,7 +196,7 @@ def test_user_errors_are_clear():
 def test_report_shows_the_step_graph_passes_and_fallbacks(monkeypatch):
     """compile_step records like accelerate: graphtrain.report(model) lists the step graph, its passes and a
     provider fallback (here Inductor made to fail: the step runs on aten, and says so)."""
-    from graphtrain.engine.step_graph import CompiledStep
+    from graphtrain.frontend.compile_step import CompiledStep
     torch.manual_seed(0)
     model = build_model(ModelConfig(name="gpt2-tiny", dropout=0.0))
     real = CompiledStep._compile
@@ -249,7 +249,7 @@ def test_a_step_that_cannot_be_traced_whole_runs_uncompiled_and_says_why(recwarn
     fallback named in the report and one warning; under fallback=error it is one GraphtrainCaptureError line."""
     pytest.importorskip("transformers")
     from graphtrain.bench.families import build_family
-    from graphtrain.engine.fallback import GraphtrainCaptureError
+    from graphtrain.config.fallback import GraphtrainCaptureError
     torch.manual_seed(0)
     model, batch = build_family("bart", hidden=32, layers=1, vocab=101, batch=2, seq=16, dropout=False)
     ref = copy.deepcopy(model)

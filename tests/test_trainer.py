@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from graphtrain.config import Config, OptimConfig
+from graphtrain.config.sections import Config, OptimConfig
 from graphtrain.trainer import Trainer, TrainingFailed, list_checkpoints, lr_at
 from graphtrain.trainer.strategies import WholeStepGraph
 
@@ -174,7 +174,7 @@ def test_auto_batch_size_fits_the_budget(tmp_path):
                            "train.steps=1"))
     chosen = trainer.config.train.batch_size
     assert isinstance(chosen, int) and chosen > 1 and trainer.config.train.grad_accum == 2  # accum kept
-    from graphtrain.engine.autobatch import pick_batch_size
+    from graphtrain.tools.autobatch import pick_batch_size
     from graphtrain.models import build_model
     plan = pick_batch_size(lambda: build_model(trainer.config.model, vocab_size=512), 32, budget)
     assert plan.micro_batch == chosen and plan.predicted_peak <= budget

@@ -14,22 +14,22 @@ from __future__ import annotations
 
 from typing import Any
 
-from graphtrain.torch_range import check_installed_torch
+from graphtrain.config.torch_range import check_installed_torch
 
 check_installed_torch()  # first: an unsupported torch stops here, naming the range (without importing torch)
 
-from graphtrain.config import (Config, DataConfig, EngineConfig, ModelConfig, OptimConfig,  # noqa: E402
+from graphtrain.config.sections import (Config, DataConfig, EngineConfig, ModelConfig, OptimConfig,  # noqa: E402
                                ParallelConfig, TrainConfig)
 
 __version__ = "0.1.0"
 
 # Heavier pieces load on first use so `import graphtrain` stays fast.
 _LAZY = {
-    "accelerate": "graphtrain.engine.api",
-    "wait_compiled": "graphtrain.engine.api",
-    "report": "graphtrain.engine.report",
-    "bisect": "graphtrain.engine.bisect",
-    "compile_step": "graphtrain.engine.step_graph",
+    "accelerate": "graphtrain.frontend.accelerate",
+    "wait_compiled": "graphtrain.frontend.accelerate",
+    "report": "graphtrain.tools.report",
+    "bisect": "graphtrain.tools.bisect",
+    "compile_step": "graphtrain.frontend.compile_step",
     "Trainer": "graphtrain.trainer.trainer",
 }
 
@@ -62,7 +62,7 @@ def _register_backend() -> None:
         except metadata.PackageNotFoundError:
             pass
     try:
-        from graphtrain.engine.backend import register_backend
+        from graphtrain.runtime.backend import register_backend
     except ImportError:  # engine not built yet in this checkout
         return
     register_backend()

@@ -1,3 +1,3 @@
-from graphtrain.cli import program
+from graphtrain.cli.main import program
 
 program()

@@ -77,7 +77,7 @@ def build_model(case: Case) -> tuple[torch.nn.Module, int, bool]:
     torch.manual_seed(SEED)
     if case.model.startswith("hf-"):
         return (*_build_hf(case), True)
-    from graphtrain.config import ModelConfig
+    from graphtrain.config.sections import ModelConfig
     from graphtrain.models import build_model as build_reference
     model = build_reference(ModelConfig(name=case.model, attention=case.attention))
     return model, model.spec.vocab_size, False
@@ -150,7 +150,7 @@ def sparse_head_ran(work: "Workload") -> bool:
     if work.variant.mode not in ("graphtrain", "graphtrain-step") or "sparse_lm_head" in work.variant.passes_off:
         return False
     try:
-        from graphtrain.engine.report import report
+        from graphtrain.tools.report import report
         passes = report(work.model).passes
     except Exception:  # noqa: BLE001 - no engine state to read: assume the shortcut ran
         return True
@@ -179,7 +179,7 @@ def wrap_model(model: torch.nn.Module, variant: Variant) -> torch.nn.Module:
     if variant.mode == "graphtrain-step":  # the step graph is built in build_workload
         return model
     if variant.mode == "graphtrain":
-        from graphtrain.engine.api import accelerate
+        from graphtrain.frontend.accelerate import accelerate
         return accelerate(model, precision=variant.precision, recompute=variant.recompute, passes=passes_off(variant))
     if variant.mode == "ortmodule":
         try:
@@ -214,7 +214,7 @@ def make_optimizer(model: torch.nn.Module, variant: Variant | None = None) -> to
     (FusedAdamW: the same kernel). `variant.optimizer == "loop"` gives torch.optim.AdamW's default
     per-parameter loop instead (on CPU ~5x slower for gpt2-small: an extra column and an ablation). The
     optimizer's share of the step is reported separately (`opt_ms`)."""
-    from graphtrain.config import OptimConfig
+    from graphtrain.config.sections import OptimConfig
     from graphtrain.optim import build_optimizer, param_groups
     cfg = OptimConfig()
     loop = variant is not None and variant.optimizer == "loop"
@@ -244,8 +244,8 @@ def build_workload(case: Case, variant: Variant, device: str = "cpu") -> tuple[W
     info["flops_per_step"] = flops.step_flops(info["matmul_params"], n_layer, case.seq, d_model, case.batch * case.seq)
     work = Workload(wrapped, optimizer, batch, variant, dev, hf)
     if variant.mode == "graphtrain-step":
-        from graphtrain.config import Config
-        from graphtrain.engine.step_graph import compile_step
+        from graphtrain.config.sections import Config
+        from graphtrain.frontend.compile_step import compile_step
         work.step_graph = compile_step(model, Config(), precision=variant.precision)  # same AdamW settings
     return work, info
 
@@ -323,8 +323,8 @@ class Worker:
     def setup(self) -> dict[str, Any]:
         torch.set_num_threads(os.cpu_count() or 1)
         # the same process environment for every variant of a run (runner decides): what graphtrain sets itself
-        # (engine/backend.py allocator_mode), release under its recompute variants, keep otherwise
-        from graphtrain.engine.backend import set_cpu_allocator
+        # (runtime/backend.py allocator_mode), release under its recompute variants, keep otherwise
+        from graphtrain.runtime.backend import set_cpu_allocator
         set_cpu_allocator("release" if self.pin_mmap else "keep")
         t0 = time.perf_counter()
         self.work, info = build_workload(self.case, self.variant, str(self.device))
@@ -335,7 +335,7 @@ class Worker:
         info["first_step_s"] = time.perf_counter() - t1
         info["time_to_first_step_s"] = time.perf_counter() - t0
         if self.variant.mode == "graphtrain":  # provider auto: time what training settles on (Inductor or aten)
-            from graphtrain.engine.api import wait_compiled
+            from graphtrain.frontend.accelerate import wait_compiled
             t2 = time.perf_counter()
             wait_compiled(self.work.model)
             self._run(1)  # each graph measures its candidates and switches

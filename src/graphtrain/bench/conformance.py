@@ -14,7 +14,7 @@ each cell in a child process (``python -m graphtrain.bench.conformance --cell RO
 code (SIGSEGV, SIGABRT) is one failed cell, named by its signal, and the matrix goes on. Exit status 0 when no cell
 failed, 1 otherwise, 2 for a usage error.
 
-``--bisect ROW:COLUMN`` runs ``graphtrain.bisect`` (engine/bisect.py) on the cell's model and batch with its
+``--bisect ROW:COLUMN`` runs ``graphtrain.bisect`` (tools/bisect.py) on the cell's model and batch with its
 precision, provider and recompute: the first pass, fused op or provider out of tolerance. bisect trains through
 ``accelerate`` in this process: a cell that fails only through another entry point is bisected as accelerate runs
 it, and a crash inside bisect ends it (its configurations are not isolated).

@@ -41,7 +41,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from graphtrain.config import Config, DataConfig, EngineConfig, ModelConfig, OptimConfig, TrainConfig
+from graphtrain.config.sections import Config, DataConfig, EngineConfig, ModelConfig, OptimConfig, TrainConfig
 from graphtrain.testing import TOLERANCES, assert_close
 
 ENTRIES = ("accelerate", "backend", "compile_step", "trainer")
@@ -302,7 +302,7 @@ def _graphtrain(model: nn.Module, batch: dict[str, torch.Tensor], col: Column, s
         wait = (lambda: graphtrain.wait_compiled(model, timeout=600)) if col.provider == "auto" else None
         return dataclasses.replace(_loop(model, model, batch, steps, wait), state=model._graphtrain, model=model)
     if col.entry == "backend":
-        from graphtrain.engine.state import GLOBAL_STATE
+        from graphtrain.pipeline.state import GLOBAL_STATE
         compiled = torch.compile(model, backend="graphtrain", options=col.engine())
         return dataclasses.replace(_loop(model, compiled, batch, steps), state=GLOBAL_STATE)
     if col.entry == "compile_step":
@@ -448,7 +448,7 @@ def run_cell(row: Row, col: Column, steps: int = STEPS) -> Result:
     import time
 
     import torch._dynamo
-    from graphtrain.engine.state import GLOBAL_STATE
+    from graphtrain.pipeline.state import GLOBAL_STATE
     from graphtrain.kernels._common import runtime_fallbacks
     t0 = time.perf_counter()
     if col.entry == "trainer" and row.objective is None:

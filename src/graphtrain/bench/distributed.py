@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from graphtrain.config import ModelConfig, OptimConfig, ParallelConfig
+from graphtrain.config.sections import ModelConfig, OptimConfig, ParallelConfig
 
 LAYOUTS = {"dp=1": dict(), "dp=2": dict(dp=2), "dp=2 zero1": dict(dp=2, zero_stage=1), "tp=2": dict(tp=2),
            "pp=2": dict(pp=2, microbatches=2)}

@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     ids = torch.randint(0, a.vocab, (a.batch, a.seq))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     if a.same_allocator and a.mode != "graphtrain":
-        from graphtrain.engine.backend import set_cpu_allocator
+        from graphtrain.runtime.backend import set_cpu_allocator
         set_cpu_allocator("keep", huge_pages=True)
     if a.mode == "graphtrain":
         import graphtrain
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{c.get('passes_miss')} miss, Inductor FX graphs {c.get('fxgraph_hit')} hit {c.get('fxgraph_miss')} "
               f"miss")
         if rep.first_step_memory:
-            from graphtrain.engine.report import _first_step_line
+            from graphtrain.tools.report import _first_step_line
             print(_first_step_line(rep.first_step_memory))
     return 0
 

@@ -2,7 +2,7 @@
 
     python -m graphtrain.bench.memory --model gpt2-small --seq 1024 --batch 2 --cap-gib 4 --rounds 2
 
-Each variant runs in its own fresh subprocess (graphtrain.engine.measure): warm-up steps, then
+Each variant runs in its own fresh subprocess (graphtrain.tools.measure): warm-up steps, then
 the resident high-water mark over the timed steps (CPU) -- absolute ``peak_rss`` (VmHWM, the figure the
 docs quote) and the step's tensor part ``peak_tensor``. For the graphtrain variants the engine's step
 prediction becomes a predicted process peak (the resident set measured before the timed steps, less the
@@ -25,7 +25,7 @@ import statistics
 import sys
 import time
 
-from graphtrain.engine.measure import measure
+from graphtrain.tools.measure import measure
 
 GiB = 2**30
 MiB = 2**20
@@ -47,7 +47,7 @@ RECOMPUTING = ("selective", "full", "graphtrain-selective", "graphtrain-full")
 def malloc_pinned(names: list[str], malloc: str) -> bool:
     """One allocator setting for every variant of a table (issue: the same process environment for every
     variant). `auto`: glibc's mmap threshold pinned in every process when a recompute variant is in the table
-    (graphtrain's engine pins it for recompute, engine/backend.py), glibc's default in every process otherwise."""
+    (graphtrain's engine pins it for recompute, runtime/backend.py), glibc's default in every process otherwise."""
     if malloc == "auto":
         return any(n in RECOMPUTING for n in names)
     return malloc == "pinned"
@@ -139,10 +139,10 @@ def interleaved_step_times(model: str, seq: int, batch: int, variants: list[str]
 
     import torch
 
-    from graphtrain.engine.measure import build
-    from graphtrain.engine.backend import set_cpu_allocator
+    from graphtrain.tools.measure import build
+    from graphtrain.runtime.backend import set_cpu_allocator
     torch.set_num_threads(threads)
-    # what accelerate does for these modes (engine/backend.py allocator_mode); applies to every variant here
+    # what accelerate does for these modes (runtime/backend.py allocator_mode); applies to every variant here
     set_cpu_allocator("release" if any(v in ("selective", "full", "auto") for v in variants) else "keep")
     torch.manual_seed(0)
     base, data = build(model, seq, batch, dropout, attention)

@@ -323,9 +323,9 @@ def save(run: dict[str, Any], out_dir: Path) -> dict[str, Path]:
 
 
 def html_page(run: dict[str, Any], out: Path) -> Path:
-    """The run as an HTML page (ops/plot.py): per case, each variant's speed against eager as a bar with its
+    """The run as an HTML page (runs/plot.py): per case, each variant's speed against eager as a bar with its
     spread over the interleaved repeats, then the markdown tables' figures as a table."""
-    from graphtrain.ops.plot import write_bar_page
+    from graphtrain.runs.plot import write_bar_page
     groups: dict[str, list[tuple[str, float, float, float]]] = {}
     for row in summarize(run):
         if row.get("vs_eager") is not None:

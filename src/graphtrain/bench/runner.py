@@ -32,7 +32,7 @@ def _failed(reply: dict[str, Any]) -> dict[str, Any]:
 
 def pins_mmap(variants: list[Variant]) -> bool:
     """Whether this run's workers pin glibc's mmap threshold: all of them when any variant uses graphtrain's
-    recompute (which pins it, engine/backend.py), none otherwise (then they all keep freed blocks, what graphtrain
+    recompute (which pins it, runtime/backend.py), none otherwise (then they all keep freed blocks, what graphtrain
     sets without recompute), so every variant of a table runs in the same process environment."""
     return any(v.recompute != "none" for v in variants)
 

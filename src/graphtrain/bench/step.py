@@ -51,7 +51,7 @@ def build(model: str, batch: int, seq: int, seed: int = 0, dims: tuple[int, int,
             raise ValueError(f"unknown model {model!r}: use hf-gpt2, hf-bert or a graphtrain preset")
         vocab, family = 16384, "gpt2" if model == "hf-gpt2" else "bert"
     else:
-        from graphtrain.config import ModelConfig
+        from graphtrain.config.sections import ModelConfig
         from graphtrain.models import build_model, resolve_spec
         cfg = ModelConfig(name=model)
         spec = resolve_spec(cfg)
@@ -74,7 +74,7 @@ def _worker(conn: Any, variant: str, model: str, batch: int, seq: int, threads: 
     torch.set_num_threads(threads)
     # the same process environment for every variant: the CPU allocator graphtrain sets for itself without
     # recompute (freed blocks kept, huge pages), as the `graphtrain bench` suites do
-    from graphtrain.engine.backend import set_cpu_allocator
+    from graphtrain.runtime.backend import set_cpu_allocator
     set_cpu_allocator("keep")
     m, inputs = build(model, batch, seq, dims=dims)
     if variant == "compile":

@@ -24,14 +24,14 @@ def worker_env() -> dict[str, str]:
     torch 2.13 leaves the ISA out of its cache keys, and its C++ is compiled again at load time for the loading
     process's ISA: a native run that loaded the AVX2 code a simulated run had cached wrote past its buffers (the
     torch.compile workers died with "malloc(): unaligned tcache chunk detected"). graphtrain's own Inductor keys
-    carry the ISA (engine/providers.py). A TORCHINDUCTOR_CACHE_DIR naming torch's default counts as unset: torch's
+    carry the ISA (runtime/providers.py). A TORCHINDUCTOR_CACHE_DIR naming torch's default counts as unset: torch's
     `cache_dir()` writes the default into the environment the first time this process asks for it, and the workers
     started after that (a run's second variant on) had loaded AVX-512 code under AVX2 and died."""
     import os
     env = dict(os.environ)
     isa = env.get("ATEN_CPU_CAPABILITY", "").strip().lower()
     if isa:
-        from graphtrain.engine.cache import user_set_inductor_cache
+        from graphtrain.pipeline.cache import user_set_inductor_cache
         if not user_set_inductor_cache(env):
             from torch._inductor.runtime.cache_dir_utils import default_cache_dir
             env["TORCHINDUCTOR_CACHE_DIR"] = f"{default_cache_dir()}-isa-{isa}"

@@ -13,7 +13,7 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
-from graphtrain.config import DataConfig
+from graphtrain.config.sections import DataConfig
 
 # Folders never worth reading in a user's tree (version control, caches, virtual environments).
 _SKIP_DIRS = {".git", ".hg", ".svn", "__pycache__", ".venv", "venv", "node_modules", ".mypy_cache",

@@ -17,7 +17,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from graphtrain.config import Config
+from graphtrain.config.sections import Config
 from graphtrain.data.corpus import source_kind
 from graphtrain.data.shards import load_token_shards
 from graphtrain.data.tokenizer import CodeTokenizer, TokenizedCorpus, load_or_build, load_user_tokenizer

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from graphtrain.config import DataConfig
+from graphtrain.config.sections import DataConfig
 from graphtrain.data.corpus import TOKEN_SUFFIXES, corpus_root, split_score, walk_files
 from graphtrain.data.tokenizer import CodeTokenizer, _atomic_write, cache_root
 

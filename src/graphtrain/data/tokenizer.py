@@ -21,7 +21,7 @@ from typing import Callable, Iterable
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from graphtrain.config import DataConfig
+from graphtrain.config.sections import DataConfig
 from graphtrain.data.corpus import Corpus, SourceFile, list_files, load_corpus
 
 EOS, PAD, MASK, CLS, SEP = "<|endoftext|>", "[PAD]", "[MASK]", "[CLS]", "[SEP]"

@@ -26,14 +26,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from graphtrain.config import Config, ParallelConfig
+from graphtrain.config.sections import Config, ParallelConfig
 from graphtrain.distributed import checkpoint as ckpt
 from graphtrain.distributed.data_parallel import (apply_data_parallel, apply_replicate, broadcast_parameters,
                                                   grad_sync)
 from graphtrain.distributed.mesh import DistEnv, check_layout, init_distributed, shutdown
 from graphtrain.distributed.tensor_parallel import apply_tensor_parallel, split_mixed_param_groups
 from graphtrain.distributed.zero import optimizer_state_bytes, shard_optimizer
-from graphtrain.engine.functional import loss_of
+from graphtrain.pipeline.functional import loss_of
 
 __all__ = ["DistEnv", "Parallelized", "check_layout", "init_distributed", "parallelize", "shutdown",
            "optimizer_state_bytes"]
@@ -88,20 +88,20 @@ class Parallelized:
           `self.module(...)` inside `_inside_ddp_forward`, which Dynamo does not trace but which marks the DDP
           module active (accelerating the wrapper records a graph break at `_inside_ddp_forward` and fails under
           engine.fallback=error, measured with torch 2.13 on 2 gloo ranks). `no_sync()` keeps working. A model
-          with repeated blocks is compiled block by block as in one process (engine/api.py bypasses Dynamo's
+          with repeated blocks is compiled block by block as in one process (frontend/accelerate.py bypasses Dynamo's
           DDPOptimizer for it): each block's backward is an autograd node of its own, so DDP's reducer
           all-reduces each bucket as soon as its gradients are ready. Any other model (or compile_blocks false,
           recompute full/auto) goes through DDPOptimizer, as `torch.compile(ddp_model)` does: the graph is split
           at DDP's bucket boundaries, each piece compiled whole by Inductor (provider auto does not time aten
-          there: engine/choose.py measurable).
+          there: runtime/provider_auto.py measurable).
         * tp: the whole module; its DTensor parameters are traced on their local shards (engine/trace.localize),
           so every pass sees the rank's local attention, GELU and LayerNorm, with the tp collectives as nodes.
         * pp: this rank's stage module, in place, so the pipeline schedule runs the compiled stage.
         * dp composed with tp or pp (FSDP2 `replicate`): each transformer block's forward, with replicate's
           hooks (which Dynamo cannot trace) running eagerly between blocks, as torchtitan compiles per block
           under FSDP2; the embeddings, head and loss run eagerly. `graphtrain.report(par.module)` covers all."""
-        from graphtrain.config import resolve_engine_config
-        from graphtrain.engine.api import accelerate, compile_in_place, new_state
+        from graphtrain.config.sections import resolve_engine_config
+        from graphtrain.frontend.accelerate import accelerate, compile_in_place, new_state
         from graphtrain.distributed.data_parallel import is_replicated, transformer_blocks
         cfg = resolve_engine_config(engine, {})
         module = self.module
@@ -173,12 +173,12 @@ def check_engine_under_ddp(engine: Any, module: nn.Module) -> None:
     "expected same # of fw and bw compiles, but found bucket -1"), because the aten provider calls AOTAutograd
     directly and DDPOptimizer only stashes a piece's forward metadata when torch's `aot_autograd` backend wrapper
     counted the call. Inductor goes through that wrapper and works; provider auto (the default) uses it alone for
-    those pieces (engine/choose.py measurable)."""
+    those pieces (runtime/provider_auto.py measurable)."""
     if getattr(engine, "provider", None) != "aten":
         return
-    from graphtrain.engine.blocks import splits_into_blocks
+    from graphtrain.pipeline.blocks import splits_into_blocks
     if splits_into_blocks(engine, module):
-        return  # compiled block by block, without DDPOptimizer (engine/api.py _run_compiled)
+        return  # compiled block by block, without DDPOptimizer (frontend/accelerate.py _run_compiled)
     grad_bytes = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
     if grad_bytes > dist._DEFAULT_FIRST_BUCKET_BYTES:
         raise ValueError(f"engine.provider=aten does not compose with DDP for a model whose gradients "

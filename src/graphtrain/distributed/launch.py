@@ -111,7 +111,7 @@ def _run(cmd: list[str]) -> int:
 
 # ------------------------------------------------------------------------------ restarts ----
 
-EXIT_USAGE = 2  # cli.py's: the command as given cannot run
+EXIT_USAGE = 2  # cli/main.py's: the command as given cannot run
 
 
 @contextlib.contextmanager

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from graphtrain.config import ParallelConfig
+from graphtrain.config.sections import ParallelConfig
 
 MESH_DIMS = ("pp", "dp", "tp")
 

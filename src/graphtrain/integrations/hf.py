@@ -41,7 +41,7 @@ _CHECKPOINTING = ("graphtrain: the model has Hugging Face activation (gradient) 
 
 def accelerate_for_trainer(model: torch.nn.Module, config: Any = None, **overrides: Any) -> torch.nn.Module:
     """`graphtrain.accelerate(model, config, **overrides)` for a model a Hugging Face Trainer will train."""
-    from graphtrain.engine.api import accelerate
+    from graphtrain.frontend.accelerate import accelerate
     if _checkpointing(model):
         warnings.warn(_CHECKPOINTING, stacklevel=2)
     return accelerate(model, config, **overrides)
@@ -96,7 +96,7 @@ def _checkpointing(model: Any) -> bool:
 
 def engine_summary(model: Any) -> dict[str, float]:
     """The engine's report of an accelerated model as numbers a logger takes."""
-    from graphtrain.engine.report import report
+    from graphtrain.tools.report import report
     rep = report(model)
     return {"graphtrain_graphs": len(rep.graphs), "graphtrain_graph_breaks": len(rep.graph_breaks),
             "graphtrain_fallbacks": len(rep.fallbacks), "graphtrain_eager_only": int(bool(rep.eager_only))}

@@ -32,7 +32,7 @@ except ImportError:  # the recipe needs no graphtrain code; only the callback ne
 
 def engine_summary(module: Any) -> dict[str, float]:
     """{graphtrain_graphs, graphtrain_graph_breaks, graphtrain_fallbacks} over the accelerated submodules."""
-    from graphtrain.engine.report import report
+    from graphtrain.tools.report import report
     totals = {"graphtrain_graphs": 0.0, "graphtrain_graph_breaks": 0.0, "graphtrain_fallbacks": 0.0}
     for sub in module.modules():
         if hasattr(sub, "_graphtrain"):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from graphtrain.compat import cuda_matmul_allows_tf32
+from graphtrain.config.torch_compat import cuda_matmul_allows_tf32
 from graphtrain.kernels._common import keep_threshold, tl, triton
 from graphtrain.kernels.bias_dropout_add import _keep
 

@@ -16,8 +16,8 @@ from typing import Any, Callable
 
 import torch
 
-from graphtrain import fallback
-from graphtrain.fallback import GraphtrainFallbackWarning  # noqa: F401  (re-exported for kernels' users)
+from graphtrain.config import fallback
+from graphtrain.config.fallback import GraphtrainFallbackWarning  # noqa: F401  (re-exported for kernels' users)
 
 try:  # graphtrain works without triton; the CUDA fast paths then fall back to the references
     import triton  # noqa: F401
@@ -181,7 +181,7 @@ _FALLBACK_LOCK = threading.Lock()
 
 
 def set_fallback_policy(policy: str) -> None:
-    """warn (default) | silent | error: what a failing fast path does (graphtrain.fallback.set_policy)."""
+    """warn (default) | silent | error: what a failing fast path does (graphtrain.config.fallback.set_policy)."""
     fallback.set_policy(policy)
 
 

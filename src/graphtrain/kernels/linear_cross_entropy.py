@@ -216,7 +216,7 @@ def _backward_bias(ctx, grad, _ddh, _ddw, _ddb):
 _linear_bias_cross_entropy_op.register_autograd(_backward_bias, setup_context=_setup_bias)
 
 
-# --- The same losses for a head whose logits are also returned (engine/returned_heads.py: a Hugging Face model's
+# --- The same losses for a head whose logits are also returned (passes/returned_heads.py: a Hugging Face model's
 # logits beside its loss). The logits are computed in full (one GEMM: they are an output) and each chunk of rows is
 # copied from them, so the [N, V] gradient of the logits is never materialized either: the unfused graph held the
 # logits, their softmax cross-entropy gradient and (sparse rows aside) two GEMMs over it. With skip_ignored the

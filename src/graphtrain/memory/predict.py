@@ -217,7 +217,7 @@ def predict_peak(fw_gm: fx.GraphModule, bw_gm: fx.GraphModule, n_params_bytes: i
     the batch); None treats every forward input as a parameter or batch alike (both external).
     boxed_backward: the backward graph frees each saved activation at its last use.
     optimizer_temp_bytes: the optimizer's transient bytes (CPU AdamW runs per tensor, so about the
-    largest parameter: engine/capture.py's predict_for_model passes that; default here 1/8 of the parameters).
+    largest parameter: frontend/capture.py's predict_for_model passes that; default here 1/8 of the parameters).
     grads_kept: gradients stay allocated through forward (zero_grad(set_to_none=False)).
     batch_inputs: indices of the forward placeholders that are the batch, when they are not simply the
     ones after the first n_param_inputs (a Dynamo graph orders its inputs by first use)."""

@@ -12,7 +12,7 @@ regions are compiled):
   views, layer norm, graphtrain's fused ops whose descriptor says ``recompute="cheap"``). Other
   matmuls, reductions, embeddings and random draws are saved.
 - ``full``: whole-layer checkpointing. Each repeated layer (a child of an ``nn.ModuleList``, found from
-  the nodes' ``nn_module_stack`` or the layer annotation ``engine/functional.py`` adds) is a checkpoint region:
+  the nodes' ``nn_module_stack`` or the layer annotation ``pipeline/functional.py`` adds) is a checkpoint region:
   its inputs from earlier layers are saved (``MUST_SAVE``), everything inside is recomputed in the
   backward (``PREFER_RECOMPUTE``), matmuls included. The last layer is not checkpointed: its
   backward runs first, right after its forward, so recomputing it would save nothing. A graph

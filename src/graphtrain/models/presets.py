@@ -11,7 +11,7 @@ import difflib
 
 from torch import nn
 
-from graphtrain.config import ModelConfig
+from graphtrain.config.sections import ModelConfig
 from graphtrain.models.bert import BERT
 from graphtrain.models.gpt2 import GPT2
 from graphtrain.models.spec import ModelSpec
@@ -59,7 +59,7 @@ def get_spec(name: str) -> ModelSpec:
 def resolve_spec(cfg: ModelConfig, vocab_size: int | None = None) -> ModelSpec:
     """The preset named by `cfg` with the config's overrides applied."""
     if not isinstance(cfg, ModelConfig):
-        raise TypeError(f"build_model expects a graphtrain.config.ModelConfig (e.g. config.model), "
+        raise TypeError(f"build_model expects a graphtrain.config.sections.ModelConfig (e.g. config.model), "
                         f"got {type(cfg).__name__}")
     if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1):
         raise ValueError(f"vocab_size must be a positive integer (the tokenizer's size), got {vocab_size!r}")

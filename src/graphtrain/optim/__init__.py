@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from graphtrain.config import OptimConfig
+from graphtrain.config.sections import OptimConfig
 from graphtrain.optim.adamw import FusedAdamW
 from graphtrain.optim.lamb import LAMB
 from graphtrain.optim.loss_scale import DynamicLossScaler, make_loss_scaler

@@ -21,7 +21,7 @@ from typing import Any, Iterable
 
 import torch
 
-from graphtrain.config import EngineConfig
+from graphtrain.config.sections import EngineConfig
 
 
 class DynamicLossScaler:

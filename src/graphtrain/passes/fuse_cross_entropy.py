@@ -2,7 +2,7 @@
 
 - fuse_linear_cross_entropy: LM head + log_softmax + nll_loss -> graphtrain::linear_cross_entropy /
   linear_bias_cross_entropy (chunked: the full logits are never materialized). On under every provider. A head
-  whose logits also leave the graph detached (engine/returned_heads.py: a Hugging Face model's returned logits,
+  whose logits also leave the graph detached (passes/returned_heads.py: a Hugging Face model's returned logits,
   through views) -> graphtrain::linear_cross_entropy_logits / linear_bias_cross_entropy_logits: the logits computed
   once as an output, the loss's gradient chunked from them (no [N, V] gradient).
 - sparse_lm_head: the fused LM-head losses skip the rows whose target is ignored (their logits are
@@ -72,7 +72,7 @@ _VIEWS = (aten.view, aten._unsafe_view, aten.reshape)
 
 def _returned_chain(u: fx.Node) -> list[fx.Node] | None:
     """`u` and the nodes after it when they are views ending in a detach whose only user is the graph's output (the
-    logits engine/returned_heads.py returns detached), else None."""
+    logits passes/returned_heads.py returns detached), else None."""
     chain = [u]
     while is_op(chain[-1], *_VIEWS) and len(chain[-1].users) == 1:
         chain.append(next(iter(chain[-1].users)))

@@ -2,6 +2,7 @@
 from fuse_utils.py, never from each other."""
 from __future__ import annotations
 
+import hashlib
 import operator
 from typing import Any
 
@@ -206,3 +207,25 @@ def materialize_symints(gm: fx.GraphModule) -> int:
     if changed:
         gm.recompile()
     return changed
+
+
+def digest_graph_into(h: Any, gm: fx.GraphModule) -> None:
+    """Feed `gm`'s code and the constants it only names into `h`: tensors by value, graphs a node calls (an
+    autograd.Function's forward and backward bodies) by their own code and constants."""
+    h.update(gm.code.encode())
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            value = getattr(gm, str(node.target), None)
+            if isinstance(value, torch.Tensor):
+                h.update(f"{node.target} {tuple(value.shape)} {value.dtype}".encode())
+                h.update(value.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+            elif isinstance(value, fx.GraphModule):
+                h.update(f"{node.target} graph\n".encode())
+                digest_graph_into(h, value)
+
+
+def graph_digest(gm: fx.GraphModule) -> str:
+    """A hex digest of `gm`'s code and constants (nested graphs included)."""
+    h = hashlib.sha256()
+    digest_graph_into(h, gm)
+    return h.hexdigest()

@@ -3,7 +3,7 @@
 A learned attention bias (Swin's relative position bias table, added to its shifted-window mask) reaches
 ``F.scaled_dot_product_attention`` as an ``attn_mask`` that requires grad. Eager's SDPA then takes the math
 implementation (matmul, softmax, matmul), the only one that gives the mask a gradient. graphtrain traces the
-forward to aten with autograd off (engine/trace.py), so at trace time nothing requires grad and SDPA picks CPU
+forward to aten with autograd off (pipeline/trace.py), so at trace time nothing requires grad and SDPA picks CPU
 flash attention, whose backward refuses a mask that needs a gradient: the aten provider failed and the whole
 module ran eagerly (Hugging Face Swin, 2026-11-26).
 

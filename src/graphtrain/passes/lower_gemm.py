@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from graphtrain.compat import optimization_hint
+from graphtrain.config.torch_compat import optimization_hint
 from graphtrain.passes.fuse_utils import aten, call, finish, is_op, val
 from graphtrain.passes.graph_utils import has_random_tag
 from graphtrain.passes.manager import PassContext, register_pass

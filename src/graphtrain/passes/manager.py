@@ -26,8 +26,8 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from graphtrain.config import EngineConfig
-from graphtrain.fallback import report_fallback
+from graphtrain.config.sections import EngineConfig
+from graphtrain.config.fallback import report_fallback
 
 STAGES = ("pre_autodiff", "forward", "backward")
 

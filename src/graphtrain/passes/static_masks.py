@@ -9,7 +9,7 @@ flash attention skips those blocks: 2-core Zen 4, fp32, [1, 16, 1024, 64], forwa
 backward 82 against 59 ms, outputs bitwise equal; at sequence 128 the gain is small (3.6 against 2.9 ms
 forward at [8, 8, 128, 64]).
 
-``specialize_static_masks(gm)`` runs on the Dynamo graph first (engine/backend.py): for each SDPA call (in the
+``specialize_static_masks(gm)`` runs on the Dynamo graph first (runtime/backend.py): for each SDPA call (in the
 graph or in a repeated block's body, where the mask arrives as an input) whose mask depends on no graph input
 and no random op, it evaluates the mask once (the arange/compare code Dynamo traced) and, when it is exactly
 the causal pattern SDPA's ``is_causal`` means (attend to key j from query i iff j <= i) or attends everywhere,
@@ -89,7 +89,7 @@ def specialize_static_masks(gm: fx.GraphModule) -> list[str]:
 
 
 def _specialize_bodies(gm: fx.GraphModule, kind_of: Any) -> dict[str, int]:
-    """Repeated-block bodies (engine/blocks.py): the mask is a body input; when every call of a body hands it the
+    """Repeated-block bodies (pipeline/blocks.py): the mask is a body input; when every call of a body hands it the
     same kind of constant mask, the body gets a specialized copy without that input."""
     invoke = getattr(torch.ops.higher_order, "invoke_subgraph", None)
     calls: dict[str, list[fx.Node]] = {}

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from graphtrain.config import Config, TrainConfig
+from graphtrain.config.sections import Config, TrainConfig
 from graphtrain.data import build_data
 from graphtrain.models import build_model
 from graphtrain.trainer.metrics import format_bytes
@@ -81,7 +81,7 @@ def auto_batch_size(config: Config, model: torch.nn.Module | None, vocab_size: i
                     device: torch.device) -> tuple[Config, str]:
     """train.batch_size=auto -> the config with the largest micro-batch fitting engine.memory_budget (per rank,
     times parallel.dp; grad_accum kept), and the line saying so."""
-    from graphtrain.engine.autobatch import pick_batch_size
+    from graphtrain.tools.autobatch import pick_batch_size
     budget = memory_budget_bytes(config, device)
     if model is not None:
         factory = (lambda: model)

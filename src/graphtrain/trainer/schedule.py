@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 
-from graphtrain.config import OptimConfig
+from graphtrain.config.sections import OptimConfig
 
 SCHEDULES = ("cosine", "linear", "poly", "constant")
 

@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterable, Protocol
 import torch
 from torch import nn
 
-from graphtrain.config import Config
+from graphtrain.config.sections import Config
 from graphtrain.models import build_model
 from graphtrain.optim import build_optimizer, make_loss_scaler, optimizer_step
 from graphtrain.trainer import runtime
@@ -105,7 +105,7 @@ class SingleProcessStep:
         self.config, self.device = config, device
         model.to(device)
         if config.train.accelerate:
-            from graphtrain.engine.api import accelerate  # loads Dynamo: only when the engine is used
+            from graphtrain.frontend.accelerate import accelerate  # loads Dynamo: only when the engine is used
             model = accelerate(model, engine_config(config))
         self.model = self.module = model
         self.optimizer = build_optimizer(model, config.optim)
@@ -173,7 +173,7 @@ class WholeStepGraph(SingleProcessStep):
     def __init__(self, model: nn.Module, config: Config, device: torch.device) -> None:
         import dataclasses
 
-        from graphtrain.engine.step_graph import compile_step
+        from graphtrain.frontend.compile_step import compile_step
         self.config, self.device = config, device
         self.model = self.module = model.to(device)
         self.optimizer = self.step_graph = compile_step(model, dataclasses.replace(config, engine=engine_config(config)))
@@ -319,7 +319,7 @@ class DistributedStep:
         Collective. Returns the line rank 0 logs; a rank that fell back to eager raises under
         engine.fallback=error and warns otherwise."""
         import torch.distributed as dist
-        from graphtrain.engine.report import report
+        from graphtrain.tools.report import report
         rep = report(self.module)
         mine = (len(rep.graphs), bool(rep.eager_only), len(rep.fallbacks))
         every: list = [None] * dist.get_world_size()

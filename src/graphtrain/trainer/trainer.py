@@ -24,7 +24,7 @@ With pp > 1 training and evaluation run the pipeline schedule over parallel.micr
 `sample()` reads the whole model from the latest checkpoint on rank 0.
 
 `train.batch_size: auto` picks the largest micro-batch whose predicted step peak fits
-`engine.memory_budget` (`graphtrain.engine.autobatch.pick_batch_size`; per rank, times parallel.dp);
+`engine.memory_budget` (`graphtrain.tools.autobatch.pick_batch_size`; per rank, times parallel.dp);
 train.grad_accum is kept, so an optimizer step sees batch_size * grad_accum samples. The chosen
 number replaces `auto` in the saved config, so a resumed run draws the same batches.
 
@@ -44,7 +44,7 @@ from typing import Any, Callable, Iterator
 import torch
 from tqdm.auto import tqdm
 
-from graphtrain.config import Config, expand_path_keys
+from graphtrain.config.sections import Config, expand_path_keys
 from graphtrain.early_preempt import before_first_step
 from graphtrain.models import build_model, resolve_spec
 from graphtrain.trainer import console, runinfo, runtime
@@ -283,7 +283,7 @@ class Trainer:
             for sink in sinks:
                 sink.close()
             return
-        from graphtrain.engine.report import report
+        from graphtrain.tools.report import report
         try:
             text = str(report(self.model))
         except Exception as e:  # noqa: BLE001 - a report is a convenience; the run's results are written

@@ -1,0 +1,76 @@
+"""What graphtrain does differently by torch version: the supported range and one shim per difference.
+
+Supported: torch 2.11 (the stock build on the GPU machines, 2.11.0+cu130) through 2.14 (2.14.1 checked). An older
+torch fails `import graphtrain` with an ImportError naming the range. A newer one imports with a warning: a minor
+release mostly keeps the private APIs used here, and where one moved, the fix is a shim in this file. The pinned CI
+torch (requirements-dev.txt) lies inside the range.
+
+Every import of a torch API that is not the same across the range goes through a function here, so a new torch
+release means reading one file. Each shim names the versions on both sides of the difference.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+# the range itself lives in config/torch_range.py, which `import graphtrain` reads without importing torch; named here too
+from graphtrain.config.torch_range import (MIN_TORCH, NEWEST_TESTED, SUPPORTED, check_torch_version,  # noqa: F401
+                                    parse_version)
+
+check_torch_version(torch.__version__)  # a torch imported some other way than its installed distribution
+
+
+# --- symbolic sizes -----------------------------------------------------------------------------------------------
+# A concrete value for a possibly symbolic size, adding no guard (for a heuristic such as a GEMM layout probe).
+# torch 2.14 (and 2.13): symbolic_shapes.optimization_hint; torch 2.11 has not got it: symbolic_shapes.size_hint,
+# the same contract (the hint recorded with the symbol, or `fallback`).
+
+def _optimization_hint() -> Callable[..., int]:
+    from torch.fx.experimental import symbolic_shapes
+    return getattr(symbolic_shapes, "optimization_hint", None) or symbolic_shapes.size_hint
+
+
+optimization_hint: Callable[..., int] = _optimization_hint()
+
+
+# --- Inductor's cache keys ----------------------------------------------------------------------------------------
+# The hashes of torch's and Triton's sources that key Inductor's caches. torch 2.14 (and 2.13): codecache.torch_key
+# and codecache.triton_key. torch 2.11: codecache.torch_key; triton_key only in torch._inductor.runtime.triton_compat
+# (where Triton is installed); `codecache.triton_key` raised AttributeError there (issue #48, provider auto).
+
+def inductor_cache_key_functions() -> list[Any]:
+    """The cache-key functions this torch has (for prefetching them): torch_key, and triton_key where found."""
+    import torch._inductor.codecache as codecache
+    keys = [codecache.torch_key]
+    triton_key = getattr(codecache, "triton_key", None)
+    if triton_key is None:
+        try:
+            from torch._inductor.runtime.triton_compat import HAS_TRITON
+            from torch._inductor.runtime.triton_compat import triton_key as compat_key
+            triton_key = compat_key if HAS_TRITON else None
+        except ImportError:
+            triton_key = None
+    return keys + ([triton_key] if triton_key is not None else [])
+
+
+# --- TF32 -----------------------------------------------------------------------------------------------------------
+# Whether the user allows TF32 for fp32 matmuls on CUDA. torch 2.9+ has the per-backend setting
+# torch.backends.cuda.matmul.fp32_precision ("tf32" | "ieee" | "none": follow torch.backends.fp32_precision);
+# the legacy torch.backends.cuda.matmul.allow_tf32 / set_float32_matmul_precision still work, but reading the
+# legacy flag raises once the new API set something ("mix of the legacy and new APIs"), so the new one is read first.
+
+def cuda_matmul_allows_tf32() -> bool:
+    matmul = torch.backends.cuda.matmul
+    try:
+        precision = getattr(matmul, "fp32_precision", None)
+        if precision == "none":
+            precision = getattr(torch.backends, "fp32_precision", "none")
+        if precision in ("tf32", "ieee"):
+            return precision == "tf32"
+    except RuntimeError:
+        pass
+    try:
+        return bool(matmul.allow_tf32) or torch.get_float32_matmul_precision() != "highest"
+    except RuntimeError:  # a mix of the two APIs that torch refuses to read: fp32 stays exact
+        return False

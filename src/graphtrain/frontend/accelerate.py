@@ -1,0 +1,415 @@
+"""``graphtrain.accelerate``: make an existing module train through the graph engine, in place.
+
+We compile in place the way ``nn.Module.compile`` does (it sets ``module._compiled_call_impl``), so the
+returned module *is* the original: same parameters, same ``state_dict()`` keys (no ``_orig_mod.``
+prefix), same forward signature, and an ordinary ``loss.backward(); optimizer.step()`` loop works.
+Our call wrapper around the compiled call measures time to first step, attributes Dynamo's graph breaks
+to this module, and applies the fallback policy when capture itself fails.
+"""
+from __future__ import annotations
+
+import functools
+import time
+from typing import Any
+
+import torch
+
+from graphtrain.config.sections import Config, EngineConfig, resolve_engine_config
+from graphtrain.config.fallback import GraphtrainCaptureError, report_fallback
+from graphtrain.pipeline.state import EngineState
+
+
+def accelerate(module: torch.nn.Module, config: Config | EngineConfig | dict | None = None,
+               **overrides: Any) -> torch.nn.Module:
+    """Compile `module` in place with the graphtrain engine and return it.
+
+    `config` is a graphtrain Config, an EngineConfig, a dict of engine keys or None; keyword overrides win,
+    e.g. ``accelerate(model, provider="aten", fallback="error")``."""
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"graphtrain.accelerate takes a torch.nn.Module, got {type(module).__name__}")
+    cfg = resolve_engine_config(config, overrides)
+    state = new_state(cfg)
+    module._graphtrain = state  # type: ignore[assignment]
+    compile_in_place(module, state)
+    return module
+
+
+def wait_compiled(module: torch.nn.Module, timeout: float | None = None) -> bool:
+    """Wait for the background compiles of an accelerated `module` (``provider: auto`` compiles Inductor in a
+    background process from the second call; engine.compile_in_background), starting them now if they have not
+    started. True once they finished (each graph switches to its measured winner at its next call); False after
+    `timeout` seconds. Benchmarks call it after the first step so that they time what training settles on."""
+    from graphtrain.runtime.provider_auto import wait_background
+    from graphtrain.pipeline.state import state_of
+    state, source = state_of(module)
+    if source != "module":
+        raise TypeError(f"graphtrain.wait_compiled takes a module returned by graphtrain.accelerate, got "
+                        f"{type(module).__name__}")
+    return wait_background(state, timeout)
+
+
+def new_state(cfg: EngineConfig) -> EngineState:
+    """Validate `cfg`'s pass names (now, not at the first step), point the compile caches, and start a record."""
+    from graphtrain.pipeline.cache import configure_cache
+    from graphtrain.passes.manager import pipeline
+
+    for stage in ("pre_autodiff", "forward", "backward"):
+        pipeline(stage, cfg)
+    configure_cache(cfg)
+    return EngineState(cfg)
+
+
+def compile_in_place(modules: torch.nn.Module | list[torch.nn.Module], state: EngineState, *,
+                     hooks_outside: bool = False) -> None:
+    """Compile each module's call (hooks included) with the engine, recording into `state`.
+
+    `hooks_outside`: compile `module.forward` only, so the module's own forward hooks run eagerly around the
+    compiled code; for modules under FSDP2 `replicate` (its hooks are `torch._dynamo.disable`d and would
+    break the graph), the way torchtitan compiles each transformer block under FSDP2. Modules of one class
+    then share one compiled function (the class's forward, the module an argument): Dynamo guards on their
+    structure, not their identity, so a model's blocks share one graph instead of compiling once each
+    (and counting towards the recompile limit)."""
+    from graphtrain.runtime.backend import make_backend
+
+    cfg = state.config
+    # Every recompute mode too. Under full/auto the break once stayed (a budgeted partition of HF GPT-2 saved a
+    # random fused op's output tuple, fixed since: memory/recompute.py _no_tuples_saved), and it cost the loss its
+    # fusion: the logits crossed into a graph of their own with an [N, V] gradient, and recompute auto's peak on
+    # HF GPT-2 (4 layers, vocabulary 50257, batch 16 x 256) was above no recompute's (2623 against 2378 MiB).
+    _ignore_log_once()
+    _source_names_only_when_logged()
+    options = {"backend": make_backend(cfg, state), "dynamic": cfg.dynamic, "fullgraph": cfg.fallback == "error"}
+    shared: dict[Any, Any] = {}
+    for module in modules if isinstance(modules, list) else [modules]:
+        if cfg.compile_blocks and not hooks_outside:
+            from graphtrain.pipeline.blocks import mark_repeated_blocks, whole_model_reason
+            why = whole_model_reason(cfg)
+            if why:
+                state.notes.append(f"compiled as one graph, not block by block: {why}")
+            else:
+                state.blocks.extend(mark_repeated_blocks(module))
+        if hooks_outside:
+            forward = type(module).forward
+            if forward not in shared:
+                shared[forward] = torch.compile(forward, **options)
+            eager = module.forward
+            compiled = functools.partial(shared[forward], module)
+            module.forward = _CallWrapper(module, compiled, state, eager=eager)  # type: ignore[method-assign]
+        elif _forward_is_torchs(module):
+            compiled = functools.partial(torch.compile(_call_module, **options), module)
+            module._compiled_call_impl = _CallWrapper(module, compiled, state, eager=module._call_impl)
+        else:
+            compiled = torch.compile(module._call_impl, **options)
+            module._compiled_call_impl = _CallWrapper(module, compiled, state, eager=module._call_impl)
+
+
+def _forward_is_torchs(module: torch.nn.Module) -> bool:
+    """Whether `module`'s forward is torch's own (nn.Sequential, nn.Linear, nn.TransformerEncoder, ...). Dynamo does
+    not start tracing in torch.nn's files, it only inlines them: compiling such a module's call compiles no frame at
+    all (measured with torch 2.13: `torch.compile(nn.Sequential(...), fullgraph=True)` raises "found no compiled
+    frames"; without fullgraph the model ran eagerly, and graphtrain said nothing). torch.nn.modules only: wrappers
+    such as DistributedDataParallel (torch.nn.parallel) keep the path Dynamo's DDPOptimizer expects."""
+    return getattr(type(module).forward, "__module__", "").startswith("torch.nn.modules.")
+
+
+def _call_module(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """The frame Dynamo starts from for a module whose forward is torch's own (`_forward_is_torchs`); it inlines the
+    module's call (hooks included) from here. `_call_impl`, not `module(...)`: the module's call is the wrapper."""
+    return module._call_impl(*args, **kwargs)
+
+
+def _ignore_log_once() -> None:
+    """Let Dynamo trace through Hugging Face's ``logger.warning_once`` / ``info_once`` (transformers adds them to
+    ``logging.Logger``) instead of breaking the graph there. A break makes Dynamo restart the frame's analysis:
+    HF GPT-2's forward warns about its loss type on every call, which cost a second full trace of the model
+    (measured 7.4 s of 13.8 s tracing, 12 layers, 2-core AVX2 EPYC). The price: such a message, printed once per
+    process in eager, is not printed from compiled code."""
+    import logging
+    for name in ("warning_once", "info_once"):
+        fn = getattr(logging.Logger, name, None)
+        if fn is not None:
+            torch._dynamo.config.ignore_logging_functions.add(fn)
+
+
+def _source_names_only_when_logged() -> None:
+    """Dynamo names the function of every source line it records a graph node from, for its ``trace_call`` and
+    ``trace_source`` debug logs, and builds that name whether the logs are on or not: the first line it sees in a
+    file has the whole file tokenized (``torch._dynamo.funcname_cache``). Measured with torch 2.13 on a warm first
+    step of a 24-layer Hugging Face GPT-2 (2-core Zen 4): 0.65 s of its 2.7 s trace, 0.30 s of it for
+    torch/nn/functional.py alone. The name reaches nothing but those two logs, so while both are off it is left
+    out (the log line reads ``file:line in function`` without the qualified name); with either on, Dynamo's own
+    lookup runs. Process-wide and idempotent, as ``_ignore_log_once``."""
+    import importlib
+    import logging
+    try:
+        sc = importlib.import_module("torch._dynamo.symbolic_convert")
+        og = importlib.import_module("torch._dynamo.output_graph")
+    except ImportError:
+        return
+    original = getattr(sc, "get_funcname", None)
+    if original is None or getattr(original, "_graphtrain_lazy", False):
+        return
+    loggers = [lg for lg in (getattr(sc, "trace_call_log", None), getattr(sc, "trace_source_log", None),
+                             getattr(og, "trace_call_log", None)) if lg is not None]
+
+    def get_funcname(filename: str, lineno: int) -> str | None:
+        if any(lg.isEnabledFor(logging.DEBUG) for lg in loggers):
+            return original(filename, lineno)
+        return None
+    get_funcname._graphtrain_lazy = True  # type: ignore[attr-defined]
+    sc.get_funcname = get_funcname
+
+
+def _caused_by(e: BaseException, kind: type) -> bool:
+    while e is not None:
+        if isinstance(e, kind):
+            return True
+        e = getattr(e, "inner_exception", None) or e.__cause__
+    return False
+
+
+def _builds_kv_cache(module: torch.nn.Module) -> bool:
+    """Whether `module` is a Hugging Face model that fills a KV cache on every forward unless told not to
+    (``config.use_cache`` true and a ``use_cache`` argument). A training step never reads that cache: it holds
+    every layer's keys and values until the step ends, and its per-layer update is a side effect that stops
+    Dynamo from reusing a traced block (pipeline/blocks.py). In training mode graphtrain passes
+    ``use_cache=False`` unless the caller passes ``use_cache`` itself; eval and generation are untouched."""
+    import inspect
+    if getattr(getattr(module, "config", None), "use_cache", None) is not True:
+        return False
+    try:
+        return "use_cache" in inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _takes_attention_mask(module: torch.nn.Module) -> bool:
+    """Whether `module` is a Hugging Face model with an ``attention_mask`` argument. A 2-D mask of all ones means
+    what no mask means (every token attends): Hugging Face's eager SDPA path sees that (it reads the mask) and
+    passes ``is_causal=True``; under a tracer it cannot, and builds the causal mask from the padding mask, an
+    input, which engine.static_masks then cannot read either. So graphtrain passes such a mask as None, unless
+    the call also passes ``position_ids`` (without a mask Hugging Face would look for packed sequences in them)."""
+    import inspect
+    import sys
+    transformers = sys.modules.get("transformers")
+    if transformers is None or not isinstance(module, getattr(transformers, "PreTrainedModel", ())):
+        return False
+    try:
+        return "attention_mask" in inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _reads_problem_type(module: torch.nn.Module) -> bool:
+    """Whether `module` is a Hugging Face model whose forward decides ``config.problem_type`` at its first call with
+    labels (the *ForSequenceClassification, *ForImageClassification, ... heads: inline in about 85 models'
+    forwards, or through transformers' ``ForSequenceClassificationLoss``)."""
+    import inspect
+    import sys
+    transformers = sys.modules.get("transformers")
+    if transformers is None or not isinstance(module, getattr(transformers, "PreTrainedModel", ())):
+        return False
+    if not hasattr(getattr(module, "config", None), "problem_type"):
+        return False
+    try:
+        if "problem_type" in inspect.getsource(type(module).forward):
+            return True
+    except (OSError, TypeError):
+        pass
+    loss_utils = sys.modules.get("transformers.loss.loss_utils")
+    if loss_utils is None:
+        return False
+    # the loss_function property, read without it (it logs a warning for a model without a loss type)
+    loss = getattr(module, "_loss_function", None) or getattr(loss_utils, "LOSS_MAPPING", {}).get(
+        getattr(module, "loss_type", None))
+    return loss is not None and loss is getattr(loss_utils, "ForSequenceClassificationLoss", None)
+
+
+def _graph_break_reasons() -> list[Any]:
+    from torch._dynamo.utils import graph_break_reasons
+    return graph_break_reasons
+
+
+class _CallWrapper:
+    """Runs the compiled call; records breaks and first-step time; falls back to eager if capture fails."""
+
+    def __init__(self, module: torch.nn.Module, compiled: Any, state: EngineState, eager: Any) -> None:
+        self.module, self.compiled, self.state, self.eager = module, compiled, state, eager
+        self.no_cache_in_training = _builds_kv_cache(module)
+        self.full_mask_as_none = (_takes_attention_mask(module) and state.config.static_masks
+                                  and not state.config.dynamic)
+        self.settles_problem_type = _reads_problem_type(module)
+        self.recompile_limit_hit = False
+        self.prefault: Any = None  # memory/prefault.py's Session while the first step is recorded
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        state = self.state
+        if self.no_cache_in_training and self.module.training and "use_cache" not in kwargs:
+            kwargs["use_cache"] = False
+        if state.eager_only:
+            return self.eager(*args, **kwargs)
+        if self.full_mask_as_none:
+            self._drop_full_mask(kwargs)
+        if self.settles_problem_type:
+            self._settle_problem_type(kwargs)
+        if self.prefault is not None:
+            self.prefault.on_call()
+        elif state.calls == 0:  # (a first call that raised leaves calls at 0: its session, if any, goes on)
+            self._begin_prefault(args, kwargs)
+        reasons = _graph_break_reasons()
+        n_before = len(reasons)
+        t0 = time.perf_counter()
+        try:
+            out = self._run_compiled(args, kwargs)
+        except Exception as e:  # noqa: BLE001
+            out = self._capture_failed(e, args, kwargs)
+        for r in reasons[n_before:]:
+            where = f" at {r.user_stack[-1].filename.rsplit('/', 1)[-1]}:{r.user_stack[-1].lineno}" if r.user_stack else ""
+            msg = f"{' '.join(str(r.reason).split())[:300]}{where}"
+            if msg not in state.graph_breaks:
+                state.graph_breaks.append(msg)
+        state.calls += 1
+        if state.first_call_seconds is None:
+            state.first_call_seconds = time.perf_counter() - t0
+            if not state.graphs and not state.fallbacks and not state.eager_only:
+                report_fallback(f"capture of {type(self.module).__name__}", "Dynamo compiled no graph of its call "
+                                "(every frame skipped or empty)", state.config, what="runs eagerly",
+                                sink=state.fallbacks)
+        return out
+
+    def _drop_full_mask(self, kwargs: dict) -> None:
+        mask = kwargs.get("attention_mask")
+        if (isinstance(mask, torch.Tensor) and mask.dim() == 2 and kwargs.get("position_ids") is None
+                and bool(mask.all())):
+            kwargs["attention_mask"] = None
+            note = ("attention_mask of all ones passed as None, as Hugging Face's eager SDPA path treats it (its "
+                    "causal mask then reaches SDPA as is_causal; engine.static_masks)")
+            if note not in self.state.notes:
+                self.state.notes.append(note)
+
+    def _settle_problem_type(self, kwargs: dict) -> None:
+        """Set ``config.problem_type`` before the call, as the model's forward would set it inside the call. Dynamo
+        guards on the attribute, so leaving it to the forward made the second call compile the model again
+        (Hugging Face ViT and Swin classifiers: a second trace and compile at the second step). Hugging Face's
+        rule, the same in every model that has it: one label is regression; more, with integer labels, single-label
+        classification; otherwise multi-label."""
+        config, labels = self.module.config, kwargs.get("labels")
+        if config.problem_type is not None or not isinstance(labels, torch.Tensor):
+            return
+        if config.num_labels == 1:
+            config.problem_type = "regression"
+        elif config.num_labels > 1 and labels.dtype in (torch.long, torch.int):
+            config.problem_type = "single_label_classification"
+        else:
+            config.problem_type = "multi_label_classification"
+        note = (f"config.problem_type set to {config.problem_type!r} before the first call, by Hugging Face's rule "
+                f"(its forward sets it in the first call, which would make the second call compile again)")
+        if note not in self.state.notes:
+            self.state.notes.append(note)
+
+    def _begin_prefault(self, args: tuple, kwargs: dict) -> None:
+        """A training module's first call on CPU: install the process's CPU allocator now (not at the first compile,
+        which comes after Dynamo's trace) and record this first step's memory, priming it from an earlier record
+        (memory/prefault.py). Never stops the step: a failure is a note."""
+        cfg = self.state.config
+        if not (cfg.cpu_prefault and self.module.training and torch.is_grad_enabled()):
+            return
+        p = next(self.module.parameters(), None)
+        if p is None or p.device.type != "cpu":
+            return
+        try:
+            from graphtrain.runtime.backend import _set_cpu_allocator_once
+            from graphtrain.pipeline.cache import cache_root
+            from graphtrain.memory import prefault
+            _set_cpu_allocator_once([p], cfg)
+            self.prefault = prefault.begin(self.module, args, kwargs, cfg, cache_root(cfg),
+                                           self.state.first_step_memory)
+        except Exception as e:  # noqa: BLE001
+            self.state.notes.append(f"first-step memory not recorded: {type(e).__name__}: {e}")
+
+    def _run_compiled(self, args: tuple, kwargs: dict) -> Any:
+        # Past its recompile limit Dynamo runs a frame's new variants eagerly without a word to the caller; told to
+        # fail instead, it lets the call wrapper say so (_capture_failed) and still run the variants it compiled.
+        patch: dict[str, Any] = {}
+        if not self.recompile_limit_hit:  # reported once: Dynamo's own path from then on
+            patch["fail_on_recompile_limit_hit"] = True
+        if self.state.blocks:
+            # Under DDP, Dynamo's DDPOptimizer would split the graph at DDP's gradient buckets and take one
+            # AOTAutograd graph per bucket, with the blocks inlined (backend.py). Compiled block by block, each block
+            # is an autograd node of its own: its weights' gradients are ready when its backward ends, DDP's reducer
+            # all-reduces each bucket as it fills, overlapped with the blocks still to run (torchtitan's per-block
+            # compile under data parallel). So the blocks keep their own graphs there too.
+            patch["optimize_ddp"] = False
+        if self.state.config.dynamic:
+            # Dynamic shapes make sizes symbolic, and Dynamo then makes Python floats symbolic too (GELU's
+            # sqrt(2/pi), a dropout's p): fusion patterns need them as constants, and AOTAutograd would ask for a
+            # new trace to specialize them anyway (RestartAnalysis). Specialized, as under static shapes.
+            patch["specialize_float"] = True
+        with torch._dynamo.config.patch(**patch):
+            return self._run_compiled_reusing(args, kwargs)
+
+    def _run_compiled_reusing(self, args: tuple, kwargs: dict) -> Any:
+        from graphtrain.pipeline.blocks import ReuseMisbound, no_subgraph_reuse
+        if not self.state.block_reuse:
+            with no_subgraph_reuse():
+                return self.compiled(*args, **kwargs)
+        try:
+            return self.compiled(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001
+            if not _caused_by(e, ReuseMisbound):
+                raise
+        self.state.block_reuse = False  # nothing ran yet: the backend refused the graph before compiling it
+        self.state.notes.append("Dynamo's reuse of traced blocks bound the wrong weights: every block is traced "
+                                "(still compiled once)")
+        with no_subgraph_reuse():
+            return self.compiled(*args, **kwargs)
+
+    def _capture_failed(self, e: Exception, args: tuple, kwargs: dict) -> Any:
+        from graphtrain.kernels._common import KernelFallbackError
+        policy_errors = (GraphtrainCaptureError, KernelFallbackError)  # the `error` policy speaking: raised as is
+        inner = e
+        while not isinstance(inner, policy_errors):
+            nxt = getattr(inner, "inner_exception", None) or inner.__cause__  # BackendCompilerFailed keeps it
+            if nxt is None:
+                break
+            inner = nxt
+        if inner is e and isinstance(e, policy_errors):
+            raise e
+        if isinstance(inner, policy_errors):
+            raise inner from e
+        # The call failed under graphtrain. Either it is the user's own error (a shape mismatch, ...), which eager
+        # raises too, or graphtrain's (Dynamo could not trace it, or a pass built a graph eager's code does not
+        # compute): the same call, run eagerly, tells them apart. Its error, if any, is the one to show, and the
+        # module stays compiled for the next call; if it runs, the module falls back.
+        try:
+            out = self.eager(*args, **kwargs)
+        except Exception as user_error:  # noqa: BLE001
+            raise user_error from None
+        import torch._dynamo.exc as dexc
+        if _caused_by(e, dexc.FailOnRecompileLimitHit):
+            # The module keeps its compiled variants; each new one runs eagerly, reported once (raised under `error`)
+            limit = torch._dynamo.config.recompile_limit
+            self.recompile_limit_hit = True
+            report_fallback(f"recompile limit of {type(self.module).__name__}",
+                            f"Dynamo compiled this code for {limit} variants and compiles no more (torch._dynamo."
+                            f"config.recompile_limit: with engine.dynamic=false each new input shape is a variant, "
+                            f"and so is each other accelerated module of this process that runs the same code). "
+                            f"For changing shapes, pad batches to a few fixed lengths (each compiled once, the "
+                            f"fastest) or pass engine.dynamic=true (one compile for every length, done before "
+                            f"its first step); "
+                            f"for many models in one process, call torch._dynamo.reset() between them",
+                            self.state.config,
+                            what="runs each new input shape eagerly (the shapes compiled so far stay compiled)",
+                            sink=self.state.fallbacks)
+            return out
+        if "found no compiled frames" in str(e):  # Dynamo gave up on the frame (recompile limit hit)
+            inner = RuntimeError(f"{e} Dynamo compiles one code object at most torch._dynamo.config.recompile_limit "
+                                 f"times (all instances of a class count); raise it or use dynamic=True")
+        elif not (isinstance(e, dexc.TorchDynamoException) or isinstance(inner, dexc.TorchDynamoException)):
+            inner = RuntimeError(f"its compiled graph raised where eager runs ({type(e).__name__}: {e})")
+        name = type(self.module).__name__
+        reason = " ".join(f"{type(inner).__name__}: {inner}".split())[:600]
+        report_fallback(f"capture of {name}", reason, self.state.config, what="runs eagerly from now on",
+                        sink=self.state.fallbacks)
+        self.state.eager_only = True
+        return out

@@ -1,0 +1,392 @@
+"""The whole training step compiled: forward, loss, backward, unscale + overflow check, clipping and the AdamW
+update.
+
+    step = graphtrain.compile_step(model, config)          # a graphtrain Config (engine + optim)
+    for batch in batches:
+        out = step(lr=schedule(i), **batch)                # {"loss", "grad_norm", "skipped", "scale"}
+
+A model with repeated blocks (engine.compile_blocks, the default) is compiled block by block
+(``CompiledStep._build_by_blocks``): the model in place as ``accelerate`` compiles it, then one update graph on the
+gradients (items 2-4 below, on aten with torch's fused AdamW kernel). Any other model, or compile_blocks false, gets
+the whole step as one graph, built (``CompiledStep._build``) on the stages of pipeline/stages.py:
+
+1. The model's forward (``module_as_function(model, loss=True)``) is traced to graphtrain's pre-autodiff
+   IR and optimized by the same pass pipeline as ``accelerate`` (fusions, mixed precision), so the
+   gradient graph is built from the fused ops.
+2. A step function is traced with ``make_fx`` on fake tensors into one FX graph: that forward,
+   ``torch.autograd.grad`` of the (fp16: scaled) loss w.r.t. the trainable parameters, one
+   ``_foreach_norm`` reduction over all gradients (it is both the global norm for clipping and the
+   inf/nan check: a non-finite gradient makes the norm non-finite), ``torch._fused_adamw_`` with
+   ``grad_scale = loss_scale * max(1, norm / max_norm)`` (unscale and clip folded into the update
+   kernel's one pass over p, g, m, v) and ``found_inf`` (the kernel skips the update on overflow),
+   and the dynamic loss-scale update with hysteresis as tensor arithmetic. In every precision
+   ``found_inf`` is also set by a non-finite loss and by a loss above ``max_loss`` (the Trainer's
+   loss-spike guard; +inf when off), so a NaN never reaches the weights or the moments and a skipped
+   step does not advance AdamW's step counts.
+3. The graph is compiled by Inductor (or run op by op by the aten provider; a failed Inductor compile
+   falls back to it). Parameters, moments, step counters and the loss-scale state are graph inputs
+   updated in place: the update works on buffers the graph owns, no parameter copy is made and nothing
+   returns to Python until the loss.
+
+Passes, fallbacks and compiles are recorded like ``accelerate``'s, on an EngineState set as the model's
+``_graphtrain``: ``graphtrain.report(model)`` shows them.
+
+The design keeps sharding open: gradients are graph values, so a ZeRO-1 step would insert a
+reduce-scatter after the gradients and an all-gather after the update (not built here).
+
+Limits ("where the model allows"; clear errors otherwise): AdamW; one micro-batch per step (no
+gradient accumulation); as one graph, fixed input shapes per compile (a new shape traces again; by blocks,
+``engine.dynamic`` compiles the model's graphs once for every length, as ``accelerate`` does); the forward
+returns the loss (a tensor, or an object with ``.loss`` such as Hugging Face outputs); one graph: no graph
+breaks in the forward (the step is traced whole, not through Dynamo); by blocks, breaks run as in ``accelerate``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+from graphtrain.config.sections import Config, EngineConfig, OptimConfig
+from graphtrain.frontend.accelerate import compile_in_place, new_state
+from graphtrain.pipeline.blocks import splits_into_blocks
+from graphtrain.config.fallback import GraphtrainCaptureError, report_fallback, set_policy
+from graphtrain.pipeline.functional import loss_of, module_as_function
+from graphtrain.pipeline.stages import compile_with_fallback, new_record, run_passes, trace
+from graphtrain.runtime.providers import resolve_runtime
+
+
+def _adamw_math(params: list[Tensor], grads: list[Tensor], exp_avg: list[Tensor], exp_avg_sq: list[Tensor],
+                steps: list[Tensor], *, lr: Tensor, betas: tuple[float, float], weight_decay: float, eps: float,
+                grad_scale: Tensor, found_inf: Tensor | None) -> None:
+    """torch.optim.AdamW's update (decoupled decay, bias correction) on graph values, written in place;
+    `steps` were already advanced. With found_inf set, parameters and moments keep their old values."""
+    b1, b2 = betas
+    for p, g, m, v, t in zip(params, grads, exp_avg, exp_avg_sq, steps):
+        g = g / grad_scale
+        m_new = torch.lerp(m, g, 1 - b1)
+        v_new = v * b2 + (1 - b2) * g * g
+        bc1 = 1 - torch.pow(b1, t)
+        bc2_sqrt = torch.sqrt(1 - torch.pow(b2, t))
+        p_new = p * (1 - lr * weight_decay) - (lr / bc1) * m_new / (torch.sqrt(v_new) / bc2_sqrt + eps)
+        if found_inf is not None:
+            keep = found_inf > 0
+            p_new, m_new, v_new = torch.where(keep, p, p_new), torch.where(keep, m, m_new), torch.where(keep, v, v_new)
+        p.copy_(p_new)
+        m.copy_(m_new)
+        v.copy_(v_new)
+
+
+class CompiledStep:
+    """One optimizer step of `model` as one compiled graph; call it with the batch as keyword arguments."""
+
+    def __init__(self, model: nn.Module, config: Config | None = None, **engine_overrides: Any) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"compile_step takes an nn.Module, got {type(model).__name__}")
+        config = config if config is not None else Config()
+        if not isinstance(config, Config):
+            raise TypeError(f"compile_step takes a graphtrain Config, got {type(config).__name__}")
+        if engine_overrides:
+            config = dataclasses.replace(config, engine=dataclasses.replace(config.engine, **engine_overrides))
+        if config.optim.name != "adamw":
+            raise ValueError(f"compile_step builds AdamW into the step graph; optim.name={config.optim.name!r} "
+                             f"is not supported there: use graphtrain.accelerate + graphtrain.optim.build_optimizer")
+        self.model, self.engine, self.optim = model, config.engine, config.optim
+        _, self._tensors, self._kinds = module_as_function(model)
+        self._train_idx = [i for i, k in enumerate(self._kinds) if k == "param"]
+        self._train_names = [n for n, p in model.named_parameters() if p.requires_grad]  # same order
+        if not self._train_idx:
+            raise ValueError("compile_step: the model has no trainable parameters (requires_grad=True)")
+        params = [self._tensors[i] for i in self._train_idx]
+        self.exp_avg = [torch.zeros_like(p, memory_format=torch.preserve_format) for p in params]
+        self.exp_avg_sq = [torch.zeros_like(p, memory_format=torch.preserve_format) for p in params]
+        self.state_steps = [torch.zeros((), dtype=torch.float32, device=p.device) for p in params]
+        self._decay = [p.dim() >= 2 for p in params]  # matrices decay; biases and norm weights do not
+        dev = params[0].device
+        self.fp16 = self.engine.precision == "fp16"
+        self.lr = torch.zeros((), dtype=torch.float32, device=dev)
+        self.max_loss = torch.full((), float("inf"), dtype=torch.float32, device=dev)
+        self.scale = torch.full((), self.engine.loss_scale_init if self.fp16 else 1.0, dtype=torch.float32, device=dev)
+        self.growth_tracker = torch.zeros((), dtype=torch.int64, device=dev)
+        self.hysteresis_left = torch.full((), self.engine.loss_scale_hysteresis, dtype=torch.int64, device=dev)
+        self._compiled: Any = None
+        self._key: Any = None
+        self._batch_names: list[str] = []
+        self._provider: str | None = None
+        # What graphtrain.report(model) shows: the step graph's passes, fallbacks and compiles; the compile
+        # caches are pointed where accelerate points them.
+        self.state = new_state(self.engine)
+        model._graphtrain = self.state  # type: ignore[assignment]
+        self.pass_records: list[Any] = []
+        self.compile_seconds = 0.0
+        self.steps = 0
+        self.skipped_steps = 0
+        # A model with repeated blocks trains through its own graphs, compiled block by block (pipeline/blocks.py);
+        # the update after the backward is then a graph of its own (see _build_by_blocks). Under engine.dynamic the
+        # model's graphs are symbolic in the batch's sizes (one compile for every length); the update graph does not
+        # depend on them.
+        self.by_blocks = splits_into_blocks(self.engine, model)
+
+    # ----------------------------------------------------------------------------------- build --
+    def _build_by_blocks(self, batch: dict[str, Tensor]) -> None:
+        """The step of a model with repeated blocks, block by block: its forward and backward are the model's own
+        graphs as ``accelerate`` compiles them (the model is compiled in place: each distinct block once, the
+        embeddings and the head and loss in graphs of their own, with provider auto's tiered compile), and the
+        step after the backward (global norm, clipping, the skip decision, torch's fused AdamW, the fp16 loss-scale
+        update) one aten graph on the gradients. One graph of the whole step is what Inductor compiled before:
+        its compile grew with the depth (HF GPT-2 width 256: 38 s cold at 4 layers, 80-91 s at 12 on a 2-core Zen
+        4), and ``engine.compile_blocks: false`` still builds it."""
+        t0 = time.perf_counter()
+        set_policy(self.engine.fallback)
+        if self._compiled is None:
+            compile_in_place(self.model, self.state)
+            params = [self._tensors[i] for i in self._train_idx]
+            args = [params, [torch.empty_like(p) for p in params], self.exp_avg, self.exp_avg_sq, self.state_steps,
+                    self.lr, self.max_loss, self.scale, self.growth_tracker, self.hysteresis_left,
+                    torch.zeros((), device=self.lr.device)]  # stand-ins for the gradients and the loss
+            update = self._update_fn(fused_kernel=True)
+            flat, spec = torch.utils._pytree.tree_flatten(args)
+
+            def flat_update(*xs: Tensor):
+                return update(*torch.utils._pytree.tree_unflatten(list(xs), spec))
+            fake_mode = FakeTensorMode(allow_non_fake_inputs=True)  # no shape env: the fused kernel has no fake impl
+            with fake_mode:
+                graph = make_fx(flat_update, tracing_mode="real")(*[fake_mode.from_tensor(x) for x in flat])
+            ops = sum(n.op == "call_function" for n in graph.graph.nodes)
+            self.state.notes.append(f"compile_step({type(self.model).__name__}): forward and backward through the "
+                                    f"model's graphs (compiled block by block, below); then the update graph on aten "
+                                    f"({ops} ops: gradient norm, clipping, the skip decision, torch's fused AdamW"
+                                    f"{', loss scaling' if self.fp16 else ''})")
+            self._compiled, self.graph = graph, graph
+        self._batch_names = list(batch)
+        self.compile_seconds += time.perf_counter() - t0
+
+    @property
+    def provider(self) -> str | None:
+        """What runs the step: the single graph's provider; by blocks, those of the model's graphs (the update graph
+        runs on aten)."""
+        if self.by_blocks:
+            return ", ".join(sorted({g.provider.split(" ")[0] for g in self.state.graphs})) or None
+        return self._provider
+
+    def _step_by_blocks(self, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+        params = [self._tensors[i] for i in self._train_idx]
+        with torch.enable_grad():
+            loss = loss_of(self.model(**batch))
+            grads = torch.autograd.grad(loss * self.scale if self.fp16 else loss, params, allow_unused=True)
+        grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
+        args = [params, grads, self.exp_avg, self.exp_avg_sq, self.state_steps, self.lr, self.max_loss, self.scale,
+                self.growth_tracker, self.hysteresis_left, loss.detach()]
+        with torch.no_grad():
+            return self._compiled(*torch.utils._pytree.tree_flatten(args)[0])
+
+    def _build(self, batch: dict[str, Tensor]) -> None:
+        t0 = time.perf_counter()
+        names = list(batch)
+        inputs = [batch[k] for k in names]
+        example = self._tensors + inputs
+        set_policy(self.engine.fallback)
+        cfg = resolve_runtime(self.engine, example)
+        provider = cfg.provider
+        kinds = self._kinds + ["input"] * len(inputs)
+        rec = new_record("step", f"compile_step({type(self.model).__name__})", example, kinds, self.state,
+                         frame_compile=sum(g.name == "step" for g in self.state.graphs), precision=cfg.precision)
+        fn, _, _ = module_as_function(self.model, input_names=names, loss=True)
+        try:
+            graph, fake_args = self._trace_step(fn, example, kinds, inputs, cfg, rec, provider)
+        except GraphtrainCaptureError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the step runs, uncompiled, and says why (or raises under error)
+            # A forward that reads a tensor's value (Hugging Face's mask helpers on BART, GPT-2 under recompute)
+            # cannot be traced whole on fake tensors (DataDependentOutputException); accelerate's Dynamo capture
+            # breaks the graph there, a whole-step graph cannot. The same step runs op by op on the real tensors:
+            # the model, autograd and the AdamW update, nothing skipped.
+            what = "runs uncompiled (the model, autograd and AdamW op by op" + (
+                ", in fp32)" if cfg.precision != "fp32" else ")")  # precision is one of the passes it skips
+            report_fallback(f"the step graph of {rec.name} ({rec.frame})", f"{type(e).__name__}: {str(e)[:300]}",
+                            cfg, what=what, sink=self.state.fallbacks)
+            self._compiled, self._provider = self._step_fn(fn, len(inputs), fused_kernel=True), "eager"
+            rec.provider, self._batch_names, self.graph = "eager", names, None
+            rec.compile_seconds = time.perf_counter() - t0
+            self.compile_seconds += rec.compile_seconds
+            return
+        self._compiled, self._provider = compile_with_fallback(
+            ["inductor", "aten"] if provider == "inductor" else ["aten"], lambda p: self._compile(graph, fake_args, p),
+            part=f"{rec.name} ({rec.frame})", config=cfg, state=self.state)
+        rec.provider = self._provider
+        self._batch_names = names
+        self.graph = graph
+        rec.compile_seconds = time.perf_counter() - t0
+        self.compile_seconds += rec.compile_seconds
+
+    def _trace_step(self, fn: Any, example: list[Tensor], kinds: list[str], inputs: list[Tensor], cfg: EngineConfig,
+                    rec: Any, provider: str) -> tuple[torch.fx.GraphModule, list[Tensor]]:
+        """The whole step as one graph: the forward traced and optimized by the pre-autodiff passes, then forward,
+        autograd and the update traced together on fake tensors. Returns the graph and its fake arguments."""
+        fwd = trace(fn, example, rec)
+        n_records = len(self.state.passes)
+        fwd = run_passes(fwd, "pre_autodiff", cfg, self.state, rec, example_inputs=example, input_kinds=kinds)
+        self.pass_records = self.state.passes[n_records:]
+        # aten runs torch's fused AdamW kernel in the graph; Inductor cannot trace that kernel's
+        # tensor-lr overload (no fake implementation in torch 2.13), so it gets the same update as
+        # elementwise math, which it fuses into one kernel per parameter.
+        step_fn = self._step_fn(fwd, len(inputs), fused_kernel=provider != "inductor")
+        args = self._args(inputs)
+        # Fake tensors: tracing must not run the update on the real weights. Non-fake inputs are allowed
+        # because the forward graph may hold constant tensors (folded masks) as attributes.
+        # Inductor compiles from these fake inputs too: their shape environment (static shapes all the same) is what
+        # its FX-graph cache keys a graph's guards on. Compiled from the real inputs it bypassed the cache ("No shape
+        # env"), and every process compiled the step anew (HF GPT-2, 4 layers, width 256: a second process's first
+        # step took 22 s against 38 s cold, 2-core Zen 4). The aten graph goes without: its fused AdamW kernel has no
+        # fake implementation, which a fake mode runs (on meta tensors) only without a shape environment.
+        fake_mode = FakeTensorMode(allow_non_fake_inputs=True,
+                                   shape_env=ShapeEnv() if provider == "inductor" else None)
+        fake_args = [fake_mode.from_tensor(a) for a in args]
+        with fake_mode:
+            return make_fx(step_fn, tracing_mode="real")(*fake_args), fake_args
+
+    def _args(self, inputs: list[Tensor]) -> list[Tensor]:
+        return [*self._tensors, *inputs, *self.exp_avg, *self.exp_avg_sq, *self.state_steps, self.lr, self.max_loss,
+                self.scale, self.growth_tracker, self.hysteresis_left]
+
+    def _step_fn(self, fwd: torch.fx.GraphModule, n_inputs: int, fused_kernel: bool):
+        n_t, train_idx, n_p = len(self._tensors), list(self._train_idx), len(self._train_idx)
+        fp16 = self.fp16
+        update = self._update_fn(fused_kernel)
+
+        def step(*args: Tensor):
+            tensors, rest = list(args[:n_t]), args[n_t:]
+            inputs, rest = rest[:n_inputs], rest[n_inputs:]
+            m, v, steps = rest[:n_p], rest[n_p:2 * n_p], rest[2 * n_p:3 * n_p]
+            lr, max_loss, scale, tracker, hyst = rest[3 * n_p:]
+            params = [tensors[i] for i in train_idx]
+            with torch.enable_grad():
+                leaves = [p.detach().requires_grad_(True) for p in params]
+                for i, leaf in zip(train_idx, leaves):
+                    tensors[i] = leaf
+                loss = fwd(*tensors, *inputs)
+                grads = torch.autograd.grad(loss * scale if fp16 else loss, leaves, allow_unused=True)
+            return update(params, list(grads), m, v, steps, lr, max_loss, scale, tracker, hyst, loss.detach())
+        return step
+
+    def _update_fn(self, fused_kernel: bool):
+        """The step after the gradients: global norm and overflow check, clipping, AdamW (torch's fused kernel, or
+        the same update as elementwise math for Inductor) and the fp16 loss-scale update, on tensors; returns
+        (loss, the unscaled gradient norm, found_inf)."""
+        n_p = len(self._train_idx)
+        o, e, fp16 = self.optim, self.engine, self.fp16
+        decay = list(self._decay)
+        max_norm = o.grad_clip
+
+        def update(params, grads, m, v, steps, lr, max_loss, scale, tracker, hyst, loss):
+            grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
+            # one reduction: global norm (for clipping) and the overflow check (non-finite norm)
+            norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+            true_norm = norm / scale if fp16 else norm
+            grad_scale = scale if fp16 else torch.ones_like(scale)
+            if max_norm is not None:
+                grad_scale = grad_scale * torch.clamp(true_norm / max_norm, min=1.0)
+            # skip the update on a non-finite norm (fp16: overflow) or loss, or a loss spike
+            bad_loss = ~torch.isfinite(loss) | (loss > max_loss)
+            overflow = ~torch.isfinite(norm)
+            found_inf = (overflow | bad_loss).to(torch.float32)
+            torch._foreach_add_(steps, [1.0 - found_inf] * len(steps))  # counters advance only on steps that update
+            for wd, sel in ((o.weight_decay, True), (0.0, False)):
+                idx = [i for i in range(n_p) if decay[i] == sel]
+                if not idx:
+                    continue
+                group = ([params[i] for i in idx], [grads[i] for i in idx], [m[i] for i in idx], [v[i] for i in idx],
+                         [steps[i] for i in idx])
+                if fused_kernel:
+                    torch._fused_adamw_(*group[:4], [], group[4], lr=lr, beta1=o.betas[0], beta2=o.betas[1],
+                                        weight_decay=wd, eps=o.eps, amsgrad=False, maximize=False,
+                                        grad_scale=grad_scale, found_inf=found_inf)
+                else:
+                    with torch.no_grad():  # the parameters are leaves that require grad
+                        _adamw_math(*group, lr=lr, betas=o.betas, weight_decay=wd, eps=o.eps,
+                                    grad_scale=grad_scale, found_inf=found_inf)
+            if fp16:  # DynamicLossScaler.update as tensor arithmetic (same hysteresis semantics)
+                inf = overflow
+                grow = (~inf) & (tracker + 1 >= e.loss_scale_interval)
+                new_hyst = torch.where(inf, hyst - 1, torch.where(grow, torch.full_like(hyst, e.loss_scale_hysteresis),
+                                                                  hyst))
+                backoff = inf & (new_hyst <= 0)
+                new_scale = torch.where(backoff, torch.clamp(scale * e.loss_scale_backoff, min=e.loss_scale_min),
+                                        torch.where(grow, scale * e.loss_scale_growth, scale))
+                tracker.copy_(torch.where(inf | grow, torch.zeros_like(tracker), tracker + 1))
+                hyst.copy_(new_hyst)
+                scale.copy_(new_scale)
+            return loss, true_norm, found_inf
+        return update
+
+    @staticmethod
+    def _compile(graph: torch.fx.GraphModule, args: list[Tensor], provider: str) -> Any:
+        """The step graph as `provider` runs it: Inductor's code (eager's RNG kept), or the FX graph op by op."""
+        if provider == "inductor":
+            from torch._inductor.compile_fx import compile_fx
+            with torch._inductor.config.patch(fallback_random=True):
+                return compile_fx(graph, args)
+        return graph
+
+    # ------------------------------------------------------------------------------------ call --
+    def __call__(self, lr: float | None = None, max_loss: float | None = None, **batch: Tensor) -> dict[str, Any]:
+        """One step; `max_loss` (default: none) skips the update when the loss exceeds it."""
+        if not batch:
+            raise TypeError("call the step with the batch as keyword arguments, e.g. step(input_ids=x, labels=y)")
+        bad = [k for k, v in batch.items() if not isinstance(v, Tensor)]
+        if bad:
+            raise TypeError(f"compile_step: batch values must be tensors; {bad} are not")
+        key = tuple((k, tuple(v.shape), v.dtype, v.device) for k, v in batch.items())
+        if key != self._key:
+            (self._build_by_blocks if self.by_blocks else self._build)(batch)
+            self._key = key
+        self.lr.fill_(self.optim.lr if lr is None else float(lr))
+        self.max_loss.fill_(float("inf") if max_loss is None else float(max_loss))
+        if self.by_blocks:
+            loss, norm, found_inf = self._step_by_blocks(batch)
+        else:
+            with torch.no_grad():
+                loss, norm, found_inf = self._compiled(*self._args([batch[k] for k in self._batch_names]))
+        skipped = bool(found_inf.item())
+        self.steps += 1
+        self.skipped_steps += skipped
+        return {"loss": loss, "grad_norm": norm, "skipped": skipped,
+                "scale": float(self.scale) if self.fp16 else None}
+
+    # ------------------------------------------------------------------------------ state I/O --
+    def state_dict(self) -> dict[str, Any]:
+        """Optimizer and loss-scale state (the model's weights are in model.state_dict())."""
+        names = self._train_names
+        return {"exp_avg": dict(zip(names, self.exp_avg)), "exp_avg_sq": dict(zip(names, self.exp_avg_sq)),
+                "step": dict(zip(names, self.state_steps)), "scale": self.scale.clone(),
+                "growth_tracker": self.growth_tracker.clone(), "hysteresis_left": self.hysteresis_left.clone(),
+                "steps": self.steps, "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        names = self._train_names
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            missing = [n for n in names if n not in state.get(key, {})]
+            if missing:
+                raise ValueError(f"step state {key!r} lacks parameters {missing[:3]}: not a CompiledStep.state_dict() "
+                                 f"of this model")
+        with torch.no_grad():  # in place: the compiled graph holds these tensors
+            for dst, key in ((self.exp_avg, "exp_avg"), (self.exp_avg_sq, "exp_avg_sq"), (self.state_steps, "step")):
+                for t, n in zip(dst, names):
+                    t.copy_(state[key][n])
+            self.scale.copy_(state["scale"])
+            self.growth_tracker.copy_(state["growth_tracker"])
+            self.hysteresis_left.copy_(state["hysteresis_left"])
+        self.steps, self.skipped_steps = int(state.get("steps", 0)), int(state.get("skipped_steps", 0))
+
+
+def compile_step(model: nn.Module, config: Config | None = None, **engine_overrides: Any) -> CompiledStep:
+    """The whole training step (forward, loss, backward, clip, AdamW, loss scaling) as one graph."""
+    return CompiledStep(model, config, **engine_overrides)
+
+
+__all__ = ["CompiledStep", "compile_step", "EngineConfig", "OptimConfig"]

@@ -1,1 +1,0 @@
-"""Operations on runs: `graphtrain plot` (an HTML page comparing runs)."""
