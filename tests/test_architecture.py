@@ -22,7 +22,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("optim", "passes", "models", "data"),
     ("kernels",),
     ("testing",),
-    ("config", "config_schema", "jobfile", "fallback", "checksums", "compat", "torch_range"),
+    ("config", "config_schema", "jobfile", "fallback", "checksums", "compat", "torch_range", "early_preempt"),
 ]
 RANK = {name: i for i, names in enumerate(LAYERS) for name in names}
 
