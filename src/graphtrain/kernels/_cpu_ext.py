@@ -10,7 +10,7 @@ reproducible, so backward regenerates the mask instead of saving it (0 bytes of 
 it vectorizes (on AVX-512 with native 64-bit multiplies). Keep decision: hash32(seed, i) >= p * 2^32, i.e.
 P(keep) = 1 - p up to 2^-32; kept values are scaled by 1/(1-p).
 
-Portability: the sources are plain C++ (no intrinsics); gcc vectorizes them for the ISA level it is
+Portability: the sources are plain C++ (no intrinsics); gcc vectorizes them for the ISA level they are
 built for. One build per level, named after it (`_ISA_FLAGS`): AVX-512 (F/BW/VL/DQ), AVX2 + FMA, or
 the compiler's baseline. Never ``-march=native``: torch's extension cache keys builds by source and
 flags, not by CPU, so a native build cached on an AVX-512 machine would die of SIGILL on an AVX2 one
