@@ -260,7 +260,7 @@ def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next_process(tmp_
     loads the kernels."""
     if _cpu_ext.load() is None:
         pytest.skip(f"graphtrain's C++ kernels are not built here: {_cpu_ext.build_error()}")
-    name = f"{_cpu_ext.MODULE_NAME}_{_cpu_ext.isa_level()}"
+    name = f"{_cpu_ext.module_name()}_{_cpu_ext.isa_level()}"
     lock = Path(_cpu_ext.build_directory(name)) / "lock"
     lock.touch()
     try:

@@ -28,9 +28,9 @@ def mod():
 
 def _body(name: str) -> str:
     """The C++ source of entry point `name`, from its signature's opening brace."""
-    m = re.search(rf"^\S[^\n]*\b{name}\([^;{{]*\)\s*\{{", _cpu_ext._CPP, re.M)
+    m = re.search(rf"^\S[^\n]*\b{name}\([^;{{]*\)\s*\{{", _cpu_ext.source(), re.M)
     assert m, name
-    return _cpu_ext._CPP[m.end():]
+    return _cpu_ext.source()[m.end():]
 
 
 def test_every_cpp_entry_point_an_op_calls_checks_its_contract_first():
@@ -41,7 +41,45 @@ def test_every_cpp_entry_point_an_op_calls_checks_its_contract_first():
     for name in claimed:
         first = _body(name).strip().split("\n", 1)[0].strip()
         assert first == CONTRACTS[name].call(), (name, first)
-        assert CONTRACTS[name].cpp() in _cpu_ext._CPP
+        assert CONTRACTS[name].cpp() in _cpu_ext.source()
+
+
+def test_the_extension_source_is_every_csrc_file_once_with_the_generated_checks():
+    """The hand-written C++ lives in kernels/csrc/; the loader joins it into one source, each header once and the
+    generated gt_contracts.h (every contract's check) where it is first included, leaving no local include behind."""
+    src = _cpu_ext.source()
+    assert not re.search(r'^#include "', src, re.M)
+    assert "#pragma once" not in src
+    files = sorted(p for p in _cpu_ext.CSRC.iterdir() if p.suffix in (".cpp", ".h"))
+    assert {p.name for p in files} >= set(_cpu_ext._UNITS)
+    for p in files:
+        for part in re.split(r'^(?:#include "[^"]+"|#pragma once)[^\n]*\n', p.read_text(), flags=re.M):
+            assert part.strip() == "" or src.count(part) == 1, (p.name, part[:200])
+    for c in CONTRACTS.values():
+        assert src.count(c.cpp()) == 1, c.name
+    fake = {"a.cpp": '#include "h.h"\n#include "gen.h"  // generated\nA\n', "b.cpp": '#include "h.h"\nB\n',
+            "h.h": '#include <vector>\n#include "gen.h"\nH\n'}
+    assert _cpu_ext._assemble(("a.cpp", "b.cpp"), fake.__getitem__, {"gen.h": "G\n"}) == "#include <vector>\nG\nH\nA\nB\n"
+
+
+def test_the_extension_is_named_after_its_source(tmp_path, monkeypatch):
+    """Editing any file under csrc/ gives the extension a new name (and build folder): a stale build is never loaded,
+    and there is no version number to forget."""
+    before = _cpu_ext.module_name()
+    copy = tmp_path / "csrc"
+    copy.mkdir()
+    for p in _cpu_ext.CSRC.iterdir():
+        (copy / p.name).write_bytes(p.read_bytes())
+    (copy / "common.h").write_text((copy / "common.h").read_text() + "// an edit\n")
+    monkeypatch.setattr(_cpu_ext, "CSRC", copy)
+    _cpu_ext.source.cache_clear()
+    try:
+        after = _cpu_ext.module_name()
+    finally:
+        monkeypatch.undo()
+        _cpu_ext.source.cache_clear()
+    assert after != before and after.startswith(_cpu_ext.MODULE_PREFIX + "_")
+    assert _cpu_ext.module_name() == before
 
 
 def test_rules_outside_the_shared_syntax_are_refused():

@@ -1,4 +1,7 @@
-"""Hand-written CPU kernels (C++ via torch.utils.cpp_extension.load_inline), built once and cached.
+"""Hand-written CPU kernels (C++ in kernels/csrc/, built with torch.utils.cpp_extension.load_inline), built once and
+cached. The C++ lives in files, one per kernel family (`_UNITS`; `common.h` holds what they share); their contracts
+live here and in _cpu_attention.py, and each contract's C++ check is generated from it (contract.py) and put where a
+file includes ``gt_contracts.h``: the loader joins the files and that generated header into one source (`source()`).
 
 Why C++ here: on the 2-core EPYC aten's Bernoulli sampler costs ~5 ns/element (2.6 ms for
 a [1024, 512] fp32 mask, 50x an elementwise add), so dropout dominates every fused op that contains
@@ -7,7 +10,7 @@ reproducible, so backward regenerates the mask instead of saving it (0 bytes of 
 it vectorizes (on AVX-512 with native 64-bit multiplies). Keep decision: hash32(seed, i) >= p * 2^32, i.e.
 P(keep) = 1 - p up to 2^-32; kept values are scaled by 1/(1-p).
 
-Portability: the source is plain C++ (no intrinsics); gcc vectorizes it for the ISA level it is
+Portability: the sources are plain C++ (no intrinsics); gcc vectorizes them for the ISA level they are
 built for. One build per level, named after it (`_ISA_FLAGS`): AVX-512 (F/BW/VL/DQ), AVX2 + FMA, or
 the compiler's baseline. Never ``-march=native``: torch's extension cache keys builds by source and
 flags, not by CPU, so a native build cached on an AVX-512 machine would die of SIGILL on an AVX2 one
@@ -15,25 +18,29 @@ that shares the cache. On AVX2 the hash's 64-bit multiplies are emulated from 32
 no vpmullq), which changes speed, never bits: tests compare every build with the reference bit for bit.
 
 `load()` returns the module or None (no compiler, build failure): callers then run the reference.
-The build takes ~40 s the first time and is cached under TORCH_EXTENSIONS_DIR afterwards, in a folder per
-torch install (`build_directory`): torch keys its folder by the extension's name only, so two virtual
-environments sharing ~/.cache rebuilt it in turn, each first step paying ~30 s (seen between a checkout and
-CI's fresh clone). torch's build lock is a plain file that a killed build leaves behind, and every later
-process then waits on it forever without a word; builds here hold a kernel lock (`flock`, released when its
-holder dies) and clear a lock file no live builder can own (`_stale_lock_cleared`).
+The extension's name is `module_name()`: a digest of the joined source, so editing any file under csrc/ (or a
+contract) builds a new extension, never a stale one; there is no version number to bump. The build takes ~40 s
+the first time and is cached under TORCH_EXTENSIONS_DIR afterwards, in a folder per torch install
+(`build_directory`): torch keys its folder by the extension's name only, so two virtual environments sharing
+~/.cache rebuilt it in turn, each first step paying ~30 s (seen between a checkout and CI's fresh clone). torch's
+build lock is a plain file that a killed build leaves behind, and every later process then waits on it forever
+without a word; builds here hold a kernel lock (`flock`, released when its holder dies) and clear a lock file no
+live builder can own (`_stale_lock_cleared`).
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import os
+import re
 import threading
 import warnings
-from typing import Iterator
+from pathlib import Path
+from typing import Callable, Iterator
 
 from graphtrain.kernels import capability
-from graphtrain.kernels._cpu_alloc import ALLOCATOR_CPP
-from graphtrain.kernels._cpu_attention import ATTENTION_CPP
+from graphtrain.kernels import _cpu_attention  # noqa: F401 - registers attention's contracts, checked in the source
 from graphtrain.kernels.contract import Contract, Rule, cpp_checks, register_contract
 
 # The contracts of the entry points below (contract.py): each entry point's first statement is its check, and the
@@ -77,332 +84,52 @@ ONEDNN_MATMUL = register_contract(Contract("onednn_matmul", ("a", "b", "out"), r
          "cpu(out)", "a, b and a contiguous out must be CPU tensors of one floating dtype"),
 )))
 
-_CPP = r"""
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <type_traits>
+CSRC = Path(__file__).with_name("csrc")
+"""The hand-written C++ (shipped with the package): one .cpp per kernel family, headers they share."""
 
-static inline uint32_t gt_hash(uint64_t seed, uint64_t i) {
-  uint64_t z = seed + (i + 1) * 0x9E3779B97F4A7C15ULL;
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
-  z = z ^ (z >> 31);
-  return (uint32_t)(z >> 32);
-}
+_UNITS = ("elementwise.cpp", "attention.cpp", "cross_entropy.cpp", "matmul.cpp", "allocator.cpp")
+"""The extension's sources, in the order they are joined into its one translation unit."""
 
-// exp(x) for x <= 0 ... 88: 2^(x log2 e) with round-to-nearest range reduction and a degree-7
-// Taylor polynomial of 2^f on [-0.5, 0.5] (rel. error < 1e-7); branch-free so gcc vectorizes it
-// (std::exp does not vectorize without -ffast-math, which would break the -inf checks).
-static inline float gt_exp(float x) {
-  const float xc = x < -87.f ? -87.f : (x > 88.f ? 88.f : x);
-  const float t = xc * 1.44269504088896341f;
-  const float fi = (t + 12582912.f) - 12582912.f;
-  const float f = (t - fi) * 0.69314718055994531f;
-  float p = 1.f + f * (1.f + f * (0.5f + f * (1.f / 6 + f * (1.f / 24 + f * (1.f / 120 + f * (1.f / 720 + f * (1.f / 5040)))))));
-  int32_t bits = ((int32_t)fi + 127) << 23;
-  float s; std::memcpy(&s, &bits, 4);
-  return x < -87.f ? 0.f : p * s;
-}
+_GENERATED = "gt_contracts.h"
+"""The header no file holds: every contract's C++ check (contract.py cpp_checks), generated from the Contracts above."""
 
-static inline uint32_t gt_threshold(double p) {
-  double t = p * 4294967296.0;
-  return t >= 4294967295.0 ? 0xFFFFFFFFu : (uint32_t)t;
-}
+_INCLUDE = re.compile(r'^#include "([^"]+)"[^\n]*\n', re.M)
 
-// Dropout with probability p as every kernel here applies it: the hash threshold below which an element drops, the
-// scale of the kept ones (1 / (1 - p); 0 when p = 1 drops everything) and whether anything drops at all.
-struct DropSpec {
-  uint32_t thr;
-  float scale;
-  bool on;
-  explicit DropSpec(double p) : thr(gt_threshold(p)), scale(p < 1.0 ? (float)(1.0 / (1.0 - p)) : 0.f), on(p > 0.0) {}
-};
 
-// Keep-factors for elements base..base+n-1: scale where hash32(seed, i) >= thr, else 0. A loop of its
-// own so that gcc vectorizes the 64-bit hash (the fused loops below did not, at 2 ns/element).
-static inline void keep_block(uint64_t seed, uint64_t base, int64_t n, uint32_t thr, float scale, float* keep) {
-_Pragma("omp simd")
-  for (int64_t j = 0; j < n; ++j) keep[j] = gt_hash(seed, base + (uint64_t)j) >= thr ? scale : 0.f;
-}
+def _assemble(units: tuple[str, ...], read: Callable[[str], str], generated: dict[str, str]) -> str:
+    """One source from `units`: each quoted #include replaced by that header's text (`generated`'s, else `read`'s)
+    the first time it is met and dropped after, as #pragma once would. One translation unit, as load_inline builds
+    it, so torch's own rebuild check sees every line."""
+    seen: set[str] = set()
 
-// Element loads/stores through fp32 scratch, written so that gcc vectorizes them. bf16 rounds to
-// nearest even with NaN kept quiet, bit for bit what c10::BFloat16's conversion does.
-template <typename T> static inline const float* as_f32(const T* src, int64_t n, float* buf) {
-  if constexpr (std::is_same_v<T, float>) {
-    return src;
-  } else if constexpr (std::is_same_v<T, at::BFloat16>) {
-    const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
-_Pragma("omp simd")
-    for (int64_t j = 0; j < n; ++j) { uint32_t b = (uint32_t)s[j] << 16; float f; std::memcpy(&f, &b, 4); buf[j] = f; }
-    return buf;
-  } else {
-    for (int64_t j = 0; j < n; ++j) buf[j] = (float)src[j];
-    return buf;
-  }
-}
-template <typename T> static inline void store_f32(const float* src, T* dst, int64_t n) {
-  if constexpr (std::is_same_v<T, float>) {
-    if (src != dst) std::memcpy(dst, src, n * sizeof(float));
-  } else if constexpr (std::is_same_v<T, at::BFloat16>) {
-    uint16_t* d = reinterpret_cast<uint16_t*>(dst);
-_Pragma("omp simd")
-    for (int64_t j = 0; j < n; ++j) {
-      uint32_t b; std::memcpy(&b, &src[j], 4);
-      d[j] = src[j] != src[j] ? (uint16_t)0x7FC0 : (uint16_t)((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
-    }
-  } else {
-    for (int64_t j = 0; j < n; ++j) dst[j] = (T)src[j];
-  }
-}
+    def expand(text: str) -> str:
+        def header(m: re.Match[str]) -> str:
+            name = m.group(1)
+            if name in seen:
+                return ""
+            seen.add(name)
+            return expand(generated[name] if name in generated else read(name))
+        return _INCLUDE.sub(header, text)
 
-constexpr int64_t GT_CHUNK = 1024;
-""" + cpp_checks() + r"""
+    return "".join(expand(read(u)) for u in units)
 
-// out = dropout(x + bias) + residual over rows of length n (bias [n] or empty, residual like x or empty).
-torch::Tensor bias_dropout_add_fwd(torch::Tensor x, torch::Tensor bias, torch::Tensor residual, double p,
-                                   int64_t seed) {
-  gt_check_bias_dropout_add_fwd(x, bias, residual);
-  auto xc = x.contiguous();
-  auto out = torch::empty_like(xc);
-  const int64_t numel = xc.numel();
-  const int64_t n = xc.dim() ? xc.size(-1) : 1;
-  const bool has_b = bias.numel() > 0, has_r = residual.numel() > 0;
-  auto bc = has_b ? bias.contiguous() : bias;
-  auto rc = has_r ? residual.contiguous() : residual;
-  const DropSpec drop(p);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, xc.scalar_type(), "bias_dropout_add_fwd", [&] {
-    const scalar_t* xp = xc.data_ptr<scalar_t>();
-    const scalar_t* bp = has_b ? bc.data_ptr<scalar_t>() : nullptr;
-    const scalar_t* rp = has_r ? rc.data_ptr<scalar_t>() : nullptr;
-    scalar_t* op = out.data_ptr<scalar_t>();
-    const int64_t rows = numel / n;
-    at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / n), [&](int64_t r0, int64_t r1) {
-      float keep[GT_CHUNK], xb[GT_CHUNK], bb[GT_CHUNK], rb[GT_CHUNK], ob[GT_CHUNK];
-      for (int64_t r = r0; r < r1; ++r) {
-        for (int64_t j0 = 0; j0 < n; j0 += GT_CHUNK) {
-          const int64_t o = r * n + j0, len = std::min(GT_CHUNK, n - j0);
-          keep_block((uint64_t)seed, (uint64_t)o, len, drop.thr, drop.scale, keep);
-          const float* xf = as_f32(xp + o, len, xb);
-          const float* bf = has_b ? as_f32(bp + j0, len, bb) : nullptr;
-          const float* rf = has_r ? as_f32(rp + o, len, rb) : nullptr;
-          float* of = std::is_same_v<scalar_t, float> ? reinterpret_cast<float*>(op + o) : ob;
-          if (has_b && has_r) {
-_Pragma("omp simd")
-            for (int64_t j = 0; j < len; ++j) of[j] = (xf[j] + bf[j]) * keep[j] + rf[j];
-          } else if (has_b) {
-_Pragma("omp simd")
-            for (int64_t j = 0; j < len; ++j) of[j] = (xf[j] + bf[j]) * keep[j];
-          } else if (has_r) {
-_Pragma("omp simd")
-            for (int64_t j = 0; j < len; ++j) of[j] = xf[j] * keep[j] + rf[j];
-          } else {
-_Pragma("omp simd")
-            for (int64_t j = 0; j < len; ++j) of[j] = xf[j] * keep[j];
-          }
-          store_f32(of, op + o, len);
-        }
-      }
-    });
-  });
-  return out;
-}
 
-// grad of x (and of bias, after a row-sum by the caller): g * mask / (1 - p).
-torch::Tensor dropout_bwd(torch::Tensor g, double p, int64_t seed) {
-  gt_check_dropout_bwd(g);
-  auto gc = g.contiguous();
-  auto out = torch::empty_like(gc);
-  const int64_t numel = gc.numel();
-  const DropSpec drop(p);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gc.scalar_type(), "dropout_bwd", [&] {
-    const scalar_t* gp = gc.data_ptr<scalar_t>();
-    scalar_t* op = out.data_ptr<scalar_t>();
-    at::parallel_for(0, numel, 16384, [&](int64_t begin, int64_t end) {
-      float keep[GT_CHUNK], gb[GT_CHUNK], ob[GT_CHUNK];
-      for (int64_t i0 = begin; i0 < end; i0 += GT_CHUNK) {
-        const int64_t len = std::min(GT_CHUNK, end - i0);
-        keep_block((uint64_t)seed, (uint64_t)i0, len, drop.thr, drop.scale, keep);
-        const float* gf = as_f32(gp + i0, len, gb);
-        float* of = std::is_same_v<scalar_t, float> ? reinterpret_cast<float*>(op + i0) : ob;
-_Pragma("omp simd")
-        for (int64_t j = 0; j < len; ++j) of[j] = gf[j] * keep[j];
-        store_f32(of, op + i0, len);
-      }
-    });
-  });
-  return out;
-}
+def _read(name: str) -> str:
+    return re.sub(r"^#pragma once\n", "", (CSRC / name).read_text(), flags=re.M)  # one file: no header is reread
 
-// tanh(u) from the exp above: (1 - e) / (1 + e) with e = exp(-2|u|), the sign put back; for |u| < 1/8 its
-// Taylor series to u^7 instead (1 - e cancels there). Rel. error < 3e-7, branch-free: gcc vectorizes it, where
-// aten's and Inductor's tanh (Sleef's 1-ulp tanhf) cost 0.8-1.3 ns/element on the 2-core Zen 4.
-static inline float gt_tanh(float u) {
-  const float a = std::fabs(u);
-  const float e = gt_exp(-2.f * a);
-  const float big = (1.f - e) / (1.f + e);
-  const float a2 = a * a;
-  const float small = a * (1.f + a2 * (-1.f / 3 + a2 * (2.f / 15 + a2 * (-17.f / 315))));
-  return std::copysign(a < 0.125f ? small : big, u);
-}
 
-// GELU, tanh form, of x (+ bias over the last dim): forward y, or with dy the gradient dy * gelu'(x + bias).
-static torch::Tensor gelu_tanh(torch::Tensor x, torch::Tensor bias, torch::Tensor dy, bool backward) {
-  auto xc = x.contiguous();
-  auto gc = backward ? dy.contiguous() : dy;
-  auto out = torch::empty_like(xc);
-  const int64_t numel = xc.numel();
-  const int64_t n = xc.dim() ? xc.size(-1) : 1;
-  const bool has_b = bias.numel() > 0;
-  auto bc = has_b ? bias.contiguous() : bias;
-  constexpr float K = 0.7978845608028654f, C = 0.044715f;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, xc.scalar_type(), "gelu_tanh", [&] {
-    const scalar_t* xp = xc.data_ptr<scalar_t>();
-    const scalar_t* bp = has_b ? bc.data_ptr<scalar_t>() : nullptr;
-    const scalar_t* gp = backward ? gc.data_ptr<scalar_t>() : nullptr;
-    scalar_t* op = out.data_ptr<scalar_t>();
-    const int64_t rows = numel / n;
-    at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / n), [&](int64_t r0, int64_t r1) {
-      float xb[GT_CHUNK], zb[GT_CHUNK], bb[GT_CHUNK], gb[GT_CHUNK], tb[GT_CHUNK], ob[GT_CHUNK];
-      for (int64_t r = r0; r < r1; ++r) {
-        for (int64_t j0 = 0; j0 < n; j0 += GT_CHUNK) {
-          const int64_t o = r * n + j0, len = std::min(GT_CHUNK, n - j0);
-          const float* z = as_f32(xp + o, len, xb);
-          if (has_b) {
-            const float* bf = as_f32(bp + j0, len, bb);
-_Pragma("omp simd")
-            for (int64_t j = 0; j < len; ++j) zb[j] = z[j] + bf[j];
-            z = zb;
-          }
-_Pragma("omp simd")
-          for (int64_t j = 0; j < len; ++j) tb[j] = gt_tanh(K * (z[j] + C * z[j] * z[j] * z[j]));
-          float* of = std::is_same_v<scalar_t, float> ? reinterpret_cast<float*>(op + o) : ob;
-          if (backward) {
-            const float* gf = as_f32(gp + o, len, gb);
-_Pragma("omp simd")
-            for (int64_t j = 0; j < len; ++j)
-              of[j] = gf[j] * (0.5f * (1.f + tb[j]) +
-                               0.5f * z[j] * (1.f - tb[j] * tb[j]) * K * (1.f + 3.f * C * z[j] * z[j]));
-          } else {
-_Pragma("omp simd")
-            for (int64_t j = 0; j < len; ++j) of[j] = 0.5f * z[j] * (1.f + tb[j]);
-          }
-          store_f32(of, op + o, len);
-        }
-      }
-    });
-  });
-  return out;
-}
+@functools.lru_cache(maxsize=1)
+def source() -> str:
+    """The extension's C++: the files under csrc/ with the contracts' generated checks, read at the first call."""
+    return _assemble(_UNITS, _read, {_GENERATED: cpp_checks()})
 
-torch::Tensor gelu_tanh_fwd(torch::Tensor x, torch::Tensor bias) {
-  gt_check_gelu_tanh_fwd(x, bias);
-  return gelu_tanh(x, bias, x, false);
-}
-torch::Tensor gelu_tanh_bwd(torch::Tensor dy, torch::Tensor x, torch::Tensor bias) {
-  gt_check_gelu_tanh_bwd(dy, x, bias);
-  return gelu_tanh(x, bias, dy, true);
-}
 
-torch::Tensor dropout_mask(std::vector<int64_t> shape, double p, int64_t seed) {
-  auto out = torch::empty(shape, torch::kBool);
-  bool* op = out.data_ptr<bool>();
-  const uint32_t thr = gt_threshold(p);
-  at::parallel_for(0, out.numel(), 16384, [&](int64_t b, int64_t e) {
-    float keep[GT_CHUNK];
-    for (int64_t i0 = b; i0 < e; i0 += GT_CHUNK) {
-      const int64_t len = std::min(GT_CHUNK, e - i0);
-      keep_block((uint64_t)seed, (uint64_t)i0, len, thr, 1.f, keep);
-      for (int64_t j = 0; j < len; ++j) op[i0 + j] = keep[j] != 0.f;
-    }
-  });
-  return out;
-}
+def module_name() -> str:
+    """The extension's name (and build folder's) before its ISA level: `MODULE_PREFIX` and a digest of `source()`,
+    so any change to a .cpp/.h file or a contract builds anew under a new name (and an older checkout's build, in a
+    folder of its own, stays valid for it)."""
+    return f"{MODULE_PREFIX}_{hashlib.sha256(source().encode()).hexdigest()[:12]}"
 
-""" + ATTENTION_CPP + r"""
-// Softmax cross-entropy over the rows of x [n, v] (contiguous), in place: losses[r] = logsumexp(x[r]) - x[r, t[r]]
-// (0 where t[r] == ignore_index), and x[r] becomes (softmax(x[r]) - onehot(t[r])) * scale (all 0 where ignored),
-// i.e. the loss and its gradient in one call. A row stays in cache across its passes (max, sum of exp, write),
-// where the torch sequence (logsumexp, gather, sub, exp, scatter, mul, cast) streams the chunk through memory
-// about eight times. fp32 math for fp32/bf16/fp16 inputs.
-// src_rows: row r reads src[rows[r]] (src [m, v] contiguous, same dtype) and writes x[r] (not read): the rows of a
-// head's returned logits go straight from those logits to the gradient, without a copy into x first. Empty rows:
-// x is its own source.
-static void ce_rows(torch::Tensor x, torch::Tensor src, torch::Tensor rows, torch::Tensor target,
-                    int64_t ignore_index, double scale, torch::Tensor losses) {
-  // the callers below checked their contracts
-  const int64_t n = x.size(0), v = x.size(1);
-  const bool gather = rows.numel() > 0;
-  const int64_t* rp = gather ? rows.data_ptr<int64_t>() : nullptr;
-  for (int64_t r = 0; gather && r < n; ++r)
-    TORCH_CHECK(rp[r] >= 0 && rp[r] < src.size(0), "ce_fwd_bwd_rows: row ", rp[r], " out of range");
-  const int64_t* tp = target.data_ptr<int64_t>();
-  float* lp = losses.data_ptr<float>();
-  for (int64_t r = 0; r < n; ++r)
-    TORCH_CHECK(tp[r] == ignore_index || (tp[r] >= 0 && tp[r] < v), "cross_entropy: target ", tp[r],
-                " is out of range for ", v, " classes");
-  const float sc = (float)scale;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "ce_fwd_bwd_inplace", [&] {
-    scalar_t* xp = x.data_ptr<scalar_t>();
-    const scalar_t* sp = gather ? src.data_ptr<scalar_t>() : xp;
-    at::parallel_for(0, n, 1, [&](int64_t r0, int64_t r1) {
-      std::vector<float> buf(std::is_same_v<scalar_t, float> ? 0 : v);  // fp32 reads the source row itself
-      for (int64_t r = r0; r < r1; ++r) {
-        scalar_t* row = xp + r * v;
-        const int64_t t = tp[r];
-        if (t == ignore_index) {
-          lp[r] = 0.f;
-          std::memset((void*)row, 0, v * sizeof(scalar_t));
-          continue;
-        }
-        const float* f = as_f32(sp + (gather ? rp[r] : r) * v, v, buf.data());
-        float m = -INFINITY;
-_Pragma("omp simd reduction(max:m)")
-        for (int64_t j = 0; j < v; ++j) m = f[j] > m ? f[j] : m;
-        float s = 0.f;
-_Pragma("omp simd reduction(+:s)")
-        for (int64_t j = 0; j < v; ++j) s += gt_exp(f[j] - m);
-        const float lse = m + std::log(s);
-        lp[r] = lse - f[t];
-        // the gradient over the source row: in place (x is the source), into x's row (fp32) or the fp32 scratch
-        float* g = gather && std::is_same_v<scalar_t, float> ? reinterpret_cast<float*>(row) : const_cast<float*>(f);
-_Pragma("omp simd")
-        for (int64_t j = 0; j < v; ++j) g[j] = gt_exp(f[j] - lse) * sc;
-        g[t] -= sc;
-        store_f32(g, row, v);
-      }
-    });
-  });
-}
-
-void ce_fwd_bwd_inplace(torch::Tensor x, torch::Tensor target, int64_t ignore_index, double scale,
-                        torch::Tensor losses) {
-  gt_check_ce_fwd_bwd_inplace(x, target, losses);
-  ce_rows(x, x, x.new_empty(0, torch::kLong), target, ignore_index, scale, losses);
-}
-
-void ce_fwd_bwd_rows(torch::Tensor x, torch::Tensor src, torch::Tensor rows, torch::Tensor target,
-                     int64_t ignore_index, double scale, torch::Tensor losses) {
-  gt_check_ce_fwd_bwd_rows(x, src, rows, target, losses);
-  ce_rows(x, src, rows, target, ignore_index, scale, losses);
-}
-
-// oneDNN's matmul as aten calls it for bf16/fp16 (declared in ATen/native/mkldnn/Matmul.h, exported by
-// libtorch_cpu, header not shipped in the wheel). aten's fp32 mm goes to MKL instead, see gemm.py.
-namespace at { namespace native {
-TORCH_API void mkldnn_matmul(const at::Tensor& mat1, const at::Tensor& mat2, const at::Tensor& result,
-                             float beta, float alpha);
-}}
-
-// out = beta * out + a @ b; a, b, out 2-D (or 3-D: batched), each contiguous or with its last two dims
-// transposed (others are copied by aten first); out must be contiguous.
-void onednn_matmul(const at::Tensor& a, const at::Tensor& b, const at::Tensor& out, double beta) {
-  gt_check_onednn_matmul(a, b, out);
-  at::native::mkldnn_matmul(a, b, out, (float)beta, 1.f);
-}
-""" + ALLOCATOR_CPP  # the allocator's source (_cpu_alloc.py) starts with its own blank line
 
 _DECLS = ["bias_dropout_add_fwd", "dropout_bwd", "dropout_mask", "gelu_tanh_fwd", "gelu_tanh_bwd", "attn_probs_fwd",
           "attn_probs_bwd", "attn_heads_available", "attn_heads_fwd", "attn_heads_bwd", "onednn_matmul", "ce_fwd_bwd_inplace", "ce_fwd_bwd_rows", "block_allocator",
@@ -423,8 +150,8 @@ _ISA_FLAGS: dict[str, list[str]] = {
 # on GELU's tanh, one thread: 11.1 ms scalar, 1.8 ms vectorized (AVX2 build, 2M elements).
 _FP_FLAGS = ["-fno-trapping-math"]
 
-MODULE_NAME = "graphtrain_cpu_kernels_v19"
-"""The extension's name (and build folder's) before its ISA level: a new version number for each change of _CPP."""
+MODULE_PREFIX = "graphtrain_cpu_kernels"
+"""The start of the extension's name; `module_name()` adds the digest of its source."""
 
 _lock = threading.Lock()
 _modules: dict[str, object] = {}
@@ -454,12 +181,12 @@ def load(level: str | None = None):
         if level not in _modules and level not in _failed:
             try:
                 from torch.utils.cpp_extension import load_inline
-                name = f"{MODULE_NAME}_{level}" + "".join(f"_{c}" for c in checks)
+                name = f"{module_name()}_{level}" + "".join(f"_{c}" for c in checks)
                 build_dir = build_directory(name)
                 san = [f"-fsanitize={','.join(checks)}", "-fno-omit-frame-pointer", "-g"] if checks else []
                 with _build_lock(build_dir):
                     _modules[level] = load_inline(
-                        name=name, cpp_sources=[_CPP], functions=_DECLS,
+                        name=name, cpp_sources=[source()], functions=_DECLS,
                         extra_cflags=["-O3", *_ISA_FLAGS[level], "-fopenmp", *_FP_FLAGS, *san],
                         extra_ldflags=["-fopenmp", *san], build_directory=build_dir, verbose=False)
             except Exception as e:  # no compiler / headers: correctness first, reference path

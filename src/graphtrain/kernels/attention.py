@@ -7,13 +7,13 @@ probabilities from lse and regenerates the dropout mask from the seed (_common.p
 nothing of size Sq x Sk is saved.
 
 Implementations: `attention_reference` (plain PyTorch, materialized scores: the specification);
-CPU, fp32 without a mask (with dropout, or causal without): graphtrain's head-by-head C++ kernel (_cpu_attention.py,
+CPU, fp32 without a mask (with dropout, or causal without): graphtrain's head-by-head C++ kernel (csrc/attention.cpp,
 attn_heads_*: each thread takes whole heads and runs single-threaded BLAS GEMMs on blocks of HEADS_QB query rows,
 skipping the blocks above a causal diagonal; q, k, v read through their strides); otherwise, CPU, dropout 0:
 aten's flash kernel for CPU (what SDPA itself uses; never materializes [Sq, Sk]
 for all heads); CPU, dropout > 0 (fp32, bf16, fp16): batched matmuls (gemm.matmul: oneDNN for fp32 where it beats aten's
 MKL path) around one C++ pass
-(_cpu_attention.py) that does scale, mask, softmax and hash-RNG dropout in place on the scores; the
+(csrc/attention.cpp) that does scale, mask, softmax and hash-RNG dropout in place on the scores; the
 [B, H, Sq, Sk] scores exist only transiently (forward: until P @ V; backward: recomputed from q
 and k, one extra batched matmul), so the saved activations are q, k, v, out and lse as in flash
 attention. aten's SDPA with dropout falls to its math path, which samples a Bernoulli mask and
@@ -167,7 +167,7 @@ def _cpu_cpp_ok(q, k, v, mask, p) -> bool:
 
 
 HEADS_QB = 64
-"""Query rows per block in the head-by-head C++ kernel (_cpu_attention.py, attn_heads_*): blocks above a causal diagonal
+"""Query rows per block in the head-by-head C++ kernel (csrc/attention.cpp, attn_heads_*): blocks above a causal diagonal
 are skipped whole. [8, 8, 128, 64] forward + backward on the 2-core Zen 4: 7.6 ms at 32 rows, 7.1 at 64, 8.2 at 128."""
 
 
@@ -278,7 +278,7 @@ def _cpu_bwd(dout, q, k, v, mask, out, lse, scale, is_causal, p, seed):
     qf, kf, vf, dof = _flat(q), _flat(k), _flat(v), _flat(dout)
     s = matmul(qf, kf.transpose(1, 2)).contiguous()
     dp = matmul(dof, vf.transpose(1, 2)).contiguous()
-    # rowsum(dO * O) = rowsum(P * dP); bf16/fp16: the kernel computes it from each rounded row (_cpu_attention.py)
+    # rowsum(dO * O) = rowsum(P * dP); bf16/fp16: the kernel computes it from each rounded row (csrc/attention.cpp)
     delta = ((dout.float() * out.float()).sum(-1).reshape(-1, Sq).contiguous() if q.dtype == torch.float32
              else q.new_empty(0, dtype=torch.float32))
     _cpu_ext.load().attn_probs_bwd(s, dp, m if m is not None else q.new_empty(0), lse.reshape(-1, Sq).contiguous(),

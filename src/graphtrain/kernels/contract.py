@@ -13,7 +13,8 @@ checked in order, so a rule may assume the ones before it (``q.dim() == 4`` befo
   never chooses the kernel, the next implementation runs.
 - `Contract.cpp()` is a C++ function ``gt_check_<name>(...)`` with one ``TORCH_CHECK`` per rule, which the entry point
   calls first, before it touches memory: a caller that skipped the gate gets an error, never undefined behaviour.
-  `_cpu_ext.py` puts every contract's check into the extension's source (`cpp_checks`).
+  `_cpu_ext.py` puts every contract's check into the extension's source where it includes ``gt_contracts.h``
+  (`cpp_checks`); the C++ helpers the rules call are hand-written, in ``csrc/contract_helpers.h``.
 
 Hand-written rather than borrowed: no library states one contract for both a Python dispatcher and a C++ extension
 (ATen writes its ``TORCH_CHECK``s and Python meta functions separately, Thunder its checkers in Python only).
@@ -101,21 +102,8 @@ _HELPERS_PY = {
     "cpu": lambda t: t.device == "cpu",
 }
 
-HELPERS_CPP = r"""
-// Helpers of the kernels' contracts (kernels/contract.py): the same names the rules use in Python.
-constexpr int64_t GT_INT32_MAX = 2147483647;
-static inline bool f32(const torch::Tensor& t) { return t.scalar_type() == at::kFloat; }
-static inline bool floating(const torch::Tensor& t) {
-  const auto s = t.scalar_type();
-  return s == at::kFloat || s == at::kBFloat16 || s == at::kHalf || s == at::kDouble;
-}
-static inline bool same_dtype(const torch::Tensor& a, const torch::Tensor& b) {
-  return a.scalar_type() == b.scalar_type();
-}
-static inline bool same_shape(const torch::Tensor& a, const torch::Tensor& b) { return a.sizes() == b.sizes(); }
-static inline bool int64(const torch::Tensor& t) { return t.scalar_type() == at::kLong; }
-static inline bool cpu(const torch::Tensor& t) { return t.device().is_cpu(); }
-"""
+CPP_HELPERS = "contract_helpers.h"
+"""The hand-written C++ of the helpers above (kernels/csrc/), which the generated checks include."""
 
 _ALLOWED = re.compile(r"^[\w\s().,%*+\-<>=!&|]*$")
 
@@ -191,5 +179,7 @@ def register_contract(c: Contract) -> Contract:
 
 
 def cpp_checks() -> str:
-    """The helpers and every registered contract's check function, for the extension's source."""
-    return HELPERS_CPP + "".join(c.cpp() for c in CONTRACTS.values())
+    """Every registered contract's check function, after an include of the helpers they call
+    (csrc/contract_helpers.h): the generated header ``gt_contracts.h``, which the extension's loader (_cpu_ext.py)
+    puts where a source includes it."""
+    return f'#include "{CPP_HELPERS}"\n' + "".join(c.cpp() for c in CONTRACTS.values())

@@ -15,7 +15,7 @@ Numerics: fp32 in, fp32 accumulate, fp32 out (no bf16/tf32 down-conversion: torc
 error against fp64 is fp32-sized). Only the summation order differs from MKL.
 
 Implementation: ``at::native::mkldnn_matmul`` (what aten's bf16 matmuls call), reached through a
-one-line C++ wrapper in _cpu_ext.py because the wheel exports the function but ships no Python binding
+one-line C++ wrapper (csrc/matmul.cpp) because the wheel exports the function but ships no Python binding
 for fp32. It reads contiguous and transposed operands in place (no copies for the weight-gradient
 product dY^T @ X), writes into a given output (chunked callers fill slices of one buffer) and can
 accumulate into it (beta = 1: addmm's bias, and += without a temporary).

@@ -28,7 +28,7 @@ transparent huge pages a block faults in 2 MiB at a time: measured on a 2-core Z
 seq 128, eager, glibc default) the first step took 9.2/7.9 s with 4 KiB pages and 6.0/5.9 s with huge pages, the
 later ones 3.5 vs 2.9 s; with ``keep`` the first step 9.0 vs 5.6 s, the later ones alike. torch offers this as
 THP_MEM_ALLOC_ENABLE=1, read once at torch's first allocation (before any library can set it), so graphtrain
-installs an allocator of its own that does the same (kernels/_cpu_ext.py: C++, because torch's CPU allocator is
+installs an allocator of its own that does the same (kernels/csrc/allocator.cpp: C++, because torch's CPU allocator is
 only replaceable from C++).
 
 The block cache (``use_block_cache``, on under ``release``): huge pages make a fresh block's faults cheaper, but

@@ -234,7 +234,7 @@ def _flash_to_heads(g: fx.Graph, node: fx.Node) -> bool:
 # (5.8 with graphtrain's fused dropout), bf16 3.7 vs 9.0 (4.1); saved activations 1.1 vs 6.0 MiB.
 # Reproduce: `python -m graphtrain.bench.kernels --ops attention_dropout [--dtype bf16]`. An
 # earlier per-head C++ kernel, with loops of its own for the products, was slower than the unfused ops
-# (gpt2-mini fp32 0.389 vs 0.358 s/step) and was replaced; the head-by-head kernel of today (_cpu_attention.py,
+# (gpt2-mini fp32 0.389 vs 0.358 s/step) and was replaced; the head-by-head kernel of today (kernels/csrc/attention.cpp,
 # attn_heads_*) runs its products through BLAS.
 # after the normalizations, as the numbered pipeline ran them (the fusions are independent)
 @register_pass("pre_autodiff", phase="fuse", after="fuse_rms_norm")

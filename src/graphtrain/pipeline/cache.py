@@ -86,6 +86,11 @@ tracing pipeline and the config. The trainer, CLI, models and data do not (a mod
 its Dynamo graph, which is in the key)."""
 
 
+def _source_files(folder: Path) -> list[Path]:
+    """The Python and the C++ (kernels/csrc/*.cpp, *.h) under `folder`."""
+    return [p for ext in ("*.py", "*.cpp", "*.h") for p in folder.rglob(ext)]
+
+
 def source_digest() -> str:
     """sha256 over the sources in _SOURCES: any change to a pass, kernel or the pipeline is a new key."""
     global _SOURCE_DIGEST
@@ -93,7 +98,7 @@ def source_digest() -> str:
         import hashlib
         root = Path(__file__).resolve().parent.parent
         h = hashlib.sha256()
-        files = [p for name in _SOURCES for p in ((root / name).rglob("*.py") if (root / name).is_dir()
+        files = [p for name in _SOURCES for p in (_source_files(root / name) if (root / name).is_dir()
                                                   else [root / name])]
         for path in sorted(files):
             h.update(str(path.relative_to(root)).encode())

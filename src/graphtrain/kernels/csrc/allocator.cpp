@@ -1,7 +1,7 @@
-"""The C++ source of graphtrain's CPU allocator (huge pages, the block cache; memory/allocator.py), built into
-the same extension as the kernels (_cpu_ext.py appends it to their source)."""
+// graphtrain's CPU allocator (memory/allocator.py): huge pages, the block cache, priming. Why C++: torch's CPU
+// allocator is only replaceable from C++ (c10::SetCPUAllocator); the rest of the reasons follow.
+#include <torch/extension.h>
 
-ALLOCATOR_CPP = r"""
 // graphtrain's CPU allocator for blocks of 2 MiB and more (memory/allocator.py). Smaller blocks go to the
 // allocator this one replaced. Two independent settings:
 // - huge pages: a block is madvise(MADV_HUGEPAGE)d before its first touch, so it faults in 2 MiB at a time
@@ -333,4 +333,3 @@ std::vector<int64_t> block_cache_record(bool on) {
   gt_blocks.recording = on;
   return out;
 }
-"""
