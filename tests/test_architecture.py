@@ -181,3 +181,64 @@ def test_the_checker_sees_lazy_and_relative_imports(tmp_path):
     assert found == ["graphtrain", "graphtrain.checksums", "graphtrain.frontend.accelerate", "graphtrain.memory.predict"], found
     names, top = _facade_names()
     assert names["accelerate"] == "graphtrain.frontend.accelerate" and "trainer" in LAYERS[top]  # graphtrain.Trainer
+
+
+# ------------------------------------------------------------------ sizes and hidden wiring ----
+
+SIZE_LIMITED = ("frontend", "runtime", "pipeline", "tools")
+MAX_LINES = 450
+MAX_PACKAGE_SHARE = 0.15
+
+
+def _lines(path: Path) -> int:
+    return len(path.read_text().splitlines())
+
+
+def test_no_file_of_the_engine_floors_is_over_450_lines():
+    """frontend/, runtime/, pipeline/ and tools/ keep files a reader can hold (the architecture issue's bound)."""
+    long = [f"{p.relative_to(PACKAGE.parent)}: {_lines(p)}" for m, p in MODULES.items()
+            if m != FACADE and _layer(m) in SIZE_LIMITED and _lines(p) > MAX_LINES]
+    assert not long, f"over {MAX_LINES} lines (split along a seam of the code, not by count): {long}"
+
+
+def test_no_package_holds_more_than_15_percent_of_the_source():
+    """Python source lines per top-level package (the C++ under kernels/csrc/ is not counted here)."""
+    per: dict[str, int] = {}
+    for m, p in MODULES.items():
+        per[_layer(m) if m != FACADE else FACADE] = per.get(_layer(m) if m != FACADE else FACADE, 0) + _lines(p)
+    total = sum(per.values())
+    big = {k: f"{v / total:.1%}" for k, v in per.items() if v > MAX_PACKAGE_SHARE * total}
+    assert not big, f"packages over {MAX_PACKAGE_SHARE:.0%} of the source: {big}"
+
+
+def _says_why(lines: list[str], node: ast.stmt) -> bool:
+    """A comment on the import's own lines or on the line just above it."""
+    own = "".join(lines[node.lineno - 1:node.end_lineno])
+    above = lines[node.lineno - 2].strip() if node.lineno > 1 else ""
+    return "#" in own or above.startswith("#")
+
+
+MODULE_REASON = "# Imports inside functions:"
+
+
+def test_function_local_imports_say_why():
+    """A graphtrain import inside a function hides a dependency from the reader; it stays only where a comment
+    says why (import cost, an optional dependency, environment set before torch loads): on its line, the line
+    above, or once per module in a comment starting with MODULE_REASON when one reason covers them all."""
+    silent = []
+    for module, path in MODULES.items():
+        text = path.read_text()
+        if MODULE_REASON in text:
+            continue
+        lines = text.splitlines()
+        for fn in ast.walk(ast.parse(text)):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                if isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] \
+                        == "graphtrain" or isinstance(node, ast.Import) and any(
+                            a.name.split(".")[0] == "graphtrain" for a in node.names):
+                    if not _says_why(lines, node):
+                        silent.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}")
+    assert not silent, ("imports inside functions without a reason (move them to the top of the module, or say why "
+                        f"in a comment): {silent}")
