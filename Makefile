@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-slow test-gpu bench docs clean
+.PHONY: run test lint test-slow test-gpu bench docs clean
 
 $(STAMP): requirements-dev.txt pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -16,8 +16,13 @@ $(STAMP): requirements-dev.txt pyproject.toml
 run: $(STAMP)  ## train the default small GPT-2 on the embedded corpus (again: continue or report runs/default)
 	$(BIN)/graphtrain train --resume auto
 
-test: $(STAMP)  ## the default test suite (slow checks excluded)
+test: lint  ## the lint, then the default test suite (slow checks excluded)
 	$(BIN)/python -m pytest -q -m "not slow"
+
+lint: $(STAMP)  ## ruff (lint and format) over src/ and tests/, mypy over the graph floors (pyproject.toml)
+	$(BIN)/ruff check src tests scripts docs
+	$(BIN)/ruff format --check src tests scripts docs
+	$(BIN)/mypy
 
 test-slow: $(STAMP)  ## only the slow checks
 	$(BIN)/python -m pytest -q -m slow
