@@ -80,9 +80,9 @@ _SOURCE_DIGEST: str | None = None
 PASS_CACHE_VERSION = 2
 
 
-_SOURCES = ("passes", "kernels", "engine", "memory", "config/sections.py", "config/fallback.py")
+_SOURCES = ("passes", "kernels", "pipeline", "runtime", "frontend", "memory", "config/sections.py", "config/fallback.py")
 """What a pre-autodiff result depends on: the passes, the kernels they insert (and their descriptors), the
-tracing pipeline and the config. The trainer, CLI, models and data do not (a model's own change shows in
+tracing pipeline, the providers and entry points that run it, and the config. The trainer, CLI, models and data do not (a model's own change shows in
 its Dynamo graph, which is in the key)."""
 
 
