@@ -46,12 +46,6 @@ def number(a: Any) -> float | None:
     return float(a) if isinstance(a, (int, float)) and not isinstance(a, bool) else None
 
 
-def arg_node(n: fx.Node, i: int) -> fx.Node | None:
-    """`n`'s i-th positional argument when it is a node; None when it is a constant or `n` has fewer arguments."""
-    a = n.args[i] if -len(n.args) <= i < len(n.args) else None
-    return a if isinstance(a, fx.Node) else None
-
-
 def only_user(n: fx.Node) -> fx.Node | None:
     us = list(n.users)
     return us[0] if len(us) == 1 else None
