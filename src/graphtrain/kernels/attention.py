@@ -26,6 +26,7 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+from torch.fx.node import Argument
 
 from graphtrain.kernels import _cpu_ext
 from graphtrain.kernels._cpu_attention import HEADS_BWD, HEADS_FWD, PROBS_BWD, PROBS_FWD
@@ -34,7 +35,7 @@ from graphtrain.kernels._common import (HAS_TRITON, check_dropout_p, dispatch, d
                                         sharded_dropout_seed, triton, triton_ok)
 from graphtrain.kernels.gemm import matmul
 from graphtrain.kernels.registry import (BACKWARD, COMPUTE_BOUND, FOLLOW, FORWARD, LOW, KernelSpec, OpDescriptor,
-                                         hint_int, register_kernel_spec)
+                                         hint_int, input_value, register_kernel_spec)
 
 
 def _acc(x: Tensor) -> torch.dtype:
@@ -405,12 +406,11 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor] = None, sc
     return torch.ops.graphtrain.attention(q, k, v, mask, scale, bool(is_causal), float(dropout_p) if training else 0.0)[0]
 
 
-def _cpu_scores_bytes(q: torch.fx.Node, k: torch.fx.Node, mask: object, p: float, causal: bool, copies: int) -> int:
+def _cpu_scores_bytes(qv: Tensor, kv: Tensor, mask: Argument, p: Argument, causal: Argument, copies: int) -> int:
     """What the CPU paths allocate inside the op, invisible to the graph: the head-by-head kernel (fp32, no mask, with
     dropout or causal: `_cpu_heads_ok`) `copies` [HEADS_QB, Sk] blocks per thread; the path with dropout [B*H,
     Sq, Sk] scores (forward: one buffer the probabilities overwrite; backward: scores and d-probabilities). The
     CPU flash kernel (no dropout, a mask) and the Triton kernels work in tiles."""
-    qv, kv = q.meta["val"], k.meta["val"]
     if qv.device.type != "cpu":
         return 0
     sk = hint_int(kv.shape[2])
@@ -422,17 +422,17 @@ def _cpu_scores_bytes(q: torch.fx.Node, k: torch.fx.Node, mask: object, p: float
     return copies * b * h * sq * sk * qv.element_size()
 
 
-def _arg(n: torch.fx.Node, i: int, name: str, default: object) -> object:
+def _arg(n: torch.fx.Node, i: int, name: str, default: Argument) -> Argument:
     return n.args[i] if len(n.args) > i else n.kwargs.get(name, default)
 
 
 def _forward_workspace(n: torch.fx.Node) -> int:
-    return _cpu_scores_bytes(n.args[0], n.args[1], _arg(n, 3, "mask", None), _arg(n, 6, "p", 0.0),
+    return _cpu_scores_bytes(input_value(n, 0), input_value(n, 1), _arg(n, 3, "mask", None), _arg(n, 6, "p", 0.0),
                              _arg(n, 5, "is_causal", False), 1)
 
 
 def _backward_workspace(n: torch.fx.Node) -> int:
-    return _cpu_scores_bytes(n.args[1], n.args[2], _arg(n, 4, "mask", None), _arg(n, 10, "p", 0.0),
+    return _cpu_scores_bytes(input_value(n, 1), input_value(n, 2), _arg(n, 4, "mask", None), _arg(n, 10, "p", 0.0),
                              _arg(n, 9, "is_causal", False), 2)
 
 

@@ -89,11 +89,11 @@ def _fp32_cpu(*ts: Optional[Tensor]) -> bool:
 
 def _contract_ok(a: Tensor, b: Tensor, out: Optional[Tensor] = None) -> bool:
     """_cpu_ext.py ONEDNN_MATMUL holds for a @ b into `out` (a fresh contiguous output when None)."""
-    if out is None:
-        if a.dim() not in (2, 3) or b.dim() != a.dim():
-            return False
-        out = Layout.contiguous((*a.shape[:-1], b.shape[-1]), a.dtype, a.device.type)
-    return ONEDNN_MATMUL.holds(a, b, out)
+    if out is not None:
+        return ONEDNN_MATMUL.holds(a, b, out)
+    if a.dim() not in (2, 3) or b.dim() != a.dim():
+        return False
+    return ONEDNN_MATMUL.holds(a, b, Layout.contiguous((*a.shape[:-1], b.shape[-1]), a.dtype, a.device.type))
 
 
 def _takes(a: Tensor, b: Tensor, bias: Optional[Tensor]) -> bool:

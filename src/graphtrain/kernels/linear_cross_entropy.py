@@ -31,7 +31,7 @@ from graphtrain.kernels._common import dense_empty, dispatch
 from graphtrain.kernels.cross_entropy import REDUCTIONS, _supports_triton, ce_bwd_triton, ce_fwd_triton
 from graphtrain.kernels.gemm import gemm_probe_ran, matmul, mm_into, onednn_gemm_wins
 from graphtrain.kernels.registry import (COMPUTE_BOUND, FORWARD, LOW, KernelSpec, OpDescriptor, hint_int,
-                                         register_kernel_spec)
+                                         input_value, register_kernel_spec)
 
 
 def _acc(x: Tensor) -> torch.dtype:
@@ -109,18 +109,22 @@ def _chunk_loop(hidden, weight, target, ignore_index, reduction, chunk, bias, im
     # 32000, 4096 tokens, recompute selective, 2-core Zen 4: the head's op 2.2 s of CPU a step against 1.66 s now,
     # the step 3.8-4.3 s against 2.97-3.01 s (2.75 s without recompute, unchanged).
     reuse = all_logits is not None or (bias is None and hidden.device.type == "cpu")
-    buf = None
+    buf: Tensor | None = None
+    # the C++ pass reads each chunk's rows from all_logits itself, into the buffer
+    cpp_rows = (all_logits is not None and use_cpp and all_logits.is_contiguous()
+                and all_logits.dtype == hidden.dtype)
     for s in range(0, hidden.shape[0], chunk):
         h, t = hidden[s:s + chunk], target[s:s + chunk]
         if reuse and buf is None:
             dtype = all_logits.dtype if all_logits is not None else hidden.dtype
             buf = torch.empty((h.shape[0], weight.shape[0]), dtype=dtype, device=hidden.device)
-        if all_logits is not None and use_cpp and all_logits.is_contiguous() and all_logits.dtype == hidden.dtype:
-            logits = None  # the C++ pass below reads the chunk's rows from all_logits itself
-        elif all_logits is not None:
-            logits = torch.index_select(all_logits, 0, picked[s:s + chunk], out=buf[:h.shape[0]])
-        elif reuse:
-            logits = buf[:h.shape[0]]
+        rows_buf = buf[:h.shape[0]] if buf is not None else None
+        if cpp_rows and rows_buf is not None:
+            logits = rows_buf  # filled by the C++ pass below
+        elif all_logits is not None and rows_buf is not None:
+            logits = torch.index_select(all_logits, 0, picked[s:s + chunk], out=rows_buf)
+        elif rows_buf is not None:
+            logits = rows_buf
             mm_into(h, weight.t(), logits, accumulate=False)
         else:
             logits = matmul(h, weight.t(), bias)
@@ -131,8 +135,7 @@ def _chunk_loop(hidden, weight, target, ignore_index, reduction, chunk, bias, im
         elif use_cpp:
             losses = torch.empty(h.shape[0], dtype=torch.float32)
             scale = 1.0 / float(denom) if float(denom) else float("nan")  # no labelled row: NaN loss, as eager
-            if logits is None:  # from the returned logits' rows straight into the buffer: no copy of them first
-                logits = buf[:h.shape[0]]
+            if cpp_rows:  # from the returned logits' rows straight into the buffer: no copy of them first
                 _cpu_ext.load().ce_fwd_bwd_rows(logits, all_logits, picked[s:s + chunk].contiguous(), t.contiguous(),
                                                 ignore_index, scale, losses)
             else:
@@ -150,7 +153,7 @@ def _chunk_loop(hidden, weight, target, ignore_index, reduction, chunk, bias, im
             dlogits = x.mul_((torch.where(v, 1.0, 0.0) / denom)[:, None]).to(hidden.dtype)
         total += losses.sum()
         mm_into(dlogits, weight, dh[s:s + chunk], accumulate=False)
-        if single:
+        if dw is None:  # single: the one chunk's product is d weight
             dw = matmul(dlogits.t(), h)
         else:
             mm_into(dlogits.t(), h, dw, accumulate=s > 0)
@@ -309,7 +312,7 @@ def _workspace(n: torch.fx.Node, bias: bool) -> int:
     once its probe has chosen oneDNN): bert-mini batch 16 (2 chunks, bias) peaked 96 MiB above its graph (2-core
     EPYC, AVX2, aten GEMMs). Rows whose label is ignored are skipped at run time: counting every row is an upper
     bound. On CUDA (Triton) the gradient is a second buffer."""
-    h, w = n.args[0].meta["val"], n.args[1].meta["val"]
+    h, w = input_value(n, 0), input_value(n, 1)
     rows, vocab = hint_int(h.shape[0]), hint_int(w.shape[0])
     if h.device.type != "cpu":
         return 2 * min(rows * vocab * 4, max(1, (32 << 20) // (4 * max(vocab, 1))) * vocab * 4)
@@ -320,7 +323,7 @@ def _workspace(n: torch.fx.Node, bias: bool) -> int:
 
 def _chunk_bytes(n: torch.fx.Node, bias: bool) -> tuple[int, bool]:
     """(bytes of one chunk of the logits, whether there is more than one chunk) for the op at `n`."""
-    h, w = n.args[0].meta["val"], n.args[1].meta["val"]
+    h, w = input_value(n, 0), input_value(n, 1)
     rows, vocab, item = hint_int(h.shape[0]), hint_int(w.shape[0]), h.element_size()
     i_chunk = 6 if bias else 5
     given = n.args[i_chunk] if len(n.args) > i_chunk else n.kwargs.get("chunk_rows", 0)
@@ -331,7 +334,7 @@ def _chunk_bytes(n: torch.fx.Node, bias: bool) -> tuple[int, bool]:
 def _workspace_logits(n: torch.fx.Node, bias: bool) -> int:
     """One chunk of the logits' rows, copied into one buffer (and turned into their gradient in place there) at a
     time; on CUDA Triton's gradient of the chunk is a second buffer."""
-    return (1 + (n.args[0].meta["val"].device.type != "cpu")) * _chunk_bytes(n, bias)[0]
+    return (1 + (input_value(n, 0).device.type != "cpu")) * _chunk_bytes(n, bias)[0]
 
 
 SPEC = register_kernel_spec(KernelSpec(

@@ -55,6 +55,15 @@ def no_workspace(node: fx.Node) -> int:
     return 0
 
 
+def input_value(node: fx.Node, i: int) -> Any:
+    """The fake value (meta["val"]) of the op's i-th positional input at `node`, a node of the graph: what a
+    workspace_bytes function reads the input's shape, dtype and device from."""
+    a = node.args[i]
+    if not isinstance(a, fx.Node):
+        raise TypeError(f"{node.format_node()}: argument {i} is not a value of the graph")
+    return a.meta["val"]
+
+
 @dataclass(frozen=True)
 class OpDescriptor:
     """The facts about one graphtrain custom op that code outside its kernel needs. No field has a default."""
@@ -134,7 +143,8 @@ def register_ops(*descriptors: OpDescriptor, owner: str) -> None:
 
 def register_kernel_spec(spec: KernelSpec) -> KernelSpec:
     assert spec.name not in KERNELS or KERNELS[spec.name].functional is spec.functional, spec.name
-    assert spec.op_with_role(FORWARD) is not None and spec.op_with_role(FORWARD).name == spec.name, spec.name
+    forward = spec.op_with_role(FORWARD)
+    assert forward is not None and forward.name == spec.name, spec.name
     KERNELS[spec.name] = spec
     register_ops(*spec.ops, owner=spec.name)
     return spec

@@ -210,8 +210,8 @@ def layer_regions(joint: fx.GraphModule, bw: set[fx.Node] | None = None) -> dict
         if n.target is operator.getitem and isinstance(n.args[0], fx.Node) and n.args[0] in region:
             region[n] = region[n.args[0]]  # a getitem is where its op is
         elif n not in region:
-            rs = [region[a] for a in n.all_input_nodes if region.get(a) is not None]
-            region[n] = max(rs) if rs else None
+            known = [r for a in n.all_input_nodes if (r := region.get(a)) is not None]
+            region[n] = max(known) if known else None
     return {n: r for n, r in region.items() if r is not None}
 
 

@@ -33,6 +33,8 @@ def rewrite_dropout_for_recompute(joint: fx.GraphModule) -> int:
         scale = 1.0 / (1.0 - p)
         mask = masks[0]
         fake = detect_fake_mode([x.meta["val"]])
+        if fake is None:  # no fake value to give the new nodes (a traced joint graph always has them)
+            continue
         with joint.graph.inserting_after(mask):
             m1 = joint.graph.call_function(aten.mul.Tensor, (x, mask))
         with joint.graph.inserting_after(m1):
@@ -55,7 +57,8 @@ _MASK_ARG = {graphtrain_ops.attention: 3, graphtrain_ops.attention_backward: 4}
 
 
 def _reads_only_as_mask(u: fx.Node, mask: fx.Node) -> bool:
-    i = _MASK_ARG.get(getattr(u.target, "overloadpacket", None))
+    packet = getattr(u.target, "overloadpacket", None)
+    i = _MASK_ARG.get(packet) if packet is not None else None
     return i is not None and len(u.args) > i and u.args[i] is mask and \
         sum(a is mask for a in u.args) + sum(a is mask for a in u.kwargs.values()) == 1
 
@@ -84,6 +87,8 @@ def shrink_attention_masks(joint: fx.GraphModule) -> int:
                 or mf.meta["val"].numel() <= m.meta["val"].numel():
             continue
         fake = detect_fake_mode([zval])
+        if fake is None:  # no fake value to give the new nodes (a traced joint graph always has them)
+            continue
         with g.inserting_before(z):
             z2 = g.call_function(aten.zeros.default, symints_as_nodes(g, (list(mshape),)),
                                  {"dtype": zval.dtype, "device": zval.device, "pin_memory": False})

@@ -27,11 +27,13 @@ or when shapes do not line up (a mask that would not broadcast to the fused op's
 from __future__ import annotations
 
 import operator
+from typing import Callable
 
 import torch
 import torch.fx as fx
+from torch.fx.node import Argument
 
-from graphtrain.passes.fuse_utils import (aten, call, erase_dead, finish, getitem, is_op, match_dropout,
+from graphtrain.passes.fuse_utils import (aten, call, erase_dead, finish, getitem, is_op, known_shape, match_dropout,
                                           needs_gradient, number, only_user, shape, strip_views, val)
 from graphtrain.passes.graph_utils import constant_mask_kind
 from graphtrain.passes.manager import PassContext, register_pass
@@ -39,29 +41,31 @@ from graphtrain.passes.manager import PassContext, register_pass
 import graphtrain.kernels  # noqa: F401  (registers torch.ops.graphtrain.*)
 
 
-def _split_mask(g: fx.Graph, n: fx.Node):
+def _split_mask(g: fx.Graph, n: fx.Node) -> tuple[fx.Node, Callable[[], fx.Node] | None]:
     """scores-with-mask node -> (scores node, additive-mask builder or None)."""
-    if is_op(n, aten.add) and len(n.args) == 2 and all(isinstance(a, fx.Node) for a in n.args):
-        a, b = n.args
+    if is_op(n, aten.add) and len(n.args) == 2 and isinstance(a := n.args[0], fx.Node) \
+            and isinstance(b := n.args[1], fx.Node):
         # the scores side comes from a bmm (through views/scales); the other side is the mask
-        if strip_views(a, shape(a)[-2:] if shape(a) else ()) and _reaches_bmm(a):
+        sa = shape(a)
+        if strip_views(a, sa[-2:] if sa else ()) and _reaches_bmm(a):
             return a, lambda: b
         if _reaches_bmm(b):
             return b, lambda: a
     if is_op(n, aten.masked_fill) and number(n.args[2]) is not None:
         s, m, v = n.args
-        return s, lambda: call(g, aten.masked_fill.Scalar, call(g, aten.zeros_like.default, s), m, v)
+        if isinstance(s, fx.Node):  # the tensor masked_fill is called on
+            return s, lambda: call(g, aten.masked_fill.Scalar, call(g, aten.zeros_like.default, s), m, v)
     if is_op(n, aten.where) and len(n.args) == 3:
         c, s, other = n.args
         if isinstance(s, fx.Node) and _reaches_bmm(s):
-            def build():
+            def build() -> fx.Node:
                 fill = other if isinstance(other, fx.Node) else call(g, aten.full_like.default, s, other)
                 return call(g, aten.where.self, c, call(g, aten.zeros_like.default, s), fill)
             return s, build
     return n, None
 
 
-def _reaches_bmm(n) -> bool:
+def _reaches_bmm(n: Argument) -> bool:
     for _ in range(8):
         if not isinstance(n, fx.Node):
             return False
@@ -74,14 +78,14 @@ def _reaches_bmm(n) -> bool:
     return False
 
 
-def _scores(n: fx.Node):
+def _scores(n: Argument) -> tuple[fx.Node, float] | None:
     """scaled scores node -> (bmm node, scale)."""
     scale = 1.0
     while True:
-        if is_op(n, aten.mul) and number(n.args[1]) is not None:
-            scale, n = scale * number(n.args[1]), n.args[0]
-        elif is_op(n, aten.div) and number(n.args[1]) is not None:
-            scale, n = scale / number(n.args[1]), n.args[0]
+        if is_op(n, aten.mul) and (c := number(n.args[1])) is not None:
+            scale, n = scale * c, n.args[0]
+        elif is_op(n, aten.div) and (c := number(n.args[1])) is not None:
+            scale, n = scale / c, n.args[0]
         elif is_op(n, aten.view, aten._unsafe_view, aten.reshape):
             n = n.args[0]
         elif is_op(n, aten.bmm):
@@ -93,10 +97,11 @@ def _scores(n: fx.Node):
 def _as4d(g: fx.Graph, n: fx.Node, lead: tuple[int, int] | None = None) -> fx.Node:
     """n as [B, H, S, D]: a 3-D [B*H, S, D] operand is split as `lead` says (the masked scores' [B, H]), else
     given a batch of 1."""
-    if len(shape(n)) == 4:
+    s = known_shape(n)
+    if len(s) == 4:
         return n
     if lead is not None:
-        return call(g, aten.reshape.default, n, [*lead, *shape(n)[-2:]])
+        return call(g, aten.reshape.default, n, [*lead, *s[-2:]])
     return call(g, aten.unsqueeze.default, n, 0)
 
 
@@ -118,7 +123,7 @@ def _try_fuse(gm: fx.GraphModule, sm: fx.Node, ctx: PassContext) -> bool:
     if is_op(sm, aten._softmax) and sm.args[2]:
         return False  # half_to_float softmax: different output dtype
     masked = sm.args[0]
-    if len(masked.users) != 1:
+    if not isinstance(masked, fx.Node) or len(masked.users) != 1:
         return False
     scores, mask_fn = _split_mask(g, masked)
     if mask_fn is not None and len(scores.users) != 1:
@@ -128,36 +133,42 @@ def _try_fuse(gm: fx.GraphModule, sm: fx.Node, ctx: PassContext) -> bool:
         return False
     bmm, post_scale = sc
     lead = _scores_lead(scores, bmm)
-    if lead is None and len(shape(scores)) != len(shape(bmm)):
+    ms, bs = shape(scores), shape(bmm)
+    if ms is None or bs is None or (lead is None and len(ms) != len(bs)):
         return False  # the mask met the scores in a shape other than a split of the bmm's batch
     A, B = bmm.args
-    sq, sk = shape(bmm)[-2:]
-    qa, kb = strip_views(A, (sq, shape(A)[-1])), strip_views(B, (shape(B)[-2], sk))
+    sa, sb = shape(A), shape(B)
+    if sa is None or sb is None:
+        return False
+    sq, sk = bs[-2:]
+    qa, kb = strip_views(A, (sq, sa[-1])), strip_views(B, (sb[-2], sk))
     if qa is None or kb is None:
         return False
     (q, qs), (kt, ks) = qa, kb
     # forward side: optional dropout, then bmm with v
     users = [u for u in sm.users if not is_op(u, aten.empty_like)]  # empty_like: SDPA's dropout-mask shape
-    p, drop_nodes, cur = 0.0, [], (users[0] if len(users) == 1 else None)
+    p, cur = 0.0, (users[0] if len(users) == 1 else None)
+    drop_nodes: list[fx.Node] = []
     if cur is not None and is_op(cur, aten.native_dropout) and len(cur.users) == 1:
         cur = next(iter(cur.users))  # its output (getitem 0): match_dropout's spelling of native_dropout
     d = match_dropout(cur) if cur is not None else None
-    if d is not None and d[0] is sm:
+    if cur is not None and d is not None and d[0] is sm:
         p, drop_nodes, cur = d[1], [cur] + d[2], only_user(cur)
     while cur is not None and is_op(cur, aten.view, aten._unsafe_view, aten.expand, aten.clone, aten.reshape):
         cur = only_user(cur)
-    if cur is None or not is_op(cur, aten.bmm) or cur.args[1] is None:
+    if cur is None or not is_op(cur, aten.bmm) or cur.args[1] is None or (s2 := shape(cur)) is None:
         return False
     bmm2 = cur
-    va = strip_views(bmm2.args[1], (sk, shape(bmm2)[-1]))
+    va = strip_views(bmm2.args[1], (sk, s2[-1]))
     if va is None or va[1] != 1.0:
         return False
     v = va[0]
-    mask = None
+    mask: fx.Node | None = None
     with g.inserting_before(bmm2):
-        if not (len(shape(q)) == len(shape(kt)) == len(shape(v))):  # mixed 3-D/4-D: work in [B*H, S, D]
-            q, kt, v = [n if len(shape(n)) == 3 else call(g, aten.reshape.default, n, [-1, *shape(n)[-2:]])
-                        for n in (q, kt, v)]
+        if not (len(known_shape(q)) == len(known_shape(kt)) == len(known_shape(v))):
+            # mixed 3-D/4-D: work in [B*H, S, D]
+            q, kt, v = [n if len(known_shape(n)) == 3
+                        else call(g, aten.reshape.default, n, [-1, *known_shape(n)[-2:]]) for n in (q, kt, v)]
         causal = False
         if mask_fn is not None:
             mask = mask_fn()
@@ -168,23 +179,23 @@ def _try_fuse(gm: fx.GraphModule, sm: fx.Node, ctx: PassContext) -> bool:
                 mask, causal = None, kind == "causal"
         q4, v4 = _as4d(g, q, lead), _as4d(g, v, lead)
         k4 = call(g, aten.transpose.int, _as4d(g, kt, lead), -2, -1)
-        if shape(q4)[:2] != shape(k4)[:2] or shape(k4)[:3] != shape(v4)[:3]:
+        if known_shape(q4)[:2] != known_shape(k4)[:2] or known_shape(k4)[:3] != known_shape(v4)[:3]:
             return False
         if mask is not None:
             if mask.meta["val"].dtype != q4.meta["val"].dtype:
                 mask = call(g, aten._to_copy.default, mask, dtype=q4.meta["val"].dtype)
-            if len(shape(mask)) < 4 and len(ss) == 3 and lead is None:
+            if len(known_shape(mask)) < 4 and len(ss) == 3 and lead is None:
                 mask = call(g, aten.unsqueeze.default, mask, 0)
-            full = (*shape(q4)[:2], sq, sk)
+            full = (*known_shape(q4)[:2], sq, sk)
             try:  # the mask must broadcast to the op's [B, H, Sq, Sk] scores, as it did to the graph's
-                fits = tuple(torch.broadcast_shapes(tuple(shape(mask)), full)) == full
+                fits = tuple(torch.broadcast_shapes(known_shape(mask), full)) == full
             except RuntimeError:
                 fits = False
             if not fits:
                 return False
         att = call(g, torch.ops.graphtrain.attention.default, q4, k4, v4, mask, qs * ks * post_scale, causal, p)
         out = getitem(g, att, 0)
-        out = call(g, aten.reshape.default, out, list(shape(bmm2)))  # a view unless the op's layout forbids one
+        out = call(g, aten.reshape.default, out, list(s2))  # a view unless the op's layout forbids one
     bmm2.replace_all_uses_with(out)
     erase_dead(g, [bmm2] + drop_nodes + [sm, masked, scores])
     return True
@@ -202,14 +213,19 @@ def _flash_to_heads(g: fx.Graph, node: fx.Node) -> bool:
     names = ("query", "key", "value", "dropout_p", "is_causal", "attn_mask", "scale")
     q, k, v, p, causal, mask, scale = (node.kwargs.get(name, a) for name, a in zip(names, args))
     p, causal = p or 0.0, bool(causal)
-    vals = [val(x) if isinstance(x, fx.Node) else None for x in (q, k, v)]
-    if mask is not None or p != 0.0 or any(not isinstance(x, torch.Tensor) for x in vals):
+    qv, kv, vv = (val(x) if isinstance(x, fx.Node) else None for x in (q, k, v))
+    if mask is not None or p != 0.0 or not (isinstance(qv, torch.Tensor) and isinstance(kv, torch.Tensor)
+                                            and isinstance(vv, torch.Tensor)):
         return False
-    if not all(isinstance(d, int) for x in vals for d in x.shape) or not _cpu_heads_ok(*vals, None, 0.0, causal):
+    if scale is not None and not isinstance(scale, (int, float, torch.SymFloat)):
+        return False
+    if not all(isinstance(d, int) for x in (qv, kv, vv) for d in x.shape):
+        return False
+    if not _cpu_heads_ok(qv, kv, vv, None, 0.0, causal):
         return False
     # the flash kernel's output is [B, S, H, D]-strided whatever q's layout, and the graph after it was traced so;
     # the op's is laid out as q is (with a contiguous q, a Hugging Face DDP test's view of the merged heads failed)
-    if not _heads_last(vals[0]):
+    if not _heads_last(qv):
         return False
     users = list(node.users)
     if not all(u.op == "call_function" and u.target is operator.getitem for u in users):
@@ -218,7 +234,7 @@ def _flash_to_heads(g: fx.Graph, node: fx.Node) -> bool:
         return False
     with g.inserting_before(node):
         att = call(g, torch.ops.graphtrain.attention.default, q, k, v, None,
-                   float(scale) if scale is not None else vals[0].shape[-1] ** -0.5, causal, 0.0)
+                   float(scale) if scale is not None else qv.shape[-1] ** -0.5, causal, 0.0)
         out = getitem(g, att, 0)
     for u in users:
         if u.args[1] == 0:

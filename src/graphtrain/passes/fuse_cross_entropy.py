@@ -26,9 +26,11 @@ single users all the way and a mean/sum reduction. Same function; only rounding 
 from __future__ import annotations
 
 import operator
+from typing import Any
 
 import torch
 import torch.fx as fx
+from torch.fx.node import Argument
 
 from graphtrain.passes.fuse_utils import aten, call, finish, getitem, is_op, shape
 from graphtrain.passes.manager import PassContext, register_pass
@@ -36,22 +38,23 @@ from graphtrain.passes.manager import PassContext, register_pass
 import graphtrain.kernels  # noqa: F401
 
 
-def _strip_views(cur: fx.Node) -> fx.Node:
+def _strip_views(cur: Argument) -> Argument:
     while is_op(cur, aten.view, aten._unsafe_view, aten.reshape) and len(cur.users) == 1:
         cur = cur.args[0]
     return cur
 
 
-def _lm_head(x: fx.Node):
+def _lm_head(x: fx.Node) -> tuple[fx.Node, Argument, fx.Node | None] | None:
     """logits node -> (hidden 2-D, weight^T node, bias [V] node or None) if an LM-head matmul (plus bias)."""
-    cur, bias = _strip_views(x), None
+    cur = _strip_views(x)
+    bias: Argument = None
     if is_op(cur, aten.addmm) and len(cur.users) == 1 and len(cur.args) == 3 and not cur.kwargs:
         bias, h, wt = cur.args  # Linear with bias (Hugging Face's MLM decoder)
     else:
         if is_op(cur, aten.add) and len(cur.users) == 1 and len(cur.args) == 2 and not cur.kwargs:
             a, b = cur.args  # mm + a separate bias (graphtrain BERT's MLM head)
             for mm_side, b_side in ((a, b), (b, a)):
-                if isinstance(b_side, fx.Node) and shape(b_side) is not None and len(shape(b_side)) == 1:
+                if isinstance(b_side, fx.Node) and len(shape(b_side) or ()) == 1:
                     cur, bias = _strip_views(mm_side), b_side
                     break
             else:
@@ -59,11 +62,13 @@ def _lm_head(x: fx.Node):
         if not is_op(cur, aten.mm) or len(cur.users) != 1:
             return None
         h, wt = cur.args
-    if shape(h) is None or len(shape(h)) != 2:
+    hs = shape(h)
+    if not isinstance(h, fx.Node) or hs is None or len(hs) != 2:
         return None
-    if bias is not None and (shape(bias) is None or len(shape(bias)) != 1 or shape(x) is None
-                             or shape(bias)[0] != shape(x)[-1]):
-        return None
+    if bias is not None:
+        bs, xs = shape(bias), shape(x)
+        if not isinstance(bias, fx.Node) or bs is None or len(bs) != 1 or xs is None or bs[0] != xs[-1]:
+            return None
     return h, wt, bias
 
 
@@ -82,25 +87,30 @@ def _returned_chain(u: fx.Node) -> list[fx.Node] | None:
     return chain
 
 
-def _returned_lm_head(x: fx.Node, ls: fx.Node):
+def _returned_lm_head(x: fx.Node, ls: fx.Node) \
+        -> tuple[fx.Node, Argument, fx.Node | None, fx.Node, list[fx.Node]] | None:
     """x (the cross-entropy's 2-D logits) -> (hidden, weight^T, bias, head node, nodes to move after the fused op)
     when x is an LM head matmul (mm, or addmm with a bias) whose logits also leave the graph detached, through views
     only; None otherwise."""
     path = [x]
-    while is_op(path[-1], *_VIEWS):
-        path.append(path[-1].args[0])
+    while is_op(path[-1], *_VIEWS) and isinstance(src := path[-1].args[0], fx.Node):
+        path.append(src)
     head = path[-1]
+    bias: fx.Node | None = None
     if is_op(head, aten.addmm) and len(head.args) == 3 and not head.kwargs:
-        bias, h, wt = head.args
-        if shape(bias) is None or len(shape(bias)) != 1:
+        b, h, wt = head.args
+        if not isinstance(b, fx.Node) or len(shape(b) or ()) != 1:
             return None
+        bias = b
     elif is_op(head, aten.mm):
-        (h, wt), bias = head.args, None
+        h, wt = head.args
     else:
         return None
-    if shape(h) is None or len(shape(h)) != 2 or shape(head) != shape(x):
+    hs = shape(h)
+    if not isinstance(h, fx.Node) or hs is None or len(hs) != 2 or shape(head) != shape(x):
         return None
-    on_path, moved, returned = set(path), [], False
+    on_path, returned = set(path), False
+    moved: list[fx.Node] = []
     for node in reversed(path):  # head first
         for u in node.users:
             if u in on_path or u is ls:
@@ -115,7 +125,8 @@ def _returned_lm_head(x: fx.Node, ls: fx.Node):
     return h, wt, bias, head, [n for n in reversed(path[:-1])] + moved
 
 
-def _fuse_returned(g: fx.Graph, node: fx.Node, ls: fx.Node, x: fx.Node, target, reduction, ignore) -> bool:
+def _fuse_returned(g: fx.Graph, node: fx.Node, ls: fx.Node, x: fx.Node, target: Any, reduction: Any,
+                   ignore: Any) -> bool:
     """Rewrite the LM head + cross-entropy (`node`, the nll_loss) of a head whose logits are also returned to
     graphtrain's *_logits op (the logits computed once, the loss's gradient chunked from them:
     kernels/linear_cross_entropy.py); False when `x` is not such a head."""
@@ -156,7 +167,9 @@ def _fuse(gm: fx.GraphModule, ctx: PassContext, linear_only: bool) -> fx.GraphMo
         if weight is not None or not is_op(ls, aten._log_softmax, aten.log_softmax) or len(ls.users) != 1:
             continue
         x = ls.args[0]
-        if shape(x) is None or len(shape(x)) != 2 or ls.args[1] not in (1, -1) or (len(ls.args) > 2 and ls.args[2]):
+        xs = shape(x)
+        if not isinstance(x, fx.Node) or xs is None or len(xs) != 2 or ls.args[1] not in (1, -1) \
+                or (len(ls.args) > 2 and ls.args[2]):
             continue
         if any(not (is_op(u, operator.getitem) and u.args[1] == 0) for u in node.users):
             continue

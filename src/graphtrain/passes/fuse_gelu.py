@@ -10,9 +10,11 @@ add of a 1-D tensor. Same function; only rounding differs.
 from __future__ import annotations
 
 import math
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
+from torch.fx.node import Argument
 
 from graphtrain.passes.fuse_utils import (aten, call, erase_dead, finish, is_op, number, only_user, scalar_operand,
                                          split_linear_bias)
@@ -21,11 +23,11 @@ from graphtrain.passes.manager import PassContext, register_pass
 import graphtrain.kernels  # noqa: F401
 
 
-def _close(a, b) -> bool:
+def _close(a: float | None, b: float) -> bool:
     return a is not None and abs(a - b) < 1e-4 * abs(b)
 
 
-def _half_x_times(node: fx.Node, x: fx.Node, other: fx.Node) -> bool:
+def _half_x_times(node: fx.Node, x: Argument, other: fx.Node) -> bool:
     """node == (x * 0.5) * other or (other * 0.5) * x-like variants."""
     if not is_op(node, aten.mul) or other not in node.args:
         return False
@@ -34,7 +36,7 @@ def _half_x_times(node: fx.Node, x: fx.Node, other: fx.Node) -> bool:
     return so is not None and so[0] is x and _close(so[1], 0.5)
 
 
-def _match_formula(t: fx.Node):
+def _match_formula(t: fx.Node) -> tuple[Argument, str, fx.Node] | None:
     """t = tanh(...) or erf(...) node -> (x, approximate, output node) or None."""
     arg = t.args[0]
     so = scalar_operand(arg) if isinstance(arg, fx.Node) else None
@@ -92,7 +94,7 @@ def lower_gelu_tanh_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
     return out
 
 
-def _rewrite_gelus(gm: fx.GraphModule, ctx: PassContext, accept) -> fx.GraphModule:
+def _rewrite_gelus(gm: fx.GraphModule, ctx: PassContext, accept: Callable[[fx.Node, Any], bool]) -> fx.GraphModule:
     g, n = gm.graph, 0
     for node in list(g.nodes):
         if getattr(node, "_erased", False):
@@ -106,7 +108,7 @@ def _rewrite_gelus(gm: fx.GraphModule, ctx: PassContext, accept) -> fx.GraphModu
             x, approx, out = m
         else:
             continue
-        if not x.meta["val"].dtype.is_floating_point or not accept(x, approx):
+        if not isinstance(x, fx.Node) or not x.meta["val"].dtype.is_floating_point or not accept(x, approx):
             continue
         with g.inserting_before(out):
             fused = call(g, torch.ops.graphtrain.bias_gelu.default, x, None, approx)

@@ -9,9 +9,11 @@ aten._fused_rms_norm. Same function; only rounding differs.
 from __future__ import annotations
 
 import operator
+from typing import Any, TypeGuard
 
 import torch
 import torch.fx as fx
+from torch.fx.node import Argument
 
 from graphtrain.passes.fuse_utils import aten, call, finish, getitem, is_op, number, only_user, shape
 from graphtrain.passes.manager import PassContext, register_pass
@@ -19,33 +21,36 @@ from graphtrain.passes.manager import PassContext, register_pass
 import graphtrain.kernels  # noqa: F401
 
 
-def _last_dim(n: fx.Node, dims) -> bool:
-    return isinstance(dims, (list, tuple)) and len(dims) == 1 and dims[0] in (-1, len(shape(n)) - 1)
+def _last_dim(n: Argument, dims: Argument) -> bool:
+    s = shape(n)
+    return isinstance(dims, (list, tuple)) and len(dims) == 1 and s is not None and dims[0] in (-1, len(s) - 1)
 
 
-def _mean_last(n, x=None) -> bool:
+def _mean_last(n: Argument, x: Argument = None) -> TypeGuard[fx.Node]:
     return (is_op(n, aten.mean) and len(n.args) >= 2 and _last_dim(n.args[0], n.args[1])
-            and (n.args[2] if len(n.args) > 2 else n.kwargs.get("keepdim", False)) and (x is None or n.args[0] is x))
+            and bool(n.args[2] if len(n.args) > 2 else n.kwargs.get("keepdim", False))
+            and (x is None or n.args[0] is x))
 
 
-def _same(a, b) -> bool:
+def _same(a: Argument, b: Argument) -> bool:
     """The same node, or the same sub(x, mean) computed twice (code that writes `x - mu` twice)."""
     return a is b or (is_op(a, aten.sub) and is_op(b, aten.sub) and a.args == b.args and a.kwargs == b.kwargs)
 
 
-def _eps_rsqrt(n: fx.Node):
+def _eps_rsqrt(n: fx.Node) -> tuple[Argument, float, str] | None:
     """n = 1/sqrt(v + eps) as rsqrt(add(v, eps)) -> (v, eps, 'rsqrt'); sqrt(add(v, eps)) -> (v, eps, 'sqrt')."""
     if not is_op(n, aten.rsqrt, aten.sqrt):
         return None
     a = n.args[0]
-    if not is_op(a, aten.add) or number(a.args[1]) is None:
+    if not is_op(a, aten.add) or (eps := number(a.args[1])) is None:
         return None
-    return a.args[0], number(a.args[1]), "rsqrt" if is_op(n, aten.rsqrt) else "sqrt"
+    return a.args[0], eps, "rsqrt" if is_op(n, aten.rsqrt) else "sqrt"
 
 
-def _affine(g: fx.Graph, y: fx.Node, n_last: int):
+def _affine(g: fx.Graph, y: fx.Node, n_last: int) -> tuple[fx.Node | None, fx.Node | None, fx.Node]:
     """Optional * w then + b (1-D of the last dim) after y -> (weight, bias, last node)."""
-    w = b = None
+    w: fx.Node | None = None
+    b: fx.Node | None = None
     last = y
     u = only_user(last)
     if u is not None and is_op(u, aten.mul):
@@ -60,7 +65,7 @@ def _affine(g: fx.Graph, y: fx.Node, n_last: int):
     return w, b, last
 
 
-def _replace(g: fx.Graph, last: fx.Node, target, *args) -> None:
+def _replace(g: fx.Graph, last: fx.Node, target: Any, *args: Any) -> None:
     with g.inserting_before(last):
         out = getitem(g, call(g, target, *args), 0)
     last.replace_all_uses_with(out)
@@ -78,12 +83,13 @@ def fuse_layer_norm_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
             continue
         if is_op(node, aten.native_layer_norm):
             x, ns, w, b, eps = node.args[:5]
-            if len(ns) != 1 or any(not (is_op(u, operator.getitem) and u.args[1] == 0) for u in node.users):
+            if not isinstance(ns, (list, tuple)) or len(ns) != 1 \
+                    or any(not (is_op(u, operator.getitem) and u.args[1] == 0) for u in node.users):
                 continue
             with g.inserting_before(node):
                 fused = call(g, torch.ops.graphtrain.layer_norm.default, x, w, b, eps)
-            for u in list(node.users):
-                u.replace_input_with(node, fused)
+            for user in list(node.users):
+                user.replace_input_with(node, fused)
             n += 1
             continue
         # hand-written: anchor on 1/sqrt(var + eps)
@@ -111,9 +117,10 @@ def fuse_layer_norm_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
             ok = sq is not None and ((is_op(sq, aten.pow) and _same(sq.args[0], centered) and number(sq.args[1]) == 2)
                                      or (is_op(sq, aten.mul) and _same(sq.args[0], centered)
                                          and _same(sq.args[1], centered)))
-        if not ok:
+        xs = shape(x)  # not None: _mean_last read it
+        if not ok or xs is None:
             continue
-        w, b, last = _affine(g, u, shape(x)[-1])
+        w, b, last = _affine(g, u, xs[-1])
         _replace(g, last, torch.ops.graphtrain.layer_norm.default, x, w, b, eps)
         n += 1
     g.eliminate_dead_code()
@@ -132,27 +139,31 @@ def fuse_rms_norm_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         if is_op(node, aten._fused_rms_norm):
             x, ns, w, eps = node.args[0], node.args[1], node.args[2] if len(node.args) > 2 else None, \
                 node.args[3] if len(node.args) > 3 else None
-            if len(ns) != 1 or eps is None or any(u.args[1] != 0 for u in node.users):
+            if not isinstance(ns, (list, tuple)) or len(ns) != 1 or eps is None \
+                    or any(u.args[1] != 0 for u in node.users):
                 continue
             with g.inserting_before(node):
                 fused = call(g, torch.ops.graphtrain.rms_norm.default, x, w, eps)
-            for u in list(node.users):
-                u.replace_input_with(node, fused)
+            for user in list(node.users):
+                user.replace_input_with(node, fused)
             n += 1
             continue
         m = _eps_rsqrt(node)
-        if m is None or m[2] != "rsqrt" or not _mean_last(m[0]):
+        if m is None or m[2] != "rsqrt" or not _mean_last(mean := m[0]):
             continue
-        sq = m[0].args[0]
+        sq = mean.args[0]
         if not ((is_op(sq, aten.pow) and number(sq.args[1]) == 2) or (is_op(sq, aten.mul) and sq.args[0] is sq.args[1])):
             continue
         x = sq.args[0]
-        u = only_user(node)
-        if u is None or not is_op(u, aten.mul) or x not in u.args or shape(u) != shape(x):
+        u, xs = only_user(node), shape(x)
+        if u is None or not is_op(u, aten.mul) or x not in u.args or xs is None or shape(u) != xs:
             continue
-        w, b, last = _affine(g, u, shape(x)[-1])
+        w, b, last = _affine(g, u, xs[-1])
         if b is not None:  # x * rstd * w + b is not an RMSNorm; leave the add outside
-            last = last.args[0] if last.args[1] is b else last.args[1]
+            pre_bias = last.args[0] if last.args[1] is b else last.args[1]  # the node _affine's add read
+            if not isinstance(pre_bias, fx.Node):
+                continue
+            last = pre_bias
         _replace(g, last, torch.ops.graphtrain.rms_norm.default, x, w, m[1])
         n += 1
     g.eliminate_dead_code()

@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import operator
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
+from torch.fx.node import Argument
 
 from graphtrain.passes.graph_utils import symints_as_nodes
 
@@ -15,20 +16,30 @@ VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, ate
          aten.expand.default, aten.alias.default}
 
 
-def is_op(n: Any, *targets) -> bool:
+def is_op(n: Any, *targets: Any) -> TypeGuard[fx.Node]:
+    """`n` is a call_function node of one of `targets` (an OpOverload, or an OpOverloadPacket for any of its
+    overloads); narrows `n` to a node for the type checker."""
     if not isinstance(n, fx.Node) or n.op != "call_function":
         return False
     t = n.target
     return t in targets or getattr(t, "overloadpacket", None) in targets
 
 
-def val(n: Any):
+def val(n: Any) -> Any:
     return n.meta.get("val") if isinstance(n, fx.Node) else None
 
 
 def shape(n: Any) -> tuple[int, ...] | None:
     v = val(n)
     return tuple(v.shape) if isinstance(v, torch.Tensor) else None
+
+
+def known_shape(n: Any) -> tuple[int, ...]:
+    """shape(n) of a node known to hold a tensor (one strip_views found, one call() built); raises if it does not."""
+    s = shape(n)
+    if s is None:
+        raise TypeError(f"{n} has no tensor value")
+    return s
 
 
 def number(a: Any) -> float | None:
@@ -40,26 +51,27 @@ def only_user(n: fx.Node) -> fx.Node | None:
     return us[0] if len(us) == 1 else None
 
 
-def scalar_operand(n: fx.Node) -> tuple[fx.Node, float] | None:
+def scalar_operand(n: Argument) -> tuple[fx.Node, float] | None:
     """For mul(x, c) / mul(c, x): (x, c) with c a Python number."""
     if not is_op(n, aten.mul) or len(n.args) != 2:
         return None
     a, b = n.args
-    if number(b) is not None and isinstance(a, fx.Node):
-        return a, number(b)
-    if number(a) is not None and isinstance(b, fx.Node):
-        return b, number(a)
+    if (c := number(b)) is not None and isinstance(a, fx.Node):
+        return a, c
+    if (c := number(a)) is not None and isinstance(b, fx.Node):
+        return b, c
     return None
 
 
 def match_dropout(n: fx.Node) -> tuple[fx.Node, float, list[fx.Node]] | None:
     """n = x * (bernoulli(keep) / keep) in any of the spellings the tracer emits -> (x, p, mask nodes)."""
-    if is_op(n, operator.getitem) and n.args[1] == 0 and is_op(n.args[0], aten.native_dropout):
+    if is_op(n, operator.getitem) and n.args[1] == 0 and is_op(nd := n.args[0], aten.native_dropout):
         # native_dropout's output (the tracer's spelling under dynamic shapes, where dropout takes its Python
         # decomposition); its mask output must be unused
-        nd = n.args[0]
-        if (len(nd.args) < 3 or nd.args[2] is not False) and all(u.args[1] == 0 for u in nd.users):
-            return nd.args[0], float(nd.args[1]), [nd]
+        x, p = nd.args[0], nd.args[1]
+        if (isinstance(x, fx.Node) and isinstance(p, (int, float, torch.SymFloat))
+                and (len(nd.args) < 3 or nd.args[2] is not False) and all(u.args[1] == 0 for u in nd.users)):
+            return x, float(p), [nd]
         return None
     if not is_op(n, aten.mul) or len(n.args) != 2:
         return None
@@ -76,7 +88,7 @@ def match_dropout(n: fx.Node) -> tuple[fx.Node, float, list[fx.Node]] | None:
     return None
 
 
-def strip_views(n: fx.Node, want_last2: tuple[int, int]) -> tuple[fx.Node, float] | None:
+def strip_views(n: Argument, want_last2: tuple[int, ...]) -> tuple[fx.Node, float] | None:
     """Walk up views/expands/clones and scalar multiplies from a bmm operand to the topmost 3-D/4-D tensor
     whose last two dims are `want_last2`; returns (node, product of scalars passed on the way)."""
     scale, best = 1.0, None
@@ -93,8 +105,9 @@ def strip_views(n: fx.Node, want_last2: tuple[int, int]) -> tuple[fx.Node, float
             scale *= so[1]
             cur = so[0]
             continue
-        if is_op(cur, aten.div) and number(cur.args[1]) is not None:
-            scale /= number(cur.args[1])
+        divisor = number(cur.args[1]) if is_op(cur, aten.div) else None
+        if divisor is not None:
+            scale /= divisor
             cur = cur.args[0]
             continue
         break
@@ -111,8 +124,11 @@ def set_meta(node: fx.Node) -> None:
     if fake_mode is None:
         from torch._subclasses.fake_tensor import FakeTensorMode
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    target = node.target
+    if not callable(target):
+        raise TypeError(f"set_meta: {node.format_node()} calls no function")
     with fake_mode, torch.no_grad():
-        node.meta["val"] = node.target(*args, **kwargs)
+        node.meta["val"] = target(*args, **kwargs)
 
 
 def call(graph: fx.Graph, target, *args, **kwargs) -> fx.Node:
@@ -166,17 +182,21 @@ def finish(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
-def split_linear_bias(g: fx.Graph, x: fx.Node):
+def split_linear_bias(g: fx.Graph, x: fx.Node) -> tuple[fx.Node, fx.Node | None]:
     """x = view(addmm(b, a, W)) or addmm(...) with single users -> (view(mm(a, W)), b); else (x, None)."""
-    if is_op(x, aten.add) and isinstance(x.args[1], fx.Node) and len(shape(x.args[1]) or ()) == 1 \
-            and shape(x.args[1])[0] == shape(x)[-1] and shape(x.args[0]) == shape(x):
-        return x.args[0], x.args[1]
+    if is_op(x, aten.add):
+        a, b = x.args[0], x.args[1]
+        xs, bs = shape(x), shape(b)
+        if isinstance(a, fx.Node) and isinstance(b, fx.Node) and bs is not None and len(bs) == 1 \
+                and xs is not None and bs[0] == xs[-1] and shape(a) == xs:
+            return a, b
     v = x if is_op(x, aten.view, aten._unsafe_view) else None
     mm = v.args[0] if v is not None else x
     if not is_op(mm, aten.addmm) or len(mm.users) != 1 or (v is not None and len(v.users) != 1):
         return x, None
     b, a, w = mm.args[:3]
-    if mm.kwargs.get("beta", 1) != 1 or mm.kwargs.get("alpha", 1) != 1 or len(shape(b) or ()) != 1:
+    if mm.kwargs.get("beta", 1) != 1 or mm.kwargs.get("alpha", 1) != 1 or not isinstance(b, fx.Node) \
+            or len(shape(b) or ()) != 1:
         return x, None
     with g.inserting_before(mm):
         new = call(g, aten.mm.default, a, w)

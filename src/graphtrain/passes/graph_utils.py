@@ -71,6 +71,12 @@ def is_sdpa_call(n: fx.Node) -> bool:
     return n.op == "call_function" and n.target in _SDPA
 
 
+def arg_node(n: fx.Node, i: int) -> fx.Node | None:
+    """`n`'s i-th positional argument when it is a node; None when it is a constant or `n` has fewer arguments."""
+    a = n.args[i] if -len(n.args) <= i < len(n.args) else None
+    return a if isinstance(a, fx.Node) else None
+
+
 def call_arg(n: fx.Node, index: int, name: str, default: Any = None) -> Any:
     """A call's argument given positionally at `index` or by keyword `name`."""
     return n.args[index] if len(n.args) > index else n.kwargs.get(name, default)

@@ -31,6 +31,8 @@ aten.addmm(bias, a, b) with alpha = beta = 1, a and b 2-D fp32 on CPU (each a no
 """
 from __future__ import annotations
 
+from typing import TypeGuard
+
 import torch
 import torch.fx as fx
 
@@ -43,7 +45,7 @@ import graphtrain.kernels  # noqa: F401  (registers torch.ops.graphtrain.gemm)
 from graphtrain.kernels.gemm import onednn_available, onednn_fp32, shape_probe
 
 
-def _fp32_cpu(n: object) -> bool:
+def _fp32_cpu(n: object) -> TypeGuard[fx.Node]:
     """An fp32 CPU tensor of at most 2 dimensions (by the node's fake value)."""
     v = val(n)
     return (isinstance(v, torch.Tensor) and v.dim() <= 2 and v.dtype == torch.float32
@@ -52,17 +54,20 @@ def _fp32_cpu(n: object) -> bool:
 
 def gemm_operands(node: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node | None] | None:
     """(a, b, bias) if `node` is an mm/addmm this pass rewrites, else None."""
+    bias: fx.Node | None = None
     if is_op(node, aten.mm) and len(node.args) == 2 and not node.kwargs:
         a, b = node.args
-        bias = None
     elif (is_op(node, aten.addmm) and len(node.args) == 3
           and all(node.kwargs.get(k, 1) == 1 for k in ("alpha", "beta"))):
-        bias, a, b = node.args
-        if not _fp32_cpu(bias):
+        c, a, b = node.args
+        if not _fp32_cpu(c):
             return None
+        bias = c
     else:
         return None
-    if not all(_fp32_cpu(x) and val(x).dim() == 2 for x in (a, b, node)):
+    if not (_fp32_cpu(a) and _fp32_cpu(b) and _fp32_cpu(node)):
+        return None
+    if not val(a).dim() == val(b).dim() == val(node).dim() == 2:
         return None
     return a, b, bias
 

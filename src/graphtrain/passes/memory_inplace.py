@@ -30,7 +30,7 @@ from graphtrain.passes.manager import PassContext, register_pass
 aten = torch.ops.aten
 
 # out-of-place overload -> in-place overload with the same argument list.
-INPLACE: dict[torch._ops.OpOverload, torch._ops.OpOverload] = {
+_INPLACE_OR_NONE: dict[torch._ops.OpOverload, torch._ops.OpOverload | None] = {
     aten.relu.default: aten.relu_.default,
     aten.gelu.default: aten.gelu_.default,
     aten.silu.default: aten.silu_.default,
@@ -47,7 +47,8 @@ INPLACE: dict[torch._ops.OpOverload, torch._ops.OpOverload] = {
     aten.masked_fill.Scalar: aten.masked_fill_.Scalar,
     aten.threshold_backward.default: None,  # no in-place overload: listed so nobody adds a wrong one
 }
-INPLACE = {k: v for k, v in INPLACE.items() if v is not None}
+INPLACE: dict[torch._ops.OpOverload, torch._ops.OpOverload] = {
+    k: v for k, v in _INPLACE_OR_NONE.items() if v is not None}
 
 
 def _storages(n: fx.Node) -> list[int]:
@@ -100,8 +101,10 @@ def inplace_elementwise_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphMo
     if getattr(ctx.config, "provider", "aten") != "aten":
         return gm
     for n in inplace_candidates(gm):
-        x = n.args[0]
-        n.target = INPLACE[n.target]
+        x, target = n.args[0], n.target
+        if not isinstance(x, fx.Node) or not isinstance(target, torch._ops.OpOverload):
+            continue  # never: a candidate calls one of INPLACE's overloads on a node
+        n.target = INPLACE[target]
         n.meta["val"] = x.meta["val"]  # the result is x's storage now
         ctx.count()
     gm.recompile()

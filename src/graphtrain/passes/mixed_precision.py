@@ -25,14 +25,16 @@ Ops of other libraries get a policy with ``set_precision_policy(name, policy)``.
 from __future__ import annotations
 
 import operator
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
+from torch.fx.node import Argument
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from graphtrain.kernels.registry import FOLLOW, FP32, LOW, op_descriptor
+from graphtrain.passes.graph_utils import arg_node
 from graphtrain.passes.manager import PassContext, register_pass
 
 PRECISION_POLICY: dict[str, str] = {
@@ -95,9 +97,9 @@ def policy_of(node: fx.Node) -> str:
     return FOLLOW
 
 
-def is_cast(node: fx.Node) -> bool:
+def is_cast(node: Argument) -> TypeGuard[fx.Node]:
     """A node that only changes dtype: ``_to_copy(x, dtype=...)`` or ``prims.convert_element_type``."""
-    if node.op != "call_function":
+    if not isinstance(node, fx.Node) or node.op != "call_function":
         return False
     if node.target is torch.ops.prims.convert_element_type.default:
         return True
@@ -163,7 +165,8 @@ class _Rewriter:
             self.dtype[node] = orig
         elif node.target is operator.getitem:
             parent = node.args[0]
-            self.dtype[node] = self.compute[parent] if orig == torch.float32 and parent in self.compute else orig
+            self.dtype[node] = self.compute[parent] if (orig == torch.float32 and isinstance(parent, fx.Node)
+                                                        and parent in self.compute) else orig
         elif is_cast(node):
             self._visit_cast(node, orig)
         else:
@@ -171,12 +174,15 @@ class _Rewriter:
 
     def _visit_cast(self, node: fx.Node, orig: torch.dtype | None) -> None:
         src = node.args[0]
+        if not isinstance(src, fx.Node):  # a cast of a constant: no value of the graph to track
+            self.dtype[node] = orig
+            return
         if self.dtype.get(src) == orig:  # now a no-op (e.g. an explicit .float() of a value that stays fp32)
             node.replace_all_uses_with(src)
             self.removed += 1
             return
-        if is_cast(src) and orig is not None and orig.is_floating_point:
-            new = self._cast(src.args[0], orig, node)  # cast of a cast: cast the original value instead
+        if is_cast(src) and orig is not None and orig.is_floating_point and (inner := arg_node(src, 0)) is not None:
+            new = self._cast(inner, orig, node)  # cast of a cast: cast the original value instead
             node.replace_all_uses_with(new)
             self.removed += 1
             return
@@ -214,11 +220,13 @@ class _Rewriter:
         key = (src, dtype)
         if key in self.casts:
             return self.casts[key]
-        if is_cast(src) and self.dtype.get(src.args[0]) is not None and self.dtype[src.args[0]].is_floating_point:
-            new = self._cast(src.args[0], dtype, before)  # back and forth, or cast of a cast
+        first = arg_node(src, 0)  # what a cast or a shape-only op of `src` reads
+        first_dtype = self.dtype.get(first) if first is not None else None
+        if is_cast(src) and first is not None and first_dtype is not None and first_dtype.is_floating_point:
+            new = self._cast(first, dtype, before)  # back and forth, or cast of a cast
         elif (isinstance(src.target, torch._ops.OpOverload) and src.target._schema.name in _HOISTABLE
-              and isinstance(src.args[0], fx.Node) and self.dtype.get(src.args[0]) == self.dtype.get(src)):
-            inner = self._cast(src.args[0], dtype, before)
+              and first is not None and self.dtype.get(first) == self.dtype.get(src)):
+            inner = self._cast(first, dtype, before)
             with self.graph.inserting_before(before):
                 new = self.graph.call_function(src.target, (inner, *src.args[1:]), dict(src.kwargs))
             new.meta["val"] = self._fake(src.target, inner.meta["val"], *src.args[1:], **src.kwargs)
@@ -232,11 +240,15 @@ class _Rewriter:
 
     def _fake(self, op: Any, *args: Any, **kwargs: Any) -> Any:
         """`op` on fake tensors: the new node's meta["val"] (real constants are faked first)."""
+        fake_mode = self.fake_mode
+        if fake_mode is None:
+            raise AssertionError("mixed precision needs fake-tensor meta['val'] on placeholders (trace_aten_forward)")
+
         def fake(v: Any) -> Any:
             if isinstance(v, torch.Tensor) and not isinstance(v, torch._subclasses.fake_tensor.FakeTensor):
-                return self.fake_mode.from_tensor(v, static_shapes=True)
+                return fake_mode.from_tensor(v, static_shapes=True)
             return v
-        with self.fake_mode:
+        with fake_mode:
             return op(*map(fake, args), **kwargs)
 
     def _fix_outputs(self, node: fx.Node) -> None:
