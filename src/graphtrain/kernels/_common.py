@@ -24,8 +24,8 @@ try:  # graphtrain works without triton; the CUDA fast paths then fall back to t
     import triton.language as tl  # noqa: F401
     HAS_TRITON = True
 except Exception:  # ImportError, or a broken install
-    triton = None  # type: ignore[assignment]
-    tl = None  # type: ignore[assignment]
+    triton = None
+    tl = None
     HAS_TRITON = False
 
 # The hash constants (splitmix64's finalizer), as signed int64 for torch.

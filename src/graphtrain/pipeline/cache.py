@@ -273,9 +273,10 @@ def _encode_target(target: Any) -> Any:
         return _Ref("op", (target.namespace, target._opname, target._overloadname))
     if isinstance(target, torch._ops.OpOverloadPacket):
         return _Ref("packet", (target._qualified_op_name.split("::")[0], target.__name__.split(".")[-1]))
-    if isinstance(target, torch._ops.HigherOrderOperator) and getattr(torch.ops.higher_order, target.name(),
-                                                                        None) is target:
-        return _Ref("hop", target.name())
+    if isinstance(target, torch._ops.HigherOrderOperator):
+        hop = target.name()
+        if getattr(torch.ops.higher_order, hop, None) is target:
+            return _Ref("hop", hop)
     module, name = getattr(target, "__module__", None), getattr(target, "__qualname__", None)
     if not module or not name or "<" in name:
         raise TypeError(f"cannot name {target!r}")
@@ -316,10 +317,14 @@ def _encode_graph(gm: "fx.GraphModule") -> dict[str, Any]:
     import torch
     import torch.fx as fx
 
-    def arg(a: Any) -> Any:
-        return fx.node.map_arg(a, lambda n: _Ref("node", n.name))
+    def ref(n: fx.Node) -> Any:
+        return _Ref("node", n.name)
 
-    nodes, attrs = [], {}
+    def arg(a: Any) -> Any:
+        return fx.node.map_arg(a, ref)
+
+    nodes: list[tuple[Any, ...]] = []
+    attrs: dict[str, Any] = {}
     for n in gm.graph.nodes:
         if n.op == "get_attr":
             value = getattr(gm, str(n.target))

@@ -37,6 +37,7 @@ def trace_aten_forward(fn: Callable[..., Any], example_inputs: Sequence[Any]) ->
         inputs = [fake_mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in example_inputs]
     else:  # inside a Dynamo backend: reuse its fake mode (and shape env), as AOTAutograd does
         inputs = fakify_like_dynamo(fake_mode, example_inputs)
+    dispatcher: contextlib.AbstractContextManager[Any]
     if any(is_symbolic(x) for x in inputs):
         from torch._dispatch.python import enable_python_dispatcher
         functional, dispatcher = _dispatch_functionalize(fn), enable_python_dispatcher()
@@ -104,7 +105,7 @@ def _dispatch_functionalize(fn: Callable[..., Any]) -> Callable[..., Any]:
             for w in wrapped:
                 if isinstance(w, FunctionalTensor):
                     torch._sync(w)
-                    if torch._functionalize_has_metadata_mutation(w.elem):  # type: ignore[attr-defined]
+                    if torch._functionalize_has_metadata_mutation(w.elem):
                         raise RuntimeError("the graph changes an input's shape or strides in place (e.g. "
                                            "`x.t_()` on an input); graphtrain cannot trace that under dynamic "
                                            "shapes: use engine.dynamic=false")
@@ -125,7 +126,7 @@ def fakify_like_dynamo(fake_mode: FakeTensorMode, example_inputs: Sequence[Any])
     symbolic sizes Dynamo chose (its per-tensor symbolic context), ints become SymInts under dynamic shapes."""
     ctx = torch._guards.TracingContext.try_get()
     shape_env = fake_mode.shape_env
-    out = []
+    out: list[Any] = []
     for i, x in enumerate(example_inputs):
         if isinstance(x, FakeTensor):
             out.append(x if x.fake_mode is fake_mode else fake_mode.from_tensor(x))
