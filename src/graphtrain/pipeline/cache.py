@@ -139,16 +139,16 @@ def pass_cache_key(gm: "fx.GraphModule", example_inputs: "Sequence[Any]", kinds:
 def _machine_and_passes(config: EngineConfig) -> str:
     """What else decides a pass result: the kernel library each capability picked (a simulated smaller CPU
     included), and the code of every pass the pipeline runs (a pass replaced at run time, as tests do, is a
-    different pass)."""
+    different pass), the dynamo stage's included: the key is taken before hide_autograd_functions runs."""
     import hashlib
 
     from graphtrain.kernels import capabilities
-    from graphtrain.passes.manager import pipeline
+    from graphtrain.passes.manager import STAGES, pipeline
     # cpu_fp32_gemm is left out: its text changes once the kernels' GEMM probe ran in this process, and the pass
     # that rewrites GEMMs decides from per-shape probes kept per machine (gemm.shape_probe), not from it
     caps = {k: v for k, v in capabilities().items() if k not in ("runtime_fallbacks", "cpp_kernels", "cpu_fp32_gemm")}
     h = hashlib.sha256(repr(sorted(caps.items())).encode())
-    for stage in ("pre_autodiff", "forward", "backward"):
+    for stage in STAGES:
         for spec in pipeline(stage, config):
             code = getattr(spec.fn, "__code__", None)
             h.update(f"{stage}:{spec.name}:{getattr(spec.fn, '__qualname__', '')}".encode())
