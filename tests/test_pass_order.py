@@ -87,6 +87,18 @@ def test_ordering_errors_are_clear(temporary_passes):
         names("pre_autodiff")
 
 
+def test_a_run_of_some_phases_names_them_right():
+    import torch
+
+    from graphtrain.passes.manager import PassContext, run_pipeline
+    gm = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match=r"unknown pass phases \['mask'\]; phases, in order: masks, grad"):
+        run_pipeline(gm, PassContext(EngineConfig(), "dynamo"), phases=("mask",))
+    ctx = PassContext(EngineConfig(), "dynamo")
+    run_pipeline(gm, ctx, phases=("opaque",))
+    assert [r.name for r in ctx.records] == ["hide_autograd_functions"]
+
+
 def test_unknown_or_contradicting_constraints_are_errors(temporary_passes):
     from graphtrain.passes.manager import _REGISTRY
     temporary_passes("typo_for_test", phase="fuse", after="fuse_layernorm")
