@@ -1,7 +1,8 @@
 """The "graphtrain" torch.compile backend: one Dynamo graph in, a trainable compiled callable out.
 
 Per Dynamo graph, the stages of pipeline.py:  ``dynamo`` passes (the Dynamo graph's own rewrites)  ->  trace to the
-pre-autodiff aten IR (trace.py)  ->  ``pre_autodiff`` passes  ->  AOTAutograd (gradient graph, partition)  ->  ``forward``/``backward`` passes  ->  provider.
+pre-autodiff aten IR (trace.py)  ->  ``pre_autodiff`` passes  ->  AOTAutograd (gradient graph, partition)  ->
+``forward``/``backward`` passes  ->  provider.
 Each stage that fails falls back to the stage before it (no pre-autodiff passes; aten instead of
 inductor; the Dynamo graph run eagerly) and says so once, or raises under ``fallback: error``.
 """
@@ -10,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
@@ -19,6 +20,9 @@ from graphtrain.config.sections import EngineConfig
 from graphtrain.config.fallback import report_fallback, set_policy
 from graphtrain.pipeline.stages import DYNAMO_RESTARTS
 from graphtrain.pipeline.state import GLOBAL_STATE, EngineState
+
+if TYPE_CHECKING:
+    from graphtrain.passes.manager import PassContext
 
 
 def _input_kinds(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> list[str]:
@@ -115,7 +119,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Eng
     set_policy(config.fallback)  # fused ops that fail at run time follow it (process-wide: the last wins)
     _set_cpu_allocator_once(example_inputs, config)
     # the dynamo stage's passes on the whole Dynamo graph (static and learned masks, the no_grad lift, returned
-    # heads); their records join state.passes once the graph compiled (one Dynamo restarts never runs)
+    # heads); their records join state.passes once the graph compiled (a graph Dynamo restarts never runs)
     n_records = len(state.passes)
     gm, dynamo = _dynamo_passes(gm, example_inputs, config, state, f"Dynamo graph {_frame_info(gm)[0]}", state.notes,
                                 ("masks", "grad"))
@@ -142,7 +146,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Eng
 
 
 def _dynamo_passes(gm: fx.GraphModule, example_inputs: Sequence[Any], config: EngineConfig, state: EngineState,
-                   name: str, notes: list[str], phases: tuple[str, ...]) -> tuple[fx.GraphModule, Any]:
+                   name: str, notes: list[str], phases: tuple[str, ...]) -> tuple[fx.GraphModule, PassContext]:
     """The passes of the "dynamo" stage in `phases` on `gm` (passes/manager.py): (the graph, their PassContext,
     whose records the caller adds to state.passes). Their lines for the report go to `notes`."""
     from graphtrain.passes.manager import PassContext, run_pipeline
