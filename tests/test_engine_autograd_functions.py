@@ -68,10 +68,10 @@ def _x() -> torch.Tensor:
     return torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(0))
 
 
-def _one_step(provider: str, tmp_path, fn=ScaledSiLU):
+def _one_step(provider: str, tmp_path, fn=ScaledSiLU, **engine):
     torch.manual_seed(0)
     eager = Stack(fn=fn)
-    model = graphtrain.accelerate(copy.deepcopy(eager), provider=provider, fallback="error",
+    model = graphtrain.accelerate(copy.deepcopy(eager), provider=provider, **{"fallback": "error", **engine},
                                   cache_dir=str(tmp_path / "cache"))
     for m in (eager, model):
         m.loss = m(_x())
@@ -87,6 +87,19 @@ def test_the_functions_own_backward_runs_and_the_passes_run_around_it(tmp_path):
     assert any("autograd.Function call(s) held opaque" in n for g in rep.graphs for n in g["notes"]), rep.graphs
     # the layer norms around the function were fused: the passes ran on these graphs
     assert any(p["name"] == "fuse_layer_norm" and p["rewrites"] >= 3 for p in rep.passes), rep.passes
+    (rec,) = [p for p in rep.passes if p["name"] == "hide_autograd_functions"]
+    assert rec["stage"] == "dynamo" and rec["rewrites"] == 3, rec  # one block body, run by three layers
+
+
+def test_switched_off_the_graph_cannot_be_traced_and_keeps_the_function(tmp_path):
+    """engine.passes: {hide_autograd_functions: false}: the trace to aten fails on the function (reported), the graph
+    is compiled without pre-autodiff passes and still runs the function's own backward."""
+    rep = _one_step("aten", tmp_path, fallback="silent", passes={"hide_autograd_functions": False})
+    assert any(part.startswith("tracing ") for part, _ in rep.fallbacks), rep.fallbacks
+    assert not any("held opaque" in n for g in rep.graphs for n in g["notes"]), rep.graphs
+    assert not [p for p in rep.passes if p["name"] == "hide_autograd_functions"], rep.passes
+    assert not [p for p in rep.passes if p["name"] == "fuse_layer_norm" and p["rewrites"]], rep.passes
+    assert "switched off (engine.passes): hide_autograd_functions" in str(rep)
 
 
 def test_a_second_compile_loads_the_graph_with_its_function_from_the_pass_cache(tmp_path):

@@ -142,6 +142,42 @@ def test_the_pass_cache_key_names_what_is_compiled_not_where_or_how_loudly():
     assert pass_cache_key(gm, [torch.randn(3, 4)], ["input"], base) != key
 
 
+def test_the_source_digest_reads_folders_that_exist():
+    """Regression: after the move to a folder per floor the digest still named engine/, and every key (Inductor's
+    included) raised FileNotFoundError."""
+    from pathlib import Path
+
+    from graphtrain.pipeline import cache
+    root = Path(cache.__file__).resolve().parent.parent
+    assert [name for name in cache._SOURCES if not (root / name).exists()] == []
+    assert len(cache.source_digest()) == 64
+
+
+def test_the_pass_cache_key_covers_the_dynamo_stage(monkeypatch):
+    """hide_autograd_functions runs after the key is taken (on the graph the key digests): its code and its switch
+    are in the key, as every pre-autodiff pass's are."""
+    import dataclasses
+
+    import torch
+    import torch.fx as fx
+
+    from graphtrain.config.sections import EngineConfig
+    from graphtrain.passes import manager
+    from graphtrain.pipeline.cache import pass_cache_key
+
+    gm = fx.symbolic_trace(torch.nn.Linear(4, 3))
+    x = torch.randn(2, 4)
+    base = EngineConfig()
+    key = pass_cache_key(gm, [x], ["input"], base)
+    off = dataclasses.replace(base, passes={"hide_autograd_functions": False})
+    assert pass_cache_key(gm, [x], ["input"], off) != key
+
+    def other_hide_autograd_functions_pass(gm, ctx):
+        return gm
+    monkeypatch.setattr(manager._REGISTRY["hide_autograd_functions"], "fn", other_hide_autograd_functions_pass)
+    assert pass_cache_key(gm, [x], ["input"], base) != key
+
+
 def test_inductors_keys_carry_graphtrain_sources(monkeypatch):
     """What keys Inductor's caches by graphtrain's sources (the end-to-end check below is slow): the uuid of the
     forward/backward passes Inductor runs, which its FX-graph and AOTAutograd cache keys include."""

@@ -52,6 +52,27 @@ def test_a_learned_mask_trains_under_the_graph(provider):
     rep = graphtrain.report(m)
     assert not rep.fallbacks and not rep.eager_only
     assert any("needs a gradient" in line for line in rep.notes or []), rep.notes
+    (rec,) = [p for p in rep.passes if p["name"] == "route_learned_masks_to_math"]
+    assert rec["stage"] == "dynamo" and rec["rewrites"] == 1, rec
+
+
+def test_switched_off_the_mask_reaches_flash_attention_again():
+    """engine.passes: {route_learned_masks_to_math: false}: the SDPA call keeps flash attention, whose backward
+    refuses the mask; the provider fails and the module runs eagerly (still eager's numbers), and the report says
+    why."""
+    torch.manual_seed(0)
+    ref = WindowAttention()
+    m = graphtrain.accelerate(copy.deepcopy(ref), provider="aten", fallback="silent",
+                              passes={"route_learned_masks_to_math": False})
+    x, wm = _inputs()
+    for mod in (ref, m):
+        mod(x, wm).square().mean().backward()
+    assert_grads_close(m, ref)
+    rep = graphtrain.report(m)
+    assert rep.fallbacks, "the rewrite happened"
+    assert not any("needs a gradient" in line for line in rep.notes or []), rep.notes
+    assert not [p for p in rep.passes if p["name"] == "route_learned_masks_to_math"], rep.passes
+    assert "switched off (engine.passes): route_learned_masks_to_math" in str(rep)
 
 
 def test_hf_swin_trains_without_falling_back():

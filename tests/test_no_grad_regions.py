@@ -56,6 +56,28 @@ def test_a_no_grad_region_is_lifted_and_the_passes_run():
     (g,) = rep.graphs
     assert not any("pre-autodiff passes skipped" in n for n in g["notes"]), g["notes"]
     assert any(p["name"] == "fuse_layer_norm" and p["rewrites"] >= 1 for p in rep.passes), rep.passes
+    (rec,) = [p for p in rep.passes if p["name"] == "lift_no_grad_regions"]
+    assert rec["stage"] == "dynamo" and rec["rewrites"] == 1, rec
+
+
+def test_switched_off_the_graph_goes_as_captured():
+    """engine.passes: {lift_no_grad_regions: false}: the region stays, the pre-autodiff passes are skipped (the
+    graph still trains like eager), and the report says the pass was off."""
+    torch.manual_seed(0)
+    eager = Rotary()
+    model = graphtrain.accelerate(copy.deepcopy(eager), provider="aten", fallback="error",
+                                  passes={"lift_no_grad_regions": False})
+    x = _x()
+    for m in (eager, model):
+        m.loss = m(x)
+        m.loss.backward()
+    assert_close(model.loss, eager.loss, name="loss")
+    assert_grads_close(model, eager)
+    rep = graphtrain.report(model)
+    assert not any("lifted" in n for n in rep.notes), rep.notes
+    assert any("pre-autodiff passes skipped" in n for g in rep.graphs for n in g["notes"])
+    assert not [p for p in rep.passes if p["name"] == "lift_no_grad_regions"], rep.passes
+    assert "switched off (engine.passes): lift_no_grad_regions" in str(rep)
 
 
 def test_a_region_that_mutates_is_left_as_captured():

@@ -9,7 +9,10 @@ from graphtrain.passes.manager import STAGES, pipeline, registered_passes
 
 CLEANUPS = ["remove_noop_ops", "fold_view_chains", "eliminate_common_subexpressions", "eliminate_dead_code",
             "inplace_elementwise"]
+DYNAMO = ["specialize_static_masks", "route_learned_masks_to_math", "lift_no_grad_regions", "detach_returned_heads",
+          "hide_autograd_functions"]
 EVERY_PASS = {
+    "dynamo": DYNAMO,
     "pre_autodiff": ["fuse_layer_norm", "fuse_rms_norm", "fuse_attention", "fuse_bias_gelu", "remove_noop_ops",
                      "fold_view_chains", "fold_constants", "fuse_bias_dropout_add", "fuse_linear_cross_entropy",
                      "eliminate_common_subexpressions", "fuse_cross_entropy", "sparse_lm_head", "eliminate_dead_code",
@@ -39,6 +42,7 @@ def test_every_pass_runs_in_the_pinned_order(stage):
 @pytest.mark.parametrize("provider", ["aten", "inductor", "auto"])
 def test_default_pipelines_per_provider(provider):
     assert names("pre_autodiff", provider=provider) == DEFAULT_PRE_AUTODIFF[provider]
+    assert names("dynamo", provider=provider) == DYNAMO  # every provider gets the Dynamo graph's rewrites
     for stage in ("forward", "backward"):
         assert names(stage, provider=provider) == CLEANUPS
 
@@ -74,12 +78,25 @@ def test_constraints_place_a_pass_inside_its_phase(temporary_passes):
 
 
 def test_ordering_errors_are_clear(temporary_passes):
-    with pytest.raises(ValueError, match="unknown pass phase 'fusion'; phases, in order: fuse, simplify"):
+    with pytest.raises(ValueError, match="unknown pass phase 'fusion'; phases, in order: masks, grad, opaque, fuse, "
+                                         "simplify"):
         temporary_passes("bad_phase_for_test", phase="fusion")
     temporary_passes("cycle_a_for_test", phase="fuse", after="cycle_b_for_test")
     temporary_passes("cycle_b_for_test", phase="fuse", after="cycle_a_for_test")
     with pytest.raises(ValueError, match="passes cycle_a_for_test, cycle_b_for_test .* form a cycle"):
         names("pre_autodiff")
+
+
+def test_a_run_of_some_phases_names_them_right():
+    import torch
+
+    from graphtrain.passes.manager import PassContext, run_pipeline
+    gm = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match=r"unknown pass phases \['mask'\]; phases, in order: masks, grad"):
+        run_pipeline(gm, PassContext(EngineConfig(), "dynamo"), phases=("mask",))
+    ctx = PassContext(EngineConfig(), "dynamo")
+    run_pipeline(gm, ctx, phases=("opaque",))
+    assert [r.name for r in ctx.records] == ["hide_autograd_functions"]
 
 
 def test_unknown_or_contradicting_constraints_are_errors(temporary_passes):

@@ -58,7 +58,57 @@ def test_returned_logits_train_like_eager(tied, bias, through_logits):
     assert_grads_close(model, eager)
     _, logits = model(ids, labels)
     assert isinstance(logits.grad_fn, _HeadGrad._backward_cls) and logits.requires_grad
-    assert any("returned logits of" in n for n in graphtrain.report(model).notes)
+    rep = graphtrain.report(model)
+    assert any("returned logits of" in n for n in rep.notes)
+    (rec,) = [p for p in rep.passes if p["name"] == "detach_returned_heads"]
+    assert rec["stage"] == "dynamo" and rec["rewrites"] == 1, rec
+
+
+def test_switched_off_the_logits_stay_outputs_of_the_graph():
+    """engine.passes: {detach_returned_heads: false}: no head detached (the logits' gradient function is the
+    graph's), the same training as eager, and the report says the pass was off."""
+    torch.manual_seed(0)
+    eager = TinyLM(tied=True, bias=False)
+    model = graphtrain.accelerate(copy.deepcopy(eager), provider="aten", fallback="error",
+                                  passes={"detach_returned_heads": False})
+    ids, labels = _batch()
+    for m in (eager, model):
+        loss, logits = m(ids, labels)
+        (loss + logits.square().mean()).backward()
+        assert not isinstance(logits.grad_fn, _HeadGrad._backward_cls)
+        m.out = loss.detach()
+    assert_close(model.out, eager.out, name="loss")
+    assert_grads_close(model, eager)
+    rep = graphtrain.report(model)
+    assert not any("returned logits of" in n for n in rep.notes), rep.notes
+    assert not [p for p in rep.passes if p["name"] == "detach_returned_heads"], rep.passes
+    assert "switched off (engine.passes): detach_returned_heads" in str(rep)
+
+
+def test_a_failing_dynamo_pass_leaves_the_graph_as_it_was(monkeypatch):
+    """The pass manager's contract holds on the Dynamo graph: a pass that rewrote, handed its heads over and then
+    failed is undone (the graph from before it, no heads to reattach, no note) and reported."""
+    from graphtrain.passes import manager, returned_heads
+
+    def broken(gm, ctx):
+        returned_heads.detach_returned_heads_pass(gm, ctx)
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(manager._REGISTRY["detach_returned_heads"], "fn", broken)
+    torch.manual_seed(0)
+    eager = TinyLM(tied=False, bias=True)
+    model = graphtrain.accelerate(copy.deepcopy(eager), provider="aten", fallback="silent")
+    ids, labels = _batch()
+    for m in (eager, model):
+        loss, logits = m(ids, labels)
+        (loss + logits.square().mean()).backward()
+        assert not isinstance(logits.grad_fn, _HeadGrad._backward_cls)
+    assert_grads_close(model, eager)
+    rep = graphtrain.report(model)
+    assert ("pass detach_returned_heads", "RuntimeError: boom") in rep.fallbacks, rep.fallbacks
+    (rec,) = [p for p in rep.passes if p["name"] == "detach_returned_heads"]
+    assert rec["error"] == "RuntimeError: boom" and rec["rewrites"] == 0, rec
+    assert not any("returned logits of" in n for n in rep.notes), rep.notes
 
 
 def test_logits_without_a_use_inside_the_graph_keep_their_gradient():

@@ -137,13 +137,40 @@ def test_repeated_block_bodies_lose_the_mask_input():
                      "causal mask then reaches SDPA as is_causal; engine.static_masks)"], state.notes
 
 
-def test_switch_off_keeps_the_mask():
+def _accelerated_step(**engine):
+    """ShapeMasked("causal_bool") accelerated with `engine`, one step checked against eager: its report."""
     import graphtrain
-    from graphtrain.pipeline.state import state_of
-    m = graphtrain.accelerate(ShapeMasked("causal_bool"), provider="aten", static_masks=False)
-    m(torch.randn(2, 7, 16)).sum().backward()
-    state, _ = state_of(m)
-    assert not [n for n in state.notes if "static_masks" in n]
+    torch.manual_seed(0)
+    eager = ShapeMasked("causal_bool")
+    m = graphtrain.accelerate(copy.deepcopy(eager), provider="aten", fallback="error", **engine)
+    x = torch.randn(2, 7, 16)
+    for mod in (eager, m):
+        mod.out = mod(x)
+        mod.out.square().sum().backward()
+    assert_close(m.out, eager.out, name="output")
+    for a, b in zip(m.parameters(), eager.parameters()):
+        assert_close(a.grad, b.grad, name="grad")
+    return graphtrain.report(m)
+
+
+def test_the_pass_is_recorded():
+    """specialize_static_masks is a pass of the dynamo stage: its record counts the calls it rewrote."""
+    rep = _accelerated_step()
+    (rec,) = [p for p in rep.passes if p["name"] == "specialize_static_masks"]
+    assert rec["stage"] == "dynamo" and rec["rewrites"] == 1 and not rec["error"], rec
+    assert any("causal mask(s) -> is_causal" in n for n in rec["notes"]), rec
+    assert any("static_masks" in n for n in rep.notes), rep.notes
+
+
+@pytest.mark.parametrize("switch", [{"static_masks": False}, {"passes": {"specialize_static_masks": False}}],
+                         ids=["engine.static_masks", "engine.passes"])
+def test_switch_off_keeps_the_mask(switch):
+    rep = _accelerated_step(**switch)
+    assert not [n for n in rep.notes if "static_masks" in n]
+    assert not [p for p in rep.passes if p["name"] == "specialize_static_masks" and p["rewrites"]], rep.passes
+    if "passes" in switch:
+        assert not [p for p in rep.passes if p["name"] == "specialize_static_masks"], rep.passes
+        assert "switched off (engine.passes): specialize_static_masks" in str(rep)
 
 
 def test_fused_attention_takes_sdpas_causal_mask_as_is_causal():

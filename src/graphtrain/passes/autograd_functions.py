@@ -18,6 +18,10 @@ own: reaching autograd un-restored is an error, never a silent gradient through 
 Hand-written because neither torch's functionalize nor make_fx keep an autograd.Function opaque (torch 2.13).
 Applied only where the node's arguments are tensors and its forward body returns its outputs as a tuple (what
 Dynamo records); anything else keeps the old behaviour (passes skipped, reported).
+
+The pass ``hide_autograd_functions`` (stage ``dynamo``, phase ``opaque``) runs ``hide`` on each graph the backend
+traces. Its other half is not a pass: the backend calls ``restore`` on every traced graph after its pre-autodiff
+passes, whether the pass ran or not (nothing hidden: nothing to restore), so switching passes never separates them.
 """
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ import torch.fx as fx
 
 from graphtrain.kernels.registry import FOLLOW, FORWARD, NEVER, OpDescriptor, no_workspace, register_ops
 from graphtrain.passes.graph_utils import copy_graph, graph_digest
+from graphtrain.passes.manager import PassContext, register_pass
 
 _HOP = getattr(torch.ops.higher_order, "autograd_function_apply", None)
 _BODIES: dict[str, tuple[fx.GraphModule, fx.GraphModule, dict[str, Any]]] = {}
@@ -111,6 +116,19 @@ def hide(gm: fx.GraphModule) -> tuple[fx.GraphModule, int]:
         hidden += 1
     out.recompile()
     return out, hidden
+
+
+@register_pass("dynamo", phase="opaque")
+def hide_autograd_functions_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """`hide` on a graph about to be traced (a copy: the graph handed in, which the eager fallback runs, is left
+    alone); counts the calls hidden. The caller must `restore` the traced graph before autodiff (module docstring).
+    Switched off, a graph with an autograd.Function fails to trace and skips its pre-autodiff passes (reported)."""
+    gm, hidden = hide(gm)
+    if hidden:
+        ctx.count(hidden)
+        ctx.tell(f"{hidden} autograd.Function call(s) held opaque through the pre-autodiff passes (their own forward "
+                 f"and backward run)")
+    return gm
 
 
 def restore(gm: fx.GraphModule) -> int:

@@ -11,6 +11,7 @@ module ran eagerly (Hugging Face Swin, 2026-11-26).
 SDPA call (in the graph or in a repeated block's body) whose mask's example value requires grad is pointed at
 ``sdpa_math``, the same call through ``aten._scaled_dot_product_attention_math``. The trace then decomposes it into
 the ops eager runs, and autodiff gives the mask its gradient. Numerics are eager's: the same implementation.
+The pass ``route_learned_masks_to_math`` (stage ``dynamo``) runs it on every Dynamo graph.
 """
 from __future__ import annotations
 
@@ -20,6 +21,20 @@ import torch
 import torch.fx as fx
 
 from graphtrain.passes.graph_utils import call_arg, example_value, is_sdpa_call
+from graphtrain.passes.manager import PassContext, register_pass
+
+
+# after: the order the two ran in before they were passes (they rewrite different calls: a mask that requires
+# grad is no constant)
+@register_pass("dynamo", phase="masks", after="specialize_static_masks")
+def route_learned_masks_to_math_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """`learned_masks_to_math` on the Dynamo graph; counts the SDPA calls pointed at aten's math implementation.
+    Switched off, such a call reaches CPU flash attention, whose backward refuses the mask (the provider fails)."""
+    if learned := learned_masks_to_math(gm):
+        ctx.count(learned)
+        ctx.tell(f"{learned} SDPA call(s) with a mask that needs a gradient (a learned bias): run through aten's "
+                 f"math implementation, as eager does")
+    return gm
 
 
 def sdpa_math(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,

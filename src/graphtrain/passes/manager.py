@@ -2,9 +2,15 @@
 
 A pass is ``<verb>_<object>_pass(gm, ctx) -> gm``. It rewrites an FX ``GraphModule`` (in place
 or by returning a new one), adds the number of rewrites it made with ``ctx.count(n)``, and must
-keep the graph's inputs and outputs (count, order, shapes, dtypes) unchanged. Passes are
+keep the graph's inputs and outputs (count, order, shapes, dtypes) unchanged (a pass registered with
+``adds_outputs=True`` may append outputs after the graph's own; it hands its caller what they are in
+``ctx.results``). Passes are
 registered by name with the stages they run in and their phase (``PHASES``):
 
+- ``dynamo``: the Dynamo FX graph before the trace to aten (``torch`` calls, ``example_value`` metas): attention
+  masks, grad-mode regions, returned heads, ``autograd.Function`` calls. The backend runs its ``masks`` and
+  ``grad`` phases once on the whole Dynamo graph and its ``opaque`` phase on each graph it traces
+  (``run_pipeline(..., phases=)``).
 - ``pre_autodiff``: the captured forward graph (aten ops, parameters as inputs) before AOTAutograd
   builds the gradient graph; fusions here give the backward graph the fused ops' own gradients.
 - ``forward`` / ``backward``: the partitioned graphs after autodiff, before the provider lowers them.
@@ -29,9 +35,12 @@ import torch.fx as fx
 from graphtrain.config.sections import EngineConfig
 from graphtrain.config.fallback import report_fallback
 
-STAGES = ("pre_autodiff", "forward", "backward")
+STAGES = ("dynamo", "pre_autodiff", "forward", "backward")
 
 PHASES: dict[str, str] = {  # in the order they run; a pass names one, and orders itself inside it with after/before
+    "masks": "attention masks as SDPA should take them: constants as is_causal or none, learned ones on aten's math",
+    "grad": "no_grad regions lifted, returned LM-head logits detached (their gradient given outside the graph)",
+    "opaque": "autograd.Function calls held opaque through the trace (restored after the pre-autodiff passes)",
     "fuse": "fusions matched on the graph as traced: normalizations, attention, GELU",
     "simplify": "no-op views, casts and clones removed, view chains collapsed, constant subgraphs folded",
     "fuse_epilogue": "fusions matched on the simplified graph: bias + dropout + residual, the LM head and its loss",
@@ -57,6 +66,7 @@ class PassSpec:
     after: tuple[str, ...] = ()  # passes of the same phase (in a stage where both run) this one runs after
     before: tuple[str, ...] = ()
     providers: tuple[str, ...] | None = None  # on by default only under these providers (None: all)
+    adds_outputs: bool = False  # may append outputs after the graph's own (the driver checks those are kept)
 
     def on_by_default(self, provider: str) -> bool:
         return self.default and (self.providers is None or provider in self.providers)
@@ -100,6 +110,14 @@ class PassContext:
     """Where a failed pass's fallback is recorded (the module's EngineState.fallbacks: the report reads it)."""
     rewrites: int = 0
     notes: list[str] = field(default_factory=list)
+    caller_notes: list[str] | None = None
+    """Where the caller keeps the notes the report prints for the module or the graph (the backend: EngineState.notes
+    for the Dynamo graph's passes, the GraphRecord's notes for a graph it traces); ``tell`` adds to it."""
+    results: dict[str, Any] = field(default_factory=dict)
+    """What a pass hands its caller besides the graph, under the pass's name (detach_returned_heads: the heads the
+    caller reattaches); dropped when the pass fails."""
+    told: list[str] = field(default_factory=list)
+    """The running pass's ``tell`` lines: added to ``caller_notes`` once it succeeded."""
 
     def count(self, n: int = 1) -> None:
         self.rewrites += n
@@ -108,17 +126,23 @@ class PassContext:
         """Say what the pass measured or decided (kept in its PassRecord, shown by the report)."""
         self.notes.append(text)
 
+    def tell(self, text: str) -> None:
+        """A line for the caller's notes (``caller_notes``), once, if the pass succeeds: what the user should read
+        about the rewrite."""
+        self.told.append(text)
+
 
 _REGISTRY: dict[str, PassSpec] = {}
 
 
 def register_pass(stages: str | tuple[str, ...], *, phase: str, after: str | tuple[str, ...] = (),
                   before: str | tuple[str, ...] = (), default: bool = True, changes_numerics: bool = False,
-                  providers: tuple[str, ...] | None = None) -> Callable[[PassFn], PassFn]:
+                  providers: tuple[str, ...] | None = None, adds_outputs: bool = False) -> Callable[[PassFn], PassFn]:
     """Register a pass; its name is the function's name without the trailing ``_pass``.
     It runs in `phase` (one of ``PHASES``); ``after`` / ``before`` name passes it must follow or precede where
     the order inside the phase matters. ``providers`` limits where the pass is on by default (e.g. a fusion
-    Inductor already does better itself); ``engine.passes`` overrides it either way."""
+    Inductor already does better itself); ``engine.passes`` overrides it either way. ``adds_outputs``: the pass
+    may append outputs after the graph's own (which stay as they were)."""
     stages = (stages,) if isinstance(stages, str) else tuple(stages)
     for s in stages:
         assert s in STAGES, s
@@ -131,7 +155,8 @@ def register_pass(stages: str | tuple[str, ...], *, phase: str, after: str | tup
         assert fn.__name__.endswith("_pass"), f"pass functions end in _pass: {fn.__name__}"
         name = fn.__name__[: -len("_pass")]
         assert name not in _REGISTRY or _REGISTRY[name].fn.__qualname__ == fn.__qualname__, f"duplicate pass {name}"
-        _REGISTRY[name] = PassSpec(name, fn, stages, default, changes_numerics, phase, after, before, providers)
+        _REGISTRY[name] = PassSpec(name, fn, stages, default, changes_numerics, phase, after, before, providers,
+                                   adds_outputs)
         return fn
 
     return deco
@@ -220,7 +245,8 @@ def _output_signature(gm: fx.GraphModule) -> list[Any]:
     out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     sig = []
     for a in torch.utils._pytree.tree_leaves(out.args[0]):
-        v = a.meta.get("val") if isinstance(a, fx.Node) else a
+        # the aten IR's fake values, or the Dynamo graph's (dynamo stage)
+        v = a.meta.get("val", a.meta.get("example_value")) if isinstance(a, fx.Node) else a
         if isinstance(v, torch.Tensor):
             sig.append((tuple(v.shape), v.dtype))
         else:
@@ -236,16 +262,25 @@ def _backup(gm: fx.GraphModule) -> fx.GraphModule:
     out = graph.graph_copy(gm.graph, val_map, return_output_node=True)
     graph.output(out[0] if isinstance(out, tuple) else out)
     graph._codegen = copy.deepcopy(gm.graph._codegen)
-    return fx.GraphModule(gm, graph, class_name=type(gm).__name__)
+    new = fx.GraphModule(gm, graph, class_name=type(gm).__name__)
+    new.meta = dict(gm.meta)
+    for k, v in vars(gm).items():  # what the graph's maker set on it (Dynamo: compile_subgraph_reason)
+        new.__dict__.setdefault(k, v)
+    return new
 
 
-def run_pipeline(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    """Run every enabled pass of ctx.stage on gm, checking and recording each."""
+def run_pipeline(gm: fx.GraphModule, ctx: PassContext, phases: tuple[str, ...] | None = None) -> fx.GraphModule:
+    """Run every enabled pass of ctx.stage on gm (only those of `phases` if given), checking and recording each."""
+    unknown = [p for p in phases or () if p not in PHASES]
+    if unknown:
+        raise ValueError(f"unknown pass phases {unknown}; phases, in order: {', '.join(PHASES)}")
     for spec in pipeline(ctx.stage, ctx.config):
+        if phases is not None and spec.phase not in phases:
+            continue
         before_counts = op_counts(gm)
         before_sig = _output_signature(gm)
         backup = _backup(gm) if ctx.config.fallback != "error" else None
-        ctx.rewrites, ctx.notes = 0, []
+        ctx.rewrites, ctx.notes, ctx.told = 0, [], []
         t0 = time.perf_counter()
         error = None
         try:
@@ -253,8 +288,11 @@ def run_pipeline(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             gm.graph.lint()
             gm.recompile()
             after_sig = _output_signature(gm)
-            if after_sig != before_sig:
+            if (after_sig[:len(before_sig)] if spec.adds_outputs else after_sig) != before_sig:
                 raise AssertionError(f"pass {spec.name} changed the graph outputs: {before_sig} -> {after_sig}")
+            for line in ctx.told if ctx.caller_notes is not None else ():
+                if line not in ctx.caller_notes:
+                    ctx.caller_notes.append(line)
         except Exception as e:  # a broken pass must never give a silently wrong graph
             if ctx.config.fallback == "error":
                 raise RuntimeError(f"graphtrain pass {spec.name!r} failed on {ctx.graph_name} ({ctx.stage}): {e}. "
@@ -262,6 +300,7 @@ def run_pipeline(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             error = f"{type(e).__name__}: {e}"
             gm = backup  # type: ignore[assignment]
             ctx.rewrites = 0
+            ctx.results.pop(spec.name, None)
             report_fallback(f"pass {spec.name}", error, ctx.config,
                             what=f"{ctx.graph_name} keeps the graph from before the pass", sink=ctx.fallbacks)
         dt = time.perf_counter() - t0

@@ -17,6 +17,7 @@ on, and its result does not require grad, as a detached one does not. Applied on
 - no module calls or nested grad-mode changes inside a region.
 
 Anything else keeps the old behaviour (the graph goes to AOTAutograd as captured, passes skipped, reported).
+The pass ``lift_no_grad_regions`` (stage ``dynamo``) runs it on every Dynamo graph compiled with grad enabled.
 """
 from __future__ import annotations
 
@@ -24,6 +25,19 @@ import operator
 
 import torch
 import torch.fx as fx
+
+from graphtrain.passes.manager import PassContext, register_pass
+
+
+@register_pass("dynamo", phase="grad")
+def lift_no_grad_regions_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """`lift_no_grad_regions` on a Dynamo graph compiled with grad enabled (a graph without grad-mode changes has no
+    regions: nothing to do); counts the regions lifted. Switched off, such a graph skips the pre-autodiff passes."""
+    if torch.is_grad_enabled() and (lifted := lift_no_grad_regions(gm)):
+        ctx.count(lifted)
+        ctx.tell(f"{lifted} no_grad region{'s' * (lifted > 1)} in a graph: lifted (its values detached) so that the "
+                 f"pre-autodiff passes run")
+    return gm
 
 
 def _grad_mode(n: fx.Node) -> bool | None:

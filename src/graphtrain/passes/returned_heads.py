@@ -15,7 +15,10 @@ caller backpropagates through the logits; h, an output of the graph that require
 backward. Unused, h's tangent is [N, d] zeros instead of [N, V].
 
 Left alone: a head whose logits leave the graph with no use inside it (their gradient is the caller's), heads of a
-weight computed in the graph, graphs compiled under no_grad.
+weight computed in the graph, graphs compiled under no_grad, graphs with DTensor inputs (tensor parallelism).
+
+The pass ``detach_returned_heads`` (stage ``dynamo``) makes the rewrite and hands the caller ``(heads, output count
+before)`` in ``ctx.results["detach_returned_heads"]``, for ``reattach``; a caller that runs the pass must reattach.
 """
 from __future__ import annotations
 
@@ -24,6 +27,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
+
+from graphtrain.passes.manager import PassContext, register_pass
 
 LINEARS = (torch._C._nn.linear, torch.nn.functional.linear)
 
@@ -42,6 +47,32 @@ def _linear_args(node: fx.Node) -> tuple[Any, Any, Any] | None:
     args = list(node.args) + [None] * (3 - len(node.args))
     h, w, b = args[0], node.kwargs.get("weight", args[1]), node.kwargs.get("bias", args[2])
     return h, w, b
+
+
+@register_pass("dynamo", phase="grad", after="lift_no_grad_regions", adds_outputs=True)  # after: their old order
+def detach_returned_heads_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """`detach_returned_heads` on a training Dynamo graph of plain tensors (grad enabled, no DTensor input); counts
+    the heads, whose (heads, output count) go to ``ctx.results["detach_returned_heads"]`` for `reattach`. Switched
+    off, the logits stay outputs of the graph (with their zero gradient of [N, V] when the loss is what trains)."""
+    if not torch.is_grad_enabled() or _dtensors(ctx.example_inputs):
+        return gm
+    heads, n_out = detach_returned_heads(gm)
+    if heads:
+        placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+        ctx.results["detach_returned_heads"] = (heads, n_out)
+        ctx.count(len(heads))
+        for hd in heads:
+            ctx.tell(f"returned logits of {placeholders[hd.weight]}: detached from the graph, given linear's "
+                     f"backward outside it (no zero gradient of their size when the loss is what trains)")
+    return gm
+
+
+def _dtensors(inputs: Sequence[Any]) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch built without distributed
+        return False
+    return any(isinstance(x, DTensor) for x in inputs)
 
 
 def detach_returned_heads(gm: fx.GraphModule) -> tuple[list[ReturnedHead], int]:

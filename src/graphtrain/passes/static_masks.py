@@ -16,7 +16,7 @@ the causal pattern SDPA's ``is_causal`` means (attend to key j from query i iff 
 rewrites the call to ``is_causal=True`` or no mask. A mask built from a user's ``attention_mask`` depends on
 an input and is left alone. The rewrite is sound for as long as the graph is: the mask is a function of the
 graph's static shapes, which Dynamo guards. Graphs with symbolic shapes (``engine.dynamic``) are left alone.
-Switch: ``engine.static_masks``.
+Switch: ``engine.static_masks``, or the pass by name (``engine.passes: {specialize_static_masks: false}``).
 """
 from __future__ import annotations
 
@@ -27,6 +27,22 @@ import torch.fx as fx
 
 from graphtrain.passes.graph_utils import (call_arg as _arg, constant_ancestors, constant_value, copy_graph,
                                           example_value, is_sdpa_call as _is_sdpa, mask_kind, static_shape)
+from graphtrain.passes.manager import PassContext, register_pass
+
+
+@register_pass("dynamo", phase="masks")
+def specialize_static_masks_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """The Dynamo graph's constant causal or all-attending SDPA masks as ``is_causal=True`` or no mask (module
+    docstring); counts the SDPA calls rewritten (a block body's once per call of it). Does nothing under
+    ``engine.static_masks: false`` or ``engine.dynamic``."""
+    if not ctx.config.static_masks or ctx.config.dynamic:
+        return gm
+    done = _specialize(gm)
+    for kind, count in sorted(done.items()):
+        ctx.count(count)
+        ctx.note(f"{count} {'causal mask(s) -> is_causal' if kind == 'causal' else 'all-attending mask(s) -> none'}")
+        ctx.tell(_line(kind, count))
+    return gm
 
 
 def _set_arg(n: fx.Node, index: int, name: str, value: Any) -> None:
@@ -57,6 +73,17 @@ def _rewritable(sdpa: fx.Node) -> bool:
 def specialize_static_masks(gm: fx.GraphModule) -> list[str]:
     """Rewrite SDPA calls whose mask is a constant causal or all-attending pattern (module docstring). Returns one
     line per kind of rewrite, for the report's notes."""
+    return [_line(kind, count) for kind, count in sorted(_specialize(gm).items())]
+
+
+def _line(kind: str, count: int) -> str:
+    return (f"{count} SDPA call(s) with a constant {'causal' if kind == 'causal' else 'all-attending'} mask "
+            f"(built from shapes, e.g. Hugging Face's under tracing): rewritten to "
+            f"{'is_causal=True' if kind == 'causal' else 'no mask'} (engine.static_masks)")
+
+
+def _specialize(gm: fx.GraphModule) -> dict[str, int]:
+    """The rewrite: how many SDPA calls of each kind of mask (graph_utils.mask_kind: "causal", "full") it rewrote."""
     values: dict[fx.Node, torch.Tensor | None] = {}
     kinds: dict[tuple[fx.Node, int | None, int | None], str | None] = {}  # every block call reads the same mask
     freed: set[fx.Node] = set()  # masks no longer read once their readers are rewritten
@@ -82,10 +109,7 @@ def specialize_static_masks(gm: fx.GraphModule) -> list[str]:
         done[kind] = done.get(kind, 0) + count
     if done:
         _drop_dead(gm, freed)
-    return [f"{count} SDPA call(s) with a constant {'causal' if kind == 'causal' else 'all-attending'} mask "
-            f"(built from shapes, e.g. Hugging Face's under tracing): rewritten to "
-            f"{'is_causal=True' if kind == 'causal' else 'no mask'} (engine.static_masks)"
-            for kind, count in sorted(done.items())]
+    return done
 
 
 def _specialize_bodies(gm: fx.GraphModule, kind_of: Any) -> dict[str, int]:

@@ -80,10 +80,11 @@ _SOURCE_DIGEST: str | None = None
 PASS_CACHE_VERSION = 2
 
 
-_SOURCES = ("passes", "kernels", "pipeline", "runtime", "frontend", "memory", "config/sections.py", "config/fallback.py")
+_SOURCES = ("passes", "kernels", "frontend", "runtime", "pipeline", "memory", "config/sections.py",
+            "config/fallback.py")
 """What a pre-autodiff result depends on: the passes, the kernels they insert (and their descriptors), the
-tracing pipeline, the providers and entry points that run it, and the config. The trainer, CLI, models and data do not (a model's own change shows in
-its Dynamo graph, which is in the key)."""
+tracing pipeline, the providers and entry points that run it, and the config. The trainer, CLI, models and
+data do not (a model's own change shows in its Dynamo graph, which is in the key)."""
 
 
 def _source_files(folder: Path) -> list[Path]:
@@ -143,16 +144,16 @@ def pass_cache_key(gm: "fx.GraphModule", example_inputs: "Sequence[Any]", kinds:
 def _machine_and_passes(config: EngineConfig) -> str:
     """What else decides a pass result: the kernel library each capability picked (a simulated smaller CPU
     included), and the code of every pass the pipeline runs (a pass replaced at run time, as tests do, is a
-    different pass)."""
+    different pass), the dynamo stage's included: the key is taken before hide_autograd_functions runs."""
     import hashlib
 
     from graphtrain.kernels import capabilities
-    from graphtrain.passes.manager import pipeline
+    from graphtrain.passes.manager import STAGES, pipeline
     # cpu_fp32_gemm is left out: its text changes once the kernels' GEMM probe ran in this process, and the pass
     # that rewrites GEMMs decides from per-shape probes kept per machine (gemm.shape_probe), not from it
     caps = {k: v for k, v in capabilities().items() if k not in ("runtime_fallbacks", "cpp_kernels", "cpu_fp32_gemm")}
     h = hashlib.sha256(repr(sorted(caps.items())).encode())
-    for stage in ("pre_autodiff", "forward", "backward"):
+    for stage in STAGES:
         for spec in pipeline(stage, config):
             code = getattr(spec.fn, "__code__", None)
             h.update(f"{stage}:{spec.name}:{getattr(spec.fn, '__qualname__', '')}".encode())

@@ -1,7 +1,8 @@
 """The "graphtrain" torch.compile backend: one Dynamo graph in, a trainable compiled callable out.
 
-Per Dynamo graph, the stages of pipeline.py:  trace to the pre-autodiff aten IR (trace.py)  ->  ``pre_autodiff``
-passes  ->  AOTAutograd (gradient graph, partition)  ->  ``forward``/``backward`` passes  ->  provider.
+Per Dynamo graph, the stages of pipeline.py:  ``dynamo`` passes (the Dynamo graph's own rewrites)  ->  trace to the
+pre-autodiff aten IR (trace.py)  ->  ``pre_autodiff`` passes  ->  AOTAutograd (gradient graph, partition)  ->
+``forward``/``backward`` passes  ->  provider.
 Each stage that fails falls back to the stage before it (no pre-autodiff passes; aten instead of
 inductor; the Dynamo graph run eagerly) and says so once, or raises under ``fallback: error``.
 """
@@ -10,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
@@ -19,6 +20,9 @@ from graphtrain.config.sections import EngineConfig
 from graphtrain.config.fallback import report_fallback, set_policy
 from graphtrain.pipeline.stages import DYNAMO_RESTARTS
 from graphtrain.pipeline.state import GLOBAL_STATE, EngineState
+
+if TYPE_CHECKING:
+    from graphtrain.passes.manager import PassContext
 
 
 def _input_kinds(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> list[str]:
@@ -110,30 +114,16 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Eng
     distinct block once."""
     from graphtrain.pipeline.blocks import check_bindings, has_block_calls, inline_blocks
     from graphtrain.runtime.provider_auto import under_ddp_optimizer
-    from graphtrain.passes.no_grad_regions import lift_no_grad_regions
-    from graphtrain.passes.returned_heads import detach_returned_heads, reattach
-    from graphtrain.pipeline.trace import dtensor_inputs
+    from graphtrain.passes.returned_heads import reattach
 
     set_policy(config.fallback)  # fused ops that fail at run time follow it (process-wide: the last wins)
     _set_cpu_allocator_once(example_inputs, config)
-    if config.static_masks and not config.dynamic:
-        from graphtrain.passes.static_masks import specialize_static_masks
-        for line in specialize_static_masks(gm):
-            _note_once(state.notes, line)
-    from graphtrain.passes.learned_masks import learned_masks_to_math
-    if learned := learned_masks_to_math(gm):
-        _note_once(state.notes, f"{learned} SDPA call(s) with a mask that needs a gradient (a learned bias): run "
-                                f"through aten's math implementation, as eager does")
-    heads, n_out = [], 0
-    if torch.is_grad_enabled() and _has_grad_mode_changes(gm) and (lifted := lift_no_grad_regions(gm)):
-        _note_once(state.notes, f"{lifted} no_grad region{'s' * (lifted > 1)} in a graph: lifted (its values "
-                                f"detached) so that the pre-autodiff passes run")
-    if torch.is_grad_enabled() and not dtensor_inputs(example_inputs):  # a training graph on plain tensors
-        heads, n_out = detach_returned_heads(gm)
-        for hd in heads:
-            _note_once(state.notes, f"returned logits of {_placeholder_name(gm, hd.weight)}: detached from the graph, "
-                                    f"given linear's backward outside it (no zero gradient of their size when the "
-                                    f"loss is what trains)")
+    # the dynamo stage's passes on the whole Dynamo graph (static and learned masks, the no_grad lift, returned
+    # heads); their records join state.passes once the graph compiled (a graph Dynamo restarts never runs)
+    n_records = len(state.passes)
+    gm, dynamo = _dynamo_passes(gm, example_inputs, config, state, f"Dynamo graph {_frame_info(gm)[0]}", state.notes,
+                                ("masks", "grad"))
+    heads, n_out = dynamo.results.get("detach_returned_heads", ([], 0))
     if has_block_calls(gm) and under_ddp_optimizer():
         # Dynamo's DDPOptimizer compiles a DDP model's graph bucket by bucket and expects one AOTAutograd graph per
         # bucket (it runs each on fake inputs through AOTAutograd's first-call fakification), which per-block
@@ -151,16 +141,23 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Eng
         compiled = _compile_one(gm, example_inputs, config, state)
     from graphtrain.memory.prefault import compiled as first_graph_compiled
     first_graph_compiled()
+    state.passes[n_records:n_records] = dynamo.records
     return reattach(compiled, heads, n_out) if heads else compiled
+
+
+def _dynamo_passes(gm: fx.GraphModule, example_inputs: Sequence[Any], config: EngineConfig, state: EngineState,
+                   name: str, notes: list[str], phases: tuple[str, ...]) -> tuple[fx.GraphModule, PassContext]:
+    """The passes of the "dynamo" stage in `phases` on `gm` (passes/manager.py): (the graph, their PassContext,
+    whose records the caller adds to state.passes). Their lines for the report go to `notes`."""
+    from graphtrain.passes.manager import PassContext, run_pipeline
+    ctx = PassContext(config=config, stage="dynamo", graph_name=name, example_inputs=list(example_inputs),
+                      fallbacks=state.fallbacks, caller_notes=notes)
+    return run_pipeline(gm, ctx, phases), ctx
 
 
 def _note_once(notes: list[str], text: str) -> None:
     if text not in notes:
         notes.append(text)
-
-
-def _placeholder_name(gm: fx.GraphModule, index: int) -> str:
-    return [n for n in gm.graph.nodes if n.op == "placeholder"][index].name
 
 
 def _compile_by_blocks(gm: fx.GraphModule, example_inputs: Sequence[Any], config: EngineConfig,
@@ -255,20 +252,20 @@ def _pre_autodiff(gm: fx.GraphModule, example_inputs: Sequence[Any], kinds: list
         return gm
     if not sharded and (cached := _cached_passes(gm, example_inputs, kinds, config, state, rec, key)) is not None:
         return cached
+    n_records = len(state.passes)  # from here, what a cached result replays
     try:
         local, trace_inputs = localize(gm, example_inputs, sharded) if sharded else (gm, list(example_inputs))
-        local, hidden = autograd_functions.hide(local)
-        if hidden:
-            _note_once(rec.notes, f"{hidden} autograd.Function call(s) held opaque through the pre-autodiff passes "
-                                  f"(their own forward and backward run)")
+        # the dynamo stage's passes on the graph traced (hide_autograd_functions: on a copy; gm, which the eager
+        # fallback runs, keeps its autograd.Function calls)
+        local, dynamo = _dynamo_passes(local, trace_inputs, config, state, rec.name, rec.notes, ("opaque",))
+        state.passes.extend(dynamo.records)
         traced = trace(local, trace_inputs, rec)
     except Exception as e:  # noqa: BLE001 - any tracing failure degrades to the Dynamo graph
         report_fallback(f"tracing {rec.name} ({rec.frame}) to aten", f"{type(e).__name__}: {e}", config,
                         what="is compiled without pre-autodiff passes", sink=state.fallbacks)
         return gm
-    n_records = len(state.passes)
     traced = run_passes(traced, "pre_autodiff", config, state, rec, example_inputs=trace_inputs, input_kinds=kinds)
-    autograd_functions.restore(traced)
+    autograd_functions.restore(traced)  # hide_autograd_functions' other half: always, whatever the passes were
     if not sharded and rec.pass_cache == "miss":
         from graphtrain.pipeline.cache import save_pass_result
         traced = save_pass_result(config, rec.pass_cache_key, traced, state.passes[n_records:], rec.ops_captured,

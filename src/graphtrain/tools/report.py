@@ -274,6 +274,8 @@ class Report:
             L.append(f"  {where} {r['rewrites']:>6} {r['seconds'] * 1e3:>8.1f}   "
                      f"{r['ops_before']:>6} -> {r['ops_after']}{err}")
             L += [f"      {note}" for note in r.get("notes") or []]
+        if off := sorted(n for n, on in (self.config.get("passes") or {}).items() if not on):
+            L.append(f"  switched off (engine.passes): {', '.join(off)}")
         if self.fused_ops:
             L.append("fused ops in the graphs (count; random, recompute, precision, c++):")
             L += [f"  {f['name']} x{f['count']}: {'random' if f['random'] else 'deterministic'}, "
