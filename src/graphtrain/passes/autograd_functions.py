@@ -140,6 +140,7 @@ def restore(gm: fx.GraphModule) -> int:
             continue
         key, args = n.args
         fwd, bwd, kwargs = _BODIES[key]
+        assert _HOP is not None  # hide() made this call only where the higher-order op exists
         names = []
         for body, what in ((fwd, "fwd"), (bwd, "bwd")):
             name = f"_autograd_function_{what}_{key[:16]}"

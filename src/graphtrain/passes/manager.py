@@ -243,7 +243,7 @@ def _target_name(n: fx.Node) -> str:
 
 def _output_signature(gm: fx.GraphModule) -> list[Any]:
     out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
-    sig = []
+    sig: list[tuple[tuple[int, ...], torch.dtype] | str] = []
     for a in torch.utils._pytree.tree_leaves(out.args[0]):
         # the aten IR's fake values, or the Dynamo graph's (dynamo stage)
         v = a.meta.get("val", a.meta.get("example_value")) if isinstance(a, fx.Node) else a
@@ -290,9 +290,8 @@ def run_pipeline(gm: fx.GraphModule, ctx: PassContext, phases: tuple[str, ...] |
             after_sig = _output_signature(gm)
             if (after_sig[:len(before_sig)] if spec.adds_outputs else after_sig) != before_sig:
                 raise AssertionError(f"pass {spec.name} changed the graph outputs: {before_sig} -> {after_sig}")
-            for line in ctx.told if ctx.caller_notes is not None else ():
-                if line not in ctx.caller_notes:
-                    ctx.caller_notes.append(line)
+            if ctx.caller_notes is not None:
+                ctx.caller_notes.extend(line for line in dict.fromkeys(ctx.told) if line not in ctx.caller_notes)
         except Exception as e:  # a broken pass must never give a silently wrong graph
             if ctx.config.fallback == "error":
                 raise RuntimeError(f"graphtrain pass {spec.name!r} failed on {ctx.graph_name} ({ctx.stage}): {e}. "

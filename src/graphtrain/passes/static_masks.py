@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from graphtrain.passes.graph_utils import (call_arg as _arg, constant_ancestors, constant_value, copy_graph,
+from graphtrain.passes.graph_utils import (arg_node, call_arg as _arg, constant_ancestors, constant_value, copy_graph,
                                           example_value, is_sdpa_call as _is_sdpa, mask_kind, static_shape)
 from graphtrain.passes.manager import PassContext, register_pass
 
@@ -95,7 +95,8 @@ def _specialize(gm: fx.GraphModule) -> dict[str, int]:
         if key not in kinds:
             if outer not in values:
                 values[outer] = constant_value(gm, outer)
-            kinds[key] = None if values[outer] is None else mask_kind(values[outer], q_len, k_len)
+            value = values[outer]
+            kinds[key] = None if value is None else mask_kind(value, q_len, k_len)
         if kinds[key]:
             freed.add(outer)
         return kinds[key]
@@ -118,11 +119,15 @@ def _specialize_bodies(gm: fx.GraphModule, kind_of: Any) -> dict[str, int]:
     invoke = getattr(torch.ops.higher_order, "invoke_subgraph", None)
     calls: dict[str, list[fx.Node]] = {}
     for n in gm.graph.nodes:
-        if n.op == "call_function" and n.target is invoke and n.args[0].op == "get_attr":
+        if n.op == "call_function" and n.target is invoke and (attr := arg_node(n, 0)) is not None \
+                and attr.op == "get_attr":
             calls.setdefault(n.args[1], []).append(n)
     done: dict[str, int] = {}
     for ident, group in calls.items():
-        body: fx.GraphModule = getattr(gm, group[0].args[0].target)
+        head = arg_node(group[0], 0)
+        assert head is not None  # the loop above kept only calls whose first argument is a get_attr node
+        body_attr = str(head.target)
+        body: fx.GraphModule = getattr(gm, body_attr)
         placeholders = [p for p in body.graph.nodes if p.op == "placeholder"]
         plan: dict[int, tuple[int, str]] = {}  # the SDPA's position among the body's nodes -> (mask input, kind)
         for pos, sdpa in enumerate(body.graph.nodes):
@@ -146,7 +151,7 @@ def _specialize_bodies(gm: fx.GraphModule, kind_of: Any) -> dict[str, int]:
         for i in unused:
             new.graph.erase_node(new_placeholders[i])
         new.recompile()
-        name = _free_attr(gm, f"{group[0].args[0].target}_static_mask")
+        name = _free_attr(gm, f"{body_attr}_static_mask")
         gm.add_submodule(name, new)
         new_ident = f"{ident}_static_mask"
         for c in group:
