@@ -13,7 +13,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import graphtrain
-from graphtrain.tools.bisect import bisect, compare, switch_off_dropout
+from graphtrain.tools.bisect import bisect
+from graphtrain.tools.bisect_train import compare, switch_off_dropout
 from graphtrain.passes.manager import _REGISTRY, register_pass, registered_passes
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -26,7 +26,6 @@ fast path that fails at run time stays off for the process, as in training (its 
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -36,8 +35,9 @@ import torch
 from graphtrain.config import fallback as fallback_policy
 from graphtrain.config.sections import EngineConfig, resolve_engine_config
 from graphtrain.frontend.accelerate import accelerate
-from graphtrain.tools.bisect_report import BisectReport, ConfigResult, TensorError
-from graphtrain.pipeline.functional import loss_of
+from graphtrain.tools.bisect_report import BisectReport, ConfigResult
+from graphtrain.tools.bisect_train import (Step, compare, device_of, rng_state, same_rng, switch_off_dropout,
+                                          train_steps)
 from graphtrain.kernels import KERNELS, capability
 from graphtrain.kernels._common import force_reference, runtime_fallbacks
 from graphtrain.passes.manager import STAGES, pipeline, registered_passes
@@ -49,136 +49,13 @@ _LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}
 _DTYPE_NAMES = {torch.float64: "fp64", torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
-# ------------------------------------------------------------------------------------------ inputs ----
-
-def _call(model: torch.nn.Module, batch: Any) -> Any:
-    if isinstance(batch, dict):
-        return model(**batch)
-    if isinstance(batch, (tuple, list)):
-        return model(*batch)
-    if isinstance(batch, torch.Tensor):
-        return model(batch)
-    raise TypeError(f"batch must be a dict of keyword arguments, a tuple of positional arguments or a tensor, "
-                    f"got {type(batch).__name__}")
-
-
-def _training_loss(out: Any, loss_fn: Callable[[Any], torch.Tensor] | None) -> torch.Tensor:
-    if loss_fn is not None:
-        loss, source = loss_fn(out), "loss_fn"
-    else:
-        source = "the model"
-        try:
-            loss = loss_of(out)
-        except TypeError:
-            loss = None
-    if not (isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.is_floating_point()):
-        if isinstance(loss, torch.Tensor):
-            got = f"a {loss.dtype} tensor of shape {tuple(loss.shape)}"
-        else:
-            got = type(loss).__name__ if loss_fn is not None else f"{type(out).__name__} without a loss"
-        raise TypeError(f"bisect needs the training loss, but {source} returned {got}, not a scalar floating-point "
-                        f"loss: pass loss_fn=lambda out: ..., or put the labels the model computes its loss from "
-                        f"in the batch")
-    if not loss.requires_grad:
-        raise ValueError("the loss does not depend on any trainable parameter: nothing to compare after backward")
-    return loss
-
-
-def switch_off_dropout(model: torch.nn.Module) -> list[str]:
-    """Set every dropout probability the model exposes to 0: nn.Dropout modules, and float attributes named like
-    ``*drop*`` on modules and on their (Hugging Face) ``config``, which some attention code reads at run time.
-    Returns what was changed."""
-    changed: list[str] = []
-    configs_seen: set[int] = set()
-    for name, mod in model.named_modules():
-        where = name or type(model).__name__
-        if isinstance(mod, torch.nn.modules.dropout._DropoutNd) and mod.p > 0:
-            mod.p = 0.0
-            changed.append(f"{where} ({type(mod).__name__})")
-        holders = [(where, mod)]
-        cfg = getattr(mod, "config", None)
-        if cfg is not None and not isinstance(cfg, torch.nn.Module) and hasattr(cfg, "__dict__") \
-                and id(cfg) not in configs_seen:
-            configs_seen.add(id(cfg))
-            holders.append((f"{where}.config", cfg))
-        for prefix, obj in holders:
-            for attr, value in list(vars(obj).items()):
-                if type(value) is float and value > 0 and "drop" in attr.lower() and not attr.startswith("_"):
-                    setattr(obj, attr, 0.0)
-                    changed.append(f"{prefix}.{attr}")
-    return changed
-
-
-def _rng_state(device: torch.device) -> list[torch.Tensor]:
-    states = [torch.get_rng_state()]
-    if device.type == "cuda":
-        states.append(torch.cuda.get_rng_state(device))
-    return states
-
-
-def _same_rng(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
-    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
-
-
-def _device_of(model: torch.nn.Module, batch: Any) -> torch.device:
-    for t in [*model.parameters(), *torch.utils._pytree.tree_leaves(batch)]:
-        if isinstance(t, torch.Tensor):
-            return t.device
-    return torch.device("cpu")
-
-
-# -------------------------------------------------------------------------------------- comparison ----
-
-def compare(name: str, step: int, actual: torch.Tensor | None, expected: torch.Tensor | None,
-            rtol: float, atol: float) -> TensorError:
-    """`actual` against `expected` elementwise, by torch.testing.assert_close's rule |a - e| <= atol + rtol |e|."""
-    if actual is None or expected is None or actual.shape != expected.shape:
-        inf = 0.0 if actual is None and expected is None else math.inf
-        return TensorError(name, step, inf, inf, inf, rtol, atol)
-    a, e = actual.detach().double(), expected.detach().double()
-    diff = (a - e).abs()
-    diff = torch.where(a.isnan() & e.isnan(), 0.0, diff).nan_to_num(nan=math.inf, posinf=math.inf)
-    diff = torch.where(a == e, 0.0, diff)  # equal infinities
-    if diff.numel() == 0:
-        return TensorError(name, step, 0.0, 0.0, 0.0, rtol, atol)
-    ratio = diff / (atol + rtol * e.abs().nan_to_num(nan=0.0, posinf=0.0))
-    i = int(ratio.flatten().argmax())
-    d, ref = float(diff.flatten()[i]), abs(float(e.flatten()[i]))
-    rel = 0.0 if d == 0 else (d / ref if ref > 0 else math.inf)
-    return TensorError(name, step, float(diff.max()), rel, float(ratio.flatten()[i]), rtol, atol)
-
-
-@dataclass
-class _Step:
-    loss: torch.Tensor
-    grads: dict[str, torch.Tensor | None]
-    rng: list[torch.Tensor]
-
-
-def _train(model: torch.nn.Module, batch: Any, loss_fn: Any, steps: int, seed: int, lr: float,
-           device: torch.device) -> list[_Step]:
-    """`steps` SGD steps on `batch`, the generator seeded before each: what eager and every configuration run."""
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    opt = torch.optim.SGD([p for _, p in named], lr=lr)
-    out = []
-    for step in range(steps):
-        opt.zero_grad(set_to_none=True)
-        torch.manual_seed(seed + step)
-        loss = _training_loss(_call(model, batch), loss_fn)
-        loss.backward()
-        out.append(_Step(loss.detach().clone(), {n: None if p.grad is None else p.grad.detach().clone()
-                                                 for n, p in named}, _rng_state(device)))
-        opt.step()
-    return out
-
-
 # --------------------------------------------------------------------------------------- the scan ----
 
 @dataclass
 class _Run:
     """What one engine configuration did: its steps (or error), the passes' rewrites, the fast paths chosen."""
 
-    steps: list[_Step] | None
+    steps: list[Step] | None
     error: str | None
     rewrites: dict[str, int]
     chosen: set[tuple[str, str]]
@@ -198,18 +75,18 @@ class _Bisector:
         self.last_model: torch.nn.Module | None = None
 
         self.eager_model = self._new_model()
-        self.device = _device_of(self.eager_model, batch)
+        self.device = device_of(self.eager_model, batch)
         self.precision = capability.resolve_precision(precision, self.device.type)
         self.dropout_changes = [] if keep_dropout else switch_off_dropout(self.eager_model)
         self.initial = {k: v.detach().clone() for k, v in self.eager_model.state_dict().items()}
         torch.manual_seed(seed)
-        seeded = [_rng_state(self.device)]
-        self.eager = _train(self.eager_model, batch, loss_fn, steps, seed, lr, self.device)
+        seeded = [rng_state(self.device)]
+        self.eager = train_steps(self.eager_model, batch, loss_fn, steps, seed, lr, self.device)
         for s in range(1, steps):
             torch.manual_seed(seed + s)
-            seeded.append(_rng_state(self.device))
+            seeded.append(rng_state(self.device))
         # Did eager draw random numbers? Then a configuration that draws differently cannot be compared.
-        self.eager_random = any(not _same_rng(seeded[s], self.eager[s].rng) for s in range(steps))
+        self.eager_random = any(not same_rng(seeded[s], self.eager[s].rng) for s in range(steps))
 
         target = dataclasses.replace(engine, provider=provider, precision=self.precision)
         self.pipeline: list[str] = []
@@ -247,7 +124,7 @@ class _Bisector:
         with force_reference(None, except_for=fast_ops) as chosen:
             try:
                 accelerate(model, cfg)
-                steps = _train(model, self.batch, self.loss_fn, self.steps, self.seed, self.lr, self.device)
+                steps = train_steps(model, self.batch, self.loss_fn, self.steps, self.seed, self.lr, self.device)
             except Exception as e:  # noqa: BLE001 - a configuration that raises is a result, not the end of the scan
                 error = " ".join(f"{type(e).__name__}: {e}".split())[:500]
         seconds = time.perf_counter() - t0
@@ -314,7 +191,7 @@ class _Bisector:
             row.out_of_tolerance += len(bad)
             if bad and row.first_failure is None:
                 row.first_failure = max(bad, key=lambda e: e.ratio)
-            if self.eager_random and not _same_rng(got.rng, ref.rng):
+            if self.eager_random and not same_rng(got.rng, ref.rng):
                 row.status = "rng differs"
         if row.status == "rng differs":
             row.notes.append("the generator's state after a step differs from eager's: this configuration draws "
