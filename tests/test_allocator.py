@@ -285,7 +285,7 @@ def test_report_shows_the_cpu_allocator_and_the_block_cache():
 def test_report_goes_on_when_the_block_cache_counters_fail(monkeypatch):
     """A failing C++ extension (tests/test_capability.py breaks every function of it) must not take the report down
     with the allocator line: the line says the counters are unavailable."""
-    from graphtrain.tools import report
+    from graphtrain.tools import report, report_text
     from graphtrain.memory import allocator
 
     def broken():
@@ -295,4 +295,4 @@ def test_report_goes_on_when_the_block_cache_counters_fail(monkeypatch):
     monkeypatch.setattr(allocator, "block_cache_stats", broken)
     state = report._allocator_state()
     assert state["mode"] == "release" and state["block_cache"] is None
-    assert "counters unavailable: RuntimeError: simulated failure" in report._allocator_line(state)
+    assert "counters unavailable: RuntimeError: simulated failure" in report_text.allocator_line(state)

@@ -242,3 +242,44 @@ def test_function_local_imports_say_why():
                         silent.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}")
     assert not silent, ("imports inside functions without a reason (move them to the top of the module, or say why "
                         f"in a comment): {silent}")
+
+
+# Only these modules build graphs with torch's tracers and compilers; everything else goes through their functions
+# (pipeline/trace.py's trace_step, pipeline/stages.py's autodiff, runtime/providers.py's providers), so every compile
+# gets the pipeline's records and the provider's checks.
+COMPILER_ENTRY_POINTS = ("aot_function", "aot_module_simplified", "compile_fx", "make_fx")
+COMPILER_MODULES = ("graphtrain.pipeline.trace", "graphtrain.pipeline.stages", "graphtrain.runtime.providers")
+
+
+def _compiler_uses(path: Path) -> list[tuple[int, str]]:
+    """(line, name) for every call or import of a COMPILER_ENTRY_POINTS name in `path` (mentions in text do not
+    count: docstrings and comments are not calls)."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call):
+            f = node.func
+            name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else None
+            if name in COMPILER_ENTRY_POINTS:
+                out.append((node.lineno, f"calls {name}"))
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            for a in node.names:
+                if a.name.rpartition(".")[2] in COMPILER_ENTRY_POINTS:
+                    out.append((node.lineno, f"imports {a.name}"))
+    return out
+
+
+def test_only_the_pipeline_and_the_providers_call_the_compilers():
+    found = [f"{path.relative_to(PACKAGE.parent)}:{line} {what}" for module, path in MODULES.items()
+             if module not in COMPILER_MODULES for line, what in _compiler_uses(path)]
+    assert not found, ("torch's tracers and compilers called outside pipeline/trace.py, pipeline/stages.py and "
+                       "runtime/providers.py (call a function of theirs instead, so the compile gets the provider's "
+                       "checks):\n" + "\n".join(found))
+
+
+def test_the_compiler_scan_sees_calls_and_imports(tmp_path):
+    src = tmp_path / "m.py"
+    src.write_text('"""make_fx in a docstring"""\nimport torch._inductor.compile_fx\n\ndef f(g, a):\n'
+                   '    from torch.fx.experimental.proxy_tensor import make_fx as trace\n'
+                   '    return torch._inductor.compile_fx.compile_fx(g, a), trace(g)(*a)  # aot_function\n')
+    assert _compiler_uses(src) == [(2, "imports torch._inductor.compile_fx"), (5, "imports make_fx"),
+                                   (6, "calls compile_fx")], _compiler_uses(src)

@@ -79,11 +79,11 @@ def test_a_classifier_decides_its_problem_type_before_capture_and_compiles_once(
     it, so the second call compiled the model again (ViT, Swin). graphtrain sets it before the first call by
     Hugging Face's own rule: one compile, the value eager sets, eager's loss and gradients on both calls. A model
     whose forward never reads it keeps None."""
-    from graphtrain.frontend import accelerate as api
+    from graphtrain.models import hf_calls
 
     def two_steps(name: str, settle: bool = True):
         if not settle:
-            monkeypatch.setattr(api, "_reads_problem_type", lambda module: False)
+            monkeypatch.setattr(hf_calls, "reads_problem_type", lambda module: False)
         ref, batch = _build(name)
         m = graphtrain.accelerate(copy.deepcopy(ref), provider="aten", fallback="error")
         for _ in range(2):

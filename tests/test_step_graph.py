@@ -217,6 +217,21 @@ def test_report_shows_the_step_graph_passes_and_fallbacks(monkeypatch):
     assert {p["name"] for p in rep.passes} >= {"fuse_attention", "fuse_layer_norm"}
 
 
+def test_the_step_graph_gets_the_inductor_providers_checks():
+    """compile_step compiles through runtime/providers.py compile_step_graph, so the Inductor provider's checks hold
+    for the whole step too: on CPU, ATen random ops (dropout with graphtrain's dropout fusions off) are refused
+    before Inductor compiles (it can run the mask's bernoulli_ after the kernel reading it), and the step runs on
+    aten, saying why."""
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(name="gpt2-tiny"))  # dropout on
+    step = graphtrain.compile_step(model, Config(), provider="inductor", passes=NO_FUSIONS, fallback="silent",
+                                   compile_blocks=False)
+    out = step(**_batch())
+    assert step.provider == "aten" and torch.isfinite(out["loss"])
+    (part, why), = graphtrain.report(model).fallbacks
+    assert part == "provider inductor on step (compile_step(GPT2))" and "ATen random ops" in why, why
+
+
 def test_a_second_compile_of_the_same_step_loads_it_from_inductors_cache(tmp_path):
     """Regression: the step graph was handed to Inductor with real inputs, whose fake mode had no shape environment,
     so Inductor bypassed its FX-graph cache ("No shape env") and every process compiled the whole step anew."""

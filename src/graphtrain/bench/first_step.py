@@ -102,8 +102,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{c.get('passes_miss')} miss, Inductor FX graphs {c.get('fxgraph_hit')} hit {c.get('fxgraph_miss')} "
               f"miss")
         if rep.first_step_memory:
-            from graphtrain.tools.report import _first_step_line
-            print(_first_step_line(rep.first_step_memory))
+            from graphtrain.tools.report_text import first_step_line
+            print(first_step_line(rep.first_step_memory))
     return 0
 
 

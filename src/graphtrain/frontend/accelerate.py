@@ -16,6 +16,7 @@ import torch
 
 from graphtrain.config.sections import Config, EngineConfig, resolve_engine_config
 from graphtrain.config.fallback import GraphtrainCaptureError, report_fallback
+from graphtrain.models.hf_calls import call_adapter, trace_through_log_once
 from graphtrain.pipeline.state import EngineState
 
 
@@ -76,7 +77,7 @@ def compile_in_place(modules: torch.nn.Module | list[torch.nn.Module], state: En
     # random fused op's output tuple, fixed since: memory/recompute.py _no_tuples_saved), and it cost the loss its
     # fusion: the logits crossed into a graph of their own with an [N, V] gradient, and recompute auto's peak on
     # HF GPT-2 (4 layers, vocabulary 50257, batch 16 x 256) was above no recompute's (2623 against 2378 MiB).
-    _ignore_log_once()
+    trace_through_log_once()
     _source_names_only_when_logged()
     options = {"backend": make_backend(cfg, state), "dynamic": cfg.dynamic, "fullgraph": cfg.fallback == "error"}
     shared: dict[Any, Any] = {}
@@ -118,19 +119,6 @@ def _call_module(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     return module._call_impl(*args, **kwargs)
 
 
-def _ignore_log_once() -> None:
-    """Let Dynamo trace through Hugging Face's ``logger.warning_once`` / ``info_once`` (transformers adds them to
-    ``logging.Logger``) instead of breaking the graph there. A break makes Dynamo restart the frame's analysis:
-    HF GPT-2's forward warns about its loss type on every call, which cost a second full trace of the model
-    (measured 7.4 s of 13.8 s tracing, 12 layers, 2-core AVX2 EPYC). The price: such a message, printed once per
-    process in eager, is not printed from compiled code."""
-    import logging
-    for name in ("warning_once", "info_once"):
-        fn = getattr(logging.Logger, name, None)
-        if fn is not None:
-            torch._dynamo.config.ignore_logging_functions.add(fn)
-
-
 def _source_names_only_when_logged() -> None:
     """Dynamo names the function of every source line it records a graph node from, for its ``trace_call`` and
     ``trace_source`` debug logs, and builds that name whether the logs are on or not: the first line it sees in a
@@ -138,7 +126,7 @@ def _source_names_only_when_logged() -> None:
     step of a 24-layer Hugging Face GPT-2 (2-core Zen 4): 0.65 s of its 2.7 s trace, 0.30 s of it for
     torch/nn/functional.py alone. The name reaches nothing but those two logs, so while both are off it is left
     out (the log line reads ``file:line in function`` without the qualified name); with either on, Dynamo's own
-    lookup runs. Process-wide and idempotent, as ``_ignore_log_once``."""
+    lookup runs. Process-wide and idempotent, as models/hf_calls.py ``trace_through_log_once``."""
     import importlib
     import logging
     try:
@@ -168,63 +156,6 @@ def _caused_by(e: BaseException, kind: type) -> bool:
     return False
 
 
-def _builds_kv_cache(module: torch.nn.Module) -> bool:
-    """Whether `module` is a Hugging Face model that fills a KV cache on every forward unless told not to
-    (``config.use_cache`` true and a ``use_cache`` argument). A training step never reads that cache: it holds
-    every layer's keys and values until the step ends, and its per-layer update is a side effect that stops
-    Dynamo from reusing a traced block (pipeline/blocks.py). In training mode graphtrain passes
-    ``use_cache=False`` unless the caller passes ``use_cache`` itself; eval and generation are untouched."""
-    import inspect
-    if getattr(getattr(module, "config", None), "use_cache", None) is not True:
-        return False
-    try:
-        return "use_cache" in inspect.signature(module.forward).parameters
-    except (TypeError, ValueError):
-        return False
-
-
-def _takes_attention_mask(module: torch.nn.Module) -> bool:
-    """Whether `module` is a Hugging Face model with an ``attention_mask`` argument. A 2-D mask of all ones means
-    what no mask means (every token attends): Hugging Face's eager SDPA path sees that (it reads the mask) and
-    passes ``is_causal=True``; under a tracer it cannot, and builds the causal mask from the padding mask, an
-    input, which engine.static_masks then cannot read either. So graphtrain passes such a mask as None, unless
-    the call also passes ``position_ids`` (without a mask Hugging Face would look for packed sequences in them)."""
-    import inspect
-    import sys
-    transformers = sys.modules.get("transformers")
-    if transformers is None or not isinstance(module, getattr(transformers, "PreTrainedModel", ())):
-        return False
-    try:
-        return "attention_mask" in inspect.signature(module.forward).parameters
-    except (TypeError, ValueError):
-        return False
-
-
-def _reads_problem_type(module: torch.nn.Module) -> bool:
-    """Whether `module` is a Hugging Face model whose forward decides ``config.problem_type`` at its first call with
-    labels (the *ForSequenceClassification, *ForImageClassification, ... heads: inline in about 85 models'
-    forwards, or through transformers' ``ForSequenceClassificationLoss``)."""
-    import inspect
-    import sys
-    transformers = sys.modules.get("transformers")
-    if transformers is None or not isinstance(module, getattr(transformers, "PreTrainedModel", ())):
-        return False
-    if not hasattr(getattr(module, "config", None), "problem_type"):
-        return False
-    try:
-        if "problem_type" in inspect.getsource(type(module).forward):
-            return True
-    except (OSError, TypeError):
-        pass
-    loss_utils = sys.modules.get("transformers.loss.loss_utils")
-    if loss_utils is None:
-        return False
-    # the loss_function property, read without it (it logs a warning for a model without a loss type)
-    loss = getattr(module, "_loss_function", None) or getattr(loss_utils, "LOSS_MAPPING", {}).get(
-        getattr(module, "loss_type", None))
-    return loss is not None and loss is getattr(loss_utils, "ForSequenceClassificationLoss", None)
-
-
 def _graph_break_reasons() -> list[Any]:
     from torch._dynamo.utils import graph_break_reasons
     return graph_break_reasons
@@ -235,23 +166,18 @@ class _CallWrapper:
 
     def __init__(self, module: torch.nn.Module, compiled: Any, state: EngineState, eager: Any) -> None:
         self.module, self.compiled, self.state, self.eager = module, compiled, state, eager
-        self.no_cache_in_training = _builds_kv_cache(module)
-        self.full_mask_as_none = (_takes_attention_mask(module) and state.config.static_masks
-                                  and not state.config.dynamic)
-        self.settles_problem_type = _reads_problem_type(module)
+        self.adapter = call_adapter(module, state.config)  # a Hugging Face model's call adjustments, or None
         self.recompile_limit_hit = False
         self.prefault: Any = None  # memory/prefault.py's Session while the first step is recorded
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         state = self.state
-        if self.no_cache_in_training and self.module.training and "use_cache" not in kwargs:
-            kwargs["use_cache"] = False
+        if self.adapter is not None:
+            self.adapter.before_call(kwargs)
         if state.eager_only:
             return self.eager(*args, **kwargs)
-        if self.full_mask_as_none:
-            self._drop_full_mask(kwargs)
-        if self.settles_problem_type:
-            self._settle_problem_type(kwargs)
+        if self.adapter is not None:
+            self.adapter.before_compiled_call(kwargs, state.notes)
         if self.prefault is not None:
             self.prefault.on_call()
         elif state.calls == 0:  # (a first call that raised leaves calls at 0: its session, if any, goes on)
@@ -276,36 +202,6 @@ class _CallWrapper:
                                 "(every frame skipped or empty)", state.config, what="runs eagerly",
                                 sink=state.fallbacks)
         return out
-
-    def _drop_full_mask(self, kwargs: dict) -> None:
-        mask = kwargs.get("attention_mask")
-        if (isinstance(mask, torch.Tensor) and mask.dim() == 2 and kwargs.get("position_ids") is None
-                and bool(mask.all())):
-            kwargs["attention_mask"] = None
-            note = ("attention_mask of all ones passed as None, as Hugging Face's eager SDPA path treats it (its "
-                    "causal mask then reaches SDPA as is_causal; engine.static_masks)")
-            if note not in self.state.notes:
-                self.state.notes.append(note)
-
-    def _settle_problem_type(self, kwargs: dict) -> None:
-        """Set ``config.problem_type`` before the call, as the model's forward would set it inside the call. Dynamo
-        guards on the attribute, so leaving it to the forward made the second call compile the model again
-        (Hugging Face ViT and Swin classifiers: a second trace and compile at the second step). Hugging Face's
-        rule, the same in every model that has it: one label is regression; more, with integer labels, single-label
-        classification; otherwise multi-label."""
-        config, labels = self.module.config, kwargs.get("labels")
-        if config.problem_type is not None or not isinstance(labels, torch.Tensor):
-            return
-        if config.num_labels == 1:
-            config.problem_type = "regression"
-        elif config.num_labels > 1 and labels.dtype in (torch.long, torch.int):
-            config.problem_type = "single_label_classification"
-        else:
-            config.problem_type = "multi_label_classification"
-        note = (f"config.problem_type set to {config.problem_type!r} before the first call, by Hugging Face's rule "
-                f"(its forward sets it in the first call, which would make the second call compile again)")
-        if note not in self.state.notes:
-            self.state.notes.append(note)
 
     def _begin_prefault(self, args: tuple, kwargs: dict) -> None:
         """A training module's first call on CPU: install the process's CPU allocator now (not at the first compile,

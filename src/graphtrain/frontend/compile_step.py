@@ -13,7 +13,7 @@ the whole step as one graph, built (``CompiledStep._build``) on the stages of pi
 1. The model's forward (``module_as_function(model, loss=True)``) is traced to graphtrain's pre-autodiff
    IR and optimized by the same pass pipeline as ``accelerate`` (fusions, mixed precision), so the
    gradient graph is built from the fused ops.
-2. A step function is traced with ``make_fx`` on fake tensors into one FX graph: that forward,
+2. A step function is traced (pipeline/trace.py ``trace_step``) on fake tensors into one FX graph: that forward,
    ``torch.autograd.grad`` of the (fp16: scaled) loss w.r.t. the trainable parameters, one
    ``_foreach_norm`` reduction over all gradients (it is both the global norm for clipping and the
    inf/nan check: a non-finite gradient makes the norm non-finite), ``torch._fused_adamw_`` with
@@ -24,7 +24,7 @@ the whole step as one graph, built (``CompiledStep._build``) on the stages of pi
    loss-spike guard; +inf when off), so a NaN never reaches the weights or the moments and a skipped
    step does not advance AdamW's step counts.
 3. The graph is compiled by Inductor (or run op by op by the aten provider; a failed Inductor compile
-   falls back to it). Parameters, moments, step counters and the loss-scale state are graph inputs
+   falls back to it), through runtime/providers.py ``compile_step_graph`` and its checks. Parameters, moments, step counters and the loss-scale state are graph inputs
    updated in place: the update works on buffers the graph owns, no parameter copy is made and nothing
    returns to Python until the loss.
 
@@ -49,7 +49,6 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from graphtrain.config.sections import Config, EngineConfig, OptimConfig
@@ -58,7 +57,8 @@ from graphtrain.pipeline.blocks import splits_into_blocks
 from graphtrain.config.fallback import GraphtrainCaptureError, report_fallback, set_policy
 from graphtrain.pipeline.functional import loss_of, module_as_function
 from graphtrain.pipeline.stages import compile_with_fallback, new_record, run_passes, trace
-from graphtrain.runtime.providers import resolve_runtime
+from graphtrain.pipeline.trace import trace_step
+from graphtrain.runtime.providers import compile_step_graph, resolve_runtime
 
 
 def _adamw_math(params: list[Tensor], grads: list[Tensor], exp_avg: list[Tensor], exp_avg_sq: list[Tensor],
@@ -155,8 +155,7 @@ class CompiledStep:
             def flat_update(*xs: Tensor):
                 return update(*torch.utils._pytree.tree_unflatten(list(xs), spec))
             fake_mode = FakeTensorMode(allow_non_fake_inputs=True)  # no shape env: the fused kernel has no fake impl
-            with fake_mode:
-                graph = make_fx(flat_update, tracing_mode="real")(*[fake_mode.from_tensor(x) for x in flat])
+            graph = trace_step(flat_update, [fake_mode.from_tensor(x) for x in flat], fake_mode)
             ops = sum(n.op == "call_function" for n in graph.graph.nodes)
             self.state.notes.append(f"compile_step({type(self.model).__name__}): forward and backward through the "
                                     f"model's graphs (compiled block by block, below); then the update graph on aten "
@@ -247,8 +246,7 @@ class CompiledStep:
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True,
                                    shape_env=ShapeEnv() if provider == "inductor" else None)
         fake_args = [fake_mode.from_tensor(a) for a in args]
-        with fake_mode:
-            return make_fx(step_fn, tracing_mode="real")(*fake_args), fake_args
+        return trace_step(step_fn, fake_args, fake_mode), fake_args
 
     def _args(self, inputs: list[Tensor]) -> list[Tensor]:
         return [*self._tensors, *inputs, *self.exp_avg, *self.exp_avg_sq, *self.state_steps, self.lr, self.max_loss,
@@ -326,12 +324,9 @@ class CompiledStep:
 
     @staticmethod
     def _compile(graph: torch.fx.GraphModule, args: list[Tensor], provider: str) -> Any:
-        """The step graph as `provider` runs it: Inductor's code (eager's RNG kept), or the FX graph op by op."""
-        if provider == "inductor":
-            from torch._inductor.compile_fx import compile_fx
-            with torch._inductor.config.patch(fallback_random=True):
-                return compile_fx(graph, args)
-        return graph
+        """The step graph as `provider` runs it: Inductor's code (eager's RNG kept, the provider's checks first), or
+        the FX graph op by op."""
+        return compile_step_graph(graph, args, provider)
 
     # ------------------------------------------------------------------------------------ call --
     def __call__(self, lr: float | None = None, max_loss: float | None = None, **batch: Tensor) -> dict[str, Any]:

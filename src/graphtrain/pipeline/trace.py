@@ -52,6 +52,14 @@ def trace_aten_forward(fn: Callable[..., Any], example_inputs: Sequence[Any]) ->
     return gm
 
 
+def trace_step(fn: Callable[..., Any], fake_args: Sequence[Any], fake_mode: FakeTensorMode) -> fx.GraphModule:
+    """`fn(*fake_args)` traced as it runs, in `fake_mode` (the mode `fake_args` were made in): autograd calls and
+    in-place updates included, no functionalization. A whole training step (frontend/compile_step.py: forward,
+    ``torch.autograd.grad``, the optimizer's update) becomes one FX graph that writes its state inputs in place."""
+    with fake_mode:
+        return make_fx(fn, tracing_mode="real")(*fake_args)
+
+
 def keep_attention_logsumexp(gm: fx.GraphModule, fake_mode: FakeTensorMode) -> int:
     """Set compute_log_sumexp back on the SDPA kernels that have the flag; returns how many nodes changed.
 

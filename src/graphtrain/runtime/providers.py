@@ -216,18 +216,7 @@ def compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], config: 
     import torch._inductor.config as inductor_config
     from torch._inductor.compile_fx import compile_fx
 
-    aten_random = _aten_random_ops(gm, example_inputs)
-    if aten_random:
-        # Seen with torch 2.13 on CPU (a GPT-2 block with dropout fusion switched off): Inductor fused the fill of
-        # a dropout mask's keep probability with the kernel that multiplies by the mask and ran the fallback
-        # bernoulli_ after it, so the forward applied no dropout and the backward used the real mask. graphtrain's
-        # own dropout ops (fuse_bias_dropout_add, fuse_attention: on by default) draw inside their kernels and
-        # are not affected; aten's random ops are not given to Inductor on CPU.
-        raise UnsuitableProvider(
-            f"the graph holds ATen random ops ({', '.join(aten_random)}): Inductor on CPU can run the in-place "
-            f"bernoulli_ after the kernel that reads its mask (a silently wrong dropout). Keep "
-            f"engine.passes.fuse_bias_dropout_add and fuse_attention on (graphtrain's dropout), or use "
-            f"engine.provider=aten")
+    check_inductor(gm, example_inputs)
     layout = step_layout(gm, example_inputs, rec.input_kinds)
     patches: dict[str, Any] = {"fallback_random": True,
                                "post_grad_custom_post_pass": StagePasses(config, rec, state, layout)}
@@ -246,6 +235,37 @@ def compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], config: 
 class UnsuitableProvider(RuntimeError):
     """A provider that compiles but is known to run this graph wrongly. Under provider auto it is left out with a
     note (a decision, not a failure); under a named provider it falls back like any compile error."""
+
+
+def check_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
+    """Raise UnsuitableProvider where Inductor is known to run `gm` wrongly (every Inductor compile asks first)."""
+    aten_random = _aten_random_ops(gm, example_inputs)
+    if aten_random:
+        # Seen with torch 2.13 on CPU (a GPT-2 block with dropout fusion switched off): Inductor fused the fill of
+        # a dropout mask's keep probability with the kernel that multiplies by the mask and ran the fallback
+        # bernoulli_ after it, so the forward applied no dropout and the backward used the real mask. graphtrain's
+        # own dropout ops (fuse_bias_dropout_add, fuse_attention: on by default) draw inside their kernels and
+        # are not affected; aten's random ops are not given to Inductor on CPU.
+        raise UnsuitableProvider(
+            f"the graph holds ATen random ops ({', '.join(aten_random)}): Inductor on CPU can run the in-place "
+            f"bernoulli_ after the kernel that reads its mask (a silently wrong dropout). Keep "
+            f"engine.passes.fuse_bias_dropout_add and fuse_attention on (graphtrain's dropout), or use "
+            f"engine.provider=aten")
+
+
+def compile_step_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], provider: str) -> Any:
+    """A graph that is a whole training step already (forward, autograd and the optimizer update traced together:
+    frontend/compile_step.py) as `provider` runs it: ``inductor`` compiles it after the provider's checks, with
+    eager's RNG (fallback_random); ``aten`` runs the FX graph op by op. No stage passes or partitioner: the
+    gradients are graph values, there is no backward graph to build."""
+    if provider == "inductor":
+        from torch._inductor.compile_fx import compile_fx
+        check_inductor(gm, example_inputs)
+        with torch._inductor.config.patch(fallback_random=True):
+            return compile_fx(gm, list(example_inputs))
+    if provider != "aten":
+        raise ValueError(f"compile_step_graph: provider {provider!r} is not one of inductor, aten; pass one of them")
+    return gm
 
 
 # Functional samplers that return a fresh tensor: under fallback_random Inductor calls them as they are, one extern
