@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from graphtrain.cli.main import main
-from graphtrain.trainer import checkpoint as ck
 
 TINY = ["model.name=gpt2-tiny", "data.seq_len=32", "data.vocab_size=512", "data.max_bytes=300000",
         "train.batch_size=4", "train.steps=2", "train.eval_every=0", "train.eval_batches=1", "train.log_every=1",

@@ -3,13 +3,12 @@ and data.tokenizer (a local Hugging Face tokenizer), with the tokenizer kept in 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from graphtrain.config.sections import Config, DataConfig
+from graphtrain.config.sections import Config
 from graphtrain.data import build_data
 
 pytestmark = pytest.mark.usefixtures("tiny_env")

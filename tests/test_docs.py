@@ -183,7 +183,7 @@ def test_mkdocs_build_strict(tmp_path):
         assert f'id="graphtrain-{verb}"' in cli_page, f"graphtrain {verb} is missing from the built CLI reference"
     api_page = (site / "reference" / "python-api" / "index.html").read_text()
     for name in ("accelerate", "report", "bisect", "compile_step", "wait_compiled", "Trainer"):
-        assert f'id="graphtrain.' in api_page and name in api_page
+        assert 'id="graphtrain.' in api_page and name in api_page
 
 
 def test_run_folder_page_names_every_checkpoint_key_and_record_kind():

@@ -246,7 +246,7 @@ def test_full_size_attention_mask_not_saved():
     torch.manual_seed(0)
     m = graphtrain.accelerate(build_model(ModelConfig(name="gpt2-tiny", dropout=0.1)).train(), compile_blocks=False, provider="aten",
                               fallback="error")
-    B, T, H = 4, 64, 2
+    B, T = 4, 64
     x = torch.randint(0, 512, (B, T))
     m(x, x).backward()
     g = graphtrain.report(m).graphs[0]

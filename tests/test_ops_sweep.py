@@ -149,7 +149,7 @@ def test_command_line_out_and_counts_reach_the_sweep(tmp_path):
     the edge warning, while the file's own out: stays untouched."""
     import optuna
 
-    from graphtrain.runs.sweep import _study, write_summary
+    from graphtrain.runs.sweep import _study
     path = _file(tmp_path, f"space: {{optim.lr: {{log_uniform: [1.0e-5, 3.0e-2]}}}}\ntrials: 5\nparallel: 2\n"
                            f"out: {tmp_path / 'file-out'}\n")
     sweep = load_sweep(path, trials=1, parallel=3, out=tmp_path / "cli-out")

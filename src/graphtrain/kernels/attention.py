@@ -29,10 +29,10 @@ from torch import Tensor
 from torch.fx.node import Argument
 
 from graphtrain.kernels import _cpu_ext
-from graphtrain.kernels._cpu_attention import HEADS_BWD, HEADS_FWD, PROBS_BWD, PROBS_FWD
+from graphtrain.kernels._cpu_attention import HEADS_BWD, HEADS_FWD, PROBS_FWD
 from graphtrain.kernels.contract import Contract, Layout, Rule
 from graphtrain.kernels._common import (HAS_TRITON, check_dropout_p, dispatch, dropout_keep_mask,
-                                        sharded_dropout_seed, triton, triton_ok)
+                                        sharded_dropout_seed, triton_ok)
 from graphtrain.kernels.gemm import matmul
 from graphtrain.kernels.registry import (BACKWARD, COMPUTE_BOUND, FOLLOW, FORWARD, LOW, KernelSpec, OpDescriptor,
                                          hint_int, input_value, register_kernel_spec)

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from graphtrain.tools import report_text
-from graphtrain.pipeline.state import GLOBAL_STATE, EngineState, GraphRecord, state_of
+from graphtrain.pipeline.state import EngineState, GraphRecord, state_of
 from graphtrain.kernels import capabilities, op_descriptor
 from graphtrain.memory.process import predict_process_peak
 
