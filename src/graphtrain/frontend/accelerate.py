@@ -318,10 +318,10 @@ class _CallWrapper:
         if p is None or p.device.type != "cpu":
             return
         try:
-            from graphtrain.runtime.backend import _set_cpu_allocator_once
+            from graphtrain.runtime.allocator import set_cpu_allocator_once
             from graphtrain.pipeline.cache import cache_root
             from graphtrain.memory import prefault
-            _set_cpu_allocator_once([p], cfg)
+            set_cpu_allocator_once([p], cfg)
             self.prefault = prefault.begin(self.module, args, kwargs, cfg, cache_root(cfg),
                                            self.state.first_step_memory)
         except Exception as e:  # noqa: BLE001
