@@ -80,7 +80,8 @@ _SOURCE_DIGEST: str | None = None
 PASS_CACHE_VERSION = 2
 
 
-_SOURCES = ("passes", "kernels", "engine", "memory", "config/sections.py", "config/fallback.py")
+_SOURCES = ("passes", "kernels", "frontend", "runtime", "pipeline", "memory", "config/sections.py",
+            "config/fallback.py")
 """What a pre-autodiff result depends on: the passes, the kernels they insert (and their descriptors), the
 tracing pipeline and the config. The trainer, CLI, models and data do not (a model's own change shows in
 its Dynamo graph, which is in the key)."""
