@@ -39,7 +39,7 @@ def wait_compiled(module: torch.nn.Module, timeout: float | None = None) -> bool
     background process from the second call; engine.compile_in_background), starting them now if they have not
     started. True once they finished (each graph switches to its measured winner at its next call); False after
     `timeout` seconds. Benchmarks call it after the first step so that they time what training settles on."""
-    from graphtrain.runtime.provider_auto import wait_background
+    from graphtrain.runtime.tiered import wait_background
     from graphtrain.pipeline.state import state_of
     state, source = state_of(module)
     if source != "module":
