@@ -50,8 +50,8 @@ def _fresh_dynamo():
     import sys
     if "torch._dynamo" in sys.modules:
         sys.modules["torch._dynamo"].reset()
-    if "graphtrain.runtime.provider_auto" in sys.modules:  # provider auto's background compiles end with their test
-        sys.modules["graphtrain.runtime.provider_auto"].stop_background()
+    if "graphtrain.runtime.tiered" in sys.modules:  # provider auto's background compiles end with their test
+        sys.modules["graphtrain.runtime.tiered"].stop_background()
     if "graphtrain.config.fallback" in sys.modules:  # the once-per-process fallback warnings: once per test instead
         sys.modules["graphtrain.config.fallback"]._WARNED.clear()
 

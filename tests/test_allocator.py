@@ -12,14 +12,14 @@ import pytest
 import torch
 
 from graphtrain.config.sections import EngineConfig
-from graphtrain.runtime import backend
+from graphtrain.runtime import allocator as policy
 
 
 def test_auto_releases_under_recompute_and_keeps_otherwise():
-    assert backend.allocator_mode(EngineConfig()) == "keep"
-    assert backend.allocator_mode(EngineConfig(recompute="selective")) == "release"
-    assert backend.allocator_mode(EngineConfig(recompute="none", memory_budget=0.5)) == "release"
-    assert backend.allocator_mode(EngineConfig(cpu_allocator="default", recompute="full")) == "default"
+    assert policy.allocator_mode(EngineConfig()) == "keep"
+    assert policy.allocator_mode(EngineConfig(recompute="selective")) == "release"
+    assert policy.allocator_mode(EngineConfig(recompute="none", memory_budget=0.5)) == "release"
+    assert policy.allocator_mode(EngineConfig(cpu_allocator="default", recompute="full")) == "default"
     with pytest.raises(ValueError, match="cpu_allocator"):
         EngineConfig(cpu_allocator="fast")
 
@@ -31,23 +31,23 @@ def test_engine_sets_the_allocator_once_per_process(monkeypatch):
     monkeypatch.setattr(allocator, "use_huge_pages", lambda on=True: applied.append(f"huge pages {on}") or on)
     monkeypatch.setattr(allocator, "use_block_cache", lambda on=True: applied.append(f"block cache {on}") or on)
     monkeypatch.setattr(allocator, "block_cache_stats", lambda: None)  # graphtrain's allocator never installed
-    monkeypatch.setattr(backend, "_ALLOCATOR_SET", None)
+    monkeypatch.setattr(policy, "_ALLOCATOR_SET", None)
     x = [torch.zeros(2)]
-    backend._set_cpu_allocator_once(x, EngineConfig())
-    backend._set_cpu_allocator_once(x, EngineConfig(recompute="full"))  # the process keeps its first setting
+    policy.set_cpu_allocator_once(x, EngineConfig())
+    policy.set_cpu_allocator_once(x, EngineConfig(recompute="full"))  # the process keeps its first setting
     assert applied == ["huge pages True", "keep"]
     for cfg, want in ((EngineConfig(recompute="full"), ["block cache True", "huge pages True", "release"]),
                       (EngineConfig(recompute="full", cpu_block_cache=False), ["huge pages True", "release"])):
         applied.clear()
-        monkeypatch.setattr(backend, "_ALLOCATOR_SET", None)
-        backend._set_cpu_allocator_once(x, cfg)
+        monkeypatch.setattr(policy, "_ALLOCATOR_SET", None)
+        policy.set_cpu_allocator_once(x, cfg)
         assert applied == want, cfg
     applied.clear()
-    monkeypatch.setattr(backend, "_ALLOCATOR_SET", None)
-    backend._set_cpu_allocator_once([torch.zeros(2, device="meta")], EngineConfig())  # not a CPU graph
-    assert applied == [] and backend._ALLOCATOR_SET is None
+    monkeypatch.setattr(policy, "_ALLOCATOR_SET", None)
+    policy.set_cpu_allocator_once([torch.zeros(2, device="meta")], EngineConfig())  # not a CPU graph
+    assert applied == [] and policy._ALLOCATOR_SET is None
     monkeypatch.setattr(allocator, "huge_pages_on", lambda: None)
-    backend._set_cpu_allocator_once(x, EngineConfig(cpu_huge_pages=False))
+    policy.set_cpu_allocator_once(x, EngineConfig(cpu_huge_pages=False))
     assert applied == ["keep"]  # huge pages off and never on: nothing to undo
 
 
@@ -151,7 +151,7 @@ def test_measure_harness_allocator_flags():
 
 _CACHE = textwrap.dedent("""
     import json, os, resource, torch
-    from graphtrain.runtime.backend import set_cpu_allocator
+    from graphtrain.runtime.allocator import set_cpu_allocator
     from graphtrain.memory import allocator
 
     def faults():
@@ -210,7 +210,7 @@ def test_block_cache_reuses_freed_blocks_within_the_most_ever_in_use():
 
 _CACHE_TRAINING = textwrap.dedent("""
     import copy, json, torch
-    from graphtrain.runtime.backend import set_cpu_allocator
+    from graphtrain.runtime.allocator import set_cpu_allocator
     from graphtrain.memory import allocator
 
     torch.manual_seed(0)
@@ -290,7 +290,7 @@ def test_report_goes_on_when_the_block_cache_counters_fail(monkeypatch):
 
     def broken():
         raise RuntimeError("simulated failure of block_cache_stats")
-    monkeypatch.setattr(backend, "cpu_allocator_set", lambda: "release")
+    monkeypatch.setattr(policy, "cpu_allocator_set", lambda: "release")
     monkeypatch.setattr(allocator, "block_cache_on", lambda: True)
     monkeypatch.setattr(allocator, "block_cache_stats", broken)
     state = report._allocator_state()

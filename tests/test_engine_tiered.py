@@ -1,4 +1,4 @@
-"""provider auto's tiered compile (runtime/provider_auto.py Tiered, runtime/background.py): aten runs a graph from the first
+"""provider auto's tiered compile (runtime/tiered.py Tiered, runtime/background.py): aten runs a graph from the first
 step, a background process compiles Inductor into the caches from the second, and the graph switches to the
 measured winner loaded from those caches. Checked against eager PyTorch like every provider."""
 from __future__ import annotations
@@ -29,14 +29,15 @@ def _step(model: nn.Module, step: int) -> None:
 def test_aten_first_then_the_measured_winner_loaded_from_the_background_compile(monkeypatch):
     from torch._dynamo.utils import counters
 
-    import graphtrain.runtime.provider_auto as choose
+    import graphtrain.runtime.measured as measured
+    import graphtrain.runtime.tiered as tiered
     timed = []
-    real_time_step = choose.time_step
+    real_time_step = measured.time_step
 
     def spy(fn, args, **kw):
         timed.append(kw.get("warmed", False))
         return real_time_step(fn, args, **kw)
-    monkeypatch.setattr(choose, "time_step", spy)
+    monkeypatch.setattr(measured, "time_step", spy)
     torch.manual_seed(0)
     ref = build_model(ModelConfig(name="gpt2-tiny", dropout=0.0)).train()
     m = graphtrain.accelerate(copy.deepcopy(ref), fallback="error")
@@ -85,7 +86,7 @@ def test_aten_first_then_the_measured_winner_loaded_from_the_background_compile(
     _step(ref, 4)
     assert_grads_close(again, ref, rtol=1e-4, atol=1e-5)
     rep = graphtrain.report(again)
-    assert not rep.fallbacks and choose._CHILDREN == [] and getattr(again._graphtrain.background, "proc", None) is None
+    assert not rep.fallbacks and tiered._CHILDREN == [] and getattr(again._graphtrain.background, "proc", None) is None
     for g in rep.graphs:
         assert set(g["provider_times"]) == {"aten", "inductor"}, g
         assert any("Inductor compiled by an earlier process's background compile" in n for n in g["notes"]), g
@@ -93,7 +94,7 @@ def test_aten_first_then_the_measured_winner_loaded_from_the_background_compile(
 
 
 def test_time_step_warms_up_only_a_candidate_that_has_not_run():
-    from graphtrain.runtime.provider_auto import time_step
+    from graphtrain.runtime.measured import time_step
     calls = []
     x = torch.randn(4, requires_grad=True)
 
@@ -111,7 +112,7 @@ def test_time_step_calls_a_candidate_with_its_inputs_own_layout():
     # ModernBERT's) raised and the module fell back to eager.
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from graphtrain.runtime.provider_auto import time_step
+    from graphtrain.runtime.measured import time_step
     mask = torch.randn(1, 1, 4, 4).expand(3, 1, 4, 4)
     w = torch.randn(4, 3).t()
     with FakeTensorMode() as mode:
@@ -207,7 +208,7 @@ class _TwoLayers(nn.Module):
 def test_an_evaluation_graph_of_a_module_that_trains_runs_on_aten_without_a_background_compile():
     """The default job's evaluation at step 200 used to queue a background compile of its no_grad graph, which
     slowed the next ~30 training steps about 2.5x on 2 cores. A module used only for inference is still tiered."""
-    from graphtrain.runtime import provider_auto as choose
+    from graphtrain.runtime import tiered
     torch.manual_seed(0)
     ref = _TwoLayers()
     m = graphtrain.accelerate(copy.deepcopy(ref), compile_blocks=False, fallback="error")
@@ -220,7 +221,7 @@ def test_an_evaluation_graph_of_a_module_that_trains_runs_on_aten_without_a_back
     assert not train["inference"] and evaluation["inference"]
     assert train["provider"].startswith("aten (provider auto: Inductor compiles"), train["provider"]
     assert evaluation["provider"] == "aten" and any("without a background compile" in n for n in evaluation["notes"])
-    worker = choose.worker(m._graphtrain)
+    worker = tiered.worker(m._graphtrain)
     assert len(worker.queued) + len(worker.running) == 1  # the training graph's job only
     only_eval = graphtrain.accelerate(copy.deepcopy(ref), compile_blocks=False, fallback="error")
     with torch.no_grad():
@@ -253,8 +254,8 @@ def test_warm_start_runs_aten_first_then_loads_the_stored_inductor_winner(monkey
     loads Inductor from the caches at the second call, without timing again; gradients match eager at every step."""
     import torch._dynamo
 
-    import graphtrain.runtime.provider_auto as choose
-    monkeypatch.setattr(choose, "decide", lambda times: "inductor")  # the stored winner, whatever the timing
+    import graphtrain.runtime.measured as measured
+    monkeypatch.setattr(measured, "decide", lambda times: "inductor")  # the stored winner, whatever the timing
     torch.manual_seed(0)
     ref = _NoGradRegion().train()
     x = torch.randn(4, 8)
@@ -266,7 +267,7 @@ def test_warm_start_runs_aten_first_then_loads_the_stored_inductor_winner(monkey
 
     def no_timing(*a, **k):
         raise AssertionError("a stored decision is not timed again")
-    monkeypatch.setattr(choose, "time_step", no_timing)
+    monkeypatch.setattr(measured, "time_step", no_timing)
     warm = graphtrain.accelerate(copy.deepcopy(ref), compile_blocks=False, fallback="error")
     warm(x).sum().backward()
     ref(x).sum().backward()
@@ -292,13 +293,13 @@ def test_warm_start_runs_aten_first_then_loads_the_stored_inductor_winner(monkey
 def test_the_prefetched_inductor_setup_gives_the_keys_inductor_computes_itself(monkeypatch):
     import torch._inductor.codecache as codecache
 
-    from graphtrain.runtime import provider_auto as choose
+    from graphtrain.runtime import tiered
     if not hasattr(codecache.torch_key, "prefetch"):
         pytest.skip("this torch's torch_key cannot be prefetched")
-    monkeypatch.setattr(choose, "_PREFETCHED", False)
+    monkeypatch.setattr(tiered, "_PREFETCHED", False)
     codecache.torch_key.clear()
-    choose.prefetch_inductor_setup()
-    choose.prefetch_inductor_setup()  # once per process: a second call starts nothing
+    tiered.prefetch_inductor_setup()
+    tiered.prefetch_inductor_setup()  # once per process: a second call starts nothing
     prefetched = codecache.torch_key()
     codecache.torch_key.clear()
     assert codecache.torch_key() == prefetched
@@ -310,19 +311,19 @@ def test_at_exit_a_running_compile_finishes_at_low_priority_or_is_stopped(monkey
     import subprocess
     import sys
 
-    import graphtrain.runtime.provider_auto as choose
+    import graphtrain.runtime.tiered as tiered
     from graphtrain.config.sections import EngineConfig
 
-    monkeypatch.delenv(choose.AT_EXIT_ENV, raising=False)
+    monkeypatch.delenv(tiered.AT_EXIT_ENV, raising=False)
     # the default ends the child with the run (issue #50); finish is the opt-in
-    assert not choose.finish_at_exit(EngineConfig()) and choose.finish_at_exit(EngineConfig(background_at_exit="finish"))
-    monkeypatch.setenv(choose.AT_EXIT_ENV, "stop")
-    assert not choose.finish_at_exit(EngineConfig())
-    monkeypatch.setenv(choose.AT_EXIT_ENV, "finish")
-    assert choose.finish_at_exit(EngineConfig(background_at_exit="stop"))
-    monkeypatch.setenv(choose.AT_EXIT_ENV, "later")
+    assert not tiered.finish_at_exit(EngineConfig()) and tiered.finish_at_exit(EngineConfig(background_at_exit="finish"))
+    monkeypatch.setenv(tiered.AT_EXIT_ENV, "stop")
+    assert not tiered.finish_at_exit(EngineConfig())
+    monkeypatch.setenv(tiered.AT_EXIT_ENV, "finish")
+    assert tiered.finish_at_exit(EngineConfig(background_at_exit="stop"))
+    monkeypatch.setenv(tiered.AT_EXIT_ENV, "later")
     with pytest.warns(UserWarning, match="GRAPHTRAIN_BACKGROUND_AT_EXIT='later' is ignored: set it to finish or stop"):
-        assert not choose.finish_at_exit(EngineConfig(background_at_exit="stop"))
+        assert not tiered.finish_at_exit(EngineConfig(background_at_exit="stop"))
     with pytest.raises(ValueError, match="background_at_exit"):
         EngineConfig(background_at_exit="wait")
 
@@ -332,14 +333,14 @@ def test_at_exit_a_running_compile_finishes_at_low_priority_or_is_stopped(monkey
         proc.graphtrain_folder, proc.graphtrain_finish = tmp_path / name, finish
         proc.graphtrain_folder.mkdir()
         children.append(proc)
-    monkeypatch.setattr(choose, "_CHILDREN", list(children))
+    monkeypatch.setattr(tiered, "_CHILDREN", list(children))
     finishing, stopped = children
     try:
-        choose._at_exit()
-        assert choose._CHILDREN == []
+        tiered._at_exit()
+        assert tiered._CHILDREN == []
         assert stopped.poll() is not None and not stopped.graphtrain_folder.exists()
         assert finishing.poll() is None and finishing.graphtrain_folder.exists()
-        assert os.getpriority(os.PRIO_PROCESS, finishing.pid) >= choose.FINISH_NICE
+        assert os.getpriority(os.PRIO_PROCESS, finishing.pid) >= tiered.FINISH_NICE
         err = capsys.readouterr().err
         assert f"(pid {finishing.pid}) finishes after this process" in err and "graphtrain cache stop" in err
     finally:
@@ -349,7 +350,7 @@ def test_at_exit_a_running_compile_finishes_at_low_priority_or_is_stopped(monkey
 
 _SHORT_RUN = """
 import sys, torch, graphtrain
-import graphtrain.runtime.provider_auto as choose
+import graphtrain.runtime.tiered as tiered
 from graphtrain.config.sections import ModelConfig
 from graphtrain.models import build_model
 torch.manual_seed(0)
@@ -357,7 +358,7 @@ m = graphtrain.accelerate(build_model(ModelConfig(name="gpt2-tiny", dropout=0.0)
 x = torch.randint(0, 512, (2, 32))
 for _ in range(2):  # the second call starts the background compile; the process then exits at once
     m(x, x).backward()
-(proc,) = choose._CHILDREN
+(proc,) = tiered._CHILDREN
 print(proc.pid, proc.graphtrain_folder)
 """
 
@@ -370,10 +371,10 @@ def test_a_run_shorter_than_its_background_compile_leaves_the_caches_filled(tmp_
     import sys
     import time
 
-    import graphtrain.runtime.provider_auto as choose
+    import graphtrain.runtime.tiered as tiered
     env = {**os.environ, "GRAPHTRAIN_CACHE": str(tmp_path / "cache")}
     env.pop("TORCHINDUCTOR_CACHE_DIR", None)
-    env[choose.AT_EXIT_ENV] = "finish"
+    env[tiered.AT_EXIT_ENV] = "finish"
     run = subprocess.run([sys.executable, "-c", _SHORT_RUN], env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     pid, folder = run.stdout.split()
@@ -388,7 +389,7 @@ def test_a_run_shorter_than_its_background_compile_leaves_the_caches_filled(tmp_
     # second step, times both providers and stores the decision
     check = """
 import torch, graphtrain
-import graphtrain.runtime.provider_auto as choose
+import graphtrain.runtime.tiered as tiered
 from torch._dynamo.utils import counters
 from graphtrain.config.sections import ModelConfig
 from graphtrain.models import build_model
@@ -398,7 +399,7 @@ x = torch.randint(0, 512, (2, 32))
 for _ in range(3):
     m(x, x).backward()
 rep = graphtrain.report(m)
-assert not choose._CHILDREN and getattr(m._graphtrain.background, "proc", None) is None
+assert not tiered._CHILDREN and getattr(m._graphtrain.background, "proc", None) is None
 assert all(set(g["provider_times"]) == {"aten", "inductor"} for g in rep.graphs), rep.graphs
 print(len(rep.graphs), counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"])
 """
@@ -429,11 +430,11 @@ def test_pieces_of_a_ddp_bucket_split_are_not_timed_on_aten():
 
 
 def test_size_check_of_a_symbolic_graph_compiled_from_data():
-    """Inductor's code for a symbolic graph is compiled in a ShapeEnv of its own (backend.compile_inductor_from):
+    """Inductor's code for a symbolic graph is compiled in a ShapeEnv of its own (tiered.compile_inductor_from):
     the guards that compile adds (Inductor's C++ codegen bounds a reduction's size at 4096, for one) never reach
-    Dynamo's guards for the frame, so the calls whose sizes break them run on aten (choose.size_checked)."""
+    Dynamo's guards for the frame, so the calls whose sizes break them run on aten (tiered.size_checked)."""
     from graphtrain.pipeline.graph_data import SizeChecked, size_check, rebuild_sizes, input_metas
-    from graphtrain.runtime.provider_auto import size_checked
+    from graphtrain.runtime.tiered import size_checked
     f32 = torch.float32
     metas = [("tensor", ("s52", "s27", 64), ("64*s27", 64, 1), f32, "cpu", True, {"s52": 4, "s27": 32}),
              ("symint", "s27", {"s27": 32}), ("value", 0.1)]
@@ -527,7 +528,7 @@ class _TwoBlocks(nn.Module):
 
 def test_a_background_compile_past_its_time_limit_leaves_aten_and_is_not_retried():
     from graphtrain.config.sections import EngineConfig
-    from graphtrain.runtime import provider_auto as choose
+    from graphtrain.runtime import tiered
     from graphtrain.pipeline.cache import cache_root
     torch.manual_seed(0)
     ref = _TwoBlocks().train()
@@ -555,7 +556,7 @@ def test_a_background_compile_past_its_time_limit_leaves_aten_and_is_not_retried
     again = graphtrain.accelerate(copy.deepcopy(ref), fallback="error", background_timeout=0.001)
     for _ in range(2):
         again(x).sum().backward()
-    assert getattr(again._graphtrain.background, "proc", None) is None and choose._CHILDREN == []
+    assert getattr(again._graphtrain.background, "proc", None) is None and tiered._CHILDREN == []
     for g in graphtrain.report(again).graphs:
         assert g["provider"] == "aten" and any("an earlier background compile of this graph took more than 0.001 s"
                                                in n for n in g["notes"]), g

@@ -29,7 +29,7 @@ def _run(code: str, *args: str, env: dict[str, str] | None = None) -> dict:
 
 _ALLOCATOR = textwrap.dedent("""
     import json, resource, time, torch
-    from graphtrain.runtime.backend import set_cpu_allocator
+    from graphtrain.runtime.allocator import set_cpu_allocator
     from graphtrain.memory import allocator
 
     def faults():

@@ -323,8 +323,8 @@ class Worker:
     def setup(self) -> dict[str, Any]:
         torch.set_num_threads(os.cpu_count() or 1)
         # the same process environment for every variant of a run (runner decides): what graphtrain sets itself
-        # (runtime/backend.py allocator_mode), release under its recompute variants, keep otherwise
-        from graphtrain.runtime.backend import set_cpu_allocator
+        # (runtime/allocator.py allocator_mode), release under its recompute variants, keep otherwise
+        from graphtrain.runtime.allocator import set_cpu_allocator
         set_cpu_allocator("release" if self.pin_mmap else "keep")
         t0 = time.perf_counter()
         self.work, info = build_workload(self.case, self.variant, str(self.device))

@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     ids = torch.randint(0, a.vocab, (a.batch, a.seq))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     if a.same_allocator and a.mode != "graphtrain":
-        from graphtrain.runtime.backend import set_cpu_allocator
+        from graphtrain.runtime.allocator import set_cpu_allocator
         set_cpu_allocator("keep", huge_pages=True)
     if a.mode == "graphtrain":
         import graphtrain

@@ -140,9 +140,9 @@ def interleaved_step_times(model: str, seq: int, batch: int, variants: list[str]
     import torch
 
     from graphtrain.tools.measure import build
-    from graphtrain.runtime.backend import set_cpu_allocator
+    from graphtrain.runtime.allocator import set_cpu_allocator
     torch.set_num_threads(threads)
-    # what accelerate does for these modes (runtime/backend.py allocator_mode); applies to every variant here
+    # what accelerate does for these modes (runtime/allocator.py allocator_mode); applies to every variant here
     set_cpu_allocator("release" if any(v in ("selective", "full", "auto") for v in variants) else "keep")
     torch.manual_seed(0)
     base, data = build(model, seq, batch, dropout, attention)

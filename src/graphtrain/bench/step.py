@@ -74,7 +74,7 @@ def _worker(conn: Any, variant: str, model: str, batch: int, seq: int, threads: 
     torch.set_num_threads(threads)
     # the same process environment for every variant: the CPU allocator graphtrain sets for itself without
     # recompute (freed blocks kept, huge pages), as the `graphtrain bench` suites do
-    from graphtrain.runtime.backend import set_cpu_allocator
+    from graphtrain.runtime.allocator import set_cpu_allocator
     set_cpu_allocator("keep")
     m, inputs = build(model, batch, seq, dims=dims)
     if variant == "compile":

@@ -40,7 +40,7 @@ def wait_compiled(module: torch.nn.Module, timeout: float | None = None) -> bool
     background process from the second call; engine.compile_in_background), starting them now if they have not
     started. True once they finished (each graph switches to its measured winner at its next call); False after
     `timeout` seconds. Benchmarks call it after the first step so that they time what training settles on."""
-    from graphtrain.runtime.provider_auto import wait_background
+    from graphtrain.runtime.tiered import wait_background
     from graphtrain.pipeline.state import state_of
     state, source = state_of(module)
     if source != "module":
@@ -214,10 +214,10 @@ class _CallWrapper:
         if p is None or p.device.type != "cpu":
             return
         try:
-            from graphtrain.runtime.backend import _set_cpu_allocator_once
+            from graphtrain.runtime.allocator import set_cpu_allocator_once
             from graphtrain.pipeline.cache import cache_root
             from graphtrain.memory import prefault
-            _set_cpu_allocator_once([p], cfg)
+            set_cpu_allocator_once([p], cfg)
             self.prefault = prefault.begin(self.module, args, kwargs, cfg, cache_root(cfg),
                                            self.state.first_step_memory)
         except Exception as e:  # noqa: BLE001

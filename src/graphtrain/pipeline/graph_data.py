@@ -1,5 +1,5 @@
 """A graph's inputs as data, and back: what provider auto's background compile sends to its child process
-(runtime/provider_auto.py ``Tiered``, runtime/background.py) and what both processes rebuild fake inputs from, static or
+(runtime/tiered.py ``Tiered``, runtime/background.py) and what both processes rebuild fake inputs from, static or
 symbolic, so that their compile-cache keys agree; and the size check that comes with Inductor's code for a symbolic
 graph compiled that way. Its own module: the pass cache (pipeline/cache.py), the backend and provider auto all use it.
 """
@@ -97,9 +97,9 @@ def rebuild_sizes(metas: list[tuple[Any, ...]]) -> tuple[Any, Callable[[Any], An
 
 class SizeChecked:
     """Inductor's code for a symbolic graph compiled from data, with the size conditions its compile assumed.
-    Compiled in a ShapeEnv of its own (backend.compile_inductor_from), the guards Inductor added while compiling (a
+    Compiled in a ShapeEnv of its own (runtime/tiered.py compile_inductor_from), the guards Inductor added while compiling (a
     size bound, a specialization) never reached Dynamo's guards for the frame: `check(args)` says whether a call's
-    sizes meet them, and provider auto runs the calls that do not on aten (choose.size_checked)."""
+    sizes meet them, and provider auto runs the calls that do not on aten (tiered.size_checked)."""
 
     def __init__(self, fn: Callable[..., Any], check: Callable[[Sequence[Any]], bool]) -> None:
         self.fn, self.check = fn, check

@@ -19,6 +19,8 @@ import torch.fx as fx
 from graphtrain.config.sections import EngineConfig
 from graphtrain.config.fallback import report_fallback, set_policy
 from graphtrain.pipeline.stages import DYNAMO_RESTARTS
+from graphtrain.runtime.allocator import set_cpu_allocator_once
+from graphtrain.pipeline.job import CompileJob
 from graphtrain.pipeline.state import GLOBAL_STATE, EngineState
 
 if TYPE_CHECKING:
@@ -57,56 +59,6 @@ def _frame_info(gm: fx.GraphModule) -> tuple[str, int]:
     return frame, (cid.frame_compile_id or 0) if cid is not None else 0
 
 
-_ALLOCATOR_SET: str | None = None
-
-
-def allocator_mode(config: EngineConfig) -> str:
-    """The CPU allocator mode `config` asks for (memory/allocator.py): `auto` releases freed blocks to the OS when
-    the user asked for memory savings (recompute or a memory budget) and keeps them for the next step otherwise.
-
-    Release (glibc's threshold pinned at 128 KiB): with glibc's growing threshold the freed activations of a step
-    stay in its heap, measured ~90 MiB on gpt2-mini b16 s128, but every larger allocation becomes a fresh mmap
-    whose pages fault in on first touch: 0.55 s/step pinned vs 0.38 s unpinned (gpt2-mini b16 s128, 2-core Xeon,
-    fp32, aten provider). Keep: blocks over glibc's 32 MiB cap (logits) are reused instead of faulted in."""
-    if config.cpu_allocator != "auto":
-        return config.cpu_allocator
-    return "release" if (config.recompute != "none" or config.memory_budget is not None) else "keep"
-
-
-def _set_cpu_allocator_once(example_inputs: Sequence[Any], config: EngineConfig) -> None:
-    """Apply `allocator_mode(config)` the first time the engine compiles a CPU graph; the process keeps that
-    setting (glibc's is per process: a later model asking for another mode does not change it)."""
-    global _ALLOCATOR_SET
-    if _ALLOCATOR_SET is not None:
-        return
-    if any(isinstance(x, torch.Tensor) and x.device.type != "cpu" for x in example_inputs):
-        return
-    mode = allocator_mode(config)
-    set_cpu_allocator(mode, huge_pages=config.cpu_huge_pages,
-                      block_cache=mode == "release" and config.cpu_block_cache)
-
-
-def cpu_allocator_set() -> str | None:
-    """The CPU allocator mode this process was given (set_cpu_allocator), None if none yet."""
-    return _ALLOCATOR_SET
-
-
-def set_cpu_allocator(mode: str, huge_pages: bool = True, block_cache: bool | None = None) -> bool:
-    """Apply CPU allocator `mode` (memory/allocator.py apply), huge pages (allocator.use_huge_pages) and the block
-    cache (allocator.use_block_cache; None: on under `release`) to this process and remember it, so that no later
-    compile changes it (a benchmark harness gives every variant's process the same setting this way). Returns
-    whether a glibc setting was applied."""
-    global _ALLOCATOR_SET
-    from graphtrain.memory import allocator
-    _ALLOCATOR_SET = mode
-    cache = mode == "release" if block_cache is None else block_cache
-    if cache or allocator.block_cache_stats() is not None:
-        allocator.use_block_cache(cache)
-    if huge_pages or allocator.huge_pages_on():
-        allocator.use_huge_pages(huge_pages)
-    return allocator.apply(mode)
-
-
 def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: EngineConfig,
                   state: EngineState) -> Callable[..., Any]:
     """Compile one Dynamo graph (the backend body) through the pipeline; records a GraphRecord on `state` per
@@ -117,7 +69,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Eng
     from graphtrain.passes.returned_heads import reattach
 
     set_policy(config.fallback)  # fused ops that fail at run time follow it (process-wide: the last wins)
-    _set_cpu_allocator_once(example_inputs, config)
+    set_cpu_allocator_once(example_inputs, config)
     # the dynamo stage's passes on the whole Dynamo graph (static and learned masks, the no_grad lift, returned
     # heads); their records join state.passes once the graph compiled (a graph Dynamo restarts never runs)
     n_records = len(state.passes)
@@ -184,7 +136,9 @@ def _compile_by_blocks(gm: fx.GraphModule, example_inputs: Sequence[Any], config
 
 def _compile_one(gm: fx.GraphModule, example_inputs: Sequence[Any], config: EngineConfig, state: EngineState, *,
                  kinds: list[str] | None = None, frame: str | None = None, calls: int = 1) -> Callable[..., Any]:
-    from graphtrain.runtime.provider_auto import measurable
+    """One graph's CompileJob (the provider and precision resolved for its device), compiled: by provider auto's
+    choice, or down the fallback chain from the provider asked for."""
+    from graphtrain.runtime.provider_auto import choose_provider, measurable
     from graphtrain.pipeline.stages import compile_with_fallback, new_record
     from graphtrain.runtime.providers import resolve_runtime
 
@@ -208,16 +162,15 @@ def _compile_one(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Engi
     rec.notes_compile_id = raw_compile_id
     rec.inference = not torch.is_grad_enabled()  # Dynamo calls the backend in the frame's grad mode
 
+    job = CompileJob(gm, example_inputs, kinds, config, state, rec)
+
     def compile_one(p: str) -> Callable[..., Any]:
-        """Stages 1-5 for provider `p`: the pre-autodiff IR and its passes for `p`, autodiff, `p` itself."""
-        cfg = dataclasses.replace(config, provider=p)
-        return _PROVIDERS()[p](_pre_autodiff(gm, example_inputs, kinds, cfg, state, rec), example_inputs, cfg, rec,
-                               state)
+        return compile_stages(job.for_provider(p))
 
     n_passes = len(state.passes)
     try:
         if measure:
-            compiled = _measured_provider(compile_one, gm, example_inputs, kinds, auto_config, config, state, rec)
+            compiled = choose_provider(job, compile_stages, auto_config)
         else:  # falling back inductor -> aten -> eager
             order = [config.provider] + (["aten"] if config.provider != "aten" else [])
             compiled, rec.provider = compile_with_fallback(order, compile_one, part=f"{rec.name} ({frame})",
@@ -230,15 +183,18 @@ def _compile_one(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Engi
     return compiled
 
 
-def _PROVIDERS() -> dict[str, Callable[..., Any]]:
+def compile_stages(job: CompileJob) -> Callable[..., Any]:
+    """Stages 1-5 for the job's provider: the pre-autodiff IR and its passes for that provider, autodiff, the
+    provider itself (runtime/providers.py PROVIDERS), which gets the job with the optimized graph in place."""
     from graphtrain.runtime.providers import PROVIDERS
-    return PROVIDERS
+    return PROVIDERS[job.config.provider](dataclasses.replace(job, gm=_pre_autodiff(job)))
 
 
-def _pre_autodiff(gm: fx.GraphModule, example_inputs: Sequence[Any], kinds: list[str], config: EngineConfig,
-                  state: EngineState, rec: Any, key: str | None = None) -> fx.GraphModule:
-    """Stages 1-2: `gm` as the optimized pre-autodiff aten graph for config.provider (from the pass cache when an
-    identical graph was optimized before); the Dynamo graph itself where tracing fails (reported)."""
+def _pre_autodiff(job: CompileJob) -> fx.GraphModule:
+    """Stages 1-2: the job's graph as the optimized pre-autodiff aten graph for its provider (from the pass cache when
+    an identical graph was optimized before); the Dynamo graph itself where tracing fails (reported)."""
+    gm, example_inputs, kinds, config, state, rec = (job.gm, job.example_inputs, job.kinds, job.config, job.state,
+                                                     job.rec)
     from graphtrain.passes import autograd_functions
     from graphtrain.pipeline.stages import run_passes, trace
     from graphtrain.pipeline.trace import delocalize, dtensor_inputs, localize
@@ -250,7 +206,7 @@ def _pre_autodiff(gm: fx.GraphModule, example_inputs: Sequence[Any], kinds: list
     if _has_grad_mode_changes(gm):
         _note_once(rec.notes, "graph switches grad mode inside (no_grad region): pre-autodiff passes skipped")
         return gm
-    if not sharded and (cached := _cached_passes(gm, example_inputs, kinds, config, state, rec, key)) is not None:
+    if not sharded and (cached := _cached_passes(job)) is not None:
         return cached
     n_records = len(state.passes)  # from here, what a cached result replays
     try:
@@ -276,211 +232,15 @@ def _pre_autodiff(gm: fx.GraphModule, example_inputs: Sequence[Any], kinds: list
     return traced
 
 
-def _measured_provider(compile_one: Callable[[str], Callable[..., Any]], gm: fx.GraphModule,
-                       example_inputs: Sequence[Any], kinds: list[str], auto_config: EngineConfig,
-                       config: EngineConfig, state: EngineState, rec: Any) -> Callable[..., Any]:
-    """provider auto (runtime/provider_auto.py): compile each candidate now; the first call times them and keeps the faster
-    (or an earlier process's decision for this graph is reused and only its winner compiled). A candidate that
-    fails to compile is reported and left out."""
-    import copy
-
-    from graphtrain.runtime import provider_auto as choose
-    from graphtrain.pipeline.cache import cache_root, pass_cache_key
-    from graphtrain.pipeline.stages import compile_with_fallback
-    from graphtrain.runtime.providers import UnsuitableProvider
-
-    folder = cache_root(config)
-    try:
-        key = pass_cache_key(gm, example_inputs, kinds, auto_config)
-    except Exception:  # noqa: BLE001 - inputs the key cannot describe: decide anew each process
-        key = None
-    stored = choose.load_decision(folder, key) if key else None
-    if stored is not None and stored["choice"] == "inductor" and config.compile_in_background:
-        deferred = _deferred(compile_one, gm, example_inputs, kinds, stored, config, state, rec)
-        if deferred is not None:
-            return deferred
-    if stored is not None:
-        compiled, rec.provider = compile_with_fallback(
-            [stored["choice"]] + [p for p in choose.CANDIDATES if p != stored["choice"]], compile_one,
-            part=f"{rec.name} ({rec.frame})", config=config, state=state)
-        rec.provider_times = stored["times"]
-        rec.notes.append(choose.describe(stored["times"], rec.provider, cached=True))
-        return compiled
-    if rec.inference and config.compile_in_background and any(not g.inference for g in state.graphs):
-        # An evaluation graph of a module that trains: a background compile of it would share the CPU with the
-        # training steps for tens of seconds (the default 400-step job: steps 200-230, right after its first
-        # evaluation, at 0.6-1.2 s against 0.35 s, ~17 s lost on the 2-core AVX2 EPYC) to speed up a few forward
-        # passes per evaluation. aten runs it; a decision an earlier process stored (above) still applies.
-        compiled, rec.provider = compile_with_fallback(
-            ["aten", *[p for p in choose.CANDIDATES if p != "aten"]], compile_one, part=f"{rec.name} ({rec.frame})",
-            config=config, state=state)
-        rec.notes.append("provider auto: an evaluation (no_grad) graph of a module that trains runs on aten, "
-                         "without a background compile")
-        return compiled
-    if config.compile_in_background and set(choose.CANDIDATES) == {"aten", "inductor"}:
-        tiered = _tiered(compile_one, gm, example_inputs, kinds, folder, key, config, state, rec)
-        if tiered is not None:
-            return tiered
-    candidates: dict[str, tuple[Callable[..., Any], dict[str, Any]]] = {}
-    for p in choose.CANDIDATES:
-        n_passes = len(state.passes)
-        try:
-            fn = compile_one(p)
-        except UnsuitableProvider as e:  # known to run this graph wrongly: not a failure of auto, a rule
-            rec.notes.append(f"provider auto: {p} is not a candidate ({e})")
-            continue
-        except DYNAMO_RESTARTS:
-            raise
-        except Exception as e:  # noqa: BLE001 - the other candidate still runs the graph
-            report_fallback(f"provider {p} on {rec.name} ({rec.frame})", f"{type(e).__name__}: {str(e)[:300]}",
-                            config, what="is not a candidate for provider auto", sink=state.fallbacks)
-            continue
-        # the record as this candidate left it, and its pass records (the loser's are dropped from the report)
-        candidates[p] = (fn, copy.copy(rec.__dict__), state.passes[n_passes:])
-    if not candidates:
-        raise RuntimeError(f"no provider compiled {rec.name}: see the fallbacks")
-    if len(candidates) == 1:
-        rec.provider = next(iter(candidates))
-        return candidates[rec.provider][0]
-    rec.provider = "auto (measured at the first call)"
-    return choose.Measured(candidates, rec, folder, key, state)
-
-
-def _inductor_loader(gm: fx.GraphModule, example_inputs: Sequence[Any], kinds: list[str], config: EngineConfig,
-                     state: EngineState, rec: Any) -> tuple[bytes, Callable[[], tuple[Callable[..., Any], dict[str, Any],
-                                                                          list[Any]]], str]:
-    """(the graph as a background job, a function that compiles it under Inductor in this process, the job's pass-cache
-    key) for provider auto's tiered and deferred paths: both compile from the graph as data on fake inputs
-    (compile_inductor_from), so the background process that fills the caches and this process that loads from them
-    agree on every cache key. The loader returns a candidate tuple as in ``choose.Measured``. Raises when the graph is not plain data."""
-    import copy
-    import pickle
-
-    from graphtrain.pipeline.cache import _encode_graph, pass_cache_key
-    cfg = dataclasses.replace(config, provider="inductor")
-    from graphtrain.pipeline.graph_data import input_metas, symbolic_inputs
-    metas = input_metas(symbolic_inputs(gm, example_inputs))
-    inductor_key = pass_cache_key(gm, example_inputs, kinds, cfg)
-    job = pickle.dumps({"graph": _encode_graph(gm), "inputs": metas, "kinds": kinds, "config": cfg,
-                        "key": inductor_key, "name": rec.name})
-
-    def compile_inductor() -> tuple[Callable[..., Any], dict[str, Any], list[Any]]:
-        r = copy.copy(rec)
-        r.notes = list(rec.notes)
-        n = len(state.passes)
-        f = compile_inductor_from(gm, metas, kinds, cfg, state, r, inductor_key)
-        return f, copy.copy(r.__dict__), [x for x in state.passes[n:] if x.graph == rec.name]
-
-    return job, compile_inductor, inductor_key
-
-
-def _aten_candidate(compile_one: Callable[..., Any], rec: Any,
-                    state: EngineState) -> tuple[Callable[..., Any], dict[str, Any], list[Any]] | None:
-    """aten's candidate tuple (compiled now), or None when aten does not compile the graph (its pass records are
-    dropped: the synchronous path then tries, and reports, every provider)."""
-    import copy
-    n_passes = len(state.passes)
-    try:
-        fn = compile_one("aten")
-    except DYNAMO_RESTARTS:
-        raise
-    except Exception:  # noqa: BLE001 - reported by the synchronous path
-        del state.passes[n_passes:]
-        return None
-    return fn, copy.copy(rec.__dict__), state.passes[n_passes:]
-
-
-def _tiered(compile_one: Callable[..., Any], gm: fx.GraphModule, example_inputs: Sequence[Any], kinds: list[str],
-            folder: Any, key: str | None, config: EngineConfig, state: EngineState, rec: Any) -> Callable[..., Any] | None:
-    """provider auto without a stored decision: aten now, Inductor compiled by a background process and loaded
-    from the caches when it is done (choose.Tiered); None when the graph cannot be sent (not plain data, or no
-    pass-cache key) or aten does not compile it: then both are compiled now."""
-    from graphtrain.runtime import provider_auto as choose
-    if key is None:
-        return None
-    try:
-        job, compile_inductor, inductor_key = _inductor_loader(gm, example_inputs, kinds, config, state, rec)
-    except Exception:  # noqa: BLE001 - a graph that is not plain data: compiled here and now
-        return None
-    aten = _aten_candidate(compile_one, rec, state)
-    if aten is None:
-        return None
-    if choose.inductor_ready(folder, inductor_key):  # an earlier process's background compile finished it
-        rec.provider = "aten (provider auto: Inductor is in the caches, loaded and measured at the next step)"
-        job = b""
-    elif (timed_out := choose.inductor_timed_out(folder, inductor_key, config.background_timeout)) is not None:
-        # an earlier process's background compile of it outlived the limit: not again
-        rec.provider = "aten"
-        rec.notes.append(f"provider auto -> aten: inductor is not a candidate (an earlier background compile of this "
-                         f"graph took more than {timed_out:g} s, engine.background_timeout, and was stopped; raise the "
-                         f"limit (0: none) to compile it again)")
-        return aten[0]
-    else:
-        rec.provider = "aten (provider auto: Inductor compiles in a background process, measured when ready)"
-    return choose.Tiered(aten, compile_inductor, job, rec, folder, key, state, config)
-
-
-def _deferred(compile_one: Callable[..., Any], gm: fx.GraphModule, example_inputs: Sequence[Any], kinds: list[str],
-              stored: dict[str, Any], config: EngineConfig, state: EngineState, rec: Any) -> Callable[..., Any] | None:
-    """provider auto with a stored decision for Inductor (a warm start): aten runs the first step, Inductor is
-    loaded from the caches at the module's next call (choose.Deferred). None where the graph is not plain data or
-    aten does not compile it: then the winner is compiled now."""
-    from graphtrain.runtime import provider_auto as choose
-    try:
-        _, load, _ = _inductor_loader(gm, example_inputs, kinds, config, state, rec)
-    except Exception:  # noqa: BLE001 - compiled here and now
-        return None
-    aten = _aten_candidate(compile_one, rec, state)
-    if aten is None:
-        return None
-    rec.provider = "aten (provider auto: the stored winner, Inductor, loads from the caches at the next call)"
-    return choose.Deferred(aten, load, stored, rec, state, config)
-
-
-def compile_inductor_from(gm: fx.GraphModule, metas: list[tuple[Any, ...]], kinds: list[str], config: EngineConfig,
-                          state: EngineState, rec: Any, key: str) -> Callable[..., Any]:
-    """Stages 1-5 under Inductor for a graph given as data, on fake inputs made from `metas` (the same in the
-    background process that compiles it first and in the training process that loads it from the caches: their
-    cache keys agree); the pass result is stored under `key`, the key the training process computed. The backward
-    is compiled now, not at its first call."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from graphtrain.pipeline.graph_data import GuardsUnreadable, SizeChecked, rebuild_sizes, size_check
-    from graphtrain.runtime.providers import UnsuitableProvider, compile_inductor
-    env, size = rebuild_sizes(metas)  # static shapes too: Inductor's caches want a shape env to key on
-    mode = FakeTensorMode(shape_env=env)
-    inputs: list[Any] = []
-    with mode:
-        for m in metas:
-            if m[0] == "tensor":
-                _, shape, stride, dtype, device, requires_grad, _ = m
-                t = torch.empty_strided([size(d) for d in shape], [size(d) for d in stride], dtype=dtype,
-                                        device=device)
-                inputs.append(t.requires_grad_(True) if requires_grad else t)
-            elif m[0] == "symint":
-                inputs.append(size(m[1]))
-            else:
-                inputs.append(m[1])
-    with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
-        g = _pre_autodiff(gm, inputs, kinds, config, state, rec, key=key)
-        fn = compile_inductor(g, inputs, config, rec, state)
-    try:
-        check = size_check(env, metas, size)
-    except GuardsUnreadable as e:
-        raise UnsuitableProvider(str(e)) from None
-    return fn if check is None else SizeChecked(fn, check)
-
-
-def _cached_passes(gm: fx.GraphModule, example_inputs: Sequence[Any], kinds: list[str], config: EngineConfig,
-                   state: EngineState, rec: Any, key: str | None = None) -> fx.GraphModule | None:
+def _cached_passes(job: CompileJob) -> fx.GraphModule | None:
     """The pre-autodiff result of an identical graph compiled before (pipeline/cache.py), its pass records added to
-    `state` as if the passes had run; None on a miss (`rec.pass_cache` says which)."""
-    from graphtrain.pipeline.cache import load_pass_result, pass_cache_key
-    try:
-        rec.pass_cache_key = key or pass_cache_key(gm, example_inputs, kinds, config)
-    except Exception:  # noqa: BLE001 - an input the key cannot describe: no caching for this graph
+    the job's state as if the passes had run; None on a miss (`rec.pass_cache` says which)."""
+    from graphtrain.pipeline.cache import load_pass_result
+    config, state, rec = job.config, job.state, job.rec
+    if job.pass_key is None:  # an input the key cannot describe: no caching for this graph
         rec.pass_cache = "off"
         return None
+    rec.pass_cache_key = job.pass_key
     hit = load_pass_result(config, rec.pass_cache_key)
     if hit is None:
         rec.pass_cache = "miss"

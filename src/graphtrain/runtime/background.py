@@ -1,4 +1,4 @@
-"""The background compile process of ``provider: auto`` (runtime/provider_auto.py, ``Tiered``).
+"""The background compile process of ``provider: auto`` (runtime/tiered.py, ``Tiered``).
 
 ``python -m graphtrain.runtime.background FOLDER [PARENT_PID]``: for each ``<i>.job`` in FOLDER (a graph as data, its inputs'
 shapes, its input kinds, the engine config and the pass-cache key the training process computed), compile the
@@ -42,15 +42,16 @@ OWNER = "owner.json"     # in the job folder: who started the child, when, and w
 
 
 def compile_job(data: dict) -> None:
-    from graphtrain.runtime.backend import compile_inductor_from
     from graphtrain.pipeline.cache import _decode_graph, cache_root
-    from graphtrain.runtime.provider_auto import mark_inductor_ready
+    from graphtrain.pipeline.job import CompileJob
     from graphtrain.pipeline.state import EngineState, GraphRecord
+    from graphtrain.runtime.backend import compile_stages
+    from graphtrain.runtime.tiered import compile_inductor_from, mark_inductor_ready
     config = data["config"]
     state = EngineState(config)
     rec = GraphRecord(data["name"], "background compile", 0, [m[1] for m in data["inputs"]], data["kinds"])
-    compile_inductor_from(_decode_graph(data["graph"]), data["inputs"], data["kinds"], config, state, rec,
-                          data["key"])
+    job = CompileJob(_decode_graph(data["graph"]), (), data["kinds"], config, state, rec, key=data["key"])
+    compile_inductor_from(job, data["inputs"], compile_stages)  # its example inputs: fake ones, from the shapes
     mark_inductor_ready(cache_root(config), data["key"])  # for a later process, if this one's parent is gone
 
 
@@ -108,7 +109,7 @@ def main(argv: list[str]) -> int:
         pass
     import graphtrain.kernels  # noqa: F401 - graphtrain's custom ops, which the graphs call
     from graphtrain.pipeline.cache import cache_root, configure_cache
-    from graphtrain.runtime.provider_auto import mark_inductor_timeout
+    from graphtrain.runtime.tiered import mark_inductor_timeout
     jobs = sorted(folder.glob("*.job"), key=lambda p: int(p.stem))
     for path in jobs:
         status = path.with_suffix(".status")
@@ -116,7 +117,7 @@ def main(argv: list[str]) -> int:
             continue
         timed_out = False
         try:
-            # Our own file, written a moment ago by the training process that started us (runtime/provider_auto.py).
+            # Our own file, written a moment ago by the training process that started us (runtime/tiered.py).
             data = pickle.loads(path.read_bytes())  # noqa: S301
             configure_cache(data["config"])
             limit = float(data["config"].background_timeout)
@@ -190,7 +191,7 @@ def stop(pids: list[int] | None = None, grace_s: float = 5.0) -> list[int]:
     stopped. A pid that is not one of them is a ValueError (nothing else is ever signalled)."""
     import shutil
 
-    from graphtrain.runtime.provider_auto import kill_tree
+    from graphtrain.runtime.tiered import kill_tree
     procs = {r["pid"]: r for r in running()}
     if pids:
         unknown = [p for p in pids if p not in procs]
@@ -212,7 +213,7 @@ def stop(pids: list[int] | None = None, grace_s: float = 5.0) -> list[int]:
 
 
 def _is_job_folder(folder: Path) -> bool:
-    """A folder runtime/provider_auto.py made for a child: tempfile's, named graphtrain-precompile-*, with owner.json."""
+    """A folder runtime/tiered.py made for a child: tempfile's, named graphtrain-precompile-*, with owner.json."""
     import tempfile
     return (folder.name.startswith("graphtrain-precompile-") and (folder / OWNER).is_file()
             and folder.resolve().parent == Path(tempfile.gettempdir()).resolve())

@@ -4,23 +4,20 @@ Which provider wins depends on the graph and the machine, not on a rule we could
 2-core AVX2 EPYC (fp32, fused AdamW, SDPA), Inductor's fused elementwise kernels made a reference BERT 1.37x
 faster than eager while a Hugging Face BERT ran at 0.99x and a Llama at 1.00x, where aten's op-by-op execution
 of the same optimized graph costs nothing. So each graph is compiled by both candidates and timed on inputs of
-its own shapes: a warm-up call, then the best of up to ``REPEATS`` forward+backward calls each (fewer once
-``BUDGET_S`` is spent). The faster one runs
-the graph (Inductor keeps ties within ``TIE_MARGIN``: it fuses, and its own cache makes it cheap to load again);
-the times go to the report. The decision is stored next to the pass results (pipeline/cache.py), keyed like them,
-so a warm process compiles the winner only.
+its own shapes and the faster one runs the graph (runtime/measured.py: ``Candidate``, ``Measured``); the times go
+to the report. The decision is stored next to the pass results (pipeline/cache.py), keyed like them, so a warm
+process compiles the winner only. ``choose_provider`` is the whole decision for one graph, from the backend's
+``CompileJob`` (runtime/backend.py).
 
 On a cold cache the first step does not wait for Inductor (``engine.compile_in_background``, the default): each
 graph runs on aten, compiled in about a second, and Inductor compiles in a background process once the model's
 second call begins (the first step runs alone on the cores and its own backward graphs are compiled by then);
 the graph's next call after Inductor is ready loads it from the caches, times both as above and keeps the faster
-(``Tiered``). A
+(runtime/tiered.py ``Tiered``). A
 process that finds the decision stored compiles the winner only: aten's winners before the first step, and an
 Inductor winner from the caches at the module's second call, aten running the first step (``Deferred``: loading
 Inductor costs seconds, aten's compile from the pass cache a fraction of one).
 
-The timing runs on copies of the inputs (parameters never receive these gradients) and under a forked RNG
-(the training run's random stream is untouched); a graph with symbolic sizes is timed at the sizes of that call.
 Graphs that read DTensors (their collectives would need every rank to time in step) keep Inductor, and so do the
 pieces of a graph Dynamo's DDPOptimizer split at DDP's buckets: torch compiles such a piece's backward lazily and
 only when its forward went through torch's own AOTAutograd backend wrapper, which the aten provider does not use
@@ -29,21 +26,22 @@ only when its forward went through torch's own AOTAutograd backend wrapper, whic
 """
 from __future__ import annotations
 
-import json
-import os
+import copy
+import dataclasses
+import pickle
 import time
-import weakref
 from typing import Any, Callable, Sequence
 
-import torch
+from graphtrain.config.fallback import report_fallback
+from graphtrain.config.sections import EngineConfig
+from graphtrain.pipeline.job import CompileJob
+from graphtrain.pipeline.stages import DYNAMO_RESTARTS, compile_with_fallback
+from graphtrain.runtime.measured import CANDIDATES, Candidate, Measured, describe, load_decision
+from graphtrain.runtime.tiered import (Tiered, _next_step, compile_inductor_from, inductor_ready, inductor_timed_out,
+                                       prefetch_inductor_setup, size_checked)
 
-REPEATS = 3
-BUDGET_S = 0.5
-"""Timed calls stop after this much time per candidate (at least one timed call after the warm-up): a large
-model's head graph (GPT-2 Medium's 50k-word softmax) takes ~0.5 s a call, and four calls per candidate would
-add seconds to the first step for a decision a single call already makes."""
-TIE_MARGIN = 1.03
-CANDIDATES = ("inductor", "aten")
+Compile = Callable[[CompileJob], Callable[..., Any]]
+"""Stages 1-5 of a job for its provider (runtime/backend.py compile_stages)."""
 
 
 def measurable(example_inputs: Sequence[Any]) -> bool:
@@ -60,340 +58,176 @@ def under_ddp_optimizer() -> bool:
     return ctx is not None and getattr(ctx, "ddp_optimizer_ctx", None) is not None
 
 
-def _real(x: Any) -> Any:
-    """A real tensor like `x` (a real input, or a fake one of a piece between blocks) that owns its memory, laid out
-    as `x` (its strides)."""
-    if not isinstance(x, torch.Tensor):
-        return x
-    from torch._subclasses.fake_tensor import FakeTensor
-    if isinstance(x, FakeTensor) or x.is_meta:
-        if x.dtype.is_floating_point:
-            out = torch.randn(x.shape, dtype=x.dtype, device=x.device)
-        else:  # indices (embeddings, labels): 0 is valid everywhere
-            out = torch.zeros(x.shape, dtype=x.dtype, device=x.device)
-    else:
-        out = x.detach().clone()
-    if out.stride() != x.stride():  # in `x`'s layout, which a compiled graph asserts (an expanded mask: stride 0)
-        from graphtrain.pipeline.blocks import laid_out_as
-        out = laid_out_as(out, x)
-    return out.requires_grad_(x.requires_grad) if out.dtype.is_floating_point else out
+def choose_provider(job: CompileJob, compile: Compile, requested: EngineConfig) -> Callable[..., Any]:
+    """provider auto for `job`'s graph: compile each candidate now; the first call times them and keeps the faster
+    (or an earlier process's decision for this graph is reused and only its winner compiled). A candidate that
+    fails to compile is reported and left out. `requested`: the config as the user gave it (provider auto), which
+    keys the stored decision."""
+    from graphtrain.pipeline.cache import cache_root, pass_cache_key
+    from graphtrain.runtime.providers import UnsuitableProvider
 
-
-def time_step(fn: Callable[..., Any], example_inputs: Sequence[Any], repeats: int = REPEATS,
-              budget_s: float = BUDGET_S, warmed: bool = False) -> float:
-    """Best of up to `repeats` forward+backward calls of a compiled graph (seconds), after one warm-up call
-    (none when it already ran: `warmed`), stopping once the timed calls took `budget_s`; the forward alone where
-    nothing requires a gradient."""
-    inputs = [_real(x) for x in example_inputs]
-    sync = torch.cuda.synchronize if any(isinstance(x, torch.Tensor) and x.is_cuda for x in inputs) else (
-        lambda: None)
-    best, spent = float("inf"), 0.0
-    with torch.random.fork_rng(devices=[]):
-        for i in range(int(warmed), repeats + 1):
-            if spent > budget_s:
-                break
-            t0 = time.perf_counter()
-            outs = fn(*inputs)
-            outs = outs if isinstance(outs, (list, tuple)) else [outs]
-            grads = [o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad]
-            if grads:
-                torch.autograd.backward(grads, [torch.ones_like(o) for o in grads])
-            sync()
-            if i:
-                dt = time.perf_counter() - t0
-                best, spent = min(best, dt), spent + dt
-            for x in inputs:
-                if isinstance(x, torch.Tensor):
-                    x.grad = None
-    return best
-
-
-class Measured:
-    """The compiled candidates of one graph; the first call times them (on copies of its inputs; forward and
-    backward, or the forward alone for a graph compiled under no_grad) and keeps the faster. Timing happens at
-    run time because running a compiled backward inside Dynamo's
-    compile (where the backend is called) is not allowed. `rec` (the graph's record) ends up describing the
-    winner: each candidate brings the record as its compile left it, completed by its timed calls (Inductor
-    compiles a backward at its first call)."""
-
-    def __init__(self, candidates: dict[str, tuple[Callable[..., Any], dict[str, Any], list[Any]]], rec: Any,
-                 folder: Any, key: str | None, state: Any, warmed: frozenset[str] = frozenset()) -> None:
-        self.candidates, self.rec, self.folder, self.key, self.state = candidates, rec, folder, key, state
-        self.warmed = warmed  # candidates that already ran in this process: timed without a warm-up call
-        self.chosen: Callable[..., Any] | None = None
-
-    def __call__(self, *args: Any) -> Any:
-        if self.chosen is None:  # Dynamo compiles a graph per grad mode: an eval graph is timed forward only
-            self._choose(args)
-        return self.chosen(*args)
-
-    def _choose(self, args: Sequence[Any]) -> None:
-        import copy
-        compile_seconds = self.rec.compile_seconds  # set once both candidates compiled: not a candidate's field
-        times, records = {}, {}
-        for p, (fn, record, _) in self.candidates.items():
-            self.rec.__dict__.update(record)
-            times[p] = time_step(fn, args, warmed=p in self.warmed)
-            records[p] = copy.copy(self.rec.__dict__)
-        choice = decide(times)
-        self.rec.__dict__.update(records[choice])
-        self.rec.compile_seconds = compile_seconds
-        self.rec.provider, self.rec.provider_times = choice, times
-        self.rec.notes = [*self.rec.notes, describe(times, choice, cached=False)]
-        if self.key is not None:
-            save_decision(self.folder, self.key, choice, times)
-        losers = {id(r) for p, (_, _, passes) in self.candidates.items() if p != choice for r in passes}
-        self.state.passes[:] = [r for r in self.state.passes if id(r) not in losers]
-        self.chosen = self.candidates[choice][0]
-        self.candidates = {}  # the loser's compiled code is released
-
-
-def decide(times: dict[str, float]) -> str:
-    """The faster provider; Inductor unless another beats it by more than TIE_MARGIN."""
-    best = min(times, key=times.get)
-    if "inductor" in times and times[best] * TIE_MARGIN >= times["inductor"]:
-        return "inductor"
-    return best
-
-
-def describe(times: dict[str, float], choice: str, cached: bool) -> str:
-    measured = ", ".join(f"{p} {1e3 * t:.2f} ms" for p, t in sorted(times.items(), key=lambda kv: kv[1]))
-    return (f"provider auto -> {choice}: per call (forward, and backward in training) {measured} (best of up to "
-            f"{REPEATS}"
-            f"{', decided by an earlier process' if cached else ''})")
-
-
-def _path(folder: Any, key: str) -> Any:
-    return folder / "providers" / f"{key}.json"
-
-
-def load_decision(folder: Any, key: str) -> dict[str, Any] | None:
+    config, state, rec = job.config, job.state, job.rec
+    folder = cache_root(config)
     try:
-        d = json.loads(_path(folder, key).read_text())
-        return d if d.get("choice") in CANDIDATES else None
-    except (OSError, ValueError, AttributeError):
-        return None
+        key = pass_cache_key(job.gm, job.example_inputs, job.kinds, requested)
+    except Exception:  # noqa: BLE001 - inputs the key cannot describe: decide anew each process
+        key = None
+    stored = load_decision(folder, key) if key else None
 
+    def compile_one(p: str) -> Callable[..., Any]:
+        return compile(job.for_provider(p))
 
-def save_decision(folder: Any, key: str, choice: str, times: dict[str, float]) -> None:
-    path = _path(folder, key)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"choice": choice, "times": times}))
-        os.replace(tmp, path)
-    except OSError:
-        pass
-
-
-# ------------------------------------------------------------------------------------- tiered compile --
-#
-# Why a process and not a thread: FX's tracer (make_fx, used by AOTAutograd and by Inductor's pattern matcher while
-# it compiles) patches torch.nn.Module.__call__ for the whole process and sets a process-wide "FX is tracing" flag
-# under which a Dynamo-compiled call raises. Tried first with a thread: the training step's next forward failed
-# with "Detected that you are using FX to symbolically trace a dynamo-optimized function". A child process shares
-# nothing but the cache folders: it compiles Inductor from the graph as data, filling graphtrain's pass cache and
-# Inductor's own caches; the training process then compiles the same graph from those caches in a fraction of a
-# second.
-
-
-def _ready_path(folder: Any, key: str) -> Any:
-    return folder / "providers" / f"{key}.inductor-ready"
-
-
-def mark_inductor_ready(folder: Any, key: str) -> None:
-    """Record that the background compile of the graph with pass-cache key `key` (under Inductor) is in the caches.
-    The decision itself needs the training process's timing; a process that ended before it could time both
-    leaves this mark, so the next one loads Inductor at its second step instead of compiling it again."""
-    try:
-        path = _ready_path(folder, key)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.touch()
-    except OSError:
-        pass
-
-
-def inductor_ready(folder: Any, key: str) -> bool:
-    return _ready_path(folder, key).exists()
-
-
-def _timeout_path(folder: Any, key: str) -> Any:
-    return folder / "providers" / f"{key}.inductor-timeout"
-
-
-def mark_inductor_timeout(folder: Any, key: str, seconds: float) -> None:
-    """Record that the background compile of the graph with pass-cache key `key` outlived `seconds`
-    (engine.background_timeout; runtime/background.py), so that a later process does not spend them again."""
-    try:
-        path = _timeout_path(folder, key)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(f"{seconds!r}\n")
-        os.replace(tmp, path)
-    except OSError:
-        pass
-
-
-def inductor_timed_out(folder: Any, key: str, seconds: float) -> float | None:
-    """The limit an earlier background compile of this graph outlived, if that limit was at least `seconds` (a
-    limit of 0 is none: never timed out); None where compiling again may finish in time."""
-    try:
-        limit = float(_timeout_path(folder, key).read_text())
-    except (OSError, ValueError):
-        return None
-    return limit if seconds > 0 and limit >= seconds else None
-
-
-def _next_step(state: Any, calls: int, rec: Any) -> bool:
-    """Whether the module's first step is over: its call count (frontend/accelerate.py), or, without it
-    (``torch.compile(backend="graphtrain")``), more calls of this graph than one step makes."""
-    return state.calls >= 1 or calls > max(1, int(getattr(rec, "calls_per_step", 1) or 1))
-
-
-_PREFETCHED = False
-
-
-def prefetch_inductor_setup() -> None:
-    """Start, in background threads, the once-per-process work of the first Inductor compile or cache load, so that
-    it overlaps the steps aten runs before the switch: the hashes of torch's and Triton's sources that key Inductor's
-    caches (torch's own ``prefetchable_cache.prefetch``) and the CPU vector-ISA probe (a compile and a child Python
-    that loads it). Measured on the 4-layer HF Llama warm start (2-core AVX2 EPYC), the switching step went from
-    3.1-3.7 s to 2.4-2.6 s; the first step did not change beyond noise. Imports happen here, in the calling thread:
-    a thread that imports while the user's program forks (DataLoader workers) could leave the child the import
-    lock."""
-    global _PREFETCHED
-    if _PREFETCHED:
-        return
-    _PREFETCHED = True
-    import threading
-
-    from torch._inductor import cpu_vec_isa
-    from torch._inductor.runtime import triton_compat  # noqa: F401 - imported here, not in the thread (above)
-
-    from graphtrain.config.torch_compat import inductor_cache_key_functions
-    for key in inductor_cache_key_functions():
-        prefetch = getattr(key, "prefetch", None)  # torch.utils._functools.prefetchable_cache, where this torch has it
-        if prefetch is not None:
-            prefetch()
-
-    def probe() -> None:
+    if stored is not None and stored["choice"] == "inductor" and config.compile_in_background:
+        deferred = _deferred(job, compile, stored)
+        if deferred is not None:
+            return deferred
+    if stored is not None:
+        compiled, rec.provider = compile_with_fallback(
+            [stored["choice"]] + [p for p in CANDIDATES if p != stored["choice"]], compile_one,
+            part=f"{rec.name} ({rec.frame})", config=config, state=state)
+        rec.provider_times = stored["times"]
+        rec.notes.append(describe(stored["times"], rec.provider, cached=True))
+        return compiled
+    if rec.inference and config.compile_in_background and any(not g.inference for g in state.graphs):
+        # An evaluation graph of a module that trains: a background compile of it would share the CPU with the
+        # training steps for tens of seconds (the default 400-step job: steps 200-230, right after its first
+        # evaluation, at 0.6-1.2 s against 0.35 s, ~17 s lost on the 2-core AVX2 EPYC) to speed up a few forward
+        # passes per evaluation. aten runs it; a decision an earlier process stored (above) still applies.
+        compiled, rec.provider = compile_with_fallback(
+            ["aten", *[p for p in CANDIDATES if p != "aten"]], compile_one, part=f"{rec.name} ({rec.frame})",
+            config=config, state=state)
+        rec.notes.append("provider auto: an evaluation (no_grad) graph of a module that trains runs on aten, "
+                         "without a background compile")
+        return compiled
+    if config.compile_in_background and set(CANDIDATES) == {"aten", "inductor"}:
+        tiered = _tiered(job, compile, folder, key)
+        if tiered is not None:
+            return tiered
+    candidates: list[Candidate] = []
+    for p in CANDIDATES:
+        n_passes = len(state.passes)
         try:
-            cpu_vec_isa.pick_vec_isa()
-        except Exception:  # noqa: BLE001 - only a head start: Inductor runs (and reports) the probe itself
-            pass
-
-    thread = threading.Thread(target=probe, name="graphtrain-vec-isa-probe", daemon=True)
-    thread.start()
-    import atexit
-    # the probe runs a compiler and a Python: waited for at exit (a second or two at most), so that no process of
-    # graphtrain's outlives the command (measured: a g++ of the probe was still running after a 4-step run returned)
-    atexit.register(thread.join, 60.0)
-
-
-class Tiered:
-    """provider auto on a cold cache: the graph runs on aten (`aten`: its candidate tuple, as in ``Measured``) from
-    its first call. From the module's second call a child process (``graphtrain.runtime.background``) compiles
-    `job` (the graph as data) with Inductor into the caches; the first call after it finished compiles Inductor
-    here from them (`compile_inductor()`, returning its candidate tuple), times both candidates on that call's
-    inputs and keeps the faster (``Measured``). An Inductor that failed or refused the graph leaves aten running
-    it: a fallback under the module's fallback policy, or a note for a refusal. An empty `job` means an earlier
-    process's background compile already put Inductor in the caches (``inductor_ready``): no child; the switch
-    happens at the module's second call."""
-
-    def __init__(self, aten: tuple[Callable[..., Any], dict[str, Any], list[Any]],
-                 compile_inductor: Callable[[], tuple[Callable[..., Any], dict[str, Any], list[Any]]], job: bytes,
-                 rec: Any, folder: Any, key: str | None, state: Any, config: Any) -> None:
-        self.aten, self.compile_inductor, self.job = aten, compile_inductor, job
-        self.rec, self.folder, self.key, self.state, self.config = rec, folder, key, state, config
-        self.calls = 0
-        self.status: tuple[str, str] | None = None  # the child's word on this graph: ("done" | <error type>, text)
-        self.chosen: Callable[..., Any] | None = None
-        self.cached = not job  # compiled by an earlier process
-        if self.cached:
-            prefetch_inductor_setup()  # the switch comes at the next step; a cold start's when its child has spawned
-        else:
-            worker(state).add(self)
-
-    def __call__(self, *args: Any) -> Any:
-        if self.chosen is not None:
-            return self.chosen(*args)
-        self.calls += 1
-        if not self.cached:
-            worker(self.state).poll(self)
-        elif _next_step(self.state, self.calls, self.rec):
-            self.status = ("done", "")
-        if self.status is not None:
-            self._decide(args)
-            return self.chosen(*args)
-        return self.aten[0](*args)
-
-    def _decide(self, args: Sequence[Any]) -> None:
-        import copy
-
-        from graphtrain.config.fallback import report_fallback
-        rec, aten_fn, (kind, text) = self.rec, self.aten[0], self.status
-        seconds = worker(self.state).seconds
-        result: Any = None
-        if kind == "done":
-            t0 = time.perf_counter()
-            try:
-                result = self.compile_inductor()
-            except Exception as e:  # noqa: BLE001 - reported below, aten keeps the graph
-                kind, text = type(e).__name__, str(e)
-            load = time.perf_counter() - t0
-        if result is None:
-            self.chosen, rec.provider, self.aten = aten_fn, "aten", None
-            if kind in ("UnsuitableProvider", "stopped", "timeout"):
-                rec.notes = [*rec.notes, f"provider auto -> aten: inductor is not a candidate ({text})"]
-            else:
-                report_fallback(f"provider inductor on {rec.name} ({rec.frame})", f"{kind}: {text[:300]}",
-                                self.config, what="is not a candidate for provider auto (aten runs it)",
-                                sink=self.state.fallbacks)
-            return
-        fn, note = size_checked(result[0], aten_fn)
-        result = (fn, {**result[1], "notes": [*result[1]["notes"], *note]}, result[2])
-        # aten's record as its first calls completed it (its backward was compiled at the first backward)
-        aten = (aten_fn, copy.copy(rec.__dict__), self.aten[2])
-        self.aten = None
-        # aten ran this graph's earlier calls: timed without the warm-up call (at the switch, one step's worth less)
-        measured = Measured({"aten": aten, "inductor": result}, rec, self.folder, self.key, self.state,
-                            warmed=frozenset({"aten"}))
-        measured._choose(args)
-        where = ("by an earlier process's background compile" if self.cached else
-                 f"in a background process ({seconds:.1f} s for its graphs)")
-        rec.notes = [*rec.notes, f"tiered compile: aten ran the first {self.calls - 1} call(s); Inductor compiled "
-                                 f"{where}, loaded here in {load:.2f} s"]
-        self.chosen = measured.chosen
+            fn = compile_one(p)
+        except UnsuitableProvider as e:  # known to run this graph wrongly: not a failure of auto, a rule
+            rec.notes.append(f"provider auto: {p} is not a candidate ({e})")
+            continue
+        except DYNAMO_RESTARTS:
+            raise
+        except Exception as e:  # noqa: BLE001 - the other candidate still runs the graph
+            report_fallback(f"provider {p} on {rec.name} ({rec.frame})", f"{type(e).__name__}: {str(e)[:300]}",
+                            config, what="is not a candidate for provider auto", sink=state.fallbacks)
+            continue
+        # the record as this candidate left it, and its pass records (the loser's are dropped from the report)
+        candidates.append(Candidate(p, fn, copy.copy(rec.__dict__), state.passes[n_passes:]))
+    if not candidates:
+        raise RuntimeError(f"no provider compiled {rec.name}: see the fallbacks")
+    if len(candidates) == 1:
+        rec.provider = candidates[0].provider
+        return candidates[0].compiled
+    rec.provider = "auto (measured at the first call)"
+    return Measured(candidates, rec, folder, key, state)
 
 
-def size_checked(fn: Callable[..., Any], aten_fn: Callable[..., Any]) -> tuple[Callable[..., Any], list[str]]:
-    """(`fn` (Inductor's code loaded from data) for the calls whose sizes its compile assumed and `aten_fn` for the
-    others, the note that says so) for a symbolic graph compiled in a ShapeEnv of its own (graph_data.SizeChecked);
-    (`fn`, []) for any other."""
-    from graphtrain.pipeline.graph_data import SizeChecked
-    if not isinstance(fn, SizeChecked):
-        return fn, []
-    inductor, check = fn.fn, fn.check
+def _inductor_loader(job: CompileJob, compile: Compile) -> tuple[bytes, Callable[[], Candidate], str]:
+    """(the graph as a background job, a function that compiles it under Inductor in this process, the job's pass-cache
+    key) for provider auto's tiered and deferred paths: both compile from the graph as data on fake inputs
+    (tiered.compile_inductor_from), so the background process that fills the caches and this process that loads from
+    them agree on every cache key. The loader returns Inductor's ``Candidate``. Raises when the graph is not plain
+    data."""
+    from graphtrain.pipeline.cache import _encode_graph
+    from graphtrain.pipeline.graph_data import input_metas, symbolic_inputs
+    inductor = job.for_provider("inductor")
+    metas = input_metas(symbolic_inputs(job.gm, job.example_inputs))
+    inductor_key = inductor.pass_key
+    if inductor_key is None:
+        raise ValueError(f"{job.rec.name}: its inputs have no pass-cache key")
+    inductor = dataclasses.replace(inductor, key=inductor_key)
+    payload = pickle.dumps({"graph": _encode_graph(job.gm), "inputs": metas, "kinds": job.kinds,
+                            "config": inductor.config, "key": inductor_key, "name": job.rec.name})
+    rec, state = job.rec, job.state
 
-    def run(*args: Any) -> Any:
-        return inductor(*args) if check(args) else aten_fn(*args)
-    return run, [f"Inductor's code assumes {check.guards} (the guards of its compile): calls of other sizes run on "
-                 f"aten"]
+    def compile_inductor() -> Candidate:
+        r = copy.copy(rec)
+        r.notes = list(rec.notes)
+        n = len(state.passes)
+        f = compile_inductor_from(dataclasses.replace(inductor, rec=r), metas, compile)
+        return Candidate("inductor", f, copy.copy(r.__dict__), [x for x in state.passes[n:] if x.graph == rec.name])
+
+    return payload, compile_inductor, inductor_key
+
+
+def _aten_candidate(job: CompileJob, compile: Compile) -> Candidate | None:
+    """aten's ``Candidate`` (compiled now), or None when aten does not compile the graph (its pass records are
+    dropped: the synchronous path then tries, and reports, every provider)."""
+    state = job.state
+    n_passes = len(state.passes)
+    try:
+        fn = compile(job.for_provider("aten"))
+    except DYNAMO_RESTARTS:
+        raise
+    except Exception:  # noqa: BLE001 - reported by the synchronous path
+        del state.passes[n_passes:]
+        return None
+    return Candidate("aten", fn, copy.copy(job.rec.__dict__), state.passes[n_passes:])
+
+
+def _tiered(job: CompileJob, compile: Compile, folder: Any, key: str | None) -> Callable[..., Any] | None:
+    """provider auto without a stored decision: aten now, Inductor compiled by a background process and loaded
+    from the caches when it is done (``Tiered``); None when the graph cannot be sent (not plain data, or no
+    pass-cache key) or aten does not compile it: then both are compiled now."""
+    if key is None:
+        return None
+    try:
+        payload, compile_inductor, inductor_key = _inductor_loader(job, compile)
+    except Exception:  # noqa: BLE001 - a graph that is not plain data: compiled here and now
+        return None
+    aten = _aten_candidate(job, compile)
+    if aten is None:
+        return None
+    rec, config = job.rec, job.config
+    if inductor_ready(folder, inductor_key):  # an earlier process's background compile finished it
+        rec.provider = "aten (provider auto: Inductor is in the caches, loaded and measured at the next step)"
+        payload = b""
+    elif (timed_out := inductor_timed_out(folder, inductor_key, config.background_timeout)) is not None:
+        # an earlier process's background compile of it outlived the limit: not again
+        rec.provider = "aten"
+        rec.notes.append(f"provider auto -> aten: inductor is not a candidate (an earlier background compile of this "
+                         f"graph took more than {timed_out:g} s, engine.background_timeout, and was stopped; raise the "
+                         f"limit (0: none) to compile it again)")
+        return aten.compiled
+    else:
+        rec.provider = "aten (provider auto: Inductor compiles in a background process, measured when ready)"
+    return Tiered(aten, compile_inductor, payload, rec, folder, key, job.state, config)
+
+
+def _deferred(job: CompileJob, compile: Compile, stored: dict[str, Any]) -> Callable[..., Any] | None:
+    """provider auto with a stored decision for Inductor (a warm start): aten runs the first step, Inductor is
+    loaded from the caches at the module's next call (``Deferred``). None where the graph is not plain data or
+    aten does not compile it: then the winner is compiled now."""
+    try:
+        _, load, _ = _inductor_loader(job, compile)
+    except Exception:  # noqa: BLE001 - compiled here and now
+        return None
+    aten = _aten_candidate(job, compile)
+    if aten is None:
+        return None
+    job.rec.provider = "aten (provider auto: the stored winner, Inductor, loads from the caches at the next call)"
+    return Deferred(aten, load, stored, job.rec, job.state, job.config)
 
 
 class Deferred:
     """provider auto on a warm start whose stored decision is Inductor: the graph runs on aten (`aten`: its
-    candidate tuple, compiled before the first step in a fraction of a second from the pass cache) for the first
+    ``Candidate``, compiled before the first step in a fraction of a second from the pass cache) for the first
     step, and from the module's second call (or, without the module's count, the graph's first call after a
     step's worth of calls) on the stored winner, loaded from the caches by `load()`. Loading Inductor is most of
     a warm start: importing its compiler, the compiled modules and AOTAutograd's cache keys took 3.6 s of a
     12.8 s warm first step on GPT-2 Medium (2-core Zen 4). Nothing is timed again: the stored decision stands. A
     winner that fails to load leaves aten running the graph, reported under the module's fallback policy."""
 
-    def __init__(self, aten: tuple[Callable[..., Any], dict[str, Any], list[Any]],
-                 load: Callable[[], tuple[Callable[..., Any], dict[str, Any], list[Any]]], stored: dict[str, Any],
-                 rec: Any, state: Any, config: Any) -> None:
-        self.aten, self.load, self.stored = aten, load, stored
+    def __init__(self, aten: Candidate, load: Callable[[], Candidate], stored: dict[str, Any], rec: Any, state: Any,
+                 config: Any) -> None:
+        self.aten: Candidate | None = aten
+        self.load, self.stored = load, stored
         self.rec, self.state, self.config = rec, state, config
         self.calls = 0
         self.chosen: Callable[..., Any] | None = None
@@ -406,15 +240,14 @@ class Deferred:
         if _next_step(self.state, self.calls, self.rec):
             self._switch()
             return self.chosen(*args)
-        return self.aten[0](*args)
+        return self.aten.compiled(*args)
 
     def _switch(self) -> None:
-        from graphtrain.config.fallback import report_fallback
-        rec, (aten_fn, _, aten_passes) = self.rec, self.aten
+        rec, aten_fn, aten_passes = self.rec, self.aten.compiled, self.aten.passes
         self.aten = None
         t0 = time.perf_counter()
         try:
-            fn, record, _ = self.load()
+            inductor = self.load()
         except Exception as e:  # noqa: BLE001 - aten keeps the graph
             self.chosen, rec.provider = aten_fn, "aten"
             report_fallback(f"provider inductor on {rec.name} ({rec.frame})", f"{type(e).__name__}: {str(e)[:300]}",
@@ -423,8 +256,8 @@ class Deferred:
             return
         load = time.perf_counter() - t0
         compile_seconds = rec.compile_seconds
-        rec.__dict__.update(record)
-        fn, note = size_checked(fn, aten_fn)
+        rec.__dict__.update(inductor.record)
+        fn, note = size_checked(inductor.compiled, aten_fn)
         rec.compile_seconds = compile_seconds
         rec.provider, rec.provider_times = "inductor", self.stored["times"]
         rec.notes = [*rec.notes, *note, describe(self.stored["times"], "inductor", cached=True),
@@ -434,200 +267,3 @@ class Deferred:
         self.state.passes[:] = [r for r in self.state.passes if id(r) not in dropped]
         self.chosen = fn
 
-
-class _Worker:
-    """The background compiles of one engine state: one child process at a time compiles the jobs queued when it
-    started (graphs met later go to the next one). Jobs are weak references: a module that was dropped is not
-    compiled for. A child still running when the training process exits finishes or is stopped, as
-    ``engine.background_at_exit`` says (``_at_exit``)."""
-
-    def __init__(self, state: Any) -> None:
-        self.state_ref = weakref.ref(state)
-        self.queued: list[weakref.ref[Tiered]] = []
-        self.running: list[weakref.ref[Tiered]] = []
-        self.started = False
-        self.proc: Any = None
-        self.folder: Any = None
-        self.t0 = 0.0
-        self.seconds = 0.0
-
-    def add(self, job: Tiered) -> None:
-        self.queued.append(weakref.ref(job))
-
-    def poll(self, job: Tiered) -> None:
-        """Start at the module's second call (frontend/accelerate.py counts finished calls), or, without that count
-        (``torch.compile(backend="graphtrain")``), at the first graph's second call; collect what a finished
-        child said."""
-        if not self.started:
-            state = self.state_ref()
-            first = self.queued[0]() if self.queued else None
-            if not ((state is not None and state.calls >= 1) or (first is job and job.calls >= 2)):
-                return
-            self.started = True
-        if self.proc is not None and self.proc.poll() is not None:
-            self._collect()
-        if self.proc is None and self.queued:
-            self._spawn()
-
-    def _spawn(self) -> None:
-        import atexit
-        import subprocess
-        import sys
-        import tempfile
-        from pathlib import Path
-        jobs = [r for r in self.queued if r() is not None]
-        self.queued = []
-        if not jobs:
-            return
-        self.folder = Path(tempfile.mkdtemp(prefix="graphtrain-precompile-"))
-        for i, ref in enumerate(jobs):
-            job = ref()
-            (self.folder / f"{i}.job").write_bytes(job.job)
-            job.job = b""  # the child has it now
-        del job
-        self.running = jobs
-        self.t0 = time.perf_counter()
-        state = self.state_ref()
-        finish = state is not None and finish_at_exit(state.config)
-        (self.folder / "owner.json").write_text(json.dumps({
-            "parent_pid": os.getpid(), "command": " ".join(sys.argv)[:300], "started": time.time(),
-            "detached": finish}))
-        # Its own process group (it and its Inductor compile workers are stopped together, background.kill_tree);
-        # `finish`: its own session too, so that it outlives this process and its terminal (runtime/background.py)
-        with open(self.folder / "stderr.txt", "wb") as err:
-            self.proc = subprocess.Popen([sys.executable, "-m", "graphtrain.runtime.background", str(self.folder),
-                                          str(os.getpid()), *(["--detach"] if finish else [])],
-                                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
-                                         start_new_session=finish, **_own_group(finish))
-        self.proc.graphtrain_folder = self.folder
-        self.proc.graphtrain_finish = finish
-        _CHILDREN.append(self.proc)
-        if not _AT_EXIT:
-            _AT_EXIT.append(atexit.register(_at_exit))
-        prefetch_inductor_setup()  # this process loads what the child compiles
-
-    def _collect(self) -> None:
-        import shutil
-        self.seconds = time.perf_counter() - self.t0
-        if self.proc in _CHILDREN:
-            _CHILDREN.remove(self.proc)
-        code = self.proc.returncode
-        for i, ref in enumerate(self.running):
-            job = ref()
-            if job is None:
-                continue
-            status = self.folder / f"{i}.status"
-            try:
-                kind, _, text = status.read_text().partition("\n")
-            except OSError:
-                if getattr(self.proc, "graphtrain_stopped", False):
-                    job.status = ("stopped", "its background compile process was stopped")
-                    continue
-                err = (self.folder / "stderr.txt").read_text(errors="replace")[-600:].strip()
-                kind, text = "ChildProcessError", f"the compile process exited with code {code}: {err}"
-            job.status = (kind, text)
-        shutil.rmtree(self.folder, ignore_errors=True)
-        self.proc, self.running = None, []
-
-
-def _own_group(detached: bool) -> dict[str, Any]:
-    """Popen's argument for a process group of the child's own (Python 3.11+; on 3.10 the child stays in ours and
-    is stopped alone, its Inductor workers following when they see it gone). A detached child has its session."""
-    import sys
-    return {"process_group": 0} if not detached and sys.version_info >= (3, 11) else {}
-
-
-_CHILDREN: list[Any] = []
-_AT_EXIT: list[Any] = []
-
-
-AT_EXIT_ENV = "GRAPHTRAIN_BACKGROUND_AT_EXIT"
-FINISH_NICE = 10
-
-
-def finish_at_exit(config: Any) -> bool:
-    """Whether a background compile of an engine with `config` goes on after the training process exits
-    (``engine.background_at_exit``, overridden by $GRAPHTRAIN_BACKGROUND_AT_EXIT when that is finish or stop)."""
-    env = os.environ.get(AT_EXIT_ENV, "").strip().lower()
-    if env in ("finish", "stop"):
-        return env == "finish"
-    if env:
-        import warnings
-        warnings.warn(f"{AT_EXIT_ENV}={env!r} is ignored: set it to finish or stop (engine.background_at_exit="
-                      f"{config.background_at_exit} applies)", stacklevel=2)
-    return config.background_at_exit == "finish"
-
-
-def _at_exit() -> None:
-    """At the training process's exit: each background compile still running whose engine says ``finish`` (it was
-    started detached) goes on, reniced to FINISH_NICE, and removes its own folder when done (runtime/background.py);
-    its results land in the caches for the next run. Every other one is stopped with its compile workers (the
-    default, ``stop``): nothing of graphtrain's outlives the command. Written by hand: a child that outlives its
-    parent is plain POSIX (no library involved)."""
-    import sys
-    finishing = [p for p in _CHILDREN if p.poll() is None and getattr(p, "graphtrain_finish", False)]
-    for proc in finishing:
-        _CHILDREN.remove(proc)
-        try:
-            os.setpriority(os.PRIO_PROCESS, proc.pid, max(FINISH_NICE, os.getpriority(os.PRIO_PROCESS, proc.pid)))
-        except (OSError, AttributeError):  # not POSIX, or the child just ended: nothing to lower
-            pass
-    if finishing:
-        pids = ", ".join(str(p.pid) for p in finishing)
-        print(f"graphtrain: the background Inductor compile (pid {pids}) finishes after this process, at low "
-              f"priority, as engine.background_at_exit=finish asks, so that the next run starts from its results; "
-              f"`graphtrain cache list` shows it, `graphtrain cache stop` ends it (engine.background_at_exit=stop, "
-              f"the default, ends it with the run)", file=sys.stderr)
-    stop_background()
-
-
-def stop_background() -> None:
-    """Stop every background compile process of this process (at exit; tests call it between tests). A graph
-    whose child was stopped keeps running on aten."""
-    import shutil
-    import signal
-    while _CHILDREN:
-        proc = _CHILDREN.pop()
-        if proc.poll() is None:
-            proc.graphtrain_stopped = True
-            kill_tree(proc.pid, signal.SIGKILL)  # its group: the child and the Inductor workers it started
-            proc.wait()
-        shutil.rmtree(proc.graphtrain_folder, ignore_errors=True)  # also a finished child's that was not collected
-
-
-def kill_tree(pid: int, sig: int) -> None:
-    """Send `sig` to `pid`'s process group when `pid` leads one (a child started with its own group: its Inductor
-    compile workers are in it), else to `pid` alone."""
-    try:
-        if os.getpgid(pid) == pid:
-            os.killpg(pid, sig)
-        else:
-            os.kill(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def worker(state: Any) -> _Worker:
-    w = getattr(state, "background", None)
-    if w is None:
-        w = state.background = _Worker(state)
-    return w
-
-
-def wait_background(state: Any, timeout: float | None = None) -> bool:
-    """Start the background compiles of an engine state now if they have not started, and wait until the child
-    finished (True) or `timeout` seconds passed (False). The graphs switch to the winner at their next call."""
-    import subprocess
-    w = worker(state)
-    w.started = True
-    deadline = None if timeout is None else time.perf_counter() + timeout
-    while True:
-        if w.proc is None and w.queued:
-            w._spawn()
-        if w.proc is None:
-            return True
-        try:
-            w.proc.wait(None if deadline is None else max(0.0, deadline - time.perf_counter()))
-        except subprocess.TimeoutExpired:
-            return False
-        w._collect()

@@ -37,6 +37,7 @@ from graphtrain.pipeline.cache import source_digest
 from graphtrain.config.fallback import report_fallback
 from graphtrain.pipeline.stages import StepLayout, autodiff, partition_fn, run_passes, user_outputs
 from graphtrain.pipeline.stages import layout as step_layout
+from graphtrain.pipeline.job import CompileJob
 from graphtrain.pipeline.state import EngineState, GraphRecord
 from graphtrain.kernels import capability
 from graphtrain.memory.predict import predict_peak
@@ -105,10 +106,11 @@ def predict_memory(fw: fx.GraphModule, bw: fx.GraphModule, layout: StepLayout, r
                                 optimizer="adamw")
 
 
-def compile_aten(gm: fx.GraphModule, example_inputs: Sequence[Any], config: EngineConfig, rec: GraphRecord,
-                 state: EngineState) -> Callable[..., Any]:
-    """The pipeline's autodiff stage as is (FX code run op by op), with the step's peak memory predicted."""
-    return autodiff(gm, example_inputs, config, state, rec,
+def compile_aten(job: CompileJob) -> Callable[..., Any]:
+    """The pipeline's autodiff stage as is (FX code run op by op) on the job's pre-autodiff graph, with the step's
+    peak memory predicted."""
+    rec = job.rec
+    return autodiff(job.gm, job.example_inputs, job.config, job.state, rec,
                     on_graphs=lambda fw, bw, lay: predict_memory(fw, bw, lay, rec))
 
 
@@ -205,10 +207,9 @@ def _replace_graph(graph: fx.Graph, new: fx.Graph) -> None:
     graph.output(out)
 
 
-def compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], config: EngineConfig, rec: GraphRecord,
-                     state: EngineState) -> Callable[..., Any]:
-    """recompute=none keeps Inductor's own min-cut partition: it recomputes only ops it fuses into backward
-    kernels, which costs no extra kernel and saves memory, so there is nothing for `none` to switch off.
+def compile_inductor(job: CompileJob) -> Callable[..., Any]:
+    """``compile_fx`` on the job's pre-autodiff graph. recompute=none keeps Inductor's own min-cut partition: it
+    recomputes only ops it fuses into backward kernels, which costs no extra kernel and saves memory, so there is nothing for `none` to switch off.
     selective|full|auto replace it with graphtrain's recompute partitioner (Inductor's
     ``custom_partitioner_fn``, run after Inductor's joint-graph passes), so the modes, the budget and the
     decision records are the aten provider's. A torch without that hook reports the mode once through the
@@ -216,6 +217,7 @@ def compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], config: 
     import torch._inductor.config as inductor_config
     from torch._inductor.compile_fx import compile_fx
 
+    gm, example_inputs, config, rec, state = job.gm, job.example_inputs, job.config, job.rec, job.state
     check_inductor(gm, example_inputs)
     layout = step_layout(gm, example_inputs, rec.input_kinds)
     patches: dict[str, Any] = {"fallback_random": True,

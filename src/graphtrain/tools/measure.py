@@ -142,7 +142,7 @@ def _allocator(a: argparse.Namespace) -> str:
     """engine.cpu_allocator for this measurement's process (memory/allocator.py apply), the same for every mode
     unless a flag says otherwise, so that two modes compared run under one setting: `--allocator`, else release with
     --pin-malloc, keep with --keep-malloc, else glibc's default (what a user's eager loop runs under). What graphtrain
-    itself would set (release under recompute and memory budgets, keep without: runtime/backend.py allocator_mode) is
+    itself would set (release under recompute and memory budgets, keep without: runtime/allocator.py allocator_mode) is
     one flag away, and a comparison gives that flag to eager too."""
     if a.allocator:
         return a.allocator
@@ -157,7 +157,7 @@ def _pinned(a: argparse.Namespace) -> bool:
 def _child(a: argparse.Namespace) -> dict[str, Any]:
     import torch
     torch.set_num_threads(a.threads)
-    from graphtrain.runtime.backend import set_cpu_allocator
+    from graphtrain.runtime.allocator import set_cpu_allocator
     set_cpu_allocator(_allocator(a), block_cache=False if a.no_block_cache else None)  # set here: accelerate keeps it
     base_kib = _rss_kib()
     if a.model.startswith("hf-lm:") and a.mode == "graphtrain":

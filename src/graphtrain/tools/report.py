@@ -81,7 +81,7 @@ class Report:
     """The repeated stacks compiled once per block (pipeline/blocks.py), e.g. "transformer.h (12 x GPT2Block)"."""
     notes: list[str] | None = None
     allocator: dict[str, Any] | None = None
-    """This process's CPU allocator (set once, at the first CPU compile; runtime/backend.py set_cpu_allocator):
+    """This process's CPU allocator (set once, at the first CPU compile; runtime/allocator.py set_cpu_allocator):
     ``mode`` (keep, release or default), ``huge_pages`` and, under the block cache, its counters
     (memory/allocator.py block_cache_stats). None before any CPU compile."""
     first_step_memory: dict[str, Any] | None = None
@@ -232,9 +232,9 @@ def _with_user_names(rep: Report, module: torch.nn.Module | None) -> Report:
 
 
 def _allocator_state() -> dict[str, Any] | None:
-    from graphtrain.runtime import backend
+    from graphtrain.runtime.allocator import cpu_allocator_set
     from graphtrain.memory import allocator
-    if (mode := backend.cpu_allocator_set()) is None:
+    if (mode := cpu_allocator_set()) is None:
         return None
     cache, error = None, None
     if allocator.block_cache_on():

@@ -1,0 +1,163 @@
+"""``provider: auto``'s measurement: a graph's compiled candidates (``Candidate``) timed on a call's inputs, the
+faster kept (``Measured``), the decision stored next to the pass results (pipeline/cache.py), keyed like them, so
+that a warm process compiles the winner only. runtime/provider_auto.py says why and when it measures.
+
+Each candidate is timed on inputs of the graph's own shapes: a warm-up call, then the best of up to ``REPEATS``
+forward+backward calls (fewer once ``BUDGET_S`` is spent). The faster one runs the graph (Inductor keeps ties within
+``TIE_MARGIN``: it fuses, and its own cache makes it cheap to load again); the times go to the report. The timing
+runs on copies of the inputs (parameters never receive these gradients) and under a forked RNG (the training run's
+random stream is untouched); a graph with symbolic sizes is timed at the sizes of that call.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+
+REPEATS = 3
+BUDGET_S = 0.5
+"""Timed calls stop after this much time per candidate (at least one timed call after the warm-up): a large
+model's head graph (GPT-2 Medium's 50k-word softmax) takes ~0.5 s a call, and four calls per candidate would
+add seconds to the first step for a decision a single call already makes."""
+TIE_MARGIN = 1.03
+CANDIDATES = ("inductor", "aten")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One provider's compile of a graph, waiting to be timed against the others."""
+
+    provider: str
+    compiled: Callable[..., Any]
+    record: dict[str, Any]  # the graph's GraphRecord fields as this candidate's compile left them
+    passes: list[Any]       # the PassRecords its compile added to the state (a loser's leave the report)
+
+
+def _real(x: Any) -> Any:
+    """A real tensor like `x` (a real input, or a fake one of a piece between blocks) that owns its memory, laid out
+    as `x` (its strides)."""
+    if not isinstance(x, torch.Tensor):
+        return x
+    from torch._subclasses.fake_tensor import FakeTensor
+    if isinstance(x, FakeTensor) or x.is_meta:
+        if x.dtype.is_floating_point:
+            out = torch.randn(x.shape, dtype=x.dtype, device=x.device)
+        else:  # indices (embeddings, labels): 0 is valid everywhere
+            out = torch.zeros(x.shape, dtype=x.dtype, device=x.device)
+    else:
+        out = x.detach().clone()
+    if out.stride() != x.stride():  # in `x`'s layout, which a compiled graph asserts (an expanded mask: stride 0)
+        from graphtrain.pipeline.blocks import laid_out_as
+        out = laid_out_as(out, x)
+    return out.requires_grad_(x.requires_grad) if out.dtype.is_floating_point else out
+
+
+def time_step(fn: Callable[..., Any], example_inputs: Sequence[Any], repeats: int = REPEATS,
+              budget_s: float = BUDGET_S, warmed: bool = False) -> float:
+    """Best of up to `repeats` forward+backward calls of a compiled graph (seconds), after one warm-up call
+    (none when it already ran: `warmed`), stopping once the timed calls took `budget_s`; the forward alone where
+    nothing requires a gradient."""
+    inputs = [_real(x) for x in example_inputs]
+    sync = torch.cuda.synchronize if any(isinstance(x, torch.Tensor) and x.is_cuda for x in inputs) else (
+        lambda: None)
+    best, spent = float("inf"), 0.0
+    with torch.random.fork_rng(devices=[]):
+        for i in range(int(warmed), repeats + 1):
+            if spent > budget_s:
+                break
+            t0 = time.perf_counter()
+            outs = fn(*inputs)
+            outs = outs if isinstance(outs, (list, tuple)) else [outs]
+            grads = [o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad]
+            if grads:
+                torch.autograd.backward(grads, [torch.ones_like(o) for o in grads])
+            sync()
+            if i:
+                dt = time.perf_counter() - t0
+                best, spent = min(best, dt), spent + dt
+            for x in inputs:
+                if isinstance(x, torch.Tensor):
+                    x.grad = None
+    return best
+
+
+class Measured:
+    """The compiled candidates of one graph; the first call times them (on copies of its inputs; forward and
+    backward, or the forward alone for a graph compiled under no_grad) and keeps the faster. Timing happens at
+    run time because running a compiled backward inside Dynamo's
+    compile (where the backend is called) is not allowed. `rec` (the graph's record) ends up describing the
+    winner: each candidate brings the record as its compile left it, completed by its timed calls (Inductor
+    compiles a backward at its first call)."""
+
+    def __init__(self, candidates: Sequence[Candidate], rec: Any, folder: Any, key: str | None, state: Any,
+                 warmed: frozenset[str] = frozenset()) -> None:
+        self.candidates, self.rec, self.folder, self.key, self.state = list(candidates), rec, folder, key, state
+        self.warmed = warmed  # candidates that already ran in this process: timed without a warm-up call
+        self.chosen: Callable[..., Any] | None = None
+
+    def __call__(self, *args: Any) -> Any:
+        if self.chosen is None:  # Dynamo compiles a graph per grad mode: an eval graph is timed forward only
+            self._choose(args)
+        return self.chosen(*args)
+
+    def _choose(self, args: Sequence[Any]) -> None:
+        compile_seconds = self.rec.compile_seconds  # set once both candidates compiled: not a candidate's field
+        times, records = {}, {}
+        for c in self.candidates:
+            self.rec.__dict__.update(c.record)
+            times[c.provider] = time_step(c.compiled, args, warmed=c.provider in self.warmed)
+            records[c.provider] = copy.copy(self.rec.__dict__)
+        choice = decide(times)
+        self.rec.__dict__.update(records[choice])
+        self.rec.compile_seconds = compile_seconds
+        self.rec.provider, self.rec.provider_times = choice, times
+        self.rec.notes = [*self.rec.notes, describe(times, choice, cached=False)]
+        if self.key is not None:
+            save_decision(self.folder, self.key, choice, times)
+        losers = {id(r) for c in self.candidates if c.provider != choice for r in c.passes}
+        self.state.passes[:] = [r for r in self.state.passes if id(r) not in losers]
+        self.chosen = next(c.compiled for c in self.candidates if c.provider == choice)
+        self.candidates = []  # the loser's compiled code is released
+
+
+def decide(times: dict[str, float]) -> str:
+    """The faster provider; Inductor unless another beats it by more than TIE_MARGIN."""
+    best = min(times, key=times.get)
+    if "inductor" in times and times[best] * TIE_MARGIN >= times["inductor"]:
+        return "inductor"
+    return best
+
+
+def describe(times: dict[str, float], choice: str, cached: bool) -> str:
+    measured = ", ".join(f"{p} {1e3 * t:.2f} ms" for p, t in sorted(times.items(), key=lambda kv: kv[1]))
+    return (f"provider auto -> {choice}: per call (forward, and backward in training) {measured} (best of up to "
+            f"{REPEATS}"
+            f"{', decided by an earlier process' if cached else ''})")
+
+
+def _path(folder: Any, key: str) -> Any:
+    return folder / "providers" / f"{key}.json"
+
+
+def load_decision(folder: Any, key: str) -> dict[str, Any] | None:
+    try:
+        d = json.loads(_path(folder, key).read_text())
+        return d if d.get("choice") in CANDIDATES else None
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def save_decision(folder: Any, key: str, choice: str, times: dict[str, float]) -> None:
+    path = _path(folder, key)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"choice": choice, "times": times}))
+        os.replace(tmp, path)
+    except OSError:
+        pass
