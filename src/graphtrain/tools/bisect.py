@@ -12,11 +12,11 @@ fusion is judged on its rewrite alone (a pass that rewrote nothing in the full p
 (3) each fused op's fast implementations (forward and backward, then the forward alone when they fail);
 (4) the provider, when it is not aten. (1)-(3) run under the aten provider, op by op, so a difference there is
 the pass's or the kernel's own. The first configuration out of tolerance is the culprit; it is switched off
-again for the rows after it, which are then judged on their own change. docs/design/architecture.md (section 11)
-explains the choices: SGD (Adam's normalised update turns a rounding-level gradient difference into an
-lr-sized step), and dropout switched off by default (graphtrain's fused dropout draws its masks from its own
-hash RNG, so with dropout on those passes change the random stream by design; with ``keep_dropout`` such a
-configuration is recognised by the generator state it leaves and reported, not judged).
+again for the rows after it, which are then judged on their own change. The choices: SGD (Adam's normalised
+update turns a rounding-level gradient difference into an lr-sized step), and dropout switched off by default
+(graphtrain's fused dropout draws its masks from its own hash RNG, so with dropout on those passes change the
+random stream by design; with ``keep_dropout`` such a configuration is recognised by the generator state it
+leaves and reported, not judged).
 
 Side effects: each configuration starts from ``torch._dynamo.reset()`` (the same model compiles dozens of
 times, past Dynamo's recompile limit), so other compiled functions in the process recompile on their next

@@ -162,8 +162,8 @@ class SingleProcessStep:
 
 
 class WholeStepGraph(SingleProcessStep):
-    """train.whole_step: the whole optimizer step compiled (graphtrain.compile_step, docs/design/architecture.md section
-    10): a model with repeated blocks through its own graphs compiled block by block (the model compiled in place,
+    """train.whole_step: the whole optimizer step compiled (graphtrain.compile_step, frontend/compile_step.py): a
+    model with repeated blocks through its own graphs compiled block by block (the model compiled in place,
     so its evaluations go through the engine too) and one update graph; otherwise one graph of the whole step (the
     model itself then evaluated eagerly). The step holds the AdamW moments, step counts and loss-scale state, so it
     is this strategy's optimizer (its state_dict is the checkpoint's "optimizer"). AdamW, grad_accum 1 and
