@@ -21,6 +21,9 @@ check_installed_torch()  # first: an unsupported torch stops here, naming the ra
 from graphtrain.config.sections import (Config, DataConfig, EngineConfig, ModelConfig, OptimConfig,  # noqa: E402
                                ParallelConfig, TrainConfig)
 
+# Imports inside functions: import cost: `import graphtrain` stays light; each public name loads its module on first
+# use.
+
 __version__ = "0.1.0"
 
 # Heavier pieces load on first use so `import graphtrain` stays fast.

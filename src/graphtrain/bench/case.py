@@ -25,6 +25,13 @@ import torch
 
 from graphtrain.kernels import flops
 from graphtrain.bench.suites import Case, Variant, VARIANTS
+from graphtrain.config.sections import Config, ModelConfig, OptimConfig
+from graphtrain.frontend.accelerate import accelerate, wait_compiled
+from graphtrain.frontend.compile_step import compile_step
+from graphtrain.models import build_model as build_reference
+from graphtrain.optim import build_optimizer, param_groups
+from graphtrain.passes.manager import registered_passes
+from graphtrain.tools.report import report
 
 SEED = 1337
 MLM_PROBABILITY = 0.15
@@ -77,8 +84,6 @@ def build_model(case: Case) -> tuple[torch.nn.Module, int, bool]:
     torch.manual_seed(SEED)
     if case.model.startswith("hf-"):
         return (*_build_hf(case), True)
-    from graphtrain.config.sections import ModelConfig
-    from graphtrain.models import build_model as build_reference
     model = build_reference(ModelConfig(name=case.model, attention=case.attention))
     return model, model.spec.vocab_size, False
 
@@ -150,7 +155,6 @@ def sparse_head_ran(work: "Workload") -> bool:
     if work.variant.mode not in ("graphtrain", "graphtrain-step") or "sparse_lm_head" in work.variant.passes_off:
         return False
     try:
-        from graphtrain.tools.report import report
         passes = report(work.model).passes
     except Exception:  # noqa: BLE001 - no engine state to read: assume the shortcut ran
         return True
@@ -179,7 +183,6 @@ def wrap_model(model: torch.nn.Module, variant: Variant) -> torch.nn.Module:
     if variant.mode == "graphtrain-step":  # the step graph is built in build_workload
         return model
     if variant.mode == "graphtrain":
-        from graphtrain.frontend.accelerate import accelerate
         return accelerate(model, precision=variant.precision, recompute=variant.recompute, passes=passes_off(variant))
     if variant.mode == "ortmodule":
         try:
@@ -194,7 +197,6 @@ def passes_off(variant: Variant) -> dict[str, bool]:
     """The engine.passes switches of an ablation variant (`fuse_*` names every fusion pass)."""
     if not variant.passes_off:
         return {}
-    from graphtrain.passes.manager import registered_passes
     names = registered_passes()
     off: dict[str, bool] = {}
     for pat in variant.passes_off:
@@ -214,8 +216,6 @@ def make_optimizer(model: torch.nn.Module, variant: Variant | None = None) -> to
     (FusedAdamW: the same kernel). `variant.optimizer == "loop"` gives torch.optim.AdamW's default
     per-parameter loop instead (on CPU ~5x slower for gpt2-small: an extra column and an ablation). The
     optimizer's share of the step is reported separately (`opt_ms`)."""
-    from graphtrain.config.sections import OptimConfig
-    from graphtrain.optim import build_optimizer, param_groups
     cfg = OptimConfig()
     loop = variant is not None and variant.optimizer == "loop"
     if variant is not None and variant.mode in ("graphtrain", "graphtrain-step") and not loop:
@@ -244,8 +244,6 @@ def build_workload(case: Case, variant: Variant, device: str = "cpu") -> tuple[W
     info["flops_per_step"] = flops.step_flops(info["matmul_params"], n_layer, case.seq, d_model, case.batch * case.seq)
     work = Workload(wrapped, optimizer, batch, variant, dev, hf)
     if variant.mode == "graphtrain-step":
-        from graphtrain.config.sections import Config
-        from graphtrain.frontend.compile_step import compile_step
         work.step_graph = compile_step(model, Config(), precision=variant.precision)  # same AdamW settings
     return work, info
 
@@ -335,7 +333,6 @@ class Worker:
         info["first_step_s"] = time.perf_counter() - t1
         info["time_to_first_step_s"] = time.perf_counter() - t0
         if self.variant.mode == "graphtrain":  # provider auto: time what training settles on (Inductor or aten)
-            from graphtrain.frontend.accelerate import wait_compiled
             t2 = time.perf_counter()
             wait_compiled(self.work.model)
             self._run(1)  # each graph measures its candidates and switches

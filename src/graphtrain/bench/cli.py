@@ -12,6 +12,8 @@ from pathlib import Path
 
 from graphtrain.bench.suites import DEFAULT_VARIANTS, SUITES, VARIANTS
 
+# Imports inside functions: import cost: `graphtrain bench --help` and the suite listing stay free of torch.
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("suite", nargs="?", choices=list(SUITES),

@@ -33,6 +33,9 @@ from pathlib import Path
 
 from typing import TYPE_CHECKING
 
+# Imports inside functions: import cost: the command line imports this module to register `graphtrain conformance` and
+# must stay free of torch; the cells (conformance_cells.py) load when the verb runs.
+
 if TYPE_CHECKING:
     from graphtrain.bench.conformance_cells import Column, Result
 

@@ -41,8 +41,17 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+import graphtrain
+
 from graphtrain.config.sections import Config, DataConfig, EngineConfig, ModelConfig, OptimConfig, TrainConfig
 from graphtrain.testing import TOLERANCES, assert_close
+from graphtrain.bench.families import build_family
+from graphtrain.kernels._common import runtime_fallbacks
+from graphtrain.models import build_model
+from graphtrain.models.hf import HFLanguageModel, spec_of
+from graphtrain.optim import build_optimizer
+from graphtrain.pipeline.state import GLOBAL_STATE
+from graphtrain.trainer import Trainer
 
 ENTRIES = ("accelerate", "backend", "compile_step", "trainer")
 PRECISIONS = ("fp32", "bf16")
@@ -79,7 +88,6 @@ class Row:
 
 def _hf(family: str, **overrides: Any) -> Callable[[], tuple[nn.Module, dict[str, torch.Tensor]]]:
     def build() -> tuple[nn.Module, dict[str, torch.Tensor]]:
-        from graphtrain.bench.families import build_family
         return build_family(family, hidden=64, layers=2, vocab=256, batch=2, seq=32, dropout=False,
                             overrides=overrides)
     return build
@@ -87,7 +95,6 @@ def _hf(family: str, **overrides: Any) -> Callable[[], tuple[nn.Module, dict[str
 
 def _preset(name: str) -> Callable[[], tuple[nn.Module, dict[str, torch.Tensor]]]:
     def build() -> tuple[nn.Module, dict[str, torch.Tensor]]:
-        from graphtrain.models import build_model
         torch.manual_seed(0)
         model = build_model(ModelConfig(name=name, dropout=0.0)).train()
         g = torch.Generator().manual_seed(1)
@@ -260,7 +267,6 @@ def _freeze_embedding(model: nn.Module) -> None:
 def _loop(model: nn.Module, call: Callable[..., Any], batch: dict[str, torch.Tensor], steps: int,
           after_first: Callable[[], Any] | None = None, moments: bool = False) -> _Trace:
     """`steps` AdamW steps of `call(**batch)`; the first step's gradients of `model`'s trained parameters."""
-    from graphtrain.optim import build_optimizer
     opt = build_optimizer(model, OPTIM)
     losses, grads = [], {}
     for i in range(steps):
@@ -296,13 +302,11 @@ def _eager(model: nn.Module, batch: dict[str, torch.Tensor], col: Column, steps:
 
 
 def _graphtrain(model: nn.Module, batch: dict[str, torch.Tensor], col: Column, steps: int) -> _Trace:
-    import graphtrain
     if col.entry == "accelerate":
         graphtrain.accelerate(model, **col.engine())
         wait = (lambda: graphtrain.wait_compiled(model, timeout=600)) if col.provider == "auto" else None
         return dataclasses.replace(_loop(model, model, batch, steps, wait), state=model._graphtrain, model=model)
     if col.entry == "backend":
-        from graphtrain.pipeline.state import GLOBAL_STATE
         compiled = torch.compile(model, backend="graphtrain", options=col.engine())
         return dataclasses.replace(_loop(model, compiled, batch, steps), state=GLOBAL_STATE)
     if col.entry == "compile_step":
@@ -341,13 +345,11 @@ def as_language_model(model: nn.Module, objective: str) -> nn.Module:
     """What the Trainer takes: graphtrain's models as they are, a Hugging Face LM wrapped (models/hf.py)."""
     if hasattr(model, "family") and hasattr(model, "spec"):
         return model
-    from graphtrain.models.hf import HFLanguageModel, spec_of
     return HFLanguageModel(model, objective, spec_of(model.config, objective))
 
 
 def _trainer(model: nn.Module, batch: dict[str, torch.Tensor], col: Column, steps: int, *,
              accelerate: bool) -> _Trace:
-    from graphtrain.trainer import Trainer
     B, T = batch["input_ids"].shape
     with tempfile.TemporaryDirectory(prefix="graphtrain-conformance-") as out:
         cfg = Config(engine=EngineConfig(**col.engine()), optim=OPTIM, data=DataConfig(seq_len=T),
@@ -416,7 +418,6 @@ def _one_line(text: str) -> str:
 
 
 def _fallbacks(trace: _Trace, start: dict[str, int]) -> list[str]:
-    from graphtrain.kernels._common import runtime_fallbacks
     out = []
     st = trace.state
     if st is not None:
@@ -448,8 +449,6 @@ def run_cell(row: Row, col: Column, steps: int = STEPS) -> Result:
     import time
 
     import torch._dynamo
-    from graphtrain.pipeline.state import GLOBAL_STATE
-    from graphtrain.kernels._common import runtime_fallbacks
     t0 = time.perf_counter()
     if col.entry == "trainer" and row.objective is None:
         return Result(row.name, col.name, "n/a", "the Trainer trains language models (graphtrain's, Hugging Face "

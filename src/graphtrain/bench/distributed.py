@@ -17,6 +17,11 @@ import time
 import torch
 
 from graphtrain.config.sections import ModelConfig, OptimConfig, ParallelConfig
+from graphtrain.distributed import parallelize, tensor_parallel as tp
+from graphtrain.distributed.data_parallel import gradient_bytes
+from graphtrain.distributed.spawn import run_ranks
+from graphtrain.models import build_model
+from graphtrain.optim import build_optimizer
 
 LAYOUTS = {"dp=1": dict(), "dp=2": dict(dp=2), "dp=2 zero1": dict(dp=2, zero_stage=1), "tp=2": dict(tp=2),
            "pp=2": dict(pp=2, microbatches=2)}
@@ -24,11 +29,6 @@ BATCH, SEQ = 8, 64
 
 
 def _work(layout: dict, model_name: str, steps: int) -> dict:
-    from graphtrain.distributed import parallelize
-    from graphtrain.distributed import tensor_parallel as tp
-    from graphtrain.distributed.data_parallel import gradient_bytes
-    from graphtrain.models import build_model
-    from graphtrain.optim import build_optimizer
 
     torch.manual_seed(0)
     model = build_model(ModelConfig(name=model_name, dropout=0.0))
@@ -57,7 +57,6 @@ def _work(layout: dict, model_name: str, steps: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from graphtrain.distributed.spawn import run_ranks
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="gpt2-tiny")

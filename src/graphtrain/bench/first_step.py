@@ -20,6 +20,9 @@ import argparse
 import os
 import time
 
+# Imports inside functions: order: a first-step run points GRAPHTRAIN_CACHE and TORCHINDUCTOR_CACHE_DIR at its cache
+# before the engine loads.
+
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -27,6 +27,9 @@ import time
 
 from graphtrain.tools.measure import measure
 
+# Imports inside functions: import cost: the comparison's parent process only starts measuring subprocesses
+# (tools/measure.py); its in-process step timing loads the engine when it runs.
+
 GiB = 2**30
 MiB = 2**20
 # name -> measure() keywords

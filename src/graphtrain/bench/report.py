@@ -18,6 +18,7 @@ from typing import Any
 
 from graphtrain.kernels import flops
 from graphtrain.bench.suites import REFERENCE, SUITES, VARIANTS
+from graphtrain.runs.plot import write_bar_page
 
 FLOP_FORMULA = "(6 * N + 12 * n_layer * seq * d_model) * batch * seq"
 
@@ -325,7 +326,6 @@ def save(run: dict[str, Any], out_dir: Path) -> dict[str, Path]:
 def html_page(run: dict[str, Any], out: Path) -> Path:
     """The run as an HTML page (runs/plot.py): per case, each variant's speed against eager as a bar with its
     spread over the interleaved repeats, then the markdown tables' figures as a table."""
-    from graphtrain.runs.plot import write_bar_page
     groups: dict[str, list[tuple[str, float, float, float]]] = {}
     for row in summarize(run):
         if row.get("vs_eager") is not None:

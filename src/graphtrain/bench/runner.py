@@ -23,6 +23,9 @@ from graphtrain.bench.suites import Case, Suite, Variant
 from graphtrain.bench.worker import SETUP_TIMEOUT_S, STEP_TIMEOUT_S, WorkerProc
 from graphtrain.trainer.runinfo import cpu_name
 
+# Imports inside functions: import cost: the suite's parent process schedules workers and writes tables; the engine
+# loads in the workers, each with its own environment.
+
 
 def _failed(reply: dict[str, Any]) -> dict[str, Any]:
     if "skipped" in reply:

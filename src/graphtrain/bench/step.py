@@ -27,6 +27,9 @@ from typing import Any
 
 import torch
 
+# Imports inside functions: order: each worker process sets its environment (threads, allocator, caches) before
+# graphtrain loads in it.
+
 
 def build(model: str, batch: int, seq: int, seed: int = 0, dims: tuple[int, int, int] = (256, 4, 8192)
           ) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:

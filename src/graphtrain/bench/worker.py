@@ -13,6 +13,8 @@ from typing import Any
 from graphtrain.bench.case import REPLY
 from graphtrain.bench.suites import Case, Variant
 
+# Imports inside functions: import cost: the parent process only starts workers and reads their JSON lines.
+
 SETUP_TIMEOUT_S = 3600.0  # a cold compile of a large model on 2 cores is slow; a hung worker is not
 STEP_TIMEOUT_S = 600.0  # per step, on top of a fixed minute
 

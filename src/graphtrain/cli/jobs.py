@@ -9,6 +9,9 @@ from typing import Any
 
 from graphtrain.config.sections import Config
 
+# Imports inside functions: import cost: the command line registers these verbs without loading torch; each loads its
+# machinery when it runs.
+
 
 def add_config_items(p: argparse.ArgumentParser) -> None:
     p.usage = f"{p.prog} [CONFIG.yaml] [section.key=value ...] [options]"

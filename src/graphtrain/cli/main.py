@@ -45,6 +45,9 @@ from graphtrain.cli.jobs import (BISECT_EPILOG, add_bisect_arguments, add_config
 from graphtrain.config.sections import Config, describe_all
 from graphtrain.early_preempt import EXIT_PREEMPTED, before_first_step
 
+# Imports inside functions: import cost: `graphtrain --help` and the light verbs never load torch; each verb imports
+# its machinery when it runs.
+
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 

@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+# Imports inside functions: import cost: the command line registers these verbs without loading torch; each loads its
+# machinery when it runs.
+
 
 def add_plot_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (a train.out_dir each)")

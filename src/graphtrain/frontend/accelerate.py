@@ -18,6 +18,17 @@ from graphtrain.config.sections import Config, EngineConfig, resolve_engine_conf
 from graphtrain.config.fallback import GraphtrainCaptureError, report_fallback
 from graphtrain.models.hf_calls import call_adapter, trace_through_log_once
 from graphtrain.pipeline.state import EngineState
+from graphtrain.kernels._common import KernelFallbackError
+from graphtrain.passes.manager import pipeline
+from graphtrain.pipeline.blocks import ReuseMisbound, no_subgraph_reuse
+from graphtrain.pipeline.cache import configure_cache
+from graphtrain.pipeline.state import state_of
+from graphtrain.runtime.backend import make_backend
+from graphtrain.runtime.tiered import wait_background
+from graphtrain.memory import prefault
+from graphtrain.pipeline.blocks import mark_repeated_blocks, whole_model_reason
+from graphtrain.pipeline.cache import cache_root
+from graphtrain.runtime.allocator import set_cpu_allocator_once
 
 
 def accelerate(module: torch.nn.Module, config: Config | EngineConfig | dict | None = None,
@@ -40,8 +51,6 @@ def wait_compiled(module: torch.nn.Module, timeout: float | None = None) -> bool
     background process from the second call; engine.compile_in_background), starting them now if they have not
     started. True once they finished (each graph switches to its measured winner at its next call); False after
     `timeout` seconds. Benchmarks call it after the first step so that they time what training settles on."""
-    from graphtrain.runtime.tiered import wait_background
-    from graphtrain.pipeline.state import state_of
     state, source = state_of(module)
     if source != "module":
         raise TypeError(f"graphtrain.wait_compiled takes a module returned by graphtrain.accelerate, got "
@@ -51,8 +60,6 @@ def wait_compiled(module: torch.nn.Module, timeout: float | None = None) -> bool
 
 def new_state(cfg: EngineConfig) -> EngineState:
     """Validate `cfg`'s pass names (now, not at the first step), point the compile caches, and start a record."""
-    from graphtrain.pipeline.cache import configure_cache
-    from graphtrain.passes.manager import pipeline
 
     for stage in ("pre_autodiff", "forward", "backward"):
         pipeline(stage, cfg)
@@ -70,7 +77,6 @@ def compile_in_place(modules: torch.nn.Module | list[torch.nn.Module], state: En
     then share one compiled function (the class's forward, the module an argument): Dynamo guards on their
     structure, not their identity, so a model's blocks share one graph instead of compiling once each
     (and counting towards the recompile limit)."""
-    from graphtrain.runtime.backend import make_backend
 
     cfg = state.config
     # Every recompute mode too. Under full/auto the break once stayed (a budgeted partition of HF GPT-2 saved a
@@ -83,7 +89,6 @@ def compile_in_place(modules: torch.nn.Module | list[torch.nn.Module], state: En
     shared: dict[Any, Any] = {}
     for module in modules if isinstance(modules, list) else [modules]:
         if cfg.compile_blocks and not hooks_outside:
-            from graphtrain.pipeline.blocks import mark_repeated_blocks, whole_model_reason
             why = whole_model_reason(cfg)
             if why:
                 state.notes.append(f"compiled as one graph, not block by block: {why}")
@@ -214,9 +219,6 @@ class _CallWrapper:
         if p is None or p.device.type != "cpu":
             return
         try:
-            from graphtrain.runtime.allocator import set_cpu_allocator_once
-            from graphtrain.pipeline.cache import cache_root
-            from graphtrain.memory import prefault
             set_cpu_allocator_once([p], cfg)
             self.prefault = prefault.begin(self.module, args, kwargs, cfg, cache_root(cfg),
                                            self.state.first_step_memory)
@@ -245,7 +247,6 @@ class _CallWrapper:
             return self._run_compiled_reusing(args, kwargs)
 
     def _run_compiled_reusing(self, args: tuple, kwargs: dict) -> Any:
-        from graphtrain.pipeline.blocks import ReuseMisbound, no_subgraph_reuse
         if not self.state.block_reuse:
             with no_subgraph_reuse():
                 return self.compiled(*args, **kwargs)
@@ -261,7 +262,6 @@ class _CallWrapper:
             return self.compiled(*args, **kwargs)
 
     def _capture_failed(self, e: Exception, args: tuple, kwargs: dict) -> Any:
-        from graphtrain.kernels._common import KernelFallbackError
         policy_errors = (GraphtrainCaptureError, KernelFallbackError)  # the `error` policy speaking: raised as is
         inner = e
         while not isinstance(inner, policy_errors):

@@ -27,6 +27,8 @@ import warnings
 from typing import Any
 
 import torch
+from graphtrain.frontend.accelerate import accelerate
+from graphtrain.tools.report import report
 
 try:
     from transformers import TrainerCallback
@@ -41,7 +43,6 @@ _CHECKPOINTING = ("graphtrain: the model has Hugging Face activation (gradient) 
 
 def accelerate_for_trainer(model: torch.nn.Module, config: Any = None, **overrides: Any) -> torch.nn.Module:
     """`graphtrain.accelerate(model, config, **overrides)` for a model a Hugging Face Trainer will train."""
-    from graphtrain.frontend.accelerate import accelerate
     if _checkpointing(model):
         warnings.warn(_CHECKPOINTING, stacklevel=2)
     return accelerate(model, config, **overrides)
@@ -96,7 +97,6 @@ def _checkpointing(model: Any) -> bool:
 
 def engine_summary(model: Any) -> dict[str, float]:
     """The engine's report of an accelerated model as numbers a logger takes."""
-    from graphtrain.tools.report import report
     rep = report(model)
     return {"graphtrain_graphs": len(rep.graphs), "graphtrain_graph_breaks": len(rep.graph_breaks),
             "graphtrain_fallbacks": len(rep.fallbacks), "graphtrain_eager_only": int(bool(rep.eager_only))}

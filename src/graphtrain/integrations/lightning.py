@@ -23,6 +23,7 @@ lazily.
 from __future__ import annotations
 
 from typing import Any
+from graphtrain.tools.report import report
 
 try:
     from lightning.pytorch.callbacks import Callback
@@ -32,7 +33,6 @@ except ImportError:  # the recipe needs no graphtrain code; only the callback ne
 
 def engine_summary(module: Any) -> dict[str, float]:
     """{graphtrain_graphs, graphtrain_graph_breaks, graphtrain_fallbacks} over the accelerated submodules."""
-    from graphtrain.tools.report import report
     totals = {"graphtrain_graphs": 0.0, "graphtrain_graph_breaks": 0.0, "graphtrain_fallbacks": 0.0}
     for sub in module.modules():
         if hasattr(sub, "_graphtrain"):

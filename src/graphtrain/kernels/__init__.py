@@ -19,6 +19,7 @@ from graphtrain.kernels.gemm import gemm
 from graphtrain.kernels.layer_norm import layer_norm
 from graphtrain.kernels.linear_cross_entropy import linear_cross_entropy
 from graphtrain.kernels.rms_norm import rms_norm
+from graphtrain.kernels.gemm import WIN_MARGIN, gemm_probe, gemm_probe_ran, onednn_fp32, onednn_gemm_wins
 
 
 def implementation_for(name: str, device: str, *args) -> str:
@@ -32,7 +33,6 @@ def capabilities() -> dict:
     """What this machine offers graphtrain's kernels and which implementation each capability selects (the
     report prints it): CPU and ISA, the C++ kernels' build, oneDNN's fp32 GEMM (chosen or not, and why),
     native bf16, Triton, CUDA, and every fast path that failed at run time and fell back to its reference."""
-    from graphtrain.kernels.gemm import WIN_MARGIN, gemm_probe, gemm_probe_ran, onednn_fp32, onednn_gemm_wins
     c = capability.cpu()
     dnn_ok, dnn_why = onednn_fp32()
     if not dnn_ok:

@@ -36,6 +36,7 @@ from graphtrain.kernels._common import (HAS_TRITON, check_dropout_p, dispatch, d
 from graphtrain.kernels.gemm import matmul
 from graphtrain.kernels.registry import (BACKWARD, COMPUTE_BOUND, FOLLOW, FORWARD, LOW, KernelSpec, OpDescriptor,
                                          hint_int, input_value, register_kernel_spec)
+from graphtrain.kernels._attention_triton import attention_bwd_triton, attention_fwd_triton
 
 
 def _acc(x: Tensor) -> torch.dtype:
@@ -300,7 +301,6 @@ def _attention_op(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale
     seed = sharded_dropout_seed()
 
     def triton_path():
-        from graphtrain.kernels._attention_triton import attention_fwd_triton
         groups = _groups(q, k)  # the Triton kernels read one key/value head per query head
         return attention_fwd_triton(q, _repeat_kv(k, groups), _repeat_kv(v, groups), _mask4d(mask, q, k), scale,
                                     is_causal, p, int(seed.item()))
@@ -338,7 +338,6 @@ def _attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: 
     _check_shapes(q, k, v)
 
     def triton_path():
-        from graphtrain.kernels._attention_triton import attention_bwd_triton
         groups = _groups(q, k)
         dq, dk, dv = attention_bwd_triton(dout, q, _repeat_kv(k, groups), _repeat_kv(v, groups), _mask4d(mask, q, k),
                                           out, lse, scale, is_causal, p, int(seed.item()))

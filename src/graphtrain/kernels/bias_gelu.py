@@ -21,6 +21,8 @@ from graphtrain.kernels._cpu_ext import GELU_TANH_BWD, GELU_TANH_FWD
 from graphtrain.kernels._common import HAS_TRITON, dense_empty, dispatch, tl, triton, triton_ok
 from graphtrain.kernels.registry import (BACKWARD, CHEAP, FOLLOW, FORWARD, KernelSpec, OpDescriptor, no_workspace,
                                          register_kernel_spec)
+from graphtrain.kernels import capability
+from graphtrain.kernels.gemm import _time
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
@@ -113,8 +115,6 @@ def gelu_tanh_probe() -> dict:
     used where it is at least WIN_MARGIN faster. Measured once per machine (about 20 ms on the Zen 4;
     capability.cached_probe): its speed rests on what gcc vectorized for this CPU's build, and a build that could
     not vectorize (a baseline ISA) loses."""
-    from graphtrain.kernels import capability
-    from graphtrain.kernels.gemm import _time
     key = capability.machine_key()
     if key not in _PROBE:
         def measure() -> dict:

@@ -28,6 +28,8 @@ import json
 import sys
 import time
 from typing import Any
+from graphtrain.kernels import capability
+from graphtrain.kernels.gemm import gemm_onednn, onednn_fp32
 
 # Substrings of parameter names that are embedding lookups without a matmul behind them.
 _LOOKUP_ONLY = ("wpe", "position", "token_type", "segment")
@@ -146,7 +148,6 @@ def measure_peak(sizes: tuple[int, ...] = DEFAULT_SIZES, repeats: int = 5, threa
     out["bf16"] = best_rate("bf16", torch.bfloat16, aten_mm)
     out["fp32_aten"] = out["fp32"] = best_rate("fp32_aten", torch.float32, aten_mm)
     if device == "cpu":
-        from graphtrain.kernels.gemm import gemm_onednn, onednn_fp32
         ok, why = onednn_fp32()
         if ok:
             out["fp32_onednn"] = best_rate("fp32_onednn", torch.float32, lambda a, b, c: gemm_onednn(a, b, out=c))
@@ -160,7 +161,6 @@ def measure_peak(sizes: tuple[int, ...] = DEFAULT_SIZES, repeats: int = 5, threa
 def machine_peak(device: str = "cpu", refresh: bool = False) -> dict[str, Any]:
     """measure_peak() with the defaults, measured once per machine and cached (kernels.capability.cached_probe);
     `refresh` measures again and replaces the cached figure."""
-    from graphtrain.kernels import capability
     if refresh:
         result = measure_peak(device=device)
         capability.store_probe(f"matmul_peak_{device}", result)
@@ -171,7 +171,6 @@ def machine_peak(device: str = "cpu", refresh: bool = False) -> dict[str, Any]:
 def ensure_machine_peak(device: str = "cpu", log: Any = print) -> None:
     """Measure this machine's peak once (machine_peak) unless any run measured it before; `graphtrain train` calls
     it so the MFU curve has its denominator. A failure is said and otherwise ignored (MFU is then not logged)."""
-    from graphtrain.kernels import capability
     if capability.peek_probe(f"matmul_peak_{device}", any_threads=True):
         return
     log("measuring this machine's matmul peak once, for MFU (cached: later runs skip this)")

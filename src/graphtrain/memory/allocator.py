@@ -48,6 +48,7 @@ import ctypes
 import sys
 from pathlib import Path
 from typing import Any
+from graphtrain.kernels import _cpu_ext
 
 M_TRIM_THRESHOLD = -1  # mallopt parameter numbers in glibc's malloc.h
 M_MMAP_THRESHOLD = -3
@@ -69,7 +70,6 @@ def _glibc() -> ctypes.CDLL | None:
 
 def _ext() -> Any:
     """The C++ extension holding graphtrain's allocator, or None where it cannot be built."""
-    from graphtrain.kernels import _cpu_ext
     return _cpu_ext.load()
 
 

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
+from graphtrain.memory import allocator
 
 SETTLE_CALLS = 8
 """Settle at the module's 9th call at the latest (gradient accumulation of up to 8 micro-batches still records its
@@ -65,7 +66,6 @@ class Session:
             self.done = True
             _ACTIVE = None
         self.hook.remove()
-        from graphtrain.memory import allocator
         sizes = allocator.record_requests(False) or []
         stats = allocator.settle_priming() if self.primed_sizes is not None else None
         self.sink.update(recorded_blocks=len(sizes), recorded_bytes=sum(sizes), path=str(self.path))
@@ -82,7 +82,6 @@ def compiled() -> None:
     SCHED_IDLE: its page faults stall the core in the kernel and the hypervisor) held their barriers up (measured:
     the first forward of GPT-2 Medium took 10 s instead of 5 when priming went on)."""
     if _ACTIVE is not None and _ACTIVE.primed_sizes is not None:
-        from graphtrain.memory import allocator
         allocator.stop_priming()
 
 
@@ -132,7 +131,6 @@ def begin(module: torch.nn.Module, args: tuple, kwargs: dict, config: Any, root:
     """Start recording this first step (and priming it from an earlier record); None when another module's first
     step is being recorded in this process, or graphtrain's allocator is not installed."""
     global _ACTIVE
-    from graphtrain.memory import allocator
     with _LOCK:
         if _ACTIVE is not None:
             return None

@@ -15,6 +15,7 @@ from graphtrain.config.sections import ModelConfig
 from graphtrain.models.bert import BERT
 from graphtrain.models.gpt2 import GPT2
 from graphtrain.models.spec import ModelSpec
+from graphtrain.models.hf import build_hf_model, configure, spec_of
 
 
 def _gpt2(n_layer: int, n_head: int, d_model: int, vocab_size: int, max_seq_len: int) -> ModelSpec:
@@ -64,7 +65,6 @@ def resolve_spec(cfg: ModelConfig, vocab_size: int | None = None) -> ModelSpec:
     if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1):
         raise ValueError(f"vocab_size must be a positive integer (the tokenizer's size), got {vocab_size!r}")
     if cfg.hf is not None:
-        from graphtrain.models.hf import configure, spec_of
         return spec_of(*configure(cfg, vocab_size))
     spec = get_spec(cfg.name)
     changes: dict[str, object] = {}
@@ -95,7 +95,6 @@ def build_model(cfg: ModelConfig, vocab_size: int | None = None) -> nn.Module:
     used when neither is given. Construct under ``torch.device("meta")`` to count parameters free.
     """
     if isinstance(cfg, ModelConfig) and cfg.hf is not None:
-        from graphtrain.models.hf import build_hf_model
         return build_hf_model(cfg, vocab_size)
     spec = resolve_spec(cfg, vocab_size)
     if spec.family == "gpt2":

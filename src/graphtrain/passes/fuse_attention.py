@@ -39,6 +39,7 @@ from graphtrain.passes.graph_utils import constant_mask_kind
 from graphtrain.passes.manager import PassContext, register_pass
 
 import graphtrain.kernels  # noqa: F401  (registers torch.ops.graphtrain.*)
+from graphtrain.kernels.attention import _cpu_heads_ok, _heads_last
 
 
 def _split_mask(g: fx.Graph, n: fx.Node) -> tuple[fx.Node, Callable[[], fx.Node] | None]:
@@ -208,7 +209,6 @@ def _flash_to_heads(g: fx.Graph, node: fx.Node) -> bool:
     [B, S, H, D] (`_heads_last`): the op's output is then laid out as the flash kernel's always is, so what the
     graph does with it after (the model's merge of the heads, a view) still holds. And only where the call's
     logsumexp output is unused (it is in a graph before autodiff)."""
-    from graphtrain.kernels.attention import _cpu_heads_ok, _heads_last
     args = list(node.args) + [None] * (7 - len(node.args))
     names = ("query", "key", "value", "dropout_p", "is_causal", "attn_mask", "scale")
     q, k, v, p, causal, mask, scale = (node.kwargs.get(name, a) for name, a in zip(names, args))

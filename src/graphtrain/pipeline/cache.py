@@ -21,6 +21,9 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from graphtrain.config.sections import EngineConfig
 from graphtrain.passes.graph_utils import digest_graph_into
+from graphtrain.kernels import capabilities
+from graphtrain.passes.manager import STAGES, pipeline
+from graphtrain.pipeline.graph_data import symbolic_inputs
 
 if TYPE_CHECKING:
     import torch.fx as fx
@@ -127,7 +130,6 @@ def pass_cache_key(gm: "fx.GraphModule", example_inputs: "Sequence[Any]", kinds:
     for device in ("cpu", "cuda"):
         h.update(f"autocast {device} {torch.is_autocast_enabled(device)} {torch.get_autocast_dtype(device)}\n".encode())
     digest_graph_into(h, gm)
-    from graphtrain.pipeline.graph_data import symbolic_inputs
     for x, kind in zip(symbolic_inputs(gm, example_inputs), kinds):  # sizes as Dynamo traced them: s27, not 128
         if isinstance(x, torch.Tensor):
             h.update(f"{kind} {tuple(x.shape)} {x.stride()} {x.dtype} {x.device.type} {x.requires_grad}\n".encode())
@@ -147,8 +149,6 @@ def _machine_and_passes(config: EngineConfig) -> str:
     different pass), the dynamo stage's included: the key is taken before hide_autograd_functions runs."""
     import hashlib
 
-    from graphtrain.kernels import capabilities
-    from graphtrain.passes.manager import STAGES, pipeline
     # cpu_fp32_gemm is left out: its text changes once the kernels' GEMM probe ran in this process, and the pass
     # that rewrites GEMMs decides from per-shape probes kept per machine (gemm.shape_probe), not from it
     caps = {k: v for k, v in capabilities().items() if k not in ("runtime_fallbacks", "cpp_kernels", "cpu_fp32_gemm")}

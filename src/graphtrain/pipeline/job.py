@@ -18,6 +18,7 @@ import torch.fx as fx
 
 from graphtrain.config.sections import EngineConfig
 from graphtrain.pipeline.state import EngineState, GraphRecord
+from graphtrain.pipeline.cache import pass_cache_key
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,6 @@ class CompileJob:
         None where an input is one the key cannot describe (no caching for this graph)."""
         if self.key is not None:
             return self.key
-        from graphtrain.pipeline.cache import pass_cache_key
         try:
             return pass_cache_key(self.gm, self.example_inputs, self.kinds, self.config)
         except Exception:  # noqa: BLE001 - an input the key cannot describe

@@ -28,6 +28,13 @@ from typing import Any
 import torch
 
 from graphtrain.trainer.console import quiet_libraries
+from graphtrain.config.sections import Config, ModelConfig
+from graphtrain.models import build_model
+from graphtrain.models.hf_export import write_hf_folder
+from graphtrain.trainer.checkpoint import checkpoint_tokenizer, is_sharded, latest_valid_checkpoint, list_checkpoints, load_checkpoint, to_module_keys
+from graphtrain.trainer.run_outputs import best_checkpoint
+from graphtrain.data import build_data
+from graphtrain.models import resolve_spec
 
 FORMATS = ("safetensors", "hf", "onnx")
 ONNX_ATOL = 1e-4
@@ -56,11 +63,6 @@ def load_run(run_dir: str | Path, checkpoint: str = "latest") -> tuple[Any, torc
     """(the run's Config, its model with the checkpoint's weights, in eval mode, the checkpoint) of a run folder.
     `checkpoint`: latest (the newest that verifies), best (train.keep_best's ckpt-best), a step number, or a
     checkpoint path."""
-    from graphtrain.config.sections import Config, ModelConfig
-    from graphtrain.models import build_model
-    from graphtrain.trainer.checkpoint import (is_sharded, latest_valid_checkpoint, list_checkpoints,
-                                               load_checkpoint, to_module_keys)
-    from graphtrain.trainer.run_outputs import best_checkpoint
     run = Path(run_dir)
     if not (run / "config.yaml").is_file():
         raise ValueError(f"{str(run)!r} is not a graphtrain run directory (no config.yaml): pass the train.out_dir "
@@ -239,7 +241,6 @@ def _hf(model: torch.nn.Module, config: Any, out: Path, sample: torch.Tensor, re
         ckpt: Path) -> dict[str, Any]:
     """The Hugging Face folder (models/hf_export.py): the special-token ids in config.json and
     generation_config.json are the exported tokenizer's."""
-    from graphtrain.models.hf_export import write_hf_folder
     tok, note = _run_tokenizer(config, ckpt)
     written = write_hf_folder(model, tok, out, sample, ref)
     return {**written, "tokenizer": str(out / "tokenizer.json") if tok is not None else note}
@@ -248,12 +249,9 @@ def _hf(model: torch.nn.Module, config: Any, out: Path, sample: torch.Tensor, re
 def _run_tokenizer(config: Any, ckpt: Path) -> tuple[Any, str | None]:
     """(the run's tokenizer: the one the checkpoint holds, for older checkpoints rebuilt from the data cache as the
     run built it; or None and a note saying why there is none)."""
-    from graphtrain.trainer.checkpoint import checkpoint_tokenizer
     tok = checkpoint_tokenizer(ckpt)
     if tok is None:
         try:
-            from graphtrain.data import build_data
-            from graphtrain.models import resolve_spec
             tok = build_data(config, family=resolve_spec(config.model).family).tokenizer
         except Exception as e:  # noqa: BLE001 - the weights are exported all the same
             return None, f"not exported: the run's data could not be rebuilt ({type(e).__name__}: {e})"

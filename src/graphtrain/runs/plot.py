@@ -29,6 +29,7 @@ from typing import Any
 from graphtrain.config.jobfile import read_yaml_file
 from graphtrain.trainer.console import human, human_bytes, human_seconds
 from graphtrain.trainer.runinfo import read_run_info
+from graphtrain.runs.plot_page import render
 
 # (id, title, y axis title, [(record kind, field, dash, label suffix)], y format (d3), smoothed, steady state)
 # steady state: the run's first logged training window (graph capture and compilation) is left out of the curve.
@@ -276,7 +277,6 @@ def _chart(go: Any, spec: tuple, runs: list[dict[str, Any]], names: list[str]) -
 
 def write_report(run_dirs: list[str | Path], out: str | Path, title: str | None = None) -> Path:
     """Write the HTML page comparing `run_dirs` to `out`; returns its path."""
-    from graphtrain.runs.plot_page import render
     if not run_dirs:
         raise ValueError("graphtrain plot needs at least one run directory")
     runs = [load_run(d) for d in run_dirs]

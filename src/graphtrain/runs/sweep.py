@@ -41,6 +41,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
+from graphtrain.config.jobfile import read_yaml_file
+from graphtrain.config.sections import Config, load_job_file
+from graphtrain.runs.plot import read_records
+from graphtrain.runs.plot import write_report
+from graphtrain.runtime.background import die_with_parent
 
 ENV_STORAGE, ENV_STUDY, ENV_TRIAL = "GRAPHTRAIN_SWEEP_STORAGE", "GRAPHTRAIN_SWEEP_STUDY", "GRAPHTRAIN_SWEEP_TRIAL"
 ENV_PRUNER = "GRAPHTRAIN_SWEEP_PRUNER"  # "<name>:<startup trials>": Optuna's storage does not keep the pruner
@@ -72,8 +77,6 @@ def load_sweep(path: str | Path, *, trials: int | None = None, parallel: int | N
                out: str | Path | None = None) -> Sweep:
     """The sweep file, checked completely (every key of the space, every range) before any trial starts; `trials`,
     `parallel` and `out` (the command line's) replace the file's values."""
-    from graphtrain.config.sections import Config, load_job_file
-    from graphtrain.config.jobfile import read_yaml_file
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"sweep file {str(path)!r} does not exist")
@@ -292,7 +295,6 @@ def _stop(running: dict[int, tuple[Any, subprocess.Popen, Path]], sweep: Sweep) 
 
 
 def _records(run_dir: Path) -> list[dict[str, Any]]:
-    from graphtrain.runs.plot import read_records
     path = run_dir / "metrics.jsonl"
     return read_records(path) if path.is_file() else []
 
@@ -336,7 +338,6 @@ def write_summary(sweep: Sweep, study: Any, log: Any = print) -> dict[str, Any]:
         summary["edge_warnings"] = edge_warnings(sweep.space, best.params)
         ranked = sorted(complete, key=lambda t: t.value)[:3]
         try:
-            from graphtrain.runs.plot import write_report
             summary["report"] = str(write_report([sweep.out / f"trial-{t.number:03d}" for t in ranked],
                                                  sweep.out / "report.html", title=f"best trials of {sweep.path}"))
         except ValueError:  # a best run without metrics (deleted): the summary stands without the page
@@ -406,7 +407,6 @@ def pruning_callback() -> Any:
     if not (storage and study_name and trial_id):
         return None
     if os.environ.get(ENV_SWEEP_PID, "").isdigit():  # preempted (SIGTERM) when the sweep dies, even by SIGKILL
-        from graphtrain.runtime.background import die_with_parent
         die_with_parent(int(os.environ[ENV_SWEEP_PID]), signal.SIGTERM)
     import optuna
     optuna.logging.set_verbosity(optuna.logging.WARNING)

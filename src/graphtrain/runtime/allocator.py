@@ -12,6 +12,7 @@ from typing import Any, Sequence
 import torch
 
 from graphtrain.config.sections import EngineConfig
+from graphtrain.memory import allocator
 
 _ALLOCATOR_SET: str | None = None
 
@@ -53,7 +54,6 @@ def set_cpu_allocator(mode: str, huge_pages: bool = True, block_cache: bool | No
     compile changes it (a benchmark harness gives every variant's process the same setting this way). Returns
     whether a glibc setting was applied."""
     global _ALLOCATOR_SET
-    from graphtrain.memory import allocator
     _ALLOCATOR_SET = mode
     cache = mode == "release" if block_cache is None else block_cache
     if cache or allocator.block_cache_stats() is not None:

@@ -22,6 +22,19 @@ from graphtrain.pipeline.stages import DYNAMO_RESTARTS
 from graphtrain.runtime.allocator import set_cpu_allocator_once
 from graphtrain.pipeline.job import CompileJob
 from graphtrain.pipeline.state import GLOBAL_STATE, EngineState
+from graphtrain.config.fallback import GraphtrainCaptureError
+from graphtrain.config.sections import resolve_engine_config
+from graphtrain.memory.prefault import compiled as first_graph_compiled
+from graphtrain.passes import autograd_functions
+from graphtrain.passes.manager import PassContext, run_pipeline
+from graphtrain.passes.returned_heads import reattach
+from graphtrain.pipeline.blocks import ReuseMisbound, check_bindings, compile_by_blocks, has_block_calls, inline_blocks
+from graphtrain.pipeline.cache import configure_cache, load_pass_result
+from graphtrain.pipeline.stages import compile_with_fallback, new_record, run_passes, trace
+from graphtrain.pipeline.trace import delocalize, dtensor_inputs, localize
+from graphtrain.runtime.provider_auto import choose_provider, measurable, under_ddp_optimizer
+from graphtrain.runtime.providers import PROVIDERS, resolve_runtime
+from graphtrain.pipeline.cache import save_pass_result
 
 if TYPE_CHECKING:
     from graphtrain.passes.manager import PassContext
@@ -64,9 +77,6 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Eng
     """Compile one Dynamo graph (the backend body) through the pipeline; records a GraphRecord on `state` per
     graph compiled. A graph with repeated-block calls (pipeline/blocks.py) is compiled piece by piece, each
     distinct block once."""
-    from graphtrain.pipeline.blocks import check_bindings, has_block_calls, inline_blocks
-    from graphtrain.runtime.provider_auto import under_ddp_optimizer
-    from graphtrain.passes.returned_heads import reattach
 
     set_policy(config.fallback)  # fused ops that fail at run time follow it (process-wide: the last wins)
     set_cpu_allocator_once(example_inputs, config)
@@ -91,7 +101,6 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Eng
         compiled = _compile_by_blocks(gm, example_inputs, config, state)
     else:
         compiled = _compile_one(gm, example_inputs, config, state)
-    from graphtrain.memory.prefault import compiled as first_graph_compiled
     first_graph_compiled()
     state.passes[n_records:n_records] = dynamo.records
     return reattach(compiled, heads, n_out) if heads else compiled
@@ -101,7 +110,6 @@ def _dynamo_passes(gm: fx.GraphModule, example_inputs: Sequence[Any], config: En
                    name: str, notes: list[str], phases: tuple[str, ...]) -> tuple[fx.GraphModule, PassContext]:
     """The passes of the "dynamo" stage in `phases` on `gm` (passes/manager.py): (the graph, their PassContext,
     whose records the caller adds to state.passes). Their lines for the report go to `notes`."""
-    from graphtrain.passes.manager import PassContext, run_pipeline
     ctx = PassContext(config=config, stage="dynamo", graph_name=name, example_inputs=list(example_inputs),
                       fallbacks=state.fallbacks, caller_notes=notes)
     return run_pipeline(gm, ctx, phases), ctx
@@ -114,8 +122,6 @@ def _note_once(notes: list[str], text: str) -> None:
 
 def _compile_by_blocks(gm: fx.GraphModule, example_inputs: Sequence[Any], config: EngineConfig,
                        state: EngineState) -> Callable[..., Any]:
-    from graphtrain.pipeline.blocks import ReuseMisbound, check_bindings, compile_by_blocks, inline_blocks
-    from graphtrain.config.fallback import GraphtrainCaptureError
 
     frame, _ = _frame_info(gm)
 
@@ -138,9 +144,6 @@ def _compile_one(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Engi
                  kinds: list[str] | None = None, frame: str | None = None, calls: int = 1) -> Callable[..., Any]:
     """One graph's CompileJob (the provider and precision resolved for its device), compiled: by provider auto's
     choice, or down the fallback chain from the provider asked for."""
-    from graphtrain.runtime.provider_auto import choose_provider, measurable
-    from graphtrain.pipeline.stages import compile_with_fallback, new_record
-    from graphtrain.runtime.providers import resolve_runtime
 
     t0 = time.perf_counter()
     measure = config.provider == "auto" and measurable(example_inputs)
@@ -186,7 +189,6 @@ def _compile_one(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Engi
 def compile_stages(job: CompileJob) -> Callable[..., Any]:
     """Stages 1-5 for the job's provider: the pre-autodiff IR and its passes for that provider, autodiff, the
     provider itself (runtime/providers.py PROVIDERS), which gets the job with the optimized graph in place."""
-    from graphtrain.runtime.providers import PROVIDERS
     return PROVIDERS[job.config.provider](dataclasses.replace(job, gm=_pre_autodiff(job)))
 
 
@@ -195,9 +197,6 @@ def _pre_autodiff(job: CompileJob) -> fx.GraphModule:
     an identical graph was optimized before); the Dynamo graph itself where tracing fails (reported)."""
     gm, example_inputs, kinds, config, state, rec = (job.gm, job.example_inputs, job.kinds, job.config, job.state,
                                                      job.rec)
-    from graphtrain.passes import autograd_functions
-    from graphtrain.pipeline.stages import run_passes, trace
-    from graphtrain.pipeline.trace import delocalize, dtensor_inputs, localize
 
     # Tensor-parallel DTensor parameters: trace and optimize the graph on their local shards, then hand the
     # provider a graph that takes the DTensors again (trace.localize / delocalize).
@@ -223,7 +222,6 @@ def _pre_autodiff(job: CompileJob) -> fx.GraphModule:
     traced = run_passes(traced, "pre_autodiff", config, state, rec, example_inputs=trace_inputs, input_kinds=kinds)
     autograd_functions.restore(traced)  # hide_autograd_functions' other half: always, whatever the passes were
     if not sharded and rec.pass_cache == "miss":
-        from graphtrain.pipeline.cache import save_pass_result
         traced = save_pass_result(config, rec.pass_cache_key, traced, state.passes[n_records:], rec.ops_captured,
                                   rec.ops_pre_autodiff)
     if sharded:
@@ -235,7 +233,6 @@ def _pre_autodiff(job: CompileJob) -> fx.GraphModule:
 def _cached_passes(job: CompileJob) -> fx.GraphModule | None:
     """The pre-autodiff result of an identical graph compiled before (pipeline/cache.py), its pass records added to
     the job's state as if the passes had run; None on a miss (`rec.pass_cache` says which)."""
-    from graphtrain.pipeline.cache import load_pass_result
     config, state, rec = job.config, job.state, job.rec
     if job.pass_key is None:  # an input the key cannot describe: no caching for this graph
         rec.pass_cache = "off"
@@ -265,8 +262,6 @@ def graphtrain_backend(gm: fx.GraphModule, example_inputs: Sequence[Any],
                        options: dict[str, Any] | None = None) -> Callable[..., Any]:
     """The backend registered as "graphtrain" (default EngineConfig; `options` are EngineConfig keys, as in
     ``torch.compile(m, backend="graphtrain", options={"provider": "aten"})``). Records into GLOBAL_STATE."""
-    from graphtrain.config.sections import resolve_engine_config
-    from graphtrain.pipeline.cache import configure_cache
     config = resolve_engine_config(None, options) if options else GLOBAL_STATE.config
     configure_cache(config)
     return compile_graph(gm, example_inputs, config, GLOBAL_STATE)

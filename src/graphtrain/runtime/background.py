@@ -36,6 +36,9 @@ import sys
 import time
 from pathlib import Path
 
+# Imports inside functions: order: the child process renices itself and arms its parent-death signal before torch and
+# the engine load, and `graphtrain cache list/stop` read its folders without loading them.
+
 MODULE = "graphtrain.runtime.background"
 NAME = b"graphtrain-bg"  # the process name (/proc/PID/comm, what `top` and `ps -o comm` show)
 OWNER = "owner.json"     # in the job folder: who started the child, when, and whether it was detached

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
+from graphtrain.pipeline.blocks import laid_out_as
 
 REPEATS = 3
 BUDGET_S = 0.5
@@ -52,7 +53,6 @@ def _real(x: Any) -> Any:
     else:
         out = x.detach().clone()
     if out.stride() != x.stride():  # in `x`'s layout, which a compiled graph asserts (an expanded mask: stride 0)
-        from graphtrain.pipeline.blocks import laid_out_as
         out = laid_out_as(out, x)
     return out.requires_grad_(x.requires_grad) if out.dtype.is_floating_point else out
 

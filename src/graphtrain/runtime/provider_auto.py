@@ -39,6 +39,10 @@ from graphtrain.pipeline.stages import DYNAMO_RESTARTS, compile_with_fallback
 from graphtrain.runtime.measured import CANDIDATES, Candidate, Measured, describe, load_decision
 from graphtrain.runtime.tiered import (Tiered, _next_step, compile_inductor_from, inductor_ready, inductor_timed_out,
                                        prefetch_inductor_setup, size_checked)
+from graphtrain.pipeline.cache import _encode_graph, cache_root, pass_cache_key
+from graphtrain.pipeline.graph_data import input_metas, symbolic_inputs
+from graphtrain.pipeline.trace import dtensor_inputs
+from graphtrain.runtime.providers import UnsuitableProvider
 
 Compile = Callable[[CompileJob], Callable[..., Any]]
 """Stages 1-5 of a job for its provider (runtime/backend.py compile_stages)."""
@@ -46,7 +50,6 @@ Compile = Callable[[CompileJob], Callable[..., Any]]
 
 def measurable(example_inputs: Sequence[Any]) -> bool:
     """Whether provider auto may run this graph on aten and time it against Inductor (else: Inductor alone)."""
-    from graphtrain.pipeline.trace import dtensor_inputs
     return not (dtensor_inputs(example_inputs) or under_ddp_optimizer())
 
 
@@ -63,8 +66,6 @@ def choose_provider(job: CompileJob, compile: Compile, requested: EngineConfig) 
     (or an earlier process's decision for this graph is reused and only its winner compiled). A candidate that
     fails to compile is reported and left out. `requested`: the config as the user gave it (provider auto), which
     keys the stored decision."""
-    from graphtrain.pipeline.cache import cache_root, pass_cache_key
-    from graphtrain.runtime.providers import UnsuitableProvider
 
     config, state, rec = job.config, job.state, job.rec
     folder = cache_root(config)
@@ -134,8 +135,6 @@ def _inductor_loader(job: CompileJob, compile: Compile) -> tuple[bytes, Callable
     (tiered.compile_inductor_from), so the background process that fills the caches and this process that loads from
     them agree on every cache key. The loader returns Inductor's ``Candidate``. Raises when the graph is not plain
     data."""
-    from graphtrain.pipeline.cache import _encode_graph
-    from graphtrain.pipeline.graph_data import input_metas, symbolic_inputs
     inductor = job.for_provider("inductor")
     metas = input_metas(symbolic_inputs(job.gm, job.example_inputs))
     inductor_key = inductor.pass_key

@@ -42,6 +42,7 @@ from graphtrain.pipeline.state import EngineState, GraphRecord
 from graphtrain.kernels import capability
 from graphtrain.memory.predict import predict_peak
 from graphtrain.passes.manager import pipeline
+from graphtrain.passes.graph_utils import has_random_tag
 
 
 def resolve_provider(config: EngineConfig, example_inputs: Sequence[Any]) -> str:
@@ -280,7 +281,6 @@ _FUNCTIONAL_SAMPLERS = frozenset({"rand", "randn", "rand_like", "randn_like"})
 def _aten_random_ops(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> list[str]:
     """The distinct ATen random ops (nondeterministic_seeded) of a CPU graph that Inductor may misorder; an SDPA
     kernel called with dropout_p 0 samples nothing and is not one, and the functional samplers are safe."""
-    from graphtrain.passes.graph_utils import has_random_tag
     if any(isinstance(x, torch.Tensor) and x.device.type != "cpu" for x in example_inputs):
         return []
     return sorted({str(n.target) for n in gm.graph.nodes if n.op == "call_function" and has_random_tag(n)

@@ -29,6 +29,10 @@ import torch
 
 from graphtrain.pipeline.job import CompileJob
 from graphtrain.runtime.measured import Candidate, Measured
+from graphtrain.config.fallback import report_fallback
+from graphtrain.config.torch_compat import inductor_cache_key_functions
+from graphtrain.pipeline.graph_data import GuardsUnreadable, SizeChecked, rebuild_sizes, size_check
+from graphtrain.runtime.providers import UnsuitableProvider
 
 
 def _ready_path(folder: Any, key: str) -> Any:
@@ -104,7 +108,6 @@ def prefetch_inductor_setup() -> None:
     from torch._inductor import cpu_vec_isa
     from torch._inductor.runtime import triton_compat  # noqa: F401 - imported here, not in the thread (above)
 
-    from graphtrain.config.torch_compat import inductor_cache_key_functions
     for key in inductor_cache_key_functions():
         prefetch = getattr(key, "prefetch", None)  # torch.utils._functools.prefetchable_cache, where this torch has it
         if prefetch is not None:
@@ -162,7 +165,6 @@ class Tiered:
         return self.aten.compiled(*args)
 
     def _decide(self, args: Sequence[Any]) -> None:
-        from graphtrain.config.fallback import report_fallback
         rec, aten_fn, (kind, text) = self.rec, self.aten.compiled, self.status
         seconds = worker(self.state).seconds
         result: Candidate | None = None
@@ -202,7 +204,6 @@ def size_checked(fn: Callable[..., Any], aten_fn: Callable[..., Any]) -> tuple[C
     """(`fn` (Inductor's code loaded from data) for the calls whose sizes its compile assumed and `aten_fn` for the
     others, the note that says so) for a symbolic graph compiled in a ShapeEnv of its own (graph_data.SizeChecked);
     (`fn`, []) for any other."""
-    from graphtrain.pipeline.graph_data import SizeChecked
     if not isinstance(fn, SizeChecked):
         return fn, []
     inductor, check = fn.fn, fn.check
@@ -222,8 +223,6 @@ def compile_inductor_from(job: CompileJob, metas: list[tuple[Any, ...]],
     call."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from graphtrain.pipeline.graph_data import GuardsUnreadable, SizeChecked, rebuild_sizes, size_check
-    from graphtrain.runtime.providers import UnsuitableProvider
     env, size = rebuild_sizes(metas)  # static shapes too: Inductor's caches want a shape env to key on
     mode = FakeTensorMode(shape_env=env)
     inputs: list[Any] = []

@@ -33,6 +33,9 @@ from typing import Any
 from graphtrain.memory.allocator import block_cache_stats, trim
 from graphtrain.memory.process import predict_process_peak, reset_peak_rss, rss_bytes
 
+# Imports inside functions: order: the child process sets its allocator and thread settings from its arguments before
+# torch allocates and the engine loads; the parent only starts children and reads their JSON.
+
 MODES = ("eager", "compile", "graphtrain", "accelerate")
 
 

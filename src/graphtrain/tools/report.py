@@ -26,6 +26,9 @@ from graphtrain.tools import report_text
 from graphtrain.pipeline.state import EngineState, GraphRecord, state_of
 from graphtrain.kernels import capabilities, op_descriptor
 from graphtrain.memory.process import predict_process_peak
+from graphtrain.memory import allocator
+from graphtrain.pipeline.cache import cache_root
+from graphtrain.runtime.allocator import cpu_allocator_set
 
 
 def _param_stats(module: torch.nn.Module | None) -> dict[str, int]:
@@ -232,8 +235,6 @@ def _with_user_names(rep: Report, module: torch.nn.Module | None) -> Report:
 
 
 def _allocator_state() -> dict[str, Any] | None:
-    from graphtrain.runtime.allocator import cpu_allocator_set
-    from graphtrain.memory import allocator
     if (mode := cpu_allocator_set()) is None:
         return None
     cache, error = None, None
@@ -248,7 +249,6 @@ def _allocator_state() -> dict[str, Any] | None:
 def _cache_stats(state: EngineState) -> dict[str, Any]:
     from torch._dynamo.utils import counters
 
-    from graphtrain.pipeline.cache import cache_root
     return dict(folder=str(cache_root(state.config)),
                 passes_hit=sum(g.pass_cache == "hit" for g in state.graphs),
                 passes_miss=sum(g.pass_cache == "miss" for g in state.graphs),

@@ -33,7 +33,6 @@ folder) before training starts at step 0 with a fresh optimizer (BERT phase 2 fr
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import errno
 import math
