@@ -9,7 +9,7 @@ import torch
 from graphtrain.config.sections import ParallelConfig
 from graphtrain.distributed import parallelize
 from graphtrain.distributed.spawn import run_ranks
-from graphtrain.distributed.tensor_parallel import check_tp
+from graphtrain.distributed.tp_plans import check_tp
 from graphtrain.testing import assert_close
 from test_distributed_mesh import ATOL, RTOL, batch, optim_factory, reference_run, tiny, train_reference
 
@@ -326,7 +326,7 @@ def test_tensor_parallel_dropout_masks(name, engine):
     h (different heads of the model) agree on a fraction (1-p)^2 + p^2 of elements, not all of them. Both
     masks are a function of the default generator's state (which checkpoints save): replaying from the same
     state draws them again bit for bit. Hugging Face BERT's attention is hooked apart from graphtrain's models
-    (tensor_parallel._apply_hf_bert), hence its own case."""
+    (tp_plans._apply_hf_bert), hence its own case."""
     if name == "hf-bert":
         pytest.importorskip("transformers")
     r0, r1 = run_ranks(_dropout_masks_worker, 2, name, engine)

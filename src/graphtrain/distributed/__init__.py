@@ -31,7 +31,8 @@ from graphtrain.distributed import checkpoint as ckpt
 from graphtrain.distributed.data_parallel import (apply_data_parallel, apply_replicate, broadcast_parameters,
                                                   grad_sync)
 from graphtrain.distributed.mesh import DistEnv, check_layout, init_distributed, shutdown
-from graphtrain.distributed.tensor_parallel import apply_tensor_parallel, split_mixed_param_groups
+from graphtrain.distributed.tensor_parallel import split_mixed_param_groups
+from graphtrain.distributed.tp_plans import apply_tensor_parallel
 from graphtrain.distributed.zero import optimizer_state_bytes, shard_optimizer
 from graphtrain.pipeline.functional import loss_of
 
