@@ -8,7 +8,8 @@ their name ends in ``_``; nothing here holds state.
 - ``global_grad_norm``: the L2 norm over all gradients, one ``_foreach_norm`` reduction (non-finite when any
   gradient is: it doubles as the overflow check).
 - ``clip_divisor``: ``max(1, norm / max_norm)``, what gradients are divided by to clip them to ``max_norm`` (the
-  compiled step and LAMB's pre-normalisation).
+  compiled step and LAMB's pre-normalisation); ``clip_coefficient``: torch's factor ``min(1, max_norm / (norm +
+  1e-6))`` they are multiplied by (the distributed layouts' clip, the eager ``optimizer_step``'s through torch).
 - ``adamw_fused_``: torch's fused AdamW kernel (decoupled decay, bias correction; ``grad_scale`` unscales and
   ``found_inf`` skips inside the kernel); ``adamw_``: the same update as elementwise tensor math (for graphs whose
   compiler cannot trace the kernel).
@@ -35,6 +36,12 @@ def global_grad_norm(grads: Sequence[Tensor]) -> Tensor:
 def clip_divisor(norm: Tensor, max_norm: float) -> Tensor:
     """``max(1, norm / max_norm)``: gradients divided by it have a global norm of at most ``max_norm``."""
     return torch.clamp(norm / max_norm, min=1.0)
+
+
+def clip_coefficient(norm: Tensor, max_norm: float) -> Tensor:
+    """``min(1, max_norm / (norm + 1e-6))``, torch.nn.utils.clip_grad_norm_'s factor: gradients multiplied by it
+    are clipped as torch clips them (the eager optimizer_step clips with torch's own function)."""
+    return (max_norm / (norm + 1e-6)).clamp(max=1.0)
 
 
 # --- AdamW -----------------------------------------------------------------------------------------
