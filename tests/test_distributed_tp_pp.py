@@ -262,6 +262,23 @@ def test_tensor_parallel_refuses_models_without_a_plan():
         check_tp(model, 2)
 
 
+def test_tensor_parallel_plans_find_models_by_what_they_are_not_their_class_name():
+    """A plan follows the model's class (and a Hugging Face config's model_type), not the class's name: a subclass of
+    BertForMaskedLM keeps the BERT plan; a module that only borrows GPT2LMHeadModel's name has no plan."""
+    from graphtrain.distributed.tp_plans import HF_BERT, plan_of
+
+    class TaggedBert(type(_hf_bert())):
+        pass
+
+    model = TaggedBert(_hf_bert().config)
+    assert plan_of(model) == (model, HF_BERT)
+    check_tp(model, 2)
+    impostor = type("GPT2LMHeadModel", (torch.nn.Module,), {})()
+    impostor.transformer = torch.nn.Module()
+    with pytest.raises(ValueError, match=r"not for GPT2LMHeadModel, which has no plan; use parallel.tp=1"):
+        check_tp(impostor, 2)
+
+
 def _logits_worker(name: str) -> torch.Tensor:
     par = parallelize(tiny(name), optim_factory(), ParallelConfig(timeout_s=60, tp=2))
     with torch.no_grad():
