@@ -9,7 +9,7 @@ import torch
 from graphtrain.config.sections import ParallelConfig
 from graphtrain.distributed import parallelize
 from graphtrain.distributed.spawn import run_ranks
-from graphtrain.distributed.tensor_parallel import check_tp
+from graphtrain.distributed.tp_plans import check_tp
 from graphtrain.testing import assert_close
 from test_distributed_mesh import ATOL, RTOL, batch, optim_factory, reference_run, tiny, train_reference
 
@@ -262,6 +262,23 @@ def test_tensor_parallel_refuses_models_without_a_plan():
         check_tp(model, 2)
 
 
+def test_tensor_parallel_plans_find_models_by_what_they_are_not_their_class_name():
+    """A plan follows the model's class (and a Hugging Face config's model_type), not the class's name: a subclass of
+    BertForMaskedLM keeps the BERT plan; a module that only borrows GPT2LMHeadModel's name has no plan."""
+    from graphtrain.distributed.tp_plans import HF_BERT, plan_of
+
+    class TaggedBert(type(_hf_bert())):
+        pass
+
+    model = TaggedBert(_hf_bert().config)
+    assert plan_of(model) == (model, HF_BERT)
+    check_tp(model, 2)
+    impostor = type("GPT2LMHeadModel", (torch.nn.Module,), {})()
+    impostor.transformer = torch.nn.Module()
+    with pytest.raises(ValueError, match=r"not for GPT2LMHeadModel, which has no plan; use parallel.tp=1"):
+        check_tp(impostor, 2)
+
+
 def _logits_worker(name: str) -> torch.Tensor:
     par = parallelize(tiny(name), optim_factory(), ParallelConfig(timeout_s=60, tp=2))
     with torch.no_grad():
@@ -326,7 +343,7 @@ def test_tensor_parallel_dropout_masks(name, engine):
     h (different heads of the model) agree on a fraction (1-p)^2 + p^2 of elements, not all of them. Both
     masks are a function of the default generator's state (which checkpoints save): replaying from the same
     state draws them again bit for bit. Hugging Face BERT's attention is hooked apart from graphtrain's models
-    (tensor_parallel._apply_hf_bert), hence its own case."""
+    (tp_plans._apply_hf_bert), hence its own case."""
     if name == "hf-bert":
         pytest.importorskip("transformers")
     r0, r1 = run_ranks(_dropout_masks_worker, 2, name, engine)

@@ -59,6 +59,20 @@ def test_backoff_hysteresis_growth_and_min_scale():
         DynamicLossScaler(init_scale=1.0, min_scale=2.0)
 
 
+def test_the_graph_and_the_eager_scaler_follow_one_rule():
+    """optim.functional.loss_scale_update on tensors (what compile_step's graph runs) gives the eager
+    DynamicLossScaler's scale, growth count and hysteresis after every step of an overflow pattern."""
+    from graphtrain.optim.functional import loss_scale_update
+    kw = dict(growth_factor=2.0, backoff_factor=0.5, growth_interval=3, hysteresis=2, min_scale=2.0)
+    eager = DynamicLossScaler(init_scale=8.0, **kw)
+    scale, tracker, hyst = torch.tensor(8.0), torch.tensor(0), torch.tensor(2)
+    for overflow in [True, False, True, True, True, True, False, False, False, True, False, False, False, False]:
+        eager.update(overflow)
+        scale, tracker, hyst = loss_scale_update(scale, tracker, hyst, torch.tensor(overflow), **kw)
+        assert (float(scale), int(tracker), int(hyst)) == (eager.scale_value, eager._growth_tracker,
+                                                           eager._hysteresis_left), overflow
+
+
 def test_state_dict_round_trip_and_config():
     s = DynamicLossScaler(init_scale=16.0, growth_interval=2, hysteresis=1)
     s.update(False)

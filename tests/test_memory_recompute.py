@@ -93,6 +93,40 @@ def test_auto_fits_budget_at_least_recompute(tiny):
     assert "chose" in str(rec) and f"{budget / MiB:,.0f} MiB" in str(rec)
 
 
+def _pretend_a_gpu(monkeypatch, total_memory: int) -> None:
+    """torch.cuda as graphtrain's memory code would see it on a machine with a GPU of `total_memory` bytes (nothing
+    runs on it; torch's own callers, AOTAutograd's RNG bookkeeping among them, keep seeing no CUDA)."""
+    import sys
+    import types
+    real = torch.cuda.is_available
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: sys._getframe(1).f_globals.get(
+        "__name__", "").startswith("graphtrain.memory") or real())
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: types.SimpleNamespace(
+        total_memory=total_memory, name="pretend GPU"))
+
+
+def test_a_fractional_budget_is_of_the_memory_of_the_device_the_run_uses(monkeypatch):
+    import os
+    from graphtrain.memory.budget import budget_bytes
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    _pretend_a_gpu(monkeypatch, 3 * 2**30)
+    assert budget_bytes(0.5, torch.device("cpu")) == 0.5 * ram      # a CPU run: RAM, though CUDA is "available"
+    assert budget_bytes(0.5, "cuda:0") == 0.5 * 3 * 2**30           # a GPU run: the GPU's memory
+    assert budget_bytes(4e9, "cpu") == budget_bytes(4e9, "cuda") == 4e9  # bytes as given
+    with pytest.raises(ValueError, match="must be positive"):
+        budget_bytes(0.0, "cpu")
+
+
+def test_recompute_budget_fraction_on_cpu_is_of_ram_even_with_cuda(tiny, monkeypatch):
+    import os
+    m, batch = tiny
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    _pretend_a_gpu(monkeypatch, 3 * 2**30)
+    cap = capture_graphs(m, batch, EngineConfig(recompute="auto", memory_budget=0.5))
+    assert cap.records[-1].budget == 0.5 * ram
+
+
 def test_auto_without_budget_is_a_user_error():
     from graphtrain.memory.recompute import make_partition_fn
     with pytest.raises(ValueError, match="memory_budget"):

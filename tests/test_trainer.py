@@ -188,6 +188,23 @@ def test_auto_batch_size_fits_the_budget(tmp_path):
         assert torch.equal(a, b), n
 
 
+@pytest.mark.parametrize("precision,accelerate,bf16_fast,peak", [
+    ("auto", "true", True, "bf16"),     # auto runs bf16 where the hardware has it: MFU against the bf16 peak
+    ("auto", "true", False, "fp32"),    # and fp32 elsewhere
+    ("bf16", "true", False, "bf16"),    # bf16 asked for runs bf16 (slowly) even without native support
+    ("bf16", "false", True, "fp32"),    # without the engine nothing runs in bf16: the fp32 peak
+])
+def test_mfu_is_against_the_peak_of_the_precision_that_runs(tmp_path, monkeypatch, precision, accelerate,
+                                                            bf16_fast, peak):
+    from graphtrain.kernels import capability
+    peaks = {"fp32": 1e11, "bf16": 4e11}
+    monkeypatch.setattr(capability, "peek_probe", lambda name, **kw: dict(peaks))
+    monkeypatch.setattr(capability, "bf16_is_fast", lambda device="cpu": (bf16_fast, "monkeypatched"))
+    trainer = Trainer(tiny(tmp_path, f"engine.precision={precision}", f"train.accelerate={accelerate}",
+                           "engine.provider=aten"))
+    assert trainer._peak == peaks[peak]
+
+
 def test_init_from_loads_weights_only(tmp_path):
     Trainer(tiny(tmp_path / "a", "train.steps=3", "model.max_seq_len=64")).fit()
     src = torch.load(list_checkpoints(tmp_path / "a")[-1][1], weights_only=True)["model"]

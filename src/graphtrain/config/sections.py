@@ -56,7 +56,8 @@ class EngineConfig:
     """Activation recompute: none, auto (fit `memory_budget` at least added compute), selective
     (the attention core and cheap elementwise ops), full (checkpoint every layer but the last)."""
     memory_budget: float | None = None
-    """Memory budget for `recompute: auto`: bytes (> 1) or a fraction of device memory (0-1]."""
+    """Memory budget for `recompute: auto`: bytes (> 1) or a fraction (0-1] of the memory of the device the run uses
+    (a GPU's memory, or RAM for a CPU run: graphtrain.memory.budget)."""
     cpu_allocator: Literal["auto", "keep", "release", "default"] = "auto"
     """How glibc's malloc treats freed CPU tensors (set once per process, at the first compile): `keep` serves
     blocks up to 1 GiB from its heap and keeps them for the next step (no page faults on reuse: ~12% of a Hugging

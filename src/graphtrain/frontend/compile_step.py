@@ -55,31 +55,11 @@ from graphtrain.config.sections import Config, EngineConfig, OptimConfig
 from graphtrain.frontend.accelerate import compile_in_place, new_state
 from graphtrain.pipeline.blocks import splits_into_blocks
 from graphtrain.config.fallback import GraphtrainCaptureError, report_fallback, set_policy
+from graphtrain.optim.functional import adamw_, adamw_fused_, clip_divisor, global_grad_norm, loss_scale_update
 from graphtrain.pipeline.functional import loss_of, module_as_function
 from graphtrain.pipeline.stages import compile_with_fallback, new_record, run_passes, trace
 from graphtrain.pipeline.trace import trace_step
 from graphtrain.runtime.providers import compile_step_graph, resolve_runtime
-
-
-def _adamw_math(params: list[Tensor], grads: list[Tensor], exp_avg: list[Tensor], exp_avg_sq: list[Tensor],
-                steps: list[Tensor], *, lr: Tensor, betas: tuple[float, float], weight_decay: float, eps: float,
-                grad_scale: Tensor, found_inf: Tensor | None) -> None:
-    """torch.optim.AdamW's update (decoupled decay, bias correction) on graph values, written in place;
-    `steps` were already advanced. With found_inf set, parameters and moments keep their old values."""
-    b1, b2 = betas
-    for p, g, m, v, t in zip(params, grads, exp_avg, exp_avg_sq, steps):
-        g = g / grad_scale
-        m_new = torch.lerp(m, g, 1 - b1)
-        v_new = v * b2 + (1 - b2) * g * g
-        bc1 = 1 - torch.pow(b1, t)
-        bc2_sqrt = torch.sqrt(1 - torch.pow(b2, t))
-        p_new = p * (1 - lr * weight_decay) - (lr / bc1) * m_new / (torch.sqrt(v_new) / bc2_sqrt + eps)
-        if found_inf is not None:
-            keep = found_inf > 0
-            p_new, m_new, v_new = torch.where(keep, p, p_new), torch.where(keep, m, m_new), torch.where(keep, v, v_new)
-        p.copy_(p_new)
-        m.copy_(m_new)
-        v.copy_(v_new)
 
 
 class CompiledStep:
@@ -284,11 +264,11 @@ class CompiledStep:
         def update(params, grads, m, v, steps, lr, max_loss, scale, tracker, hyst, loss):
             grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
             # one reduction: global norm (for clipping) and the overflow check (non-finite norm)
-            norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+            norm = global_grad_norm(grads)
             true_norm = norm / scale if fp16 else norm
             grad_scale = scale if fp16 else torch.ones_like(scale)
             if max_norm is not None:
-                grad_scale = grad_scale * torch.clamp(true_norm / max_norm, min=1.0)
+                grad_scale = grad_scale * clip_divisor(true_norm, max_norm)
             # skip the update on a non-finite norm (fp16: overflow) or loss, or a loss spike
             bad_loss = ~torch.isfinite(loss) | (loss > max_loss)
             overflow = ~torch.isfinite(norm)
@@ -301,22 +281,18 @@ class CompiledStep:
                 group = ([params[i] for i in idx], [grads[i] for i in idx], [m[i] for i in idx], [v[i] for i in idx],
                          [steps[i] for i in idx])
                 if fused_kernel:
-                    torch._fused_adamw_(*group[:4], [], group[4], lr=lr, beta1=o.betas[0], beta2=o.betas[1],
-                                        weight_decay=wd, eps=o.eps, amsgrad=False, maximize=False,
-                                        grad_scale=grad_scale, found_inf=found_inf)
+                    adamw_fused_(*group, lr=lr, betas=o.betas, weight_decay=wd, eps=o.eps, grad_scale=grad_scale,
+                                 found_inf=found_inf)
                 else:
                     with torch.no_grad():  # the parameters are leaves that require grad
-                        _adamw_math(*group, lr=lr, betas=o.betas, weight_decay=wd, eps=o.eps,
+                        adamw_(*group, lr=lr, betas=o.betas, weight_decay=wd, eps=o.eps,
                                     grad_scale=grad_scale, found_inf=found_inf)
-            if fp16:  # DynamicLossScaler.update as tensor arithmetic (same hysteresis semantics)
-                inf = overflow
-                grow = (~inf) & (tracker + 1 >= e.loss_scale_interval)
-                new_hyst = torch.where(inf, hyst - 1, torch.where(grow, torch.full_like(hyst, e.loss_scale_hysteresis),
-                                                                  hyst))
-                backoff = inf & (new_hyst <= 0)
-                new_scale = torch.where(backoff, torch.clamp(scale * e.loss_scale_backoff, min=e.loss_scale_min),
-                                        torch.where(grow, scale * e.loss_scale_growth, scale))
-                tracker.copy_(torch.where(inf | grow, torch.zeros_like(tracker), tracker + 1))
+            if fp16:  # DynamicLossScaler.update's rule, on tensors
+                new_scale, new_tracker, new_hyst = loss_scale_update(
+                    scale, tracker, hyst, overflow, growth_factor=e.loss_scale_growth,
+                    backoff_factor=e.loss_scale_backoff, growth_interval=e.loss_scale_interval,
+                    hysteresis=e.loss_scale_hysteresis, min_scale=e.loss_scale_min)
+                tracker.copy_(new_tracker)
                 hyst.copy_(new_hyst)
                 scale.copy_(new_scale)
             return loss, true_norm, found_inf

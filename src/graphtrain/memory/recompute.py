@@ -52,6 +52,7 @@ from torch._functorch.partitioners import default_partition, min_cut_remateriali
 from torch.utils.checkpoint import CheckpointPolicy
 
 from graphtrain.kernels.registry import CHEAP, COMPUTE_BOUND, NEVER, op_descriptor
+from graphtrain.memory.budget import budget_bytes
 from graphtrain.memory.predict import MiB, hint_int, predict_peak, saved_activation_bytes
 from graphtrain.memory.rewrites import drop_dead_random_ops, rewrite_dropout_for_recompute, shrink_attention_masks
 from graphtrain.memory.seeded import split_fused_dropout
@@ -415,16 +416,19 @@ def make_partition_fn(engine_cfg: Any, *, n_params_bytes: int = 0, n_param_input
     """A partition_fn for ``aot_function``/``aot_module_simplified`` implementing engine_cfg.recompute.
 
     n_params_bytes / n_param_inputs / optimizer feed the peak prediction `auto` compares with
-    engine_cfg.memory_budget (bytes, or a fraction of `device_memory`, default total RAM).
-    Each call appends a RecomputeRecord to `records` (if given)."""
+    engine_cfg.memory_budget (bytes, or a fraction of `device_memory`, by default of the memory of the device the
+    joint graph's inputs are on: graphtrain.memory.budget). Each call appends a RecomputeRecord to `records` (if
+    given)."""
     mode = getattr(engine_cfg, "recompute", "none")
-    budget = getattr(engine_cfg, "memory_budget", None)
-    if budget is not None and budget <= 1:
-        budget = budget * (device_memory or total_device_memory())
-    if mode == "auto" and budget is None:
+    given = getattr(engine_cfg, "memory_budget", None)
+    if mode == "auto" and given is None:
         raise ValueError("engine.recompute=auto needs engine.memory_budget (bytes, or a fraction of device memory)")
 
     def partition_fn(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int, **kw: Any):
+        budget = None
+        if given is not None:
+            budget = (given * device_memory if device_memory and given <= 1
+                      else budget_bytes(given, _device_of(joint_inputs)))
         rec = RecomputeRecord(mode, budget)
         rec.masks_shrunk = shrink_attention_masks(joint)
         none_saved = None
@@ -493,11 +497,9 @@ def make_partition_fn(engine_cfg: Any, *, n_params_bytes: int = 0, n_param_input
     return partition_fn
 
 
-def total_device_memory() -> int:
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("cannot read total memory from /proc/meminfo")
+def _device_of(joint_inputs: Any) -> torch.device:
+    """The device of the first tensor among a joint graph's inputs (CPU when there is none)."""
+    for x in torch.utils._pytree.tree_leaves(joint_inputs):
+        if isinstance(x, torch.Tensor):
+            return x.device
+    return torch.device("cpu")

@@ -30,6 +30,9 @@ from typing import Any, Callable, Iterable
 import torch
 from torch.optim import Optimizer
 
+from graphtrain.optim.functional import (adam_direction, adam_direction_fused_, clip_divisor, global_grad_norm,
+                                         lamb_apply_)
+
 
 class LAMB(Optimizer):
     """Layer-wise adaptive moments (LAMB), multi-tensor; see the module docstring for the update."""
@@ -81,8 +84,7 @@ class LAMB(Optimizer):
                 raise TypeError("LAMB does not support sparse gradients; use dense embeddings (sparse=False)")
         clip = None  # gradients are divided (in place, like clip_grad_norm_) by max(1, ||G|| / max_grad_norm)
         if self.max_grad_norm > 0:
-            global_norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads_all)))
-            clip = torch.clamp(global_norm / self.max_grad_norm, min=1.0)
+            clip = clip_divisor(global_grad_norm(grads_all), self.max_grad_norm)
         for group, params in groups:
             if params:
                 self._update_group(group, params, clip)
@@ -105,41 +107,15 @@ class LAMB(Optimizer):
         torch._foreach_add_(steps, 1.0)
 
         if self.fused and group["bias_correction"]:
-            # One fused kernel for clip, both moments and the bias-corrected Adam direction: run
-            # torch's fused Adam on a zeroed scratch list with lr=-1, leaving the direction in it.
+            # One fused kernel for clip, both moments and the bias-corrected Adam direction: torch's fused Adam on
+            # a scratch list with lr=-1, leaving the direction in it.
             for p in params:
                 if p not in self._scratch:
                     self._scratch[p] = torch.empty_like(p, memory_format=torch.preserve_format)
                 scratch.append(self._scratch[p])
-            torch._foreach_zero_(scratch)
-            torch._fused_adam_(scratch, grads, exp_avg, exp_avg_sq, [], steps, lr=-1.0, beta1=beta1, beta2=beta2,
-                               weight_decay=0.0, eps=eps, amsgrad=False, maximize=False, grad_scale=clip)
-            update = scratch
+            update = adam_direction_fused_(scratch, grads, exp_avg, exp_avg_sq, steps, betas=(beta1, beta2), eps=eps,
+                                           grad_scale=clip)
         else:
-            if clip is not None:
-                torch._foreach_div_(grads, clip)
-            torch._foreach_mul_(exp_avg, beta1)
-            torch._foreach_add_(exp_avg, grads, alpha=1.0 - beta1)
-            torch._foreach_mul_(exp_avg_sq, beta2)
-            torch._foreach_addcmul_(exp_avg_sq, grads, grads, value=1.0 - beta2)
-            update = torch._foreach_mul(exp_avg, 1.0)
-            denom = torch._foreach_mul(exp_avg_sq, 1.0)
-            if group["bias_correction"]:
-                ts = [float(t) for t in steps]  # like torch's foreach Adam off-GPU: Python-float corrections
-                torch._foreach_div_(update, [1.0 - beta1 ** t for t in ts])
-                torch._foreach_div_(denom, [1.0 - beta2 ** t for t in ts])
-            torch._foreach_sqrt_(denom)
-            torch._foreach_add_(denom, eps)
-            torch._foreach_div_(update, denom)
-            del denom
-        if wd != 0.0:
-            torch._foreach_add_(update, params, alpha=wd)
-        if wd != 0.0 or group["use_nvlamb"]:
-            w_norm = torch.stack(torch._foreach_norm(params))
-            u_norm = torch.stack(torch._foreach_norm(update))
-            ratio = torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm, torch.ones_like(w_norm))
-            torch._foreach_mul_(update, list((ratio * -lr).unbind()))
-            torch._foreach_add_(params, update)
-        else:
-            torch._foreach_add_(params, update, alpha=-lr)
-
+            update = adam_direction(grads, exp_avg, exp_avg_sq, steps, betas=(beta1, beta2), eps=eps,
+                                    bias_correction=group["bias_correction"], grad_scale=clip)
+        lamb_apply_(params, update, lr=lr, weight_decay=wd, use_nvlamb=group["use_nvlamb"])

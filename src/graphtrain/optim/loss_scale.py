@@ -22,6 +22,7 @@ from typing import Any, Iterable
 import torch
 
 from graphtrain.config.sections import EngineConfig
+from graphtrain.optim.functional import loss_scale_update
 
 
 class DynamicLossScaler:
@@ -87,20 +88,15 @@ class DynamicLossScaler:
         return found is None or found.item() == 0
 
     def update(self, found_inf: bool) -> None:
-        """Adapt the scale after a step: back off (with hysteresis) on overflow, grow after clean steps."""
+        """Adapt the scale after a step: back off (with hysteresis) on overflow, grow after clean steps
+        (``graphtrain.optim.functional.loss_scale_update``, the rule the compiled step's graph runs too)."""
         self.steps += 1
-        if found_inf:
-            self.skipped_steps += 1
-            self._growth_tracker = 0
-            self._hysteresis_left -= 1
-            if self._hysteresis_left <= 0:
-                self._scale = max(self._scale * self.backoff_factor, self.min_scale)
-        else:
-            self._growth_tracker += 1
-            if self._growth_tracker == self.growth_interval:
-                self._growth_tracker = 0
-                self._hysteresis_left = self.hysteresis
-                self._scale *= self.growth_factor
+        found_inf = bool(found_inf)
+        self.skipped_steps += found_inf
+        self._scale, self._growth_tracker, self._hysteresis_left = loss_scale_update(
+            self._scale, self._growth_tracker, self._hysteresis_left, found_inf, growth_factor=self.growth_factor,
+            backoff_factor=self.backoff_factor, growth_interval=self.growth_interval, hysteresis=self.hysteresis,
+            min_scale=self.min_scale)
 
     def state_dict(self) -> dict[str, Any]:
         return {"scale": self._scale, "growth_tracker": self._growth_tracker, "hysteresis_left": self._hysteresis_left,

@@ -11,6 +11,7 @@ import torch
 
 from graphtrain.config.sections import Config, TrainConfig
 from graphtrain.data import build_data
+from graphtrain.memory.budget import budget_bytes
 from graphtrain.models import build_model
 from graphtrain.trainer.metrics import format_bytes
 
@@ -62,19 +63,13 @@ def check_supported(config: Config) -> None:
 
 def memory_budget_bytes(config: Config, device: torch.device) -> float:
     """`engine.memory_budget` in bytes: bytes as given (> 1), or a fraction of the device's memory
-    (CUDA: the GPU's total memory; CPU: the machine's physical RAM)."""
+    (graphtrain.memory.budget: CUDA, the GPU's total memory; CPU, the machine's physical RAM)."""
     budget = config.engine.memory_budget
     if budget is None:
         raise ValueError("train.batch_size=auto needs a memory budget: set engine.memory_budget to bytes "
                          "(e.g. engine.memory_budget=2000000000) or a fraction of device memory (e.g. 0.5), "
                          "or set a number, e.g. train.batch_size=8")
-    if budget > 1:
-        return float(budget)
-    if device.type == "cuda":
-        total = torch.cuda.get_device_properties(device).total_memory
-    else:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return budget * total
+    return budget_bytes(budget, device)
 
 
 def auto_batch_size(config: Config, model: torch.nn.Module | None, vocab_size: int,
