@@ -51,6 +51,8 @@ import torch
 
 from graphtrain.checksums import (ChecksumMismatch, digests_reused, fsync_dir, sha256_file, sidecar_path, verify_file,
                                   write_sums)
+from graphtrain.data.tokenizer import CodeTokenizer
+from graphtrain.distributed.checkpoint import load_checkpoint as load_sharded, read_extra, verify_folder
 
 FORMAT_VERSION = 1
 KEEP_LAST = 3  # train.keep_last's default
@@ -229,7 +231,6 @@ def verify_checkpoint(path: str | Path) -> bool:
 
 def _verify(path: Path) -> bool:
     if is_sharded(path):
-        from graphtrain.distributed.checkpoint import verify_folder
         return verify_folder(path)
     if sidecar_path(path).is_file():
         verify_file(sidecar_path(path), path)
@@ -335,7 +336,6 @@ def load_sharded_meta(path: str | Path, config: Any = None, model_spec: dict[str
         raise ValueError(f"{str(path)!r} is not a sharded checkpoint folder (no .metadata){_alternatives(path)}")
     if not verify_checkpoint(path):
         _warn_unverified(path)
-    from graphtrain.distributed.checkpoint import read_extra
     if not (path / "extra.pt").is_file():
         raise ValueError(f"checkpoint {str(path)!r}: extra.pt is missing{_alternatives(path)}")
     try:
@@ -381,7 +381,6 @@ def load_weights(model: torch.nn.Module, init_from: str, config: Any, model_spec
     try:
         with digests_reused():
             if is_sharded(source):
-                from graphtrain.distributed.checkpoint import load_checkpoint as load_sharded
                 step = load_sharded_meta(source, config, model_spec)["step"]
                 load_sharded(source, model, None)
             else:
@@ -415,7 +414,6 @@ def checkpoint_tokenizer(path: str | Path) -> Any:
     """The tokenizer a checkpoint was trained with (a CodeTokenizer), or None for checkpoints that hold none."""
     from tokenizers import Tokenizer
 
-    from graphtrain.data.tokenizer import CodeTokenizer
     saved = checkpoint_meta(path).get("tokenizer")
     if not saved:
         return None

@@ -23,6 +23,9 @@ from graphtrain.checksums import fsync_dir, read_sums, sha256_file, sidecar_path
 from graphtrain.trainer.checkpoint import (checkpoint_meta, is_sharded, latest_valid_checkpoint, load_checkpoint,
                                            to_module_keys)
 from graphtrain.trainer.console import quiet_libraries
+from graphtrain.distributed.checkpoint import load_model_weights_local
+from graphtrain.models import build_model
+from graphtrain.models.hf_export import write_hf_folder as write
 
 BEST = "ckpt-best"  # train.keep_best: ckpt-best.pt, or the sharded folder ckpt-best/
 
@@ -130,8 +133,6 @@ def write_hf_folder(out_dir: str | Path, config: Any, tokenizer: Any, vocab_size
     compared with the checkpoint's model. Written in `out_dir/.hf.tmp/` and swapped in, so the folder is always a
     whole export (the previous one until the new one is complete). Returns {out, checkpoint, class, max_abs_diff,
     special_tokens}."""
-    from graphtrain.models import build_model
-    from graphtrain.models.hf_export import write_hf_folder as write
     out = Path(out_dir)
     path = latest_valid_checkpoint(out)
     if path is None:
@@ -139,7 +140,6 @@ def write_hf_folder(out_dir: str | Path, config: Any, tokenizer: Any, vocab_size
     with torch.random.fork_rng(devices=[]):
         model = build_model(config.model, vocab_size=vocab_size)
     if is_sharded(path):
-        from graphtrain.distributed.checkpoint import load_model_weights_local
         load_model_weights_local(path, model)
     else:
         model.load_state_dict(to_module_keys(load_checkpoint(path)["model"], model))

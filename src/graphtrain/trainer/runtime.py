@@ -14,6 +14,7 @@ from graphtrain.data import build_data
 from graphtrain.memory.budget import budget_bytes
 from graphtrain.models import build_model
 from graphtrain.trainer.metrics import format_bytes
+from graphtrain.tools.autobatch import pick_batch_size
 
 
 def check_supported(config: Config) -> None:
@@ -76,7 +77,6 @@ def auto_batch_size(config: Config, model: torch.nn.Module | None, vocab_size: i
                     device: torch.device) -> tuple[Config, str]:
     """train.batch_size=auto -> the config with the largest micro-batch fitting engine.memory_budget (per rank,
     times parallel.dp; grad_accum kept), and the line saying so."""
-    from graphtrain.tools.autobatch import pick_batch_size
     budget = memory_budget_bytes(config, device)
     if model is not None:
         factory = (lambda: model)

@@ -39,6 +39,10 @@ from graphtrain.trainer.checkpoint import (checkpoint_path, is_sharded, latest_c
                                            save_checkpoint, set_rng_state, to_module_keys)
 from graphtrain.trainer.faults import rejection
 from graphtrain.trainer.schedule import set_lr
+from graphtrain.distributed import parallelize
+from graphtrain.distributed.checkpoint import load_model_weights_local
+from graphtrain.frontend.compile_step import compile_step
+from graphtrain.tools.report import report
 
 Batch = dict[str, torch.Tensor]
 
@@ -173,7 +177,6 @@ class WholeStepGraph(SingleProcessStep):
     def __init__(self, model: nn.Module, config: Config, device: torch.device) -> None:
         import dataclasses
 
-        from graphtrain.frontend.compile_step import compile_step
         self.config, self.device = config, device
         self.model = self.module = model.to(device)
         self.optimizer = self.step_graph = compile_step(model, dataclasses.replace(config, engine=engine_config(config)))
@@ -195,7 +198,6 @@ class DistributedStep:
     (`ckpt-NNNNNNN/`, written atomically by `Parallelized.save`) that load under any layout."""
 
     def __init__(self, model: nn.Module, config: Config, env: Any, log: Callable[[str], None]) -> None:
-        from graphtrain.distributed import parallelize
         self.config, self.env, self.log = config, env, log
         self.par = parallelize(model, lambda m: build_optimizer(m, config.optim), config.parallel, env)
         self.model, self.optimizer, self.module = self.par.model, self.par.optimizer, self.par.module
@@ -285,7 +287,6 @@ class DistributedStep:
             raise ValueError("sample() needs the whole model on one rank: not with parallel.tp>1")
         if par.pp == 1:
             return self.module
-        from graphtrain.distributed.checkpoint import load_model_weights_local
         path = latest_checkpoint(out_dir)
         if path is None:
             raise ValueError("sample() with parallel.pp>1 reads the whole model from the run's latest checkpoint, and "
@@ -319,7 +320,6 @@ class DistributedStep:
         Collective. Returns the line rank 0 logs; a rank that fell back to eager raises under
         engine.fallback=error and warns otherwise."""
         import torch.distributed as dist
-        from graphtrain.tools.report import report
         rep = report(self.module)
         mine = (len(rep.graphs), bool(rep.eager_only), len(rep.fallbacks))
         every: list = [None] * dist.get_world_size()

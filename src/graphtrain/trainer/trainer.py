@@ -58,6 +58,9 @@ from graphtrain.trainer.resume import allowed_keys, check_config_changes, clean_
 from graphtrain.trainer.run_outputs import best_checkpoint, update_best, write_hf_folder
 from graphtrain.trainer.schedule import lr_at
 from graphtrain.trainer.strategies import build_strategy
+from graphtrain.distributed import init_distributed, shutdown
+from graphtrain.kernels import capability, flops
+from graphtrain.tools.report import report
 
 _INIT_FROM_AND_RESUME = ("train.init_from and --resume cannot be combined: --resume continues a run (weights, "
                          "optimizer, step), init_from starts a new one from a checkpoint's weights; to continue a "
@@ -103,7 +106,6 @@ class Trainer:
         self.config, self.resume = config, resume
         self.env = None
         if config.parallel.world_size > 1:
-            from graphtrain.distributed import init_distributed
             self.env = init_distributed(config.parallel)  # clear error when not launched under torchrun
         self.is_main = self.env is None or self.env.is_main
         self.device = self.env.device if self.env is not None else runtime.pick_device()
@@ -260,7 +262,6 @@ class Trainer:
         when the peak was measured on this machine before (`graphtrain train` does it once per machine,
         `graphtrain bench` and `python -m graphtrain.kernels.flops` too; the Trainer itself never spends the
         seconds)."""
-        from graphtrain.kernels import capability, flops
         per_token = flops.step_flops(flops.matmul_params(model), self.spec.n_layer, self.config.data.seq_len,
                                      self.spec.d_model, 1)
         peak = capability.peek_probe(f"matmul_peak_{self.device.type}", any_threads=True) or {}
@@ -282,7 +283,6 @@ class Trainer:
             for sink in sinks:
                 sink.close()
             return
-        from graphtrain.tools.report import report
         try:
             text = str(report(self.model))
         except Exception as e:  # noqa: BLE001 - a report is a convenience; the run's results are written
@@ -459,7 +459,6 @@ class Trainer:
     def close(self) -> None:
         """Distributed runs: destroy the process group (call once training and sampling are done)."""
         if self.env is not None:
-            from graphtrain.distributed import shutdown
             shutdown()
 
     # -------------------------------------------------------------------------------- helpers ----
