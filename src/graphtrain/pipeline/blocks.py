@@ -101,7 +101,7 @@ def mark_repeated_blocks(module: torch.nn.Module) -> list[str]:
         for block in blocks:
             if getattr(block, _MARK, False):
                 continue
-            block.forward = types.MethodType(region, block)  # type: ignore[method-assign]
+            block.forward = types.MethodType(region, block)
             setattr(block, _MARK, True)
         marked.append(f"{name} ({len(blocks)} x {type(blocks[0]).__name__})")
     return marked
@@ -120,7 +120,7 @@ def _region(forward: Callable[..., Any], n_blocks: int) -> Callable[..., Any]:
     Dynamo folds away; ``spec`` (a string constant, so part of the fingerprint) says how to rebuild the call. Calls
     with other argument kinds (a KV-cache object) keep the structured call. In eager PyTorch this is the forward."""
     import inspect
-    kw = {"max_reuse_entries": max(8, 2 * n_blocks)} \
+    kw: dict[str, Any] = {"max_reuse_entries": max(8, 2 * n_blocks)} \
         if "max_reuse_entries" in inspect.signature(torch.compiler.nested_compile_region).parameters else {}
     structured = torch.compiler.nested_compile_region(forward, **kw)
 
@@ -201,11 +201,11 @@ def no_subgraph_reuse() -> Any:
     if original is None:
         yield
         return
-    mod.has_reuse_entries = lambda *args, **kwargs: False
+    setattr(mod, "has_reuse_entries", lambda *args, **kwargs: False)
     try:
         yield
     finally:
-        mod.has_reuse_entries = original
+        setattr(mod, "has_reuse_entries", original)
 
 
 def has_block_calls(gm: fx.GraphModule) -> bool:
@@ -245,6 +245,7 @@ def compile_by_blocks(gm: fx.GraphModule, example_inputs: Sequence[Any], input_k
             uses[unit.key] = uses.get(unit.key, 0) + 1
     n_glue = 0
     for unit in units:
+        assert unit.graph is not None  # glue and block units carry their graph (_units)
         if unit.kind == "glue":
             kinds = [kind_of.get(i, "activation") for i in unit.inputs]
             label = "before the first block" if n_glue == 0 else (
@@ -412,6 +413,7 @@ def _assemble(gm: fx.GraphModule, placeholders: list[fx.Node], units: list[_Unit
         env[p].meta = dict(p.meta)
     for unit in units:
         fn = unit.fn if unit.kind == "glue" else compiled[unit.key]
+        assert fn is not None  # every glue unit was compiled above
         name = next((k for k, m in pieces.items() if m.fn is fn), f"piece{len(pieces)}")
         pieces.setdefault(name, _Compiled(fn))
         call = graph.call_module(name, tuple(env[i] for i in unit.inputs))

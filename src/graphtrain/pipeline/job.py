@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Sequence, Literal
 
 import torch.fx as fx
 
@@ -52,6 +52,6 @@ class CompileJob:
         except Exception:  # noqa: BLE001 - an input the key cannot describe
             return None
 
-    def for_provider(self, provider: str) -> CompileJob:
+    def for_provider(self, provider: Literal["aten", "inductor"]) -> CompileJob:
         """This job compiled by `provider` (its own passes, so its own pass-cache key)."""
         return dataclasses.replace(self, config=dataclasses.replace(self.config, provider=provider), key=None)

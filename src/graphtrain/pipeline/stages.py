@@ -237,8 +237,8 @@ def autodiff(forward: Callable[..., Any], example_inputs: Sequence[Any], config:
         return compile_fn
 
     rec.partitioner = partitioner_name(config)
-    aot = dict(fw_compiler=compiler("forward"), bw_compiler=compiler("backward"), partition_fn=partition,
-               decompositions={})
+    aot: dict[str, Any] = dict(fw_compiler=compiler("forward"), bw_compiler=compiler("backward"),
+                               partition_fn=partition, decompositions={})
     if isinstance(forward, fx.GraphModule):
         return aot_module_simplified(forward, list(example_inputs), **aot)
     return aot_function(forward, **aot)
@@ -257,6 +257,8 @@ DYNAMO_RESTARTS: tuple[type[BaseException], ...] = (torch._dynamo.exc.RestartAna
 """Exceptions by which Dynamo asks to trace the frame again (AOTAutograd's float-scalar pass raises one under
 dynamic shapes): they pass through every fallback of the backend, which would otherwise take them for a failed
 compile and run the graph eagerly."""
+_NOT_DEGRADED: tuple[type[BaseException], ...] = (GraphtrainCaptureError, *DYNAMO_RESTARTS)  # raised as they are, never degraded to the next provider
+
 
 
 def compile_with_fallback(order: Sequence[str], compile_one: Callable[[str], Any], *, part: str,
@@ -270,7 +272,7 @@ def compile_with_fallback(order: Sequence[str], compile_one: Callable[[str], Any
         nxt = order[i + 1] if i + 1 < len(order) else "eager" if eager is not None else None
         try:
             return compile_one(provider), provider
-        except (GraphtrainCaptureError, *DYNAMO_RESTARTS):
+        except _NOT_DEGRADED:
             raise
         except Exception as e:  # noqa: BLE001 - degrade to the next provider, loudly
             if nxt is None:
