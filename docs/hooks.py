@@ -43,8 +43,8 @@ def _yaml(value) -> str:
 
 def config_sections() -> list[tuple[str, type, list[tuple[str, str, str, str]]]]:
     """(section, dataclass, [(key, type, default, description)]) for every section of graphtrain.Config."""
-    from graphtrain.config.sections import Config
     from graphtrain.config.schema import describe_type, field_docs
+    from graphtrain.config.sections import Config
     default = Config()
     out = []
     for sec in dataclasses.fields(Config):

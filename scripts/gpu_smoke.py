@@ -22,10 +22,10 @@ import subprocess
 import sys
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
-
 
 DEVICE = "cuda"  # --device cpu checks this script itself on a machine without a GPU
 
@@ -160,8 +160,8 @@ def _one(case: str, steps: int) -> int:
         out = {"status": "ok" if r["ok"] else "MISMATCH",
                "detail": f"{r['worst_rel']:.1e} | {r['first_s']:.1f} | {r['step_ms']:.1f} | {r['eager_ms']:.1f}"}
         if not r["ok"]:
-            out["detail"] += (f" | losses {['%.5f' % x for x in r['losses'][0]]} vs eager "
-                              f"{['%.5f' % x for x in r['losses'][1]]}")
+            out["detail"] += (f" | losses {[f'{x:.5f}' for x in r['losses'][0]]} vs eager "
+                              f"{[f'{x:.5f}' for x in r['losses'][1]]}")
     except Exception as e:  # noqa: BLE001 - a crash is this case's result
         traceback.print_exc()
         out = {"status": "CRASH", "detail": " ".join(f"{type(e).__name__}: {e}".split())[:300]}
@@ -189,9 +189,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if a.one:
         return _one(a.one, a.steps)
-    import graphtrain
     import transformers
     import triton
+
+    import graphtrain
     print(f"torch {torch.__version__} (CUDA {torch.version.cuda}), triton {triton.__version__}, transformers "
           f"{transformers.__version__}, graphtrain {graphtrain.__version__}, "
           f"{torch.cuda.get_device_name() if DEVICE == 'cuda' else 'CPU'}; each case in its own process")

@@ -18,8 +18,8 @@ and Hypothesis prints the drawn example.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import pytest
 import torch
@@ -159,14 +159,14 @@ def close(actual: torch.Tensor | None, expected: torch.Tensor | None, dtype: tor
     at *= max(1.0, scale)
     try:
         torch.testing.assert_close(a, e, rtol=r, atol=at, msg=lambda m: f"{name} ({dtype}): {m}")
-    except AssertionError:
+    except AssertionError as failed:
         if eager is None or a.numel() == 0:
             raise
         g = eager.detach().double()[~nan_e]
         ours, theirs = (a - e).abs().max().item(), (g - e).abs().max().item()
         if not ours <= 2 * theirs:
             raise AssertionError(f"{name} ({dtype}): outside the table's tolerance (max abs error {ours:.3e} against "
-                                 f"the fp64 reference) and further off than eager PyTorch in {dtype} ({theirs:.3e})")
+                                 f"the fp64 reference) and further off than eager PyTorch in {dtype} ({theirs:.3e})") from failed
 
 
 def check_op(data, name: str, dtype: torch.dtype, args: list, fused: Callable, eager: Callable, ref: Callable,

@@ -285,8 +285,8 @@ def test_report_shows_the_cpu_allocator_and_the_block_cache():
 def test_report_goes_on_when_the_block_cache_counters_fail(monkeypatch):
     """A failing C++ extension (tests/test_capability.py breaks every function of it) must not take the report down
     with the allocator line: the line says the counters are unavailable."""
-    from graphtrain.tools import report, report_text
     from graphtrain.memory import allocator
+    from graphtrain.tools import report, report_text
 
     def broken():
         raise RuntimeError("simulated failure of block_cache_stats")

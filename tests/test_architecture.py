@@ -226,7 +226,7 @@ def test_function_local_imports_say_why():
     says why (import cost, an optional dependency, environment set before torch loads): on its line, the line
     above, or once per module in a comment starting with MODULE_REASON when one reason covers them all."""
     silent = []
-    for module, path in MODULES.items():
+    for path in MODULES.values():
         text = path.read_text()
         if MODULE_REASON in text:
             continue

@@ -12,9 +12,8 @@ import pytest
 import torch
 
 from graphtrain.bench import maxbatch, report, suites
-from graphtrain.kernels import flops
 from graphtrain.bench.cli import main as bench_main
-
+from graphtrain.kernels import flops
 
 # ------------------------------------------------------------------------------ FLOP formula ----
 
@@ -137,7 +136,7 @@ def test_maxbatch_prediction_and_failed_trials(monkeypatch, tmp_path):
     assert maxbatch.predict({2: 400.0, 4: 500.0}, cap_mib=1000.0) == 14  # base 300, 50 per sample
     # Every trial above batch 5 dies (as if OOM-killed): the search must still pin 5.
     monkeypatch.setattr(maxbatch, "measure_peak",
-                        lambda c, v, b, d, l, pin_mmap=False: (100.0 + b, "") if b <= 5 else (None, "worker died"))
+                        lambda c, v, b, d, log_dir, pin_mmap=False: (100.0 + b, "") if b <= 5 else (None, "worker died"))
     monkeypatch.setattr(maxbatch, "available_mib", lambda: 1e6)
     result = maxbatch.search(suites.Case("m", 2, 16), suites.VARIANTS["eager-fp32"], cap_gib=1.0, device="cpu",
                              log_dir=tmp_path, max_trials=20)

@@ -13,9 +13,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import graphtrain
+from graphtrain.passes.manager import _REGISTRY, register_pass, registered_passes
 from graphtrain.tools.bisect import bisect
 from graphtrain.tools.bisect_run import compare, switch_off_dropout
-from graphtrain.passes.manager import _REGISTRY, register_pass, registered_passes
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -89,7 +89,7 @@ def broken_pass():
                 with gm.graph.inserting_after(n):
                     scaled = gm.graph.call_function(torch.ops.aten.mul.Tensor, (n, 1.001))
                 scaled.meta["val"] = n.meta.get("val")
-                n.replace_all_uses_with(scaled, delete_user_cb=lambda u: u is not scaled)
+                n.replace_all_uses_with(scaled, delete_user_cb=lambda u, scaled=scaled: u is not scaled)
                 ctx.count()
         return gm
 

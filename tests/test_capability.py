@@ -72,7 +72,7 @@ def test_simulated_avx2_machine_selects_the_next_implementation():
 
 @x86
 def test_precision_auto_and_the_slow_bf16_warning():
-    from graphtrain.runtime.providers import SlowPrecisionWarning, _WARNED_SLOW
+    from graphtrain.runtime.providers import _WARNED_SLOW, SlowPrecisionWarning
     ids = torch.randint(0, 512, (2, 16))
     with capability.simulate("avx2"):
         m = graphtrain.accelerate(_tiny_gpt2(), provider="aten", precision="auto", fallback="error")

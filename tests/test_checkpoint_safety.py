@@ -24,7 +24,8 @@ from graphtrain.checksums import SUMS_NAME, read_sums, sidecar_path, write_sums
 from graphtrain.config.sections import Config
 from graphtrain.distributed import checkpoint as dck
 from graphtrain.models import build_model
-from graphtrain.trainer import Trainer, checkpoint as ck, list_checkpoints
+from graphtrain.trainer import Trainer, list_checkpoints
+from graphtrain.trainer import checkpoint as ck
 from graphtrain.trainer.resume import clean_orphans, config_changes, is_free, supersede_later
 from test_checkpoint import make_state
 

@@ -13,9 +13,9 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from graphtrain.cli import main as cli  # noqa: E402
 from graphtrain.bench.conformance import run_isolated, run_matrix, select  # noqa: E402
 from graphtrain.bench.conformance_cells import COLUMNS, ROWS, Column, parse_column, run_cell  # noqa: E402
+from graphtrain.cli import main as cli  # noqa: E402
 
 
 def _no_failure(results):

@@ -9,8 +9,17 @@ import pytest
 import torch
 
 from graphtrain.config.sections import Config, DataConfig
-from graphtrain.data import (IGNORE_INDEX, CodeTokenizer, build_data, cache_root, default_root, list_files,
-                             load_corpus, load_or_build, split_documents)
+from graphtrain.data import (
+    IGNORE_INDEX,
+    CodeTokenizer,
+    build_data,
+    cache_root,
+    default_root,
+    list_files,
+    load_corpus,
+    load_or_build,
+    split_documents,
+)
 
 SMALL = {"max_bytes": 300_000, "vocab_size": 512, "seq_len": 64}
 

@@ -193,8 +193,8 @@ def test_attention_cpp_dropout_mask_rate_scale_and_independence(p, causal):
     """graphtrain::attention's CPU dropout (C++ attn_probs_fwd): the mask is the reference hash over the flat
     [B*H, Sq, Sk] index, keeps 1 - p, scales kept probabilities by 1 / (1 - p) and zeroes the rest; elements,
     rows and heads (same (i, j) in head h and h + 1) are uncorrelated."""
-    from graphtrain.kernels.attention import _cpu_cpp_ok
     from graphtrain.kernels._common import runtime_fallbacks
+    from graphtrain.kernels.attention import _cpu_cpp_ok
     torch.manual_seed(41)
     q, k, v, out, probs, seed = _attention_probs_sample(p, causal, 42)
     assert _cpu_cpp_ok(q, k, v, None, p) and not runtime_fallbacks(), "the C++ path must be the one under test"

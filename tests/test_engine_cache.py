@@ -99,8 +99,8 @@ def test_cached_pass_failure_still_warns_and_reports(tmp_path, monkeypatch):
 
     import graphtrain
     from graphtrain.config import fallback
-    from graphtrain.kernels import capability
     from graphtrain.config.sections import ModelConfig
+    from graphtrain.kernels import capability
     from graphtrain.models import build_model
 
     monkeypatch.setenv("GRAPHTRAIN_CACHE", str(tmp_path / "cache"))

@@ -9,6 +9,8 @@ import torch
 import torch.nn as nn
 
 import graphtrain
+from graphtrain.config.fallback import GraphtrainCaptureError, GraphtrainFallbackWarning
+from graphtrain.testing import assert_close, assert_grads_close
 
 
 @pytest.fixture(autouse=True)
@@ -16,8 +18,6 @@ def _many_instances():
     # Every test builds new instances of the same classes; Dynamo counts their compiles per code object.
     with torch._dynamo.config.patch(recompile_limit=64):
         yield
-from graphtrain.config.fallback import GraphtrainCaptureError, GraphtrainFallbackWarning
-from graphtrain.testing import assert_close, assert_grads_close
 
 
 class MLP(nn.Module):
@@ -232,6 +232,7 @@ def test_gemm_probe_reads_symbolic_sizes_without_guarding_them():
     compile the graph again for every new sequence length under engine.dynamic=true."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
     from graphtrain.passes import lower_gemm
     env = ShapeEnv()
     mode = FakeTensorMode(shape_env=env)

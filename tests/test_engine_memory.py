@@ -14,10 +14,10 @@ import torch.nn as nn
 from torch._dynamo.utils import counters
 
 import graphtrain
+from graphtrain.config.fallback import GraphtrainCaptureError
 from graphtrain.config.sections import Config, ModelConfig
 from graphtrain.memory.recompute import is_random
 from graphtrain.models import build_model
-from graphtrain.config.fallback import GraphtrainCaptureError
 from graphtrain.testing import assert_close, assert_grads_close
 
 # Fusion passes are other engineers' (with their own parity tests); these tests check the memory wiring.
@@ -321,6 +321,7 @@ def test_recompute_auto_on_hugging_face_gpt2_at_a_tight_budget():
 def test_auto_with_fewer_layers_checkpointed_matches_eager():
     """recompute auto at a budget that only `layers=k` (k < all) meets: the loss and gradients match eager."""
     import dataclasses
+
     from graphtrain.models import GPT2, PRESETS
     torch.manual_seed(0)
     ref = GPT2(dataclasses.replace(PRESETS["gpt2-tiny"], n_layer=4, dropout=0.0)).train()

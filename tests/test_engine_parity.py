@@ -9,6 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import graphtrain
+from graphtrain.testing import assert_close, assert_grads_close
 
 
 @pytest.fixture(autouse=True)
@@ -16,7 +17,6 @@ def _many_instances():
     # Every test builds new instances of the same classes; Dynamo counts their compiles per code object.
     with torch._dynamo.config.patch(recompile_limit=64):
         yield
-from graphtrain.testing import assert_close, assert_grads_close
 
 HAS_HF = importlib.util.find_spec("transformers") is not None
 HAS_MODELS = importlib.util.find_spec("graphtrain.models") is not None

@@ -433,7 +433,7 @@ def test_size_check_of_a_symbolic_graph_compiled_from_data():
     """Inductor's code for a symbolic graph is compiled in a ShapeEnv of its own (tiered.compile_inductor_from):
     the guards that compile adds (Inductor's C++ codegen bounds a reduction's size at 4096, for one) never reach
     Dynamo's guards for the frame, so the calls whose sizes break them run on aten (tiered.size_checked)."""
-    from graphtrain.pipeline.graph_data import SizeChecked, size_check, rebuild_sizes, input_metas
+    from graphtrain.pipeline.graph_data import SizeChecked, input_metas, rebuild_sizes, size_check
     from graphtrain.runtime.tiered import size_checked
     f32 = torch.float32
     metas = [("tensor", ("s52", "s27", 64), ("64*s27", 64, 1), f32, "cpu", True, {"s52": 4, "s27": 32}),
@@ -528,8 +528,8 @@ class _TwoBlocks(nn.Module):
 
 def test_a_background_compile_past_its_time_limit_leaves_aten_and_is_not_retried():
     from graphtrain.config.sections import EngineConfig
-    from graphtrain.runtime import tiered
     from graphtrain.pipeline.cache import cache_root
+    from graphtrain.runtime import tiered
     torch.manual_seed(0)
     ref = _TwoBlocks().train()
     x = torch.randn(5, 6)

@@ -205,9 +205,9 @@ def test_mlm_head_becomes_linear_bias_cross_entropy(kind="bert-tiny"):
     materialized. check_parity above covers the numerics on this model and on HF BERT (whose decoder is a Linear
     with bias, addmm: the other spelling, checked on a graph in test_fusion_passes.py); HF's forward has
     data-dependent checks that only Dynamo (graph breaks) traces, so it is not traced whole here."""
-    from graphtrain.pipeline.trace import trace_aten_forward
     from graphtrain.passes.fuse_cross_entropy import fuse_linear_cross_entropy_pass
     from graphtrain.passes.manager import PassContext
+    from graphtrain.pipeline.trace import trace_aten_forward
     m, kw, _ = _make(kind)
     named = dict(m.named_parameters())
     keys = ("input_ids", "attention_mask", "labels")

@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from graphtrain.config.sections import EngineConfig
-from graphtrain.pipeline.trace import trace_aten_forward
 from graphtrain.passes.manager import PassContext, registered_passes
+from graphtrain.pipeline.trace import trace_aten_forward
 from graphtrain.testing import assert_close
 
 FUSIONS = ["fuse_layer_norm", "fuse_rms_norm", "fuse_attention", "fuse_bias_gelu", "fuse_bias_dropout_add",

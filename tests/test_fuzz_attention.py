@@ -124,6 +124,7 @@ def test_known_bug_low_precision_dropout_gradients(error_policy):  # in process:
     """Fixed: bf16/fp16 attention with dropout took delta from the output while dP came rounded from its matmul, so
     dS did not cancel on a peaked softmax (dq, dk ~30x off); the kernel now takes delta from each rounded row."""
     import torch
+
     from graphtrain.kernels.attention import attention_backward_reference, attention_reference
 
     def g(shape):

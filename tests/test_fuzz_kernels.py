@@ -13,13 +13,20 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
-from fuzz_layouts import BUDGET_PARAMS, check_op, fuzz_per_dtype, optional, sizes, tensor
 from hypothesis import strategies as st
 
+from fuzz_layouts import BUDGET_PARAMS, check_op, fuzz_per_dtype, optional, sizes, tensor
 from graphtrain.config import fallback
-from graphtrain.kernels import _cpu_ext, bias_dropout_add, bias_gelu, cross_entropy, gemm, layer_norm, \
-    linear_cross_entropy, rms_norm
+from graphtrain.kernels import (
+    _cpu_ext,
+    bias_dropout_add,
+    bias_gelu,
+    cross_entropy,
+    gemm,
+    layer_norm,
+    linear_cross_entropy,
+    rms_norm,
+)
 from graphtrain.kernels._common import force_reference
 from graphtrain.kernels.bias_dropout_add import bias_dropout_add_reference
 from graphtrain.kernels.bias_gelu import bias_gelu_reference

@@ -9,10 +9,17 @@ import pytest
 import torch
 
 import graphtrain
-from graphtrain.config.sections import EngineConfig
 from graphtrain.config.fallback import GraphtrainFallbackWarning
-from graphtrain.kernels.gemm import (WIN_MARGIN, gemm, gemm_onednn, gemm_probe, onednn_available, onednn_fp32,
-                                     onednn_gemm_wins)
+from graphtrain.config.sections import EngineConfig
+from graphtrain.kernels.gemm import (
+    WIN_MARGIN,
+    gemm,
+    gemm_onednn,
+    gemm_probe,
+    onednn_available,
+    onednn_fp32,
+    onednn_gemm_wins,
+)
 from graphtrain.testing import assert_close, assert_grads_close
 
 needs_onednn = pytest.mark.skipif(not onednn_available(),

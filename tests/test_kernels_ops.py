@@ -6,8 +6,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from graphtrain.kernels import (KERNELS, attention, bias_dropout_add, bias_gelu, cross_entropy, implementation_for,
-                                layer_norm, linear_cross_entropy, rms_norm)
+from graphtrain.kernels import (
+    KERNELS,
+    attention,
+    bias_dropout_add,
+    bias_gelu,
+    cross_entropy,
+    implementation_for,
+    layer_norm,
+    linear_cross_entropy,
+    rms_norm,
+)
 from graphtrain.kernels._common import dropout_keep_mask
 from graphtrain.testing import assert_close
 
@@ -87,7 +96,7 @@ def test_gradcheck_fp64_references():
     assert torch.autograd.gradcheck(lambda x, w, b: layer_norm(x, w, b), (x, w, b))
     assert torch.autograd.gradcheck(lambda x, w: rms_norm(x, w), (x, w))
     for a in ("none", "tanh"):
-        assert torch.autograd.gradcheck(lambda x, b: bias_gelu(x, b, a), (x, b))
+        assert torch.autograd.gradcheck(lambda x, b, a=a: bias_gelu(x, b, a), (x, b))
     r = torch.randn(3, 5, **d)
 
     def bda(x, b, r):
@@ -288,7 +297,7 @@ def test_linear_cross_entropy_skips_ignored_rows(reduction, with_bias):
     t[0, 0] = 7  # at least one labelled row
     for chunk in (0, 3):
         check_vs_eager(
-            lambda h, w, b: linear_cross_entropy(h, w, t, reduction=reduction, chunk_rows=chunk,
+            lambda h, w, b, chunk=chunk: linear_cross_entropy(h, w, t, reduction=reduction, chunk_rows=chunk,
                                                  bias=b if with_bias else None) + 0 * b.sum(),
             lambda h, w, b: F.cross_entropy((h @ w.t() + (b if with_bias else 0)).view(-1, 97), t.view(-1),
                                             reduction=reduction) + 0 * b.sum(), h, w, b)

@@ -7,13 +7,12 @@ import pytest
 import torch
 
 from graphtrain.config.sections import EngineConfig, ModelConfig
-from graphtrain.pipeline.functional import module_as_function
-from graphtrain.pipeline.trace import trace_aten_forward
 from graphtrain.models import build_model
 from graphtrain.optim import DynamicLossScaler, FusedAdamW, make_loss_scaler, optimizer_step
 from graphtrain.passes import PassContext
 from graphtrain.passes.mixed_precision import apply_mixed_precision_pass
-
+from graphtrain.pipeline.functional import module_as_function
+from graphtrain.pipeline.trace import trace_aten_forward
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

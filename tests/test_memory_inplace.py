@@ -10,8 +10,8 @@ from graphtrain.config.sections import EngineConfig, ModelConfig
 from graphtrain.frontend.capture import capture_graphs, compile_train_step
 from graphtrain.memory.predict import graph_liveness, placeholder_keys
 from graphtrain.models import build_model
-from graphtrain.passes.memory_inplace import inplace_candidates, inplace_elementwise_pass
 from graphtrain.passes.manager import registered_passes
+from graphtrain.passes.memory_inplace import inplace_candidates, inplace_elementwise_pass
 from graphtrain.testing import assert_close
 
 ATEN = EngineConfig(provider="aten")

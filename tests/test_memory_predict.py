@@ -6,10 +6,10 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from graphtrain.config.sections import EngineConfig, ModelConfig
-from graphtrain.tools.autobatch import largest_fitting, pick_batch_size
 from graphtrain.frontend.capture import predict_for_model
 from graphtrain.memory.predict import graph_liveness, placeholder_keys
 from graphtrain.models import build_model
+from graphtrain.tools.autobatch import largest_fitting, pick_batch_size
 
 MiB = 2**20
 

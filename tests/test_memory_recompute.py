@@ -108,6 +108,7 @@ def _pretend_a_gpu(monkeypatch, total_memory: int) -> None:
 
 def test_a_fractional_budget_is_of_the_memory_of_the_device_the_run_uses(monkeypatch):
     import os
+
     from graphtrain.memory.budget import budget_bytes
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     _pretend_a_gpu(monkeypatch, 3 * 2**30)
@@ -187,6 +188,7 @@ def test_full_saves_a_post_norm_layers_output_so_recompute_stops_at_the_layer():
     the start of the backward (BERT-Large, batch 16 -> 46: 166 MiB of peak per sample, 5x what it saved)."""
     import dataclasses
     import operator
+
     from graphtrain.models import BERT, PRESETS
     torch.manual_seed(0)
     m = BERT(dataclasses.replace(PRESETS["bert-tiny"], n_layer=4, dropout=0.1)).train()
@@ -226,6 +228,7 @@ def test_auto_checkpoints_only_the_layers_the_budget_needs():
     """When `full` is the first mode to fit, auto bisects for the fewest layers to checkpoint (the earliest): a
     budget just under selective's peak needs one layer of 4, not 3 (each costs a re-run of its forward)."""
     import dataclasses
+
     from graphtrain.models import GPT2, PRESETS
     torch.manual_seed(0)
     m = GPT2(dataclasses.replace(PRESETS["gpt2-tiny"], n_layer=4, dropout=0.1)).train()
@@ -246,6 +249,7 @@ def test_auto_stops_the_budget_ladder_once_it_repeats_itself():
     """Nothing fits a 1 MiB budget: auto tries the budget solver at falling budgets and stops once two in a row
     give the same partition (the lower ones would repeat it); it keeps the lowest predicted peak it saw."""
     import dataclasses
+
     from graphtrain.memory.recompute import AUTO_BUDGETS
     from graphtrain.models import GPT2, PRESETS
     torch.manual_seed(0)

@@ -7,14 +7,22 @@ import pytest
 import torch
 
 from graphtrain.config.sections import EngineConfig, ModelConfig
-from graphtrain.pipeline.functional import module_as_function
-from graphtrain.pipeline.trace import trace_aten_forward
 from graphtrain.kernels.registry import op_descriptor
 from graphtrain.models import build_model
 from graphtrain.passes import PassContext, pipeline
-from graphtrain.passes.mixed_precision import (FOLLOW, FP32, LOW, PRECISION_POLICY, apply_mixed_precision_pass,
-                                               count_casts, is_cast, policy_of, set_precision_policy)
-
+from graphtrain.passes.mixed_precision import (
+    FOLLOW,
+    FP32,
+    LOW,
+    PRECISION_POLICY,
+    apply_mixed_precision_pass,
+    count_casts,
+    is_cast,
+    policy_of,
+    set_precision_policy,
+)
+from graphtrain.pipeline.functional import module_as_function
+from graphtrain.pipeline.trace import trace_aten_forward
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -13,11 +13,21 @@ import torch.nn.functional as F
 
 import graphtrain
 from graphtrain.config.sections import EngineConfig
-from graphtrain.pipeline.trace import trace_aten_forward
 from graphtrain.kernels import _cpu_ext
-from graphtrain.kernels.registry import (FORWARD, KERNELS, OPS, PRECISIONS, RECOMPUTE, ROLES, OpDescriptor,
-                                         dispatcher_graphtrain_ops, no_workspace, op_descriptor)
+from graphtrain.kernels.registry import (
+    FORWARD,
+    KERNELS,
+    OPS,
+    PRECISIONS,
+    RECOMPUTE,
+    ROLES,
+    OpDescriptor,
+    dispatcher_graphtrain_ops,
+    no_workspace,
+    op_descriptor,
+)
 from graphtrain.passes.manager import PassContext, registered_passes
+from graphtrain.pipeline.trace import trace_aten_forward
 
 SRC = pathlib.Path(graphtrain.__file__).parent
 # where graphtrain makes custom ops: torch.library.custom_op("graphtrain::x"), Library("graphtrain", ...).define

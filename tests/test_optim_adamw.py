@@ -9,7 +9,6 @@ import torch
 from graphtrain.config.sections import OptimConfig
 from graphtrain.optim import FusedAdamW, build_optimizer, optimizer_step, param_groups
 
-
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
@@ -48,7 +47,7 @@ def test_fused_adamw_matches_torch_adamw_over_100_steps():
     train(ours, opt, data)
     train(ref, ref_opt, data)
     for (n, a), b in zip(ours.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}")
     assert not torch.allclose(ours[0].weight, tiny_model()[0].weight)
 
 

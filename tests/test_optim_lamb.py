@@ -10,7 +10,6 @@ import torch
 from graphtrain.config.sections import OptimConfig
 from graphtrain.optim import LAMB, build_optimizer
 
-
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
@@ -76,7 +75,7 @@ def test_lamb_matches_reference_over_100_steps(fused, max_grad_norm):
     ours, _ = run_lamb(params, grads_seq, wd, fused, **kw)
     ref = reference_lamb(params, grads_seq, wd, **kw)
     for i, (a, b) in enumerate(zip(ours, ref)):
-        torch.testing.assert_close(a.detach(), b, rtol=1e-6, atol=1e-6, msg=lambda m: f"param {i}: {m}")
+        torch.testing.assert_close(a.detach(), b, rtol=1e-6, atol=1e-6, msg=lambda m, i=i: f"param {i}: {m}")
     assert not torch.equal(ours[0].detach(), params[0])  # it did train
 
 

@@ -7,10 +7,14 @@ import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from graphtrain.config.sections import EngineConfig
-from graphtrain.pipeline.trace import trace_aten_forward
-from graphtrain.passes.cleanup import (eliminate_common_subexpressions_pass, eliminate_dead_code_pass,
-                                       fold_constants_pass, remove_noop_ops_pass)
+from graphtrain.passes.cleanup import (
+    eliminate_common_subexpressions_pass,
+    eliminate_dead_code_pass,
+    fold_constants_pass,
+    remove_noop_ops_pass,
+)
 from graphtrain.passes.manager import PassContext, op_counts, run_pipeline
+from graphtrain.pipeline.trace import trace_aten_forward
 from graphtrain.testing import assert_close
 
 aten = torch.ops.aten

@@ -11,9 +11,9 @@ import torch.nn.functional as F
 
 from graphtrain.config.sections import EngineConfig
 from graphtrain.passes.graph_utils import mask_kind
+from graphtrain.passes.manager import PassContext, registered_passes
 from graphtrain.passes.static_masks import specialize_static_masks
 from graphtrain.pipeline.trace import trace_aten_forward
-from graphtrain.passes.manager import PassContext, registered_passes
 from graphtrain.testing import assert_close
 
 NEG = float("-inf")

@@ -174,13 +174,13 @@ def test_auto_batch_size_fits_the_budget(tmp_path):
                            "train.steps=1"))
     chosen = trainer.config.train.batch_size
     assert isinstance(chosen, int) and chosen > 1 and trainer.config.train.grad_accum == 2  # accum kept
-    from graphtrain.tools.autobatch import pick_batch_size
     from graphtrain.models import build_model
+    from graphtrain.tools.autobatch import pick_batch_size
     plan = pick_batch_size(lambda: build_model(trainer.config.model, vocab_size=512), 32, budget)
     assert plan.micro_batch == chosen and plan.predicted_peak <= budget
     summary = trainer.fit()
     assert summary["tokens_per_step"] == chosen * 2 * 32
-    assert "batch_size: %d" % chosen in (tmp_path / "config.yaml").read_text()  # resolved in the saved config
+    assert f"batch_size: {chosen}" in (tmp_path / "config.yaml").read_text()  # resolved in the saved config
     # same weights as a run with that number set explicitly: picking does not move the seed
     explicit = Trainer(tiny(tmp_path / "explicit", f"train.batch_size={chosen}", "train.grad_accum=2"))
     for (n, a), b in zip(explicit.model.state_dict().items(), Trainer(tiny(

@@ -8,8 +8,8 @@ summed in another order (rel 1e-4, fp32).
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import subprocess
 import sys
 

@@ -18,8 +18,15 @@ from graphtrain.config.torch_range import check_installed_torch
 
 check_installed_torch()  # first: an unsupported torch stops here, naming the range (without importing torch)
 
-from graphtrain.config.sections import (Config, DataConfig, EngineConfig, ModelConfig, OptimConfig,  # noqa: E402
-                               ParallelConfig, TrainConfig)
+from graphtrain.config.sections import (  # noqa: E402
+    Config,
+    DataConfig,
+    EngineConfig,
+    ModelConfig,
+    OptimConfig,
+    ParallelConfig,
+    TrainConfig,
+)
 
 # Imports inside functions: import cost: `import graphtrain` stays light; each public name loads its module on first
 # use.

@@ -14,7 +14,8 @@ import os
 import signal
 import sys
 import threading
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 EXIT_PREEMPTED = 75
 MESSAGE = ("preempted: SIGTERM before the first step (while the data and model were prepared): nothing was lost, "

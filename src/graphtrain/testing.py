@@ -4,7 +4,8 @@ Tolerances are per dtype. Loosening one for a test needs a comment there saying 
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

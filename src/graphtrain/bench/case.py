@@ -23,11 +23,11 @@ from typing import Any
 
 import torch
 
-from graphtrain.kernels import flops
-from graphtrain.bench.suites import Case, Variant, VARIANTS
+from graphtrain.bench.suites import VARIANTS, Case, Variant
 from graphtrain.config.sections import Config, ModelConfig, OptimConfig
 from graphtrain.frontend.accelerate import accelerate, wait_compiled
 from graphtrain.frontend.compile_step import compile_step
+from graphtrain.kernels import flops
 from graphtrain.models import build_model as build_reference
 from graphtrain.optim import build_optimizer, param_groups
 from graphtrain.passes.manager import registered_passes
@@ -148,7 +148,7 @@ def labelled_rows(case: Case, batch: dict[str, torch.Tensor], hf: bool) -> int:
     return int(labels.ne(-100).sum())
 
 
-def sparse_head_ran(work: "Workload") -> bool:
+def sparse_head_ran(work: Workload) -> bool:
     """Whether the variant's graphs run the sparse LM head (graphtrain's `sparse_lm_head` pass rewrote a head):
     read from the engine's pass records after the first step. Unknown (no record) counts as sparse, so that MFU is
     never counted on FLOPs that may not run."""
@@ -161,7 +161,7 @@ def sparse_head_ran(work: "Workload") -> bool:
     return any(p["name"] == "sparse_lm_head" and p["rewrites"] for p in passes) or not passes
 
 
-def executed_flops(case: Case, work: "Workload", info: dict[str, Any]) -> dict[str, Any]:
+def executed_flops(case: Case, work: Workload, info: dict[str, Any]) -> dict[str, Any]:
     """The FLOPs each step runs (`executed_flops_per_step`), from the dense formula less the LM head rows a sparse
     head skips (6 FLOPs per weight per row: forward, and backward for the input and the weight); what it skips is
     named in `flops_shortcut`, which the report prints beside the variant's MFU."""

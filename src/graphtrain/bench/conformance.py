@@ -30,7 +30,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
 # Imports inside functions: import cost: the command line imports this module to register `graphtrain conformance` and

@@ -34,23 +34,23 @@ import json
 import os
 import tempfile
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
 
 import graphtrain
-
-from graphtrain.config.sections import Config, DataConfig, EngineConfig, ModelConfig, OptimConfig, TrainConfig
-from graphtrain.testing import TOLERANCES, assert_close
 from graphtrain.bench.families import build_family
+from graphtrain.config.sections import Config, DataConfig, EngineConfig, ModelConfig, OptimConfig, TrainConfig
 from graphtrain.kernels._common import runtime_fallbacks
 from graphtrain.models import build_model
 from graphtrain.models.hf import HFLanguageModel, spec_of
 from graphtrain.optim import build_optimizer
 from graphtrain.pipeline.state import GLOBAL_STATE
+from graphtrain.testing import TOLERANCES, assert_close
 from graphtrain.trainer import Trainer
 
 ENTRIES = ("accelerate", "backend", "compile_step", "trainer")
@@ -240,7 +240,7 @@ class Result:
         return json.dumps(dataclasses.asdict(self))
 
     @classmethod
-    def from_json(cls, text: str) -> "Result":
+    def from_json(cls, text: str) -> Result:
         return cls(**json.loads(text))
 
 

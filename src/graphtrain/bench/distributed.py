@@ -17,7 +17,8 @@ import time
 import torch
 
 from graphtrain.config.sections import ModelConfig, OptimConfig, ParallelConfig
-from graphtrain.distributed import parallelize, tensor_parallel as tp
+from graphtrain.distributed import parallelize
+from graphtrain.distributed import tensor_parallel as tp
 from graphtrain.distributed.data_parallel import gradient_bytes
 from graphtrain.distributed.spawn import run_ranks
 from graphtrain.models import build_model

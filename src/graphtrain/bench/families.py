@@ -11,8 +11,9 @@ the model shifts itself); vision models 224 px images (32 px when narrower than 
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 

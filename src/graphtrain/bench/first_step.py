@@ -70,8 +70,9 @@ def main(argv: list[str] | None = None) -> int:
         from graphtrain.runtime.allocator import set_cpu_allocator
         set_cpu_allocator("keep", huge_pages=True)
     if a.mode == "graphtrain":
-        import graphtrain
         import yaml
+
+        import graphtrain
         settings = {k: yaml.safe_load(v) for k, _, v in (kv.partition("=") for kv in a.engine)}
         model = graphtrain.accelerate(model, **settings)
     elif a.mode == "compile":

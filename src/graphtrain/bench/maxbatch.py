@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from graphtrain.bench.worker import SETUP_TIMEOUT_S, STEP_TIMEOUT_S, WorkerProc
 from graphtrain.bench.suites import Case, Variant
+from graphtrain.bench.worker import SETUP_TIMEOUT_S, STEP_TIMEOUT_S, WorkerProc
 
 MAX_TRIALS = 5
 TRIAL_STEPS = 2

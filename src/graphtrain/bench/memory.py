@@ -142,8 +142,8 @@ def interleaved_step_times(model: str, seq: int, batch: int, variants: list[str]
 
     import torch
 
-    from graphtrain.tools.measure import build
     from graphtrain.runtime.allocator import set_cpu_allocator
+    from graphtrain.tools.measure import build
     torch.set_num_threads(threads)
     # what accelerate does for these modes (runtime/allocator.py allocator_mode); applies to every variant here
     set_cpu_allocator("release" if any(v in ("selective", "full", "auto") for v in variants) else "keep")

@@ -16,8 +16,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from graphtrain.kernels import flops
 from graphtrain.bench.suites import REFERENCE, SUITES, VARIANTS
+from graphtrain.kernels import flops
 from graphtrain.runs.plot import write_bar_page
 
 FLOP_FORMULA = "(6 * N + 12 * n_layer * seq * d_model) * batch * seq"

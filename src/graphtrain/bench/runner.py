@@ -16,8 +16,9 @@ import os
 import platform
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from graphtrain.bench.suites import Case, Suite, Variant
 from graphtrain.bench.worker import SETUP_TIMEOUT_S, STEP_TIMEOUT_S, WorkerProc
@@ -127,7 +128,6 @@ def environment(device: str) -> dict[str, Any]:
     import torch
 
     import graphtrain
-
     from graphtrain.kernels import capability
     c = capability.cpu()
     env: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,

@@ -56,8 +56,8 @@ def report_for_config(config: Config) -> Any:
     import torch
 
     from graphtrain.frontend.accelerate import accelerate
-    from graphtrain.tools.report import report
     from graphtrain.models import build_model
+    from graphtrain.tools.report import report
 
     torch.manual_seed(_check_job(config, "report_for_config").train.seed)
     data = _job_data(config)
@@ -192,8 +192,8 @@ def bisect_for_config(config: Config, *, steps: int = 3, provider: str | None = 
     built as ``report_for_config`` builds them; `provider` None means the config's engine.provider."""
     import torch
 
-    from graphtrain.tools.bisect import bisect
     from graphtrain.models import build_model
+    from graphtrain.tools.bisect import bisect
 
     data = _job_data(_check_job(config, "bisect_for_config"))
 

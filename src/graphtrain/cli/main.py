@@ -35,13 +35,23 @@ import os
 import signal
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
-from graphtrain.cli import runs as cli_runs
 from graphtrain.bench import conformance
-from graphtrain.cli.jobs import (BISECT_EPILOG, add_bisect_arguments, add_config_items, add_precompile_arguments,
-                                 add_report_arguments, load_config, run_bisect, run_precompile, run_report)
+from graphtrain.cli import runs as cli_runs
+from graphtrain.cli.jobs import (
+    BISECT_EPILOG,
+    add_bisect_arguments,
+    add_config_items,
+    add_precompile_arguments,
+    add_report_arguments,
+    load_config,
+    run_bisect,
+    run_precompile,
+    run_report,
+)
 from graphtrain.config.sections import Config, describe_all
 from graphtrain.early_preempt import EXIT_PREEMPTED, before_first_step
 
@@ -138,7 +148,7 @@ def _worker_argv(args: argparse.Namespace) -> list[str]:
     return argv
 
 
-def _resume_mode(args: argparse.Namespace, out_dir: str) -> "bool | str | Path":
+def _resume_mode(args: argparse.Namespace, out_dir: str) -> bool | str | Path:
     """What Trainer(resume=) gets. A worker that torchrun's elastic agent restarted after a crash continues from the
     latest valid checkpoint once this launch has written one (it is the same run, started again); before that it
     does what the command asked, so that --resume-from CKPT still means CKPT (distributed/launch.py)."""
@@ -179,7 +189,7 @@ def _check_job_file(items: list[str], config: Config) -> None:
                              f"of {str(target.parent)!r} or choose another --out DIR")
 
 
-def _check_resume_from(resume: "bool | str | Path", out_dir: str) -> None:
+def _check_resume_from(resume: bool | str | Path, out_dir: str) -> None:
     """--resume-from a checkpoint of another folder continues that history in out_dir: refused when out_dir holds
     checkpoints of its own (another history: the later ones would move aside, and pruning would delete the
     earlier ones once the new history has saved three)."""

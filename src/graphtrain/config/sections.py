@@ -20,8 +20,8 @@ from typing import Any, Literal
 
 import yaml
 
-from graphtrain.config.schema import field_docs, from_dict, suggest, validate
 from graphtrain.config.jobfile import NestedTooDeep, load_job_file, yaml_load  # noqa: F401 - re-exported (graphtrain.config.sections API)
+from graphtrain.config.schema import field_docs, from_dict, suggest, validate
 
 
 @dataclass
@@ -422,11 +422,11 @@ class Config:
 
     # -- construction -------------------------------------------------------------------------
     @classmethod
-    def from_dict(cls, d: dict[str, Any] | None) -> "Config":
+    def from_dict(cls, d: dict[str, Any] | None) -> Config:
         return from_dict(cls, d or {}, prefix="")
 
     @classmethod
-    def from_yaml(cls, path: str | Path) -> "Config":
+    def from_yaml(cls, path: str | Path) -> Config:
         """A YAML job file; `defaults: [base.yaml, ...]` in it names base files (relative to it) merged first, in
         order, section by section, with the file's own keys on top."""
         return cls.from_dict(load_job_file(path))
@@ -439,7 +439,7 @@ class Config:
         d["optim"]["betas"] = list(d["optim"]["betas"])
         return yaml.safe_dump(d, sort_keys=False)
 
-    def with_overrides(self, overrides: list[str] | dict[str, Any]) -> "Config":
+    def with_overrides(self, overrides: list[str] | dict[str, Any]) -> Config:
         """Apply `section.key=value` overrides (values parsed as YAML) and re-validate."""
         d = self.to_dict()
         items = overrides.items() if isinstance(overrides, dict) else [_split_override(o) for o in overrides]
@@ -513,7 +513,7 @@ def describe_all() -> str:
     return "\n".join(lines)
 
 
-def resolve_engine_config(config: "Config | EngineConfig | dict | None", overrides: dict[str, Any]) -> EngineConfig:
+def resolve_engine_config(config: Config | EngineConfig | dict | None, overrides: dict[str, Any]) -> EngineConfig:
     """Accept a Config, an EngineConfig, a dict of engine keys or None, plus keyword overrides."""
     if config is None:
         base: dict[str, Any] = {}

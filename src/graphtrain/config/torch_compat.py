@@ -10,13 +10,13 @@ release means reading one file. Each shim names the versions on both sides of th
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 # the range itself lives in config/torch_range.py, which `import graphtrain` reads without importing torch; named here too
-from graphtrain.config.torch_range import (MIN_TORCH, NEWEST_TESTED, SUPPORTED, check_torch_version,  # noqa: F401
-                                    parse_version)
+from graphtrain.config.torch_range import MIN_TORCH, NEWEST_TESTED, SUPPORTED, check_torch_version, parse_version  # noqa: F401
 
 check_torch_version(torch.__version__)  # a torch imported some other way than its installed distribution
 

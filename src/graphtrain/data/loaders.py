@@ -39,7 +39,7 @@ class BatchSource:
     crosses a shard's end). `tokenizer` may be None for token arrays without one (causal LM only), with
     `vocab_size` then given."""
 
-    def __init__(self, tokens: "np.ndarray | torch.Tensor | list[np.ndarray]", *, family: Family, split: str,
+    def __init__(self, tokens: np.ndarray | torch.Tensor | list[np.ndarray], *, family: Family, split: str,
                  seq_len: int, seed: int, tokenizer: CodeTokenizer | None, mlm_probability: float = 0.15,
                  vocab_size: int | None = None) -> None:
         if family not in ("gpt2", "bert"):

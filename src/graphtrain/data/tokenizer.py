@@ -14,9 +14,9 @@ import json
 import os
 import tempfile
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable
 
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -89,7 +89,7 @@ class CodeTokenizer:
         _atomic_write(Path(path), lambda f: f.write(self._tok.to_str().encode("utf-8")))
 
     @classmethod
-    def load(cls, path: str | Path, specials: dict[str, str | None] | None = None) -> "CodeTokenizer":
+    def load(cls, path: str | Path, specials: dict[str, str | None] | None = None) -> CodeTokenizer:
         path = Path(path)
         if not path.is_file():
             raise ValueError(f"tokenizer file {str(path)!r} does not exist: pass a path written by CodeTokenizer.save")

@@ -4,30 +4,42 @@ out, with the step helpers (forward/backward, clipping, save/load) that differ p
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from graphtrain.config.sections import Config, ParallelConfig
+from graphtrain.config.sections import Config, ParallelConfig, resolve_engine_config
 from graphtrain.distributed import checkpoint as ckpt
-from graphtrain.distributed.data_parallel import (apply_data_parallel, apply_replicate, broadcast_parameters,
-                                                  grad_sync)
+from graphtrain.distributed.data_parallel import (
+    apply_data_parallel,
+    apply_replicate,
+    broadcast_parameters,
+    grad_sync,
+    is_replicated,
+    transformer_blocks,
+)
 from graphtrain.distributed.mesh import DistEnv, init_distributed
+from graphtrain.distributed.pipeline import (
+    build_schedule,
+    build_stage_module,
+    pipeline_eval,
+    pipeline_step,
+    sync_tied_grads,
+    tied_group,
+)
 from graphtrain.distributed.tensor_parallel import split_mixed_param_groups
 from graphtrain.distributed.tp_plans import apply_tensor_parallel
 from graphtrain.distributed.zero import optimizer_state_bytes, shard_optimizer
-from graphtrain.optim.functional import clip_coefficient
-from graphtrain.pipeline.functional import loss_of
-from graphtrain.config.sections import resolve_engine_config
-from graphtrain.distributed.data_parallel import is_replicated, transformer_blocks
-from graphtrain.distributed.pipeline import build_schedule, build_stage_module, pipeline_eval, pipeline_step, sync_tied_grads, tied_group
 from graphtrain.frontend.accelerate import accelerate, compile_in_place, new_state
+from graphtrain.optim.functional import clip_coefficient
 from graphtrain.pipeline.blocks import splits_into_blocks
+from graphtrain.pipeline.functional import loss_of
 
 __all__ = ["Parallelized", "check_engine_under_ddp", "parallelize"]
 

@@ -19,7 +19,7 @@ step equals the full-batch step, with or without gradient accumulation.
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -164,7 +164,7 @@ def pipeline_step(schedule, stage_module: nn.Module, input_ids: torch.Tensor, la
     schedule.step(*args, target=labels if inner.is_last else None, losses=losses if inner.is_last else None,
                   return_outputs=False)
     scale = getattr(schedule._loss_fn, "scale", 1.0)
-    loss = torch.stack([l.detach().float() for l in losses]).mean() / scale if inner.is_last else torch.zeros(())
+    loss = torch.stack([x.detach().float() for x in losses]).mean() / scale if inner.is_last else torch.zeros(())
     loss = loss.to(input_ids.device)
     last = dist.get_global_rank(pp_group, dist.get_world_size(pp_group) - 1)
     dist.broadcast(loss, src=last, group=pp_group)
@@ -182,7 +182,7 @@ def pipeline_eval(schedule, stage_module: nn.Module, input_ids: torch.Tensor, la
     schedule.eval(*((input_ids,) if inner.is_first else ()), target=labels if inner.is_last else None,
                   losses=losses if inner.is_last else None)
     scale = getattr(schedule._loss_fn, "scale", 1.0)
-    loss = torch.stack([l.detach().float() for l in losses]).mean() / scale if inner.is_last else torch.zeros(())
+    loss = torch.stack([x.detach().float() for x in losses]).mean() / scale if inner.is_last else torch.zeros(())
     loss = loss.to(input_ids.device)
     dist.broadcast(loss, src=dist.get_global_rank(pp_group, dist.get_world_size(pp_group) - 1), group=pp_group)
     return loss

@@ -16,19 +16,30 @@ from __future__ import annotations
 
 import functools
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from graphtrain.distributed.pipeline import GPT2Stage
-from graphtrain.distributed.tensor_parallel import (FUSED_ATTR, FUSED_DIM_ATTR, ColumnParallelConv1D,
-                                                    ColumnParallelLinear, RowParallelConv1D, RowParallelLinear,
-                                                    SplitQKV, SplitQKVConv1D, VocabParallelEmbedding,
-                                                    VocabParallelMLMHead, _attention_dropout_on_local_heads,
-                                                    _vocab_range, tp_copy, tp_gather_last,
-                                                    vocab_parallel_cross_entropy)
+from graphtrain.distributed.tensor_parallel import (
+    FUSED_ATTR,
+    FUSED_DIM_ATTR,
+    ColumnParallelConv1D,
+    ColumnParallelLinear,
+    RowParallelConv1D,
+    RowParallelLinear,
+    SplitQKV,
+    SplitQKVConv1D,
+    VocabParallelEmbedding,
+    VocabParallelMLMHead,
+    _attention_dropout_on_local_heads,
+    _vocab_range,
+    tp_copy,
+    tp_gather_last,
+    vocab_parallel_cross_entropy,
+)
 from graphtrain.models.bert import BERT
 from graphtrain.models.gpt2 import GPT2
 from graphtrain.models.hf import HFLanguageModel

@@ -14,21 +14,18 @@ from typing import Any
 
 import torch
 
-from graphtrain.config.sections import Config, EngineConfig, resolve_engine_config
 from graphtrain.config.fallback import GraphtrainCaptureError, report_fallback
-from graphtrain.models.hf_calls import call_adapter, trace_through_log_once
-from graphtrain.pipeline.state import EngineState
+from graphtrain.config.sections import Config, EngineConfig, resolve_engine_config
 from graphtrain.kernels._common import KernelFallbackError
+from graphtrain.memory import prefault
+from graphtrain.models.hf_calls import call_adapter, trace_through_log_once
 from graphtrain.passes.manager import pipeline
-from graphtrain.pipeline.blocks import ReuseMisbound, no_subgraph_reuse
-from graphtrain.pipeline.cache import configure_cache
-from graphtrain.pipeline.state import state_of
+from graphtrain.pipeline.blocks import ReuseMisbound, mark_repeated_blocks, no_subgraph_reuse, whole_model_reason
+from graphtrain.pipeline.cache import cache_root, configure_cache
+from graphtrain.pipeline.state import EngineState, state_of
+from graphtrain.runtime.allocator import set_cpu_allocator_once
 from graphtrain.runtime.backend import make_backend
 from graphtrain.runtime.tiered import wait_background
-from graphtrain.memory import prefault
-from graphtrain.pipeline.blocks import mark_repeated_blocks, whole_model_reason
-from graphtrain.pipeline.cache import cache_root
-from graphtrain.runtime.allocator import set_cpu_allocator_once
 
 
 def accelerate(module: torch.nn.Module, config: Config | EngineConfig | dict | None = None,

@@ -16,20 +16,21 @@ forward input (None for the batch).
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from graphtrain.config.sections import EngineConfig
-from graphtrain.pipeline.functional import module_as_function
-from graphtrain.pipeline.stages import autodiff, new_record, user_outputs
-from graphtrain.pipeline.state import EngineState
 from graphtrain.memory.predict import MemoryEstimate, param_bytes, predict_peak, storage_bytes
 from graphtrain.memory.recompute import RecomputeRecord
 from graphtrain.passes.manager import PassFn
+from graphtrain.pipeline.functional import module_as_function
+from graphtrain.pipeline.stages import autodiff, new_record, user_outputs
+from graphtrain.pipeline.state import EngineState
 
 
 @dataclass

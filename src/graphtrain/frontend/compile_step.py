@@ -51,11 +51,11 @@ from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
+from graphtrain.config.fallback import GraphtrainCaptureError, report_fallback, set_policy
 from graphtrain.config.sections import Config, EngineConfig, OptimConfig
 from graphtrain.frontend.accelerate import compile_in_place, new_state
-from graphtrain.pipeline.blocks import splits_into_blocks
-from graphtrain.config.fallback import GraphtrainCaptureError, report_fallback, set_policy
 from graphtrain.optim.functional import adamw_, adamw_fused_, clip_divisor, global_grad_norm, loss_scale_update
+from graphtrain.pipeline.blocks import splits_into_blocks
 from graphtrain.pipeline.functional import loss_of, module_as_function
 from graphtrain.pipeline.stages import compile_with_fallback, new_record, run_passes, trace
 from graphtrain.pipeline.trace import trace_step

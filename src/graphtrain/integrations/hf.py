@@ -27,6 +27,7 @@ import warnings
 from typing import Any
 
 import torch
+
 from graphtrain.frontend.accelerate import accelerate
 from graphtrain.tools.report import report
 

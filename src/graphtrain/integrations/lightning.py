@@ -23,6 +23,7 @@ lazily.
 from __future__ import annotations
 
 from typing import Any
+
 from graphtrain.tools.report import report
 
 try:

@@ -10,16 +10,15 @@ Importing this works without triton installed.
 """
 from graphtrain.kernels import _cpu_ext, capability
 from graphtrain.kernels._common import HAS_TRITON, runtime_fallbacks
-from graphtrain.kernels.registry import KERNELS, OPS, KernelSpec, OpDescriptor, op_descriptor
 from graphtrain.kernels.attention import attention
 from graphtrain.kernels.bias_dropout_add import bias_dropout_add
 from graphtrain.kernels.bias_gelu import bias_gelu
 from graphtrain.kernels.cross_entropy import cross_entropy
-from graphtrain.kernels.gemm import gemm
+from graphtrain.kernels.gemm import WIN_MARGIN, gemm, gemm_probe, gemm_probe_ran, onednn_fp32, onednn_gemm_wins
 from graphtrain.kernels.layer_norm import layer_norm
 from graphtrain.kernels.linear_cross_entropy import linear_cross_entropy
+from graphtrain.kernels.registry import KERNELS, OPS, KernelSpec, OpDescriptor, op_descriptor
 from graphtrain.kernels.rms_norm import rms_norm
-from graphtrain.kernels.gemm import WIN_MARGIN, gemm_probe, gemm_probe_ran, onednn_fp32, onednn_gemm_wins
 
 
 def implementation_for(name: str, device: str, *args) -> str:

@@ -33,7 +33,7 @@ def _scores(q, k, M, b, h, offs_m, offs_n, Sq, Sk, sm0, sm1, sm2, sm3, scale,
 
 
 @triton.jit
-def _fwd_kernel(Q, K, V, M, O, LSE, H, Sq, Sk, D, Dv, sm0, sm1, sm2, sm3, scale, seed, thr, dscale,
+def _fwd_kernel(Q, K, V, M, O, LSE, H, Sq, Sk, D, Dv, sm0, sm1, sm2, sm3, scale, seed, thr, dscale,  # noqa: E741 (the attention formula's names)
                 HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, DROPOUT: tl.constexpr, DOT: tl.constexpr,
                 BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr):
     pid_m, bh = tl.program_id(0), tl.program_id(1)

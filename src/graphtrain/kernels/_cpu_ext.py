@@ -36,11 +36,13 @@ import os
 import re
 import threading
 import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
-from graphtrain.kernels import capability
-from graphtrain.kernels import _cpu_attention  # noqa: F401 - registers attention's contracts, checked in the source
+from graphtrain.kernels import (
+    _cpu_attention,  # noqa: F401 - registers attention's contracts, checked in the source
+    capability,
+)
 from graphtrain.kernels.contract import Contract, Rule, cpp_checks, register_contract
 
 # The contracts of the entry points below (contract.py): each entry point's first statement is its check, and the
@@ -195,7 +197,7 @@ def load(level: str | None = None):
                                        f"be built or loaded (GRAPHTRAIN_SANITIZE): {type(e).__name__}: {e}") from e
                 _failed[level] = f"{type(e).__name__}: {e}"
                 warnings.warn(f"graphtrain: CPU kernels ({level}) could not be built, using reference ops: "
-                              f"{_failed[level][:300]}")
+                              f"{_failed[level][:300]}", stacklevel=2)
     return _modules.get(level)
 
 
@@ -254,7 +256,7 @@ def _stale_lock_cleared(build_dir: str) -> None:
     except FileNotFoundError:
         return
     warnings.warn(f"graphtrain: removed a build lock left by a killed build of its CPU kernels ({stale}); "
-                  "rebuilding")
+                  "rebuilding", stacklevel=2)
 
 
 def build_error(level: str | None = None) -> str | None:

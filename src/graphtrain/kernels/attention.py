@@ -22,21 +22,35 @@ CUDA: flash-style Triton kernels (online softmax forward, dK/dV and dQ backward 
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import Tensor
 from torch.fx.node import Argument
 
 from graphtrain.kernels import _cpu_ext
+from graphtrain.kernels._attention_triton import attention_bwd_triton, attention_fwd_triton
+from graphtrain.kernels._common import (
+    HAS_TRITON,
+    check_dropout_p,
+    dispatch,
+    dropout_keep_mask,
+    sharded_dropout_seed,
+    triton_ok,
+)
 from graphtrain.kernels._cpu_attention import HEADS_BWD, HEADS_FWD, PROBS_FWD
 from graphtrain.kernels.contract import Contract, Layout, Rule
-from graphtrain.kernels._common import (HAS_TRITON, check_dropout_p, dispatch, dropout_keep_mask,
-                                        sharded_dropout_seed, triton_ok)
 from graphtrain.kernels.gemm import matmul
-from graphtrain.kernels.registry import (BACKWARD, COMPUTE_BOUND, FOLLOW, FORWARD, LOW, KernelSpec, OpDescriptor,
-                                         hint_int, input_value, register_kernel_spec)
-from graphtrain.kernels._attention_triton import attention_bwd_triton, attention_fwd_triton
+from graphtrain.kernels.registry import (
+    BACKWARD,
+    COMPUTE_BOUND,
+    FOLLOW,
+    FORWARD,
+    LOW,
+    KernelSpec,
+    OpDescriptor,
+    hint_int,
+    input_value,
+    register_kernel_spec,
+)
 
 
 def _acc(x: Tensor) -> torch.dtype:
@@ -79,7 +93,7 @@ def _sum_groups(g: Tensor, groups: int) -> Tensor:
     return g.reshape(b, h // groups, groups, s, d).sum(2)
 
 
-def attention_reference(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: float, is_causal: bool,
+def attention_reference(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float, is_causal: bool,
                         p: float, seed: Tensor) -> tuple[Tensor, Tensor]:
     k, v = _repeat_kv(k, _groups(q, k)), _repeat_kv(v, _groups(q, k))
     s = _scores(q, k, mask, scale, is_causal)
@@ -113,7 +127,7 @@ def attention_backward_reference(dout, q, k, v, mask, out, lse, scale, is_causal
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-def _mask4d(mask: Optional[Tensor], q: Tensor, k: Tensor) -> Optional[Tensor]:
+def _mask4d(mask: Tensor | None, q: Tensor, k: Tensor) -> Tensor | None:
     if mask is None:
         return None
     while mask.dim() < 4:
@@ -293,7 +307,7 @@ def _cpu_bwd(dout, q, k, v, mask, out, lse, scale, is_causal, p, seed):
 
 
 @torch.library.custom_op("graphtrain::attention", mutates_args=())
-def _attention_op(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: float, is_causal: bool,
+def _attention_op(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float, is_causal: bool,
                   p: float) -> tuple[Tensor, Tensor, Tensor]:
     _check_shapes(q, k, v)
     # Salted with the tp rank under tensor parallelism (each rank's heads differ: see _common.py); the op
@@ -332,7 +346,7 @@ def _(q, k, v, mask, scale, is_causal, p):
 
 
 @torch.library.custom_op("graphtrain::attention_backward", mutates_args=())
-def _attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], out: Tensor,
+def _attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, out: Tensor,
                            lse: Tensor, seed: Tensor, scale: float, is_causal: bool,
                            p: float) -> tuple[Tensor, Tensor, Tensor]:
     _check_shapes(q, k, v)
@@ -386,7 +400,7 @@ def _backward(ctx, dout, _dlse, _dseed):
 _attention_op.register_autograd(_backward, setup_context=_setup)
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor] = None, scale: Optional[float] = None,
+def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, scale: float | None = None,
               is_causal: bool = False, dropout_p: float = 0.0, training: bool = True) -> Tensor:
     """Fused attention on [B, H, S, D] tensors. mask: additive float or bool (True = attend), no gradient.
     k and v may have fewer heads than q, a divisor of its count (grouped-query or multi-query attention: query head

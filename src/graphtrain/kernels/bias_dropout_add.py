@@ -15,20 +15,38 @@ draw) and graphtrain::bias_dropout_add_seeded (deterministic: the same kernels f
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import Tensor
 
 from graphtrain.kernels import _cpu_ext
+from graphtrain.kernels._common import (
+    HAS_TRITON,
+    check_dropout_p,
+    dense_empty,
+    dispatch,
+    dropout_keep_mask,
+    keep_threshold,
+    new_seed,
+    tl,
+    triton,
+    triton_ok,
+)
 from graphtrain.kernels._cpu_ext import BIAS_DROPOUT_ADD_FWD, DROPOUT_BWD
-from graphtrain.kernels._common import (HAS_TRITON, check_dropout_p, dense_empty, dispatch, dropout_keep_mask,
-                                        keep_threshold, new_seed, tl, triton, triton_ok)
-from graphtrain.kernels.registry import (BACKWARD, CHEAP, FOLLOW, FORWARD, SEED, SEEDED, KernelSpec, OpDescriptor,
-                                         no_workspace, register_kernel_spec)
+from graphtrain.kernels.registry import (
+    BACKWARD,
+    CHEAP,
+    FOLLOW,
+    FORWARD,
+    SEED,
+    SEEDED,
+    KernelSpec,
+    OpDescriptor,
+    no_workspace,
+    register_kernel_spec,
+)
 
 
-def bias_dropout_add_reference(x: Tensor, bias: Optional[Tensor], residual: Optional[Tensor], p: float,
+def bias_dropout_add_reference(x: Tensor, bias: Tensor | None, residual: Tensor | None, p: float,
                                seed: Tensor) -> Tensor:
     z = x + bias if bias is not None else x
     if p > 0:
@@ -88,7 +106,7 @@ def _supports_cpu(x, bias=None, residual=None, *rest) -> bool:
             and _cpu_ext.load() is not None)
 
 
-def _forward(x: Tensor, bias: Optional[Tensor], residual: Optional[Tensor], p: float, seed: Tensor) -> Tensor:
+def _forward(x: Tensor, bias: Tensor | None, residual: Tensor | None, p: float, seed: Tensor) -> Tensor:
     """The op's output for a given seed (bias_dropout_add and bias_dropout_add_seeded: the same bits)."""
     def cpu():
         empty = x.new_empty(0)
@@ -107,7 +125,7 @@ def _forward(x: Tensor, bias: Optional[Tensor], residual: Optional[Tensor], p: f
 
 
 @torch.library.custom_op("graphtrain::bias_dropout_add", mutates_args=())
-def _bias_dropout_add_op(x: Tensor, bias: Optional[Tensor], residual: Optional[Tensor], p: float) -> tuple[Tensor, Tensor]:
+def _bias_dropout_add_op(x: Tensor, bias: Tensor | None, residual: Tensor | None, p: float) -> tuple[Tensor, Tensor]:
     seed = new_seed()
     return _forward(x, bias, residual, p, seed), seed
 
@@ -150,7 +168,7 @@ def _backward(ctx, g, _dseed):
 _bias_dropout_add_op.register_autograd(_backward, setup_context=_setup)
 
 
-def bias_dropout_add(x: Tensor, bias: Optional[Tensor] = None, residual: Optional[Tensor] = None, p: float = 0.1,
+def bias_dropout_add(x: Tensor, bias: Tensor | None = None, residual: Tensor | None = None, p: float = 0.1,
                      training: bool = True) -> Tensor:
     """dropout(x + bias, p) + residual; bias [x.shape[-1]] or None, residual shaped like x or None."""
     check_dropout_p(p, "bias_dropout_add")
@@ -178,7 +196,7 @@ def _(salt: int) -> Tensor:
 
 
 @torch.library.custom_op("graphtrain::bias_dropout_add_seeded", mutates_args=())
-def _bias_dropout_add_seeded_op(x: Tensor, bias: Optional[Tensor], residual: Optional[Tensor], p: float,
+def _bias_dropout_add_seeded_op(x: Tensor, bias: Tensor | None, residual: Tensor | None, p: float,
                                 seed: Tensor) -> Tensor:
     """graphtrain::bias_dropout_add's output for a given seed (the same kernels, so the same bits)."""
     return _forward(x, bias, residual, p, seed)

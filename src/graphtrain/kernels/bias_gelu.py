@@ -11,23 +11,29 @@ saving it.
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 from torch import Tensor
 
-from graphtrain.kernels import _cpu_ext
-from graphtrain.kernels._cpu_ext import GELU_TANH_BWD, GELU_TANH_FWD
+from graphtrain.kernels import _cpu_ext, capability
 from graphtrain.kernels._common import HAS_TRITON, dense_empty, dispatch, tl, triton, triton_ok
-from graphtrain.kernels.registry import (BACKWARD, CHEAP, FOLLOW, FORWARD, KernelSpec, OpDescriptor, no_workspace,
-                                         register_kernel_spec)
-from graphtrain.kernels import capability
+from graphtrain.kernels._cpu_ext import GELU_TANH_BWD, GELU_TANH_FWD
 from graphtrain.kernels.gemm import _time
+from graphtrain.kernels.registry import (
+    BACKWARD,
+    CHEAP,
+    FOLLOW,
+    FORWARD,
+    KernelSpec,
+    OpDescriptor,
+    no_workspace,
+    register_kernel_spec,
+)
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
 
-def bias_gelu_reference(x: Tensor, bias: Optional[Tensor], approximate: str) -> Tensor:
+def bias_gelu_reference(x: Tensor, bias: Tensor | None, approximate: str) -> Tensor:
     z = x + bias if bias is not None else x
     zf = z.double() if z.dtype == torch.float64 else z.float()
     if approximate == "tanh":
@@ -37,7 +43,7 @@ def bias_gelu_reference(x: Tensor, bias: Optional[Tensor], approximate: str) -> 
     return y.to(x.dtype)
 
 
-def bias_gelu_backward_reference(dy: Tensor, x: Tensor, bias: Optional[Tensor], approximate: str) -> Tensor:
+def bias_gelu_backward_reference(dy: Tensor, x: Tensor, bias: Tensor | None, approximate: str) -> Tensor:
     z = x + bias if bias is not None else x
     zf = z.double() if z.dtype == torch.float64 else z.float()
     if approximate == "tanh":
@@ -98,7 +104,7 @@ def _supports_cpu(x, bias=None, *rest) -> bool:
     return x.device.type == "cpu" and x.dtype != torch.float64  # fp64: reference (exact formulas, gradcheck)
 
 
-def cpp_tanh_ok(x: Tensor, bias: Optional[Tensor], approximate: str) -> bool:
+def cpp_tanh_ok(x: Tensor, bias: Tensor | None, approximate: str) -> bool:
     """The C++ tanh-form kernel takes this call (CPU, fp32/bf16/fp16, a bias of the last dim's size or none) and
     measured faster than aten's on this machine (`gelu_tanh_probe`)."""
     return (approximate == "tanh" and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16,
@@ -147,7 +153,7 @@ def _check_approx(approximate: str) -> None:
 
 
 @torch.library.custom_op("graphtrain::bias_gelu", mutates_args=())
-def _bias_gelu_op(x: Tensor, bias: Optional[Tensor], approximate: str) -> Tensor:
+def _bias_gelu_op(x: Tensor, bias: Tensor | None, approximate: str) -> Tensor:
     return dispatch("bias_gelu", [
         ("triton", _supports_triton(x, bias), lambda: _gelu_triton(x, bias, approximate)),
         ("c++", cpp_tanh_ok(x, bias, approximate),
@@ -163,7 +169,7 @@ def _(x, bias, approximate):
 
 
 @torch.library.custom_op("graphtrain::bias_gelu_backward", mutates_args=())
-def _bias_gelu_backward_op(dy: Tensor, x: Tensor, bias: Optional[Tensor], approximate: str) -> Tensor:
+def _bias_gelu_backward_op(dy: Tensor, x: Tensor, bias: Tensor | None, approximate: str) -> Tensor:
     return dispatch("bias_gelu_backward", [
         ("triton", _supports_triton(x, bias), lambda: _gelu_triton(x, bias, approximate, dy)),
         ("c++", cpp_tanh_ok(x, bias, approximate) and GELU_TANH_BWD.holds(dy, x, bias),
@@ -195,7 +201,7 @@ def _backward(ctx, dy):
 _bias_gelu_op.register_autograd(_backward, setup_context=_setup)
 
 
-def bias_gelu(x: Tensor, bias: Optional[Tensor] = None, approximate: str = "none") -> Tensor:
+def bias_gelu(x: Tensor, bias: Tensor | None = None, approximate: str = "none") -> Tensor:
     """gelu(x + bias); bias of shape [x.shape[-1]] or None; approximate 'none' (erf) or 'tanh'."""
     _check_approx(approximate)
     if bias is not None and tuple(bias.shape) != (x.shape[-1],):

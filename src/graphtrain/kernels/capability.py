@@ -23,9 +23,10 @@ import json
 import os
 import platform
 import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -85,7 +86,7 @@ def _simulation() -> str | None:
     return sim.lower() if sim else None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cpu_info(sim: str | None) -> CPUInfo:
     try:
         raw: dict[str, Any] = dict(torch._C._cpu._get_cpu_capability())

@@ -40,11 +40,11 @@ class Layout(NamedTuple):
     device: str = "cpu"
 
     @staticmethod
-    def of(t: torch.Tensor) -> "Layout":
+    def of(t: torch.Tensor) -> Layout:
         return Layout(tuple(int(d) for d in t.shape), tuple(int(s) for s in t.stride()), t.dtype, t.device.type)
 
     @staticmethod
-    def contiguous(shape: Any, dtype: torch.dtype, device: str = "cpu") -> "Layout":
+    def contiguous(shape: Any, dtype: torch.dtype, device: str = "cpu") -> Layout:
         shape = tuple(int(d) for d in shape)
         strides, acc = [], 1
         for d in reversed(shape):
@@ -52,7 +52,7 @@ class Layout(NamedTuple):
             acc *= max(d, 1)
         return Layout(shape, tuple(reversed(strides)), dtype, device)
 
-    def with_strides(self, strides: Any) -> "Layout":
+    def with_strides(self, strides: Any) -> Layout:
         return self._replace(strides=tuple(int(s) for s in strides))
 
 

@@ -16,8 +16,17 @@ import torch
 from torch import Tensor
 
 from graphtrain.kernels._common import HAS_TRITON, dense_empty, dispatch, tl, triton, triton_ok
-from graphtrain.kernels.registry import (BACKWARD, FOLLOW, FORWARD, FP32, REDUCTION, KernelSpec, OpDescriptor,
-                                         no_workspace, register_kernel_spec)
+from graphtrain.kernels.registry import (
+    BACKWARD,
+    FOLLOW,
+    FORWARD,
+    FP32,
+    REDUCTION,
+    KernelSpec,
+    OpDescriptor,
+    no_workspace,
+    register_kernel_spec,
+)
 
 REDUCTIONS = {"none": 0, "mean": 1, "sum": 2}
 

@@ -28,6 +28,7 @@ import json
 import sys
 import time
 from typing import Any
+
 from graphtrain.kernels import capability
 from graphtrain.kernels.gemm import gemm_onednn, onednn_fp32
 

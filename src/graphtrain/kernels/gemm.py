@@ -30,26 +30,32 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import Optional
 
 import torch
 from torch import Tensor
 
 from graphtrain.kernels import _cpu_ext, capability
+from graphtrain.kernels._common import guarded
 from graphtrain.kernels._cpu_ext import ONEDNN_MATMUL
 from graphtrain.kernels.contract import Layout
-from graphtrain.kernels._common import guarded
-from graphtrain.kernels.registry import (FOLLOW, FORWARD, NEVER, KernelSpec, OpDescriptor, no_workspace,
-                                         register_kernel_spec)
+from graphtrain.kernels.registry import (
+    FOLLOW,
+    FORWARD,
+    NEVER,
+    KernelSpec,
+    OpDescriptor,
+    no_workspace,
+    register_kernel_spec,
+)
 
 
-def gemm_reference(a: Tensor, b: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+def gemm_reference(a: Tensor, b: Tensor, bias: Tensor | None = None) -> Tensor:
     out = a @ b
     return out if bias is None else out + bias
 
 
-@functools.lru_cache(maxsize=None)
-def _onednn_trial(level: str) -> Optional[str]:
+@functools.cache
+def _onednn_trial(level: str) -> str | None:
     """None if oneDNN's fp32 matmul runs here (a 2x2 trial call through the `level` build), else why not."""
     mod = _cpu_ext.load(level)
     if mod is None:
@@ -62,7 +68,7 @@ def _onednn_trial(level: str) -> Optional[str]:
     return None if torch.equal(out, torch.full((2, 2), 2.0)) else "the trial call returned a wrong result"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def onednn_fp32() -> tuple[bool, str]:
     """(usable, why) for oneDNN's fp32 matmul on this CPU: torch built with oneDNN, a CPU with AVX-512
     BW/VL/DQ or AVX-NE-CONVERT (what at::native::mkldnn_matmul checks; on an AVX2-only EPYC it raises
@@ -83,11 +89,11 @@ def onednn_available() -> bool:
     return onednn_fp32()[0]
 
 
-def _fp32_cpu(*ts: Optional[Tensor]) -> bool:
+def _fp32_cpu(*ts: Tensor | None) -> bool:
     return all(t is None or (t.device.type == "cpu" and t.dtype == torch.float32) for t in ts)
 
 
-def _contract_ok(a: Tensor, b: Tensor, out: Optional[Tensor] = None) -> bool:
+def _contract_ok(a: Tensor, b: Tensor, out: Tensor | None = None) -> bool:
     """_cpu_ext.py ONEDNN_MATMUL holds for a @ b into `out` (a fresh contiguous output when None)."""
     if out is not None:
         return ONEDNN_MATMUL.holds(a, b, out)
@@ -96,7 +102,7 @@ def _contract_ok(a: Tensor, b: Tensor, out: Optional[Tensor] = None) -> bool:
     return ONEDNN_MATMUL.holds(a, b, Layout.contiguous((*a.shape[:-1], b.shape[-1]), a.dtype, a.device.type))
 
 
-def _takes(a: Tensor, b: Tensor, bias: Optional[Tensor]) -> bool:
+def _takes(a: Tensor, b: Tensor, bias: Tensor | None) -> bool:
     """Whether the oneDNN path serves these inputs: 2-D fp32 CPU operands, a bias broadcastable to the output."""
     if not (a.dim() == 2 and b.dim() == 2 and a.shape[1] == b.shape[0] and _fp32_cpu(a, b, bias)):
         return False
@@ -105,7 +111,7 @@ def _takes(a: Tensor, b: Tensor, bias: Optional[Tensor]) -> bool:
     return min(a.shape[0], a.shape[1], b.shape[1]) > 0 and _contract_ok(a, b) and onednn_available()
 
 
-def gemm_onednn(a: Tensor, b: Tensor, bias: Optional[Tensor] = None, out: Optional[Tensor] = None,
+def gemm_onednn(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor | None = None,
                 accumulate: bool = False) -> Tensor:
     """out = a @ b (+ bias) (+ out if `accumulate`) through oneDNN's fp32 GEMM; a, b 2-D (or 3-D, batched).
     `out` (contiguous) is allocated when not given. The caller checked the inputs (fp32 CPU) and
@@ -125,7 +131,7 @@ def gemm_onednn(a: Tensor, b: Tensor, bias: Optional[Tensor] = None, out: Option
     return out
 
 
-def matmul(a: Tensor, b: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None) -> Tensor:
     """a @ b (+ bias) for 2-D or batched 3-D operands, through oneDNN where `onednn_gemm_wins()` (fp32 CPU),
     else torch.matmul: graphtrain's own CPU kernels (attention, chunked linear cross-entropy) call this."""
     if (a.dim() == b.dim() and a.dim() in (2, 3) and a.shape[:-2] == b.shape[:-2] and a.shape[-1] == b.shape[-2]
@@ -158,7 +164,7 @@ def mm_into(a: Tensor, b: Tensor, out: Tensor, accumulate: bool) -> None:
 
 
 @torch.library.custom_op("graphtrain::gemm", mutates_args=())
-def _gemm_op(a: Tensor, b: Tensor, bias: Optional[Tensor]) -> Tensor:
+def _gemm_op(a: Tensor, b: Tensor, bias: Tensor | None) -> Tensor:
     def aten() -> Tensor:
         return (torch.mm(a, b) if bias is None else torch.addmm(bias, a, b)).contiguous()
 
@@ -206,7 +212,7 @@ def _backward(ctx, grad):
 _gemm_op.register_autograd(_backward, setup_context=_setup)
 
 
-def gemm(a: Tensor, b: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+def gemm(a: Tensor, b: Tensor, bias: Tensor | None = None) -> Tensor:
     """a [m, k] @ b [k, n] (+ bias broadcastable to [m, n]) as graphtrain::gemm."""
     if a.dim() != 2 or b.dim() != 2:
         raise ValueError(f"gemm: a and b must be 2-D, got shapes {tuple(a.shape)} and {tuple(b.shape)}")
@@ -252,8 +258,8 @@ def _measure(shapes=PROBE_SHAPES, budget_s: float = 0.6) -> dict:
             a, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g).t()
             out = a.new_empty((m, n))
             budget = budget_s / (2 * len(shapes))
-            ta = _time(lambda: torch.mm(a, b, out=out), budget)
-            td = _time(lambda: gemm_onednn(a, b, out=out), budget)
+            ta = _time(functools.partial(torch.mm, a, b, out=out), budget)
+            td = _time(functools.partial(gemm_onednn, a, b, out=out), budget)
             f = 2.0 * m * k * n
             per_shape.append({"shape": [m, k, n], "aten": round(f / ta / 1e9, 1), "onednn": round(f / td / 1e9, 1)})
             t_aten, t_dnn, flop = t_aten + ta, t_dnn + td, flop + f
@@ -326,7 +332,7 @@ def _measure_shape(m: int, k: int, n: int, b_transposed: bool, budget_s: float) 
     with torch.no_grad():
         for x, y in training_gemms(a, b, dy):
             out = x.new_empty((x.shape[0], y.shape[1]))
-            aten, dnn = (lambda: torch.mm(x, y, out=out)), (lambda: gemm_onednn(x, y, out=out))
+            aten, dnn = functools.partial(torch.mm, x, y, out=out), functools.partial(gemm_onednn, x, y, out=out)
             best = [_once(aten), _once(dnn)]  # the warm-ups (oneDNN builds its primitive), an upper bound
             spent = 0.0
             for _ in range(PROBE_ROUNDS):

@@ -10,21 +10,29 @@ are fp32 [rows], saved for backward.
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 from torch import Tensor
 
 from graphtrain.kernels._common import HAS_TRITON, dense_empty, dispatch, tl, triton, triton_ok
-from graphtrain.kernels.registry import (BACKWARD, CHEAP, FOLLOW, FORWARD, FP32, KernelSpec, OpDescriptor,
-                                         no_workspace, register_kernel_spec)
+from graphtrain.kernels.registry import (
+    BACKWARD,
+    CHEAP,
+    FOLLOW,
+    FORWARD,
+    FP32,
+    KernelSpec,
+    OpDescriptor,
+    no_workspace,
+    register_kernel_spec,
+)
 
 
 def _acc(x: Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def layer_norm_reference(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float):
+def layer_norm_reference(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float):
     xf = x.to(_acc(x))
     mean = xf.mean(-1, keepdim=True)
     var = (xf - mean).square().mean(-1, keepdim=True)
@@ -134,7 +142,7 @@ def _supports_cpu(x, *rest) -> bool:
 
 
 @torch.library.custom_op("graphtrain::layer_norm", mutates_args=())
-def _layer_norm_op(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float) -> tuple[Tensor, Tensor, Tensor]:
+def _layer_norm_op(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float) -> tuple[Tensor, Tensor, Tensor]:
     def cpu():
         y, mean, rstd = torch.ops.aten.native_layer_norm(x, [x.shape[-1]], weight, bias, eps)
         return y.contiguous(), mean.reshape(-1).contiguous(), rstd.reshape(-1).contiguous()
@@ -154,7 +162,7 @@ def _(x, weight, bias, eps):
 
 
 @torch.library.custom_op("graphtrain::layer_norm_backward", mutates_args=())
-def _layer_norm_backward_op(dy: Tensor, x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], mean: Tensor,
+def _layer_norm_backward_op(dy: Tensor, x: Tensor, weight: Tensor | None, bias: Tensor | None, mean: Tensor,
                             rstd: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     def cpu():
         shape = list(x.shape[:-1]) + [1]
@@ -196,7 +204,7 @@ def _backward(ctx, dy, _dmean, _drstd):
 _layer_norm_op.register_autograd(_backward, setup_context=_setup)
 
 
-def layer_norm(x: Tensor, weight: Optional[Tensor] = None, bias: Optional[Tensor] = None, eps: float = 1e-5) -> Tensor:
+def layer_norm(x: Tensor, weight: Tensor | None = None, bias: Tensor | None = None, eps: float = 1e-5) -> Tensor:
     """Fused LayerNorm over the last dim (weight/bias of shape [x.shape[-1]] or None)."""
     n = x.shape[-1]
     for name, t in (("weight", weight), ("bias", bias)):

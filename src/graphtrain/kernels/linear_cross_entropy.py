@@ -25,13 +25,21 @@ import torch
 from torch import Tensor
 
 from graphtrain.kernels import _cpu_ext
+from graphtrain.kernels._common import dense_empty, dispatch
 from graphtrain.kernels._cpu_ext import CE_INPLACE
 from graphtrain.kernels.contract import Layout
-from graphtrain.kernels._common import dense_empty, dispatch
 from graphtrain.kernels.cross_entropy import REDUCTIONS, _supports_triton, ce_bwd_triton, ce_fwd_triton
 from graphtrain.kernels.gemm import gemm_probe_ran, matmul, mm_into, onednn_gemm_wins
-from graphtrain.kernels.registry import (COMPUTE_BOUND, FORWARD, LOW, KernelSpec, OpDescriptor, hint_int,
-                                         input_value, register_kernel_spec)
+from graphtrain.kernels.registry import (
+    COMPUTE_BOUND,
+    FORWARD,
+    LOW,
+    KernelSpec,
+    OpDescriptor,
+    hint_int,
+    input_value,
+    register_kernel_spec,
+)
 
 
 def _acc(x: Tensor) -> torch.dtype:

@@ -11,8 +11,9 @@ Ops that belong to no kernel (the tensor-parallel collectives) register their de
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.fx as fx

@@ -7,21 +7,29 @@ Outputs (y, rstd) with rstd fp32 [rows] (fp64 for fp64 inputs), saved for backwa
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 from torch import Tensor
 
 from graphtrain.kernels._common import HAS_TRITON, dense_empty, dispatch, tl, triton, triton_ok
-from graphtrain.kernels.registry import (BACKWARD, CHEAP, FOLLOW, FORWARD, FP32, KernelSpec, OpDescriptor,
-                                         no_workspace, register_kernel_spec)
+from graphtrain.kernels.registry import (
+    BACKWARD,
+    CHEAP,
+    FOLLOW,
+    FORWARD,
+    FP32,
+    KernelSpec,
+    OpDescriptor,
+    no_workspace,
+    register_kernel_spec,
+)
 
 
 def _acc(x: Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def rms_norm_reference(x: Tensor, weight: Optional[Tensor], eps: float):
+def rms_norm_reference(x: Tensor, weight: Tensor | None, eps: float):
     xf = x.to(_acc(x))
     rstd = torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
     y = xf * rstd
@@ -85,7 +93,7 @@ def _supports_cpu(x, *rest) -> bool:
 
 
 @torch.library.custom_op("graphtrain::rms_norm", mutates_args=())
-def _rms_norm_op(x: Tensor, weight: Optional[Tensor], eps: float) -> tuple[Tensor, Tensor]:
+def _rms_norm_op(x: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, Tensor]:
     n = x.shape[-1]
 
     def triton_path():
@@ -115,7 +123,7 @@ def _(x, weight, eps):
 
 
 @torch.library.custom_op("graphtrain::rms_norm_backward", mutates_args=())
-def _rms_norm_backward_op(dy: Tensor, x: Tensor, weight: Optional[Tensor], rstd: Tensor) -> tuple[Tensor, Tensor]:
+def _rms_norm_backward_op(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor) -> tuple[Tensor, Tensor]:
     n = x.shape[-1]
 
     def triton_path():
@@ -156,7 +164,7 @@ def _backward(ctx, dy, _drstd):
 _rms_norm_op.register_autograd(_backward, setup_context=_setup)
 
 
-def rms_norm(x: Tensor, weight: Optional[Tensor] = None, eps: float = 1e-6) -> Tensor:
+def rms_norm(x: Tensor, weight: Tensor | None = None, eps: float = 1e-6) -> Tensor:
     """Fused RMSNorm over the last dim (weight of shape [x.shape[-1]] or None)."""
     if weight is not None and tuple(weight.shape) != (x.shape[-1],):
         raise ValueError(f"rms_norm: weight must have shape ({x.shape[-1]},), got {tuple(weight.shape)}")

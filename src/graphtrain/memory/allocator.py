@@ -48,6 +48,7 @@ import ctypes
 import sys
 from pathlib import Path
 from typing import Any
+
 from graphtrain.kernels import _cpu_ext
 
 M_TRIM_THRESHOLD = -1  # mallopt parameter numbers in glibc's malloc.h

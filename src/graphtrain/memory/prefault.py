@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
+
 from graphtrain.memory import allocator
 
 SETTLE_CALLS = 8
@@ -41,7 +42,7 @@ SETTLE_CALLS = 8
 optimizer step)."""
 
 _LOCK = threading.Lock()
-_ACTIVE: "Session | None" = None
+_ACTIVE: Session | None = None
 
 
 class Session:

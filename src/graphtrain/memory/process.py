@@ -24,8 +24,9 @@ next to the step peak, and ``python -m graphtrain.bench.memory`` compares it wit
 from __future__ import annotations
 
 import gc
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 import torch
 

@@ -42,8 +42,9 @@ import collections
 import contextlib
 import operator
 import re
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 import torch.fx as fx

@@ -8,11 +8,19 @@ that of Hugging Face's BertForMaskedLM.
 from __future__ import annotations
 
 import torch
-from torch import nn
 import torch.nn.functional as F
+from torch import nn
 
-from graphtrain.models.layers import (MLP, AttentionImpl, SelfAttention, identity, check_input_ids, check_seq_len,
-                                      language_model_loss, padding_mask)
+from graphtrain.models.layers import (
+    MLP,
+    AttentionImpl,
+    SelfAttention,
+    check_input_ids,
+    check_seq_len,
+    identity,
+    language_model_loss,
+    padding_mask,
+)
 from graphtrain.models.spec import ModelSpec
 
 

@@ -13,8 +13,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from graphtrain.models.layers import (MLP, AttentionImpl, SelfAttention, identity, check_input_ids, check_seq_len,
-                                      language_model_loss)
+from graphtrain.models.layers import (
+    MLP,
+    AttentionImpl,
+    SelfAttention,
+    check_input_ids,
+    check_seq_len,
+    identity,
+    language_model_loss,
+)
 from graphtrain.models.spec import ModelSpec
 
 

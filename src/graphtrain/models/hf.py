@@ -151,7 +151,7 @@ def _weights(folder: Path) -> Path | None:
     return None
 
 
-def build_hf_model(cfg: Any, vocab_size: int | None = None) -> "HFLanguageModel":
+def build_hf_model(cfg: Any, vocab_size: int | None = None) -> HFLanguageModel:
     """The model `cfg.hf` names, freshly initialized (the global seed) or with the folder's safetensors weights."""
     transformers = _transformers()
     hf_config, objective = configure(cfg, vocab_size)

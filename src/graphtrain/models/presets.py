@@ -14,8 +14,8 @@ from torch import nn
 from graphtrain.config.sections import ModelConfig
 from graphtrain.models.bert import BERT
 from graphtrain.models.gpt2 import GPT2
-from graphtrain.models.spec import ModelSpec
 from graphtrain.models.hf import build_hf_model, configure, spec_of
+from graphtrain.models.spec import ModelSpec
 
 
 def _gpt2(n_layer: int, n_head: int, d_model: int, vocab_size: int, max_seq_len: int) -> ModelSpec:

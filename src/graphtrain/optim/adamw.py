@@ -17,7 +17,8 @@ parameters' device and dtype, and ``foreach=True`` elsewhere (e.g. parameters of
 """
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 

@@ -20,11 +20,11 @@ their name ends in ``_``; nothing here holds state.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
-
 
 # --- gradients -------------------------------------------------------------------------------------
 

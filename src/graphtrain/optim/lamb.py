@@ -25,13 +25,19 @@ one vector, and the update. Measured on 27.6M parameters (gpt2-small shapes, 2 s
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch.optim import Optimizer
 
-from graphtrain.optim.functional import (adam_direction, adam_direction_fused_, clip_divisor, global_grad_norm,
-                                         lamb_apply_)
+from graphtrain.optim.functional import (
+    adam_direction,
+    adam_direction_fused_,
+    clip_divisor,
+    global_grad_norm,
+    lamb_apply_,
+)
 
 
 class LAMB(Optimizer):

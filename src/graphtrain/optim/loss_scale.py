@@ -17,7 +17,8 @@ backs off again until the scale next grows. The scale never drops below ``min_sc
 """
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -50,7 +51,7 @@ class DynamicLossScaler:
         self.steps = 0
 
     @classmethod
-    def from_config(cls, cfg: EngineConfig) -> "DynamicLossScaler":
+    def from_config(cls, cfg: EngineConfig) -> DynamicLossScaler:
         return cls(init_scale=cfg.loss_scale_init, growth_factor=cfg.loss_scale_growth,
                    backoff_factor=cfg.loss_scale_backoff, growth_interval=cfg.loss_scale_interval,
                    hysteresis=cfg.loss_scale_hysteresis, min_scale=cfg.loss_scale_min)

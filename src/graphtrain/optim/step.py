@@ -15,7 +15,8 @@ weights or the optimizer's moments.
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 

@@ -27,19 +27,32 @@ or when shapes do not line up (a mask that would not broadcast to the fused op's
 from __future__ import annotations
 
 import operator
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.fx as fx
 from torch.fx.node import Argument
 
-from graphtrain.passes.fuse_utils import (aten, call, erase_dead, finish, getitem, is_op, known_shape, match_dropout,
-                                          needs_gradient, number, only_user, shape, strip_views, val)
-from graphtrain.passes.graph_utils import constant_mask_kind
-from graphtrain.passes.manager import PassContext, register_pass
-
 import graphtrain.kernels  # noqa: F401  (registers torch.ops.graphtrain.*)
 from graphtrain.kernels.attention import _cpu_heads_ok, _heads_last
+from graphtrain.passes.fuse_utils import (
+    aten,
+    call,
+    erase_dead,
+    finish,
+    getitem,
+    is_op,
+    known_shape,
+    match_dropout,
+    needs_gradient,
+    number,
+    only_user,
+    shape,
+    strip_views,
+    val,
+)
+from graphtrain.passes.graph_utils import constant_mask_kind
+from graphtrain.passes.manager import PassContext, register_pass
 
 
 def _split_mask(g: fx.Graph, n: fx.Node) -> tuple[fx.Node, Callable[[], fx.Node] | None]:

@@ -32,10 +32,9 @@ import torch
 import torch.fx as fx
 from torch.fx.node import Argument
 
+import graphtrain.kernels  # noqa: F401
 from graphtrain.passes.fuse_utils import aten, call, finish, getitem, is_op, shape
 from graphtrain.passes.manager import PassContext, register_pass
-
-import graphtrain.kernels  # noqa: F401
 
 
 def _strip_views(cur: Argument) -> Argument:

@@ -12,11 +12,20 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from graphtrain.passes.fuse_utils import (aten, call, erase_dead, finish, getitem, is_op, match_dropout, only_user,
-                                         shape, split_linear_bias)
-from graphtrain.passes.manager import PassContext, register_pass
-
 import graphtrain.kernels  # noqa: F401
+from graphtrain.passes.fuse_utils import (
+    aten,
+    call,
+    erase_dead,
+    finish,
+    getitem,
+    is_op,
+    match_dropout,
+    only_user,
+    shape,
+    split_linear_bias,
+)
+from graphtrain.passes.manager import PassContext, register_pass
 
 
 @register_pass("pre_autodiff", phase="fuse_epilogue")

@@ -10,18 +10,27 @@ add of a 1-D tensor. Same function; only rounding differs.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.fx as fx
 from torch.fx.node import Argument
 
-from graphtrain.passes.fuse_utils import (aten, call, erase_dead, finish, is_op, number, only_user, scalar_operand,
-                                         split_linear_bias)
-from graphtrain.passes.manager import PassContext, register_pass
-
 import graphtrain.kernels  # noqa: F401
 from graphtrain.kernels.bias_gelu import cpp_tanh_ok, gelu_tanh_probe
+from graphtrain.passes.fuse_utils import (
+    aten,
+    call,
+    erase_dead,
+    finish,
+    is_op,
+    number,
+    only_user,
+    scalar_operand,
+    split_linear_bias,
+)
+from graphtrain.passes.manager import PassContext, register_pass
 
 
 def _close(a: float | None, b: float) -> bool:

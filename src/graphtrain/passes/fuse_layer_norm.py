@@ -15,10 +15,9 @@ import torch
 import torch.fx as fx
 from torch.fx.node import Argument
 
+import graphtrain.kernels  # noqa: F401
 from graphtrain.passes.fuse_utils import aten, call, finish, getitem, is_op, number, only_user, shape
 from graphtrain.passes.manager import PassContext, register_pass
-
-import graphtrain.kernels  # noqa: F401
 
 
 def _last_dim(n: Argument, dims: Argument) -> bool:

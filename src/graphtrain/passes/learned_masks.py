@@ -15,7 +15,7 @@ The pass ``route_learned_masks_to_math`` (stage ``dynamo``) runs it on every Dyn
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -37,8 +37,8 @@ def route_learned_masks_to_math_pass(gm: fx.GraphModule, ctx: PassContext) -> fx
     return gm
 
 
-def sdpa_math(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
-              dropout_p: float = 0.0, is_causal: bool = False, scale: Optional[float] = None,
+def sdpa_math(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
+              dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
               enable_gqa: bool = False) -> torch.Tensor:
     """``F.scaled_dot_product_attention`` through aten's math implementation (what eager runs for a mask that
     requires grad)."""

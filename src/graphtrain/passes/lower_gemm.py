@@ -36,13 +36,12 @@ from typing import TypeGuard
 import torch
 import torch.fx as fx
 
+import graphtrain.kernels  # noqa: F401  (registers torch.ops.graphtrain.gemm)
 from graphtrain.config.torch_compat import optimization_hint
+from graphtrain.kernels.gemm import onednn_available, onednn_fp32, shape_probe
 from graphtrain.passes.fuse_utils import aten, call, finish, is_op, val
 from graphtrain.passes.graph_utils import has_random_tag
 from graphtrain.passes.manager import PassContext, register_pass
-
-import graphtrain.kernels  # noqa: F401  (registers torch.ops.graphtrain.gemm)
-from graphtrain.kernels.gemm import onednn_available, onednn_fp32, shape_probe
 
 
 def _fp32_cpu(n: object) -> TypeGuard[fx.Node]:

@@ -26,14 +26,15 @@ import collections
 import copy
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.fx as fx
 
-from graphtrain.config.sections import EngineConfig
 from graphtrain.config.fallback import report_fallback
+from graphtrain.config.sections import EngineConfig
 
 STAGES = ("dynamo", "pre_autodiff", "forward", "backward")
 

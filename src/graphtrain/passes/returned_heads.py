@@ -22,8 +22,9 @@ before)`` in ``ctx.results["detach_returned_heads"]``, for ``reattach``; a calle
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 import torch.fx as fx

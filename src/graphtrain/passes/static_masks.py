@@ -25,8 +25,17 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from graphtrain.passes.graph_utils import (arg_node, call_arg as _arg, constant_ancestors, constant_value, copy_graph,
-                                          example_value, is_sdpa_call as _is_sdpa, mask_kind, static_shape)
+from graphtrain.passes.graph_utils import (
+    arg_node,
+    constant_ancestors,
+    constant_value,
+    copy_graph,
+    example_value,
+    mask_kind,
+    static_shape,
+)
+from graphtrain.passes.graph_utils import call_arg as _arg
+from graphtrain.passes.graph_utils import is_sdpa_call as _is_sdpa
 from graphtrain.passes.manager import PassContext, register_pass
 
 

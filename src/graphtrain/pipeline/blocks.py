@@ -30,8 +30,9 @@ import hashlib
 import importlib
 import operator
 import types
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -201,11 +202,11 @@ def no_subgraph_reuse() -> Any:
     if original is None:
         yield
         return
-    setattr(mod, "has_reuse_entries", lambda *args, **kwargs: False)
+    mod.__dict__["has_reuse_entries"] = lambda *args, **kwargs: False  # (a module attribute mypy does not know)
     try:
         yield
     finally:
-        setattr(mod, "has_reuse_entries", original)
+        mod.__dict__["has_reuse_entries"] = original
 
 
 def has_block_calls(gm: fx.GraphModule) -> bool:

@@ -16,12 +16,13 @@ gives a new key instead of a stale hit.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from graphtrain.config.sections import EngineConfig
-from graphtrain.passes.graph_utils import digest_graph_into
 from graphtrain.kernels import capabilities
+from graphtrain.passes.graph_utils import digest_graph_into
 from graphtrain.passes.manager import STAGES, pipeline
 from graphtrain.pipeline.graph_data import symbolic_inputs
 
@@ -111,7 +112,7 @@ def source_digest() -> str:
     return _SOURCE_DIGEST
 
 
-def pass_cache_key(gm: "fx.GraphModule", example_inputs: "Sequence[Any]", kinds: "Sequence[str]",
+def pass_cache_key(gm: fx.GraphModule, example_inputs: Sequence[Any], kinds: Sequence[str],
                    config: EngineConfig) -> str:
     """The key of `gm`'s pre-autodiff result under `config` (a hex digest)."""
     import dataclasses
@@ -202,7 +203,7 @@ def _tag(key: bytes, data: bytes) -> bytes:
     return hmac.new(key, data, hashlib.sha256).digest()
 
 
-def load_pass_result(config: EngineConfig, key: str) -> "tuple[fx.GraphModule, list[Any], int, int] | None":
+def load_pass_result(config: EngineConfig, key: str) -> tuple[fx.GraphModule, list[Any], int, int] | None:
     """(graph, pass records, ops captured, ops after) stored under `key`, or None (absent, unreadable, or not
     written by this user's graphtrain: then the graph is simply traced again). Nothing is unpickled before its
     HMAC verifies."""
@@ -226,8 +227,8 @@ def load_pass_result(config: EngineConfig, key: str) -> "tuple[fx.GraphModule, l
         return None
 
 
-def save_pass_result(config: EngineConfig, key: str, gm: "fx.GraphModule", records: list[Any], ops_captured: int,
-                     ops_after: int) -> "fx.GraphModule":
+def save_pass_result(config: EngineConfig, key: str, gm: fx.GraphModule, records: list[Any], ops_captured: int,
+                     ops_after: int) -> fx.GraphModule:
     """Store the optimized graph atomically (a reader never sees half a file), tagged (_user_key), and return the
     graph as a later process will load it: compile that one, so this process and the next hand Inductor the same
     graph and share its cache entries (a freshly traced graph and its pickled copy differ in node metadata, which
@@ -311,7 +312,7 @@ def _decode_target(ref: Any) -> Any:
     return obj
 
 
-def _encode_graph(gm: "fx.GraphModule") -> dict[str, Any]:
+def _encode_graph(gm: fx.GraphModule) -> dict[str, Any]:
     """`gm` as plain picklable data: each node's op, name, target and arguments (nodes by name), and what its
     get_attr nodes read: tensors, and graphs a node calls (an autograd.Function's forward and backward bodies,
     encoded the same way). Node metadata is not kept (AOTAutograd traces the graph again anyway)."""
@@ -339,7 +340,7 @@ def _encode_graph(gm: "fx.GraphModule") -> dict[str, Any]:
     return {"nodes": nodes, "attrs": attrs}
 
 
-def _kept_meta(n: "fx.Node") -> dict[str, Any]:
+def _kept_meta(n: fx.Node) -> dict[str, Any]:
     """The metadata later stages read: which module (layer) a node came from, for recompute's layer regions
     (memory/recompute.py), module types as names."""
     out: dict[str, Any] = {}
@@ -352,7 +353,7 @@ def _kept_meta(n: "fx.Node") -> dict[str, Any]:
     return out
 
 
-def _decode_graph(data: dict[str, Any]) -> "fx.GraphModule":
+def _decode_graph(data: dict[str, Any]) -> fx.GraphModule:
     import torch.fx as fx
 
     graph = fx.Graph()

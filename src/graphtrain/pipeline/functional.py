@@ -9,7 +9,8 @@ step, the tests' pre-autodiff traces) and one loss rule (those, tools/bisect.py 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch.fx import traceback as fx_traceback

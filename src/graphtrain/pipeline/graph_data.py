@@ -5,7 +5,8 @@ graph compiled that way. Its own module: the pass cache (pipeline/cache.py), the
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.fx as fx

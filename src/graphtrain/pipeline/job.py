@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence, Literal
+from typing import Any, Literal
 
 import torch.fx as fx
 
 from graphtrain.config.sections import EngineConfig
-from graphtrain.pipeline.state import EngineState, GraphRecord
 from graphtrain.pipeline.cache import pass_cache_key
+from graphtrain.pipeline.state import EngineState, GraphRecord
 
 
 @dataclass(frozen=True)

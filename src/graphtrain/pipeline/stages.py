@@ -22,20 +22,21 @@ run_passes hands ``state.fallbacks`` to the pass manager, so a pass that fails a
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 import torch.fx as fx
 
-from graphtrain.config.sections import EngineConfig
 from graphtrain.config.fallback import GraphtrainCaptureError, report_fallback
-from graphtrain.pipeline.state import EngineState, GraphRecord
-from graphtrain.pipeline.trace import trace_aten_forward
+from graphtrain.config.sections import EngineConfig
 from graphtrain.memory.predict import param_bytes
 from graphtrain.memory.recompute import make_partition_fn
 from graphtrain.passes.graph_utils import materialize_symints
 from graphtrain.passes.manager import PassContext, PassFn, op_counts, registered_passes, run_pipeline
+from graphtrain.pipeline.state import EngineState, GraphRecord
+from graphtrain.pipeline.trace import trace_aten_forward
 
 
 def new_record(name: str, frame: str, example_inputs: Sequence[Any], input_kinds: list[str],
@@ -257,7 +258,8 @@ DYNAMO_RESTARTS: tuple[type[BaseException], ...] = (torch._dynamo.exc.RestartAna
 """Exceptions by which Dynamo asks to trace the frame again (AOTAutograd's float-scalar pass raises one under
 dynamic shapes): they pass through every fallback of the backend, which would otherwise take them for a failed
 compile and run the graph eagerly."""
-_NOT_DEGRADED: tuple[type[BaseException], ...] = (GraphtrainCaptureError, *DYNAMO_RESTARTS)  # raised as they are, never degraded to the next provider
+# raised as they are by compile_with_fallback, never degraded to the next provider
+_NOT_DEGRADED: tuple[type[BaseException], ...] = (GraphtrainCaptureError, *DYNAMO_RESTARTS)
 
 
 

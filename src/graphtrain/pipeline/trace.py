@@ -10,7 +10,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import operator
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.fx as fx

@@ -27,14 +27,20 @@ from typing import Any
 
 import torch
 
-from graphtrain.trainer.console import quiet_libraries
 from graphtrain.config.sections import Config, ModelConfig
-from graphtrain.models import build_model
-from graphtrain.models.hf_export import write_hf_folder
-from graphtrain.trainer.checkpoint import checkpoint_tokenizer, is_sharded, latest_valid_checkpoint, list_checkpoints, load_checkpoint, to_module_keys
-from graphtrain.trainer.run_outputs import best_checkpoint
 from graphtrain.data import build_data
-from graphtrain.models import resolve_spec
+from graphtrain.models import build_model, resolve_spec
+from graphtrain.models.hf_export import write_hf_folder
+from graphtrain.trainer.checkpoint import (
+    checkpoint_tokenizer,
+    is_sharded,
+    latest_valid_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    to_module_keys,
+)
+from graphtrain.trainer.console import quiet_libraries
+from graphtrain.trainer.run_outputs import best_checkpoint
 
 FORMATS = ("safetensors", "hf", "onnx")
 ONNX_ATOL = 1e-4

@@ -27,9 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from graphtrain.config.jobfile import read_yaml_file
+from graphtrain.runs.plot_page import render
 from graphtrain.trainer.console import human, human_bytes, human_seconds
 from graphtrain.trainer.runinfo import read_run_info
-from graphtrain.runs.plot_page import render
 
 # (id, title, y axis title, [(record kind, field, dash, label suffix)], y format (d3), smoothed, steady state)
 # steady state: the run's first logged training window (graph capture and compilation) is left out of the curve.

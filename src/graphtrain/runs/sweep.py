@@ -38,13 +38,14 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
+
 from graphtrain.config.jobfile import read_yaml_file
 from graphtrain.config.sections import Config, load_job_file
-from graphtrain.runs.plot import read_records
-from graphtrain.runs.plot import write_report
+from graphtrain.runs.plot import read_records, write_report
 from graphtrain.runtime.background import die_with_parent
 
 ENV_STORAGE, ENV_STUDY, ENV_TRIAL = "GRAPHTRAIN_SWEEP_STORAGE", "GRAPHTRAIN_SWEEP_STUDY", "GRAPHTRAIN_SWEEP_TRIAL"

@@ -7,7 +7,8 @@ variant it compares runs under one setting.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 

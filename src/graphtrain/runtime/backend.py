@@ -11,30 +11,27 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.fx as fx
 
-from graphtrain.config.sections import EngineConfig
-from graphtrain.config.fallback import report_fallback, set_policy
-from graphtrain.pipeline.stages import DYNAMO_RESTARTS
-from graphtrain.runtime.allocator import set_cpu_allocator_once
-from graphtrain.pipeline.job import CompileJob
-from graphtrain.pipeline.state import GLOBAL_STATE, EngineState
-from graphtrain.config.fallback import GraphtrainCaptureError
-from graphtrain.config.sections import resolve_engine_config
+from graphtrain.config.fallback import GraphtrainCaptureError, report_fallback, set_policy
+from graphtrain.config.sections import EngineConfig, resolve_engine_config
 from graphtrain.memory.prefault import compiled as first_graph_compiled
 from graphtrain.passes import autograd_functions
 from graphtrain.passes.manager import PassContext, run_pipeline
 from graphtrain.passes.returned_heads import reattach
 from graphtrain.pipeline.blocks import ReuseMisbound, check_bindings, compile_by_blocks, has_block_calls, inline_blocks
-from graphtrain.pipeline.cache import configure_cache, load_pass_result
-from graphtrain.pipeline.stages import compile_with_fallback, new_record, run_passes, trace
+from graphtrain.pipeline.cache import configure_cache, load_pass_result, save_pass_result
+from graphtrain.pipeline.job import CompileJob
+from graphtrain.pipeline.stages import DYNAMO_RESTARTS, compile_with_fallback, new_record, run_passes, trace
+from graphtrain.pipeline.state import GLOBAL_STATE, EngineState
 from graphtrain.pipeline.trace import delocalize, dtensor_inputs, localize
+from graphtrain.runtime.allocator import set_cpu_allocator_once
 from graphtrain.runtime.provider_auto import choose_provider, measurable, under_ddp_optimizer
 from graphtrain.runtime.providers import PROVIDERS, resolve_runtime
-from graphtrain.pipeline.cache import save_pass_result
 
 if TYPE_CHECKING:
     from graphtrain.passes.manager import PassContext
@@ -270,6 +267,7 @@ def graphtrain_backend(gm: fx.GraphModule, example_inputs: Sequence[Any],
 @functools.cache
 def register_backend() -> None:
     """Make ``torch.compile(model, backend="graphtrain")`` work (called by ``import graphtrain``)."""
-    from torch._dynamo.backends.registry import _COMPILER_FNS, register_backend as register
+    from torch._dynamo.backends.registry import _COMPILER_FNS
+    from torch._dynamo.backends.registry import register_backend as register
     if "graphtrain" not in _COMPILER_FNS:
         register(graphtrain_backend, name="graphtrain")

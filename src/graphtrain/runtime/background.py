@@ -77,7 +77,7 @@ def _limit(seconds: float) -> None:
     signal.setitimer(signal.ITIMER_REAL, max(0.0, seconds))
 
 
-def _prctl(option: int, value: "int | bytes") -> None:
+def _prctl(option: int, value: int | bytes) -> None:
     """prctl(2) through libc (Linux only; elsewhere nothing). No library wraps it for Python's standard library."""
     if not sys.platform.startswith("linux"):
         return
@@ -149,7 +149,7 @@ def main(argv: list[str]) -> int:
             os.execv(sys.executable, [sys.executable, "-m", MODULE, str(folder), str(parent),
                                       *(["--detach"] if detach else [])])
     if os.getppid() != parent:  # the training process exited and left us to finish (engine.background_at_exit):
-        import shutil           # nobody else will collect the folder
+        import shutil  # nobody else will collect the folder
         shutil.rmtree(folder, ignore_errors=True)
     return 0
 

@@ -14,10 +14,12 @@ import copy
 import json
 import os
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
+
 from graphtrain.pipeline.blocks import laid_out_as
 
 REPEATS = 3

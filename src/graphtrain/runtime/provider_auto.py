@@ -30,19 +30,27 @@ import copy
 import dataclasses
 import pickle
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from graphtrain.config.fallback import report_fallback
 from graphtrain.config.sections import EngineConfig
-from graphtrain.pipeline.job import CompileJob
-from graphtrain.pipeline.stages import DYNAMO_RESTARTS, compile_with_fallback
-from graphtrain.runtime.measured import CANDIDATES, Candidate, Measured, describe, load_decision
-from graphtrain.runtime.tiered import (Tiered, _next_step, compile_inductor_from, inductor_ready, inductor_timed_out,
-                                       prefetch_inductor_setup, size_checked)
 from graphtrain.pipeline.cache import _encode_graph, cache_root, pass_cache_key
 from graphtrain.pipeline.graph_data import input_metas, symbolic_inputs
+from graphtrain.pipeline.job import CompileJob
+from graphtrain.pipeline.stages import DYNAMO_RESTARTS, compile_with_fallback
 from graphtrain.pipeline.trace import dtensor_inputs
+from graphtrain.runtime.measured import CANDIDATES, Candidate, Measured, describe, load_decision
 from graphtrain.runtime.providers import UnsuitableProvider
+from graphtrain.runtime.tiered import (
+    Tiered,
+    _next_step,
+    compile_inductor_from,
+    inductor_ready,
+    inductor_timed_out,
+    prefetch_inductor_setup,
+    size_checked,
+)
 
 Compile = Callable[[CompileJob], Callable[..., Any]]
 """Stages 1-5 of a job for its provider (runtime/backend.py compile_stages)."""

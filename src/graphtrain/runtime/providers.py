@@ -22,7 +22,8 @@ import dataclasses
 import hashlib
 import inspect
 import warnings
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -32,17 +33,17 @@ import graphtrain.memory.predict as predict
 import graphtrain.memory.recompute as recompute
 import graphtrain.memory.rewrites as rewrites
 import graphtrain.memory.seeded as seeded
-from graphtrain.config.sections import EngineConfig
-from graphtrain.pipeline.cache import source_digest
 from graphtrain.config.fallback import report_fallback
-from graphtrain.pipeline.stages import StepLayout, autodiff, partition_fn, run_passes, user_outputs
-from graphtrain.pipeline.stages import layout as step_layout
-from graphtrain.pipeline.job import CompileJob
-from graphtrain.pipeline.state import EngineState, GraphRecord
+from graphtrain.config.sections import EngineConfig
 from graphtrain.kernels import capability
 from graphtrain.memory.predict import predict_peak
-from graphtrain.passes.manager import pipeline
 from graphtrain.passes.graph_utils import has_random_tag
+from graphtrain.passes.manager import pipeline
+from graphtrain.pipeline.cache import source_digest
+from graphtrain.pipeline.job import CompileJob
+from graphtrain.pipeline.stages import StepLayout, autodiff, partition_fn, run_passes, user_outputs
+from graphtrain.pipeline.stages import layout as step_layout
+from graphtrain.pipeline.state import EngineState, GraphRecord
 
 
 def resolve_provider(config: EngineConfig, example_inputs: Sequence[Any]) -> str:

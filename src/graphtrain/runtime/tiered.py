@@ -23,15 +23,16 @@ import json
 import os
 import time
 import weakref
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
-from graphtrain.pipeline.job import CompileJob
-from graphtrain.runtime.measured import Candidate, Measured
 from graphtrain.config.fallback import report_fallback
 from graphtrain.config.torch_compat import inductor_cache_key_functions
 from graphtrain.pipeline.graph_data import GuardsUnreadable, SizeChecked, rebuild_sizes, size_check
+from graphtrain.pipeline.job import CompileJob
+from graphtrain.runtime.measured import Candidate, Measured
 from graphtrain.runtime.providers import UnsuitableProvider
 
 

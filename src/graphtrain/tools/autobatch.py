@@ -12,14 +12,15 @@ optimizer state, batch, activations), not the interpreter and libraries (~240 Mi
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from graphtrain.frontend.capture import predict_for_model
-from graphtrain.tools.measure import measure
 from graphtrain.memory.predict import MemoryEstimate
+from graphtrain.tools.measure import measure
 
 
 def _vocab(model: torch.nn.Module) -> int:

@@ -27,20 +27,21 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from graphtrain.config import fallback as fallback_policy
 from graphtrain.config.sections import EngineConfig, resolve_engine_config
 from graphtrain.frontend.accelerate import accelerate
-from graphtrain.tools.bisect_report import BisectReport, ConfigResult
-from graphtrain.tools.bisect_run import Step, compare, device_of, rng_state, same_rng, switch_off_dropout, train
 from graphtrain.kernels import KERNELS, capability
 from graphtrain.kernels._common import force_reference, runtime_fallbacks
 from graphtrain.passes.manager import STAGES, pipeline, registered_passes
 from graphtrain.testing import TOLERANCES
+from graphtrain.tools.bisect_report import BisectReport, ConfigResult
+from graphtrain.tools.bisect_run import Step, compare, device_of, rng_state, same_rng, switch_off_dropout, train
 
 PROVIDERS = ("aten", "inductor")
 PRECISIONS = ("fp32", "bf16", "fp16", "auto")

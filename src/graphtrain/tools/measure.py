@@ -72,6 +72,7 @@ def build(model: str, seq: int, batch: int, dropout: float | None = None,
     """A reference model and a batch; attention `sdpa` (F.scaled_dot_product_attention, what users write: the
     memory claims' baseline) or `explicit` (hand-written matmul-softmax-dropout-matmul)."""
     import torch
+
     from graphtrain.config.sections import ModelConfig
     from graphtrain.models import build_model
     if model.startswith("vit:"):  # a Hugging Face image classifier from a config.json: pixels in, the loss out
@@ -101,6 +102,7 @@ def _hf_language_model(path: str, seq: int, batch: int, dropout: float | None, a
     LM: 15% of the positions labelled. The batch is the keyword arguments (a dict)."""
     import torch
     import transformers
+
     from graphtrain.config.sections import ModelConfig
     from graphtrain.models.hf import configure
 
@@ -122,6 +124,7 @@ def _vision(path: str, batch: int, attention: str) -> tuple[Any, tuple]:
     called as model(pixel_values, labels) -> loss; --seq is ignored (the config's image size decides)."""
     import torch
     import transformers
+
     from graphtrain.models.hf import hf_folder
 
     class WithLoss(torch.nn.Module):

@@ -22,13 +22,13 @@ from typing import Any
 
 import torch
 
-from graphtrain.tools import report_text
-from graphtrain.pipeline.state import EngineState, GraphRecord, state_of
 from graphtrain.kernels import capabilities, op_descriptor
-from graphtrain.memory.process import predict_process_peak
 from graphtrain.memory import allocator
+from graphtrain.memory.process import predict_process_peak
 from graphtrain.pipeline.cache import cache_root
+from graphtrain.pipeline.state import EngineState, GraphRecord, state_of
 from graphtrain.runtime.allocator import cpu_allocator_set
+from graphtrain.tools import report_text
 
 
 def _param_stats(module: torch.nn.Module | None) -> dict[str, int]:

@@ -5,8 +5,16 @@
 """
 from __future__ import annotations
 
-from graphtrain.trainer.checkpoint import (FORMAT_VERSION, checkpoint_path, latest_checkpoint, latest_valid_checkpoint,
-                                           list_checkpoints, load_checkpoint, save_checkpoint, verify_checkpoint)
+from graphtrain.trainer.checkpoint import (
+                                           FORMAT_VERSION,
+                                           checkpoint_path,
+                                           latest_checkpoint,
+                                           latest_valid_checkpoint,
+                                           list_checkpoints,
+                                           load_checkpoint,
+                                           save_checkpoint,
+                                           verify_checkpoint,
+)
 from graphtrain.trainer.faults import TrainingFailed, TrainingPreempted
 from graphtrain.trainer.schedule import lr_at
 from graphtrain.trainer.trainer import Trainer

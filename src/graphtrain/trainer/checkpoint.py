@@ -43,16 +43,25 @@ import shutil
 import tempfile
 import warnings
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
 
-from graphtrain.checksums import (ChecksumMismatch, digests_reused, fsync_dir, sha256_file, sidecar_path, verify_file,
-                                  write_sums)
+from graphtrain.checksums import (
+    ChecksumMismatch,
+    digests_reused,
+    fsync_dir,
+    sha256_file,
+    sidecar_path,
+    verify_file,
+    write_sums,
+)
 from graphtrain.data.tokenizer import CodeTokenizer
-from graphtrain.distributed.checkpoint import load_checkpoint as load_sharded, read_extra, verify_folder
+from graphtrain.distributed.checkpoint import load_checkpoint as load_sharded
+from graphtrain.distributed.checkpoint import read_extra, verify_folder
 
 FORMAT_VERSION = 1
 KEEP_LAST = 3  # train.keep_last's default

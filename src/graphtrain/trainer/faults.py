@@ -26,7 +26,8 @@ import statistics
 import threading
 import time
 from collections import deque
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -74,7 +75,7 @@ class PreemptionGuard:
         self._flag: torch.Tensor | None = None  # distributed: the stop flag being all-reduced, and its work
         self._work: Any = None
 
-    def __enter__(self) -> "PreemptionGuard":
+    def __enter__(self) -> PreemptionGuard:
         if threading.current_thread() is threading.main_thread():
             for sig in self.SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handle)

@@ -20,7 +20,6 @@ from typing import Any
 
 import yaml
 
-
 # The metrics the HParams dashboard sets against each run's hyperparameters (scalars the run writes itself).
 HPARAM_METRICS = ("eval/val_loss", "train/loss", "train/tokens_per_s")
 

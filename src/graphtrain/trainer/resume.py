@@ -32,8 +32,9 @@ import shutil
 import socket
 import sys
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 from graphtrain.checksums import fsync_dir, sidecar_path
 from graphtrain.trainer.checkpoint import MODEL_KEYS, is_sharded, list_checkpoints

@@ -20,12 +20,17 @@ from typing import Any
 import torch
 
 from graphtrain.checksums import fsync_dir, read_sums, sha256_file, sidecar_path, write_sums
-from graphtrain.trainer.checkpoint import (checkpoint_meta, is_sharded, latest_valid_checkpoint, load_checkpoint,
-                                           to_module_keys)
-from graphtrain.trainer.console import quiet_libraries
 from graphtrain.distributed.checkpoint import load_model_weights_local
 from graphtrain.models import build_model
 from graphtrain.models.hf_export import write_hf_folder as write
+from graphtrain.trainer.checkpoint import (
+    checkpoint_meta,
+    is_sharded,
+    latest_valid_checkpoint,
+    load_checkpoint,
+    to_module_keys,
+)
+from graphtrain.trainer.console import quiet_libraries
 
 BEST = "ckpt-best"  # train.keep_best: ckpt-best.pt, or the sharded folder ckpt-best/
 

@@ -13,8 +13,8 @@ from graphtrain.config.sections import Config, TrainConfig
 from graphtrain.data import build_data
 from graphtrain.memory.budget import budget_bytes
 from graphtrain.models import build_model
-from graphtrain.trainer.metrics import format_bytes
 from graphtrain.tools.autobatch import pick_batch_size
+from graphtrain.trainer.metrics import format_bytes
 
 
 def check_supported(config: Config) -> None:
@@ -79,7 +79,8 @@ def auto_batch_size(config: Config, model: torch.nn.Module | None, vocab_size: i
     times parallel.dp; grad_accum kept), and the line saying so."""
     budget = memory_budget_bytes(config, device)
     if model is not None:
-        factory = (lambda: model)
+        def factory() -> torch.nn.Module:
+            return model
     else:
         def factory() -> torch.nn.Module:
             return build_model(config.model, vocab_size=vocab_size)

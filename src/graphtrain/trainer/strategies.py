@@ -24,25 +24,36 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Callable, Iterable, Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from graphtrain.config.sections import Config
-from graphtrain.models import build_model
-from graphtrain.optim import build_optimizer, make_loss_scaler, optimizer_step
-from graphtrain.trainer import runtime
-from graphtrain.trainer.checkpoint import (checkpoint_path, is_sharded, latest_checkpoint, load_checkpoint,
-                                           load_sharded_meta, plain_state_dict, prune_checkpoints, rng_state,
-                                           save_checkpoint, set_rng_state, to_module_keys)
-from graphtrain.trainer.faults import rejection
-from graphtrain.trainer.schedule import set_lr
 from graphtrain.distributed import parallelize
 from graphtrain.distributed.checkpoint import load_model_weights_local
 from graphtrain.frontend.compile_step import compile_step
+from graphtrain.models import build_model
+from graphtrain.optim import build_optimizer, make_loss_scaler, optimizer_step
 from graphtrain.tools.report import report
+from graphtrain.trainer import runtime
+from graphtrain.trainer.checkpoint import (
+    checkpoint_path,
+    is_sharded,
+    latest_checkpoint,
+    load_checkpoint,
+    load_sharded_meta,
+    plain_state_dict,
+    prune_checkpoints,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+    to_module_keys,
+)
+from graphtrain.trainer.faults import rejection
+from graphtrain.trainer.schedule import set_lr
 
 Batch = dict[str, torch.Tensor]
 

@@ -37,30 +37,44 @@ import dataclasses
 import errno
 import math
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
-from graphtrain.config.sections import Config, expand_path_keys
-from graphtrain.early_preempt import before_first_step
-from graphtrain.models import build_model, resolve_spec
-from graphtrain.trainer import console, runinfo, runtime
 from graphtrain.checksums import digests_reused
-from graphtrain.trainer.checkpoint import (FORMAT_VERSION, check_trusted, checkpoint_meta, is_sharded,
-                                           latest_checkpoint, latest_valid_checkpoint, list_checkpoints, load_weights)
-from graphtrain.trainer.faults import (NumericsGuard, PreemptionGuard, TrainingFailed, TrainingPreempted,
-                                       is_grace_expired)
+from graphtrain.config.sections import Config, expand_path_keys
+from graphtrain.distributed import init_distributed, shutdown
+from graphtrain.early_preempt import before_first_step
+from graphtrain.kernels import capability, flops
+from graphtrain.models import build_model, resolve_spec
+from graphtrain.tools.report import report
+from graphtrain.trainer import console, runinfo, runtime
+from graphtrain.trainer.checkpoint import (
+    FORMAT_VERSION,
+    check_trusted,
+    checkpoint_meta,
+    is_sharded,
+    latest_checkpoint,
+    latest_valid_checkpoint,
+    list_checkpoints,
+    load_weights,
+)
+from graphtrain.trainer.faults import (
+    NumericsGuard,
+    PreemptionGuard,
+    TrainingFailed,
+    TrainingPreempted,
+    is_grace_expired,
+)
 from graphtrain.trainer.loggers import make_loggers
 from graphtrain.trainer.metrics import MetricsLog, Throughput, format_bytes, peak_memory_bytes
 from graphtrain.trainer.resume import allowed_keys, check_config_changes, clean_orphans, supersede_later
 from graphtrain.trainer.run_outputs import best_checkpoint, update_best, write_hf_folder
 from graphtrain.trainer.schedule import lr_at
 from graphtrain.trainer.strategies import build_strategy
-from graphtrain.distributed import init_distributed, shutdown
-from graphtrain.kernels import capability, flops
-from graphtrain.tools.report import report
 
 _INIT_FROM_AND_RESUME = ("train.init_from and --resume cannot be combined: --resume continues a run (weights, "
                          "optimizer, step), init_from starts a new one from a checkpoint's weights; to continue a "
