@@ -1,4 +1,5 @@
 """Shared test hygiene."""
+
 from __future__ import annotations
 
 import pytest
@@ -10,6 +11,7 @@ def pytest_configure(config):
     what an earlier run left in ~/.cache (a CI failure once hid a pass's fallback warning behind a cache hit)."""
     import os
     import tempfile
+
     if "GRAPHTRAIN_CACHE" not in os.environ:
         os.environ["GRAPHTRAIN_CACHE"] = config._graphtrain_cache = tempfile.mkdtemp(prefix="graphtrain-test-cache-")
     # a CLI run in a subprocess that ends before its background compile must not leave it running beside the
@@ -25,8 +27,9 @@ def _register_fuzz_profiles() -> None:
     except ImportError:  # the fuzz modules skip themselves
         return
     quiet = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much]
-    settings.register_profile("graphtrain-fuzz", max_examples=25, deadline=None, derandomize=True, database=None,
-                              suppress_health_check=quiet)
+    settings.register_profile(
+        "graphtrain-fuzz", max_examples=25, deadline=None, derandomize=True, database=None, suppress_health_check=quiet
+    )
     settings.register_profile("graphtrain-fuzz-slow", settings.get_profile("graphtrain-fuzz"), max_examples=400)
 
 
@@ -35,6 +38,7 @@ _register_fuzz_profiles()
 
 def pytest_unconfigure(config):
     import shutil
+
     if getattr(config, "_graphtrain_cache", None):
         shutil.rmtree(config._graphtrain_cache, ignore_errors=True)
 
@@ -48,10 +52,11 @@ def _fresh_dynamo():
     long test session would otherwise hit that limit depending on test order."""
     yield
     import sys
+
     if "torch._dynamo" in sys.modules:
         sys.modules["torch._dynamo"].reset()
-    if "graphtrain.runtime.tiered" in sys.modules:  # provider auto's background compiles end with their test
-        sys.modules["graphtrain.runtime.tiered"].stop_background()
+    if "graphtrain.runtime.workers" in sys.modules:  # provider auto's background compiles end with their test
+        sys.modules["graphtrain.runtime.workers"].stop_background()
     if "graphtrain.config.fallback" in sys.modules:  # the once-per-process fallback warnings: once per test instead
         sys.modules["graphtrain.config.fallback"]._WARNED.clear()
 
@@ -61,6 +66,7 @@ def one_thread():
     """One intra-op thread for tiny models: they gain nothing from threads and, on a busy shared
     2-core machine, lose a lot to oversubscription (measured up to 60x on gpt2-tiny steps)."""
     import torch
+
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -72,6 +78,7 @@ def tiny_env(tmp_path_factory, monkeypatch):
     """Trainer tests: a data cache shared by the whole session (the tokenizer trains once); the
     process settings a Trainer changes (threads, deterministic algorithms) restored after."""
     import torch
+
     cache = tmp_path_factory.getbasetemp() / "graphtrain-cache"
     cache.mkdir(exist_ok=True)
     monkeypatch.setenv("GRAPHTRAIN_CACHE", str(cache))

@@ -15,6 +15,7 @@ Hypothesis profiles ``graphtrain-fuzz`` and ``graphtrain-fuzz-slow`` (tests/conf
 GRAPHTRAIN_FUZZ_EXAMPLES=<n> overrides both (a long local hunt). Derandomized: a failure reproduces on every run,
 and Hypothesis prints the drawn example.
 """
+
 from __future__ import annotations
 
 import os
@@ -49,8 +50,10 @@ def fuzz(prop: Callable, budget: str, share: float = 1.0) -> None:
 
 def bind(fn: Callable, **kw) -> Callable:
     """fn with keyword arguments bound, as a plain function of `data` (Hypothesis's @given takes no partials)."""
+
     def prop(data):
         return fn(data, **kw)
+
     return prop
 
 
@@ -94,15 +97,21 @@ def _values(gen: torch.Generator, shape, dtype: torch.dtype, scale: float, offse
     return (torch.randn(shape, generator=gen, dtype=torch.float64) * scale + offset).to(dtype)
 
 
-def tensor(data, shape, dtype: torch.dtype, *, layouts=LAYOUTS, scale: float = 1.0, offset: float = 0.0,
-           label: str = "x") -> Arg:
+def tensor(
+    data, shape, dtype: torch.dtype, *, layouts=LAYOUTS, scale: float = 1.0, offset: float = 0.0, label: str = "x"
+) -> Arg:
     """Draw an input of logical `shape` in one of `layouts` (those that do not apply to the shape are skipped)."""
     shape = tuple(int(d) for d in shape)
     nd = len(shape)
-    ok = [lay for lay in layouts if (lay != "channels_last" or nd == 4) and (lay not in ("transposed",) or nd >= 2)
-          and (lay != "expanded" or nd >= 1)]
+    ok = [
+        lay
+        for lay in layouts
+        if (lay != "channels_last" or nd == 4)
+        and (lay not in ("transposed",) or nd >= 2)
+        and (lay != "expanded" or nd >= 1)
+    ]
     layout = data.draw(st.sampled_from(ok or ["contiguous"]), label=f"{label} layout")
-    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2 ** 31 - 1), label=f"{label} seed"))
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1), label=f"{label} seed"))
     if layout == "contiguous":
         return Arg(_values(gen, shape, dtype, scale, offset), lambda t: t, layout)
     if layout == "channels_last":
@@ -117,8 +126,10 @@ def tensor(data, shape, dtype: torch.dtype, *, layouts=LAYOUTS, scale: float = 1
     if layout == "sliced":
         steps = [data.draw(st.sampled_from([1, 2, 3]), label=f"{label} step{i}") for i in range(nd)]
         offs = [data.draw(st.integers(0, 2), label=f"{label} offset{i}") for i in range(nd)]
-        big = [o + (d - 1) * s + 1 + data.draw(st.integers(0, 2), label=f"{label} tail{i}") if d > 0 else o + 1
-               for i, (d, s, o) in enumerate(zip(shape, steps, offs))]
+        big = [
+            o + (d - 1) * s + 1 + data.draw(st.integers(0, 2), label=f"{label} tail{i}") if d > 0 else o + 1
+            for i, (d, s, o) in enumerate(zip(shape, steps, offs))
+        ]
         leaf = _values(gen, big, dtype, scale, offset)
         idx = tuple(slice(o, o + d * s, s) for d, s, o in zip(shape, steps, offs))
         return Arg(leaf, lambda t: t[idx], layout)
@@ -137,8 +148,15 @@ def tolerance(dtype: torch.dtype, slack: float = 1.0) -> tuple[float, float]:
     return r * slack, a * slack
 
 
-def close(actual: torch.Tensor | None, expected: torch.Tensor | None, dtype: torch.dtype, name: str,
-          eager: torch.Tensor | None = None, slack: float = 1.0, scale: float = 1.0) -> None:
+def close(
+    actual: torch.Tensor | None,
+    expected: torch.Tensor | None,
+    dtype: torch.dtype,
+    name: str,
+    eager: torch.Tensor | None = None,
+    slack: float = 1.0,
+    scale: float = 1.0,
+) -> None:
     """`actual` (the fused op's, in `dtype`) against `expected` (the fp64 reference's): NaN exactly where the
     reference has NaN, and the other values within the table's tolerance, or, where that strict comparison fails, no
     further from the reference than eager PyTorch's own result in `dtype` (`eager`) is, up to 2x for a different
@@ -148,12 +166,14 @@ def close(actual: torch.Tensor | None, expected: torch.Tensor | None, dtype: tor
     assert (actual is None) == (expected is None), f"{name}: {actual is None=} but {expected is None=}"
     if actual is None:
         return
-    assert tuple(actual.shape) == tuple(expected.shape), \
+    assert tuple(actual.shape) == tuple(expected.shape), (
         f"{name}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    )
     a, e = actual.detach().double(), expected.detach().double()
     nan_a, nan_e = torch.isnan(a), torch.isnan(e)
-    assert torch.equal(nan_a, nan_e), f"{name}: NaN at {int((nan_a & ~nan_e).sum())} unexpected places, " \
-                                      f"missing at {int((nan_e & ~nan_a).sum())}"
+    assert torch.equal(nan_a, nan_e), (
+        f"{name}: NaN at {int((nan_a & ~nan_e).sum())} unexpected places, missing at {int((nan_e & ~nan_a).sum())}"
+    )
     a, e = a[~nan_a], e[~nan_e].to(dtype).double()  # the reference rounded to the dtype: that rounding is no error
     r, at = tolerance(dtype, slack)
     at *= max(1.0, scale)
@@ -165,12 +185,24 @@ def close(actual: torch.Tensor | None, expected: torch.Tensor | None, dtype: tor
         g = eager.detach().double()[~nan_e]
         ours, theirs = (a - e).abs().max().item(), (g - e).abs().max().item()
         if not ours <= 2 * theirs:
-            raise AssertionError(f"{name} ({dtype}): outside the table's tolerance (max abs error {ours:.3e} against "
-                                 f"the fp64 reference) and further off than eager PyTorch in {dtype} ({theirs:.3e})") from failed
+            raise AssertionError(
+                f"{name} ({dtype}): outside the table's tolerance (max abs error {ours:.3e} against "
+                f"the fp64 reference) and further off than eager PyTorch in {dtype} ({theirs:.3e})"
+            ) from failed
 
 
-def check_op(data, name: str, dtype: torch.dtype, args: list, fused: Callable, eager: Callable, ref: Callable,
-             *, backward: bool = True, slack: float = 1.0) -> dict:
+def check_op(
+    data,
+    name: str,
+    dtype: torch.dtype,
+    args: list,
+    fused: Callable,
+    eager: Callable,
+    ref: Callable,
+    *,
+    backward: bool = True,
+    slack: float = 1.0,
+) -> dict:
     """Run `fused` (in `dtype`), `eager` (plain PyTorch ops, in `dtype`) and `ref` (the op's reference, fp64) on their
     own copies of `args` (Args, or None for an absent input), each as ``fn(*views) -> output``; compare the outputs,
     then (if `backward`) the gradients for one drawn upstream gradient. The gradients are those of the op's inputs
@@ -196,5 +228,5 @@ def check_op(data, name: str, dtype: torch.dtype, args: list, fused: Callable, e
 
 def upstream(data, shape, dtype: torch.dtype, label: str = "dy") -> torch.Tensor:
     """The gradient fed into the op's output (its own values, contiguous)."""
-    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2 ** 31 - 1), label=f"{label} seed"))
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1), label=f"{label} seed"))
     return torch.randn(tuple(shape), generator=gen, dtype=torch.float64).to(dtype)

@@ -3,6 +3,7 @@
 TRITON_INTERPRET must be set before triton is imported, so this runs as its own process. On a GPU
 (GRAPHTRAIN_CHECK_DEVICE=cuda, tests/test_cuda.py) the same checks run the compiled kernels on CUDA tensors, in the
 dtypes GRAPHTRAIN_CHECK_DTYPES names (float32 by default, TF32 off: the fp32 table)."""
+
 import os
 import sys
 
@@ -58,8 +59,11 @@ def check_bias_gelu(dtype):
         x, b = torch.randn(4, 33, dtype=dtype), torch.randn(33, dtype=dtype)
         assert_close(ops.bias_gelu(x, b, approx), bias_gelu_reference(x, b, approx), name=f"gelu {approx}")
         dy = torch.randn_like(x)
-        assert_close(ops.bias_gelu_backward(dy, x, None, approx), bias_gelu_backward_reference(dy, x, None, approx),
-                     name=f"gelu bwd {approx}")
+        assert_close(
+            ops.bias_gelu_backward(dy, x, None, approx),
+            bias_gelu_backward_reference(dy, x, None, approx),
+            name=f"gelu bwd {approx}",
+        )
 
 
 def check_bias_dropout_add(dtype):
@@ -108,8 +112,12 @@ def check_cross_entropy(dtype):
 
 
 def check_attention(dtype):
-    for p, causal, mask_shape in ((0.0, False, None), (0.0, True, (2, 1, 1, 11)), (0.25, False, (11, 11)),
-                                  (0.25, True, None)):
+    for p, causal, mask_shape in (
+        (0.0, False, None),
+        (0.0, True, (2, 1, 1, 11)),
+        (0.25, False, (11, 11)),
+        (0.25, True, None),
+    ):
         q = torch.randn(2, 3, 11, 8, dtype=dtype)
         k = torch.randn(2, 3, 11, 8, dtype=dtype)
         v = torch.randn(2, 3, 11, 6, dtype=dtype)

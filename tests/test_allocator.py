@@ -1,6 +1,7 @@
 """engine.cpu_allocator: which glibc malloc setting the engine applies, and that `keep` really reuses a large
 freed block's pages (minor page faults counted, not time); graphtrain's own CPU allocator (huge pages, the block
 cache under `release`)."""
+
 from __future__ import annotations
 
 import json
@@ -26,6 +27,7 @@ def test_auto_releases_under_recompute_and_keeps_otherwise():
 
 def test_engine_sets_the_allocator_once_per_process(monkeypatch):
     from graphtrain.memory import allocator
+
     applied = []
     monkeypatch.setattr(allocator, "apply", lambda mode: applied.append(mode) or True)
     monkeypatch.setattr(allocator, "use_huge_pages", lambda on=True: applied.append(f"huge pages {on}") or on)
@@ -36,8 +38,10 @@ def test_engine_sets_the_allocator_once_per_process(monkeypatch):
     policy.set_cpu_allocator_once(x, EngineConfig())
     policy.set_cpu_allocator_once(x, EngineConfig(recompute="full"))  # the process keeps its first setting
     assert applied == ["huge pages True", "keep"]
-    for cfg, want in ((EngineConfig(recompute="full"), ["block cache True", "huge pages True", "release"]),
-                      (EngineConfig(recompute="full", cpu_block_cache=False), ["huge pages True", "release"])):
+    for cfg, want in (
+        (EngineConfig(recompute="full"), ["block cache True", "huge pages True", "release"]),
+        (EngineConfig(recompute="full", cpu_block_cache=False), ["huge pages True", "release"]),
+    ):
         applied.clear()
         monkeypatch.setattr(policy, "_ALLOCATOR_SET", None)
         policy.set_cpu_allocator_once(x, cfg)
@@ -76,8 +80,11 @@ def _thp_always() -> bool:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
-@pytest.mark.skipif(_thp_always(), reason="transparent huge pages always on: a fresh 64 MiB block faults in 2 MiB "
-                    "pages, so 4 KiB page counts do not apply")
+@pytest.mark.skipif(
+    _thp_always(),
+    reason="transparent huge pages always on: a fresh 64 MiB block faults in 2 MiB "
+    "pages, so 4 KiB page counts do not apply",
+)
 def test_keep_reuses_a_large_blocks_pages_release_does_not():
     out = {}
     for mode in ("keep", "release"):
@@ -123,6 +130,7 @@ def test_huge_page_allocator_backs_large_blocks_with_huge_pages():
     without its deleter."""
     from graphtrain.kernels import _cpu_ext
     from graphtrain.memory import allocator
+
     ok, why = allocator.huge_pages_available()
     if not ok:
         pytest.skip(why)
@@ -139,6 +147,7 @@ def test_measure_harness_allocator_flags():
     """The memory harness's process allocator: one setting for every mode (glibc's default, what a user's eager loop
     gets) unless a flag says otherwise, so a comparison never pits two allocator settings against each other."""
     from graphtrain.tools.measure import _allocator, _parser
+
     parse = _parser().parse_args
     assert _allocator(parse(["--mode", "eager"])) == "default"
     assert _allocator(parse(["--mode", "accelerate", "--recompute", "selective"])) == "default"
@@ -189,6 +198,7 @@ def test_block_cache_reuses_freed_blocks_within_the_most_ever_in_use():
     a request of another size evicts it rather than pass the most bytes ever in use, and so does a smaller block
     (1 MiB: not cached but counted); a forked child allocates through it; trim() empties the cache."""
     from graphtrain.kernels import _cpu_ext
+
     if _cpu_ext.load() is None:
         pytest.skip(f"graphtrain's C++ kernels do not build here: {_cpu_ext.build_error()}")
     r = subprocess.run([sys.executable, "-c", _CACHE], capture_output=True, text=True, timeout=300)
@@ -201,7 +211,7 @@ def test_block_cache_reuses_freed_blocks_within_the_most_ever_in_use():
     assert evicted["evictions"] == warm["evictions"] + 1 and evicted["cached_bytes"] == 0, evicted
     assert evicted["in_use_bytes"] == 8 * mib, evicted
     assert both["in_use_bytes"] == 0 and both["cached_bytes"] == both["high_water_bytes"] == 24 * mib, both
-    assert out["total"] == 2.0 * 2 * mib                     # the reused and fresh blocks hold what was written
+    assert out["total"] == 2.0 * 2 * mib  # the reused and fresh blocks hold what was written
     # blocks from 128 KiB count towards the bound (release would give them back too): 1 + 16 cached <= 24
     assert out["mid"]["in_use_bytes"] == mib and out["mid"]["cached_bytes"] == 16 * mib, out["mid"]
     assert out["child_ok"], out
@@ -246,6 +256,7 @@ def test_training_through_the_block_cache_matches_torchs_allocator_bitwise():
     under torch's allocator and under graphtrain's with the block cache serving reused blocks (a block handed out
     while still in use would change them)."""
     from graphtrain.kernels import _cpu_ext
+
     if _cpu_ext.load() is None:
         pytest.skip(f"graphtrain's C++ kernels do not build here: {_cpu_ext.build_error()}")
     r = subprocess.run([sys.executable, "-c", _CACHE_TRAINING], capture_output=True, text=True, timeout=300)
@@ -273,6 +284,7 @@ def test_report_shows_the_cpu_allocator_and_the_block_cache():
     """Fresh process (the allocator is set once per process): under recompute the report names the release mode
     and the block cache's counters."""
     from graphtrain.kernels import _cpu_ext
+
     if _cpu_ext.load() is None:
         pytest.skip(f"graphtrain's C++ kernels do not build here: {_cpu_ext.build_error()}")
     r = subprocess.run([sys.executable, "-c", _REPORT], capture_output=True, text=True, timeout=300)
@@ -290,6 +302,7 @@ def test_report_goes_on_when_the_block_cache_counters_fail(monkeypatch):
 
     def broken():
         raise RuntimeError("simulated failure of block_cache_stats")
+
     monkeypatch.setattr(policy, "cpu_allocator_set", lambda: "release")
     monkeypatch.setattr(allocator, "block_cache_on", lambda: True)
     monkeypatch.setattr(allocator, "block_cache_stats", broken)

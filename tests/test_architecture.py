@@ -3,6 +3,7 @@
 Every `import` in every module of the package counts, at module level and inside functions alike: a lazy
 import that dodges a cycle is the cycle all the same. The files are read with `ast`, nothing is imported.
 """
+
 from __future__ import annotations
 
 import ast
@@ -108,7 +109,7 @@ def _edges() -> list[tuple[str, int, str]]:
             continue
         for line, target in _imports(module, path):
             if _resolve(target) == FACADE:  # `import graphtrain` or `from graphtrain import NAME`
-                target = facade_names.get(target[len(FACADE) + 1:], FACADE)
+                target = facade_names.get(target[len(FACADE) + 1 :], FACADE)
             edges.append((module, line, _resolve(target)))
     return edges
 
@@ -124,8 +125,10 @@ def test_imports_point_down():
     for module, line, target in _edges():
         rank = facade_rank if target == FACADE else RANK[_layer(target)]
         if rank < RANK[_layer(module)] and (module, target) not in ALLOWED_UPWARD:
-            upward.append(f"{MODULES[module].relative_to(PACKAGE.parent)}:{line} ({_layer(module)}) imports "
-                          f"{target} ({'the facade' if target == FACADE else _layer(target)})")
+            upward.append(
+                f"{MODULES[module].relative_to(PACKAGE.parent)}:{line} ({_layer(module)}) imports "
+                f"{target} ({'the facade' if target == FACADE else _layer(target)})"
+            )
     assert not upward, "imports above their own layer (move the shared piece down instead):\n" + "\n".join(upward)
 
 
@@ -175,10 +178,17 @@ def test_no_import_cycles():
 def test_the_checker_sees_lazy_and_relative_imports(tmp_path):
     """The walk finds imports inside functions and resolves relative ones (what the rules above rely on)."""
     src = tmp_path / "m.py"
-    src.write_text("import torch\n\ndef f():\n    from graphtrain.frontend.accelerate import accelerate\n"
-                   "    from . import predict\n    from .. import checksums\n    import graphtrain\n")
+    src.write_text(
+        "import torch\n\ndef f():\n    from graphtrain.frontend.accelerate import accelerate\n"
+        "    from . import predict\n    from .. import checksums\n    import graphtrain\n"
+    )
     found = sorted(t for _, t in _imports("graphtrain.memory.m", src))
-    assert found == ["graphtrain", "graphtrain.checksums", "graphtrain.frontend.accelerate", "graphtrain.memory.predict"], found
+    assert found == [
+        "graphtrain",
+        "graphtrain.checksums",
+        "graphtrain.frontend.accelerate",
+        "graphtrain.memory.predict",
+    ], found
     names, top = _facade_names()
     assert names["accelerate"] == "graphtrain.frontend.accelerate" and "trainer" in LAYERS[top]  # graphtrain.Trainer
 
@@ -196,8 +206,11 @@ def _lines(path: Path) -> int:
 
 def test_no_file_of_the_engine_floors_is_over_450_lines():
     """frontend/, runtime/, pipeline/ and tools/ keep files a reader can hold (the architecture issue's bound)."""
-    long = [f"{p.relative_to(PACKAGE.parent)}: {_lines(p)}" for m, p in MODULES.items()
-            if m != FACADE and _layer(m) in SIZE_LIMITED and _lines(p) > MAX_LINES]
+    long = [
+        f"{p.relative_to(PACKAGE.parent)}: {_lines(p)}"
+        for m, p in MODULES.items()
+        if m != FACADE and _layer(m) in SIZE_LIMITED and _lines(p) > MAX_LINES
+    ]
     assert not long, f"over {MAX_LINES} lines (split along a seam of the code, not by count): {long}"
 
 
@@ -213,7 +226,7 @@ def test_no_package_holds_more_than_15_percent_of_the_source():
 
 def _says_why(lines: list[str], node: ast.stmt) -> bool:
     """A comment on the import's own lines or on the line just above it."""
-    own = "".join(lines[node.lineno - 1:node.end_lineno])
+    own = "".join(lines[node.lineno - 1 : node.end_lineno])
     above = lines[node.lineno - 2].strip() if node.lineno > 1 else ""
     return "#" in own or above.startswith("#")
 
@@ -235,13 +248,19 @@ def test_function_local_imports_say_why():
             if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 continue
             for node in ast.walk(fn):
-                if isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] \
-                        == "graphtrain" or isinstance(node, ast.Import) and any(
-                            a.name.split(".")[0] == "graphtrain" for a in node.names):
+                if (
+                    isinstance(node, ast.ImportFrom)
+                    and not node.level
+                    and (node.module or "").split(".")[0] == "graphtrain"
+                    or isinstance(node, ast.Import)
+                    and any(a.name.split(".")[0] == "graphtrain" for a in node.names)
+                ):
                     if not _says_why(lines, node):
                         silent.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}")
-    assert not silent, ("imports inside functions without a reason (move them to the top of the module, or say why "
-                        f"in a comment): {silent}")
+    assert not silent, (
+        "imports inside functions without a reason (move them to the top of the module, or say why "
+        f"in a comment): {silent}"
+    )
 
 
 # Only these modules build graphs with torch's tracers and compilers; everything else goes through their functions
@@ -269,17 +288,28 @@ def _compiler_uses(path: Path) -> list[tuple[int, str]]:
 
 
 def test_only_the_pipeline_and_the_providers_call_the_compilers():
-    found = [f"{path.relative_to(PACKAGE.parent)}:{line} {what}" for module, path in MODULES.items()
-             if module not in COMPILER_MODULES for line, what in _compiler_uses(path)]
-    assert not found, ("torch's tracers and compilers called outside pipeline/trace.py, pipeline/stages.py and "
-                       "runtime/providers.py (call a function of theirs instead, so the compile gets the provider's "
-                       "checks):\n" + "\n".join(found))
+    found = [
+        f"{path.relative_to(PACKAGE.parent)}:{line} {what}"
+        for module, path in MODULES.items()
+        if module not in COMPILER_MODULES
+        for line, what in _compiler_uses(path)
+    ]
+    assert not found, (
+        "torch's tracers and compilers called outside pipeline/trace.py, pipeline/stages.py and "
+        "runtime/providers.py (call a function of theirs instead, so the compile gets the provider's "
+        "checks):\n" + "\n".join(found)
+    )
 
 
 def test_the_compiler_scan_sees_calls_and_imports(tmp_path):
     src = tmp_path / "m.py"
-    src.write_text('"""make_fx in a docstring"""\nimport torch._inductor.compile_fx\n\ndef f(g, a):\n'
-                   '    from torch.fx.experimental.proxy_tensor import make_fx as trace\n'
-                   '    return torch._inductor.compile_fx.compile_fx(g, a), trace(g)(*a)  # aot_function\n')
-    assert _compiler_uses(src) == [(2, "imports torch._inductor.compile_fx"), (5, "imports make_fx"),
-                                   (6, "calls compile_fx")], _compiler_uses(src)
+    src.write_text(
+        '"""make_fx in a docstring"""\nimport torch._inductor.compile_fx\n\ndef f(g, a):\n'
+        "    from torch.fx.experimental.proxy_tensor import make_fx as trace\n"
+        "    return torch._inductor.compile_fx.compile_fx(g, a), trace(g)(*a)  # aot_function\n"
+    )
+    assert _compiler_uses(src) == [
+        (2, "imports torch._inductor.compile_fx"),
+        (5, "imports make_fx"),
+        (6, "calls compile_fx"),
+    ], _compiler_uses(src)

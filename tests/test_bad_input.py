@@ -3,6 +3,7 @@ problem and the fix, no traceback, and the exit status of its kind (cli/main.py'
 command can never run as given), 1 runtime failure (the job started and failed: diverged, out of memory, disk
 full). Preemption (75) is in test_preemption.py. In process (cli.main) for speed; a few as subprocesses to see
 that nothing but the one line reaches the terminal. docs/design/reliability.md lists every case with this test name."""
+
 from __future__ import annotations
 
 import errno
@@ -16,9 +17,21 @@ import torch
 
 from graphtrain.cli.main import main
 
-TINY = ["model.name=gpt2-tiny", "data.seq_len=32", "data.vocab_size=512", "data.max_bytes=300000",
-        "train.batch_size=4", "train.steps=2", "train.eval_every=0", "train.eval_batches=1", "train.log_every=1",
-        "train.ckpt_every=1", "train.progress=false", "train.threads=1", "train.sample_tokens=0"]
+TINY = [
+    "model.name=gpt2-tiny",
+    "data.seq_len=32",
+    "data.vocab_size=512",
+    "data.max_bytes=300000",
+    "train.batch_size=4",
+    "train.steps=2",
+    "train.eval_every=0",
+    "train.eval_batches=1",
+    "train.log_every=1",
+    "train.ckpt_every=1",
+    "train.progress=false",
+    "train.threads=1",
+    "train.sample_tokens=0",
+]
 
 
 pytestmark = pytest.mark.usefixtures("tiny_env")  # conftest.py: shared data cache, settings restored
@@ -48,13 +61,19 @@ CASES: dict[str, tuple[list[str], int, str]] = {
     "weight_decay negative": (["optim.weight_decay=-0.1"], USAGE, "optim.weight_decay must be >= 0"),
     "memory_budget zero": (["engine.memory_budget=0"], USAGE, "engine.memory_budget=0 is out of range"),
     "memory_budget negative": (["engine.memory_budget=-5"], USAGE, "engine.memory_budget=-5 is out of range"),
-    "memory_budget 1.5 (neither fraction nor bytes)": (["engine.memory_budget=1.5"], USAGE,
-                                                       "a fraction of device memory in (0, 1]"),
+    "memory_budget 1.5 (neither fraction nor bytes)": (
+        ["engine.memory_budget=1.5"],
+        USAGE,
+        "a fraction of device memory in (0, 1]",
+    ),
     "memory_budget inf": (["engine.memory_budget=.inf"], USAGE, "engine.memory_budget must be a finite number"),
     "steps zero": (["train.steps=0"], USAGE, "train.steps must be >= 1, got 0"),
     "batch_size zero": (["train.batch_size=0"], USAGE, "train.batch_size must be >= 1 or 'auto'"),
-    "batch_size auto without budget": (["train.batch_size=auto"], USAGE,
-                                       "train.batch_size=auto needs a memory budget: set engine.memory_budget"),
+    "batch_size auto without budget": (
+        ["train.batch_size=auto"],
+        USAGE,
+        "train.batch_size=auto needs a memory budget: set engine.memory_budget",
+    ),
     "grad_accum zero": (["train.grad_accum=0"], USAGE, "train.grad_accum must be >= 1"),
     "ckpt_every negative": (["train.ckpt_every=-1"], USAGE, "train.ckpt_every must be >= 0 (0: only at the end)"),
     "threads zero": (["train.threads=0"], USAGE, "train.threads must be >= 1 or null"),
@@ -66,11 +85,17 @@ CASES: dict[str, tuple[list[str], int, str]] = {
     "dropout 1": (["model.dropout=1.0"], USAGE, "model.dropout must be in [0, 1)"),
     "unknown model": (["model.name=gpt5"], USAGE, "gpt5"),
     "seq_len too long": (["data.seq_len=128"], USAGE, "data.seq_len=128 is longer than model 'gpt2-tiny' supports"),
-    "whole_step with grad_accum": (["train.accelerate=true", "train.whole_step=true", "train.grad_accum=2"], USAGE,
-                                   "train.whole_step=true needs train.grad_accum=1"),
+    "whole_step with grad_accum": (
+        ["train.accelerate=true", "train.whole_step=true", "train.grad_accum=2"],
+        USAGE,
+        "train.whole_step=true needs train.grad_accum=1",
+    ),
     "zero-1 with tp": (["parallel.tp=2", "parallel.zero_stage=1"], USAGE, "parallel.zero_stage=1 with parallel.tp>1"),
-    "fp16 distributed": (["parallel.dp=2", "engine.precision=fp16", "--nproc", "2"], USAGE,
-                         "engine.precision=fp16 (dynamic loss scaling) is not supported in distributed runs"),
+    "fp16 distributed": (
+        ["parallel.dp=2", "engine.precision=fp16", "--nproc", "2"],
+        USAGE,
+        "engine.precision=fp16 (dynamic loss scaling) is not supported in distributed runs",
+    ),
     "dp without torchrun": (["parallel.dp=2"], USAGE, "--nproc 2"),
     "recompute auto without a budget": (["engine.recompute=auto"], USAGE, "which is not set: give it as bytes"),
     # ---- files and folders
@@ -84,19 +109,27 @@ CASES: dict[str, tuple[list[str], int, str]] = {
     "out_dir under a file": (["--out", "{tmp}/list.yaml/run"], USAGE, "cannot be written"),
     "out_dir in a read-only file system": (["--out", "/proc/graphtrain-run"], USAGE, "cannot be written"),
     "out_dir already holds a run": (["--out", "{tmp}/done"], USAGE, "already holds checkpoints"),
-    "tokenizer cache from another corpus": (["data.cache_dir={tmp}/cache"], USAGE,
-                                            "was built from another corpus"),
+    "tokenizer cache from another corpus": (["data.cache_dir={tmp}/cache"], USAGE, "was built from another corpus"),
     "init_from missing": (["train.init_from={tmp}/nope"], USAGE, "train.init_from="),
     # ---- resume flags
-    "--resume with --resume-from": (["--resume", "--resume-from", "{tmp}/x.pt"], USAGE,
-                                    "give either --resume (latest checkpoint in out_dir) or --resume-from CKPT"),
+    "--resume with --resume-from": (
+        ["--resume", "--resume-from", "{tmp}/x.pt"],
+        USAGE,
+        "give either --resume (latest checkpoint in out_dir) or --resume-from CKPT",
+    ),
     "--resume without a checkpoint": (["--resume"], USAGE, "no checkpoint"),
     "--resume-from missing file": (["--resume-from", "{tmp}/x.pt"], USAGE, "x.pt' does not exist"),
     "--resume-from corrupt file": (["--resume-from", "{tmp}/ckpt-0000002.pt"], USAGE, "is unreadable or corrupt"),
-    "--resume with init_from": (["--resume", "train.init_from={tmp}/done"], USAGE,
-                                "train.init_from and --resume cannot be combined"),
-    "--allow-config-change unknown key": (["--resume", "auto", "--allow-config-change", "train.stepz"], USAGE,
-                                          "allow_config_change: unknown config key 'train.stepz'"),
+    "--resume with init_from": (
+        ["--resume", "train.init_from={tmp}/done"],
+        USAGE,
+        "train.init_from and --resume cannot be combined",
+    ),
+    "--allow-config-change unknown key": (
+        ["--resume", "auto", "--allow-config-change", "train.stepz"],
+        USAGE,
+        "allow_config_change: unknown config key 'train.stepz'",
+    ),
     # ---- flags
     "unknown flag": (["--stepz", "3"], USAGE, "unrecognized arguments: --stepz (see `graphtrain train --help`)"),
     "flag value not a number": (["--steps", "many"], USAGE, "argument --steps: invalid int value: 'many'"),
@@ -104,8 +137,11 @@ CASES: dict[str, tuple[list[str], int, str]] = {
     "--nproc zero": (["--nproc", "0"], USAGE, "--nproc must be >= 1"),
     "--max-restarts negative": (["--max-restarts", "-1"], USAGE, "--max-restarts must be >= 0"),
     # ---- runtime failures: the job started
-    "disk full during a save": (["--out", "{tmp}/full"], FAILURE,
-                                "could not write the checkpoint of step 2: the disk is full"),
+    "disk full during a save": (
+        ["--out", "{tmp}/full"],
+        FAILURE,
+        "could not write the checkpoint of step 2: the disk is full",
+    ),
     "out of memory at the first step": ([], FAILURE, "out of memory at the first step"),
     "training diverges": (["train.max_bad_steps=2"], FAILURE, "training diverged at step 2: 2 bad steps in a row"),
 }
@@ -128,21 +164,25 @@ def _prepare(case: str, tmp: Path, monkeypatch) -> None:
             if "ckpt-0000002" in os.readlink(f"/proc/self/fd/{fd}"):
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
             return fsync(fd)
+
         monkeypatch.setattr(os, "fsync", full_disk)
     if case == "out of memory at the first step":
         from graphtrain.trainer.strategies import SingleProcessStep
 
         def oom(self, micro_batches, lr, max_loss=float("inf")):
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
         monkeypatch.setattr(SingleProcessStep, "step", oom)
     if case == "training diverges":
         from graphtrain.trainer.strategies import SingleProcessStep
+
         step = SingleProcessStep.step
 
         def nan_weights(self, micro_batches, lr, max_loss=float("inf")):
             with torch.no_grad():
                 next(self.module.parameters()).fill_(float("nan"))
             return step(self, micro_batches, lr, max_loss)
+
         monkeypatch.setattr(SingleProcessStep, "step", nan_weights)
 
 
@@ -154,14 +194,28 @@ def _cache_of_another_corpus(tmp: Path) -> None:
     from graphtrain.config.sections import Config
     from graphtrain.data.corpus import list_files
     from graphtrain.data.tokenizer import cache_key, load_or_build
+
     other = tmp / "other"
     other.mkdir()
     (other / "a.py").write_text("def other(x):\n    return x * 2\n" * 400)
-    cfg = Config().with_overrides(["data.vocab_size=512", "data.max_bytes=300000", f"data.path={other}",
-                                   f"data.cache_dir={tmp / 'cache-other'}"]).data
+    cfg = (
+        Config()
+        .with_overrides(
+            [
+                "data.vocab_size=512",
+                "data.max_bytes=300000",
+                f"data.path={other}",
+                f"data.cache_dir={tmp / 'cache-other'}",
+            ]
+        )
+        .data
+    )
     built = load_or_build(cfg)
-    mine = Config().with_overrides(["data.vocab_size=512", "data.max_bytes=300000", f"data.cache_dir={tmp / 'cache'}"]
-                                   ).data
+    mine = (
+        Config()
+        .with_overrides(["data.vocab_size=512", "data.max_bytes=300000", f"data.cache_dir={tmp / 'cache'}"])
+        .data
+    )
     root, files = list_files(mine)
     shutil.copytree(built.cache_dir, tmp / "cache" / cache_key(mine, root, files))
 
@@ -197,8 +251,13 @@ def test_bad_input_gives_one_error_line(case, tmp_path, capsys, monkeypatch):
 def test_as_a_subprocess_nothing_but_the_error_line(case, tmp_path):
     """What a user sees in a terminal: stderr is exactly the one error line (no warnings, no traceback)."""
     _prepare(case, tmp_path, None)
-    proc = subprocess.run([sys.executable, "-m", "graphtrain", "train", *_argv(case, tmp_path)],
-                          capture_output=True, text=True, timeout=120, env=dict(os.environ))
+    proc = subprocess.run(
+        [sys.executable, "-m", "graphtrain", "train", *_argv(case, tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ),
+    )
     assert proc.returncode == CASES[case][1]
     assert proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1, proc.stderr
     assert CASES[case][2] in proc.stderr
@@ -209,8 +268,10 @@ def test_a_refused_resume_changes_nothing_on_disk(tmp_path, capsys):
     (checkpoints, metrics, saved config) is deleted or rewritten."""
     run = tmp_path / "run"
     assert main(["train", *TINY, "--no-accelerate", "--out", str(run)]) == 0
+
     def files():  # the TensorBoard events included
         return {str(p.relative_to(run)): p.read_bytes() for p in run.rglob("*") if p.is_file()}
+
     before = files()
     code = main(["train", *TINY, "--no-accelerate", "--out", str(run), "model.max_seq_len=48", "--resume"])
     assert code == USAGE and "model.max_seq_len" in capsys.readouterr().err

@@ -3,6 +3,7 @@
 No timing assertions: benchmarks are never unit tests. These check that the numbers are produced,
 recorded and derived correctly, whatever they are.
 """
+
 from __future__ import annotations
 
 import json
@@ -16,6 +17,7 @@ from graphtrain.bench.cli import main as bench_main
 from graphtrain.kernels import flops
 
 # ------------------------------------------------------------------------------ FLOP formula ----
+
 
 def test_step_flops_hand_computed():
     # N = 1000 matmul params, 2 layers, seq 8, d_model 16, batch 4 -> tokens 32:
@@ -49,23 +51,49 @@ def test_matmul_params_skips_positions_and_counts_tied_weights_once():
 
 # ---------------------------------------------------------------------------------- report ----
 
+
 def _fake_run() -> dict:
     """A hand-made run record (inputs for formatting, not results)."""
-    setup = {"flops_per_step": 1e9, "time_to_first_step_s": 3.0, "params": 2e6, "matmul_params": 1.5e6,
-             "n_layer": 2, "d_model": 64}
+    setup = {
+        "flops_per_step": 1e9,
+        "time_to_first_step_s": 3.0,
+        "params": 2e6,
+        "matmul_params": 1.5e6,
+        "n_layer": 2,
+        "d_model": 64,
+    }
 
     def ok(times, loss=5.0):
-        return {"status": "ok", "setup": setup, "step_s": times, "peak_mem_mib": 500.0, "step_peak_mem_mib": 450.0,
-                "final_loss": loss, "steps_done": 7}
+        return {
+            "status": "ok",
+            "setup": setup,
+            "step_s": times,
+            "peak_mem_mib": 500.0,
+            "step_peak_mem_mib": 450.0,
+            "final_loss": loss,
+            "steps_done": 7,
+        }
 
-    return {"suite": "tiny", "started": "2026-01-01T00:00:00+00:00", "command": "graphtrain bench tiny",
-            "env": {"cpu": "Test CPU", "cores": 2, "torch": "x", "python": "y", "graphtrain": "z", "git_sha": "abc"},
-            "peak": {"fp32": 1e11, "bf16": 4e11}, "settings": {"steps": 2, "repeats": 3, "warmup": 1},
-            "cases": [{"name": "m b2 s16", "case": {"model": "m", "batch": 2, "seq": 16},
-                       "variants": {"eager-fp32": ok([0.10, 0.12, 0.11]),
-                                    "compile-fp32": ok([0.05, 0.06, 0.055]),
-                                    "eager-bf16": ok([0.08, 0.10, 0.09], loss=5.01),
-                                    "graphtrain-fp32": {"status": "skipped", "reason": "engine missing"}}}]}
+    return {
+        "suite": "tiny",
+        "started": "2026-01-01T00:00:00+00:00",
+        "command": "graphtrain bench tiny",
+        "env": {"cpu": "Test CPU", "cores": 2, "torch": "x", "python": "y", "graphtrain": "z", "git_sha": "abc"},
+        "peak": {"fp32": 1e11, "bf16": 4e11},
+        "settings": {"steps": 2, "repeats": 3, "warmup": 1},
+        "cases": [
+            {
+                "name": "m b2 s16",
+                "case": {"model": "m", "batch": 2, "seq": 16},
+                "variants": {
+                    "eager-fp32": ok([0.10, 0.12, 0.11]),
+                    "compile-fp32": ok([0.05, 0.06, 0.055]),
+                    "eager-bf16": ok([0.08, 0.10, 0.09], loss=5.01),
+                    "graphtrain-fp32": {"status": "skipped", "reason": "engine missing"},
+                },
+            }
+        ],
+    }
 
 
 def test_summarize_derives_medians_ratios_and_mfu():
@@ -94,8 +122,10 @@ def test_terminal_and_markdown_formatting():
     assert report.FLOP_FORMULA in md and "Test CPU" in md and "`graphtrain bench tiny`" in md
     # 1e9 FLOPs at the 1e11 FLOP/s fp32 peak: 10 ms; eager's median 110 ms is 9.1% of that rate, a ceiling of 11x;
     # at the 4e11 bf16 peak 2.5 ms against eager bf16's 90 ms: 2.8%, 36x
-    assert ("Roofline (fp32): this step's FLOPs at the measured fp32 GEMM peak take 10.0 ms; eager fp32 runs at 9.1% "
-            "of that rate, so no fp32 variant can beat it by more than 11.00x") in md
+    assert (
+        "Roofline (fp32): this step's FLOPs at the measured fp32 GEMM peak take 10.0 ms; eager fp32 runs at 9.1% "
+        "of that rate, so no fp32 variant can beat it by more than 11.00x"
+    ) in md
     assert "take 2.5 ms; eager bf16 runs at 2.8% of that rate, so no bf16 variant can beat it by more than 36.00x" in md
     table = [ln for ln in md.splitlines() if ln.startswith("| eager-fp32")]
     assert len(table) == 1 and table[0].count("|") == len(report.COLUMNS) + 1
@@ -116,6 +146,7 @@ def test_save_and_latest_runs(tmp_path):
 
 # -------------------------------------------------------------------------------- maxbatch ----
 
+
 def test_maxbatch_search_pins_the_boundary(monkeypatch, tmp_path):
     # A fake worker whose peak is 300 MiB + 10 MiB per sample: under a 1 GiB cap the answer is 72.
     calls = []
@@ -135,15 +166,25 @@ def test_maxbatch_search_pins_the_boundary(monkeypatch, tmp_path):
 def test_maxbatch_prediction_and_failed_trials(monkeypatch, tmp_path):
     assert maxbatch.predict({2: 400.0, 4: 500.0}, cap_mib=1000.0) == 14  # base 300, 50 per sample
     # Every trial above batch 5 dies (as if OOM-killed): the search must still pin 5.
-    monkeypatch.setattr(maxbatch, "measure_peak",
-                        lambda c, v, b, d, log_dir, pin_mmap=False: (100.0 + b, "") if b <= 5 else (None, "worker died"))
+    monkeypatch.setattr(
+        maxbatch,
+        "measure_peak",
+        lambda c, v, b, d, log_dir, pin_mmap=False: (100.0 + b, "") if b <= 5 else (None, "worker died"),
+    )
     monkeypatch.setattr(maxbatch, "available_mib", lambda: 1e6)
-    result = maxbatch.search(suites.Case("m", 2, 16), suites.VARIANTS["eager-fp32"], cap_gib=1.0, device="cpu",
-                             log_dir=tmp_path, max_trials=20)
+    result = maxbatch.search(
+        suites.Case("m", 2, 16),
+        suites.VARIANTS["eager-fp32"],
+        cap_gib=1.0,
+        device="cpu",
+        log_dir=tmp_path,
+        max_trials=20,
+    )
     assert result["max_batch"] == 5 and result["exact"]
 
 
 # ------------------------------------------------------------------------------ end to end ----
+
 
 def test_suites_and_variants_resolve():
     assert [v.name for v in suites.resolve_variants(["eager-bf16", "eager-fp32"])] == ["eager-fp32", "eager-bf16"]
@@ -158,14 +199,19 @@ def test_cases_are_chosen_by_substring_or_glob():
     hf = suites.get_suite("hf")
     names = lambda patterns: [c.name for c in suites.select_cases(hf, patterns)]  # noqa: E731
     assert names(["hf-llama-*"]) == names(["llama"]) == ["hf-llama-mini b16 s128", "hf-llama-small b8 s128"]
-    assert names(["*-mini *", "bert-small"]) == ["hf-gpt2-mini b16 s128", "hf-bert-mini b16 s128",  # suite order
-                                                 "hf-bert-small b8 s128", "hf-llama-mini b16 s128"]
+    assert names(["*-mini *", "bert-small"]) == [
+        "hf-gpt2-mini b16 s128",
+        "hf-bert-mini b16 s128",  # suite order
+        "hf-bert-small b8 s128",
+        "hf-llama-mini b16 s128",
+    ]
     with pytest.raises(ValueError, match="no case of suite 'hf' matches"):
         suites.select_cases(hf, ["gpt3*"])
 
 
 def test_alone_runs_one_variant_process_at_a_time(monkeypatch, tmp_path):
     from graphtrain.bench import runner
+
     seen = []
 
     class Stop(Exception):
@@ -188,8 +234,21 @@ def test_tiny_suite_end_to_end(tmp_path):
     kept = f"{report.KEEP_BEGIN}\n### A dated run on another machine\n\n| a | b |\n{report.KEEP_END}"
     docs.write_text(f"# Benchmarks (an older page)\n\nold generated text\n\n{kept}\n")
     from graphtrain.kernels import capability
-    rc = bench_main(["tiny", "--variants", "eager-fp32", "eager-fp32-loop-adamw", "eager-bf16", "--out", str(tmp_path),
-                     "--no-progress", "--docs", str(docs)])
+
+    rc = bench_main(
+        [
+            "tiny",
+            "--variants",
+            "eager-fp32",
+            "eager-fp32-loop-adamw",
+            "eager-bf16",
+            "--out",
+            str(tmp_path),
+            "--no-progress",
+            "--docs",
+            str(docs),
+        ]
+    )
     assert rc == 0
     (run,) = [json.loads(ln) for ln in (tmp_path / "results.jsonl").read_text().splitlines()]
     assert run["env"]["torch"] == torch.__version__ and run["peak"]["fp32"] > 0
@@ -225,6 +284,7 @@ def test_baselines_get_fused_adamw_sdpa_and_the_same_environment():
     models' headline cases use SDPA; a run with a recompute variant pins glibc's mmap threshold in every worker."""
     from graphtrain.bench import runner
     from graphtrain.bench.case import build_workload, make_optimizer, passes_off
+
     model = torch.nn.Linear(4, 4)
     for name in ("eager-fp32", "compile-fp32", "compile-max-autotune-fp32"):
         opt = make_optimizer(model, suites.VARIANTS[name])
@@ -264,6 +324,7 @@ def test_checkpointing_variant_reaches_the_engine():
     """graphtrain-ckpt-* variants run accelerate(recompute="full"): the report shows layers checkpointed."""
     import graphtrain
     from graphtrain.bench.case import build_workload
+
     v = suites.VARIANTS["graphtrain-ckpt-fp32"]
     assert v.recompute == "full" and suites.VARIANTS["graphtrain-fp32"].recompute == "none"
     work, _ = build_workload(suites.Case("gpt2-tiny", 2, 32), v)
@@ -276,6 +337,7 @@ def test_workers_keep_torchs_inductor_cache_apart_per_simulated_isa(monkeypatch)
     """torch 2.13 keys its Inductor cache without the vector ISA: a simulated-AVX2 run's C++ loaded by a native run
     corrupted the heap of the torch.compile workers. The workers of a run with ATEN_CPU_CAPABILITY use their own."""
     from graphtrain.bench.worker import worker_env
+
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
     assert "TORCHINDUCTOR_CACHE_DIR" not in worker_env()
@@ -283,6 +345,7 @@ def test_workers_keep_torchs_inductor_cache_apart_per_simulated_isa(monkeypatch)
     assert worker_env()["TORCHINDUCTOR_CACHE_DIR"].endswith("-isa-avx2")
     # torch's cache_dir() puts its default into the runner's environment once anything asks for it: still unset
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
     assert worker_env()["TORCHINDUCTOR_CACHE_DIR"] == default_cache_dir() + "-isa-avx2"
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/somewhere")  # the user's choice stands
@@ -294,8 +357,11 @@ def test_mfu_counts_the_flops_that_run_and_marks_the_shortcut_eager_does_not_get
     labelled, and each of its ratios marked, with the shortcut named under the table (issue #52)."""
     run = _fake_run()
     sparse = {**run["cases"][0]["variants"]["compile-fp32"]}
-    sparse["setup"] = {**sparse["setup"], "executed_flops_per_step": 0.6e9,
-                       "flops_shortcut": "sparse LM head: 5 of 32 rows"}
+    sparse["setup"] = {
+        **sparse["setup"],
+        "executed_flops_per_step": 0.6e9,
+        "flops_shortcut": "sparse LM head: 5 of 32 rows",
+    }
     run["cases"][0]["variants"]["graphtrain-fp32"] = sparse
     rows = {r["variant"]: r for r in report.summarize(run)}
     g = rows["graphtrain-fp32"]
@@ -325,6 +391,7 @@ def test_a_simulated_cpu_is_named_in_the_machine_line(monkeypatch):
     machine = next(ln for ln in report.markdown(run).splitlines() if ln.startswith("Machine:"))
     assert "**simulated avx2**" in machine and "ONEDNN_MAX_CPU_ISA=AVX2" in machine
     from graphtrain.bench.runner import environment
+
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
     assert environment("cpu")["isa_env"] == {"ONEDNN_MAX_CPU_ISA": "AVX2"}
 
@@ -333,6 +400,7 @@ def test_a_bert_workload_counts_its_labelled_rows_as_the_sparse_heads_flops():
     """bert-tiny under graphtrain: after a step the engine's records show the sparse head, and the executed FLOPs are
     the dense formula's less 6 x vocab x d_model per unlabelled row; eager runs the dense head."""
     from graphtrain.bench.case import build_workload, executed_flops, labelled_rows
+
     case = suites.Case("bert-tiny", 2, 32)
     for name in ("eager-fp32", "graphtrain-fp32"):
         work, info = build_workload(case, suites.VARIANTS[name])
@@ -352,6 +420,7 @@ def test_the_fp32_matmul_in_bf16_baseline_sets_torchs_flag_and_no_autocast():
     """Issue #52: eager fp32 with torch.backends.mkldnn.matmul.fp32_precision = "bf16" is one of the bf16 baselines
     (the best-baseline column considers it); its steps run without autocast."""
     from graphtrain.bench.case import build_workload
+
     v = suites.VARIANTS["eager-fp32-matmul-bf16"]
     assert v.precision == "bf16" and not v.autocast and suites.VARIANTS["eager-bf16"].autocast
     assert "eager-fp32-matmul-bf16" in suites.BF16_BASELINES

@@ -1,5 +1,6 @@
 """graphtrain.bisect: a healthy model passes every configuration; a broken pass, a broken fused-op fast path and
 a random stream that legitimately differs are each named (or not) as they should be; the CLI."""
+
 from __future__ import annotations
 
 import importlib
@@ -94,7 +95,8 @@ def broken_pass():
         return gm
 
     register_pass("pre_autodiff", phase="fuse", after="fuse_layer_norm", before="fuse_bias_gelu")(
-        scale_layer_norm_for_test_pass)
+        scale_layer_norm_for_test_pass
+    )
     try:
         yield "scale_layer_norm_for_test"
     finally:
@@ -106,7 +108,7 @@ def test_broken_pass_is_named_with_tensor_and_error(broken_pass):
     c = rep.culprit
     assert c is not None and c.kind == "pass" and c.target == broken_pass, str(rep)
     assert rep.configs.index(c) > 1  # after the engine row and fuse_layer_norm, which pass
-    assert all(r.status in ("bitwise", "ok", "no rewrites") for r in rep.configs[:c.index]), str(rep)
+    assert all(r.status in ("bitwise", "ok", "no rewrites") for r in rep.configs[: c.index]), str(rep)
     f = c.first_failure
     assert f.step == 0 and not f.ok and f.ratio > 1 and f.max_abs > 0 and f.rel > 1e-4
     assert f.tensor == "loss" or f.tensor.startswith("grad of "), f
@@ -202,6 +204,7 @@ def test_bad_input_is_explained():
 
 def test_cli_rejects_an_unknown_provider(capsys):
     from graphtrain.cli.main import main
+
     assert main(["bisect", "configs/gpt2-tiny-test.yaml", "--provider", "tensorrt"]) == 2
     assert "invalid choice: 'tensorrt'" in capsys.readouterr().err
 
@@ -215,8 +218,10 @@ def test_reference_bert_tiny_is_healthy():
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 512, (2, 32), generator=g)
     labels = torch.where(torch.rand(2, 32, generator=g) < 0.15, ids, torch.full_like(ids, -100))
-    rep = bisect(lambda: build_model(ModelConfig(name="bert-tiny")), {"input_ids": ids, "labels": labels,
-                                                                      "attention_mask": torch.ones_like(ids)})
+    rep = bisect(
+        lambda: build_model(ModelConfig(name="bert-tiny")),
+        {"input_ids": ids, "labels": labels, "attention_mask": torch.ones_like(ids)},
+    )
     assert rep.ok, str(rep)
     assert [c.target for c in rows(rep, "pass") if c.status != "no rewrites"], str(rep)
     assert rows(rep, "fused op"), str(rep)
@@ -225,9 +230,20 @@ def test_reference_bert_tiny_is_healthy():
 @pytest.mark.slow  # gpt2-tiny: ~15 compiles of the aten provider, measured ~90 s on the shared 2-core box
 def test_cli_on_the_tiny_config_prints_the_table(tmp_path, monkeypatch, capsys):
     from graphtrain.cli.main import main
+
     monkeypatch.setenv("GRAPHTRAIN_CACHE", str(tmp_path / "cache"))
-    code = main(["bisect", "configs/gpt2-tiny-test.yaml", "data.seq_len=32", "train.batch_size=2", "--steps", "2",
-                 "--provider", "aten"])
+    code = main(
+        [
+            "bisect",
+            "configs/gpt2-tiny-test.yaml",
+            "data.seq_len=32",
+            "train.batch_size=2",
+            "--steps",
+            "2",
+            "--provider",
+            "aten",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0, out
     assert "graphtrain bisect: gpt2-tiny" in out and "engine, no passes" in out and "+ fuse_attention" in out

@@ -2,6 +2,7 @@
 kernel, probe and precision; a fused op that fails at run time falls back to its reference (or stops the run
 under fallback: error); the C++ kernels built for AVX2 compute what the references compute; probes are bounded
 in time and cached per machine; and the default job's engine path runs end to end on a simulated AVX2 EPYC."""
+
 from __future__ import annotations
 
 import json
@@ -36,6 +37,7 @@ def _clean_fallbacks():
 def _tiny_gpt2(dropout=0.0):
     from graphtrain.config.sections import ModelConfig
     from graphtrain.models import build_model
+
     torch.manual_seed(0)
     return build_model(ModelConfig(name="gpt2-tiny", dropout=dropout))
 
@@ -56,6 +58,7 @@ def test_simulated_avx2_machine_selects_the_next_implementation():
         assert c.simulated == "avx2" and c.isa == "avx2" and not c.avx512 and not c.native_bf16 and not c.amx
         assert _cpu_ext.isa_level() == "avx2"
         from graphtrain.kernels.gemm import gemm_probe, onednn_available, onednn_fp32
+
         ok, why = onednn_fp32()
         assert not ok and "AVX-512" in why and not onednn_available()
         assert gemm_probe()["skipped"] == why  # nothing timed
@@ -73,6 +76,7 @@ def test_simulated_avx2_machine_selects_the_next_implementation():
 @x86
 def test_precision_auto_and_the_slow_bf16_warning():
     from graphtrain.runtime.providers import _WARNED_SLOW, SlowPrecisionWarning
+
     ids = torch.randint(0, 512, (2, 16))
     with capability.simulate("avx2"):
         m = graphtrain.accelerate(_tiny_gpt2(), provider="aten", precision="auto", fallback="error")
@@ -93,6 +97,7 @@ class _BrokenExt:
     def __getattr__(self, name):
         def fail(*args, **kwargs):
             raise RuntimeError(f"simulated failure of {name}")
+
         return fail
 
 
@@ -104,14 +109,19 @@ def _break_cpp(monkeypatch):
 
 def test_fused_op_that_fails_at_run_time_falls_back_to_its_reference(monkeypatch):
     from graphtrain.kernels.bias_dropout_add import bias_dropout_add_reference
+
     if not _break_cpp(monkeypatch):
         pytest.skip(f"graphtrain's C++ kernels are not built here: {_cpu_ext.build_error()}")
     x, b, r = torch.randn(33, 17), torch.randn(17), torch.randn(33, 17)
-    with pytest.warns(GraphtrainFallbackWarning, match=r"bias_dropout_add: its c\+\+ implementation failed.*"
-                                                       r"simulated failure"):
+    with pytest.warns(
+        GraphtrainFallbackWarning,
+        match=r"bias_dropout_add: its c\+\+ implementation failed.*"
+        r"simulated failure",
+    ):
         out, seed = torch.ops.graphtrain.bias_dropout_add(x, b, r, 0.25)
     assert torch.equal(out, bias_dropout_add_reference(x, b, r, 0.25, seed))
     import warnings
+
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # one warning per op and implementation: the next call is quiet
         torch.ops.graphtrain.bias_dropout_add(x, b, r, 0.25)
@@ -159,6 +169,7 @@ def test_avx2_build_of_the_cpp_kernels_matches_the_references():
     and runs the AVX2 variant; on an AVX2 host it is the build every other test uses."""
     from graphtrain.kernels.attention import attention_backward_reference, attention_reference
     from graphtrain.kernels.bias_dropout_add import dropout_backward_reference
+
     with capability.simulate("avx2"):
         if _cpu_ext.load() is None:
             pytest.skip(f"no C++ compiler: {_cpu_ext.build_error()}")
@@ -170,7 +181,11 @@ def test_avx2_build_of_the_cpp_kernels_matches_the_references():
             for dtype in (torch.float32, torch.bfloat16):
                 g = torch.randn(shape).to(dtype)
                 assert torch.equal(mod.dropout_bwd(g, 0.1, 77), dropout_backward_reference(g, 0.1, torch.tensor([77])))
-                x, r, bias = torch.randn(shape).to(dtype), torch.randn(shape).to(dtype), torch.randn(shape[-1]).to(dtype)
+                x, r, bias = (
+                    torch.randn(shape).to(dtype),
+                    torch.randn(shape).to(dtype),
+                    torch.randn(shape[-1]).to(dtype),
+                )
                 out = mod.bias_dropout_add_fwd(x, bias, r, 0.1, 77)
                 keep = dropout_keep_mask(x.numel(), 0.1, 77).reshape(shape)
                 assert_close(out, (torch.where(keep, (x.float() + bias.float()) / 0.9, 0.0) + r.float()).to(dtype))
@@ -186,16 +201,25 @@ def test_avx2_build_of_the_cpp_kernels_matches_the_references():
             for name, a, e in zip("qkv", got, ref):
                 assert_close(a, e, name=f"d{name}", **tol)
         from graphtrain.kernels.bias_gelu import bias_gelu_backward_reference, bias_gelu_reference
+
         for dtype in (torch.float32, torch.bfloat16):
             x, bias = (torch.randn(5, 1031) * 4).to(dtype), torch.randn(1031).to(dtype)
             dy = torch.randn(5, 1031).to(dtype)
             tol = {} if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
-            assert_close(mod.gelu_tanh_fwd(x, bias), bias_gelu_reference(x.double(), bias.double(), "tanh").to(dtype),
-                         name="gelu tanh", **tol)
-            assert_close(mod.gelu_tanh_bwd(dy, x, bias),
-                         bias_gelu_backward_reference(dy.double(), x.double(), bias.double(), "tanh").to(dtype),
-                         name="gelu tanh backward", **tol)
+            assert_close(
+                mod.gelu_tanh_fwd(x, bias),
+                bias_gelu_reference(x.double(), bias.double(), "tanh").to(dtype),
+                name="gelu tanh",
+                **tol,
+            )
+            assert_close(
+                mod.gelu_tanh_bwd(dy, x, bias),
+                bias_gelu_backward_reference(dy.double(), x.double(), bias.double(), "tanh").to(dtype),
+                name="gelu tanh backward",
+                **tol,
+            )
         from graphtrain.kernels import linear_cross_entropy
+
         h, w, t = torch.randn(40, 24), torch.randn(97, 24), torch.randint(0, 97, (40,))
         hc, wc = h.clone().requires_grad_(), w.clone().requires_grad_()
         linear_cross_entropy(hc, wc, t, chunk_rows=7).backward()
@@ -208,6 +232,7 @@ def test_avx2_build_of_the_cpp_kernels_matches_the_references():
 
 def test_probes_are_bounded_and_cached_per_machine(tmp_path, monkeypatch):
     from graphtrain.kernels.flops import machine_peak, measure_peak
+
     monkeypatch.setenv("GRAPHTRAIN_PROBE_CACHE", str(tmp_path / "probes.json"))
     t0 = time.perf_counter()
     p = measure_peak(sizes=(64, 128, 4096), repeats=2, budget_s=0.3)
@@ -220,6 +245,7 @@ def test_probes_are_bounded_and_cached_per_machine(tmp_path, monkeypatch):
     def run():
         calls.append(1)
         return {"value": 42}
+
     first = capability.cached_probe("demo", run)
     again = capability.cached_probe("demo", run)
     assert first == {"value": 42, "cached": False} and again == {"value": 42, "cached": True} and len(calls) == 1
@@ -238,16 +264,31 @@ def test_default_job_engine_path_end_to_end_on_a_simulated_avx2_epyc(tmp_path):
     ATEN_CPU_CAPABILITY=avx2 and ONEDNN_MAX_CPU_ISA=AVX2: it trains through the engine, with no fallback and
     no fused op falling back, and says which machine it saw."""
     env = dict(os.environ, **AVX2_ENV)
-    cmd = [sys.executable, "-m", "graphtrain", "train", str(ROOT / "configs" / "default.yaml"), "train.steps=3",
-           "train.batch_size=2", "data.seq_len=64", "train.eval_every=0", "train.eval_batches=1",
-           "train.sample_tokens=4", "train.progress=false", f"train.out_dir={tmp_path / 'run'}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "graphtrain",
+        "train",
+        str(ROOT / "configs" / "default.yaml"),
+        "train.steps=3",
+        "train.batch_size=2",
+        "data.seq_len=64",
+        "train.eval_every=0",
+        "train.eval_batches=1",
+        "train.sample_tokens=4",
+        "train.progress=false",
+        f"train.out_dir={tmp_path / 'run'}",
+    ]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     text = out.stdout + out.stderr
     assert "done: 3 steps" in out.stdout
     # provider auto measures each graph: Inductor or aten, whichever ran it faster on this machine
-    assert "engine: " in out.stdout and re.search(r"provider (aten|inductor)", out.stdout) and \
-        "precision fp32" in out.stdout
+    assert (
+        "engine: " in out.stdout
+        and re.search(r"provider (aten|inductor)", out.stdout)
+        and "precision fp32" in out.stdout
+    )
     assert "machine: " in out.stdout and "avx2, simulated avx2" in out.stdout
     assert "fallbacks 0" in out.stdout and "fused-op fallbacks 0" in out.stdout
     assert "oneDNN's fp32 GEMM unavailable" in out.stdout
@@ -264,11 +305,18 @@ def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next_process(tmp_
     lock = Path(_cpu_ext.build_directory(name)) / "lock"
     lock.touch()
     try:
-        code = ("import warnings; warnings.simplefilter('always')\n"
-                "from graphtrain.kernels import _cpu_ext\n"
-                "assert _cpu_ext.load() is not None, _cpu_ext.build_error()\n")
-        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
-                           env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+        code = (
+            "import warnings; warnings.simplefilter('always')\n"
+            "from graphtrain.kernels import _cpu_ext\n"
+            "assert _cpu_ext.load() is not None, _cpu_ext.build_error()\n"
+        )
+        r = subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+        )
     finally:
         lock.unlink(missing_ok=True)
     assert r.returncode == 0, r.stderr[-2000:]

@@ -1,4 +1,5 @@
 """Checkpoints: atomic saves survive a crash mid-write; corrupt and mismatched files give clear errors."""
+
 from __future__ import annotations
 
 import random
@@ -17,9 +18,15 @@ def make_state(step: int, config: Config | None = None, **extra) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model(torch.randn(2, 4)).sum().backward()
     opt.step()
-    state = {"format_version": ck.FORMAT_VERSION, "step": step, "model": model.state_dict(),
-             "optimizer": opt.state_dict(), "rng": ck.rng_state(),
-             "config": (config or Config()).to_dict(), "model_spec": None}
+    state = {
+        "format_version": ck.FORMAT_VERSION,
+        "step": step,
+        "model": model.state_dict(),
+        "optimizer": opt.state_dict(),
+        "rng": ck.rng_state(),
+        "config": (config or Config()).to_dict(),
+        "model_spec": None,
+    }
     state.update(extra)
     return state
 
@@ -48,7 +55,7 @@ def test_crash_mid_write_keeps_previous_checkpoint(tmp_path, monkeypatch):
 
     monkeypatch.setattr(ck.torch, "save", crashing_save)
     with pytest.raises(OSError, match="disk full"):
-        ck.save_checkpoint(path, make_state(5))          # overwrite the same step
+        ck.save_checkpoint(path, make_state(5))  # overwrite the same step
     with pytest.raises(OSError):
         ck.save_checkpoint(ck.checkpoint_path(tmp_path, 6), make_state(6))  # a new step
     monkeypatch.undo()

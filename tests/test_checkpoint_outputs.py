@@ -1,6 +1,7 @@
 """Checkpoints people expect (issue #51 item 3): train.keep_last, train.keep_best (ckpt-best.pt), a model state
 dict that loads into the plain model with no prefix surgery (older prefixed checkpoints still resume), and
 train.export_hf's Hugging Face folder at the end of a run."""
+
 from __future__ import annotations
 
 import json
@@ -16,17 +17,34 @@ from graphtrain.trainer import run_outputs as ro
 from graphtrain.trainer.resume import clean_orphans, supersede_later
 
 pytestmark = pytest.mark.usefixtures("tiny_env")
-TINY = ["data.seq_len=32", "data.vocab_size=512", "data.max_bytes=300000", "train.batch_size=2",
-        "train.eval_batches=1", "train.progress=false", "train.threads=1", "train.accelerate=false",
-        "train.sample_tokens=0", "train.loggers=[jsonl]", "model.name=gpt2-tiny"]
+TINY = [
+    "data.seq_len=32",
+    "data.vocab_size=512",
+    "data.max_bytes=300000",
+    "train.batch_size=2",
+    "train.eval_batches=1",
+    "train.progress=false",
+    "train.threads=1",
+    "train.accelerate=false",
+    "train.sample_tokens=0",
+    "train.loggers=[jsonl]",
+    "model.name=gpt2-tiny",
+]
 
 
 def _state(step: int, val_loss: float) -> dict:
     torch.manual_seed(step)
     model = torch.nn.Linear(4, 3)
-    return {"format_version": ck.FORMAT_VERSION, "step": step, "model": model.state_dict(), "optimizer": {},
-            "rng": ck.rng_state(), "config": Config().to_dict(), "model_spec": None,
-            "metrics": {"val_loss": val_loss, "val_step": step}}
+    return {
+        "format_version": ck.FORMAT_VERSION,
+        "step": step,
+        "model": model.state_dict(),
+        "optimizer": {},
+        "rng": ck.rng_state(),
+        "config": Config().to_dict(),
+        "model_spec": None,
+        "metrics": {"val_loss": val_loss, "val_step": step},
+    }
 
 
 def _save(out, step, val_loss):
@@ -49,7 +67,7 @@ def test_best_is_the_lowest_loss_and_outlives_pruning(tmp_path):
     assert best.name == "ckpt-best.pt" and ro.best_info(tmp_path)[1:] == (2, 2.0)
     loaded = ck.load_checkpoint(best)  # verified against its own checksum file, which names it
     assert loaded["step"] == 2 and torch.equal(loaded["model"]["weight"], _state(2, 0)["model"]["weight"])
-    assert (tmp_path / "ckpt-best.pt.sha256").read_text().split() [1] == "ckpt-best.pt"
+    assert (tmp_path / "ckpt-best.pt.sha256").read_text().split()[1] == "ckpt-best.pt"
     assert ck.latest_valid_checkpoint(tmp_path).name == "ckpt-0000004.pt"
 
 
@@ -95,19 +113,22 @@ class _ScriptedValidation(Trainer):
 def test_keep_last_and_keep_best_in_a_run(tmp_path):
     run = tmp_path / "run"
     common = [*TINY, "train.ckpt_every=1", "train.eval_every=2", "optim.lr=3e-2", f"train.out_dir={run}"]
-    _ScriptedValidation(Config().with_overrides([*common, "train.steps=6", "train.keep_last=2",
-                                                 "train.keep_best=true"])).fit()
+    _ScriptedValidation(
+        Config().with_overrides([*common, "train.steps=6", "train.keep_last=2", "train.keep_best=true"])
+    ).fit()
     assert [s for s, _ in ck.list_checkpoints(run)] == [5, 6]
     assert _evals(run) == {2: 5.0, 4: 4.0, 6: 4.5}
     path, step, loss = ro.best_info(run)  # step 4's checkpoint, pruned as ckpt-0000004.pt, lives on as the best
     assert (path.name, step, loss) == ("ckpt-best.pt", 4, 4.0)
     assert ck.load_checkpoint(path)["metrics"]["val_step"] == 4
     from graphtrain.runs.export import load_run
+
     _, _, used = load_run(run, "best")  # graphtrain export RUN --checkpoint best
     assert used == path
     # keep_last 0 keeps them all; a resume may change both keys without naming them; real validation losses now
-    Trainer(Config().with_overrides([*common, "train.steps=8", "train.keep_last=0", "train.keep_best=true"]),
-            resume=True).fit()
+    Trainer(
+        Config().with_overrides([*common, "train.steps=8", "train.keep_last=0", "train.keep_best=true"]), resume=True
+    ).fit()
     assert [s for s, _ in ck.list_checkpoints(run)] == [5, 6, 7, 8]
     evals = _evals(run)
     assert ro.best_info(run)[1] == (4 if evals[8] >= 4.0 else 8), evals
@@ -122,14 +143,22 @@ def test_keep_last_is_checked():
 def llama_cfg(tmp_path_factory):
     transformers = pytest.importorskip("transformers")
     root = tmp_path_factory.mktemp("llama")
-    transformers.LlamaConfig(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                             num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
-                             architectures=["LlamaForCausalLM"]).save_pretrained(root)
+    transformers.LlamaConfig(
+        vocab_size=512,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        architectures=["LlamaForCausalLM"],
+    ).save_pretrained(root)
     return root / "config.json"
 
 
 def test_model_hf_checkpoint_loads_into_the_transformers_class_and_old_prefixed_ones_resume(llama_cfg, tmp_path):
     import transformers
+
     run = tmp_path / "run"
     common = [*TINY, f"model.hf={llama_cfg}", "train.eval_every=0", f"train.out_dir={run}", "train.ckpt_every=2"]
     Trainer(Config().with_overrides([*common, "train.steps=2"])).fit()
@@ -146,24 +175,38 @@ def test_model_hf_checkpoint_loads_into_the_transformers_class_and_old_prefixed_
     again = torch.load(ck.latest_checkpoint(run), weights_only=True)["model"]
     assert set(again) == set(state["model"])  # saved plain again
     from graphtrain.runs.export import load_run
+
     _, model, _ = load_run(run, "2")  # the prefixed checkpoint
     assert torch.equal(model.hf.lm_head.weight, old["model"]["hf.lm_head.weight"])
     # train.init_from a plain-keyed checkpoint: the weights land in graphtrain's wrapper
-    fresh = Trainer(Config().with_overrides([*TINY, f"model.hf={llama_cfg}", f"train.out_dir={tmp_path / 'next'}",
-                                             f"train.init_from={ck.latest_checkpoint(run)}"]))
+    fresh = Trainer(
+        Config().with_overrides(
+            [
+                *TINY,
+                f"model.hf={llama_cfg}",
+                f"train.out_dir={tmp_path / 'next'}",
+                f"train.init_from={ck.latest_checkpoint(run)}",
+            ]
+        )
+    )
     assert torch.equal(fresh.strategy.module.hf.lm_head.weight, again["lm_head.weight"])
 
 
 def test_export_hf_writes_a_transformers_folder_at_the_end_of_the_run(tmp_path):
     import transformers
+
     run = tmp_path / "run"
-    summary = Trainer(Config().with_overrides([*TINY, "train.steps=2", "train.eval_every=0", "train.export_hf=true",
-                                               f"train.out_dir={run}"])).fit()
+    summary = Trainer(
+        Config().with_overrides(
+            [*TINY, "train.steps=2", "train.eval_every=0", "train.export_hf=true", f"train.out_dir={run}"]
+        )
+    ).fit()
     assert summary["hf_folder"] == str(run / "hf")
     model = transformers.AutoModelForCausalLM.from_pretrained(run / "hf", local_files_only=True).eval()
     tok = transformers.AutoTokenizer.from_pretrained(run / "hf", local_files_only=True)
     assert model.generation_config.eos_token_id == tok.eos_token_id == 0
     from graphtrain.runs.export import load_run
+
     _, trained, _ = load_run(run)
     ids = torch.tensor([tok("import os\n")["input_ids"]])
     with torch.no_grad():
@@ -184,12 +227,34 @@ def test_sharded_run_keeps_its_best_folder_and_writes_the_hf_folder(tmp_path):
 
     from graphtrain.distributed.checkpoint import load_model_weights_local
     from graphtrain.models import build_model
+
     out = tmp_path / "dp2"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "graphtrain", "train", *TINY, "train.steps=4", "train.ckpt_every=1",
-                           "train.eval_every=1", "train.keep_last=1", "train.keep_best=true", "train.export_hf=true",
-                           "model.dropout=0.0", "parallel.dp=2", "--out", str(out), "--nproc", "2"],
-                          capture_output=True, text=True, env=env, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "graphtrain",
+            "train",
+            *TINY,
+            "train.steps=4",
+            "train.ckpt_every=1",
+            "train.eval_every=1",
+            "train.keep_last=1",
+            "train.keep_best=true",
+            "train.export_hf=true",
+            "model.dropout=0.0",
+            "parallel.dp=2",
+            "--out",
+            str(out),
+            "--nproc",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert [s for s, _ in ck.list_checkpoints(out)] == [4]
     evals = _evals(out)

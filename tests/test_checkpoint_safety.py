@@ -5,6 +5,7 @@ Every malicious-file test first shows the crafted file *does* run its payload un
 (pickle.load, torch.load(weights_only=False), DCP's own reader), so the test could fail, then that
 graphtrain's loader refuses it with a clear error and the payload never ran.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -29,10 +30,23 @@ from graphtrain.trainer import checkpoint as ck
 from graphtrain.trainer.resume import clean_orphans, config_changes, is_free, supersede_later
 from test_checkpoint import make_state
 
-TINY = ["model.name=gpt2-tiny", "data.seq_len=32", "data.vocab_size=512", "data.max_bytes=300000",
-        "train.batch_size=2", "train.steps=4", "train.eval_every=0", "train.eval_batches=1", "train.log_every=2",
-        "train.ckpt_every=1", "train.accelerate=false", "train.progress=false", "train.threads=1",
-        "train.sample_tokens=0", "optim.warmup_steps=1"]
+TINY = [
+    "model.name=gpt2-tiny",
+    "data.seq_len=32",
+    "data.vocab_size=512",
+    "data.max_bytes=300000",
+    "train.batch_size=2",
+    "train.steps=4",
+    "train.eval_every=0",
+    "train.eval_batches=1",
+    "train.log_every=2",
+    "train.ckpt_every=1",
+    "train.accelerate=false",
+    "train.progress=false",
+    "train.threads=1",
+    "train.sample_tokens=0",
+    "optim.warmup_steps=1",
+]
 
 
 pytestmark = pytest.mark.usefixtures("tiny_env")  # conftest.py: shared data cache, settings restored
@@ -61,8 +75,14 @@ def _flip_byte(path: Path, at: float = 0.5) -> None:
 def _sharded(folder: Path, config: Config, step: int = 1) -> tuple[Path, torch.nn.Module]:
     """A trainer-style sharded checkpoint folder of gpt2-tiny, written in this process (no process group)."""
     model = build_model(config.model, vocab_size=512)
-    extra = {"format_version": ck.FORMAT_VERSION, "step": step, "config": config.to_dict(),
-             "model_spec": dataclasses.asdict(model.spec), "rng": [], "metrics": {}}
+    extra = {
+        "format_version": ck.FORMAT_VERSION,
+        "step": step,
+        "config": config.to_dict(),
+        "model_spec": dataclasses.asdict(model.spec),
+        "rng": [],
+        "metrics": {},
+    }
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # DCP: "torch.distributed is disabled ... assuming a single process"
         path = dck.save_checkpoint(ck.checkpoint_path(folder, step, sharded=True), model, None, extra)
@@ -71,11 +91,14 @@ def _sharded(folder: Path, config: Config, step: int = 1) -> tuple[Path, torch.n
 
 def _resum(folder: Path) -> None:
     """What an attacker who edits a file can also do: rewrite SHA256SUMS to match."""
-    write_sums(folder / SUMS_NAME, [(f.name, hashlib.sha256(f.read_bytes()).hexdigest())
-                                    for f in sorted(folder.iterdir()) if f.name != SUMS_NAME])
+    write_sums(
+        folder / SUMS_NAME,
+        [(f.name, hashlib.sha256(f.read_bytes()).hexdigest()) for f in sorted(folder.iterdir()) if f.name != SUMS_NAME],
+    )
 
 
 # ------------------------------------------------------------------------------- integrity ----
+
 
 def test_checkpoint_file_records_its_sha256_and_a_changed_byte_is_named(tmp_path):
     path = ck.save_checkpoint(ck.checkpoint_path(tmp_path, 1), make_state(1))
@@ -106,8 +129,12 @@ def test_checksum_file_is_in_place_before_the_checkpoint_appears(tmp_path, monke
     def watching_replace(src, dst):
         if Path(dst) == path:
             sums = read_sums(sidecar_path(path))["ckpt-0000003.pt"]
-            seen.append((hashlib.sha256(Path(src).read_bytes()).hexdigest() in sums,
-                         not path.exists() or hashlib.sha256(path.read_bytes()).hexdigest() in sums))
+            seen.append(
+                (
+                    hashlib.sha256(Path(src).read_bytes()).hexdigest() in sums,
+                    not path.exists() or hashlib.sha256(path.read_bytes()).hexdigest() in sums,
+                )
+            )
         return replace(src, dst)
 
     monkeypatch.setattr(os, "replace", watching_replace)
@@ -167,6 +194,7 @@ def test_sharded_folder_lists_every_file_and_any_change_is_named(tmp_path):
 @pytest.mark.dist
 def test_two_rank_sharded_save_checksums_both_ranks_files(tmp_path):
     from graphtrain.distributed.spawn import run_ranks
+
     run_ranks(_save_two_ranks, 2, str(tmp_path / "ckpt-0000001"))
     sums = read_sums(tmp_path / "ckpt-0000001" / SUMS_NAME)
     assert {".metadata", "__0_0.distcp", "__1_0.distcp", "extra.pt"} <= set(sums)
@@ -177,12 +205,14 @@ def test_two_rank_sharded_save_checksums_both_ranks_files(tmp_path):
 def _save_two_ranks(path: str) -> None:
     from graphtrain.config.sections import ParallelConfig
     from graphtrain.distributed import parallelize
+
     model = build_model(Config().with_overrides(["model.name=gpt2-tiny"]).model, vocab_size=512)
     par = parallelize(model, lambda m: torch.optim.AdamW(m.parameters()), ParallelConfig(dp=2, timeout_s=60))
     par.save(path, extra={"step": 1})
 
 
 # ------------------------------------------------------------------ no code run from files ----
+
 
 def test_crafted_pt_checkpoint_is_refused_without_running_it(tmp_path):
     marker = tmp_path / "ran"
@@ -192,8 +222,11 @@ def test_crafted_pt_checkpoint_is_refused_without_running_it(tmp_path):
     assert marker.exists()
     marker.unlink()
     write_sums(sidecar_path(path), [(path.name, hashlib.sha256(path.read_bytes()).hexdigest())])  # checksum ok
-    with pytest.raises(ValueError, match=r"holds Python objects other than tensors and plain values.*never "
-                                         r"unpickles.*not written by graphtrain"):
+    with pytest.raises(
+        ValueError,
+        match=r"holds Python objects other than tensors and plain values.*never "
+        r"unpickles.*not written by graphtrain",
+    ):
         ck.load_checkpoint(path)
     model = build_model(tiny(tmp_path).model, vocab_size=512)
     with pytest.raises(ValueError, match="holds Python objects other than tensors"):  # train.init_from, a file
@@ -218,8 +251,11 @@ def test_crafted_sharded_extra_and_dcp_metadata_are_refused_without_running_them
     (path / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
     _resum(path)
     for load in (lambda: dck.load_checkpoint(path, model), lambda: dck.load_model_weights_local(path, model)):
-        with pytest.raises(ValueError, match=r"DCP \.metadata names (io|builtins)\.open, which is not part of DCP's "
-                                             r"checkpoint metadata; graphtrain refuses to unpickle it"):
+        with pytest.raises(
+            ValueError,
+            match=r"DCP \.metadata names (io|builtins)\.open, which is not part of DCP's "
+            r"checkpoint metadata; graphtrain refuses to unpickle it",
+        ):
             load()
     assert not marker.exists()
     dcp.FileSystemReader(str(path)).read_metadata()  # control: DCP's own reader runs it
@@ -232,8 +268,11 @@ def test_crafted_sharded_extra_and_dcp_metadata_are_refused_without_running_them
     meta.state_dict_metadata["model.wte.weight"] = dcp.metadata.BytesStorageMetadata()
     (path / ".metadata").write_bytes(pickle.dumps(meta))
     _resum(path)
-    with pytest.raises(ValueError, match=r"entry 'model\.wte\.weight' is stored as BytesStorageMetadata, not a "
-                                         r"tensor"):
+    with pytest.raises(
+        ValueError,
+        match=r"entry 'model\.wte\.weight' is stored as BytesStorageMetadata, not a "
+        r"tensor",
+    ):
         dck.load_checkpoint(path, model)
 
 
@@ -243,8 +282,11 @@ def test_sharded_folder_outside_the_run_needs_trust(tmp_path):
     elsewhere, _ = _sharded(tmp_path / "elsewhere", config, step=2)
     model = build_model(config.model, vocab_size=512)
     spec = dataclasses.asdict(model.spec)
-    with pytest.raises(ValueError, match=r"train\.init_from: .*ckpt-0000002' is a sharded checkpoint folder outside "
-                                         r"this run's train\.out_dir.*set train\.trust_checkpoint=true"):
+    with pytest.raises(
+        ValueError,
+        match=r"train\.init_from: .*ckpt-0000002' is a sharded checkpoint folder outside "
+        r"this run's train\.out_dir.*set train\.trust_checkpoint=true",
+    ):
         ck.load_weights(model, str(elsewhere), config, spec)
     trusted = config.with_overrides(["train.trust_checkpoint=true"])
     assert ck.load_weights(model, str(tmp_path / "elsewhere"), trusted, spec) == (elsewhere, 2)
@@ -271,8 +313,12 @@ def test_config_and_data_caches_run_no_code(tmp_path):
     # tokenizer cache: token ids are .npy files read with numpy's allow_pickle=False (the default); an object
     # array is refused and the cache rebuilt
     from graphtrain.data.tokenizer import load_or_build
-    cfg = Config().with_overrides(["data.vocab_size=512", "data.max_bytes=300000",
-                                   f"data.cache_dir={tmp_path / 'cache'}"]).data
+
+    cfg = (
+        Config()
+        .with_overrides(["data.vocab_size=512", "data.max_bytes=300000", f"data.cache_dir={tmp_path / 'cache'}"])
+        .data
+    )
     first = load_or_build(cfg)
     np.save(first.cache_dir / "train.npy", np.array([Payload(marker)], dtype=object), allow_pickle=True)
     np.load(first.cache_dir / "train.npy", allow_pickle=True)  # control
@@ -284,13 +330,22 @@ def test_config_and_data_caches_run_no_code(tmp_path):
 
 # ------------------------------------------------------------------------------- orphans ----
 
+
 def test_clean_orphans_removes_only_graphtrains_leftovers(tmp_path):
     keep = ck.save_checkpoint(ck.checkpoint_path(tmp_path, 1), make_state(1))
-    leftovers = {".ckpt-0000002.pt.k3j4.tmp": b"half", ".ckpt-0000002.pt.sha256.x1.tmp": b"",
-                 "ckpt-0000003.pt.sha256": b"0" * 64 + b"  ckpt-0000003.pt\n", ".config.yaml.tmp": b"",
-                 "metrics.jsonl.tmp": b""}
-    mine = {"notes.tmp": b"mine", "ckpt-notes.txt": b"mine", "x.ckpt-0000002.pt.tmp": b"mine",
-            "ckpt-0000009.pt.sha256.bak": b"mine"}
+    leftovers = {
+        ".ckpt-0000002.pt.k3j4.tmp": b"half",
+        ".ckpt-0000002.pt.sha256.x1.tmp": b"",
+        "ckpt-0000003.pt.sha256": b"0" * 64 + b"  ckpt-0000003.pt\n",
+        ".config.yaml.tmp": b"",
+        "metrics.jsonl.tmp": b"",
+    }
+    mine = {
+        "notes.tmp": b"mine",
+        "ckpt-notes.txt": b"mine",
+        "x.ckpt-0000002.pt.tmp": b"mine",
+        "ckpt-0000009.pt.sha256.bak": b"mine",
+    }
     for name, data in {**leftovers, **mine}.items():
         (tmp_path / name).write_bytes(data)
     (tmp_path / "ckpt-0000004.tmp").mkdir()  # a sharded save in progress when killed
@@ -300,11 +355,13 @@ def test_clean_orphans_removes_only_graphtrains_leftovers(tmp_path):
     done = clean_orphans(tmp_path)
     assert sorted(done) == sorted([*leftovers, "ckpt-0000004.tmp/", "ckpt-0000005.old/ (restored as ckpt-0000005/)"])
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        [keep.name, sidecar_path(keep).name, "ckpt-0000005", *mine])
+        [keep.name, sidecar_path(keep).name, "ckpt-0000005", *mine]
+    )
     assert clean_orphans(tmp_path) == []
 
 
 # ----------------------------------------------------------------------- resume, by Trainer ----
+
 
 def test_resume_auto_starts_fresh_then_continues_from_the_latest_valid_checkpoint(tmp_path, capsys):
     out = tmp_path / "run"
@@ -360,8 +417,20 @@ def test_resume_with_a_changed_config_shows_the_difference_and_needs_it_named(tm
 
 def test_config_change_rules():
     saved = Config().to_dict()
-    now = Config().with_overrides(["train.steps=99", "model.name=gpt2-tiny", "parallel.dp=2", "optim.betas=[0.8,0.9]",
-                                   "engine.precision=bf16", "engine.provider=aten"]).to_dict()
+    now = (
+        Config()
+        .with_overrides(
+            [
+                "train.steps=99",
+                "model.name=gpt2-tiny",
+                "parallel.dp=2",
+                "optim.betas=[0.8,0.9]",
+                "engine.precision=bf16",
+                "engine.provider=aten",
+            ]
+        )
+        .to_dict()
+    )
     del saved["train"]["max_bad_steps"]  # a checkpoint from before that key existed
     now["train"]["max_bad_steps"] = 9
     keys = [k for k, _, _ in config_changes(saved, now)]

@@ -1,4 +1,5 @@
 """`graphtrain` CLI: end to end on gpt2-tiny (in process and as `python -m graphtrain`), help, bad input."""
+
 from __future__ import annotations
 
 import json
@@ -13,9 +14,21 @@ from graphtrain.cli.main import SUBCOMMANDS, main
 from graphtrain.config.sections import Config
 from graphtrain.trainer import checkpoint as ck
 
-TINY = ["model.name=gpt2-tiny", "data.seq_len=32", "data.vocab_size=512", "data.max_bytes=300000",
-        "train.batch_size=4", "train.steps=4", "train.eval_every=2", "train.eval_batches=2", "train.log_every=2",
-        "train.ckpt_every=2", "train.progress=false", "train.threads=1", "train.sample_tokens=8"]
+TINY = [
+    "model.name=gpt2-tiny",
+    "data.seq_len=32",
+    "data.vocab_size=512",
+    "data.max_bytes=300000",
+    "train.batch_size=4",
+    "train.steps=4",
+    "train.eval_every=2",
+    "train.eval_batches=2",
+    "train.log_every=2",
+    "train.ckpt_every=2",
+    "train.progress=false",
+    "train.threads=1",
+    "train.sample_tokens=8",
+]
 
 
 @pytest.fixture(autouse=True)
@@ -56,9 +69,24 @@ def test_yaml_config_as_subprocess(tmp_path):
     job = tmp_path / "job.yaml"
     job.write_text("model: {name: gpt2-tiny}\ntrain: {seed: 7}\noptim: {lr: 0.002}\n")
     env = {**os.environ, "GRAPHTRAIN_CACHE": os.environ["GRAPHTRAIN_CACHE"]}
-    proc = subprocess.run([sys.executable, "-m", "graphtrain", "train", str(job), *TINY[1:], "train.steps=2",
-                           "--no-accelerate", "--out", str(tmp_path / "run")],
-                          capture_output=True, text=True, env=env, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "graphtrain",
+            "train",
+            str(job),
+            *TINY[1:],
+            "train.steps=2",
+            "--no-accelerate",
+            "--out",
+            str(tmp_path / "run"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "done: 2 steps" in proc.stdout
     saved = Config.from_yaml(tmp_path / "run" / "config.yaml")
@@ -83,9 +111,17 @@ def test_help_and_config_listing(capsys):
 
 def _fake_checkpoint(out_dir, model_name: str) -> None:
     config = Config().with_overrides([*TINY, f"model.name={model_name}"])
-    ck.save_checkpoint(ck.checkpoint_path(out_dir, 2), {
-        "format_version": ck.FORMAT_VERSION, "step": 2, "model": {}, "optimizer": {}, "rng": ck.rng_state(),
-        "config": config.to_dict()})
+    ck.save_checkpoint(
+        ck.checkpoint_path(out_dir, 2),
+        {
+            "format_version": ck.FORMAT_VERSION,
+            "step": 2,
+            "model": {},
+            "optimizer": {},
+            "rng": ck.rng_state(),
+            "config": config.to_dict(),
+        },
+    )
 
 
 BAD_INPUTS = {
@@ -95,8 +131,10 @@ BAD_INPUTS = {
     "bad literal": (["optim.schedule=cosin"], "optim.schedule must be one of"),
     "not an override": (["train.steps"], "does not exist"),  # taken as a CONFIG.yaml path
     "missing config file": (["nope.yaml"], "config file 'nope.yaml' does not exist"),
-    "missing data folder": (["data.path=/nonexistent/graphtrain-data"], "data.path '/nonexistent/graphtrain-data' "
-                                                                        "does not exist"),
+    "missing data folder": (
+        ["data.path=/nonexistent/graphtrain-data"],
+        "data.path '/nonexistent/graphtrain-data' does not exist",
+    ),
     "seq_len too long": (["data.seq_len=128"], "data.seq_len=128 is longer than model 'gpt2-tiny' supports"),
     "resume without checkpoint": (["--resume"], "no checkpoint"),
     "nproc without layout": (["--nproc=2"], "--nproc 2 but parallel.dp*tp*pp = 1: set parallel.dp=2"),
@@ -105,6 +143,7 @@ BAD_INPUTS = {
 
 def test_nproc_passes_the_command_on_to_torchrun(monkeypatch, tmp_path):
     import graphtrain.distributed.launch as launch
+
     seen = {}
     monkeypatch.setattr(launch, "launch", lambda n, argv, **kw: seen.update(n=n, argv=argv, **kw) or 0)
     o = str(tmp_path / "o")
@@ -115,8 +154,21 @@ def test_nproc_passes_the_command_on_to_torchrun(monkeypatch, tmp_path):
     assert seen["shutdown_timeout_s"] == 30 + 15  # train.preempt_grace_s plus the workers' exit margin
     assert "--nproc" not in launch.torchrun_command(2, seen["argv"])[3:]
     # --max-restarts: torchrun's elastic agent, also for one process; --resume auto and the allowed changes pass on
-    code = main(["train", *TINY, "--max-restarts", "3", "--out", o, "--resume", "auto", "--allow-config-change",
-                 "train.steps", "train.preempt_grace_s=5"])
+    code = main(
+        [
+            "train",
+            *TINY,
+            "--max-restarts",
+            "3",
+            "--out",
+            o,
+            "--resume",
+            "auto",
+            "--allow-config-change",
+            "train.steps",
+            "train.preempt_grace_s=5",
+        ]
+    )
     assert code == 0 and seen["n"] == 1 and seen["max_restarts"] == 3 and seen["shutdown_timeout_s"] == 20
     assert seen["argv"][-6:] == ["--out", o, "--allow-config-change", "train.steps", "--resume", "auto"]
     cmd = launch.torchrun_command(1, seen["argv"], max_restarts=3, shutdown_timeout_s=20)
@@ -126,11 +178,14 @@ def test_nproc_passes_the_command_on_to_torchrun(monkeypatch, tmp_path):
 def test_a_torchrun_worker_exits_with_its_status_after_atexit_without_teardown():
     # program() skips interpreter teardown in torchrun workers (a gloo abort at exit), but not the atexit
     # handlers (the background compile's) or the exit status.
-    code = ("import atexit, sys, torch.distributed; atexit.register(lambda: print('atexit ran', flush=True)); "
-            "sys.argv = ['graphtrain'] + sys.argv[1:]; from graphtrain.cli.main import program; program()")
+    code = (
+        "import atexit, sys, torch.distributed; atexit.register(lambda: print('atexit ran', flush=True)); "
+        "sys.argv = ['graphtrain'] + sys.argv[1:]; from graphtrain.cli.main import program; program()"
+    )
     env = {**os.environ, "TORCHELASTIC_RUN_ID": "t"}
-    r = subprocess.run([sys.executable, "-c", code, "config", "no.such=1"], env=env, capture_output=True, text=True,
-                       timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-c", code, "config", "no.such=1"], env=env, capture_output=True, text=True, timeout=120
+    )
     assert r.returncode == 2 and "no.such" in r.stderr, r.stderr
     assert r.stdout.rstrip().endswith("atexit ran"), r.stdout[-300:]
 
@@ -186,7 +241,9 @@ def test_debug_shows_traceback(tmp_path):
 def test_report_prints_what_the_engine_did(capsys):
     code, out, err = run(capsys, "report", *TINY, "engine.provider=aten")
     assert code == 0, err
-    assert "graphs captured: 3" in out and "compiled block by block: blocks (2 x Block)" in out  # embeddings, block, head
+    assert (
+        "graphs captured: 3" in out and "compiled block by block: blocks (2 x Block)" in out
+    )  # embeddings, block, head
     assert "fuse_bias_dropout_add" in out and "predicted step peak" in out
     code, out, err = run(capsys, "report", *TINY, "engine.provider=aten", "--json")
     assert code == 0 and '"graphs"' in out, err
@@ -196,6 +253,6 @@ def test_resume_takes_auto_and_leaves_other_arguments_alone(tmp_path, capsys):
     """`--resume` takes an optional `auto`; an item right after it (a YAML path or an override) stays an item."""
     out = str(tmp_path / "run")
     code, _, err = run(capsys, "train", "--resume", "train.steps=3", *TINY, "--no-accelerate", "--out", out)
-    assert code == 2 and "no checkpoint" in err                      # --resume alone: the latest checkpoint
+    assert code == 2 and "no checkpoint" in err  # --resume alone: the latest checkpoint
     code, _, err = run(capsys, "train", "--resume", str(tmp_path / "job.yaml"), *TINY, "--out", out)
-    assert code == 2 and "job.yaml' does not exist" in err           # the YAML path stayed the job file
+    assert code == 2 and "job.yaml' does not exist" in err  # the YAML path stayed the job file

@@ -1,4 +1,5 @@
 """The supported torch range and the version shims (graphtrain/config/torch_compat.py)."""
+
 from __future__ import annotations
 
 import re
@@ -24,7 +25,9 @@ def test_supported_versions_import_quietly(version):
 
 @pytest.mark.parametrize("version", ["2.10.0", "2.6.0+cu124", "1.13.1"])
 def test_older_torch_is_refused_naming_the_range(version):
-    with pytest.raises(ImportError, match=r"graphtrain supports torch 2\.11 to 2\.14, found torch " + re.escape(version)):
+    with pytest.raises(
+        ImportError, match=r"graphtrain supports torch 2\.11 to 2\.14, found torch " + re.escape(version)
+    ):
         compat.check_torch_version(version)
 
 
@@ -38,17 +41,24 @@ def test_import_graphtrain_runs_the_check():
     """`import graphtrain` itself refuses a torch below the range (the version string as an older torch reports
     it; nothing else of graphtrain runs before the check)."""
     code = "import torch; torch.__version__ = '2.10.0'; import graphtrain"
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                       env={"PYTHONPATH": SRC, "PATH": "/usr/bin:/bin"})
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PYTHONPATH": SRC, "PATH": "/usr/bin:/bin"},
+    )
     assert r.returncode == 1
     assert r.stderr.strip().splitlines()[-1] == (
         "ImportError: graphtrain supports torch 2.11 to 2.14, found torch 2.10.0: install a supported one "
-        "(pip install 'torch>=2.11')"), r.stderr[-2000:]
+        "(pip install 'torch>=2.11')"
+    ), r.stderr[-2000:]
 
 
 def test_optimization_hint_reads_a_symbols_hint_without_a_guard():
     from torch._dynamo.source import ConstantSource
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
     env, src = ShapeEnv(), ConstantSource("s")
     s = env.create_symintnode(env.create_symbol(7, src), hint=7, source=src)
     assert compat.optimization_hint(s) == 7 and compat.optimization_hint(5) == 5
@@ -59,10 +69,12 @@ def test_inductor_cache_key_functions_are_this_torchs():
     """torch_key always; triton_key where Triton is installed, wherever this torch keeps it (2.11: not in
     codecache, the AttributeError of issue #48)."""
     import torch._inductor.codecache as codecache
+
     keys = compat.inductor_cache_key_functions()
     assert keys[0] is codecache.torch_key
     try:
         import triton  # noqa: F401
+
         has_triton = True
     except ImportError:
         has_triton = False
@@ -88,10 +100,16 @@ print(seen)
 def test_tf32_setting_is_read_from_either_api():
     """Both ways a user allows TF32 count, including the new API after which torch refuses legacy reads (a fresh
     process: these settings are process-wide)."""
-    r = subprocess.run([sys.executable, "-c", TF32_STATES], capture_output=True, text=True, timeout=120,
-                       env={"PYTHONPATH": SRC, "PATH": "/usr/bin:/bin"})
+    r = subprocess.run(
+        [sys.executable, "-c", TF32_STATES],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PYTHONPATH": SRC, "PATH": "/usr/bin:/bin"},
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     seen = eval(r.stdout.strip().splitlines()[-1])
-    expected = [False, True, False, True, False] + ([True, False] if hasattr(torch.backends.cuda.matmul,
-                                                                             "fp32_precision") else [])
+    expected = [False, True, False, True, False] + (
+        [True, False] if hasattr(torch.backends.cuda.matmul, "fp32_precision") else []
+    )
     assert seen == expected

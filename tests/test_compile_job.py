@@ -1,5 +1,6 @@
 """CompileJob (pipeline/job.py): one graph's compile as one value, its provider and precision resolved, its
 pass-cache key computed once per job."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -34,6 +35,7 @@ def test_the_pass_cache_key_is_computed_once_per_job_and_per_provider(monkeypatc
     def counted(*args, **kw):
         calls.append(args[3].provider)
         return real(*args, **kw)
+
     monkeypatch.setattr(cache, "pass_cache_key", counted)
     job = _job()
     assert job.pass_key == job.pass_key == real(job.gm, job.example_inputs, job.kinds, job.config)
@@ -48,5 +50,6 @@ def test_the_pass_cache_key_is_computed_once_per_job_and_per_provider(monkeypatc
 def test_a_job_whose_inputs_the_key_cannot_describe_has_no_key(monkeypatch):
     def undescribable(*args, **kw):
         raise TypeError("an input the key cannot describe")
+
     monkeypatch.setattr(cache, "pass_cache_key", undescribable)
     assert _job().pass_key is None

@@ -1,4 +1,5 @@
 """Job files that compose (`defaults:`) and YAML 1.2 floats (`1e-3`) in files and on the command line."""
+
 from __future__ import annotations
 
 import pytest

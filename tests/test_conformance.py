@@ -4,6 +4,7 @@ or reads address 0), and a model that is silently wrong once compiled fails its 
 
 The default suite runs a small corner (graphtrain's GPT-2 preset and Hugging Face's GQA Llama through accelerate
 and the torch.compile backend, fp32, aten); the rest of the matrix is marked slow."""
+
 from __future__ import annotations
 
 import re
@@ -29,8 +30,19 @@ def _no_failure(results):
 
 def test_cli_runs_a_corner_and_writes_the_table_with_commit_and_machine(tmp_path, capsys):
     out = tmp_path / "conformance.md"
-    code = cli.main(["conformance", "--rows", "gpt2-tiny", "--cols", "accelerate/fp32/aten,backend/fp32/aten",
-                     "--steps", "2", "--markdown", str(out)])
+    code = cli.main(
+        [
+            "conformance",
+            "--rows",
+            "gpt2-tiny",
+            "--cols",
+            "accelerate/fp32/aten,backend/fp32/aten",
+            "--steps",
+            "2",
+            "--markdown",
+            str(out),
+        ]
+    )
     printed = capsys.readouterr().out
     assert code == 0, printed
     assert "gpt2-tiny" in printed and "2 cells: 2 pass" in printed, printed
@@ -76,8 +88,11 @@ def test_bad_selection_is_one_usage_error_line(capsys):
 def test_selection_patterns_and_full_names():
     rows, cols = select("gpt2*,_abort", "accelerate/*/aten,trainer/bf16/auto/recompute/frozen-emb")
     assert rows == ["gpt2", "gpt2-tiny", "_abort"]
-    assert [c.name for c in cols] == ["accelerate/fp32/aten", "accelerate/bf16/aten",
-                                      "trainer/bf16/auto/recompute/frozen-emb"]
+    assert [c.name for c in cols] == [
+        "accelerate/fp32/aten",
+        "accelerate/bf16/aten",
+        "trainer/bf16/auto/recompute/frozen-emb",
+    ]
     assert parse_column("trainer/bf16/auto/recompute/frozen-emb") == Column("trainer", "bf16", "auto", "auto", True)
     rows, cols = select(None, "all")
     assert not any(r.startswith("_") for r in rows) and len(rows) >= 12 and len(cols) == len(COLUMNS)
@@ -102,8 +117,16 @@ def test_language_models_through_compile_step_and_the_trainer(row):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("col", ["accelerate/bf16/aten", "backend/bf16/aten", "accelerate/fp32/aten/recompute",
-                                 "accelerate/fp32/aten/frozen-emb", "accelerate/fp32/inductor"])
+@pytest.mark.parametrize(
+    "col",
+    [
+        "accelerate/bf16/aten",
+        "backend/bf16/aten",
+        "accelerate/fp32/aten/recompute",
+        "accelerate/fp32/aten/frozen-emb",
+        "accelerate/fp32/inductor",
+    ],
+)
 def test_other_columns_on_gpt2_and_llama(col):
     _no_failure(run_matrix(["gpt2", "llama-gqa"], [parse_column(col)], progress=False))
 
@@ -137,6 +160,7 @@ def test_the_commands_parser_does_not_import_the_cells():
     import sys
 
     from graphtrain.bench import conformance, conformance_cells
+
     assert conformance.DEFAULT_STEPS == conformance_cells.STEPS
     code = "import sys, graphtrain.cli.main; print('torch' in sys.modules)"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

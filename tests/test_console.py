@@ -1,6 +1,7 @@
 """A quiet, honest console (issue #51 item 5): a short start banner (the full config is in the run folder), a
 progress bar on a terminal and plain periodic lines in a log file (no carriage-return redraws), and exports that
 print their own line, not other libraries' progress bars."""
+
 from __future__ import annotations
 
 import fcntl
@@ -19,10 +20,22 @@ import yaml
 
 from graphtrain.trainer.console import human, human_bytes, human_seconds
 
-TINY = ["model.name=gpt2-tiny", "data.seq_len=32", "data.vocab_size=512", "data.max_bytes=300000",
-        "train.batch_size=2", "train.steps=4", "train.eval_every=2", "train.eval_batches=1", "train.log_every=1",
-        "train.ckpt_every=0", "train.threads=1", "train.sample_tokens=0", "train.accelerate=false",
-        "train.loggers=[jsonl]"]
+TINY = [
+    "model.name=gpt2-tiny",
+    "data.seq_len=32",
+    "data.vocab_size=512",
+    "data.max_bytes=300000",
+    "train.batch_size=2",
+    "train.steps=4",
+    "train.eval_every=2",
+    "train.eval_batches=1",
+    "train.log_every=1",
+    "train.ckpt_every=0",
+    "train.threads=1",
+    "train.sample_tokens=0",
+    "train.accelerate=false",
+    "train.loggers=[jsonl]",
+]
 
 
 def _env(cache):
@@ -39,8 +52,13 @@ def logged_run(tmp_path_factory):
     cache.mkdir(exist_ok=True)
     log = tmp / "train.log"
     with open(log, "w") as f:
-        proc = subprocess.run([sys.executable, "-m", "graphtrain", "train", *TINY, *hf, "--out", str(tmp / "run")],
-                              stdout=f, stderr=subprocess.STDOUT, timeout=600, env=_env(cache))
+        proc = subprocess.run(
+            [sys.executable, "-m", "graphtrain", "train", *TINY, *hf, "--out", str(tmp / "run")],
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            timeout=600,
+            env=_env(cache),
+        )
     text = log.read_text()
     assert proc.returncode == 0, text
     assert not hf or (tmp / "run" / "hf" / "config.json").is_file()
@@ -50,8 +68,12 @@ def logged_run(tmp_path_factory):
 def test_a_log_file_gets_plain_lines_and_no_redraws(logged_run):
     run, text, _ = logged_run
     assert "\r" not in text and "\x1b[" not in text, repr(text[:2000])
-    steps = re.findall(r"^step +(\d+)/4 +loss [\d.]+ +lr \S+ +([\d.]+k?) tok/s +\d+ ms/step +peak mem [\d.]+ \w+"
-                       r"(  \(includes the first step: warm-up, capture, compile\))?$", text, re.M)
+    steps = re.findall(
+        r"^step +(\d+)/4 +loss [\d.]+ +lr \S+ +([\d.]+k?) tok/s +\d+ ms/step +peak mem [\d.]+ \w+"
+        r"(  \(includes the first step: warm-up, capture, compile\))?$",
+        text,
+        re.M,
+    )
     assert [(s, bool(first)) for s, _, first in steps] == [("1", True), ("2", False), ("3", False), ("4", False)], text
     assert not re.search(r"\de[+-]\d+ tok/s", text)
 
@@ -61,6 +83,7 @@ def test_run_json_says_where_when_and_from_what(logged_run):
     import json
 
     from graphtrain.runs.plot import load_run, run_facts
+
     run, _, _ = logged_run
     (session,) = json.loads((run / "run.json").read_text())["sessions"]
     assert session["started_unix"] < session["finished_unix"] and session["steps_done"] == 4
@@ -75,7 +98,7 @@ def test_run_json_says_where_when_and_from_what(logged_run):
 def test_the_banner_is_short_and_the_config_is_in_the_run_folder(logged_run):
     run, text, _ = logged_run
     lines = text.splitlines()
-    banner = lines[:next(i for i, line in enumerate(lines) if line.startswith("step "))]
+    banner = lines[: next(i for i, line in enumerate(lines) if line.startswith("step "))]
     assert 3 <= len(banner) <= 15, "\n".join(banner)
     head = "\n".join(banner)
     assert "gpt2-tiny" in head and "params" in head and "cpu" in head and str(run) in head and "config.yaml" in head
@@ -89,8 +112,12 @@ def test_a_terminal_gets_the_progress_bar(tmp_path, logged_run):
     leader, follower = pty.openpty()
     fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))  # a 120-column terminal
     with open(tmp_path / "stdout.log", "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "graphtrain", "train", *TINY, "--out", str(tmp_path / "run")],
-                                stdout=out, stderr=follower, env=_env(cache))
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "graphtrain", "train", *TINY, "--out", str(tmp_path / "run")],
+            stdout=out,
+            stderr=follower,
+            env=_env(cache),
+        )
     os.close(follower)
     seen = b""
     while True:
@@ -112,8 +139,13 @@ def test_export_prints_its_own_line_only(logged_run, tmp_path):
     run, _, cache = logged_run
     log = tmp_path / "export.log"
     with open(log, "w") as f:
-        proc = subprocess.run([sys.executable, "-m", "graphtrain", "export", str(run), "--format", "hf", "--out",
-                               str(tmp_path / "hf")], stdout=f, stderr=subprocess.STDOUT, timeout=600, env=_env(cache))
+        proc = subprocess.run(
+            [sys.executable, "-m", "graphtrain", "export", str(run), "--format", "hf", "--out", str(tmp_path / "hf")],
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            timeout=600,
+            env=_env(cache),
+        )
     text = log.read_text()
     assert proc.returncode == 0, text
     assert "\r" not in text and "it/s" not in text and "Loading weights" not in text, text
@@ -123,8 +155,13 @@ def test_export_prints_its_own_line_only(logged_run, tmp_path):
 @pytest.mark.slow
 def test_onnx_export_prints_its_own_line_only(logged_run, tmp_path):
     run, _, cache = logged_run
-    proc = subprocess.run([sys.executable, "-m", "graphtrain", "export", str(run), "--format", "onnx", "--out",
-                           str(tmp_path / "onnx")], capture_output=True, text=True, timeout=900, env=_env(cache))
+    proc = subprocess.run(
+        [sys.executable, "-m", "graphtrain", "export", str(run), "--format", "onnx", "--out", str(tmp_path / "onnx")],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=_env(cache),
+    )
     assert proc.returncode == 0, proc.stderr
     text = proc.stdout + proc.stderr
     assert "[torch.onnx]" not in text and "Skipping" not in text and "FutureWarning" not in text, text

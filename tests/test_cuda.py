@@ -5,6 +5,7 @@ What can be checked without a GPU is checked elsewhere, in the default suite: th
 tensors (test_cuda_fake_trace.py), the kernels under TRITON_INTERPRET=1 and their fp32 precision in the code Triton
 compiles for sm_90 (test_kernels_triton.py), the torch range (test_compat.py).
 """
+
 from __future__ import annotations
 
 import copy
@@ -17,10 +18,14 @@ import torch
 
 from graphtrain.testing import TOLERANCES
 
-pytestmark = [pytest.mark.cuda,
-              pytest.mark.skipif(not torch.cuda.is_available(),
-                                 reason="needs an NVIDIA GPU (torch.cuda.is_available() is False here): run "
-                                        "`make test-gpu` or scripts/gpu-check.sh on a GPU machine")]
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(
+        not torch.cuda.is_available(),
+        reason="needs an NVIDIA GPU (torch.cuda.is_available() is False here): run "
+        "`make test-gpu` or scripts/gpu-check.sh on a GPU machine",
+    ),
+]
 
 
 @pytest.fixture(autouse=True)
@@ -48,13 +53,32 @@ def _hf(name: str) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     if name == "gpt2":
-        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
-            n_layer=2, n_embd=128, n_head=4, vocab_size=1000, n_positions=256, resid_pdrop=0.0, embd_pdrop=0.0,
-            attn_pdrop=0.0, use_cache=False))
+        model = transformers.GPT2LMHeadModel(
+            transformers.GPT2Config(
+                n_layer=2,
+                n_embd=128,
+                n_head=4,
+                vocab_size=1000,
+                n_positions=256,
+                resid_pdrop=0.0,
+                embd_pdrop=0.0,
+                attn_pdrop=0.0,
+                use_cache=False,
+            )
+        )
     else:  # Llama with grouped-query attention
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-            vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=256, use_cache=False))
+        model = transformers.LlamaForCausalLM(
+            transformers.LlamaConfig(
+                vocab_size=1000,
+                hidden_size=128,
+                intermediate_size=256,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                max_position_embeddings=256,
+                use_cache=False,
+            )
+        )
     ids = torch.randint(0, 1000, (4, 100), device="cuda")  # 100: not a multiple of 8 or 32 (the LSE padding)
     return model.cuda(), {"input_ids": ids, "labels": ids}
 
@@ -73,13 +97,16 @@ def _steps(model: torch.nn.Module, batch: dict, precision: str, n: int = 3) -> l
 
 
 # Each model in both precisions, each provider twice (a compile each: the GPU check runs in 8 minutes).
-@pytest.mark.parametrize("name,provider,precision", [("gpt2", "aten", "fp32"), ("gpt2", "auto", "bf16"),
-                                                     ("llama", "auto", "fp32"), ("llama", "aten", "bf16")])
+@pytest.mark.parametrize(
+    "name,provider,precision",
+    [("gpt2", "aten", "fp32"), ("gpt2", "auto", "bf16"), ("llama", "auto", "fp32"), ("llama", "aten", "bf16")],
+)
 def test_hf_models_train_through_the_engine_like_eager_on_cuda(name, provider, precision):
     """accelerate on CUDA: the first steps used to crash in the attention backward ("LSE is not correctly aligned
     (strideH)", the logsumexp dropped by the no_grad trace) and, with provider auto on torch 2.11, at capture
     (codecache.triton_key). Losses match eager per step: fp32 against fp32, bf16 against bf16 autocast."""
     import graphtrain
+
     model, batch = _hf(name)
     ref = copy.deepcopy(model)
     want = _steps(ref, batch, "bf16-autocast" if precision == "bf16" else "fp32")
@@ -97,11 +124,13 @@ def test_a_compiled_graph_that_raises_on_cuda_falls_back_with_a_warning(monkeypa
     error raised later inside the compiled backward (loss.backward()) is outside it, on any device."""
     import graphtrain
     from graphtrain.frontend import accelerate as api
+
     model, batch = _hf("gpt2")
     graphtrain.accelerate(model, provider="aten")
 
     def broken(self, args, kwargs):
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
     monkeypatch.setattr(api._CallWrapper, "_run_compiled", broken)
     with pytest.warns(UserWarning, match="compiled graph raised where eager runs"):
         loss = model(**batch).loss

@@ -10,6 +10,7 @@ functions, so the shapes and strides in the graphs are the ones a GPU run gets.
 The autodiff half runs on the meta device: the autograd engine wants a CUDA context for CUDA tensors, even fake
 ones. The meta functions are the same, so is the logsumexp layout.
 """
+
 from __future__ import annotations
 
 import operator
@@ -26,10 +27,14 @@ from graphtrain.pipeline.state import EngineState
 
 transformers = pytest.importorskip("transformers")
 
-LSE_KERNELS = {"efficient": torch.ops.aten._scaled_dot_product_efficient_attention.default,
-               "cudnn": torch.ops.aten._scaled_dot_product_cudnn_attention.default}
-BACKWARDS = {"efficient": torch.ops.aten._scaled_dot_product_efficient_attention_backward.default,
-             "cudnn": torch.ops.aten._scaled_dot_product_cudnn_attention_backward.default}
+LSE_KERNELS = {
+    "efficient": torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    "cudnn": torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+}
+BACKWARDS = {
+    "efficient": torch.ops.aten._scaled_dot_product_efficient_attention_backward.default,
+    "cudnn": torch.ops.aten._scaled_dot_product_cudnn_attention_backward.default,
+}
 
 
 @pytest.fixture(params=["efficient", "cudnn"])
@@ -40,8 +45,9 @@ def cuda_sdpa(request, monkeypatch):
 
     def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         if q.device.type == "cpu":
-            return torch.ops.aten._scaled_dot_product_attention_math(q, k, v, attn_mask, dropout_p, is_causal,
-                                                                      scale=scale, enable_gqa=enable_gqa)[0]
+            return torch.ops.aten._scaled_dot_product_attention_math(
+                q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
+            )[0]
         if enable_gqa and k.shape[1] != q.shape[1]:
             k = k.repeat_interleave(q.shape[1] // k.shape[1], 1)
             v = v.repeat_interleave(q.shape[1] // v.shape[1], 1)
@@ -55,6 +61,7 @@ def cuda_sdpa(request, monkeypatch):
         warnings.filterwarnings("ignore", message="(?s).*Overriding a previously registered kernel")
         lib.impl("scaled_dot_product_attention", sdpa, "CompositeImplicitAutograd")
     import transformers.masking_utils as masking
+
     monkeypatch.setattr(masking, "is_tracing", lambda *a, **k: True)
     yield kernel
     lib._destroy()
@@ -62,12 +69,20 @@ def cuda_sdpa(request, monkeypatch):
 
 def _model(name: str) -> torch.nn.Module:
     if name == "gpt2":
-        cfg = transformers.GPT2Config(n_layer=1, n_embd=64, n_head=4, vocab_size=300, attn_implementation="sdpa",
-                                      use_cache=False, attn_pdrop=0.0)
+        cfg = transformers.GPT2Config(
+            n_layer=1, n_embd=64, n_head=4, vocab_size=300, attn_implementation="sdpa", use_cache=False, attn_pdrop=0.0
+        )
         return transformers.GPT2LMHeadModel(cfg)
-    cfg = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                                   num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa",
-                                   use_cache=False)
+    cfg = transformers.LlamaConfig(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attn_implementation="sdpa",
+        use_cache=False,
+    )
     return transformers.LlamaForCausalLM(cfg)
 
 
@@ -77,8 +92,10 @@ def _fake_step(name: str, device: str, seq: int = 50):
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode:
         ids = torch.randint(0, 300, (2, seq), device=device)
-        inputs = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device).requires_grad_(t.requires_grad)
-                  for t in tensors] + [ids, ids]
+        inputs = [
+            torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device).requires_grad_(t.requires_grad)
+            for t in tensors
+        ] + [ids, ids]
     return (lambda *a: (step(*a),)), inputs, kinds + ["input", "input"], mode
 
 
@@ -94,8 +111,11 @@ def _lse_kernels(gm):
     return [n for n in gm.graph.nodes if n.target in LSE_KERNELS.values()]
 
 
-@pytest.mark.skipif(not torch.backends.cuda.is_built(), reason="fake CUDA tensors need a CUDA build of torch "
-                    "(this one is CPU-only: HF's mask code makes CUDA constants); the meta-device test covers it")
+@pytest.mark.skipif(
+    not torch.backends.cuda.is_built(),
+    reason="fake CUDA tensors need a CUDA build of torch "
+    "(this one is CPU-only: HF's mask code makes CUDA constants); the meta-device test covers it",
+)
 @pytest.mark.parametrize("model", ["gpt2", "llama"])
 def test_training_trace_for_cuda_keeps_the_logsumexp(cuda_sdpa, model):
     """The pre-autodiff IR of a CUDA graph that will be differentiated asks the fused kernel for its logsumexp,
@@ -121,8 +141,15 @@ def test_backward_gets_an_aligned_logsumexp(cuda_sdpa, model):
     gm = trace(fn, inputs, rec)
     assert _lse_kernels(gm)
     graphs = {}
-    step = autodiff(gm, inputs, cfg, state, rec, backward_passes_at_partition=True,
-                    on_graphs=lambda fw, bw, _: graphs.update(fw=fw, bw=bw))
+    step = autodiff(
+        gm,
+        inputs,
+        cfg,
+        state,
+        rec,
+        backward_passes_at_partition=True,
+        on_graphs=lambda fw, bw, _: graphs.update(fw=fw, bw=bw),
+    )
     with mode:
         step(*inputs)
     backwards = [n for n in graphs["bw"].graph.nodes if n.target == BACKWARDS[cuda_sdpa]]

@@ -1,4 +1,5 @@
 """Embedded data: corpus split, tokenizer, cache, deterministic batches, MLM masking, custom folders."""
+
 from __future__ import annotations
 
 import time
@@ -52,6 +53,7 @@ def bert_data():
 
 # ------------------------------------------------------------------------------------ corpus --
 
+
 def test_default_corpus_is_stdlib_python_split_deterministically() -> None:
     cfg = DataConfig(**SMALL)
     root, files = list_files(cfg)
@@ -75,8 +77,33 @@ def test_split_is_a_stable_hash_of_the_path() -> None:
     # A golden answer: Python's salted hash() would change it from one process to the next.
     names = [f"pkg/mod_{i}.py" for i in range(200)]
     train, val = split_documents({n: "x = 1\n" for n in names}, 0.1)
-    assert sorted(int(n[8:-3]) for n in val) == [8, 30, 31, 36, 52, 56, 59, 68, 79, 87, 104, 116, 119, 125, 134,
-                                                  137, 143, 158, 164, 169, 174, 178, 183, 190, 195]
+    assert sorted(int(n[8:-3]) for n in val) == [
+        8,
+        30,
+        31,
+        36,
+        52,
+        56,
+        59,
+        68,
+        79,
+        87,
+        104,
+        116,
+        119,
+        125,
+        134,
+        137,
+        143,
+        158,
+        164,
+        169,
+        174,
+        178,
+        183,
+        190,
+        195,
+    ]
     assert len(train) == 175
 
 
@@ -89,13 +116,18 @@ def test_split_guarantees_non_empty_val() -> None:
 
 # --------------------------------------------------------------------------------- tokenizer --
 
+
 def test_tokenizer_round_trips_source_text(gpt_data) -> None:
     tok = gpt_data.tokenizer
     assert tok.vocab_size == 512
     assert len({tok.eos_id, tok.pad_id, tok.mask_id, tok.cls_id, tok.sep_id}) == 5
     corpus = load_corpus(DataConfig(**SMALL))
-    for text in [*list(corpus.val.values())[:1], *list(corpus.train.values())[:3],
-                 "def f(x):\n\treturn x  # héllo → 世界 🙂\r\n", ""]:
+    for text in [
+        *list(corpus.val.values())[:1],
+        *list(corpus.train.values())[:3],
+        "def f(x):\n\treturn x  # héllo → 世界 🙂\r\n",
+        "",
+    ]:
         ids = tok.encode(text)
         assert tok.decode(ids) == text
     text = next(iter(corpus.train.values()))
@@ -131,6 +163,7 @@ def test_cache_hit_is_fast_and_identical(cache_env: Path) -> None:
 
 # ----------------------------------------------------------------------------------- batches --
 
+
 def test_gpt_batches_are_shifted_windows(gpt_data) -> None:
     batch = gpt_data.train.get_batch(0, 4)
     assert set(batch) == {"input_ids", "labels"}
@@ -141,15 +174,16 @@ def test_gpt_batches_are_shifted_windows(gpt_data) -> None:
     for row_x, row_y in zip(x, y):
         window = torch.cat([row_x, row_y[-1:]])
         starts = (tokens[: tokens.numel() - 64] == window[0]).nonzero().flatten()
-        assert any(torch.equal(tokens[s: s + 65], window) for s in starts.tolist())
+        assert any(torch.equal(tokens[s : s + 65], window) for s in starts.tolist())
 
 
 def test_batches_are_deterministic_per_step(gpt_data) -> None:
     a = gpt_data.train.get_batch(5, 4)
     assert torch.equal(a["input_ids"], gpt_data.train.get_batch(5, 4)["input_ids"])
     assert not torch.equal(a["input_ids"], gpt_data.train.get_batch(6, 4)["input_ids"])
-    assert not torch.equal(gpt_data.val.get_batch(5, 4)["input_ids"][:, :8],
-                           gpt_data.val.get_batch(6, 4)["input_ids"][:, :8])
+    assert not torch.equal(
+        gpt_data.val.get_batch(5, 4)["input_ids"][:, :8], gpt_data.val.get_batch(6, 4)["input_ids"][:, :8]
+    )
     # A "resumed" process builds its data again and sees the very same batch at the same step.
     resumed = build_data(config(), "gpt2")
     assert torch.equal(a["labels"], resumed.train.get_batch(5, 4)["labels"])
@@ -208,6 +242,7 @@ def test_get_batch_rejects_bad_step(gpt_data) -> None:
 
 # ------------------------------------------------------------------------------ custom folder --
 
+
 def write_corpus(folder: Path, n_files: int = 12) -> None:
     for i in range(n_files):
         sub = folder / ("pkg" if i % 2 else "")
@@ -246,8 +281,12 @@ def test_unusable_folders_raise(tmp_path: Path) -> None:
     (tmp_path / "binary").mkdir()
     (tmp_path / "binary" / "blob.dat").write_bytes(b"\x00\x01\x02" * 100)
     (tmp_path / "file.xyz").write_text("a file of no known kind\n")
-    cases = {"missing": "does not exist", "empty": "no readable UTF-8 text files",
-             "binary": "no readable UTF-8 text files", "file.xyz": r"is a \.xyz file: graphtrain reads"}
+    cases = {
+        "missing": "does not exist",
+        "empty": "no readable UTF-8 text files",
+        "binary": "no readable UTF-8 text files",
+        "file.xyz": r"is a \.xyz file: graphtrain reads",
+    }
     for name, message in cases.items():
         path = str(tmp_path / name)
         with pytest.raises(ValueError, match=message) as err:

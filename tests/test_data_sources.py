@@ -1,5 +1,6 @@
 """#16: data.path as .jsonl/.parquet/.txt files (Hugging Face datasets), as memory-mapped .bin/.npy token arrays,
 and data.tokenizer (a local Hugging Face tokenizer), with the tokenizer kept in every checkpoint."""
+
 from __future__ import annotations
 
 import json
@@ -16,8 +17,9 @@ TEXTS = [f"def f{i}(x):\n    return x * {i} + {i % 7}\n" * 20 for i in range(60)
 
 
 def _config(**data) -> Config:
-    return Config().with_overrides({"data.vocab_size": 300, "data.seq_len": 16,
-                                    **{f"data.{k}": v for k, v in data.items()}})
+    return Config().with_overrides(
+        {"data.vocab_size": 300, "data.seq_len": 16, **{f"data.{k}": v for k, v in data.items()}}
+    )
 
 
 def test_jsonl_and_parquet_rows_are_documents(tmp_path):
@@ -65,7 +67,7 @@ def test_nanogpt_token_files_are_memory_mapped(tmp_path):
     batch = data.train.get_batch(3, 4)
     for x, y in zip(batch["input_ids"], batch["labels"]):  # every window is a slice of train.bin
         window = torch.cat([x, y[-1:]]).numpy()
-        hits = [s for s in np.flatnonzero(train == window[0]) if np.array_equal(train[s:s + 17], window)]
+        hits = [s for s in np.flatnonzero(train == window[0]) if np.array_equal(train[s : s + 17], window)]
         assert hits
     assert torch.equal(batch["input_ids"], data.train.get_batch(3, 4)["input_ids"])
 
@@ -96,10 +98,15 @@ def test_token_ids_outside_the_vocabulary_are_refused(tmp_path):
 
 def test_users_tokenizer_and_its_errors(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.train_from_iterator(TEXTS, trainers.BpeTrainer(vocab_size=320, special_tokens=["</s>"],
-                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.train_from_iterator(
+        TEXTS,
+        trainers.BpeTrainer(
+            vocab_size=320, special_tokens=["</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        ),
+    )
     tok.save(str(tmp_path / "tokenizer.json"))
     (tmp_path / "docs").mkdir()
     for i, t in enumerate(TEXTS):
@@ -120,13 +127,26 @@ def test_resume_refuses_another_tokenizer(tmp_path):
     so the BPE trained on it changed) is refused with the fix, and the same data resumes."""
     from graphtrain import Trainer
     from graphtrain.trainer.checkpoint import checkpoint_tokenizer, latest_checkpoint
+
     (tmp_path / "docs").mkdir()
     for i, t in enumerate(TEXTS[:30]):
         (tmp_path / "docs" / f"{i}.py").write_text(t)
-    items = [f"data.path={tmp_path / 'docs'}", "data.vocab_size=300", "data.seq_len=16", "model.name=gpt2-tiny",
-             "train.batch_size=2", "train.steps=2", "train.eval_every=0", "train.eval_batches=1",
-             "train.progress=false", "train.threads=1", "train.accelerate=false", "train.sample_tokens=0",
-             "train.loggers=[jsonl]", f"train.out_dir={tmp_path / 'run'}"]
+    items = [
+        f"data.path={tmp_path / 'docs'}",
+        "data.vocab_size=300",
+        "data.seq_len=16",
+        "model.name=gpt2-tiny",
+        "train.batch_size=2",
+        "train.steps=2",
+        "train.eval_every=0",
+        "train.eval_batches=1",
+        "train.progress=false",
+        "train.threads=1",
+        "train.accelerate=false",
+        "train.sample_tokens=0",
+        "train.loggers=[jsonl]",
+        f"train.out_dir={tmp_path / 'run'}",
+    ]
     t = Trainer(Config().with_overrides(items))
     t.fit()
     assert checkpoint_tokenizer(latest_checkpoint(tmp_path / "run")).digest() == t.data.tokenizer.digest()
@@ -134,5 +154,6 @@ def test_resume_refuses_another_tokenizer(tmp_path):
     Trainer(more, resume=True, allow_config_change="train.steps").fit()  # same data: resumes
     (tmp_path / "docs" / "0.py").write_text("class Changed:\n    pass\n" * 40)
     with pytest.raises(ValueError, match="trained with another tokenizer"):
-        Trainer(Config().with_overrides([*items, "train.steps=4"]), resume=True,
-                allow_config_change="train.steps").fit()
+        Trainer(
+            Config().with_overrides([*items, "train.steps=4"]), resume=True, allow_config_change="train.steps"
+        ).fit()

@@ -1,4 +1,5 @@
 """Sharded DCP checkpoints: saved under dp=2, resumed under dp=1 and tp=2 with the same next-step loss."""
+
 from __future__ import annotations
 
 import sys
@@ -22,7 +23,7 @@ def _train_and_save(path: str, layout: dict, steps: int) -> None:
         ids, labels = batch(4, seed=s)
         r, n = par.env.dp_rank, par.env.parallel.dp
         per = 4 // n
-        par.forward_backward(ids[r * per:(r + 1) * per], labels[r * per:(r + 1) * per])
+        par.forward_backward(ids[r * per : (r + 1) * per], labels[r * per : (r + 1) * per])
         par.optimizer.step()
         par.optimizer.zero_grad()
     par.save(path, extra={"step": steps})

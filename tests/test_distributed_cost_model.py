@@ -1,4 +1,5 @@
 """The cost model against hand-computed values (no processes spawned)."""
+
 from graphtrain.distributed.cost_model import BERT_LARGE, Layout, ModelDims, memory_gb, step_time
 
 

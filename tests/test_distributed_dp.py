@@ -1,4 +1,5 @@
 """Data parallel (DDP) and ZeRO-1 against the single-process full-batch run, on 2 gloo ranks."""
+
 from __future__ import annotations
 
 import pytest
@@ -31,8 +32,10 @@ def _dp_worker(zero_stage: int) -> dict:
         ids, labels = batch(4, seed=s)
         mine = slice(2 * rank, 2 * rank + 2)  # this rank's half, split into 2 accumulation micro-steps
         n0 = len(calls)
-        losses = [par.forward_backward(ids[mine][i:i + 1], labels[mine][i:i + 1], micro_step=i, micro_steps=2)
-                  for i in range(2)]
+        losses = [
+            par.forward_backward(ids[mine][i : i + 1], labels[mine][i : i + 1], micro_step=i, micro_steps=2)
+            for i in range(2)
+        ]
         out["calls_per_step"].append((len(calls) - n0, len(calls)))
         if s == 0:
             out["grads0"] = {n: p.grad.clone() for n, p in par.module.named_parameters()}
@@ -63,8 +66,9 @@ def test_dp_matches_full_batch(zero_stage):
         # 0.5% of one lr=1e-2 step. (Adam is scale-invariant, so the gradient check above is what catches
         # a wrong averaging factor; this one catches a wrong or missing update.)
         for n, p in ref_model.named_parameters():
-            assert_close(out["weights"][n], p.detach(), name=f"rank {r} weight {n} after {STEPS} steps",
-                         rtol=RTOL, atol=5e-5)
+            assert_close(
+                out["weights"][n], p.detach(), name=f"rank {r} weight {n} after {STEPS} steps", rtol=RTOL, atol=5e-5
+            )
         torch.testing.assert_close(out["losses"], ref_losses, rtol=RTOL, atol=0)
         # no_sync: the first micro-step of every step launches no all-reduce; the last one does
         for launched, _ in out["calls_per_step"]:
@@ -88,6 +92,7 @@ BIG_VOCAB = 8192
 def _big_vocab_model() -> torch.nn.Module:
     from graphtrain.config.sections import ModelConfig
     from graphtrain.models import build_model
+
     torch.manual_seed(0)
     return build_model(ModelConfig(name="gpt2-tiny", dropout=0.0, vocab_size=BIG_VOCAB))
 
@@ -96,6 +101,7 @@ def _dp_engine_worker() -> dict:
     import graphtrain
     from graphtrain.config.sections import EngineConfig
     from graphtrain.distributed.data_parallel import apply_data_parallel
+
     par = parallelize(_big_vocab_model(), optim_factory(), ParallelConfig(dp=2, timeout_s=60))
     par.model = apply_data_parallel(par.module, par.env.mesh["dp"], par.env.device, bucket_cap_mb=1)
     par.accelerate(EngineConfig(fallback="error"))  # provider auto (inductor); fullgraph: no silent eager
@@ -115,7 +121,9 @@ def _dp_engine_worker() -> dict:
         losses = []
         for i in range(2):
             n0 = len(buckets)
-            losses.append(par.forward_backward(ids[mine][i:i + 1], labels[mine][i:i + 1], micro_step=i, micro_steps=2))
+            losses.append(
+                par.forward_backward(ids[mine][i : i + 1], labels[mine][i : i + 1], micro_step=i, micro_steps=2)
+            )
             out["allreduces_per_micro_step"].append(len(buckets) - n0)
         if s == 0:
             out["grads0"] = {n: p.grad.clone() for n, p in par.module.named_parameters()}
@@ -125,8 +133,14 @@ def _dp_engine_worker() -> dict:
         par.optimizer.step()
         par.optimizer.zero_grad()
     rep = graphtrain.report(par.module)
-    out.update(buckets=sorted(set(buckets)), graphs=[sum(k == "param" for k in g["input_kinds"]) for g in rep.graphs],
-               eager_only=rep.eager_only, fallbacks=rep.fallbacks, calls=rep.calls, blocks=rep.blocks)
+    out.update(
+        buckets=sorted(set(buckets)),
+        graphs=[sum(k == "param" for k in g["input_kinds"]) for g in rep.graphs],
+        eager_only=rep.eager_only,
+        fallbacks=rep.fallbacks,
+        calls=rep.calls,
+        blocks=rep.blocks,
+    )
     return out
 
 
@@ -159,6 +173,7 @@ def test_engine_under_ddp_compiles_block_by_block_and_matches_full_batch():
 
 def _accelerated_then_ddp_worker() -> dict:
     import graphtrain
+
     torch.manual_seed(0)
     dist.init_process_group("gloo")  # run_ranks sets the rendezvous environment; the user brings the group
     model = graphtrain.accelerate(_big_vocab_model(), fallback="error")  # the user's order: accelerate, then wrap
@@ -169,12 +184,18 @@ def _accelerated_then_ddp_worker() -> dict:
     loss.backward()
     dist.all_reduce(loss)
     rep = graphtrain.report(model)
-    return {"loss": loss.item() / 2, "grads": {n: p.grad for n, p in model.named_parameters()},
-            "fallbacks": rep.fallbacks, "notes": rep.notes, "providers": [g["provider"] for g in rep.graphs]}
+    return {
+        "loss": loss.item() / 2,
+        "grads": {n: p.grad for n, p in model.named_parameters()},
+        "fallbacks": rep.fallbacks,
+        "notes": rep.notes,
+        "providers": [g["provider"] for g in rep.graphs],
+    }
 
 
-@pytest.mark.parametrize("blocks,provider", [(True, "auto"), (True, "aten"), (False, "auto")],
-                         ids=["blocks", "blocks-aten", "one-graph"])
+@pytest.mark.parametrize(
+    "blocks,provider", [(True, "auto"), (True, "aten"), (False, "auto")], ids=["blocks", "blocks-aten", "one-graph"]
+)
 def test_one_rank_ddp_over_an_accelerated_model_matches_eager(blocks, provider):
     """The default suite's guard for the engine under DDP (the 2-rank tests are marked slow): one gloo rank in this
     process, DDP with a 1 MiB bucket cap over graphtrain.accelerate(model).
@@ -186,6 +207,7 @@ def test_one_rank_ddp_over_an_accelerated_model_matches_eager(blocks, provider):
     the pieces; both regressions the slow tests found show here (provider auto timing a bucket's piece on aten,
     with no backward torch can compile there; per-block pieces under DDPOptimizer's fake run)."""
     import graphtrain
+
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         model = graphtrain.accelerate(_big_vocab_model(), fallback="error", compile_blocks=blocks, provider=provider)
@@ -233,11 +255,21 @@ def test_ddp_all_reduces_buckets_while_earlier_blocks_still_run_backward():
     (checked: with optimize_ddp off and compile_blocks false this test fails), so nothing overlaps."""
     transformers = pytest.importorskip("transformers")
     import graphtrain
+
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         torch.manual_seed(0)
-        cfg = transformers.GPT2Config(n_layer=3, n_embd=256, n_head=4, vocab_size=512, n_positions=64,
-                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="sdpa")
+        cfg = transformers.GPT2Config(
+            n_layer=3,
+            n_embd=256,
+            n_head=4,
+            vocab_size=512,
+            n_positions=64,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            attn_implementation="sdpa",
+        )
         model = graphtrain.accelerate(transformers.GPT2LMHeadModel(cfg), fallback="error", provider="aten")
         ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=1)  # 2.4 MiB of blocks: several buckets
         events: list[str] = []
@@ -245,13 +277,15 @@ def test_ddp_all_reduces_buckets_while_earlier_blocks_still_run_backward():
         def hook(state, bucket):
             events.append("all-reduce")
             return dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(lambda f: f.value()[0])
+
         ddp.register_comm_hook(None, hook)
         ids = torch.randint(0, 512, (2, 16))
         for _ in range(2):  # DDP rebuilds its buckets in the order of the first backward's gradients
             events.clear()
             loss = ddp(input_ids=ids, labels=ids).loss
             _backward_node_of(loss, model.transformer.wpe.weight).register_prehook(
-                lambda grad_outputs: events.append("embeddings' backward"))
+                lambda grad_outputs: events.append("embeddings' backward")
+            )
             loss.backward()
         rep = graphtrain.report(model)
     finally:
@@ -263,6 +297,7 @@ def test_ddp_all_reduces_buckets_while_earlier_blocks_still_run_backward():
 def test_aten_under_ddp_is_refused_only_where_ddp_optimizer_splits_the_graph():
     from graphtrain.config.sections import EngineConfig
     from graphtrain.distributed import check_engine_under_ddp
+
     model = _big_vocab_model()  # 2.1 MB of gradients: more than DDP's 1 MiB first bucket
     check_engine_under_ddp(EngineConfig(provider="aten"), model)  # block by block: no DDPOptimizer
     check_engine_under_ddp(EngineConfig(provider="auto", compile_blocks=False), model)

@@ -3,6 +3,7 @@
 Every distributed test builds the single-device reference from the same weights on every rank
 and compares (torchtitan's habit). Ranks are gloo processes on 127.0.0.1 (graphtrain.distributed.spawn).
 """
+
 from __future__ import annotations
 
 import os
@@ -28,6 +29,7 @@ RTOL, ATOL = 1e-4, 1e-6
 def tiny(name: str = "gpt2-tiny") -> torch.nn.Module:
     """The reference tiny model, same weights on every caller (dropout off: shards must see equal masks)."""
     from graphtrain.models import build_model
+
     torch.manual_seed(0)
     return build_model(ModelConfig(name=name, dropout=0.0))
 
@@ -39,12 +41,14 @@ def batch(n: int = 4, t: int = 16, vocab: int = 512, seed: int = 1) -> tuple[tor
 
 def optim_factory(lr: float = 1e-2):
     from graphtrain.optim import build_optimizer
+
     cfg = OptimConfig(lr=lr)
     return lambda m: build_optimizer(m, cfg)
 
 
-def train_reference(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]
-                    ) -> tuple[list[float], dict[str, torch.Tensor]]:
+def train_reference(
+    model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]
+) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Single-process AdamW steps of `model` on (ids, labels) batches: per-step losses and step-0 gradients.
     Models returning an output object (Hugging Face) give their `.loss`."""
     opt = optim_factory()(model)
@@ -100,10 +104,24 @@ def test_dead_rank_raises_within_timeout():
     port = str(free_port())
     procs = []
     for r in range(2):
-        env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=port, OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, "-c", _DYING_RANK], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
+        env = dict(
+            os.environ,
+            RANK=str(r),
+            LOCAL_RANK=str(r),
+            WORLD_SIZE="2",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+            OMP_NUM_THREADS="1",
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-c", _DYING_RANK],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     t0 = time.monotonic()
     try:
         out0, _ = procs[0].communicate(timeout=60)

@@ -1,4 +1,5 @@
 """Tensor parallel (DTensor Megatron plan) and pipeline parallel (1F1B, GPipe) against one process."""
+
 from __future__ import annotations
 
 import math
@@ -40,6 +41,7 @@ def _worker(layout: dict, name: str, engine: dict | None = None) -> dict:
         par.optimizer.zero_grad()
     if engine is not None:
         from graphtrain.tools.report import report
+
         rep = report(par.module)
         out["passes"] = {f"{p['stage']}/{p['name']}": p["rewrites"] for p in rep.passes}
         out["graphs"], out["fallbacks"] = len(rep.graphs), len(rep.fallbacks)
@@ -100,17 +102,25 @@ def test_pipeline_matches_single_process(schedule):
 def _dp_composed_worker(layout: dict, name: str, n: int, accum: int, engine: dict | None = None) -> dict:
     """Each dp rank takes its n/dp rows of every step's batch, in `accum` accumulation micro-steps."""
     import torch.distributed as dist
+
     par = parallelize(tiny(name), optim_factory(), ParallelConfig(timeout_s=60, **layout))
     if engine is not None:
         par.accelerate(engine)
     dp, r = par.env.parallel.dp, par.env.dp_rank
     per = n // dp // accum
-    out = {"losses": [], "replicated_blocks": sum(type(m).__name__.startswith("Replicate") for m in par.module.modules())}
+    out = {
+        "losses": [],
+        "replicated_blocks": sum(type(m).__name__.startswith("Replicate") for m in par.module.modules()),
+    }
     for s in range(STEPS):
         ids, labels = batch(n, seed=s)
-        ids, labels = ids[r * n // dp:(r + 1) * n // dp], labels[r * n // dp:(r + 1) * n // dp]
-        losses = [par.forward_backward(ids[i * per:(i + 1) * per], labels[i * per:(i + 1) * per], micro_step=i,
-                                       micro_steps=accum) for i in range(accum)]
+        ids, labels = ids[r * n // dp : (r + 1) * n // dp], labels[r * n // dp : (r + 1) * n // dp]
+        losses = [
+            par.forward_backward(
+                ids[i * per : (i + 1) * per], labels[i * per : (i + 1) * per], micro_step=i, micro_steps=accum
+            )
+            for i in range(accum)
+        ]
         loss = torch.stack(losses).mean()
         dist.all_reduce(loss, group=par.env.group("dp"))
         out["losses"].append(loss.item() / dp)
@@ -120,18 +130,24 @@ def _dp_composed_worker(layout: dict, name: str, n: int, accum: int, engine: dic
         par.optimizer.zero_grad()
     if engine is not None:
         from graphtrain.tools.report import report
+
         rep = report(par.module)
         out["graphs"], out["fallbacks"], out["recompiles"] = len(rep.graphs), len(rep.fallbacks), len(rep.recompiles)
     return out
 
 
-@pytest.mark.parametrize("layout,name,accum", [
-    ({"dp": 2, "tp": 2}, "gpt2-tiny", 2),
-    pytest.param({"dp": 2, "tp": 2}, "bert-tiny", 1, marks=pytest.mark.slow),  # 4 ranks on 2 cores: ~20 s each
-    ({"dp": 2, "pp": 2, "microbatches": 2}, "gpt2-tiny", 2),
-    pytest.param({"dp": 2, "pp": 2, "microbatches": 2, "schedule": "gpipe"}, "gpt2-tiny", 1, marks=pytest.mark.slow),
-    ({"pp": 2, "microbatches": 2}, "gpt2-tiny", 2),  # 2 ranks: accumulation across pipeline steps alone
-])
+@pytest.mark.parametrize(
+    "layout,name,accum",
+    [
+        ({"dp": 2, "tp": 2}, "gpt2-tiny", 2),
+        pytest.param({"dp": 2, "tp": 2}, "bert-tiny", 1, marks=pytest.mark.slow),  # 4 ranks on 2 cores: ~20 s each
+        ({"dp": 2, "pp": 2, "microbatches": 2}, "gpt2-tiny", 2),
+        pytest.param(
+            {"dp": 2, "pp": 2, "microbatches": 2, "schedule": "gpipe"}, "gpt2-tiny", 1, marks=pytest.mark.slow
+        ),
+        ({"pp": 2, "microbatches": 2}, "gpt2-tiny", 2),  # 2 ranks: accumulation across pipeline steps alone
+    ],
+)
 def test_dp_composed_with_tp_or_pp_matches_single_process(layout, name, accum):
     """4 gloo ranks, dp over FSDP2 replicate on the 2-D mesh: step-0 gradients (after accumulation) and 3-step
     losses equal the single-process full-batch (8 samples) run, within the fp32 tolerance RTOL/ATOL. With
@@ -160,10 +176,13 @@ def _run_composed(layout: dict, name: str, accum: int, engine: dict | None = Non
     return results
 
 
-@pytest.mark.parametrize("layout", [
-    {"dp": 2, "tp": 2},
-    pytest.param({"dp": 2, "pp": 2, "microbatches": 2}, marks=pytest.mark.slow),
-])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        {"dp": 2, "tp": 2},
+        pytest.param({"dp": 2, "pp": 2, "microbatches": 2}, marks=pytest.mark.slow),
+    ],
+)
 def test_dp_composed_with_tp_or_pp_through_the_engine(layout):
     """dp composed with tp or pp through the engine: each transformer block's forward is compiled (FSDP2
     replicate's hooks run eagerly between blocks), all blocks share one graph (no recompile per block), and
@@ -189,22 +208,36 @@ def test_tp_x_pp_matches_single_process(engine):
 def test_zero1_with_dp_composed_is_a_clear_error(layout):
     # dp composed with tp/pp runs through FSDP2 replicate (DTensor parameters), which ZeroRedundancyOptimizer
     # cannot partition: refused up front, before any process group is touched.
-    with pytest.raises(ValueError, match=r"parallel.zero_stage=1 with parallel.dp>1 and parallel.(tp|pp)>1 is not "
-                                         r"supported.*set parallel.zero_stage=0"):
+    with pytest.raises(
+        ValueError,
+        match=r"parallel.zero_stage=1 with parallel.dp>1 and parallel.(tp|pp)>1 is not "
+        r"supported.*set parallel.zero_stage=0",
+    ):
         parallelize(tiny(), optim_factory(), ParallelConfig(zero_stage=1, **layout), env=object())
 
 
 def test_tp_needs_heads_divisible():
-    with pytest.raises(ValueError, match=r"parallel.tp=3 must divide the model's attention heads \(n_head\) = 2: "
-                                         r"use parallel.tp=2"):
+    with pytest.raises(
+        ValueError,
+        match=r"parallel.tp=3 must divide the model's attention heads \(n_head\) = 2: "
+        r"use parallel.tp=2",
+    ):
         check_tp(tiny(), 3)
 
 
 def _hf_bert(dropout: float = 0.0) -> torch.nn.Module:
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.BertConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                  intermediate_size=128, max_position_embeddings=64, hidden_dropout_prob=dropout,
-                                  attention_probs_dropout_prob=dropout, attn_implementation="eager")
+    cfg = transformers.BertConfig(
+        vocab_size=512,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=64,
+        hidden_dropout_prob=dropout,
+        attention_probs_dropout_prob=dropout,
+        attn_implementation="eager",
+    )
     torch.manual_seed(0)
     return transformers.BertForMaskedLM(cfg)
 
@@ -223,12 +256,15 @@ def _hf_worker(engine: dict | None) -> dict:
     for s in range(STEPS):
         out["losses"].append(par.forward_backward(*_mlm_batch(s)).item())
         if s == 0:
-            out["grads0"] = {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-                             for n, p in par.module.named_parameters()}
+            out["grads0"] = {
+                n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+                for n, p in par.module.named_parameters()
+            }
         par.optimizer.step()
         par.optimizer.zero_grad()
     if engine is not None:
         from graphtrain.tools.report import report
+
         rep = report(par.module)
         out["passes"] = {f"{p['stage']}/{p['name']}": p["rewrites"] for p in rep.passes}
         out["fallbacks"] = len(rep.fallbacks)
@@ -255,9 +291,16 @@ def test_tensor_parallel_plan_on_hugging_face_bert(engine):
 
 def test_tensor_parallel_refuses_models_without_a_plan():
     transformers = pytest.importorskip("transformers")
-    model = transformers.OPTForCausalLM(transformers.OPTConfig(num_hidden_layers=1, hidden_size=32, ffn_dim=64,
-                                                               num_attention_heads=2, vocab_size=64,
-                                                               word_embed_proj_dim=32))
+    model = transformers.OPTForCausalLM(
+        transformers.OPTConfig(
+            num_hidden_layers=1,
+            hidden_size=32,
+            ffn_dim=64,
+            num_attention_heads=2,
+            vocab_size=64,
+            word_embed_proj_dim=32,
+        )
+    )
     with pytest.raises(ValueError, match=r"not for OPTForCausalLM, which has no plan; use parallel.tp=1"):
         check_tp(model, 2)
 
@@ -298,6 +341,7 @@ def test_tensor_parallel_communication_volume_is_megatrons():
     vocab-parallel embedding and after each block's attention and MLP; backward, one of each block's two
     column-parallel inputs and of the LM head's input; the vocab-parallel loss reduces 3 [B*T] vectors."""
     from graphtrain.bench.distributed import BATCH, SEQ, _work
+
     spec = tiny().spec
     out = run_ranks(_work, 2, {"tp": 2}, "gpt2-tiny", 2)
     act = BATCH * SEQ * spec.d_model * 4
@@ -317,6 +361,7 @@ def _dropout_masks_worker(name: str, engine: dict | None) -> dict:
     from graphtrain.config.sections import ModelConfig
     from graphtrain.models import build_model
     from test_dropout_statistics import DropoutDraws
+
     torch.manual_seed(0)
     model = _hf_bert(TP_DROPOUT) if name == "hf-bert" else build_model(ModelConfig(name=name, dropout=TP_DROPOUT))
     par = parallelize(model, optim_factory(), ParallelConfig(timeout_s=60, tp=2))
@@ -334,8 +379,11 @@ def _dropout_masks_worker(name: str, engine: dict | None) -> dict:
     return out
 
 
-@pytest.mark.parametrize("name,engine", [("gpt2-tiny", None), ("gpt2-tiny", ENGINE), ("hf-bert", None)],
-                         ids=["gpt2-eager", "gpt2-engine", "hf-bert-eager"])
+@pytest.mark.parametrize(
+    "name,engine",
+    [("gpt2-tiny", None), ("gpt2-tiny", ENGINE), ("hf-bert", None)],
+    ids=["gpt2-eager", "gpt2-engine", "hf-bert-eager"],
+)
 def test_tensor_parallel_dropout_masks(name, engine):
     """tp=2 with dropout: (a) every dropout on replicated activations (embedding, after each row-parallel
     all-reduce) drops the same elements on both tp ranks, else the replicas diverge; (b) attention dropout,
@@ -351,23 +399,29 @@ def test_tensor_parallel_dropout_masks(name, engine):
     kinds = [k for _, k, _ in r0["first"]]
     assert kinds == [k for _, k, _ in r1["first"]], (r0["first"], r1["first"])
     assert kinds.count("attention") == n_layer and kinds.count("hidden") == 1 + 2 * n_layer, [
-        (op, k) for op, k, _ in r0["first"]]
+        (op, k) for op, k, _ in r0["first"]
+    ]
     if engine is not None:  # the engine's masks come from the fused ops (attention fused on the local heads)
-        assert {op for op, _, _ in r0["first"]} == {"graphtrain.attention.default",
-                                                    "graphtrain.bias_dropout_add.default"}, r0["first"]
+        assert {op for op, _, _ in r0["first"]} == {
+            "graphtrain.attention.default",
+            "graphtrain.bias_dropout_add.default",
+        }, r0["first"]
     for (op, kind, m0), (_, _, m1) in zip(r0["first"], r1["first"]):
         if kind == "hidden":
             assert torch.equal(m0, m1), f"{op}: a dropout on replicated activations differs between tp ranks"
     att0 = torch.cat([m.flatten() for _, k, m in r0["first"] if k == "attention"])
     att1 = torch.cat([m.flatten() for _, k, m in r1["first"] if k == "attention"])
     agree, n = (att0 == att1).double().mean().item(), att0.numel()
-    expected = (1 - TP_DROPOUT) ** 2 + TP_DROPOUT ** 2
+    expected = (1 - TP_DROPOUT) ** 2 + TP_DROPOUT**2
     sigma = math.sqrt(expected * (1 - expected) / n)  # n independent element pairs, each agreeing w.p. expected
-    print(f"attention-dropout agreement between tp ranks: {agree:.4f} over {n} elements "
-          f"(independent: {expected:.4f} +- {sigma:.4f})")
+    print(
+        f"attention-dropout agreement between tp ranks: {agree:.4f} over {n} elements "
+        f"(independent: {expected:.4f} +- {sigma:.4f})"
+    )
     assert abs(agree - expected) <= 5 * sigma, (
         f"attention dropout masks of tp ranks 0 and 1 agree on {agree:.4f} of {n} elements; independent masks "
-        f"agree on {expected:.4f} +- {sigma:.4f} (5 sigma bound)")
+        f"agree on {expected:.4f} +- {sigma:.4f} (5 sigma bound)"
+    )
     for r, out in enumerate((r0, r1)):
         keep_rate = torch.cat([m.flatten() for _, k, m in out["first"] if k == "attention"]).double().mean().item()
         assert abs(keep_rate - (1 - TP_DROPOUT)) <= 5 * math.sqrt(TP_DROPOUT * (1 - TP_DROPOUT) / n), keep_rate
@@ -381,14 +435,33 @@ def _hf_lm(kind: str) -> torch.nn.Module:
     (GQA: 4 query, 2 key/value heads; untied head), same weights on every caller."""
     transformers = pytest.importorskip("transformers")
     from graphtrain.models.hf import HFLanguageModel, spec_of
+
     if kind == "gpt2":
-        cfg = transformers.GPT2Config(vocab_size=512, n_positions=64, n_embd=64, n_layer=2, n_head=4, resid_pdrop=0.0,
-                                      embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="eager", use_cache=False)
+        cfg = transformers.GPT2Config(
+            vocab_size=512,
+            n_positions=64,
+            n_embd=64,
+            n_layer=2,
+            n_head=4,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            attn_implementation="eager",
+            use_cache=False,
+        )
         cls = transformers.GPT2LMHeadModel
     else:
-        cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                       attn_implementation="sdpa", use_cache=False)
+        cfg = transformers.LlamaConfig(
+            vocab_size=512,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            attn_implementation="sdpa",
+            use_cache=False,
+        )
         cls = transformers.LlamaForCausalLM
     torch.manual_seed(0)
     return HFLanguageModel(cls(cfg), "clm", spec_of(cfg, "clm"))
@@ -402,11 +475,14 @@ def _hf_lm_worker(kind: str, engine: dict | None, ckpt: str | None) -> dict:
     for s in range(STEPS):
         out["losses"].append(par.forward_backward(*batch(4, seed=s)).item())
         if s == 0:
-            g = {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-                 for n, p in par.module.named_parameters()}
+            g = {
+                n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+                for n, p in par.module.named_parameters()
+            }
             for n in [n for n in g if ".c_attn.q." in n]:  # Conv1D [in, out]: q, k, v side by side on dim 1
-                g[n.replace(".q.", ".")] = torch.cat([g.pop(n.replace(".q.", f".{x}.")) for x in "qkv"],
-                                                     dim=1 if n.endswith("weight") else 0)
+                g[n.replace(".q.", ".")] = torch.cat(
+                    [g.pop(n.replace(".q.", f".{x}.")) for x in "qkv"], dim=1 if n.endswith("weight") else 0
+                )
             out["grads0"] = g
         par.optimizer.step()
         par.optimizer.zero_grad()
@@ -415,13 +491,17 @@ def _hf_lm_worker(kind: str, engine: dict | None, ckpt: str | None) -> dict:
     return out
 
 
-@pytest.mark.parametrize("kind,engine", [("gpt2", None), ("llama", None), ("llama", ENGINE)],
-                         ids=["gpt2-eager", "llama-eager", "llama-engine"])
+@pytest.mark.parametrize(
+    "kind,engine",
+    [("gpt2", None), ("llama", None), ("llama", ENGINE)],
+    ids=["gpt2-eager", "llama-eager", "llama-engine"],
+)
 def test_tensor_parallel_plans_on_hugging_face_gpt2_and_llama(kind, engine, tmp_path):
     """model.hf GPT-2 (Conv1D layout: c_attn split into column-parallel q/k/v along dim 1) and Llama (GQA, SwiGLU)
     at tp=2: step-0 gradients (under the unsharded names) and 3-step losses equal one process, and the sharded
     checkpoint holds the unsharded model's tensors (a tp=1 model loads it and gives the same loss)."""
     from graphtrain.distributed.checkpoint import load_model_weights_local
+
     ckpt = str(tmp_path / "ckpt")
     results = run_ranks(_hf_lm_worker, 2, kind, engine, ckpt)
     ref = _hf_lm(kind)

@@ -7,6 +7,7 @@ the repository's configs/, with this environment's `graphtrain` first on PATH. A
 `<!-- docs-test: slow -->` trains or compiles: it runs only in the slow suite, which runs every block of the
 page. The design notes (docs/design/) are engineering records, not guides: their blocks are not run.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -24,8 +25,9 @@ from graphtrain.config.sections import Config
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
-FENCE = re.compile(r"^(?:<!-- docs-test: (?P<mark>\w+) -->\n)?```(?P<lang>[\w-]*)[^\n]*\n(?P<body>.*?)^```[ \t]*$",
-                   re.M | re.S)
+FENCE = re.compile(
+    r"^(?:<!-- docs-test: (?P<mark>\w+) -->\n)?```(?P<lang>[\w-]*)[^\n]*\n(?P<body>.*?)^```[ \t]*$", re.M | re.S
+)
 RUN_LANGS = ("python", "bash")
 
 
@@ -57,6 +59,7 @@ def _nav_pages(nav) -> list[tuple[str, str]]:
                     walk(value, title)
                 else:
                     out.append((section or title, value))
+
     walk(nav, "")
     return out
 
@@ -74,8 +77,9 @@ def blocks(page: str) -> list[tuple[str, str, str | None]]:
 
 def _run_page(page: str, tmp_path: Path, include_slow: bool) -> int:
     (tmp_path / "configs").symlink_to(ROOT / "configs")
-    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-               PYTHONUNBUFFERED="1")
+    env = dict(
+        os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}", PYTHONUNBUFFERED="1"
+    )
     ran = 0
     for i, (lang, code, mark) in enumerate(blocks(page)):
         if lang not in RUN_LANGS or (mark == "slow" and not include_slow):
@@ -87,25 +91,37 @@ def _run_page(page: str, tmp_path: Path, include_slow: bool) -> int:
         else:
             cmd = ["bash", "-euo", "pipefail", "-c", code]
         r = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
-        assert r.returncode == 0, (f"{page}, block {i} ({lang}) exited {r.returncode}:\n{code}\n--- stdout ---\n"
-                                   f"{r.stdout[-4000:]}\n--- stderr ---\n{r.stderr[-4000:]}")
+        assert r.returncode == 0, (
+            f"{page}, block {i} ({lang}) exited {r.returncode}:\n{code}\n--- stdout ---\n"
+            f"{r.stdout[-4000:]}\n--- stderr ---\n{r.stderr[-4000:]}"
+        )
         ran += 1
     return ran
 
 
 def _pages_with(fast: bool) -> list[str]:
-    return [p for p in guide_pages()
-            if any(lang in RUN_LANGS and (mark != "slow" or not fast) for lang, _, mark in blocks(p))]
+    return [
+        p
+        for p in guide_pages()
+        if any(lang in RUN_LANGS and (mark != "slow" or not fast) for lang, _, mark in blocks(p))
+    ]
 
 
 # ------------------------------------------------------------------------------- the pages ----
+
 
 def test_nav_lists_every_page_and_guides_exist():
     pages = guide_pages()
     for page in pages:
         assert (DOCS / page).is_file(), f"mkdocs.yml names {page}, which is not in docs/"
-    for needed in ("quickstart.md", "concepts.md", "reference/config.md", "reference/cli.md",
-                   "reference/python-api.md", "reference/run-folder.md"):
+    for needed in (
+        "quickstart.md",
+        "concepts.md",
+        "reference/config.md",
+        "reference/cli.md",
+        "reference/python-api.md",
+        "reference/run-folder.md",
+    ):
         assert needed in pages
 
 
@@ -115,8 +131,10 @@ def test_bash_blocks_are_commands_that_run():
         for lang, code, mark in blocks(page):
             if lang == "bash":
                 first = next(line for line in code.splitlines() if line.strip() and not line.startswith("#"))
-                assert first.startswith("graphtrain"), f"{page}: a bash block that is not a graphtrain command " \
-                                                       f"(use ```console for commands the tests do not run): {first}"
+                assert first.startswith("graphtrain"), (
+                    f"{page}: a bash block that is not a graphtrain command "
+                    f"(use ```console for commands the tests do not run): {first}"
+                )
             assert mark in (None, "slow"), f"{page}: unknown docs-test mark {mark!r} (slow is the one there is)"
 
 
@@ -133,10 +151,13 @@ def test_page_code_blocks_run_all(page, tmp_path):
 
 # -------------------------------------------------------------------------- the references ----
 
+
 def test_references_describe_every_config_key_and_cli_verb():
     missing = _hooks().missing_descriptions()
-    assert not missing, ("these have no description for the generated references (a docstring under the config "
-                         f"field, help= on the verb or argument): {missing}")
+    assert not missing, (
+        "these have no description for the generated references (a docstring under the config "
+        f"field, help= on the verb or argument): {missing}"
+    )
 
 
 @dataclasses.dataclass
@@ -156,8 +177,9 @@ def test_coverage_check_finds_an_undocumented_verb_and_key(monkeypatch):
     from graphtrain.cli import main as cli
     from graphtrain.config import sections as config
 
-    monkeypatch.setitem(cli.SUBCOMMANDS, "undocumented",
-                        cli.Subcommand("", lambda p: p.add_argument("--knob"), lambda args: 0))
+    monkeypatch.setitem(
+        cli.SUBCOMMANDS, "undocumented", cli.Subcommand("", lambda p: p.add_argument("--knob"), lambda args: 0)
+    )
     monkeypatch.setattr(config, "Config", _WithExtra)
     missing = _hooks().missing_descriptions()
     assert {"CLI verb undocumented", "CLI argument undocumented --knob KNOB", "config key extra.knob"} <= set(missing)
@@ -170,8 +192,14 @@ def test_mkdocs_build_strict(tmp_path):
     pytest.importorskip("material", reason="mkdocs-material is not installed (pip install -r requirements-docs.txt)")
     pytest.importorskip("mkdocstrings_handlers.python", reason="mkdocstrings-python is not installed")
     site = tmp_path / "site"
-    r = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)], cwd=ROOT,
-                       env=dict(os.environ, NO_MKDOCS_2_WARNING="1"), capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
+        cwd=ROOT,
+        env=dict(os.environ, NO_MKDOCS_2_WARNING="1"),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, f"mkdocs build --strict failed:\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
     hooks = _hooks()
     config_page = (site / "reference" / "config" / "index.html").read_text()
@@ -190,6 +218,7 @@ def test_run_folder_page_names_every_checkpoint_key_and_record_kind():
     """The run-folder reference against the code that writes the folder: every key a checkpoint must hold, and
     every kind of metrics.jsonl record the trainer writes."""
     from graphtrain.trainer.checkpoint import FORMAT_VERSION, REQUIRED_KEYS
+
     page = (DOCS / "reference" / "run-folder.md").read_text()
     for key in REQUIRED_KEYS:
         assert f"| `{key}` |" in page, f"checkpoint key {key} is not described"

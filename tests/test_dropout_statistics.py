@@ -5,6 +5,7 @@ at each test) and must land within Z = 5 sigma of its expectation. All draws com
 so every test is deterministic: a pass cannot turn into a failure between runs, and a 5-sigma bound only
 fails when the implementation is wrong (for a correct one, P(|z| > 5) = 6e-7).
 """
+
 from __future__ import annotations
 
 import math
@@ -30,6 +31,7 @@ PS = (0.1, 0.5)
 
 
 # --- observing dropout draws, eager or inside a compiled graph ---------------------------------------------
+
 
 @dataclass
 class Draw:
@@ -84,6 +86,7 @@ class DropoutDraws(TorchDispatchMode):
 
 # --- statistics ------------------------------------------------------------------------------------------
 
+
 def _seed(g: torch.Generator) -> torch.Tensor:
     return torch.randint(0, 2**62, (1,), dtype=torch.int64, generator=g)
 
@@ -135,6 +138,7 @@ def test_reference_and_cpp_masks_keep_rate_and_independence(p):
 def test_bias_dropout_add_kept_values_are_scaled_and_dropped_are_zero(p):
     """Kept: (x + bias) / (1 - p) [+ residual]; dropped: exactly 0 [+ residual], forward and backward."""
     from graphtrain.kernels import implementation_for
+
     g = torch.Generator().manual_seed(21)
     x, b, r = torch.randn(1024, 1024, generator=g), torch.randn(1024, generator=g), torch.randn(1024, 1024, generator=g)
     assert implementation_for("bias_dropout_add", "cpu", x, b, r) != "reference"
@@ -195,6 +199,7 @@ def test_attention_cpp_dropout_mask_rate_scale_and_independence(p, causal):
     rows and heads (same (i, j) in head h and h + 1) are uncorrelated."""
     from graphtrain.kernels._common import runtime_fallbacks
     from graphtrain.kernels.attention import _cpu_cpp_ok
+
     torch.manual_seed(41)
     q, k, v, out, probs, seed = _attention_probs_sample(p, causal, 42)
     assert _cpu_cpp_ok(q, k, v, None, p) and not runtime_fallbacks(), "the C++ path must be the one under test"
@@ -232,6 +237,7 @@ def test_tensor_parallel_salt_draws_independent_attention_masks():
     returns, so backward regenerates that mask."""
     from graphtrain.kernels._common import set_sharded_dropout_salt, sharded_dropout_salt
     from graphtrain.kernels.attention import attention_backward_reference
+
     assert sharded_dropout_salt() == 0
     g = torch.Generator().manual_seed(61)
     q, k, v = (torch.randn(2, 4, 64, 16, generator=g) for _ in range(3))
@@ -257,7 +263,7 @@ def test_tensor_parallel_salt_draws_independent_attention_masks():
     assert int(seed1) != int(seed0)
     m0, m1 = (dropout_keep_mask(2 * 4 * 64 * 64, p, s) for s in (seed0, seed1))
     # independent masks agree on a fraction a = (1-p)^2 + p^2 of n elements: sigma = sqrt(a (1 - a) / n)
-    a, n = (1 - p) ** 2 + p ** 2, m0.numel()
+    a, n = (1 - p) ** 2 + p**2, m0.numel()
     agree = (m0 == m1).double().mean().item()
     assert abs(agree - a) <= Z * math.sqrt(a * (1 - a) / n), agree
     dq = attention_backward_reference(dout, q, k, v, None, out1.detach(), lse1, 0.25, True, p, seed1)[0]
@@ -276,17 +282,20 @@ def test_attention_dropout_is_unbiased_with_eagers_spread(p, case):
     reps, calls, H, S, D = 256, 16, 2, 16, 8
     g = torch.Generator().manual_seed(71)
     q, k, v = (torch.randn(1, H, S, D, generator=g) for _ in range(3))
-    scale, causal = D ** -0.5, case == "causal"
+    scale, causal = D**-0.5, case == "causal"
     mask = None
     if case == "masked":  # padding (last 3 keys) on top of a random additive bias; no row fully masked
         mask = torch.randn(1, H, S, S, generator=g)
         mask[..., -3:] = float("-inf")
     s = (q.double() @ k.double().transpose(-2, -1)) * scale
-    s = s + mask.double() if mask is not None else s.masked_fill(torch.ones(S, S, dtype=torch.bool).triu(1),
-                                                                  float("-inf"))
+    s = (
+        s + mask.double()
+        if mask is not None
+        else s.masked_fill(torch.ones(S, S, dtype=torch.bool).triu(1), float("-inf"))
+    )
     probs = torch.softmax(s, -1)
     exact = probs @ v.double()
-    var = p / (1 - p) * (probs ** 2) @ (v.double() ** 2)  # [1, H, S, D]
+    var = p / (1 - p) * (probs**2) @ (v.double() ** 2)  # [1, H, S, D]
     rep = [t.expand(reps, H, S, -1).contiguous() for t in (q, k, v)]
     maskr = mask.expand(reps, H, S, S).contiguous() if mask is not None else None
     out0 = gt.attention(*rep[:3], maskr, scale, causal, 0.0)[0][:1]
@@ -301,9 +310,13 @@ def test_attention_dropout_is_unbiased_with_eagers_spread(p, case):
 
     def eager():
         sc = (rep[0] @ rep[1].transpose(-2, -1)) * scale
-        sc = sc + maskr if maskr is not None else sc.masked_fill(torch.ones(S, S, dtype=torch.bool).triu(1),
-                                                                 float("-inf"))
+        sc = (
+            sc + maskr
+            if maskr is not None
+            else sc.masked_fill(torch.ones(S, S, dtype=torch.bool).triu(1), float("-inf"))
+        )
         return F.dropout(torch.softmax(sc, -1), p, training=True) @ rep[2]
+
     torch.manual_seed(73)
     eager_samples = torch.cat([eager() for _ in range(calls)]).double()
     z_eager = (eager_samples.mean(0, keepdim=True) - out0.double()) / (var / n).sqrt()
@@ -315,6 +328,7 @@ def test_attention_dropout_is_unbiased_with_eagers_spread(p, case):
 
 # --- inside a compiled training step -------------------------------------------------------------------
 
+
 def test_compiled_step_draws_a_fresh_seed_per_op_and_step(one_thread):
     """gpt2-tiny (dropout 0.1) through graphtrain.accelerate: in each step every fused dropout (the embedding's,
     each block's residual and MLP bias_dropout_add, each block's attention) draws its own seed, no seed repeats
@@ -323,6 +337,7 @@ def test_compiled_step_draws_a_fresh_seed_per_op_and_step(one_thread):
     import graphtrain
     from graphtrain.config.sections import ModelConfig
     from graphtrain.models import build_model
+
     torch.manual_seed(0)
     model = build_model(ModelConfig(name="gpt2-tiny", dropout=0.1))
     n_layer = model.spec.n_layer
@@ -346,8 +361,11 @@ def test_compiled_step_draws_a_fresh_seed_per_op_and_step(one_thread):
     assert len(set(seeds)) == len(seeds), f"a seed repeated: {seeds}"
     att = [[d.keep for d in rec.draws if d.kind == "attention"] for rec in steps]
     _check_uncorrelated(att[0][0], att[0][1], "compiled step, attention of layers 0 and 1")
-    _check_uncorrelated(torch.cat([m.flatten() for m in att[0]]), torch.cat([m.flatten() for m in att[1]]),
-                        "compiled steps 1 and 2, attention")
+    _check_uncorrelated(
+        torch.cat([m.flatten() for m in att[0]]),
+        torch.cat([m.flatten() for m in att[1]]),
+        "compiled steps 1 and 2, attention",
+    )
     hidden = [torch.cat([d.keep.flatten() for d in rec.draws if d.kind == "hidden"]) for rec in steps]
     _check_uncorrelated(hidden[0], hidden[1], "compiled steps 1 and 2, hidden dropouts")
 
@@ -396,6 +414,11 @@ _TRITON_SCRIPT = textwrap.dedent("""
 
 def test_triton_masks_equal_the_reference():
     pytest.importorskip("triton")
-    r = subprocess.run([sys.executable, "-c", _TRITON_SCRIPT], capture_output=True, text=True, timeout=600,
-                       env={**os.environ, "TRITON_INTERPRET": "1"})
+    r = subprocess.run(
+        [sys.executable, "-c", _TRITON_SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+    )
     assert r.returncode == 0 and "ok triton dropout masks" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]

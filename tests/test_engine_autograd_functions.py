@@ -2,6 +2,7 @@
 trace to aten and the pre-autodiff passes, restored before autodiff, so the passes run on the graph around it and
 the step runs the function's own backward. Checked against eager PyTorch with a backward that is deliberately not
 the forward's derivative (a passes-era inlining of the forward would give autograd's gradient instead)."""
+
 from __future__ import annotations
 
 import copy
@@ -71,8 +72,9 @@ def _x() -> torch.Tensor:
 def _one_step(provider: str, tmp_path, fn=ScaledSiLU, **engine):
     torch.manual_seed(0)
     eager = Stack(fn=fn)
-    model = graphtrain.accelerate(copy.deepcopy(eager), provider=provider, **{"fallback": "error", **engine},
-                                  cache_dir=str(tmp_path / "cache"))
+    model = graphtrain.accelerate(
+        copy.deepcopy(eager), provider=provider, **{"fallback": "error", **engine}, cache_dir=str(tmp_path / "cache")
+    )
     for m in (eager, model):
         m.loss = m(_x())
         m.loss.backward()
@@ -128,7 +130,7 @@ def _dynamo_graph(fn: type[torch.autograd.Function]) -> tuple[torch.fx.GraphModu
     torch.manual_seed(0)
     block = Block(16, fn)
     torch.compile(block, backend=backend, fullgraph=True)(_x())
-    (gm, inputs), = seen
+    ((gm, inputs),) = seen
     return gm, inputs, block
 
 
@@ -137,6 +139,7 @@ def test_two_functions_that_differ_only_in_their_bodies_get_different_cache_keys
     (self.fwd_body_0) but not what they compute."""
     from graphtrain.config.sections import EngineConfig
     from graphtrain.pipeline.cache import pass_cache_key
+
     keys = []
     for fn in (ScaledSiLU, HalvedSiLU):
         gm, inputs, _ = _dynamo_graph(fn)
@@ -148,6 +151,7 @@ def test_a_graph_with_a_function_is_plain_data():
     """What the background compile receives: the graph encoded (bodies included) runs the same forward and the
     function's own backward after a pickle round trip."""
     from graphtrain.pipeline.cache import _decode_graph, _encode_graph
+
     gm, inputs, block = _dynamo_graph(ScaledSiLU)
     loaded = _decode_graph(pickle.loads(pickle.dumps(_encode_graph(gm))))
     args = [t.detach().clone().requires_grad_(t.requires_grad) for t in inputs]
@@ -164,6 +168,7 @@ def test_hide_leaves_the_captured_graph_alone_and_the_op_has_no_gradient_of_its_
     """hide() works on a copy (the eager fallback runs the captured graph); the opaque op never reaches autograd
     silently: un-restored, its backward is an error, not a gradient through the forward."""
     from graphtrain.passes import autograd_functions as af
+
     gm, inputs, _ = _dynamo_graph(ScaledSiLU)
     hidden, n = af.hide(gm)
     assert n == 1 and af.has_autograd_functions(gm) and not af.has_autograd_functions(hidden)

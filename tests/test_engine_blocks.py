@@ -1,5 +1,6 @@
 """Repeated blocks compile once (pipeline/blocks.py): parity with eager, one block graph for any depth, the
 fallbacks, and Hugging Face models (no KV cache built in training)."""
+
 from __future__ import annotations
 
 import copy
@@ -15,9 +16,19 @@ from graphtrain.testing import assert_close, assert_grads_close
 
 HAS_HF = importlib.util.find_spec("transformers") is not None
 # The engine's own passes only: fused kernels draw dropout masks their own way (not eager's stream).
-ENGINE_ONLY = {name: False for name in ("fuse_attention", "fuse_cross_entropy", "fuse_linear_cross_entropy",
-                                        "fuse_bias_dropout_add", "fuse_bias_gelu", "fuse_layer_norm",
-                                        "fuse_rms_norm", "inplace_elementwise")}
+ENGINE_ONLY = {
+    name: False
+    for name in (
+        "fuse_attention",
+        "fuse_cross_entropy",
+        "fuse_linear_cross_entropy",
+        "fuse_bias_dropout_add",
+        "fuse_bias_gelu",
+        "fuse_layer_norm",
+        "fuse_rms_norm",
+        "inplace_elementwise",
+    )
+}
 
 
 class Block(nn.Module):
@@ -104,8 +115,9 @@ def test_dynamic_shapes_compile_each_block_once_for_every_length():
     blocks now compile once for every length: bitwise eager at three lengths, one block graph, no recompile."""
     ref, m = _pair(layers=3, dynamic=True)
     for length in (8, 5, 11):
-        _step_bitwise(ref, m, torch.randint(0, 64, (2, length), generator=torch.Generator().manual_seed(length)),
-                      seed=length)
+        _step_bitwise(
+            ref, m, torch.randint(0, 64, (2, length), generator=torch.Generator().manual_seed(length)), seed=length
+        )
     rep = graphtrain.report(m)
     assert rep.blocks == ["blocks (3 x Block)"] and not rep.recompiles and not rep.fallbacks, str(rep)
     assert [g["calls_per_step"] for g in rep.graphs if g["calls_per_step"] > 1] == [3], str(rep)
@@ -123,12 +135,12 @@ def test_whole_graph_when_asked_or_when_recompute_needs_it():
 
 
 def test_failed_block_split_runs_eagerly_with_one_warning(monkeypatch):
-    import graphtrain.pipeline.blocks as blocks
+    import graphtrain.runtime.backend as backend
 
     def broken(*args, **kwargs):
         raise RuntimeError("split failed on purpose")
 
-    monkeypatch.setattr(blocks, "compile_by_blocks", broken)
+    monkeypatch.setattr(backend, "compile_by_blocks", broken)
     ref, m = _pair(fallback="warn")
     with pytest.warns(UserWarning, match="per-block compile"):
         _steps(ref, m, steps=1)
@@ -138,8 +150,18 @@ def test_failed_block_split_runs_eagerly_with_one_warning(monkeypatch):
 @pytest.mark.skipif(not HAS_HF, reason="transformers not installed")
 def test_hugging_face_gpt2_blocks_match_eager_and_build_no_kv_cache():
     import transformers
-    cfg = transformers.GPT2Config(n_layer=3, n_embd=32, n_head=2, vocab_size=128, n_positions=32, resid_pdrop=0.0,
-                                  embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="sdpa")
+
+    cfg = transformers.GPT2Config(
+        n_layer=3,
+        n_embd=32,
+        n_head=2,
+        vocab_size=128,
+        n_positions=32,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        attn_implementation="sdpa",
+    )
     torch.manual_seed(0)
     ref = transformers.GPT2LMHeadModel(cfg).train()
     m = transformers.GPT2LMHeadModel(cfg).train()
@@ -186,8 +208,9 @@ class BiasStack(Stack):
         return F.cross_entropy(self.head(x).flatten(0, 1), idx.flatten())
 
 
-def _one_step_like_eager(ref: nn.Module, call, provider: str = "aten", loss_tol: tuple = (1e-5, 1e-6),
-                         grad_tol: tuple = (1e-4, 1e-6)):
+def _one_step_like_eager(
+    ref: nn.Module, call, provider: str = "aten", loss_tol: tuple = (1e-5, 1e-6), grad_tol: tuple = (1e-4, 1e-6)
+):
     """A copy of `ref` accelerated (fallback error); `call(module)` -> loss, once for each; loss and every gradient
     against eager's. Returns the accelerated module."""
     m = graphtrain.accelerate(copy.deepcopy(ref), provider=provider, fallback="error")
@@ -214,7 +237,7 @@ def test_a_learned_bias_handed_through_the_blocks_trains_like_eager():
 
 
 def test_the_blocks_that_repeat_are_found_where_one_differs():
-    from graphtrain.pipeline.blocks import repeated_blocks
+    from graphtrain.pipeline.block_regions import repeated_blocks
 
     class Biased(Block):  # T5's first block: the same class, one more weight (its relative-position bias)
         def __init__(self) -> None:
@@ -235,6 +258,7 @@ def test_the_blocks_that_repeat_are_found_where_one_differs():
 @pytest.mark.skipif(not HAS_HF, reason="transformers not installed")
 def test_hugging_face_t5_repeats_its_later_blocks_like_eager():
     from graphtrain.bench.families import build_family
+
     ref, batch = build_family("t5", hidden=32, layers=3, vocab=101, batch=2, seq=16, dropout=False)
     rep = graphtrain.report(_one_step_like_eager(ref, lambda mod: mod(**batch).loss))
     assert rep.blocks == ["encoder.block[1, 2] (2 x T5Block)", "decoder.block[1, 2] (2 x T5Block)"], str(rep)
@@ -243,8 +267,9 @@ def test_hugging_face_t5_repeats_its_later_blocks_like_eager():
 
 def test_a_piece_gets_its_inputs_in_the_layout_it_was_compiled_for():
     from graphtrain.pipeline.blocks import _conforming
+
     expanded = torch.randn(1, 1, 4, 4).expand(3, 1, 4, 4)  # an expand in the trace ...
-    dense = expanded.contiguous()                           # ... that the piece before returned materialized
+    dense = expanded.contiguous()  # ... that the piece before returned materialized
     seen = []
     fn = _conforming(lambda *a: seen.append([(x.shape, x.stride()) for x in a[:2]]) or a, [expanded, dense, 2])
     out = fn(dense, expanded, 2)
@@ -265,9 +290,11 @@ def test_hugging_face_modernbert_blocks_under_inductor_match_eager():
     # the expanded mask it was compiled for and got the dense one the graph before it returned (a fallback to
     # eager before _conforming). Inductor's compile: slow.
     from graphtrain.bench.families import build_family
+
     ref, batch = build_family("modernbert", hidden=64, layers=4, vocab=101, batch=2, seq=128, dropout=False)
-    m = _one_step_like_eager(ref, lambda mod: mod(**batch).loss, provider="inductor", loss_tol=(1e-4, 1e-5),
-                             grad_tol=(1e-3, 1e-5))
+    m = _one_step_like_eager(
+        ref, lambda mod: mod(**batch).loss, provider="inductor", loss_tol=(1e-4, 1e-5), grad_tol=(1e-3, 1e-5)
+    )
     assert graphtrain.report(m).blocks == ["model.layers[1, 2, 3] (3 x ModernBertEncoderLayer)"]
 
 
@@ -322,12 +349,14 @@ def test_keyword_and_tuple_arguments_reach_the_block_flat(monkeypatch):
     """pipeline/blocks.py _region: a block called with keywords and a tuple gets one flat positional call, so Dynamo
     reuses its traced body without flattening the arguments through pytree; same numbers as eager, one body."""
     import importlib
+
     sub = importlib.import_module("torch._dynamo.variables.invoke_subgraph")
     structured = []
     if hasattr(sub, "build_fingerprint_with_pytree"):
         original = sub.build_fingerprint_with_pytree
-        monkeypatch.setattr(sub, "build_fingerprint_with_pytree",
-                            lambda *a, **k: structured.append(1) or original(*a, **k))
+        monkeypatch.setattr(
+            sub, "build_fingerprint_with_pytree", lambda *a, **k: structured.append(1) or original(*a, **k)
+        )
     torch.manual_seed(0)
     ref, m = RopeStack(4).train(), RopeStack(4).train()
     m.load_state_dict(ref.state_dict())
@@ -349,15 +378,23 @@ def test_keyword_and_tuple_arguments_reach_the_block_flat(monkeypatch):
     x = torch.randn(2, 8, 32)
     rope = (torch.ones(8, 1), torch.zeros(8, 1))
     blk = m.blocks[0].eval()
-    assert_close(blk(x, None, rope=rope, scale_by_rope=True), ref.blocks[0].eval()(x, None, rope=rope,
-                                                                                 scale_by_rope=True),
-                 name="eager block", bitwise=True)
+    assert_close(
+        blk(x, None, rope=rope, scale_by_rope=True),
+        ref.blocks[0].eval()(x, None, rope=rope, scale_by_rope=True),
+        name="eager block",
+        bitwise=True,
+    )
 
 
 def test_flat_call_spec_round_trips():
-    from graphtrain.pipeline.blocks import _flatten_call, _unflatten_call
-    for args, kwargs in [((1, None), {"mask": "m", "rope": ("c", "s"), "flag": False}), ((), {}), (("x",), {}),
-                         ((("a", "b"), ()), {"empty": (), "one": ("z",)})]:
+    from graphtrain.pipeline.block_regions import _flatten_call, _unflatten_call
+
+    for args, kwargs in [
+        ((1, None), {"mask": "m", "rope": ("c", "s"), "flag": False}),
+        ((), {}),
+        (("x",), {}),
+        ((("a", "b"), ()), {"empty": (), "one": ("z",)}),
+    ]:
         spec, leaves = _flatten_call(args, kwargs)
         assert _unflatten_call(spec, leaves) == (list(args), kwargs), (args, kwargs, spec)
 
@@ -366,6 +403,7 @@ def test_dynamo_source_names_are_not_built_for_logs_that_are_off():
     """frontend/accelerate.py _source_names_only_when_logged: Dynamo tokenizes no source file for its debug-log names."""
     import importlib
     import logging
+
     fc = importlib.import_module("torch._dynamo.funcname_cache")
     sc = importlib.import_module("torch._dynamo.symbolic_convert")
     ref, m = _pair(layers=2)

@@ -1,5 +1,6 @@
 """The persistent compile cache: a second process starts its first step from it (graphtrain's pass results,
 Inductor's FX graphs, AOTAutograd), filled ahead of a job by `graphtrain precompile`."""
+
 from __future__ import annotations
 
 import json
@@ -9,14 +10,26 @@ import sys
 
 import pytest
 
-TINY = ["model.name=gpt2-tiny", "data.seq_len=32", "data.vocab_size=512", "data.max_bytes=300000",
-        "train.batch_size=2", "train.threads=1", "train.progress=false"]
+TINY = [
+    "model.name=gpt2-tiny",
+    "data.seq_len=32",
+    "data.vocab_size=512",
+    "data.max_bytes=300000",
+    "train.batch_size=2",
+    "train.threads=1",
+    "train.progress=false",
+]
 
 
 def _precompile(tmp_path, *items: str) -> dict:
     env = {**os.environ, "GRAPHTRAIN_CACHE": str(tmp_path / "cache")}
-    proc = subprocess.run([sys.executable, "-m", "graphtrain", "precompile", *TINY, *items, "--json"],
-                          capture_output=True, text=True, env=env, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, "-m", "graphtrain", "precompile", *TINY, *items, "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout)
 
@@ -46,8 +59,13 @@ def test_second_process_compiles_nothing_with_inductor(tmp_path):
 
 def test_precompile_refuses_a_job_that_compiles_nothing(tmp_path):
     env = {**os.environ, "GRAPHTRAIN_CACHE": str(tmp_path / "cache")}
-    proc = subprocess.run([sys.executable, "-m", "graphtrain", "precompile", *TINY, "train.accelerate=false"],
-                          capture_output=True, text=True, env=env, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "graphtrain", "precompile", *TINY, "train.accelerate=false"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert proc.returncode == 2 and "nothing to precompile" in proc.stderr, proc.stderr
 
 
@@ -61,8 +79,10 @@ def test_stored_graph_keeps_ops_without_inputs_random():
 
     from graphtrain.pipeline.cache import _decode_graph, _encode_graph
     from graphtrain.pipeline.stages import trace
-    gm = trace(fx.symbolic_trace(lambda x: torch.nn.functional.dropout(x, 0.5, True) + torch.arange(8.0)),
-               [torch.randn(8, 8)])
+
+    gm = trace(
+        fx.symbolic_trace(lambda x: torch.nn.functional.dropout(x, 0.5, True) + torch.arange(8.0)), [torch.randn(8, 8)]
+    )
     loaded = _decode_graph(pickle.loads(pickle.dumps(_encode_graph(gm))))
     x = torch.ones(8, 8)
     torch.manual_seed(0)
@@ -84,6 +104,7 @@ def test_stored_graph_keeps_a_size_node_inside_a_slice():
     import torch.fx as fx
 
     from graphtrain.pipeline.cache import _decode_graph, _encode_graph
+
     g = fx.Graph()
     x, n = g.placeholder("x"), g.placeholder("n")
     g.output(g.call_function(operator.getitem, (x, (slice(None, None, None), slice(0, n, None)))))
@@ -111,8 +132,12 @@ def test_cached_pass_failure_still_warns_and_reports(tmp_path, monkeypatch):
             torch._dynamo.reset()
             fallback._WARNED.clear()
             torch.manual_seed(0)
-            m = graphtrain.accelerate(build_model(ModelConfig(name="gpt2-tiny", dropout=0.0), vocab_size=512), provider="aten",
-                                      passes={"lower_gemm_onednn": True}, compile_blocks=False)
+            m = graphtrain.accelerate(
+                build_model(ModelConfig(name="gpt2-tiny", dropout=0.0), vocab_size=512),
+                provider="aten",
+                passes={"lower_gemm_onednn": True},
+                compile_blocks=False,
+            )
             with pytest.warns(fallback.GraphtrainFallbackWarning, match="lower_gemm_onednn"):
                 m(ids, ids)
             rep = graphtrain.report(m)
@@ -134,8 +159,13 @@ def test_the_pass_cache_key_names_what_is_compiled_not_where_or_how_loudly():
     x = torch.randn(2, 4)
     base = EngineConfig()
     key = pass_cache_key(gm, [x], ["input"], base)
-    for same in ({"fallback": "error"}, {"background_at_exit": "stop"}, {"compile_in_background": False},
-                 {"cache_dir": "/elsewhere"}, {"background_timeout": 5.0}):
+    for same in (
+        {"fallback": "error"},
+        {"background_at_exit": "stop"},
+        {"compile_in_background": False},
+        {"cache_dir": "/elsewhere"},
+        {"background_timeout": 5.0},
+    ):
         assert pass_cache_key(gm, [x], ["input"], dataclasses.replace(base, **same)) == key, same
     for other in ({"recompute": "selective"}, {"precision": "bf16"}, {"provider": "aten"}):
         assert pass_cache_key(gm, [x], ["input"], dataclasses.replace(base, **other)) != key, other
@@ -148,6 +178,7 @@ def test_the_source_digest_reads_folders_that_exist():
     from pathlib import Path
 
     from graphtrain.pipeline import cache
+
     root = Path(cache.__file__).resolve().parent.parent
     assert [name for name in cache._SOURCES if not (root / name).exists()] == []
     assert len(cache.source_digest()) == 64
@@ -174,6 +205,7 @@ def test_the_pass_cache_key_covers_the_dynamo_stage(monkeypatch):
 
     def other_hide_autograd_functions_pass(gm, ctx):
         return gm
+
     monkeypatch.setattr(manager._REGISTRY["hide_autograd_functions"], "fn", other_hide_autograd_functions_pass)
     assert pass_cache_key(gm, [x], ["input"], base) != key
 
@@ -184,6 +216,7 @@ def test_inductors_keys_carry_graphtrain_sources(monkeypatch):
     from graphtrain.config.sections import EngineConfig
     from graphtrain.pipeline import cache
     from graphtrain.runtime.providers import StagePasses
+
     passes = StagePasses(EngineConfig(provider="inductor"), rec=None, state=None)
     before = passes.uuid()
     assert passes.uuid() == before
@@ -211,12 +244,16 @@ def test_inductor_caches_are_keyed_by_graphtrain_sources(tmp_path, monkeypatch):
         torch._dynamo.reset()
         hits, misses = counters["aot_autograd"]["autograd_cache_hit"], counters["aot_autograd"]["autograd_cache_miss"]
         torch.manual_seed(0)
-        model = graphtrain.accelerate(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(),
-                                                          torch.nn.Linear(16, 4)),
-                                      provider="inductor", cache_dir=str(tmp_path / "cache"))
+        model = graphtrain.accelerate(
+            torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4)),
+            provider="inductor",
+            cache_dir=str(tmp_path / "cache"),
+        )
         model(torch.randn(3, 8)).square().sum().backward()
-        return (counters["aot_autograd"]["autograd_cache_hit"] - hits,
-                counters["aot_autograd"]["autograd_cache_miss"] - misses)
+        return (
+            counters["aot_autograd"]["autograd_cache_hit"] - hits,
+            counters["aot_autograd"]["autograd_cache_miss"] - misses,
+        )
 
     first = compile_once()
     assert first[1] > 0, first
@@ -256,6 +293,7 @@ def test_one_cache_keeps_fp32_and_bf16_autocast_graphs_apart(tmp_path):
     for order in (("fp32", "bf16"), ("bf16", "fp32")):
         env = {**os.environ, "GRAPHTRAIN_CACHE": str(tmp_path / "-".join(order)), "PYTHONWARNINGS": "ignore"}
         for precision in order:
-            r = subprocess.run([sys.executable, "-c", AUTOCAST_RUN, precision], capture_output=True, text=True,
-                               env=env, timeout=600)
+            r = subprocess.run(
+                [sys.executable, "-c", AUTOCAST_RUN, precision], capture_output=True, text=True, env=env, timeout=600
+            )
             assert r.returncode == 0 and "ok" in r.stdout, (order, precision, r.stderr[-3000:])

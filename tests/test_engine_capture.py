@@ -1,4 +1,5 @@
 """Capture edge cases: graph breaks, data-dependent code, shape changes, fallback policy, backend name."""
+
 from __future__ import annotations
 
 import copy
@@ -31,7 +32,7 @@ class MLP(nn.Module):
         if self.mode == "print":
             print("hidden mean computed")  # a graph break in the middle of forward
         elif self.mode == "item":
-            if h.sum().item() > 0:         # a branch on a tensor's value: data-dependent control flow
+            if h.sum().item() > 0:  # a branch on a tensor's value: data-dependent control flow
                 h = h * 2
         elif self.mode == "nonzero":
             h = h + h[h.nonzero(as_tuple=True)].sum()  # output shape depends on the data
@@ -86,11 +87,13 @@ def test_a_compiled_graph_that_raises_where_eager_runs_falls_back(policy, monkey
     fusion broadcast its mask wrongly) raised a shape error the user never wrote. Eager runs the same call, so the
     module falls back with a warning (or the `error` policy's error) instead of raising it."""
     from graphtrain.frontend import accelerate as api
+
     ref, m = _pair("plain", fallback=policy)
     x = torch.randn(4, 8)
 
     def broken(self, args, kwargs):
         raise RuntimeError("shape '[1024, 256]' is invalid for input of size 2097152")
+
     monkeypatch.setattr(api._CallWrapper, "_run_compiled", broken)
     if policy == "error":
         with pytest.raises(GraphtrainCaptureError, match="raised where eager runs"):
@@ -123,6 +126,7 @@ class _Identity(nn.Module):
 def test_a_call_that_compiles_no_graph_is_reported():
     m = graphtrain.accelerate(_Identity(), provider="aten")
     from graphtrain.config import fallback
+
     with pytest.warns(fallback.GraphtrainFallbackWarning, match="compiled no graph"):
         m(torch.randn(2))
     assert [part for part, _ in graphtrain.report(m).fallbacks] == ["capture of _Identity"]
@@ -178,6 +182,7 @@ def test_dynamic_shapes_on_a_hugging_face_model_compile_once():
     (TensorifyScalarRestartAnalysis), and graphtrain's fallbacks took that request for a failed compile: the model
     ran eagerly. One graph now serves every sequence length, like eager."""
     from graphtrain.bench.families import build_family
+
     ref, batch = build_family("gpt2", hidden=32, layers=2, vocab=101, batch=2, seq=24, dropout=False)
     m = graphtrain.accelerate(copy.deepcopy(ref), provider="aten", fallback="error", dynamic=True)
     graphs = []
@@ -206,6 +211,7 @@ def test_dynamic_shapes_keep_the_fusions_of_a_model_with_dropout():
     and with the same seed it computes what the static graphs compute (the fused dropouts draw the same masks)
     at every length, from one graph."""
     from graphtrain.bench.families import build_family
+
     ref, batch = build_family("gpt2", hidden=32, layers=2, vocab=101, batch=2, seq=24, dropout=True)
     dyn = graphtrain.accelerate(copy.deepcopy(ref), provider="aten", fallback="error", dynamic=True)
     static = graphtrain.accelerate(copy.deepcopy(ref), provider="aten", fallback="error")
@@ -234,10 +240,12 @@ def test_gemm_probe_reads_symbolic_sizes_without_guarding_them():
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
     from graphtrain.passes import lower_gemm
+
     env = ShapeEnv()
     mode = FakeTensorMode(shape_env=env)
-    a = mode.from_tensor(torch.randn(96, 32),
-                         symbolic_context=StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC] * 2))
+    a = mode.from_tensor(
+        torch.randn(96, 32), symbolic_context=StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC] * 2)
+    )
     b = mode.from_tensor(torch.randn(48, 32)).t()
     na, nb = torch.fx.Graph().placeholder("a"), torch.fx.Graph().placeholder("b")
     na.meta["val"], nb.meta["val"] = a, b
@@ -250,6 +258,7 @@ def test_failing_pass_falls_back_and_is_reported(monkeypatch):
 
     def broken(gm, ctx):
         raise RuntimeError("boom")
+
     monkeypatch.setattr(manager._REGISTRY["remove_noop_ops"], "fn", broken)
     ref, m = _pair("plain", fallback="silent")
     _step_both(ref, m, torch.randn(4, 8))
@@ -264,6 +273,7 @@ def test_provider_failure_falls_back_to_aten(monkeypatch):
 
     def broken(*a, **k):
         raise RuntimeError("no compiler here")
+
     monkeypatch.setitem(providers.PROVIDERS, "inductor", broken)
     torch.manual_seed(0)
     ref, m = MLP(), MLP()
@@ -279,6 +289,7 @@ def test_provider_failure_falls_back_to_aten(monkeypatch):
 
 def test_torch_compile_backend_name_and_entry_point():
     import importlib.metadata as md
+
     torch.manual_seed(0)
     ref, m = MLP(), MLP()
     m.load_state_dict(ref.state_dict())
@@ -296,6 +307,7 @@ def test_import_is_light_and_the_backend_name_still_resolves():
     "graphtrain" backend by name, and `accelerate` works, both in the same process."""
     import subprocess
     import sys
+
     code = (
         "import sys, torch, graphtrain\n"
         "assert 'torch._dynamo' not in sys.modules, 'import graphtrain loaded Dynamo'\n"
@@ -305,7 +317,8 @@ def test_import_is_light_and_the_backend_name_still_resolves():
         "assert 'graphtrain' in _COMPILER_FNS\n"
         "n = graphtrain.accelerate(torch.nn.Linear(4, 3), provider='aten')\n"
         "n(torch.randn(2, 4)).sum().backward()\n"
-        "print('ok')\n")
+        "print('ok')\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
 
@@ -315,8 +328,16 @@ def test_report_str_and_dict():
     m(torch.randn(4, 8)).sum().backward()
     rep = graphtrain.report(m)
     text = str(rep)
-    for section in ("time to first step", "parameters: trained", "graphs captured: 1", "graph breaks: 0",
-                    "recompiles: 0", "fallbacks: 0", "eliminate_dead_code", "saved activations"):
+    for section in (
+        "time to first step",
+        "parameters: trained",
+        "graphs captured: 1",
+        "graph breaks: 0",
+        "recompiles: 0",
+        "fallbacks: 0",
+        "eliminate_dead_code",
+        "saved activations",
+    ):
         assert section in text, text
     d = rep.to_dict()
     assert d["params"]["trained"] == sum(p.numel() for p in m.parameters()) and d["first_step_seconds"] > 0
@@ -328,8 +349,10 @@ def test_engine_cache_dir_receives_the_compile_cache(tmp_path, monkeypatch):
     import os
 
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
     monkeypatch.delenv("_GRAPHTRAIN_SET_CACHE", raising=False)
+
     class Tiny(nn.Module):
         def __init__(self):
             super().__init__()
@@ -337,6 +360,7 @@ def test_engine_cache_dir_receives_the_compile_cache(tmp_path, monkeypatch):
 
         def forward(self, x):
             return torch.nn.functional.gelu(self.lin(x))
+
     m = graphtrain.accelerate(Tiny(), provider="inductor", fallback="error", cache_dir=str(tmp_path / "cache"))
     m(torch.randn(4, 8)).sum().backward()
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "cache")

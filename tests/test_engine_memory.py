@@ -3,6 +3,7 @@ backward, resolved provider for stage passes, recompute/peak-memory report, repo
 
 The models here compile as one graph (compile_blocks=False): these tests compare the partitioner's modes on a
 whole model's graph; tests/test_engine_blocks.py covers models compiled block by block."""
+
 from __future__ import annotations
 
 import copy
@@ -21,9 +22,18 @@ from graphtrain.models import build_model
 from graphtrain.testing import assert_close, assert_grads_close
 
 # Fusion passes are other engineers' (with their own parity tests); these tests check the memory wiring.
-NO_FUSION = {n: False for n in ("fuse_attention", "fuse_cross_entropy", "fuse_linear_cross_entropy",
-                                "fuse_bias_dropout_add", "fuse_bias_gelu",
-                                "fuse_layer_norm", "fuse_rms_norm")}
+NO_FUSION = {
+    n: False
+    for n in (
+        "fuse_attention",
+        "fuse_cross_entropy",
+        "fuse_linear_cross_entropy",
+        "fuse_bias_dropout_add",
+        "fuse_bias_gelu",
+        "fuse_layer_norm",
+        "fuse_rms_norm",
+    )
+}
 
 
 @pytest.fixture(autouse=True)
@@ -44,6 +54,7 @@ class MLP(nn.Module):
 
 def _passes(**extra):
     from graphtrain.passes.manager import registered_passes
+
     return {k: v for k, v in {**NO_FUSION, **extra}.items() if k in registered_passes()}
 
 
@@ -51,12 +62,14 @@ def _passes(**extra):
 def boxed_graphs(monkeypatch):
     """Every fw/bw graph the aten provider hands to to_boxed (after the stage passes)."""
     import graphtrain.pipeline.stages as pipeline
+
     seen: list[torch.fx.GraphModule] = []
     real = pipeline.to_boxed
 
     def spy(gm):
         seen.append(gm)
         return real(gm)
+
     monkeypatch.setattr(pipeline, "to_boxed", spy)
     return seen
 
@@ -90,13 +103,16 @@ def test_aten_dropout_rng_matches_eager_and_backward_has_no_random_op(boxed_grap
     eager's and so would step 2's dropout. The recompute partitioner drops dead random ops that AOTAutograd's
     partitioners copy into the backward (rewrites.drop_dead_random_ops)."""
     ref = _gpt2_tiny()
-    m = graphtrain.accelerate(copy.deepcopy(ref), compile_blocks=False, provider="aten", fallback="error", passes=_passes())
+    m = graphtrain.accelerate(
+        copy.deepcopy(ref), compile_blocks=False, provider="aten", fallback="error", passes=_passes()
+    )
     losses_e, rng_e = _train(ref, 2)
     losses_g, rng_g = _train(m, 2)
     assert torch.equal(rng_g[0], rng_e[0])  # after one training step
     assert_close(losses_g, losses_e, name="losses", bitwise=True)  # step 2's dropout masks are eager's
-    backward = [g for g in boxed_graphs if any(n.op == "placeholder" and n.name.startswith("tangents_")
-                                               for n in g.graph.nodes)]
+    backward = [
+        g for g in boxed_graphs if any(n.op == "placeholder" and n.name.startswith("tangents_") for n in g.graph.nodes)
+    ]
     assert backward and not [n for g in backward for n in g.graph.nodes if is_random(n)]
     assert all(g._boxed_call for g in boxed_graphs)  # the backward frees saved activations at last use
     rec = graphtrain.report(m).graphs[0]
@@ -106,8 +122,9 @@ def test_aten_dropout_rng_matches_eager_and_backward_has_no_random_op(boxed_grap
 @pytest.mark.parametrize("mode", ["selective", "full"])
 def test_recompute_modes_through_accelerate(mode):
     ref = _gpt2_tiny()
-    m = graphtrain.accelerate(copy.deepcopy(ref), compile_blocks=False, provider="aten", fallback="error", recompute=mode,
-                              passes=_passes())
+    m = graphtrain.accelerate(
+        copy.deepcopy(ref), compile_blocks=False, provider="aten", fallback="error", recompute=mode, passes=_passes()
+    )
     for mod in (ref, m):
         torch.manual_seed(5)
         mod(*_batch(0)).backward()
@@ -123,6 +140,7 @@ def test_stage_passes_see_the_resolved_provider(monkeypatch):
     """With provider=auto choosing aten, inplace_elementwise (aten only) must run."""
     from graphtrain.runtime import provider_auto as choose
     from graphtrain.runtime import providers
+
     monkeypatch.setattr(providers, "resolve_provider", lambda config, ins: "aten")
     monkeypatch.setattr(choose, "CANDIDATES", ("aten",))
     torch.manual_seed(0)
@@ -139,6 +157,7 @@ def test_stage_passes_see_the_resolved_provider(monkeypatch):
 
 def test_report_shows_predicted_peak_by_component():
     from graphtrain.memory.predict import param_bytes
+
     m = graphtrain.accelerate(_gpt2_tiny(), compile_blocks=False, provider="aten", fallback="error", passes=_passes())
     m(*_batch(0)).backward()
     rep = graphtrain.report(m)
@@ -155,10 +174,17 @@ def test_inductor_recompute_mode_uses_graphtrain_partitioner():
     torch.manual_seed(0)
     base = MLP(0.1).train()
     passes = _passes(fuse_bias_dropout_add=True)
-    ref = graphtrain.accelerate(copy.deepcopy(base), compile_blocks=False, provider="aten", fallback="error",
-                                passes=passes)
-    m = graphtrain.accelerate(copy.deepcopy(base), compile_blocks=False, provider="inductor", fallback="error",
-                              recompute="selective", passes=passes)
+    ref = graphtrain.accelerate(
+        copy.deepcopy(base), compile_blocks=False, provider="aten", fallback="error", passes=passes
+    )
+    m = graphtrain.accelerate(
+        copy.deepcopy(base),
+        compile_blocks=False,
+        provider="inductor",
+        fallback="error",
+        recompute="selective",
+        passes=passes,
+    )
     x = torch.randn(16, 8)
     fx_cache = dict(counters["inductor"])
     for mod in (ref, m):
@@ -167,8 +193,10 @@ def test_inductor_recompute_mode_uses_graphtrain_partitioner():
     assert_grads_close(m, ref)
     # Inductor's FX-graph cache takes the partitioner (pickled as its uuid): before, its key failed to pickle, the
     # cache was bypassed with a warning per graph and a recompute job never started warm
-    used = {k: counters["inductor"][k] - fx_cache.get(k, 0) for k in ("fxgraph_cache_miss", "fxgraph_cache_hit",
-                                                                      "fxgraph_cache_bypass")}
+    used = {
+        k: counters["inductor"][k] - fx_cache.get(k, 0)
+        for k in ("fxgraph_cache_miss", "fxgraph_cache_hit", "fxgraph_cache_bypass")
+    }
     assert used["fxgraph_cache_miss"] + used["fxgraph_cache_hit"] > 0 and not used["fxgraph_cache_bypass"], used
     assert sum(r["rewrites"] for r in graphtrain.report(m).passes if r["name"] == "fuse_bias_dropout_add") >= 1
     g = graphtrain.report(m).graphs[0]
@@ -177,14 +205,21 @@ def test_inductor_recompute_mode_uses_graphtrain_partitioner():
 
 
 def test_inductor_refuses_aten_dropout_on_cpu_with_the_fix():
-    m = graphtrain.accelerate(MLP(0.1).train(), compile_blocks=False, provider="inductor", fallback="error",
-                              passes=_passes())
+    m = graphtrain.accelerate(
+        MLP(0.1).train(), compile_blocks=False, provider="inductor", fallback="error", passes=_passes()
+    )
     with pytest.raises(GraphtrainCaptureError, match="fuse_bias_dropout_add"):
         m(torch.randn(16, 8)).sum().backward()
     # provider auto leaves Inductor out of such a graph by rule (a note, not a fallback: no error, no warning);
     # measured before the first step here (the background compile's path: test_engine_tiered.py)
-    m = graphtrain.accelerate(MLP(0.1).train(), compile_blocks=False, provider="auto", fallback="error",
-                              passes=_passes(), compile_in_background=False)
+    m = graphtrain.accelerate(
+        MLP(0.1).train(),
+        compile_blocks=False,
+        provider="auto",
+        fallback="error",
+        passes=_passes(),
+        compile_in_background=False,
+    )
     m(torch.randn(16, 8)).sum().backward()
     rep = graphtrain.report(m)
     assert rep.graphs[0]["provider"] == "aten" and not rep.fallbacks
@@ -193,6 +228,7 @@ def test_inductor_refuses_aten_dropout_on_cpu_with_the_fix():
 
 def test_report_for_config(tmp_path, monkeypatch):
     from graphtrain.cli.jobs import report_for_config
+
     monkeypatch.setenv("GRAPHTRAIN_CACHE", str(tmp_path))
     cfg = {"model": {"name": "gpt2-tiny"}, "data": {"max_bytes": 300000, "vocab_size": 512}}
     # gpt2-tiny has 64 positions and data.seq_len defaults to 128: the Trainer's error, before any compile
@@ -219,12 +255,18 @@ def test_recompute_modes_with_default_fusion_bitwise_equal_to_none(model):
     args = (x, None, None, y) if ref.family == "bert" else (x, y)
     out = {}
     for mode in ("none", "selective", "full"):
-        m = graphtrain.accelerate(copy.deepcopy(ref), compile_blocks=False, provider="aten", fallback="error", recompute=mode)
+        m = graphtrain.accelerate(
+            copy.deepcopy(ref), compile_blocks=False, provider="aten", fallback="error", recompute=mode
+        )
         torch.manual_seed(5)
         loss = m(*args)
         loss.backward()
-        out[mode] = (loss.detach(), {n: p.grad for n, p in m.named_parameters()}, torch.get_rng_state(),
-                     graphtrain.report(m))
+        out[mode] = (
+            loss.detach(),
+            {n: p.grad for n, p in m.named_parameters()},
+            torch.get_rng_state(),
+            graphtrain.report(m),
+        )
     for mode in ("selective", "full"):
         assert_close(out[mode][0], out["none"][0], name=f"{mode} loss", bitwise=True)
         for n, gr in out[mode][1].items():
@@ -244,8 +286,12 @@ def test_full_size_attention_mask_not_saved():
     """fuse_attention passes a causal mask built as masked_fill(zeros_like(scores), ...): batch x heads x seq x
     seq floats that the backward reads. The partitioner rebuilds it at the bool mask's size (seq x seq)."""
     torch.manual_seed(0)
-    m = graphtrain.accelerate(build_model(ModelConfig(name="gpt2-tiny", dropout=0.1)).train(), compile_blocks=False, provider="aten",
-                              fallback="error")
+    m = graphtrain.accelerate(
+        build_model(ModelConfig(name="gpt2-tiny", dropout=0.1)).train(),
+        compile_blocks=False,
+        provider="aten",
+        fallback="error",
+    )
     B, T = 4, 64
     x = torch.randint(0, 512, (B, T))
     m(x, x).backward()
@@ -259,18 +305,34 @@ def test_auto_through_accelerate_picks_the_first_mode_that_fits():
     torch.manual_seed(0)
     ref = build_model(ModelConfig(name="gpt2-tiny", dropout=0.1)).train()
     x = torch.randint(0, 512, (8, 64))
-    m = graphtrain.accelerate(copy.deepcopy(ref), compile_blocks=False, provider="aten", fallback="error", recompute="auto", memory_budget=1e12)
+    m = graphtrain.accelerate(
+        copy.deepcopy(ref),
+        compile_blocks=False,
+        provider="aten",
+        fallback="error",
+        recompute="auto",
+        memory_budget=1e12,
+    )
     m(x, x).backward()
     r = graphtrain.report(m).graphs[0]["recompute"]
     assert r["chosen"] == "none" and [c["name"] for c in r["choices"]] == ["none"]
     peaks = {}
     for mode in ("none", "selective", "full"):
-        mm = graphtrain.accelerate(copy.deepcopy(ref), compile_blocks=False, provider="aten", fallback="error", recompute=mode)
+        mm = graphtrain.accelerate(
+            copy.deepcopy(ref), compile_blocks=False, provider="aten", fallback="error", recompute=mode
+        )
         mm(x, x).backward()
         peaks[mode] = graphtrain.report(mm).graphs[0]["predicted_memory"]["peak"]
     assert peaks["none"] > peaks["selective"] > peaks["full"], peaks
     budget = (peaks["selective"] + peaks["full"]) / 2  # only full fits
-    m = graphtrain.accelerate(copy.deepcopy(ref), compile_blocks=False, provider="aten", fallback="error", recompute="auto", memory_budget=budget)
+    m = graphtrain.accelerate(
+        copy.deepcopy(ref),
+        compile_blocks=False,
+        provider="aten",
+        fallback="error",
+        recompute="auto",
+        memory_budget=budget,
+    )
     m(x, x).backward()
     r = graphtrain.report(m).graphs[0]["recompute"]
     assert [c["name"] for c in r["choices"]] == ["none", "selective", "full"] and r["chosen"] == "full", r
@@ -281,14 +343,17 @@ def test_auto_through_accelerate_picks_the_first_mode_that_fits():
 def test_trainer_config_selects_layer_checkpointing(tmp_path, monkeypatch):
     """engine.recompute in a job config reaches the partitioner through the Trainer (report_for_config)."""
     from graphtrain.cli.jobs import report_for_config
+
     monkeypatch.setenv("GRAPHTRAIN_CACHE", str(tmp_path))
-    cfg = {"model": {"name": "gpt2-tiny"}, "data": {"max_bytes": 300000, "vocab_size": 512, "seq_len": 64},
-           "engine": {"provider": "aten", "recompute": "full"}}
+    cfg = {
+        "model": {"name": "gpt2-tiny"},
+        "data": {"max_bytes": 300000, "vocab_size": 512, "seq_len": 64},
+        "engine": {"provider": "aten", "recompute": "full"},
+    }
     rep = report_for_config(Config.from_dict(cfg))
     r = rep.graphs[0]["recompute"]
     assert r["mode"] == "full" and r["chosen"] == "full" and "1 of 2 layers checkpointed" in r["choices"][0]["what"]
     assert "layers checkpointed" in str(rep)
-
 
 
 @pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers not installed")
@@ -299,8 +364,18 @@ def test_recompute_auto_on_hugging_face_gpt2_at_a_tight_budget():
     graph break kept at HF's `warning_once` under recompute full/auto put the loss in a graph of its own, with an
     [N, V] gradient."""
     import transformers
-    cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=512, n_positions=64, resid_pdrop=0.0,
-                                  embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="sdpa")
+
+    cfg = transformers.GPT2Config(
+        n_layer=2,
+        n_embd=64,
+        n_head=2,
+        vocab_size=512,
+        n_positions=64,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        attn_implementation="sdpa",
+    )
     torch.manual_seed(0)
     ref = transformers.GPT2LMHeadModel(cfg).train()
     m = copy.deepcopy(ref)
@@ -323,15 +398,28 @@ def test_auto_with_fewer_layers_checkpointed_matches_eager():
     import dataclasses
 
     from graphtrain.models import GPT2, PRESETS
+
     torch.manual_seed(0)
     ref = GPT2(dataclasses.replace(PRESETS["gpt2-tiny"], n_layer=4, dropout=0.0)).train()
     x = torch.randint(0, 512, (4, 64), generator=torch.Generator().manual_seed(1))
-    sel = graphtrain.accelerate(copy.deepcopy(ref), compile_blocks=False, provider="aten", fallback="error",
-                                recompute="selective", memory_budget=1e12)
+    sel = graphtrain.accelerate(
+        copy.deepcopy(ref),
+        compile_blocks=False,
+        provider="aten",
+        fallback="error",
+        recompute="selective",
+        memory_budget=1e12,
+    )
     sel(x, x).backward()
     budget = graphtrain.report(sel).graphs[0]["recompute"]["choices"][0]["predicted_peak"] - 1
-    m = graphtrain.accelerate(copy.deepcopy(ref), compile_blocks=False, provider="aten", fallback="error",
-                              recompute="auto", memory_budget=budget)
+    m = graphtrain.accelerate(
+        copy.deepcopy(ref),
+        compile_blocks=False,
+        provider="aten",
+        fallback="error",
+        recompute="auto",
+        memory_budget=budget,
+    )
     losses = [mod(x, x) for mod in (ref, m)]
     for loss in losses:
         loss.backward()

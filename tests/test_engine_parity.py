@@ -1,4 +1,5 @@
 """graphtrain.accelerate matches eager PyTorch: outputs, every gradient, and 50-step loss curves."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -17,6 +18,7 @@ def _many_instances():
     # Every test builds new instances of the same classes; Dynamo counts their compiles per code object.
     with torch._dynamo.config.patch(recompile_limit=64):
         yield
+
 
 HAS_HF = importlib.util.find_spec("transformers") is not None
 HAS_MODELS = importlib.util.find_spec("graphtrain.models") is not None
@@ -78,13 +80,24 @@ def _loss(out):
 
 # The fusion engineers' passes (in flux in this checkout, with their own parity tests) are switched off
 # here: these tests check the engine itself (capture, cleanup passes, autodiff, partition, providers).
-ENGINE_ONLY = {name: False for name in ("fuse_attention", "fuse_cross_entropy", "fuse_linear_cross_entropy",
-                                        "fuse_bias_dropout_add",
-                                        "fuse_bias_gelu", "fuse_layer_norm", "fuse_rms_norm", "inplace_elementwise")}
+ENGINE_ONLY = {
+    name: False
+    for name in (
+        "fuse_attention",
+        "fuse_cross_entropy",
+        "fuse_linear_cross_entropy",
+        "fuse_bias_dropout_add",
+        "fuse_bias_gelu",
+        "fuse_layer_norm",
+        "fuse_rms_norm",
+        "inplace_elementwise",
+    )
+}
 
 
 def _pair(make, fallback="error", **accel):
     from graphtrain.passes.manager import registered_passes
+
     accel.setdefault("passes", {k: v for k, v in ENGINE_ONLY.items() if k in registered_passes()})
     torch.manual_seed(0)
     ref = make().train()
@@ -177,8 +190,15 @@ def test_hf_models_match_eager(family, attn):
         cfg = tf.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=512, n_positions=64, attn_implementation=attn)
         make = lambda: tf.GPT2LMHeadModel(cfg)  # noqa: E731
     else:
-        cfg = tf.BertConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=2, intermediate_size=128,
-                            vocab_size=512, max_position_embeddings=64, attn_implementation=attn)
+        cfg = tf.BertConfig(
+            num_hidden_layers=2,
+            hidden_size=64,
+            num_attention_heads=2,
+            intermediate_size=128,
+            vocab_size=512,
+            max_position_embeddings=64,
+            attn_implementation=attn,
+        )
         make = lambda: tf.BertForMaskedLM(cfg)  # noqa: E731
     ids = _ids(512)
     labels = torch.where(_ids(10, seed=3) < 2, ids, torch.full_like(ids, -100)) if family == "bert" else ids
@@ -212,12 +232,14 @@ def test_inductor_provider_within_tolerance():
     ATen's bernoulli, which graphtrain does not hand Inductor on CPU (providers.UnsuitableProvider: an in-place
     bernoulli_ can run after the kernel that reads its mask); Inductor with graphtrain's own dropout is checked in
     test_fusion_engine.py."""
+
     def make() -> TinyGPT:
         model = TinyGPT()
         for mod in model.modules():
             if isinstance(mod, nn.Dropout):
                 mod.p = 0.0
         return model
+
     ref, m = _pair(make, provider="inductor")
     curves = []
     for mod in (ref, m):

@@ -1,5 +1,6 @@
 """graphtrain export: safetensors, a Hugging Face folder and ONNX, each loaded by its consumer library and
 compared with the trained model's logits (fp32)."""
+
 from __future__ import annotations
 
 import pytest
@@ -10,9 +11,20 @@ from graphtrain.config.sections import Config
 from graphtrain.runs.export import export_run, load_run
 
 pytestmark = pytest.mark.usefixtures("tiny_env")
-TINY = ["data.seq_len=32", "data.vocab_size=512", "data.max_bytes=300000", "train.batch_size=2", "train.steps=2",
-        "train.eval_every=0", "train.eval_batches=1", "train.progress=false", "train.threads=1",
-        "train.accelerate=false", "train.sample_tokens=0", "train.loggers=[jsonl]"]
+TINY = [
+    "data.seq_len=32",
+    "data.vocab_size=512",
+    "data.max_bytes=300000",
+    "train.batch_size=2",
+    "train.steps=2",
+    "train.eval_every=0",
+    "train.eval_batches=1",
+    "train.progress=false",
+    "train.threads=1",
+    "train.accelerate=false",
+    "train.sample_tokens=0",
+    "train.loggers=[jsonl]",
+]
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +51,7 @@ def _ids(model, seed=3):
 @pytest.mark.parametrize("name", ["gpt2-tiny", "bert-tiny"])
 def test_safetensors_loads_into_the_same_architecture(runs, name, tmp_path):
     from safetensors.torch import load_file
+
     r = export_run(runs[name], "safetensors", tmp_path / "st")
     _, model, _ = load_run(runs[name])
     fresh = type(model)(model.spec, attention=model.attention)
@@ -53,6 +66,7 @@ def test_safetensors_loads_into_the_same_architecture(runs, name, tmp_path):
 @pytest.mark.parametrize("name,auto", [("gpt2-tiny", "AutoModelForCausalLM"), ("bert-tiny", "AutoModelForMaskedLM")])
 def test_hugging_face_folder_gives_the_same_logits(runs, name, auto, tmp_path):
     import transformers
+
     r = export_run(runs[name], "hf", tmp_path / "hf")
     loaded = getattr(transformers, auto).from_pretrained(tmp_path / "hf", local_files_only=True).eval()
     _, model, _ = load_run(runs[name])
@@ -65,6 +79,7 @@ def test_hugging_face_folder_gives_the_same_logits(runs, name, auto, tmp_path):
 
 def test_onnx_matches_pytorch_with_dynamic_axes(runs, tmp_path):
     import onnxruntime as ort
+
     r = export_run(runs["gpt2-tiny"], "onnx", tmp_path / "onnx")
     assert r["max_abs_diff"] <= 1e-4 and r["shapes_checked"][0] != r["shapes_checked"][1]
     _, model, _ = load_run(runs["gpt2-tiny"])
@@ -92,17 +107,23 @@ def llama_run(tmp_path_factory):
     another tokenizer, trained with graphtrain's own BPE (eos <|endoftext|> 0, pad [PAD] 1)."""
     transformers = pytest.importorskip("transformers")
     root = tmp_path_factory.mktemp("llama")
-    transformers.LlamaConfig(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                             num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
-                             architectures=["LlamaForCausalLM"]).save_pretrained(root / "cfg")
+    transformers.LlamaConfig(
+        vocab_size=512,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        architectures=["LlamaForCausalLM"],
+    ).save_pretrained(root / "cfg")
     mp = pytest.MonkeyPatch()
     cache = tmp_path_factory.getbasetemp() / "graphtrain-cache"
     cache.mkdir(exist_ok=True)
     mp.setenv("GRAPHTRAIN_CACHE", str(cache))
     threads = torch.get_num_threads()
     run = root / "run"
-    Trainer(Config().with_overrides([*TINY, f"model.hf={root / 'cfg' / 'config.json'}",
-                                     f"train.out_dir={run}"])).fit()
+    Trainer(Config().with_overrides([*TINY, f"model.hf={root / 'cfg' / 'config.json'}", f"train.out_dir={run}"])).fit()
     torch.set_num_threads(threads)
     yield run
     mp.undo()
@@ -114,6 +135,7 @@ def test_hf_export_of_a_model_hf_run_generates_and_stops_at_eos(llama_run, tmp_p
     import json
 
     import transformers
+
     r = export_run(llama_run, "hf", tmp_path / "hf")
     tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf", local_files_only=True)
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True).eval()
@@ -137,10 +159,11 @@ def test_hf_export_of_a_model_hf_run_generates_and_stops_at_eos(llama_run, tmp_p
             logits = logits.clone()
             logits[..., eos] += 1e4
         return logits
+
     model.lm_head.register_forward_hook(favour_eos)
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=20, do_sample=False)
-    new = out[0, ids.shape[1]:].tolist()
+    new = out[0, ids.shape[1] :].tolist()
     assert len(new) == 3 and new[-1] == eos and eos not in new[:-1], new
     text = tok.decode(new, skip_special_tokens=True)
     assert "<|endoftext|>" not in text

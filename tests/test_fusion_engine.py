@@ -7,6 +7,7 @@ backward graph view()ed a contiguous dq as if transposed ("view size is not comp
 and Inductor asserted on the stride ("expected stride 8192==64"). tests/test_kernels_fake_strides.py
 checks fake-vs-real metadata op by op.
 """
+
 from __future__ import annotations
 
 import copy
@@ -26,8 +27,9 @@ EXPECTED_FUSIONS = ("fuse_attention", "fuse_layer_norm", "fuse_bias_gelu", "fuse
 # Every fusion switched on explicitly: by default the norm/GELU/cross-entropy fusions are on under the aten
 # provider only; under Inductor they are only detected and left to its codegen (see their register_pass
 # comments for the measurements).
-ALL_FUSIONS = {name: True for name in (*EXPECTED_FUSIONS, "fuse_cross_entropy", "fuse_rms_norm",
-                                        "fuse_bias_dropout_add")}
+ALL_FUSIONS = {
+    name: True for name in (*EXPECTED_FUSIONS, "fuse_cross_entropy", "fuse_rms_norm", "fuse_bias_dropout_add")
+}
 
 
 def _ids(shape=(2, 16), seed=1, high=VOCAB):
@@ -44,20 +46,39 @@ def _make(kind: str, dropout: float = 0.0):
     if kind in ("gpt2-tiny", "bert-tiny"):
         from graphtrain.config.sections import ModelConfig
         from graphtrain.models import build_model
+
         m = build_model(ModelConfig(name=kind, dropout=dropout))
         kw = {"input_ids": ids, "labels": ids}
         if kind == "bert-tiny":
             kw = {"input_ids": ids, "attention_mask": mask, "labels": mlm_labels}
         return m, kw, "error"
     import transformers as tf
+
     if kind == "hf-gpt2":
-        cfg = tf.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=VOCAB, n_positions=64, resid_pdrop=dropout,
-                            embd_pdrop=dropout, attn_pdrop=dropout, attn_implementation="eager")
+        cfg = tf.GPT2Config(
+            n_layer=2,
+            n_embd=64,
+            n_head=2,
+            vocab_size=VOCAB,
+            n_positions=64,
+            resid_pdrop=dropout,
+            embd_pdrop=dropout,
+            attn_pdrop=dropout,
+            attn_implementation="eager",
+        )
         m, kw = tf.GPT2LMHeadModel(cfg), {"input_ids": ids, "labels": ids}
     else:
-        cfg = tf.BertConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=2, intermediate_size=128,
-                            vocab_size=VOCAB, max_position_embeddings=64, hidden_dropout_prob=dropout,
-                            attention_probs_dropout_prob=dropout, attn_implementation="eager")
+        cfg = tf.BertConfig(
+            num_hidden_layers=2,
+            hidden_size=64,
+            num_attention_heads=2,
+            intermediate_size=128,
+            vocab_size=VOCAB,
+            max_position_embeddings=64,
+            hidden_dropout_prob=dropout,
+            attention_probs_dropout_prob=dropout,
+            attn_implementation="eager",
+        )
         m, kw = tf.BertForMaskedLM(cfg), {"input_ids": ids, "attention_mask": mask, "labels": mlm_labels}
     m.train()
     # HF's forward logs a warning_once (a graph break, as under torch.compile): fallback=silent allows it
@@ -98,8 +119,9 @@ def check_parity(kind: str, provider: str, steps: int = 2):
     counts = _rewrites(m)
     # the loss is fused by one of the two cross-entropy passes: with its LM head where the head is in the same
     # graph (HF GPT-2's forward breaks the graph between head and loss under Dynamo, so there it is the plain one)
-    counts["fuse_linear_cross_entropy"] = (counts.get("fuse_linear_cross_entropy", 0)
-                                           + counts.get("fuse_cross_entropy", 0))
+    counts["fuse_linear_cross_entropy"] = counts.get("fuse_linear_cross_entropy", 0) + counts.get(
+        "fuse_cross_entropy", 0
+    )
     missing = [f for f in EXPECTED_FUSIONS if counts.get(f, 0) == 0]
     assert not missing, f"{kind}: no rewrites by {missing}: {counts}"
 
@@ -126,6 +148,7 @@ def test_hf_gpt2_tanh_gelu_runs_in_cpp_under_inductor():
     """lower_gelu_tanh: HF GPT-2's spelled-out tanh GELU (NewGELU) goes to graphtrain::bias_gelu's C++ kernel under
     Inductor, one per layer; loss and gradients match eager within the fp32 tolerance table."""
     from graphtrain.kernels import _cpu_ext
+
     if _cpu_ext.load() is None:
         pytest.skip(f"no C++ compiler: {_cpu_ext.build_error()}")
     ref, kw, fallback = _make("hf-gpt2")
@@ -135,6 +158,7 @@ def test_hf_gpt2_tanh_gelu_runs_in_cpp_under_inductor():
     assert_grads_close(m, ref)
     passes = {r["name"]: r for r in graphtrain.report(m).passes}
     from graphtrain.kernels.bias_gelu import gelu_tanh_probe
+
     wins = gelu_tanh_probe()["cpp_wins"]  # lowered only where the C++ kernel measured faster than aten's tanh
     assert passes["lower_gelu_tanh"]["rewrites"] == (2 if wins else 0), passes["lower_gelu_tanh"]  # one a layer
     assert passes["fuse_bias_gelu"]["rewrites"] == (0 if wins else 2)  # the rest is left to Inductor's GELU
@@ -208,14 +232,16 @@ def test_mlm_head_becomes_linear_bias_cross_entropy(kind="bert-tiny"):
     from graphtrain.passes.fuse_cross_entropy import fuse_linear_cross_entropy_pass
     from graphtrain.passes.manager import PassContext
     from graphtrain.pipeline.trace import trace_aten_forward
+
     m, kw, _ = _make(kind)
     named = dict(m.named_parameters())
     keys = ("input_ids", "attention_mask", "labels")
 
     def fn(*a):
-        state = dict(zip(named, a[:len(named)]))
-        out = torch.func.functional_call(m, state, (), dict(zip(keys, a[len(named):])))
+        state = dict(zip(named, a[: len(named)]))
+        out = torch.func.functional_call(m, state, (), dict(zip(keys, a[len(named) :])))
         return out if isinstance(out, torch.Tensor) else out.loss
+
     gm = trace_aten_forward(fn, [p.detach() for p in named.values()] + [kw[k] for k in keys])
     ctx = PassContext(config=graphtrain.EngineConfig(provider="aten"), stage="pre_autodiff")
     gm = fuse_linear_cross_entropy_pass(gm, ctx)
@@ -253,4 +279,5 @@ def test_sdpa_without_dropout_runs_head_by_head_where_its_layout_allows(contiguo
     notes = [n for p in graphtrain.report(m).passes if p["name"] == "fuse_attention" for n in p["notes"]]
     moved = any("moved to graphtrain's head-by-head attention kernel" in n for n in notes)
     from graphtrain.kernels import _cpu_ext
+
     assert moved == (not contiguous_q and _cpu_ext.load() is not None), notes

@@ -1,4 +1,5 @@
 """Fusion passes on real-world spellings: rewrite counts and forward+backward parity before vs after."""
+
 from __future__ import annotations
 
 import math
@@ -12,8 +13,15 @@ from graphtrain.passes.manager import PassContext, registered_passes
 from graphtrain.pipeline.trace import trace_aten_forward
 from graphtrain.testing import assert_close
 
-FUSIONS = ["fuse_layer_norm", "fuse_rms_norm", "fuse_attention", "fuse_bias_gelu", "fuse_bias_dropout_add",
-           "fuse_linear_cross_entropy", "fuse_cross_entropy"]
+FUSIONS = [
+    "fuse_layer_norm",
+    "fuse_rms_norm",
+    "fuse_attention",
+    "fuse_bias_gelu",
+    "fuse_bias_dropout_add",
+    "fuse_linear_cross_entropy",
+    "fuse_cross_entropy",
+]
 
 
 def run_passes(gm, names=FUSIONS):
@@ -59,15 +67,30 @@ def hf_model(kind, impl, dropout=0.0, layers=2):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     if kind == "gpt2":
-        cfg = transformers.GPT2Config(n_layer=layers, n_embd=32, n_head=2, vocab_size=61, n_positions=16,
-                                      resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
-                                      attn_implementation=impl)
+        cfg = transformers.GPT2Config(
+            n_layer=layers,
+            n_embd=32,
+            n_head=2,
+            vocab_size=61,
+            n_positions=16,
+            resid_pdrop=dropout,
+            embd_pdrop=dropout,
+            attn_pdrop=dropout,
+            attn_implementation=impl,
+        )
         m = transformers.GPT2LMHeadModel(cfg)
     else:
-        cfg = transformers.BertConfig(num_hidden_layers=layers, hidden_size=32, num_attention_heads=2,
-                                      intermediate_size=48, vocab_size=61, max_position_embeddings=16,
-                                      hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout,
-                                      attn_implementation=impl)
+        cfg = transformers.BertConfig(
+            num_hidden_layers=layers,
+            hidden_size=32,
+            num_attention_heads=2,
+            intermediate_size=48,
+            vocab_size=61,
+            max_position_embeddings=16,
+            hidden_dropout_prob=dropout,
+            attention_probs_dropout_prob=dropout,
+            attn_implementation=impl,
+        )
         m = transformers.BertForMaskedLM(cfg)
     m.train()
     names = [k for k, _ in m.named_parameters()] + [k for k, _ in m.named_buffers()]
@@ -75,8 +98,10 @@ def hf_model(kind, impl, dropout=0.0, layers=2):
     n = len(ts)
 
     def f(*a):
-        return torch.func.functional_call(m, dict(zip(names, a[:n])), (a[n],), {"labels": a[n + 1]},
-                                          tie_weights=True).loss
+        return torch.func.functional_call(
+            m, dict(zip(names, a[:n])), (a[n],), {"labels": a[n + 1]}, tie_weights=True
+        ).loss
+
     ids = torch.randint(0, 61, (2, 7))
     labels = ids.clone()
     labels[0, :2] = -100
@@ -93,16 +118,41 @@ def test_hf_models_every_op_fused(kind, impl):
     # that runs it (fp32, causal (GPT-2), no mask, batch x heads = 4 at least the threads, the C++ kernels built),
     # else kept
     from graphtrain.kernels import _cpu_ext
-    heads = (kind == "gpt2" and _cpu_ext.load() is not None and _cpu_ext.load().attn_heads_available()
-             and torch.get_num_threads() <= 4)
+
+    heads = (
+        kind == "gpt2"
+        and _cpu_ext.load() is not None
+        and _cpu_ext.load().attn_heads_available()
+        and torch.get_num_threads() <= 4
+    )
     attention = 2 if impl == "eager" or heads else 0
-    after, _ = check_parity(f, inputs, {"fuse_layer_norm": ln, "fuse_attention": attention, "fuse_bias_gelu": gelu,
-                                        "fuse_linear_cross_entropy": 1, "fuse_cross_entropy": 0})
+    after, _ = check_parity(
+        f,
+        inputs,
+        {
+            "fuse_layer_norm": ln,
+            "fuse_attention": attention,
+            "fuse_bias_gelu": gelu,
+            "fuse_linear_cross_entropy": 1,
+            "fuse_cross_entropy": 0,
+        },
+    )
     ops = graph_ops(after)
     flash = [n for n in after.graph.nodes if str(n.target).startswith("aten._scaled_dot_product_flash_attention")]
     assert len(flash) == (0 if impl == "eager" or heads else 2), ops
-    assert not any(o.startswith(("aten._softmax", "aten._safe_softmax", "aten.native_layer_norm", "aten.tanh",
-                                 "aten.gelu", "aten._log_softmax")) for o in ops), ops
+    assert not any(
+        o.startswith(
+            (
+                "aten._softmax",
+                "aten._safe_softmax",
+                "aten.native_layer_norm",
+                "aten.tanh",
+                "aten.gelu",
+                "aten._log_softmax",
+            )
+        )
+        for o in ops
+    ), ops
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "bert"])
@@ -131,16 +181,18 @@ class HandAttention(torch.nn.Module):
             s = q @ k.transpose(-2, -1) / math.sqrt(6)
             s = s.masked_fill(torch.ones(S, S, dtype=torch.bool).triu(1), float("-inf"))
         elif self.style == "where":
-            s = torch.matmul(q * 6 ** -0.25, (k * 6 ** -0.25).transpose(2, 3))
+            s = torch.matmul(q * 6**-0.25, (k * 6**-0.25).transpose(2, 3))
             s = torch.where(pad[:, None, None, :] > 0, s, torch.finfo(s.dtype).min)
         elif self.style == "bmm_view_mask":  # DeBERTa: [B*H, S, S] scores viewed as [B, H, S, S] to meet a
             # [B, 1, S, S] mask, the probabilities viewed back for the second bmm
             s = torch.bmm(q.reshape(B * 4, S, 6), k.reshape(B * 4, S, 6).transpose(-1, -2) / math.sqrt(6))
             s = s.view(-1, 4, S, S).masked_fill(~(pad[:, None, None, :] > 0), torch.finfo(s.dtype).min)
             p = F.softmax(s, dim=-1)
-            return torch.bmm(p.view(-1, S, S), v.reshape(B * 4, S, 6)).view(B, 4, S, 6).transpose(1, 2).reshape(B, S, 24)
+            return (
+                torch.bmm(p.view(-1, S, S), v.reshape(B * 4, S, 6)).view(B, 4, S, 6).transpose(1, 2).reshape(B, S, 24)
+            )
         elif self.style == "bmm_additive":
-            s = torch.bmm(q.reshape(B * 4, S, 6), k.reshape(B * 4, S, 6).transpose(1, 2)) * 6 ** -0.5
+            s = torch.bmm(q.reshape(B * 4, S, 6), k.reshape(B * 4, S, 6).transpose(1, 2)) * 6**-0.5
             p = F.softmax(s, dim=-1)
             return torch.bmm(p, v.reshape(B * 4, S, 6)).view(B, 4, S, 6).sum()
         p = F.softmax(s, dim=-1)
@@ -155,6 +207,7 @@ def test_attention_hand_written(style):
 
     def f(w, b, x, pad):
         return torch.func.functional_call(m, {"qkv.weight": w, "qkv.bias": b}, (x, pad))
+
     pad = torch.ones(2, 5)
     pad[1, 3:] = 0
     check_parity(f, params + [torch.randn(2, 5, 24), pad], {"fuse_attention": 1})
@@ -163,16 +216,19 @@ def test_attention_hand_written(style):
 def test_attention_mask_that_meets_other_scores_not_fused():
     """Scores viewed so that the mask's batch is not the bmm's leading split: no fused op (it would broadcast the
     mask against the wrong axis); the graph stays eager's."""
+
     def f(q, k, v, mask):
         s = torch.bmm(q, k.transpose(1, 2)).view(2, 3, 4, 4).transpose(0, 1)  # [3, 2, 4, 4]: heads first
         p = F.softmax(s + mask, -1).transpose(0, 1).reshape(6, 4, 4)
         return torch.bmm(p, v)
+
     check_parity(f, [torch.randn(6, 4, 5) for _ in range(3)] + [torch.randn(3, 1, 4, 4)], {"fuse_attention": 0})
 
 
 def test_attention_learned_bias_not_fused():
     def f(q, k, v, bias):
         return F.softmax(q @ k.transpose(-1, -2) * 0.5 + bias, -1) @ v
+
     ins = [torch.randn(1, 2, 4, 3) for _ in range(3)] + [torch.randn(2, 4, 4)]
     gm = trace_aten_forward(f, ins)
     ctx = PassContext(EngineConfig(), "pre_autodiff", input_kinds=["input"] * 3 + ["param"])
@@ -189,6 +245,7 @@ def test_layer_norm_and_rms_norm_hand_written():
         y2 = (x - mu) * torch.rsqrt(var2 + 1e-6)
         rms = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-6) * w
         return F.layer_norm(rms + y2, (13,), w, None)
+
     ins = [torch.randn(3, 5, 13), torch.randn(13), torch.randn(13)]
     after, counts = check_parity(ln, ins, {"fuse_layer_norm": 3, "fuse_rms_norm": 1})
 
@@ -201,9 +258,12 @@ def test_gelu_spellings_and_bias_from_linear():
         h2 = x @ w2.t() + b2
         g3 = h2 * 0.5 * (1.0 + torch.erf(h2 / math.sqrt(2.0)))
         return g1 + g2 + g3 + F.gelu(F.linear(x, w2, b2), approximate="tanh")
+
     ins = [torch.randn(2, 3, 8), torch.randn(6, 8), torch.randn(6), torch.randn(6, 8), torch.randn(6)]
     after, counts = check_parity(f, ins, {"fuse_bias_gelu": 4})
-    biased = [n for n in after.graph.nodes if n.target == torch.ops.graphtrain.bias_gelu.default and n.args[1] is not None]
+    biased = [
+        n for n in after.graph.nodes if n.target == torch.ops.graphtrain.bias_gelu.default and n.args[1] is not None
+    ]
     assert len(biased) >= 2  # aten.gelu after F.linear, and the erf formula after the explicit add
 
 
@@ -214,6 +274,7 @@ def test_bias_dropout_add_pass_semantics():
 
     def f(x, w, b, r):
         return F.dropout(F.linear(x, w, b), p, True) + r
+
     x, w, b, r = torch.randn(16, 8), torch.randn(12, 8), torch.randn(12), torch.randn(16, 12)
     gm, counts = run_passes(trace_aten_forward(f, [x, w, b, r]))
     assert counts["fuse_bias_dropout_add"] == 1
@@ -242,15 +303,22 @@ def test_cross_entropy_and_linear_cross_entropy():
     def lce_logits_used(h, w, t):
         logits = h @ w.t()
         return F.cross_entropy(logits, t) + logits.mean()
+
     t = torch.randint(0, 17, (10,))
     t[3] = -1
     after, _ = check_parity(ce, [torch.randn(10, 17), t], {"fuse_cross_entropy": 1})
     assert any(n.target == torch.ops.graphtrain.cross_entropy.default for n in after.graph.nodes)
-    after, _ = check_parity(lce, [torch.randn(2, 5, 9), torch.randn(17, 9), torch.randint(0, 17, (2, 5))],
-                            {"fuse_linear_cross_entropy": 1, "fuse_cross_entropy": 0})
+    after, _ = check_parity(
+        lce,
+        [torch.randn(2, 5, 9), torch.randn(17, 9), torch.randint(0, 17, (2, 5))],
+        {"fuse_linear_cross_entropy": 1, "fuse_cross_entropy": 0},
+    )
     assert any(n.target == torch.ops.graphtrain.linear_cross_entropy.default for n in after.graph.nodes)
-    after, _ = check_parity(lce_logits_used, [torch.randn(10, 9), torch.randn(17, 9), torch.randint(0, 17, (10,))],
-                            {"fuse_linear_cross_entropy": 0, "fuse_cross_entropy": 1})
+    after, _ = check_parity(
+        lce_logits_used,
+        [torch.randn(10, 9), torch.randn(17, 9), torch.randint(0, 17, (10,))],
+        {"fuse_linear_cross_entropy": 0, "fuse_cross_entropy": 1},
+    )
     assert not any(n.target == torch.ops.graphtrain.linear_cross_entropy.default for n in after.graph.nodes)
 
 
@@ -258,16 +326,19 @@ def test_linear_cross_entropy_with_a_bias():
     """An LM head with a bias becomes graphtrain::linear_bias_cross_entropy in both spellings: a Linear with bias
     (addmm, Hugging Face BERT's decoder) and a tied matmul plus a separate bias (graphtrain BERT's MLM head), with
     ignored (-100) rows; forward and backward (hidden, weight and bias) match the unfused graph."""
+
     def addmm_head(h, w, b, t):
         return F.cross_entropy(F.linear(h, w, b).view(-1, 17), t.view(-1))
 
     def mm_plus_bias(h, w, b, t):
         return F.cross_entropy((F.linear(h, w) + b).view(-1, 17), t.view(-1))
+
     t = torch.randint(0, 17, (2, 5))
     t[0, 1] = t[1, 3] = -100
     for fn in (addmm_head, mm_plus_bias):
-        after, _ = check_parity(fn, [torch.randn(2, 5, 9), torch.randn(17, 9), torch.randn(17), t],
-                                {"fuse_linear_cross_entropy": 1})
+        after, _ = check_parity(
+            fn, [torch.randn(2, 5, 9), torch.randn(17, 9), torch.randn(17), t], {"fuse_linear_cross_entropy": 1}
+        )
         assert any(n.target == torch.ops.graphtrain.linear_bias_cross_entropy.default for n in after.graph.nodes)
 
 
@@ -289,11 +360,14 @@ def test_a_returned_head_fuses_into_the_op_that_returns_its_logits():
     def returned_differentiable(h, w, b, t):
         logits = F.linear(h, w)
         return F.cross_entropy(logits.view(-1, 17), t.view(-1)), logits
+
     t = torch.randint(0, 17, (2, 5))
     t[0, 1] = -100
     inputs = [torch.randn(2, 5, 9), torch.randn(17, 9), torch.randn(17), t]
-    for fn, op in ((returned, torch.ops.graphtrain.linear_cross_entropy_logits.default),
-                   (returned_bias, torch.ops.graphtrain.linear_bias_cross_entropy_logits.default)):
+    for fn, op in (
+        (returned, torch.ops.graphtrain.linear_cross_entropy_logits.default),
+        (returned_bias, torch.ops.graphtrain.linear_bias_cross_entropy_logits.default),
+    ):
         after, _ = check_parity(fn, inputs, {"fuse_linear_cross_entropy": 1, "fuse_cross_entropy": 0})
         assert any(n.target == op for n in after.graph.nodes)
         assert_close(after(*inputs)[1], trace_aten_forward(fn, inputs)(*inputs)[1], name="returned logits")
@@ -304,6 +378,7 @@ def test_a_returned_head_fuses_into_the_op_that_returns_its_logits():
 def test_linear_bias_cross_entropy_kernel_matches_reference():
     from graphtrain.kernels import linear_cross_entropy
     from graphtrain.kernels.linear_cross_entropy import linear_cross_entropy_reference
+
     torch.manual_seed(0)
     h, w, b = (torch.randn(*s, dtype=torch.float64, requires_grad=True) for s in ((7, 5), (11, 5), (11,)))
     t = torch.randint(0, 11, (7,))
@@ -322,6 +397,7 @@ def test_linear_bias_cross_entropy_kernel_matches_reference():
 
 def test_passes_registered_and_switchable():
     from graphtrain.passes.manager import pipeline
+
     names = [s.name for s in pipeline("pre_autodiff", EngineConfig(provider="aten"))]
     for n in FUSIONS:  # every fusion is on by default for the aten provider
         assert n in names
@@ -336,6 +412,7 @@ def test_sparse_lm_head_skips_unlabelled_rows_and_is_switchable(monkeypatch):
     (masked-LM: most of them). Same loss and gradients either way; the LM-head matmul sees only the labelled
     rows with the pass on, all rows with it off."""
     import importlib
+
     lce = importlib.import_module("graphtrain.kernels.linear_cross_entropy")  # the package re-exports a function
     rows_seen = []
     real = lce.matmul
@@ -343,6 +420,7 @@ def test_sparse_lm_head_skips_unlabelled_rows_and_is_switchable(monkeypatch):
 
     def head(h, w, b, t):
         return F.cross_entropy((F.linear(h, w) + b).view(-1, 17), t.view(-1))
+
     g = torch.Generator().manual_seed(4)
     t = torch.randint(0, 17, (3, 20), generator=g)
     t[torch.rand(3, 20, generator=g) > 0.2] = -100

@@ -15,6 +15,7 @@ divide, mismatched lengths or head sizes) must raise, never crash or return numb
 The fast paths run under the `error` fallback policy, and the parent checks that each CPU path (head by head, flash,
 batched matmul + C++) ran on some examples.
 """
+
 from __future__ import annotations
 
 import os
@@ -30,20 +31,29 @@ listed here the fuzzing steers clear of its inputs. When a fix lands its xfail t
 then delete the test's xfail mark and the name here, and the fuzzing covers those inputs again."""
 
 
-@pytest.mark.parametrize("budget", [pytest.param("default", id="default"),
-                                    pytest.param("slow", id="slow", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "budget", [pytest.param("default", id="default"), pytest.param("slow", id="slow", marks=pytest.mark.slow)]
+)
 def test_fuzz_attention_in_a_child_process(budget):
     pytest.importorskip("hypothesis")
-    r = subprocess.run([sys.executable, __file__, budget], capture_output=True, text=True, timeout=1800,
-                       cwd=os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run(
+        [sys.executable, __file__, budget],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        cwd=os.path.dirname(os.path.abspath(__file__)),
+    )
     tail = (r.stdout[-4000:] + "\n" + r.stderr[-6000:]).strip()
     if r.returncode < 0:
         last = [ln for ln in r.stdout.splitlines() if ln.startswith("example ")][-1:]
-        pytest.fail(f"attention fuzzing crashed the process with {signal.Signals(-r.returncode).name} at "
-                    f"{last[0] if last else 'the start'}\n{tail}")
+        pytest.fail(
+            f"attention fuzzing crashed the process with {signal.Signals(-r.returncode).name} at "
+            f"{last[0] if last else 'the start'}\n{tail}"
+        )
     assert r.returncode == 0, tail
     paths = {ln.split(" ", 1)[1] for ln in r.stdout.splitlines() if ln.startswith("path ")}
     from graphtrain.kernels import _cpu_ext
+
     expected = {"attention cpu flash", "attention_backward cpu flash"}
     if _cpu_ext.load() is not None:
         expected |= {"attention c++ heads", "attention_backward c++ heads", "attention c++", "attention_backward c++"}
@@ -52,10 +62,12 @@ def test_fuzz_attention_in_a_child_process(budget):
 
 # --- the bugs the fuzzing found, each in its smallest form -------------------------------------------------------
 
+
 @pytest.fixture
 def error_policy():
     import graphtrain.kernels  # noqa: F401  (registers the ops)
     from graphtrain.config import fallback
+
     before = fallback.policy()
     fallback.set_policy("error")
     yield
@@ -74,20 +86,23 @@ def _assert_child_ok(r: subprocess.CompletedProcess) -> None:
 def test_known_bug_flash_with_strided_head_dim():
     """Fixed: the "cpu flash" path handed aten's CPU flash kernel q, k, v with a strided D, which it assumes unit
     (NaN or run-to-run varying numbers); the op now makes D unit-stride first."""
-    _assert_child_ok(_run_child("""
+    _assert_child_ok(
+        _run_child("""
 from graphtrain.kernels.attention import attention_reference
 q, k, v = (torch.randn(1, 64, 13, 2).permute(0, 3, 2, 1) for _ in range(3))  # [1, 2, 13, 64], D strided
 out = torch.ops.graphtrain.attention(q, k, v, None, 0.125, False, 0.0)[0]
 ref = attention_reference(q, k, v, None, 0.125, False, 0.0, torch.zeros(1, dtype=torch.long))[0]
 assert torch.allclose(out, ref, atol=1e-5), (out - ref).abs().max()
 print("ok")
-"""))
+""")
+    )
 
 
 def test_known_bug_flash_with_dv_unlike_d(error_policy):  # in process: aten raises before it reads anything
     """Fixed: _cpu_flash_ok took v with another head size than q and k, which aten's flash kernel refuses (and the
     fallback then switched the path off); the gate now requires one head size."""
     import torch
+
     q, k, v = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 4)
     assert torch.ops.graphtrain.attention(q, k, v, None, 0.3, False, 0.0)[0].shape == (1, 2, 3, 4)
 
@@ -96,6 +111,7 @@ def test_known_bug_heads_gate_and_size_one_dims(error_policy):  # in process: th
     """Fixed: the head-by-head gate judged a canonical contiguous layout while .contiguous() kept a size-1 dim's
     stride, so the C++ check refused what the gate took; the copy now has canonical strides."""
     import torch
+
     q, k = torch.randn(1, 4, 1, 3), torch.randn(1, 2, 1, 3)
     v = torch.randn(1, 1, 1, 2).permute(0, 3, 1, 2)  # [1, 2, 1, 1], strides (2, 1, 2, 2)
     assert torch.ops.graphtrain.attention(q, k, v, None, 0.3, False, 0.2)[0].shape == (1, 4, 1, 1)
@@ -104,7 +120,8 @@ def test_known_bug_heads_gate_and_size_one_dims(error_policy):  # in process: th
 def test_known_bug_flash_takes_mismatched_shapes():
     """Fixed: graphtrain::attention called directly with k/v shapes outside its contract reached aten's flash kernel,
     which checks none of them (v shorter than k was read past its end); the op checks its shape contract first."""
-    _assert_child_ok(_run_child("""
+    _assert_child_ok(
+        _run_child("""
 q = torch.randn(2, 4, 5, 8)
 cases = {"heads do not divide": (torch.randn(2, 3, 6, 8), torch.randn(2, 3, 6, 8)),
          "v shorter than k": (torch.randn(2, 2, 6, 8), torch.randn(2, 2, 5, 8)),
@@ -117,7 +134,8 @@ for name, (k, v) in cases.items():
         continue
     raise AssertionError(f"{name}: numbers")
 print("ok")
-"""))
+""")
+    )
 
 
 def test_known_bug_low_precision_dropout_gradients(error_policy):  # in process: wrong digits, no stray reads
@@ -129,6 +147,7 @@ def test_known_bug_low_precision_dropout_gradients(error_policy):  # in process:
 
     def g(shape):
         return torch.randn(shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64).bfloat16()
+
     q, k, v, do = g([1, 1, 1, 64]), g([1, 1, 2, 64]), g([1, 1, 2, 64]), g([1, 1, 1, 64])  # k[0] = q: a peaked softmax
     worst = 0.0
     for seed in range(20):
@@ -174,6 +193,7 @@ def _child(budget: str) -> None:
         pr = torch.ops.aten._safe_softmax(s, -1)
         if p > 0:
             from graphtrain.kernels._common import dropout_keep_mask
+
             pr = pr * dropout_keep_mask(pr.numel(), p, seed).reshape(pr.shape).to(pr.dtype) / (1 - p)
         return pr @ v
 
@@ -184,8 +204,8 @@ def _child(budget: str) -> None:
         full = (B, H, Sq, Sk)
         keep = [data.draw(st.booleans(), label=f"mask dim {i} full") for i in range(4)]
         shape = [d if f else 1 for d, f in zip(full, keep)]
-        shape = shape[data.draw(st.integers(0, 2), label="mask leading dims dropped"):]
-        gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2 ** 31 - 1), label="mask seed"))
+        shape = shape[data.draw(st.integers(0, 2), label="mask leading dims dropped") :]
+        gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1), label="mask seed"))
         if kind == "float":
             return torch.randn(shape, generator=gen).to(dtype)
         attend = torch.rand(shape, generator=gen) > data.draw(st.sampled_from([0.3, 0.9]), label="masked share")
@@ -199,8 +219,10 @@ def _child(budget: str) -> None:
             qkv = tensor(data, [B, Sq, (H + 2 * Hkv) * D], dtype, layouts=("contiguous", "sliced"), label="qkv")
             cuts = (0, H * D, (H + Hkv) * D, (H + 2 * Hkv) * D)
             heads = (H, Hkv, Hkv)
-            return [(qkv, lambda t, i=i: t[..., cuts[i]:cuts[i + 1]].unflatten(-1, (heads[i], D)).transpose(1, 2))
-                    for i in range(3)]
+            return [
+                (qkv, lambda t, i=i: t[..., cuts[i] : cuts[i + 1]].unflatten(-1, (heads[i], D)).transpose(1, 2))
+                for i in range(3)
+            ]
         q = tensor(data, [B, H, Sq, D], dtype, label="q")
         k = tensor(data, [B, Hkv, Sk, D], dtype, label="k")
         v = tensor(data, [B, Hkv, Sk, Dv], dtype, label="v")
@@ -223,12 +245,18 @@ def _child(budget: str) -> None:
         mask = draw_mask(data, B, H, Sq, Sk, dtype)
         scale = data.draw(st.sampled_from([None, 0.3]), label="scale")
         public = data.draw(st.booleans(), label="through attention()")
-        print(f"example {dtype} B={B} H={H} Hkv={Hkv} Sq={Sq} Sk={Sk} D={D} Dv={Dv} causal={causal} p={p} "
-              f"mask={None if mask is None else (tuple(mask.shape), mask.dtype)} public={public}", flush=True)
+        print(
+            f"example {dtype} B={B} H={H} Hkv={Hkv} Sq={Sq} Sk={Sk} D={D} Dv={Dv} causal={causal} p={p} "
+            f"mask={None if mask is None else (tuple(mask.shape), mask.dtype)} public={public}",
+            flush=True,
+        )
         args = views(data, dtype, B, H, Hkv, Sq, Sk, D, Dv)
-        sc = D ** -0.5 if scale is None else scale
-        add = None if mask is None or mask.dtype != torch.bool else \
-            torch.zeros(mask.shape).masked_fill(~mask, float("-inf"))
+        sc = D**-0.5 if scale is None else scale
+        add = (
+            None
+            if mask is None or mask.dtype != torch.bool
+            else torch.zeros(mask.shape).masked_fill(~mask, float("-inf"))
+        )
         leaves = {}
 
         def inputs(dt, grad):
@@ -241,8 +269,11 @@ def _child(budget: str) -> None:
 
         q, k, v = inputs(dtype, True)
         m = None if mask is None else (add if add is not None else mask).to(dtype)
-        print(f"  strides q {q.stride()} k {k.stride()} v {v.stride()} mask "
-              f"{None if m is None else (tuple(m.shape), m.stride())}", flush=True)
+        print(
+            f"  strides q {q.stride()} k {k.stride()} v {v.stride()} mask "
+            f"{None if m is None else (tuple(m.shape), m.stride())}",
+            flush=True,
+        )
         seeds = []
         if public:  # the public functional: bool masks converted there; its seed read back from the op's output
             with torch.random.fork_rng():
@@ -282,8 +313,9 @@ def _child(budget: str) -> None:
         """Inputs outside the contract, straight into the op (the public functional refuses them first)."""
         H, Sq, Sk, D = 4, data.draw(sizes(1, 70), label="Sq"), data.draw(sizes(2, 70), label="Sk"), 8
         faults = ["head sizes differ", "heads do not divide", "v shorter than k", "v longer than k", "batch differs"]
-        fault = data.draw(st.sampled_from(faults[:1] if "flash takes mismatched shapes" in KNOWN_BUGS else faults),
-                          label="fault")
+        fault = data.draw(
+            st.sampled_from(faults[:1] if "flash takes mismatched shapes" in KNOWN_BUGS else faults), label="fault"
+        )
         Hkv = 3 if fault == "heads do not divide" else 2
         Skv = {"v shorter than k": Sk - 1, "v longer than k": Sk + 1}.get(fault, Sk)
         Dk, Bk = (D + 1 if fault == "head sizes differ" else D), (3 if fault == "batch differs" else 2)
@@ -296,15 +328,21 @@ def _child(budget: str) -> None:
             torch.ops.graphtrain.attention(q, k, v, None, 0.3, causal, p)
         except (RuntimeError, ValueError, IndexError):
             return
-        raise AssertionError(f"graphtrain::attention returned numbers for {fault}: q {tuple(q.shape)}, "
-                             f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+        raise AssertionError(
+            f"graphtrain::attention returned numbers for {fault}: q {tuple(q.shape)}, "
+            f"k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
 
     fallback.set_policy("error")
     torch.set_num_threads(2)  # the head-by-head kernel needs B * H >= threads; and the parent's count
     with force_reference(ops=()) as chosen:  # forces nothing: records the fast paths that ran
         # one run per dtype and dropout setting: each gets its share of the budget, so every path is reached
-        strata = [(dt, p) for dt in (torch.float32, torch.bfloat16, torch.float16) for p in (0.0, 0.2)
-                  if not (p and dt != torch.float32 and "low-precision dropout grads" in KNOWN_BUGS)]
+        strata = [
+            (dt, p)
+            for dt in (torch.float32, torch.bfloat16, torch.float16)
+            for p in (0.0, 0.2)
+            if not (p and dt != torch.float32 and "low-precision dropout grads" in KNOWN_BUGS)
+        ]
         for dt, p in strata:
             fuzz(bind(stratum, dtype=dt, p=p), budget, share=1.2 / len(strata))
         fuzz(bad_prop, budget, share=0.4)

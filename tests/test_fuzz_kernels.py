@@ -8,6 +8,7 @@ Every fast path runs under the `error` fallback policy, so a kernel that its gat
 the example instead of quietly handing over to the reference; and each op's test checks that its fast path ran on
 some examples (a fuzz run on the references alone would check nothing). See tests/fuzz_layouts.py for the budgets.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -60,24 +61,48 @@ VECTOR = ("contiguous", "sliced", "expanded")
 
 # --- layer_norm, rms_norm --------------------------------------------------------------------------------------
 
+
 def _norm_prop(kind: str):
     def prop(data, dtype):
         shape = _shape(data)
         n = shape[-1]
         # a spread and an offset: the mean subtraction must not lose the spread
-        x = tensor(data, shape, dtype, scale=data.draw(st.sampled_from([1.0, 0.01, 30.0])),
-                   offset=data.draw(st.sampled_from([0.0, 3.0])), label="x")
+        x = tensor(
+            data,
+            shape,
+            dtype,
+            scale=data.draw(st.sampled_from([1.0, 0.01, 30.0])),
+            offset=data.draw(st.sampled_from([0.0, 3.0])),
+            label="x",
+        )
         w = tensor(data, [n], dtype, layouts=VECTOR, label="w") if optional(data, "weight") else None
-        b = tensor(data, [n], dtype, layouts=VECTOR, label="b") if kind == "layer_norm" and optional(data, "bias") \
+        b = (
+            tensor(data, [n], dtype, layouts=VECTOR, label="b")
+            if kind == "layer_norm" and optional(data, "bias")
             else None
+        )
         eps = data.draw(st.sampled_from([1e-5, 1e-6, 0.1]), label="eps")
         if kind == "layer_norm":
-            check_op(data, kind, dtype, [x, w, b], lambda x, w, b: layer_norm(x, w, b, eps),
-                     lambda x, w, b: F.layer_norm(x, (n,), w, b, eps),
-                     lambda x, w, b: layer_norm_reference(x, w, b, eps)[0])
+            check_op(
+                data,
+                kind,
+                dtype,
+                [x, w, b],
+                lambda x, w, b: layer_norm(x, w, b, eps),
+                lambda x, w, b: F.layer_norm(x, (n,), w, b, eps),
+                lambda x, w, b: layer_norm_reference(x, w, b, eps)[0],
+            )
         else:
-            check_op(data, kind, dtype, [x, w], lambda x, w: rms_norm(x, w, eps),
-                     lambda x, w: F.rms_norm(x, (n,), w, eps), lambda x, w: rms_norm_reference(x, w, eps)[0])
+            check_op(
+                data,
+                kind,
+                dtype,
+                [x, w],
+                lambda x, w: rms_norm(x, w, eps),
+                lambda x, w: F.rms_norm(x, (n,), w, eps),
+                lambda x, w: rms_norm_reference(x, w, eps)[0],
+            )
+
     return prop
 
 
@@ -90,14 +115,21 @@ def test_fuzz_norms(kind, budget, strict_fast_paths):
 
 # --- bias_gelu ---------------------------------------------------------------------------------------------------
 
+
 def _gelu_prop(data, dtype):
     shape = _shape(data)
     approx = data.draw(st.sampled_from(["none", "tanh"]), label="approximate")
     x = tensor(data, shape, dtype, scale=data.draw(st.sampled_from([1.0, 4.0])), label="x")
     b = tensor(data, [shape[-1]], dtype, layouts=VECTOR, label="b") if optional(data, "bias") else None
-    check_op(data, f"bias_gelu ({approx})", dtype, [x, b], lambda x, b: bias_gelu(x, b, approx),
-             lambda x, b: F.gelu(x + b if b is not None else x, approximate=approx),
-             lambda x, b: bias_gelu_reference(x, b, approx))
+    check_op(
+        data,
+        f"bias_gelu ({approx})",
+        dtype,
+        [x, b],
+        lambda x, b: bias_gelu(x, b, approx),
+        lambda x, b: F.gelu(x + b if b is not None else x, approximate=approx),
+        lambda x, b: bias_gelu_reference(x, b, approx),
+    )
 
 
 @pytest.mark.parametrize("budget", BUDGET_PARAMS)
@@ -107,6 +139,7 @@ def test_fuzz_bias_gelu(budget, strict_fast_paths):
 
 
 # --- bias_dropout_add: the fused op draws its seed, eager and the reference use that seed -----------------------
+
 
 def _bda_prop(data, dtype):
     shape = _shape(data)
@@ -120,9 +153,16 @@ def _bda_prop(data, dtype):
         out, s = torch.ops.graphtrain.bias_dropout_add(x, b, r, p)
         seed.append(s)
         return out
-    check_op(data, f"bias_dropout_add (p={p})", dtype, [x, b, r], fused,
-             lambda x, b, r: bias_dropout_add_reference(x, b, r, p, seed[0]),
-             lambda x, b, r: bias_dropout_add_reference(x, b, r, p, seed[0]))
+
+    check_op(
+        data,
+        f"bias_dropout_add (p={p})",
+        dtype,
+        [x, b, r],
+        fused,
+        lambda x, b, r: bias_dropout_add_reference(x, b, r, p, seed[0]),
+        lambda x, b, r: bias_dropout_add_reference(x, b, r, p, seed[0]),
+    )
 
 
 @pytest.mark.parametrize("budget", BUDGET_PARAMS)
@@ -147,8 +187,9 @@ def test_bias_dropout_add_masks_keep_one_minus_p():
 
 # --- cross_entropy ---------------------------------------------------------------------------------------------
 
+
 def _targets(data, n: int, v: int, ignore_index: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2 ** 31 - 1), label="target seed"))
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1), label="target seed"))
     t = torch.randint(0, v, (n,), generator=gen)
     ignored = data.draw(st.sampled_from(["none", "some", "all"]), label="ignored rows")
     if ignored == "all":
@@ -177,10 +218,18 @@ def _ce_prop(data, dtype):
     def ref(x):
         loss = cross_entropy_reference(x.reshape(-1, v), t.reshape(-1), ignore_index, REDUCTIONS[reduction])[0]
         return loss.reshape(lead) if reduction == "none" else loss
-    check_op(data, f"cross_entropy ({reduction})", dtype, [logits],
-             lambda x: cross_entropy(x, t, ignore_index, reduction),
-             lambda x: F.cross_entropy(x.reshape(-1, v), t.reshape(-1), ignore_index=ignore_index,
-                                       reduction=reduction).reshape(lead if reduction == "none" else ()), ref)
+
+    check_op(
+        data,
+        f"cross_entropy ({reduction})",
+        dtype,
+        [logits],
+        lambda x: cross_entropy(x, t, ignore_index, reduction),
+        lambda x: F.cross_entropy(
+            x.reshape(-1, v), t.reshape(-1), ignore_index=ignore_index, reduction=reduction
+        ).reshape(lead if reduction == "none" else ()),
+        ref,
+    )
 
 
 @pytest.mark.parametrize("budget", BUDGET_PARAMS)
@@ -190,6 +239,7 @@ def test_fuzz_cross_entropy(budget, strict_fast_paths):
 
 
 # --- linear_cross_entropy: hidden [.., H] @ weight [V, H]^T (+ bias), chunked ----------------------------------
+
 
 def _lce_prop(data, dtype):
     lead, n = _lead(data, 11)
@@ -205,11 +255,17 @@ def _lce_prop(data, dtype):
     def eager(x, w, b):  # as under autocast: the matmul in the input dtype, the cross-entropy in fp32
         logits = x.reshape(-1, h) @ w.t() + (b if b is not None else 0)
         return F.cross_entropy(logits.float(), t.reshape(-1), reduction=reduction)
+
     # bf16/fp16 inputs give an fp32 loss from logits rounded to the input dtype: the input dtype's tolerance applies
-    check_op(data, f"linear_cross_entropy ({reduction}, chunk {chunk})", dtype, [hid, w, bias],
-             lambda x, w, b: linear_cross_entropy(x, w, t, -100, reduction, chunk_rows=chunk, bias=b).to(dtype),
-             lambda x, w, b: eager(x, w, b).to(dtype),
-             lambda x, w, b: linear_cross_entropy_reference(x.reshape(-1, h), w, t.reshape(-1), -100, red, b))
+    check_op(
+        data,
+        f"linear_cross_entropy ({reduction}, chunk {chunk})",
+        dtype,
+        [hid, w, bias],
+        lambda x, w, b: linear_cross_entropy(x, w, t, -100, reduction, chunk_rows=chunk, bias=b).to(dtype),
+        lambda x, w, b: eager(x, w, b).to(dtype),
+        lambda x, w, b: linear_cross_entropy_reference(x.reshape(-1, h), w, t.reshape(-1), -100, red, b),
+    )
 
 
 @pytest.mark.parametrize("budget", BUDGET_PARAMS)
@@ -221,14 +277,16 @@ def test_fuzz_linear_cross_entropy(budget, strict_fast_paths):
 
 # --- gemm: a [m, k] @ b [k, n] (+ bias broadcastable to [m, n]) ------------------------------------------------
 
+
 def _gemm_prop(data, dtype):
     m, k, n = (data.draw(sizes(1, 67), label=d) for d in "mkn")
     a = tensor(data, [m, k], dtype, label="a")
     b = tensor(data, [k, n], dtype, label="b")
     bias_shape = data.draw(st.sampled_from([None, (n,), (1, n), (m, 1), (m, n), ()]), label="bias shape")
     bias = tensor(data, bias_shape, dtype, label="bias") if bias_shape is not None else None
-    check_op(data, "gemm", dtype, [a, b, bias], gemm, lambda a, b, c: a @ b + (c if c is not None else 0),
-             gemm_reference)
+    check_op(
+        data, "gemm", dtype, [a, b, bias], gemm, lambda a, b, c: a @ b + (c if c is not None else 0), gemm_reference
+    )
 
 
 @pytest.mark.parametrize("budget", BUDGET_PARAMS)
@@ -263,5 +321,6 @@ def test_empty_tensors_give_empty_results_not_a_crash():
     instead of ending the session; every op must print its ok."""
     import subprocess
     import sys
+
     r = subprocess.run([sys.executable, "-c", _EMPTY_CHILD], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and r.stdout.count("ok ") == 5, f"rc {r.returncode}: {r.stdout}{r.stderr[-2000:]}"

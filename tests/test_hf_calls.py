@@ -1,5 +1,6 @@
 """models/hf_calls.py: the adjustments the engine's call wrapper makes to a call to a Hugging Face model, checked on
 the adapter itself (tests/test_hf_families.py and tests/test_static_masks.py check them through accelerate)."""
+
 from __future__ import annotations
 
 import pytest
@@ -40,20 +41,25 @@ def test_an_all_ones_mask_is_passed_as_none_under_static_masks_only():
     assert kwargs["attention_mask"] is None and len(notes) == 1 and "engine.static_masks" in notes[0]
     padding = ones.clone()
     padding[0, 0] = 0
-    for cfg, kw in ((EngineConfig(), {"attention_mask": padding}),
-                    (EngineConfig(), {"attention_mask": ones, "position_ids": torch.arange(8).expand(2, 8)}),
-                    (EngineConfig(static_masks=False), {"attention_mask": ones}),
-                    (EngineConfig(dynamic=True), {"attention_mask": ones})):
+    for cfg, kw in (
+        (EngineConfig(), {"attention_mask": padding}),
+        (EngineConfig(), {"attention_mask": ones, "position_ids": torch.arange(8).expand(2, 8)}),
+        (EngineConfig(static_masks=False), {"attention_mask": ones}),
+        (EngineConfig(dynamic=True), {"attention_mask": ones}),
+    ):
         mask = kw["attention_mask"]
         call_adapter(model, cfg).before_compiled_call(kw, [])
         assert kw["attention_mask"] is mask, cfg
 
 
 def test_a_classifier_settles_its_problem_type_by_hugging_faces_rule():
-    cfg = transformers.BertConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
-                                  vocab_size=32, num_labels=3)
-    for labels, expect in ((torch.tensor([0, 2]), "single_label_classification"),
-                           (torch.tensor([[0.0, 1.0, 0.0]]), "multi_label_classification")):
+    cfg = transformers.BertConfig(
+        hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, vocab_size=32, num_labels=3
+    )
+    for labels, expect in (
+        (torch.tensor([0, 2]), "single_label_classification"),
+        (torch.tensor([[0.0, 1.0, 0.0]]), "multi_label_classification"),
+    ):
         model = transformers.BertForSequenceClassification(cfg).train()
         model.config.problem_type = None
         notes: list[str] = []

@@ -5,6 +5,7 @@ gradient. Dropout and stochastic depth are set to 0 so that both runs compute th
 The default suite runs the architectures that once broke (DeBERTa-v2's attention fusion, Swin's learned mask,
 Bloom's autograd.Function GELU, once a fallback: passes/autograd_functions.py) and T5 (encoder-decoder); the rest
 are marked slow."""
+
 from __future__ import annotations
 
 import copy
@@ -46,8 +47,9 @@ def test_family_trains_like_eager(name):
     assert not rep.fallbacks, rep.fallbacks
 
 
-@pytest.mark.parametrize("name", ["deberta2", pytest.param("t5", marks=pytest.mark.slow),
-                                  pytest.param("bart", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "name", ["deberta2", pytest.param("t5", marks=pytest.mark.slow), pytest.param("bart", marks=pytest.mark.slow)]
+)
 def test_family_under_dynamic_shapes_trains_like_eager_at_every_length(name):
     """engine.dynamic=true: one compile (the model's graphs, block by block where it repeats one) for two sequence
     lengths, each step as eager's. Regression (DeBERTa-v2): the recompute stage's attention-mask shrink wrote its
@@ -66,6 +68,7 @@ def test_family_under_dynamic_shapes_trains_like_eager_at_every_length(name):
 
 def test_step_bench_builds_a_family_and_names_bad_input():
     from graphtrain.bench import step
+
     model, inputs = step.build("hf:qwen2", 2, 8, dims=(32, 2, 101))
     assert inputs["input_ids"].shape == (2, 8) and model.training
     with pytest.raises(SystemExit, match="three integers"):
@@ -135,6 +138,12 @@ def test_grouped_query_llama_trains_through_the_compile_backend_like_eager():
     import os
     import subprocess
     import sys
-    r = subprocess.run([sys.executable, "-c", GQA_LLAMA], capture_output=True, text=True, timeout=600,
-                       env={**os.environ, "PYTHONWARNINGS": "ignore"})
+
+    r = subprocess.run(
+        [sys.executable, "-c", GQA_LLAMA],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
     assert r.returncode == 0 and "ok" in r.stdout, (r.returncode, r.stderr[-3000:])

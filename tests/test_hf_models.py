@@ -2,6 +2,7 @@
 
 Each check compares with eager PyTorch: the accelerated HF model's losses against the same model trained with
 train.accelerate=false, the exported folder's logits against the trained model's."""
+
 from __future__ import annotations
 
 import json
@@ -15,26 +16,52 @@ from graphtrain.config.sections import Config, ModelConfig
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("tiny_env")
 
-TINY = ["data.seq_len=32", "data.vocab_size=512", "train.batch_size=2", "train.steps=3", "train.eval_every=0",
-        "train.eval_batches=1", "train.progress=false", "train.threads=1", "train.sample_tokens=0",
-        "train.loggers=[jsonl]", "train.log_every=1", "train.deterministic=true"]
+TINY = [
+    "data.seq_len=32",
+    "data.vocab_size=512",
+    "train.batch_size=2",
+    "train.steps=3",
+    "train.eval_every=0",
+    "train.eval_batches=1",
+    "train.progress=false",
+    "train.threads=1",
+    "train.sample_tokens=0",
+    "train.loggers=[jsonl]",
+    "train.log_every=1",
+    "train.deterministic=true",
+]
 
 
 @pytest.fixture(scope="module")
 def hf_dirs(tmp_path_factory):
     """A tiny Llama (GQA) config folder, a tiny BERT folder with safetensors weights, a .jsonl of text."""
     root = tmp_path_factory.mktemp("hf")
-    llama = transformers.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                     architectures=["LlamaForCausalLM"])
+    llama = transformers.LlamaConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        architectures=["LlamaForCausalLM"],
+    )
     llama.save_pretrained(root / "llama")
     torch.manual_seed(0)
-    bert = transformers.BertForMaskedLM(transformers.BertConfig(
-        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-        max_position_embeddings=64))
+    bert = transformers.BertForMaskedLM(
+        transformers.BertConfig(
+            vocab_size=512,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            max_position_embeddings=64,
+        )
+    )
     bert.save_pretrained(root / "bert", safe_serialization=True)
     import sysconfig
     from pathlib import Path
+
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     with open(root / "corpus.jsonl", "w") as f:
         for p in sorted(stdlib.glob("*.py"))[:25]:
@@ -51,8 +78,14 @@ def test_llama_from_config_trains_through_the_engine_like_eager(hf_dirs, tmp_pat
     """model.hf=config.json + data.path=.jsonl + data.text_field: the engine's losses match eager's (fp32 table:
     rtol 1e-4 for fused kernels), and the report shows the fused RMSNorm, attention and loss."""
     import graphtrain
-    common = [*TINY, f"model.hf={hf_dirs / 'llama' / 'config.json'}", f"data.path={hf_dirs / 'corpus.jsonl'}",
-              "data.text_field=content", "engine.provider=aten"]
+
+    common = [
+        *TINY,
+        f"model.hf={hf_dirs / 'llama' / 'config.json'}",
+        f"data.path={hf_dirs / 'corpus.jsonl'}",
+        "data.text_field=content",
+        "engine.provider=aten",
+    ]
     runs = {}
     for accel in ("true", "false"):
         out = tmp_path / accel
@@ -67,25 +100,32 @@ def test_llama_from_config_trains_through_the_engine_like_eager(hf_dirs, tmp_pat
     assert "linear_cross_entropy" in fused or "cross_entropy" in fused, fused
     # the checkpoint names the HF model and holds the tokenizer it trained with
     from graphtrain.trainer.checkpoint import checkpoint_meta, checkpoint_tokenizer, latest_checkpoint
+
     ckpt = latest_checkpoint(runs["true"][1])
     meta = checkpoint_meta(ckpt)
     assert meta["model_spec"]["hf_type"] == "llama" and meta["config"]["model"]["hf"].endswith("config.json")
     assert checkpoint_tokenizer(ckpt).digest() == runs["true"][0].data.tokenizer.digest()
     # what it trained leaves as itself: the transformers model's own safetensors, and ONNX checked by onnxruntime
     from graphtrain.runs.export import ONNX_ATOL, export_run
+
     st = export_run(runs["true"][1], "safetensors", tmp_path / "st")
     assert st["max_abs_diff"] == 0.0
     from safetensors.torch import load_file
-    assert any(k.startswith("model.layers.0.self_attn.q_proj") for k in load_file(tmp_path / "st" / "model.safetensors"))
+
+    assert any(
+        k.startswith("model.layers.0.self_attn.q_proj") for k in load_file(tmp_path / "st" / "model.safetensors")
+    )
     pytest.importorskip("onnxruntime")
     assert export_run(runs["true"][1], "onnx", tmp_path / "onnx")["max_abs_diff"] <= ONNX_ATOL
 
 
 def test_pretrained_folder_loads_its_safetensors_weights(hf_dirs):
     from graphtrain.models import build_model
+
     m = build_model(ModelConfig(hf=str(hf_dirs / "bert")))
-    ref = transformers.AutoModelForMaskedLM.from_pretrained(hf_dirs / "bert", local_files_only=True,
-                                                            attn_implementation="eager")  # model.attention explicit
+    ref = transformers.AutoModelForMaskedLM.from_pretrained(
+        hf_dirs / "bert", local_files_only=True, attn_implementation="eager"
+    )  # model.attention explicit
     assert m.objective == "mlm" and m.family == "bert" and m.spec.n_layer == 2
     for (name, a), (_, b) in zip(m.hf.state_dict().items(), ref.state_dict().items()):
         assert torch.equal(a, b), name
@@ -107,17 +147,29 @@ def test_bert_mlm_with_a_users_tokenizer_then_export_hf(hf_dirs, tmp_path):
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
 
     from graphtrain.runs.export import export_run, load_run
+
     tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
     tok.normalizer, tok.pre_tokenizer = normalizers.BertNormalizer(lowercase=True), pre_tokenizers.BertPreTokenizer()
     texts = [json.loads(line)["content"] for line in open(hf_dirs / "corpus.jsonl")]
-    tok.train_from_iterator(texts, trainers.WordPieceTrainer(
-        vocab_size=400, special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]))
+    tok.train_from_iterator(
+        texts, trainers.WordPieceTrainer(vocab_size=400, special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"])
+    )
     (tmp_path / "tok").mkdir()
     tok.save(str(tmp_path / "tok" / "tokenizer.json"))
     out = tmp_path / "run"
-    t = Trainer(Config().with_overrides([*TINY, f"model.hf={hf_dirs / 'bert'}", f"data.path={hf_dirs / 'corpus.jsonl'}",
-                                         "data.text_field=content", f"data.tokenizer={tmp_path / 'tok'}",
-                                         "engine.provider=aten", f"train.out_dir={out}"]))
+    t = Trainer(
+        Config().with_overrides(
+            [
+                *TINY,
+                f"model.hf={hf_dirs / 'bert'}",
+                f"data.path={hf_dirs / 'corpus.jsonl'}",
+                "data.text_field=content",
+                f"data.tokenizer={tmp_path / 'tok'}",
+                "engine.provider=aten",
+                f"train.out_dir={out}",
+            ]
+        )
+    )
     assert t.family == "bert" and t.data.tokenizer.mask_id == tok.token_to_id("[MASK]")
     batch = t.data.train.get_batch(0, 2)
     assert (batch["input_ids"][:, 0] == tok.token_to_id("[CLS]")).all()
@@ -133,19 +185,24 @@ def test_bert_mlm_with_a_users_tokenizer_then_export_hf(hf_dirs, tmp_path):
     assert r["max_abs_diff"] <= 1e-5 and r["class"] == "BertForMaskedLM"
 
 
-@pytest.mark.parametrize("make,match", [
-    (lambda root: root / "missing", "does not exist"),
-    (lambda root: root, "no config.json"),
-    (lambda root: (root / "notes.txt").write_text("x") and root / "notes.txt", "not a config.json"),
-])
+@pytest.mark.parametrize(
+    "make,match",
+    [
+        (lambda root: root / "missing", "does not exist"),
+        (lambda root: root, "no config.json"),
+        (lambda root: (root / "notes.txt").write_text("x") and root / "notes.txt", "not a config.json"),
+    ],
+)
 def test_bad_model_hf_paths_name_the_fix(tmp_path, make, match):
     from graphtrain.models import build_model
+
     with pytest.raises(ValueError, match=match):
         build_model(ModelConfig(hf=str(make(tmp_path))))
 
 
 def test_model_hf_errors_name_the_fix(hf_dirs, tmp_path):
     from graphtrain.models import build_model, resolve_spec
+
     with pytest.raises(ValueError, match=r"data.vocab_size <= 512"):  # the tokenizer would not fit the embedding
         resolve_spec(ModelConfig(hf=str(hf_dirs / "llama")), vocab_size=8192)
     (tmp_path / "pt").mkdir()
@@ -175,6 +232,7 @@ def test_shipped_llama_job_builds_offline():
     from pathlib import Path
 
     from graphtrain.models import resolve_spec
+
     root = Path(__file__).resolve().parents[1]
     config = Config.from_yaml(root / "configs" / "hf-llama-mini.yaml")
     hf = str(root / config.model.hf)

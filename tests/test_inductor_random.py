@@ -1,6 +1,7 @@
 """Functional random ops (aten.rand / randn: stochastic depth, noise) go to Inductor on CPU, and the graph draws
 what eager draws: same seed, same values, forward and backward. The in-place bernoulli_ that Inductor misordered
 stays refused (tests/test_kernels_gemm.py, tests/test_engine_tiered.py)."""
+
 from __future__ import annotations
 
 import copy

@@ -1,5 +1,6 @@
 """#16: PyTorch Lightning (optional): a LightningModule whose network is accelerated by graphtrain trains
 unchanged, with the per-step losses of the plain LightningModule (fp32 tolerance table: rtol 1e-4)."""
+
 from __future__ import annotations
 
 import pytest
@@ -34,16 +35,25 @@ def _fit(accelerate: bool, callbacks=()) -> _LitLM:
         model = graphtrain.accelerate(model, provider="aten")
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 512, (8, 17), generator=g)
-    data = [{"input_ids": ids[i:i + 2, :-1], "labels": ids[i:i + 2, 1:]} for i in range(0, 8, 2)]
+    data = [{"input_ids": ids[i : i + 2, :-1], "labels": ids[i : i + 2, 1:]} for i in range(0, 8, 2)]
     lit = _LitLM(model)
-    trainer = lightning.Trainer(max_steps=4, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                                enable_progress_bar=False, enable_model_summary=False, callbacks=list(callbacks))
+    trainer = lightning.Trainer(
+        max_steps=4,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=list(callbacks),
+    )
     trainer.fit(lit, torch.utils.data.DataLoader(data, batch_size=None))
     return lit
 
 
 def test_lightning_trains_the_accelerated_network_like_eager(one_thread):
     from graphtrain.integrations.lightning import GraphtrainCallback
+
     callback = GraphtrainCallback()
     fast, plain = _fit(True, [callback]), _fit(False)
     assert len(fast.losses) == 4 and fast.losses == pytest.approx(plain.losses, rel=1e-4), (fast.losses, plain.losses)

@@ -1,6 +1,7 @@
 """Every C++ kernel states its contract once (kernels/contract.py): the Python gate refuses what the contract
 refuses, the C++ entry point raises on it before touching memory, and both say the same thing. Grouped-query
 attention is a named case: forward and backward against SDPA's enable_gqa and the reference, on each path."""
+
 from __future__ import annotations
 
 import importlib
@@ -30,7 +31,7 @@ def _body(name: str) -> str:
     """The C++ source of entry point `name`, from its signature's opening brace."""
     m = re.search(rf"^\S[^\n]*\b{name}\([^;{{]*\)\s*\{{", _cpu_ext.source(), re.M)
     assert m, name
-    return _cpu_ext.source()[m.end():]
+    return _cpu_ext.source()[m.end() :]
 
 
 def test_every_cpp_entry_point_an_op_calls_checks_its_contract_first():
@@ -57,9 +58,14 @@ def test_the_extension_source_is_every_csrc_file_once_with_the_generated_checks(
             assert part.strip() == "" or src.count(part) == 1, (p.name, part[:200])
     for c in CONTRACTS.values():
         assert src.count(c.cpp()) == 1, c.name
-    fake = {"a.cpp": '#include "h.h"\n#include "gen.h"  // generated\nA\n', "b.cpp": '#include "h.h"\nB\n',
-            "h.h": '#include <vector>\n#include "gen.h"\nH\n'}
-    assert _cpu_ext._assemble(("a.cpp", "b.cpp"), fake.__getitem__, {"gen.h": "G\n"}) == "#include <vector>\nG\nH\nA\nB\n"
+    fake = {
+        "a.cpp": '#include "h.h"\n#include "gen.h"  // generated\nA\n',
+        "b.cpp": '#include "h.h"\nB\n',
+        "h.h": '#include <vector>\n#include "gen.h"\nH\n',
+    }
+    assert (
+        _cpu_ext._assemble(("a.cpp", "b.cpp"), fake.__getitem__, {"gen.h": "G\n"}) == "#include <vector>\nG\nH\nA\nB\n"
+    )
 
 
 def test_the_extension_is_named_after_its_source(tmp_path, monkeypatch):
@@ -106,6 +112,7 @@ def _gqa(B, H, Hkv, S, D, layout="contiguous"):
 def _run(q, k, v, causal, p, impl):
     """out, dq, dk, dv of the op and of the reference, with the op's fast paths limited to `impl`."""
     from graphtrain.kernels._common import force_reference
+
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]  # detach keeps the layout (strides) of each
     others = {"c++ heads", "cpu flash", "c++"} - {impl}
     with _only(impl, others):
@@ -197,20 +204,33 @@ def test_the_heads_kernel_copies_an_expanded_sequence_before_blas_reads_it(mod):
         assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("name,args", [
-    ("bias_dropout_add_fwd", (torch.randn(4, 0), torch.empty(0), torch.empty(0), 0.1, 1)),
-    ("bias_dropout_add_fwd", (torch.randn(4, 8), torch.randn(7), torch.empty(0), 0.1, 1)),
-    ("bias_dropout_add_fwd", (torch.randn(4, 8), torch.empty(0), torch.randn(8), 0.1, 1)),
-    ("gelu_tanh_fwd", (torch.randn(3, 0), torch.empty(0))),
-    ("gelu_tanh_bwd", (torch.randn(3, 4), torch.randn(4, 3), torch.empty(0))),
-    ("attn_probs_fwd", (torch.randn(4, 8, 0), torch.empty(0), 2, 0.5, False, 0.1, 1)),
-    ("attn_probs_fwd", (torch.randn(3, 8, 8), torch.empty(0), 2, 0.5, False, 0.1, 1)),
-    ("attn_probs_fwd", (torch.randn(4, 8, 8), torch.randn(2, 2, 8, 7), 2, 0.5, False, 0.1, 1)),
-    ("ce_fwd_bwd_inplace", (torch.randn(4, 8), torch.zeros(3, dtype=torch.long), -100, 1.0, torch.empty(4))),
-    ("ce_fwd_bwd_rows", (torch.randn(4, 8), torch.randn(5, 7), torch.zeros(4, dtype=torch.long),
-                         torch.zeros(4, dtype=torch.long), -100, 1.0, torch.empty(4))),
-    ("onednn_matmul", (torch.randn(4, 8), torch.randn(7, 3), torch.empty(4, 3), 0.0)),
-])
+@pytest.mark.parametrize(
+    "name,args",
+    [
+        ("bias_dropout_add_fwd", (torch.randn(4, 0), torch.empty(0), torch.empty(0), 0.1, 1)),
+        ("bias_dropout_add_fwd", (torch.randn(4, 8), torch.randn(7), torch.empty(0), 0.1, 1)),
+        ("bias_dropout_add_fwd", (torch.randn(4, 8), torch.empty(0), torch.randn(8), 0.1, 1)),
+        ("gelu_tanh_fwd", (torch.randn(3, 0), torch.empty(0))),
+        ("gelu_tanh_bwd", (torch.randn(3, 4), torch.randn(4, 3), torch.empty(0))),
+        ("attn_probs_fwd", (torch.randn(4, 8, 0), torch.empty(0), 2, 0.5, False, 0.1, 1)),
+        ("attn_probs_fwd", (torch.randn(3, 8, 8), torch.empty(0), 2, 0.5, False, 0.1, 1)),
+        ("attn_probs_fwd", (torch.randn(4, 8, 8), torch.randn(2, 2, 8, 7), 2, 0.5, False, 0.1, 1)),
+        ("ce_fwd_bwd_inplace", (torch.randn(4, 8), torch.zeros(3, dtype=torch.long), -100, 1.0, torch.empty(4))),
+        (
+            "ce_fwd_bwd_rows",
+            (
+                torch.randn(4, 8),
+                torch.randn(5, 7),
+                torch.zeros(4, dtype=torch.long),
+                torch.zeros(4, dtype=torch.long),
+                -100,
+                1.0,
+                torch.empty(4),
+            ),
+        ),
+        ("onednn_matmul", (torch.randn(4, 8), torch.randn(7, 3), torch.empty(4, 3), 0.0)),
+    ],
+)
 def test_each_cpp_entry_point_raises_on_a_broken_contract_before_it_runs(mod, name, args):
     """Shapes that would have read out of bounds (a bias, mask or source row of the wrong size) or divided by zero (an
     empty last dim): one error naming the contract's rule, never a crash."""
@@ -233,10 +253,11 @@ def test_triton_paths_refuse_tensors_whose_offsets_pass_int32(monkeypatch):
     """The Triton kernels' offsets are int32 (row * stride + column): a tensor with 2^32 elements (an expanded view,
     no memory behind it) is not given to them; a small one is."""
     from graphtrain.kernels import _common
+
     if not _common.HAS_TRITON:
         pytest.skip("triton is not installed")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert _common.triton_ok(torch.empty(4, 4))
-    big = torch.empty(2 ** 16, 1).expand(2 ** 16, 2 ** 16)
+    big = torch.empty(2**16, 1).expand(2**16, 2**16)
     assert not _common.triton_ok(big)
-    assert not _common.triton_ok(torch.empty(4, 4), torch.empty(1).expand(2 ** 31))
+    assert not _common.triton_ok(torch.empty(4, 4), torch.empty(1).expand(2**31))

@@ -9,6 +9,7 @@ attention's, which are [B, S, H, D] viewed as [B, H, S, D] where their inputs' m
 The inputs include the non-contiguous layouts models produce: BERT/GPT's q/k/v are
 x.view(B, S, H, D).transpose(1, 2), LayerNorm inputs can be transposed, LM-head weights transposed.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -61,21 +62,24 @@ def test_attention_fake_strides(dtype, p, layout, mask_kind):
         mask = torch.zeros(B, 1, 1, S, dtype=dtype)
         mask[0, ..., -3:] = float("-inf")
     causal = mask_kind == "causal"
-    out, lse, seed = check_fake_matches_real(ops.attention, q, k, v, mask, D ** -0.5, causal, p, contiguous=False)
+    out, lse, seed = check_fake_matches_real(ops.attention, q, k, v, mask, D**-0.5, causal, p, contiguous=False)
     # [B, S, H, D] inputs give [B, S, H, D] outputs (every path: flash, head by head, batched, reference), others
     # contiguous ones
     bshd = layout == "bshd"
     assert out.transpose(1, 2).is_contiguous() if bshd else out.is_contiguous(), out.stride()
     for dout in (qkv(dtype, layout), qkv(dtype, "bhsd")):
-        grads = check_fake_matches_real(ops.attention_backward, dout, q, k, v, mask, out, lse, seed, D ** -0.5,
-                                        causal, p, contiguous=False)
+        grads = check_fake_matches_real(
+            ops.attention_backward, dout, q, k, v, mask, out, lse, seed, D**-0.5, causal, p, contiguous=False
+        )
         for g in grads:
             assert g.transpose(1, 2).is_contiguous() if bshd else g.is_contiguous(), g.stride()
 
 
 def rows(dtype, layout, n=32):
     x = torch.randn(6, 5, n, dtype=dtype)
-    return {"contig": x, "transposed": x.transpose(0, 1), "sliced": torch.randn(6, 5, 2 * n, dtype=dtype)[..., ::2]}[layout]
+    return {"contig": x, "transposed": x.transpose(0, 1), "sliced": torch.randn(6, 5, 2 * n, dtype=dtype)[..., ::2]}[
+        layout
+    ]
 
 
 LAYOUTS = ["contig", "transposed", "sliced"]
@@ -155,10 +159,18 @@ def _opcheck_cases():
         q, k, v = (qkv(torch.float32, layout) for _ in range(3))
         mask = torch.zeros(B, 1, 1, S)
         mask[0, ..., -2:] = float("-inf")
-        cases.append((f"attention-{layout}", ops.attention, (*_req(q, k, v), mask, D ** -0.5, False, 0.0), SEEDLESS_UTILS))
-        out, lse, seed = ops.attention(q, k, v, mask, D ** -0.5, False, 0.0)
-        cases.append((f"attention_backward-{layout}", ops.attention_backward,
-                      (qkv(torch.float32, layout), q, k, v, mask, out, lse, seed, D ** -0.5, False, 0.0), None))
+        cases.append(
+            (f"attention-{layout}", ops.attention, (*_req(q, k, v), mask, D**-0.5, False, 0.0), SEEDLESS_UTILS)
+        )
+        out, lse, seed = ops.attention(q, k, v, mask, D**-0.5, False, 0.0)
+        cases.append(
+            (
+                f"attention_backward-{layout}",
+                ops.attention_backward,
+                (qkv(torch.float32, layout), q, k, v, mask, out, lse, seed, D**-0.5, False, 0.0),
+                None,
+            )
+        )
     for layout in ("contig", "transposed"):
         x, dy = rows(torch.float32, layout), rows(torch.float32, layout)
         w, b = torch.randn(32), torch.randn(32)
@@ -166,27 +178,64 @@ def _opcheck_cases():
         _, mean, rstd = ops.layer_norm(x, w, b, 1e-5)
         cases.append((f"layer_norm_backward-{layout}", ops.layer_norm_backward, (dy, x, w, b, mean, rstd), None))
         cases.append((f"rms_norm-{layout}", ops.rms_norm, (*_req(x, w), 1e-6), None))
-        cases.append((f"rms_norm_backward-{layout}", ops.rms_norm_backward,
-                      (dy, x, w, ops.rms_norm(x, w, 1e-6)[1]), None))
+        cases.append(
+            (f"rms_norm_backward-{layout}", ops.rms_norm_backward, (dy, x, w, ops.rms_norm(x, w, 1e-6)[1]), None)
+        )
         cases.append((f"bias_gelu-{layout}", ops.bias_gelu, (*_req(x, b), "tanh"), None))
         cases.append((f"bias_gelu_backward-{layout}", ops.bias_gelu_backward, (dy, x, b, "none"), None))
-        cases.append((f"bias_dropout_add-{layout}", ops.bias_dropout_add, (*_req(x, b, rows(torch.float32, layout)), 0.0),
-                      SEEDLESS_UTILS))
+        cases.append(
+            (
+                f"bias_dropout_add-{layout}",
+                ops.bias_dropout_add,
+                (*_req(x, b, rows(torch.float32, layout)), 0.0),
+                SEEDLESS_UTILS,
+            )
+        )
         cases.append((f"dropout_backward-{layout}", ops.dropout_backward, (dy, 0.2, torch.tensor([7])), None))
     logits, target = torch.randn(50, 12).t(), torch.randint(0, 50, (12,))
     cases.append(("cross_entropy", ops.cross_entropy, (*_req(logits), target, -100, 1), None))
-    cases.append(("cross_entropy_backward", ops.cross_entropy_backward,
-                  (torch.tensor(1.0), logits, target, ops.cross_entropy(logits, target, -100, 1)[1], -100, 1), None))
-    cases.append(("linear_cross_entropy", ops.linear_cross_entropy,
-                  (*_req(torch.randn(32, 12).t(), torch.randn(32, 50).t()), target, -100, 1, 5), None))
-    cases.append(("linear_cross_entropy_logits", ops.linear_cross_entropy_logits,
-                  (*_req(torch.randn(32, 12).t(), torch.randn(32, 50).t()), target, -100, 1, 5), None))
-    cases.append(("linear_bias_cross_entropy_logits", ops.linear_bias_cross_entropy_logits,
-                  (*_req(torch.randn(12, 32), torch.randn(50, 32), torch.randn(50)), target, -100, 2, 5, True), None))
+    cases.append(
+        (
+            "cross_entropy_backward",
+            ops.cross_entropy_backward,
+            (torch.tensor(1.0), logits, target, ops.cross_entropy(logits, target, -100, 1)[1], -100, 1),
+            None,
+        )
+    )
+    cases.append(
+        (
+            "linear_cross_entropy",
+            ops.linear_cross_entropy,
+            (*_req(torch.randn(32, 12).t(), torch.randn(32, 50).t()), target, -100, 1, 5),
+            None,
+        )
+    )
+    cases.append(
+        (
+            "linear_cross_entropy_logits",
+            ops.linear_cross_entropy_logits,
+            (*_req(torch.randn(32, 12).t(), torch.randn(32, 50).t()), target, -100, 1, 5),
+            None,
+        )
+    )
+    cases.append(
+        (
+            "linear_bias_cross_entropy_logits",
+            ops.linear_bias_cross_entropy_logits,
+            (*_req(torch.randn(12, 32), torch.randn(50, 32), torch.randn(50)), target, -100, 2, 5, True),
+            None,
+        )
+    )
     for a_t in (False, True):
         a = torch.randn(12, 7).t() if a_t else torch.randn(7, 12)
-        cases.append((f"gemm-{'transposed' if a_t else 'contig'}", ops.gemm,
-                      (*_req(a, torch.randn(10, 12).t(), torch.randn(10)),), None))
+        cases.append(
+            (
+                f"gemm-{'transposed' if a_t else 'contig'}",
+                ops.gemm,
+                (*_req(a, torch.randn(10, 12).t(), torch.randn(10)),),
+                None,
+            )
+        )
     return cases
 
 

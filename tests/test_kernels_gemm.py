@@ -1,6 +1,7 @@
 """graphtrain::gemm (oneDNN fp32 GEMM on CPU) and the lower_gemm_onednn pass that routes the step's
 matmuls to it: values against fp64 and aten.mm, every operand layout, autograd, and whole models
 trained through the engine against eager."""
+
 from __future__ import annotations
 
 import copy
@@ -22,8 +23,9 @@ from graphtrain.kernels.gemm import (
 )
 from graphtrain.testing import assert_close, assert_grads_close
 
-needs_onednn = pytest.mark.skipif(not onednn_available(),
-                                  reason=f"oneDNN's fp32 matmul is not usable here: {onednn_fp32()[1]}")
+needs_onednn = pytest.mark.skipif(
+    not onednn_available(), reason=f"oneDNN's fp32 matmul is not usable here: {onednn_fp32()[1]}"
+)
 
 
 def _operand(rows: int, cols: int, transposed: bool, g: torch.Generator) -> torch.Tensor:
@@ -38,8 +40,12 @@ def test_gemm_is_fp32_accurate_in_every_layout(m, k, n, a_t, b_t, bias):
     """On oneDNN where it runs, on aten.mm/addmm elsewhere (an AVX2-only CPU): the same contract either way."""
     g = torch.Generator().manual_seed(m * 1000 + k + n)
     a, b = _operand(m, k, a_t, g), _operand(k, n, b_t, g)
-    c = {None: None, "row": torch.randn(n, generator=g), "full": torch.randn(m, n, generator=g),
-         "col": torch.randn(m, 1, generator=g)}[bias]
+    c = {
+        None: None,
+        "row": torch.randn(n, generator=g),
+        "full": torch.randn(m, n, generator=g),
+        "col": torch.randn(m, 1, generator=g),
+    }[bias]
     out = gemm(a, b, c)
     ref = a.double() @ b.double() + (0 if c is None else c.double())
     assert out.shape == (m, n) and out.dtype == torch.float32 and out.is_contiguous()
@@ -123,6 +129,7 @@ def test_lower_gemm_forced_without_onednn_reports_why(monkeypatch):
     """Asked for by name where oneDNN's fp32 path does not run (simulated AVX2 CPU): the fallback policy says
     why, and the step still trains on aten's matmuls."""
     from graphtrain.kernels import capability
+
     with capability.simulate("avx2"):
         assert not onednn_available()
         m = graphtrain.accelerate(_tiny_gpt2(), provider="inductor", passes={"lower_gemm_onednn": True})
@@ -143,6 +150,7 @@ def _gemm_rewrites(m) -> int:
 def _tiny_gpt2(dropout=0.0):
     from graphtrain.config.sections import ModelConfig
     from graphtrain.models import build_model
+
     torch.manual_seed(0)
     return build_model(ModelConfig(name="gpt2-tiny", dropout=dropout))
 
@@ -153,8 +161,9 @@ def test_pass_routes_every_matmul_of_the_step_and_trains_like_eager(provider):
     ref = _tiny_gpt2()
     ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(1))
     # forced on by name (no probe): the aten provider leaves matmuls to aten unless asked
-    m = graphtrain.accelerate(copy.deepcopy(ref), provider=provider, fallback="error",
-                              passes={"lower_gemm_onednn": True})
+    m = graphtrain.accelerate(
+        copy.deepcopy(ref), provider=provider, fallback="error", passes={"lower_gemm_onednn": True}
+    )
     for step in range(2):
         for mod in (m, ref):
             mod.zero_grad(set_to_none=True)
@@ -177,10 +186,10 @@ def test_pass_routes_every_matmul_of_the_step_and_trains_like_eager(provider):
 @needs_onednn
 def test_pass_switched_off_by_name_and_off_by_default_under_aten():
     from graphtrain.passes.manager import pipeline
+
     assert "lower_gemm_onednn" not in {s.name for s in pipeline("pre_autodiff", EngineConfig(provider="aten"))}
     assert "lower_gemm_onednn" in {s.name for s in pipeline("pre_autodiff", EngineConfig(provider="inductor"))}
-    m = graphtrain.accelerate(_tiny_gpt2(), provider="inductor", fallback="error",
-                              passes={"lower_gemm_onednn": False})
+    m = graphtrain.accelerate(_tiny_gpt2(), provider="inductor", fallback="error", passes={"lower_gemm_onednn": False})
     ids = torch.randint(0, 512, (2, 16))
     m(input_ids=ids, labels=ids).backward()
     assert _gemm_rewrites(m) == 0
@@ -215,8 +224,9 @@ def test_pass_runs_after_mixed_precision_and_leaves_bf16_matmuls_to_aten():
     """Under precision bf16 every matmul is bf16 once apply_mixed_precision ran, and aten sends bf16 matmuls
     to oneDNN itself: nothing to rewrite (before the ordering fix the pass took the fp32 matmuls first and
     the step silently stayed fp32)."""
-    m = graphtrain.accelerate(_tiny_gpt2(), provider="inductor", fallback="error", precision="bf16",
-                              passes={"lower_gemm_onednn": True})
+    m = graphtrain.accelerate(
+        _tiny_gpt2(), provider="inductor", fallback="error", precision="bf16", passes={"lower_gemm_onednn": True}
+    )
     ids = torch.randint(0, 512, (2, 16))
     m(input_ids=ids, labels=ids).backward()
     mp = [r for r in graphtrain.report(m).passes if r["name"] == "apply_mixed_precision"]
@@ -231,6 +241,7 @@ def _two_layer_graph():
 
     def f(x, w1, w2):
         return torch.mm(torch.relu(torch.mm(x, w1.t())), w2)
+
     return make_fx(f, tracing_mode="fake")(torch.randn(8, 16), torch.randn(32, 16), torch.randn(32, 24))
 
 
@@ -239,6 +250,7 @@ def test_pass_decides_gemm_by_gemm_from_the_shapes_the_graph_runs(monkeypatch):
     pass's note names every shape with its speedup and choice; the report prints it."""
     from graphtrain.passes import lower_gemm
     from graphtrain.passes.manager import PassContext
+
     asked = []
 
     def probe(m, k, n, b_transposed):
@@ -261,6 +273,7 @@ def test_pass_decides_gemm_by_gemm_from_the_shapes_the_graph_runs(monkeypatch):
 @needs_onednn
 def test_shape_probe_times_both_libraries_once_per_machine_and_shape():
     from graphtrain.kernels.gemm import WIN_MARGIN, shape_probe
+
     first = shape_probe(64, 48, 80, True)
     again = shape_probe(64, 48, 80, True)
     assert first["aten_s"] > 0 and first["onednn_s"] > 0 and first["rows"] == 64
@@ -276,14 +289,19 @@ def test_probe_follows_the_thread_count_the_process_runs_with(monkeypatch):
     import importlib
 
     from graphtrain.kernels import capability
+
     gemm_mod = importlib.import_module("graphtrain.kernels.gemm")
     measured = []
 
     def fake_probe(name, run, replace=False):
         measured.append(torch.get_num_threads())
         fast = "onednn" if torch.get_num_threads() == 1 else "aten"
-        return {"aten": 200.0 if fast == "aten" else 100.0, "onednn": 200.0 if fast == "onednn" else 100.0,
-                "shapes": [], "cached": True}
+        return {
+            "aten": 200.0 if fast == "aten" else 100.0,
+            "onednn": 200.0 if fast == "onednn" else 100.0,
+            "shapes": [],
+            "cached": True,
+        }
 
     monkeypatch.setattr(capability, "cached_probe", fake_probe)
     monkeypatch.setattr(gemm_mod, "onednn_fp32", lambda: (True, ""))

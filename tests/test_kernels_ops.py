@@ -1,5 +1,6 @@
 """Fused ops: reference vs the eager unfused sequence, CPU fast path vs reference, gradcheck in fp64,
 odd shapes, dtypes, torch.compile."""
+
 from __future__ import annotations
 
 import pytest
@@ -44,7 +45,9 @@ def check_vs_eager(fused, eager, *xs, **tol):
 def test_layer_norm_and_rms_norm_vs_eager(shape, dtype):
     n = shape[-1]
     x, w, b = torch.randn(shape, dtype=dtype), torch.randn(n, dtype=dtype), torch.randn(n, dtype=dtype)
-    check_vs_eager(lambda x, w, b: layer_norm(x, w, b, 1e-5), lambda x, w, b: F.layer_norm(x, (n,), w, b, 1e-5), x, w, b)
+    check_vs_eager(
+        lambda x, w, b: layer_norm(x, w, b, 1e-5), lambda x, w, b: F.layer_norm(x, (n,), w, b, 1e-5), x, w, b
+    )
     check_vs_eager(lambda x, w: rms_norm(x, w, 1e-6), lambda x, w: F.rms_norm(x, (n,), w, 1e-6), x, w)
 
 
@@ -63,6 +66,7 @@ def test_cpp_tanh_gelu_matches_the_reference_at_the_edges(dtype):
     nan as aten.gelu gives them."""
     from graphtrain.kernels import _cpu_ext
     from graphtrain.kernels.bias_gelu import bias_gelu_backward_reference, bias_gelu_reference
+
     mod = _cpu_ext.load()
     if mod is None:
         pytest.skip(f"no C++ compiler: {_cpu_ext.build_error()}")
@@ -71,21 +75,28 @@ def test_cpp_tanh_gelu_matches_the_reference_at_the_edges(dtype):
     x, b, dy = x.to(dtype), torch.randn(1031).to(dtype), torch.randn(3, 1031).to(dtype)
     tol = {} if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     from graphtrain.kernels.bias_gelu import cpp_tanh_ok, gelu_tanh_probe
+
     wins = gelu_tanh_probe()["cpp_wins"]  # the op takes the C++ kernel where it measured faster than aten's
     assert cpp_tanh_ok(x, b, "tanh") == wins == cpp_tanh_ok(x, None, "tanh") and not cpp_tanh_ok(x, b, "none")
     for bias in (b, None):
         nb = x.new_empty(0) if bias is None else bias
         ref = bias_gelu_reference(x.double(), None if bias is None else bias.double(), "tanh")
         dref = bias_gelu_backward_reference(dy.double(), x.double(), None if bias is None else bias.double(), "tanh")
-        for fwd, bwd in ((mod.gelu_tanh_fwd(x, nb), mod.gelu_tanh_bwd(dy, x, nb)),
-                         (bias_gelu(x, bias, "tanh"), torch.ops.graphtrain.bias_gelu_backward(dy, x, bias, "tanh"))):
+        for fwd, bwd in (
+            (mod.gelu_tanh_fwd(x, nb), mod.gelu_tanh_bwd(dy, x, nb)),
+            (bias_gelu(x, bias, "tanh"), torch.ops.graphtrain.bias_gelu_backward(dy, x, bias, "tanh")),
+        ):
             assert_close(fwd, ref.to(dtype), name="forward", **tol)
             assert_close(bwd, dref.to(dtype), name="backward", **tol)
     special = torch.tensor([float("inf"), float("-inf"), float("nan"), 1e30, -1e30, 1e-30, -0.0], dtype=dtype)
     none = special.new_empty(0)
-    for got, want in ((mod.gelu_tanh_fwd(special, none), torch.ops.aten.gelu(special, approximate="tanh")),
-                      (mod.gelu_tanh_bwd(torch.ones_like(special), special, none),
-                       torch.ops.aten.gelu_backward(torch.ones_like(special), special, approximate="tanh"))):
+    for got, want in (
+        (mod.gelu_tanh_fwd(special, none), torch.ops.aten.gelu(special, approximate="tanh")),
+        (
+            mod.gelu_tanh_bwd(torch.ones_like(special), special, none),
+            torch.ops.aten.gelu_backward(torch.ones_like(special), special, approximate="tanh"),
+        ),
+    ):
         assert torch.equal(got.isnan(), want.isnan()), (got, want)
         assert_close(got[~want.isnan()], want[~want.isnan()], name="special values")
 
@@ -102,18 +113,21 @@ def test_gradcheck_fp64_references():
     def bda(x, b, r):
         torch.manual_seed(1)  # same seed each call: gradcheck's perturbations see one mask
         return bias_dropout_add(x, b, r, 0.4)
+
     assert torch.autograd.gradcheck(bda, (x, b, r))
     q, k, v = (torch.randn(1, 2, 4, 3, **d) for _ in range(3))
 
     def att(q, k, v):
         torch.manual_seed(1)
         return attention(q, k, v, torch.randn(4, 4, dtype=torch.float64), 0.5, False, 0.3)
+
     assert torch.autograd.gradcheck(att, (q, k, v))
     t = torch.tensor([1, -100, 4])
     assert torch.autograd.gradcheck(lambda x: cross_entropy(x, t), (x,))
     wv = torch.randn(6, 5, **d)
-    assert torch.autograd.gradcheck(lambda x, w: linear_cross_entropy(x, w, torch.tensor([1, 5, 0]), chunk_rows=2),
-                                    (x, wv))
+    assert torch.autograd.gradcheck(
+        lambda x, w: linear_cross_entropy(x, w, torch.tensor([1, 5, 0]), chunk_rows=2), (x, wv)
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -135,14 +149,13 @@ def test_bias_dropout_add_cpu_path_matches_reference_mask(dtype):
         bias_dropout_add(x, torch.randn(3, dtype=dtype), r, 0.1)
 
 
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(3, 2500), (5, 7, 1031), (40000,)])
 def test_bias_dropout_add_cpu_chunks_match_reference_forward_and_backward(dtype, shape):
     # Rows longer than the C++ kernel's 1024-element chunk and flat sizes over its 16384 grain:
     # the mask must not depend on how the kernel splits the work.
     from graphtrain.kernels.bias_dropout_add import dropout_backward_reference
+
     x, r = torch.randn(shape, dtype=dtype), torch.randn(shape, dtype=dtype)
     b = torch.randn(shape[-1], dtype=dtype)
     out, seed = torch.ops.graphtrain.bias_dropout_add(x, b, r, 0.1)
@@ -152,6 +165,8 @@ def test_bias_dropout_add_cpu_chunks_match_reference_forward_and_backward(dtype,
     got = torch.ops.graphtrain.dropout_backward(g, 0.1, seed)
     assert torch.equal(got, dropout_backward_reference(g, 0.1, seed))
     assert torch.equal((got != 0) | (g == 0), keep | (g == 0))  # dropped exactly where the mask says
+
+
 @pytest.mark.parametrize("p", [0.0, 0.2])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("shape", [(1, 1, 1, 4), (2, 3, 9, 5)])
@@ -160,11 +175,22 @@ def test_attention_vs_eager_and_reference(p, causal, shape):
     mask = torch.randn(shape[2], shape[2])
     assert implementation_for("attention", "cpu", q, k, v, mask, 0.3, causal, p) != "reference"
     if p == 0:
-        cm = torch.zeros(shape[2], shape[2]).masked_fill(torch.ones(shape[2], shape[2], dtype=torch.bool).triu(1),
-                                                         float("-inf")) if causal else 0.0
-        check_vs_eager(lambda q, k, v: attention(q, k, v, mask, 0.3, causal, 0.0),
-                       lambda q, k, v: F.softmax(q @ k.transpose(-1, -2) * 0.3 + mask + cm, -1) @ v, q, k, v)
+        cm = (
+            torch.zeros(shape[2], shape[2]).masked_fill(
+                torch.ones(shape[2], shape[2], dtype=torch.bool).triu(1), float("-inf")
+            )
+            if causal
+            else 0.0
+        )
+        check_vs_eager(
+            lambda q, k, v: attention(q, k, v, mask, 0.3, causal, 0.0),
+            lambda q, k, v: F.softmax(q @ k.transpose(-1, -2) * 0.3 + mask + cm, -1) @ v,
+            q,
+            k,
+            v,
+        )
     from graphtrain.kernels.attention import attention_backward_reference, attention_reference
+
     out, lse, seed = torch.ops.graphtrain.attention(q, k, v, mask, 0.3, causal, p)
     ro, rl = attention_reference(q, k, v, mask, 0.3, causal, p, seed)
     assert_close(out, ro, name="out vs reference")
@@ -184,6 +210,7 @@ def test_attention_head_by_head_cpu_path_vs_reference(p, causal, sq, sk):
     # and a partial one), causal blocks above the diagonal skipped, q/k/v read through [B, S, H, D] strides.
     from graphtrain.kernels._common import force_reference
     from graphtrain.kernels.attention import attention_backward_reference, attention_reference
+
     B, H, D = 2, 3, 16
     q, k, v = (torch.randn(B, s, H, D).transpose(1, 2) for s in (sq, sk, sk))
     with force_reference(ops=()) as chosen:
@@ -204,6 +231,7 @@ def test_attention_head_by_head_cpu_path_vs_reference(p, causal, sq, sk):
         assert_close(a, e, name=f"d{name}")
     if p > 0:  # the same entries dropped as the batched-matmul path (same hash, same element numbering)
         from graphtrain.kernels.attention import _cpu_fwd
+
         assert_close(_cpu_fwd(q, k, v, None, 0.3, causal, p, seed)[0], out, name="out vs the batched path")
 
 
@@ -215,13 +243,20 @@ def test_attention_cpu_dropout_path_vs_reference(dtype, mask_kind, sq, sk):
     # same seed so the same dropout mask: masks broadcast over batch/heads (stride 0), a non-unit
     # innermost mask stride, rows longer than the kernel's 1024 chunk, and a row with no visible key.
     from graphtrain.kernels.attention import attention_backward_reference, attention_reference
+
     B, H, D = 2, 3, 8
-    q, k, v = torch.randn(B, H, sq, D, dtype=dtype), torch.randn(B, H, sk, D, dtype=dtype), torch.randn(B, H, sk, D, dtype=dtype)
-    mask = {"none": None,
-            "padding": torch.zeros(B, 1, 1, sk).masked_fill(torch.rand(B, 1, 1, sk) < 0.3, float("-inf")),
-            "full": torch.randn(sq, sk),
-            "strided": torch.randn(sk, sq).t(),
-            "fully_masked_row": torch.zeros(sq, sk).index_fill(0, torch.tensor([1]), float("-inf"))}[mask_kind]
+    q, k, v = (
+        torch.randn(B, H, sq, D, dtype=dtype),
+        torch.randn(B, H, sk, D, dtype=dtype),
+        torch.randn(B, H, sk, D, dtype=dtype),
+    )
+    mask = {
+        "none": None,
+        "padding": torch.zeros(B, 1, 1, sk).masked_fill(torch.rand(B, 1, 1, sk) < 0.3, float("-inf")),
+        "full": torch.randn(sq, sk),
+        "strided": torch.randn(sk, sq).t(),
+        "fully_masked_row": torch.zeros(sq, sk).index_fill(0, torch.tensor([1]), float("-inf")),
+    }[mask_kind]
     mask = None if mask is None else mask.to(dtype)
     assert implementation_for("attention", "cpu", q, k, v, mask, 0.3, False, 0.2) != "reference"
     out, lse, seed = torch.ops.graphtrain.attention(q, k, v, mask, 0.3, False, 0.2)
@@ -254,16 +289,21 @@ def test_attention_bool_mask_and_errors():
 def test_cross_entropy_vs_eager(reduction):
     x, t = torch.randn(11, 29), torch.randint(0, 29, (11,))
     t[4] = -100
-    check_vs_eager(lambda x: cross_entropy(x, t, reduction=reduction),
-                   lambda x: F.cross_entropy(x, t, reduction=reduction), x)
+    check_vs_eager(
+        lambda x: cross_entropy(x, t, reduction=reduction), lambda x: F.cross_entropy(x, t, reduction=reduction), x
+    )
 
 
 @pytest.mark.parametrize("chunk", [0, 1, 4])
 def test_linear_cross_entropy_vs_eager(chunk):
     h, w, t = torch.randn(2, 5, 12), torch.randn(31, 12), torch.randint(0, 31, (2, 5))
     t[1, 3] = -100
-    check_vs_eager(lambda h, w: linear_cross_entropy(h, w, t, chunk_rows=chunk),
-                   lambda h, w: F.cross_entropy((h @ w.t()).view(-1, 31), t.view(-1)), h, w)
+    check_vs_eager(
+        lambda h, w: linear_cross_entropy(h, w, t, chunk_rows=chunk),
+        lambda h, w: F.cross_entropy((h @ w.t()).view(-1, 31), t.view(-1)),
+        h,
+        w,
+    )
 
 
 @pytest.mark.parametrize("gemm", ["default", "aten"])
@@ -274,6 +314,7 @@ def test_linear_cross_entropy_chunks_overwrite_stale_memory(gemm, monkeypatch):
     mm / addmm_ with `out` (what machines where oneDNN does not win run)."""
     if gemm == "aten":
         import importlib
+
         monkeypatch.setattr(importlib.import_module("graphtrain.kernels.gemm"), "onednn_gemm_wins", lambda: False)
     h, w, t = torch.randn(24, 32), torch.randn(96, 32), torch.randint(0, 96, (24,))
     want = torch.autograd.grad(F.cross_entropy(h.requires_grad_() @ w.requires_grad_().t(), t), (h, w))
@@ -297,10 +338,18 @@ def test_linear_cross_entropy_skips_ignored_rows(reduction, with_bias):
     t[0, 0] = 7  # at least one labelled row
     for chunk in (0, 3):
         check_vs_eager(
-            lambda h, w, b, chunk=chunk: linear_cross_entropy(h, w, t, reduction=reduction, chunk_rows=chunk,
-                                                 bias=b if with_bias else None) + 0 * b.sum(),
-            lambda h, w, b: F.cross_entropy((h @ w.t() + (b if with_bias else 0)).view(-1, 97), t.view(-1),
-                                            reduction=reduction) + 0 * b.sum(), h, w, b)
+            lambda h, w, b, chunk=chunk: (
+                linear_cross_entropy(h, w, t, reduction=reduction, chunk_rows=chunk, bias=b if with_bias else None)
+                + 0 * b.sum()
+            ),
+            lambda h, w, b: (
+                F.cross_entropy((h @ w.t() + (b if with_bias else 0)).view(-1, 97), t.view(-1), reduction=reduction)
+                + 0 * b.sum()
+            ),
+            h,
+            w,
+            b,
+        )
 
 
 @pytest.mark.parametrize("with_bias", [False, True])
@@ -326,8 +375,13 @@ def test_linear_cross_entropy_that_returns_its_logits(with_bias, skip_ignored, c
         assert_close(logits, h.detach() @ w.detach().t() + (b.detach() if with_bias else 0), name="logits")
         return loss + 0 * b.sum()
 
-    check_vs_eager(fused, lambda h, w, b: F.cross_entropy(h @ w.t() + (b if with_bias else 0), t, reduction="sum")
-                   + 0 * b.sum(), h, w, b)
+    check_vs_eager(
+        fused,
+        lambda h, w, b: F.cross_entropy(h @ w.t() + (b if with_bias else 0), t, reduction="sum") + 0 * b.sum(),
+        h,
+        w,
+        b,
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -355,20 +409,35 @@ def test_linear_cross_entropy_low_precision_and_bad_targets(dtype):
     h, w = torch.randn(37, 16, generator=g).to(dtype), torch.randn(53, 16, generator=g).to(dtype)
     t = torch.randint(0, 53, (37,), generator=g)
     t[5] = -100
-    check_vs_eager(lambda h, w: linear_cross_entropy(h, w, t, chunk_rows=8).float(),
-                   lambda h, w: F.cross_entropy(h.float() @ w.float().t(), t), h, w, atol=3e-2, rtol=3e-2)
+    check_vs_eager(
+        lambda h, w: linear_cross_entropy(h, w, t, chunk_rows=8).float(),
+        lambda h, w: F.cross_entropy(h.float() @ w.float().t(), t),
+        h,
+        w,
+        atol=3e-2,
+        rtol=3e-2,
+    )
     t[3] = 53
     with pytest.raises((RuntimeError, IndexError), match="out of (range|bounds)"):
         linear_cross_entropy(h, w, t)
 
 
 def test_registry_and_torch_compile():
-    assert set(KERNELS) == {"attention", "bias_dropout_add", "bias_gelu", "cross_entropy", "gemm", "layer_norm",
-                            "linear_cross_entropy", "rms_norm"}
+    assert set(KERNELS) == {
+        "attention",
+        "bias_dropout_add",
+        "bias_gelu",
+        "cross_entropy",
+        "gemm",
+        "layer_norm",
+        "linear_cross_entropy",
+        "rms_norm",
+    }
     x, w = torch.randn(4, 8), torch.randn(8)
 
     def f(x, w):
         return bias_gelu(layer_norm(x, w, w), w, "tanh").sum() + cross_entropy(x, torch.arange(4))
+
     xs = x.clone().requires_grad_()
     f(xs, w).backward()
     xc = x.clone().requires_grad_()

@@ -12,6 +12,7 @@ The short version runs through the graph engine (aten provider: ~3 s of graph ca
 box, the compile cost a restart pays in real runs); the 2-rank version runs eager (each start pays two ranks'
 imports already).
 """
+
 from __future__ import annotations
 
 import json
@@ -30,10 +31,22 @@ from graphtrain.config.sections import Config
 from graphtrain.trainer import Trainer, list_checkpoints
 from graphtrain.trainer.checkpoint import load_checkpoint, load_sharded_meta, verify_checkpoint
 
-TINY = ["model.name=gpt2-tiny", "data.seq_len=32", "data.vocab_size=512", "data.max_bytes=300000",
-        "train.batch_size=4", "train.eval_every=3", "train.eval_batches=2", "train.log_every=1", "train.ckpt_every=1",
-        "train.progress=false", "train.threads=1", "train.deterministic=true", "train.sample_tokens=0",
-        "optim.warmup_steps=2"]
+TINY = [
+    "model.name=gpt2-tiny",
+    "data.seq_len=32",
+    "data.vocab_size=512",
+    "data.max_bytes=300000",
+    "train.batch_size=4",
+    "train.eval_every=3",
+    "train.eval_batches=2",
+    "train.log_every=1",
+    "train.ckpt_every=1",
+    "train.progress=false",
+    "train.threads=1",
+    "train.deterministic=true",
+    "train.sample_tokens=0",
+    "optim.warmup_steps=2",
+]
 ENGINE = ["train.accelerate=true", "engine.provider=aten", "engine.fallback=error"]
 PAUSE_S = 0.3  # how long the wrapper holds a marked phase open
 
@@ -91,8 +104,14 @@ if DIE_AT and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
 pytestmark = pytest.mark.usefixtures("tiny_env")  # conftest.py: shared data cache, settings restored
 
 
-def _worker(out: Path, steps: int, extra: list[str], nproc: int = 1,
-            resume: tuple[str, ...] = ("--resume", "auto"), **env_extra: str) -> subprocess.Popen:
+def _worker(
+    out: Path,
+    steps: int,
+    extra: list[str],
+    nproc: int = 1,
+    resume: tuple[str, ...] = ("--resume", "auto"),
+    **env_extra: str,
+) -> subprocess.Popen:
     argv = ["train", *TINY, f"train.steps={steps}", *extra, "--out", str(out), *resume]
     if nproc > 1:
         argv += [f"parallel.dp={nproc}", "--nproc", str(nproc)]
@@ -101,8 +120,13 @@ def _worker(out: Path, steps: int, extra: list[str], nproc: int = 1,
     (hooks / "sitecustomize.py").write_text(HOOKS)
     path = os.pathsep.join(p for p in (str(hooks), os.environ.get("PYTHONPATH", "")) if p)
     env = {**os.environ, "SOAK_PAUSE_S": str(PAUSE_S), "OMP_NUM_THREADS": "1", "PYTHONPATH": path, **env_extra}
-    return subprocess.Popen([sys.executable, "-u", "-m", "graphtrain", *argv], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env)
+    return subprocess.Popen(
+        [sys.executable, "-u", "-m", "graphtrain", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
 
 
 def _kill_at(proc: subprocess.Popen, target: str | None, rng: random.Random, delay_s: float = 0.0) -> str:
@@ -258,6 +282,7 @@ def test_two_rank_data_parallel_sigkills_lose_nothing(tmp_path):
     _check_nothing_lost(out, steps)
     from graphtrain.distributed.checkpoint import load_model_weights_local
     from graphtrain.models import build_model
+
     config = Config().with_overrides([*TINY, *extra])
     weights = []
     for run in (ref_out, out):

@@ -1,5 +1,6 @@
 """An SDPA mask that needs a gradient (a learned bias: Swin's relative position table) is captured and trained,
 checked forward and backward against eager PyTorch (bitwise on the aten provider: the same math implementation)."""
+
 from __future__ import annotations
 
 import copy
@@ -62,8 +63,9 @@ def test_switched_off_the_mask_reaches_flash_attention_again():
     why."""
     torch.manual_seed(0)
     ref = WindowAttention()
-    m = graphtrain.accelerate(copy.deepcopy(ref), provider="aten", fallback="silent",
-                              passes={"route_learned_masks_to_math": False})
+    m = graphtrain.accelerate(
+        copy.deepcopy(ref), provider="aten", fallback="silent", passes={"route_learned_masks_to_math": False}
+    )
     x, wm = _inputs()
     for mod in (ref, m):
         mod(x, wm).square().mean().backward()
@@ -78,8 +80,16 @@ def test_switched_off_the_mask_reaches_flash_attention_again():
 def test_hf_swin_trains_without_falling_back():
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    cfg = transformers.SwinConfig(image_size=32, patch_size=4, embed_dim=16, depths=[2], num_heads=[2], window_size=4,
-                                  num_labels=5, attn_implementation="sdpa")
+    cfg = transformers.SwinConfig(
+        image_size=32,
+        patch_size=4,
+        embed_dim=16,
+        depths=[2],
+        num_heads=[2],
+        window_size=4,
+        num_labels=5,
+        attn_implementation="sdpa",
+    )
     ref = transformers.SwinForImageClassification(cfg).train()
     m = graphtrain.accelerate(copy.deepcopy(ref), provider="aten", fallback="error")
     x, y = torch.randn(2, 3, 32, 32), torch.tensor([1, 3])

@@ -1,4 +1,5 @@
 """train.loggers: TensorBoard event files next to metrics.jsonl, with every metric and the engine's report."""
+
 from __future__ import annotations
 
 import textwrap
@@ -10,14 +11,27 @@ from graphtrain import Trainer
 from graphtrain.config.sections import Config
 
 pytestmark = pytest.mark.usefixtures("tiny_env")
-TINY = ["model.name=gpt2-tiny", "data.seq_len=32", "data.vocab_size=512", "data.max_bytes=300000",
-        "train.batch_size=2", "train.steps=3", "train.eval_every=2", "train.eval_batches=1", "train.log_every=1",
-        "train.ckpt_every=0", "train.progress=false", "train.threads=1", "train.sample_tokens=0",
-        "engine.provider=aten"]
+TINY = [
+    "model.name=gpt2-tiny",
+    "data.seq_len=32",
+    "data.vocab_size=512",
+    "data.max_bytes=300000",
+    "train.batch_size=2",
+    "train.steps=3",
+    "train.eval_every=2",
+    "train.eval_batches=1",
+    "train.log_every=1",
+    "train.ckpt_every=0",
+    "train.progress=false",
+    "train.threads=1",
+    "train.sample_tokens=0",
+    "engine.provider=aten",
+]
 
 
 def _scalars(folder):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     ea = EventAccumulator(str(folder))
     ea.Reload()
     return ea
@@ -25,12 +39,22 @@ def _scalars(folder):
 
 def test_tensorboard_has_every_curve_and_the_engine_report(tmp_path, monkeypatch):
     from graphtrain.kernels import capability
+
     monkeypatch.setattr(capability, "peek_probe", lambda name, **kw: {"fp32": 1e11})  # a measured peak: MFU is logged
     Trainer(Config().with_overrides([*TINY, f"train.out_dir={tmp_path}"])).fit()
     ea = _scalars(tmp_path / "tensorboard")
     tags = set(ea.Tags()["scalars"])
-    for tag in ("train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s", "train/ms_per_step",
-                "train/peak_mem_bytes", "train/mfu", "train/skipped", "eval/val_loss"):
+    for tag in (
+        "train/loss",
+        "train/lr",
+        "train/grad_norm",
+        "train/tokens_per_s",
+        "train/ms_per_step",
+        "train/peak_mem_bytes",
+        "train/mfu",
+        "train/skipped",
+        "eval/val_loss",
+    ):
         assert tag in tags, sorted(tags)
     assert [e.step for e in ea.Scalars("train/loss")] == [1, 2, 3]
     assert all(0 < e.value < 1 for e in ea.Scalars("train/mfu"))  # tiny model, a 100 GFLOP/s peak
@@ -43,6 +67,7 @@ def test_tensorboard_has_the_hyperparameters_and_the_config(tmp_path):
     """The HParams dashboard's experiment (the config keys, the metrics) and this run's values, and the config as
     YAML text, read back from the event file as TensorBoard reads it."""
     from tensorboard.plugins.hparams import plugin_data_pb2
+
     cfg = Config().with_overrides([*TINY, "train.accelerate=false", "optim.lr=0.003", f"train.out_dir={tmp_path}"])
     Trainer(cfg).fit()
     ea = _scalars(tmp_path / "tensorboard")
@@ -60,8 +85,9 @@ def test_tensorboard_has_the_hyperparameters_and_the_config(tmp_path):
 
 
 def test_jsonl_only_writes_no_event_files(tmp_path):
-    Trainer(Config().with_overrides([*TINY, "train.accelerate=false", "train.loggers=[jsonl]",
-                                     f"train.out_dir={tmp_path}"])).fit()
+    Trainer(
+        Config().with_overrides([*TINY, "train.accelerate=false", "train.loggers=[jsonl]", f"train.out_dir={tmp_path}"])
+    ).fit()
     assert (tmp_path / "metrics.jsonl").is_file() and not (tmp_path / "tensorboard").exists()
 
 
@@ -75,8 +101,11 @@ def test_wandb_offline_and_mlflow_local_get_the_metrics(tmp_path, monkeypatch):
     wandb = pytest.importorskip("wandb")
     mlflow = pytest.importorskip("mlflow")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    Trainer(Config().with_overrides([*TINY, "train.accelerate=false", "train.loggers=[jsonl, wandb, mlflow]",
-                                     f"train.out_dir={tmp_path}"])).fit()
+    Trainer(
+        Config().with_overrides(
+            [*TINY, "train.accelerate=false", "train.loggers=[jsonl, wandb, mlflow]", f"train.out_dir={tmp_path}"]
+        )
+    ).fit()
     runs = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
     assert runs, list((tmp_path / "wandb").iterdir())
     mlflow.set_tracking_uri(f"sqlite:///{(tmp_path / 'mlflow.db').resolve()}")

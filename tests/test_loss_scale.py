@@ -1,4 +1,5 @@
 """Dynamic loss scaling: scale/unscale/check, backoff with hysteresis, growth, state, a forced overflow."""
+
 from __future__ import annotations
 
 import math
@@ -62,14 +63,18 @@ def test_the_graph_and_the_eager_scaler_follow_one_rule():
     """optim.functional.loss_scale_update on tensors (what compile_step's graph runs) gives the eager
     DynamicLossScaler's scale, growth count and hysteresis after every step of an overflow pattern."""
     from graphtrain.optim.functional import loss_scale_update
+
     kw = dict(growth_factor=2.0, backoff_factor=0.5, growth_interval=3, hysteresis=2, min_scale=2.0)
     eager = DynamicLossScaler(init_scale=8.0, **kw)
     scale, tracker, hyst = torch.tensor(8.0), torch.tensor(0), torch.tensor(2)
     for overflow in [True, False, True, True, True, True, False, False, False, True, False, False, False, False]:
         eager.update(overflow)
         scale, tracker, hyst = loss_scale_update(scale, tracker, hyst, torch.tensor(overflow), **kw)
-        assert (float(scale), int(tracker), int(hyst)) == (eager.scale_value, eager._growth_tracker,
-                                                           eager._hysteresis_left), overflow
+        assert (float(scale), int(tracker), int(hyst)) == (
+            eager.scale_value,
+            eager._growth_tracker,
+            eager._hysteresis_left,
+        ), overflow
 
 
 def test_state_dict_round_trip_and_config():
@@ -78,8 +83,11 @@ def test_state_dict_round_trip_and_config():
     s.update(True)
     t = DynamicLossScaler()
     t.load_state_dict(s.state_dict())
-    assert t.state_dict() == s.state_dict() == {"scale": 8.0, "growth_tracker": 0, "hysteresis_left": 0,
-                                                "skipped_steps": 1, "steps": 2}
+    assert (
+        t.state_dict()
+        == s.state_dict()
+        == {"scale": 8.0, "growth_tracker": 0, "hysteresis_left": 0, "skipped_steps": 1, "steps": 2}
+    )
     with pytest.raises(ValueError, match="missing"):
         t.load_state_dict({"scale": 1.0})
     assert make_loss_scaler(EngineConfig(precision="bf16")) is None  # bf16 has fp32's range: no scaling

@@ -1,4 +1,5 @@
 """Buffer reuse: in-place elementwise pass, boxed backward frees saved activations, grad buffers."""
+
 from __future__ import annotations
 
 import copy
@@ -32,13 +33,15 @@ def test_pass_is_registered_for_both_stages():
 
 def test_inplace_rules_on_a_small_graph():
     def f(x, w):
-        a = x @ w          # produced here, one user -> relu may write into it
+        a = x @ w  # produced here, one user -> relu may write into it
         b = torch.relu(a)
-        c = b + x          # b: one user -> add_ writes into b
-        v = c.view(-1)     # c has a view: not rewritten
+        c = b + x  # b: one user -> add_ writes into b
+        v = c.view(-1)  # c has a view: not rewritten
         d = torch.gelu(c) if False else torch.tanh(c)
         return d, v, x.exp()  # x is a graph input: exp stays out of place
+
     from torch.fx.experimental.proxy_tensor import make_fx
+
     gm = make_fx(f, tracing_mode="fake")(torch.randn(8, 8), torch.randn(8, 8))
     names = [str(n.target) for n in inplace_candidates(gm)]
     assert names == ["aten.relu.default", "aten.add.Tensor"], names
@@ -54,8 +57,13 @@ def test_inplace_bitwise_and_counts(tiny, mode):
     l_ref.backward()
     m2 = copy.deepcopy(m)
     rewrites: dict[str, int] = {}
-    step = compile_train_step(m2, EngineConfig(recompute=mode, provider="aten"), fw_passes=[inplace_elementwise_pass],
-                              bw_passes=[inplace_elementwise_pass], rewrites=rewrites)
+    step = compile_train_step(
+        m2,
+        EngineConfig(recompute=mode, provider="aten"),
+        fw_passes=[inplace_elementwise_pass],
+        bw_passes=[inplace_elementwise_pass],
+        rewrites=rewrites,
+    )
     torch.manual_seed(3)
     loss = step(*batch)
     loss.backward()
@@ -69,6 +77,7 @@ def test_inplace_skipped_for_inductor(tiny):
     m, batch = tiny
     cap = capture_graphs(m, batch, EngineConfig(recompute="none"))
     from graphtrain.passes.manager import PassContext
+
     ctx = PassContext(config=EngineConfig(provider="inductor"), stage="forward")
     inplace_elementwise_pass(cap.fw_gm, ctx)
     assert ctx.rewrites == 0
@@ -78,10 +87,12 @@ def test_inplace_allocates_less(tiny):
     m, batch = tiny
     plain = capture_graphs(m, batch, ATEN)
     inpl = capture_graphs(m, batch, ATEN, fw_passes=[inplace_elementwise_pass], bw_passes=[inplace_elementwise_pass])
+
     def peaks(cap):
         ext = set().union(*placeholder_keys(cap.fw_gm))  # parameters and batch: not the graphs' bytes
         fw, bw = graph_liveness(cap.fw_gm, ext, free_inputs=False), graph_liveness(cap.bw_gm, ext)
         return fw.peak_bytes, bw.peak_bytes, fw.allocated_bytes + bw.allocated_bytes
+
     (fw0, bw0, a0), (fw1, bw1, a1) = peaks(plain), peaks(inpl)
     # gpt2-tiny's peak sits at log_softmax's backward, which the pass cannot touch; it allocates less
     assert fw1 <= fw0 and bw1 <= bw0 and a1 < a0, (fw0, fw1, bw0, bw1, a0, a1)

@@ -1,4 +1,5 @@
 """Peak-memory prediction: liveness on small graphs, the breakdown, and (slow) against measured RSS."""
+
 from __future__ import annotations
 
 import pytest
@@ -15,12 +16,13 @@ MiB = 2**20
 
 
 def test_liveness_counts_buffers_views_and_frees():
-    def f(x):                    # x: 1 MiB input (external)
-        a = x * 2                # +1 MiB
-        b = a.view(-1)           # view of a: no bytes
-        c = torch.relu(b)        # +1 MiB; a's last use is b's use here -> a freed after
-        d = c + 1                # +1 MiB, c freed after
+    def f(x):  # x: 1 MiB input (external)
+        a = x * 2  # +1 MiB
+        b = a.view(-1)  # view of a: no bytes
+        c = torch.relu(b)  # +1 MiB; a's last use is b's use here -> a freed after
+        d = c + 1  # +1 MiB, c freed after
         return d.sum()
+
     gm = make_fx(f, tracing_mode="fake")(torch.empty(256, 1024))
     ext = set().union(*placeholder_keys(gm))
     live = graph_liveness(gm, ext)
@@ -49,6 +51,7 @@ def test_pick_batch_size_fits_budget():
     def factory():
         torch.manual_seed(0)
         return build_model(ModelConfig(name="gpt2-tiny")).train()
+
     m = factory()
     x = torch.randint(0, 512, (6, 64))
     budget = predict_for_model(m, (x, x), EngineConfig()).peak + 1000  # batch 6 just fits, 7 does not
@@ -69,10 +72,12 @@ def test_largest_fitting_bisects():
 @pytest.mark.parametrize("recompute", ["none", "selective", "full"])
 def test_prediction_within_15_percent_of_measured(model, seq, batch, recompute):
     from graphtrain.tools.measure import build, measure
+
     m, b = build(model, seq, batch)
     est = predict_for_model(m, b, EngineConfig(recompute=recompute))
-    r = measure(model=model, seq=seq, batch=batch, mode="graphtrain", recompute=recompute, steps=2, warmup=2,
-                pin_malloc=True)
+    r = measure(
+        model=model, seq=seq, batch=batch, mode="graphtrain", recompute=recompute, steps=2, warmup=2, pin_malloc=True
+    )
     assert "error" not in r, r.get("error")
     assert r["peak_tensor_bytes"] > 200 * MiB  # activations dominate the noise
     assert abs(est.peak / r["peak_tensor_bytes"] - 1) < 0.15, (est.peak / MiB, r["peak_tensor_bytes"] / MiB)
@@ -84,9 +89,20 @@ def test_engine_prediction_within_15_percent_of_measured(recompute):
     """The prediction graphtrain.report shows (graphs after the default passes, fused ops' internal scratch
     memory included) against one real step through graphtrain.accelerate, in a fresh process."""
     from graphtrain.tools.measure import measure
-    r = measure(model="gpt2-small", seq=1024, batch=2, mode="accelerate", recompute=recompute, steps=1, warmup=2,
-                pin_malloc=True)
+
+    r = measure(
+        model="gpt2-small",
+        seq=1024,
+        batch=2,
+        mode="accelerate",
+        recompute=recompute,
+        steps=1,
+        warmup=2,
+        pin_malloc=True,
+    )
     assert "error" not in r, r.get("error")
     assert r["peak_tensor_bytes"] > 200 * MiB and r["predicted_peak"]
-    assert abs(r["predicted_peak"] / r["peak_tensor_bytes"] - 1) < 0.15, (r["predicted_peak"] / MiB,
-                                                                           r["peak_tensor_bytes"] / MiB)
+    assert abs(r["predicted_peak"] / r["peak_tensor_bytes"] - 1) < 0.15, (
+        r["predicted_peak"] / MiB,
+        r["peak_tensor_bytes"] / MiB,
+    )

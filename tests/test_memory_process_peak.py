@@ -1,5 +1,6 @@
 """The predicted peak resident memory of the whole process (memory/process.py) against the measured VmHWM:
 the figure the README and docs/design/memory.md quote, not a derived one."""
+
 from __future__ import annotations
 
 import sys
@@ -36,8 +37,18 @@ def test_predicted_process_peak_matches_measured_vmhwm(model, recompute):
     graphtrain sets it for recompute and memory budgets): the prediction models no allocator cache, and with
     glibc's default dynamic threshold a process holds up to ~9% more (docs/design/memory.md)."""
     from graphtrain.tools.measure import measure
-    r = measure(model=model, seq=128, batch=16, mode="accelerate", recompute=recompute, steps=1, warmup=1,
-                pin_malloc=True, timeout=600)
+
+    r = measure(
+        model=model,
+        seq=128,
+        batch=16,
+        mode="accelerate",
+        recompute=recompute,
+        steps=1,
+        warmup=1,
+        pin_malloc=True,
+        timeout=600,
+    )
     assert "error" not in r, r.get("error")
     peak = r["peak_rss"]
     # the case can see the regressions the tolerance is meant to catch
@@ -48,7 +59,8 @@ def test_predicted_process_peak_matches_measured_vmhwm(model, recompute):
     assert abs(err) <= TOLERANCE, (
         f"predicted {r['predicted_process_peak'] / MiB:,.1f} MiB, measured VmHWM {peak / MiB:,.1f} MiB "
         f"({100 * err:+.2f}%); step increment predicted {r['predicted_increment'] / MiB:,.1f}, measured "
-        f"{r['measured_increment'] / MiB:,.1f}")
+        f"{r['measured_increment'] / MiB:,.1f}"
+    )
 
 
 def test_process_peak_counts_each_resident_tensor_once():
@@ -92,14 +104,30 @@ def test_report_shows_process_peak_next_to_step_peak():
     text = str(rep)
     assert "predicted process peak (next step, peak RSS)" in text and "predicted step peak" in text
     assert "optimizer state not measured" in str(graphtrain.report(m))
-    assert ProcessPeak(**{k: pp[k] for k in ("step_peak", "baseline_rss", "resident_state", "resident_parts",
-                                             "optimizer_measured")}).process_peak == pp["process_peak"]
+    assert (
+        ProcessPeak(
+            **{
+                k: pp[k]
+                for k in ("step_peak", "baseline_rss", "resident_state", "resident_parts", "optimizer_measured")
+            }
+        ).process_peak
+        == pp["process_peak"]
+    )
 
 
 def test_memory_bench_table_shows_process_peak_and_error():
     from graphtrain.bench.memory import table
-    row = dict(variant="none", peak_rss=717 * MiB, peak_tensor_bytes=275 * MiB, saved_bytes=149 * MiB,
-               predicted_peak=275 * MiB, predicted_process_peak=716 * MiB, process_peak_error=-1 / 717, step_s=1.0)
+
+    row = dict(
+        variant="none",
+        peak_rss=717 * MiB,
+        peak_tensor_bytes=275 * MiB,
+        saved_bytes=149 * MiB,
+        predicted_peak=275 * MiB,
+        predicted_process_peak=716 * MiB,
+        process_peak_error=-1 / 717,
+        step_s=1.0,
+    )
     text = table([row, dict(row, variant="eager", predicted_peak=None, predicted_process_peak=None)])
     assert "predicted process MiB | error vs peak RSS" in text and "| 275 | 716 | -0.14% |" in text
     assert "| - | - | - |" in text  # eager: no prediction

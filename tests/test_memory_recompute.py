@@ -1,4 +1,5 @@
 """Recompute modes: bitwise parity with eager (dropout on), RNG handling, saved bytes, auto's budget."""
+
 from __future__ import annotations
 
 import copy
@@ -98,22 +99,30 @@ def _pretend_a_gpu(monkeypatch, total_memory: int) -> None:
     runs on it; torch's own callers, AOTAutograd's RNG bookkeeping among them, keep seeing no CUDA)."""
     import sys
     import types
+
     real = torch.cuda.is_available
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: sys._getframe(1).f_globals.get(
-        "__name__", "").startswith("graphtrain.memory") or real())
+    monkeypatch.setattr(
+        torch.cuda,
+        "is_available",
+        lambda: sys._getframe(1).f_globals.get("__name__", "").startswith("graphtrain.memory") or real(),
+    )
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: types.SimpleNamespace(
-        total_memory=total_memory, name="pretend GPU"))
+    monkeypatch.setattr(
+        torch.cuda,
+        "get_device_properties",
+        lambda device=None: types.SimpleNamespace(total_memory=total_memory, name="pretend GPU"),
+    )
 
 
 def test_a_fractional_budget_is_of_the_memory_of_the_device_the_run_uses(monkeypatch):
     import os
 
     from graphtrain.memory.budget import budget_bytes
+
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     _pretend_a_gpu(monkeypatch, 3 * 2**30)
-    assert budget_bytes(0.5, torch.device("cpu")) == 0.5 * ram      # a CPU run: RAM, though CUDA is "available"
-    assert budget_bytes(0.5, "cuda:0") == 0.5 * 3 * 2**30           # a GPU run: the GPU's memory
+    assert budget_bytes(0.5, torch.device("cpu")) == 0.5 * ram  # a CPU run: RAM, though CUDA is "available"
+    assert budget_bytes(0.5, "cuda:0") == 0.5 * 3 * 2**30  # a GPU run: the GPU's memory
     assert budget_bytes(4e9, "cpu") == budget_bytes(4e9, "cuda") == 4e9  # bytes as given
     with pytest.raises(ValueError, match="must be positive"):
         budget_bytes(0.0, "cpu")
@@ -121,6 +130,7 @@ def test_a_fractional_budget_is_of_the_memory_of_the_device_the_run_uses(monkeyp
 
 def test_recompute_budget_fraction_on_cpu_is_of_ram_even_with_cuda(tiny, monkeypatch):
     import os
+
     m, batch = tiny
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     _pretend_a_gpu(monkeypatch, 3 * 2**30)
@@ -130,6 +140,7 @@ def test_recompute_budget_fraction_on_cpu_is_of_ram_even_with_cuda(tiny, monkeyp
 
 def test_auto_without_budget_is_a_user_error():
     from graphtrain.memory.recompute import make_partition_fn
+
     with pytest.raises(ValueError, match="memory_budget"):
         make_partition_fn(EngineConfig(recompute="auto"))
 
@@ -137,6 +148,7 @@ def test_auto_without_budget_is_a_user_error():
 def test_fused_dropout_split_is_bitwise_and_draws_the_same_seed():
     """graphtrain::bias_dropout_add == dropout_seed + bias_dropout_add_seeded, RNG state included."""
     import graphtrain.memory.seeded  # noqa: F401  (registers the ops)
+
     x, b, r = torch.randn(64, 96), torch.randn(96), torch.randn(64, 96)
     torch.manual_seed(3)
     out, seed = torch.ops.graphtrain.bias_dropout_add(x, b, r, 0.1)
@@ -160,8 +172,13 @@ def test_selective_recomputes_attention_cores(tiny):
     (B, T), H = batch[0].shape, m.spec.n_head
     out = next(n for n in cap.fw_gm.graph.nodes if n.op == "output")
     saved = [a for a in out.args[0][1:] if isinstance(a, torch.fx.Node)]
-    float_sxs = [a for a in saved if a.meta["val"].dtype.is_floating_point and a.meta["val"].numel() == B * H * T * T
-                 and not getattr(a.target, "is_view", False)]  # a view of a parameter is not an activation
+    float_sxs = [
+        a
+        for a in saved
+        if a.meta["val"].dtype.is_floating_point
+        and a.meta["val"].numel() == B * H * T * T
+        and not getattr(a.target, "is_view", False)
+    ]  # a view of a parameter is not an activation
     assert not float_sxs, [a.name for a in float_sxs]  # only the 1-byte dropout masks of aten dropout remain
 
 
@@ -176,8 +193,14 @@ def test_full_checkpoints_every_layer_but_the_last(tiny):
     # the checkpointed layer keeps its input, no [B, T, 4 * d] MLP activation
     d = m.spec.d_model
     out = next(n for n in cap.fw_gm.graph.nodes if n.op == "output")
-    mlp_sized = [a for a in out.args[0][1:] if isinstance(a, torch.fx.Node) and a.op == "call_function"
-                 and not getattr(a.target, "is_view", False) and a.meta["val"].shape[-1] == 4 * d]
+    mlp_sized = [
+        a
+        for a in out.args[0][1:]
+        if isinstance(a, torch.fx.Node)
+        and a.op == "call_function"
+        and not getattr(a.target, "is_view", False)
+        and a.meta["val"].shape[-1] == 4 * d
+    ]
     assert len(mlp_sized) <= 2, [a.name for a in mlp_sized]  # the last layer's fc output and GELU output only
 
 
@@ -190,6 +213,7 @@ def test_full_saves_a_post_norm_layers_output_so_recompute_stops_at_the_layer():
     import operator
 
     from graphtrain.models import BERT, PRESETS
+
     torch.manual_seed(0)
     m = BERT(dataclasses.replace(PRESETS["bert-tiny"], n_layer=4, dropout=0.1)).train()
     g = torch.Generator().manual_seed(1)
@@ -197,22 +221,31 @@ def test_full_saves_a_post_norm_layers_output_so_recompute_stops_at_the_layer():
     cap = capture_graphs(m, (x, None, None, y), EngineConfig(recompute="full"))
     assert cap.records[-1].choices[-1].what == "3 of 4 layers checkpointed (the last is not)"
     out = next(n for n in cap.fw_gm.graph.nodes if n.op == "output")
-    norm_outputs_saved = [a for a in out.args[0] if isinstance(a, torch.fx.Node) and a.target is operator.getitem
-                          and a.args[1] == 0 and a.args[0].target is torch.ops.aten.native_layer_norm.default]
+    norm_outputs_saved = [
+        a
+        for a in out.args[0]
+        if isinstance(a, torch.fx.Node)
+        and a.target is operator.getitem
+        and a.args[1] == 0
+        and a.args[0].target is torch.ops.aten.native_layer_norm.default
+    ]
     assert len(norm_outputs_saved) >= 2, [a.name for a in norm_outputs_saved]  # was 0
 
 
 def test_layer_regions_from_module_annotations(tiny):
     """capture.functional_model annotates each nn.ModuleList child; recompute.layer_regions reads it."""
     from graphtrain.memory.recompute import layer_regions
+
     m, batch = tiny
     seen = {}
     import graphtrain.memory.recompute as R
+
     real = R.tag_for_recompute
 
     def spy(joint, how, layers=None):
         seen["regions"] = layer_regions(joint)
         return real(joint, how, layers)
+
     R.tag_for_recompute = spy
     try:
         capture_graphs(m, batch, EngineConfig(recompute="full"))
@@ -230,6 +263,7 @@ def test_auto_checkpoints_only_the_layers_the_budget_needs():
     import dataclasses
 
     from graphtrain.models import GPT2, PRESETS
+
     torch.manual_seed(0)
     m = GPT2(dataclasses.replace(PRESETS["gpt2-tiny"], n_layer=4, dropout=0.1)).train()
     g = torch.Generator().manual_seed(1)
@@ -241,7 +275,9 @@ def test_auto_checkpoints_only_the_layers_the_budget_needs():
     by = {c.name: c for c in rec.choices}
     assert by["layers=1"].fits and by["layers=1"].what == "1 of 4 layers checkpointed (the first 1)"
     assert by["full"].what == "3 of 4 layers checkpointed (the last is not)"
-    assert by["full"].saved_bytes < by["layers=2"].saved_bytes < by["layers=1"].saved_bytes < by["selective"].saved_bytes
+    assert (
+        by["full"].saved_bytes < by["layers=2"].saved_bytes < by["layers=1"].saved_bytes < by["selective"].saved_bytes
+    )
     assert by["layers=1"].flops_added < by["full"].flops_added
 
 
@@ -252,6 +288,7 @@ def test_auto_stops_the_budget_ladder_once_it_repeats_itself():
 
     from graphtrain.memory.recompute import AUTO_BUDGETS
     from graphtrain.models import GPT2, PRESETS
+
     torch.manual_seed(0)
     m = GPT2(dataclasses.replace(PRESETS["gpt2-tiny"], n_layer=4, dropout=0.1)).train()
     batch = (torch.randint(0, 512, (4, 64)), torch.randint(0, 512, (4, 64)))

@@ -1,4 +1,5 @@
 """The mixed-precision pass: policy on the graph, one cast per parameter, cast cleanup, numerics."""
+
 from __future__ import annotations
 
 import copy
@@ -45,8 +46,9 @@ def traced(model, inputs, precision="bf16"):
     """(graph after the pass, pass context, parameter tensors) for `model(*inputs)`."""
     f, tensors, kinds = module_as_function(model)
     gm = trace_aten_forward(f, [*tensors, *inputs])
-    ctx = PassContext(config=EngineConfig(precision=precision), stage="pre_autodiff",
-                      input_kinds=kinds + ["input"] * len(inputs))
+    ctx = PassContext(
+        config=EngineConfig(precision=precision), stage="pre_autodiff", input_kinds=kinds + ["input"] * len(inputs)
+    )
     return apply_mixed_precision_pass(gm, ctx), ctx, tensors
 
 

@@ -1,4 +1,5 @@
 """bf16 and fp16 training of gpt2-tiny through the mixed-precision graph tracks fp32 (300 steps)."""
+
 from __future__ import annotations
 
 import pytest
@@ -37,7 +38,7 @@ def train(precision, data):
     model = build_model(ModelConfig(name="gpt2-tiny", dropout=0.0))
     f, params, _ = module_as_function(model)
     gm = trace_aten_forward(f, [*params, *data[0]])
-    cfg = EngineConfig(precision=precision, loss_scale_init=2.0 ** 16, loss_scale_hysteresis=1)
+    cfg = EngineConfig(precision=precision, loss_scale_init=2.0**16, loss_scale_hysteresis=1)
     gm = apply_mixed_precision_pass(gm, PassContext(config=cfg, stage="pre_autodiff"))
     opt, scaler = FusedAdamW(params, lr=3e-3, weight_decay=0.01), make_loss_scaler(cfg)
     losses, skipped = [], 0

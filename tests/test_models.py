@@ -1,4 +1,5 @@
 """Reference models: shapes, explicit == sdpa attention, masking, parameter counts, learning, errors."""
+
 from __future__ import annotations
 
 import pytest
@@ -83,8 +84,11 @@ def test_bert_padding_is_ignored() -> None:
     mask[0, 9:] = 0
     changed = ids.clone()
     changed[0, 9:] = (changed[0, 9:] + 7) % 512
-    assert_close(model(changed, attention_mask=mask)[:, :9], model(ids, attention_mask=mask)[:, :9],
-                 name="logits of kept positions")
+    assert_close(
+        model(changed, attention_mask=mask)[:, :9],
+        model(ids, attention_mask=mask)[:, :9],
+        name="logits of kept positions",
+    )
     # Without the mask the padded tokens do leak into every position.
     assert not torch.allclose(model(changed)[:, :9], model(ids)[:, :9])
 
@@ -113,8 +117,12 @@ def test_meta_init_then_materialize(family: str) -> None:
 
 # Published counts: HF GPT2LMHeadModel("gpt2-medium") with tied embeddings; BERT-Large as HF
 # BertModel (with pooler) and BertForMaskedLM (MLM head, no pooler).
-PUBLISHED = {"gpt2-medium": [354_823_168], "bert-large": [335_141_888, 335_174_458], "gpt2": [124_439_808],
-             "bert-base": [109_482_240, 109_514_298]}
+PUBLISHED = {
+    "gpt2-medium": [354_823_168],
+    "bert-large": [335_141_888, 335_174_458],
+    "gpt2": [124_439_808],
+    "bert-base": [109_482_240, 109_514_298],
+}
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))

@@ -1,6 +1,7 @@
 """A no_grad region inside a training graph (passes/no_grad_regions.py): lifted, its values detached, so that the
 pre-autodiff passes run on the graph (Hugging Face Llama's rotary embedding); a region that mutates is left alone.
 Checked against eager PyTorch."""
+
 from __future__ import annotations
 
 import copy
@@ -65,8 +66,9 @@ def test_switched_off_the_graph_goes_as_captured():
     graph still trains like eager), and the report says the pass was off."""
     torch.manual_seed(0)
     eager = Rotary()
-    model = graphtrain.accelerate(copy.deepcopy(eager), provider="aten", fallback="error",
-                                  passes={"lift_no_grad_regions": False})
+    model = graphtrain.accelerate(
+        copy.deepcopy(eager), provider="aten", fallback="error", passes={"lift_no_grad_regions": False}
+    )
     x = _x()
     for m in (eager, model):
         m.loss = m(x)

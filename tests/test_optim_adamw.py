@@ -1,4 +1,5 @@
 """FusedAdamW and optimizer_step: parity with torch.optim.AdamW, accumulation, clipping, resume."""
+
 from __future__ import annotations
 
 import copy
@@ -14,8 +15,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def tiny_model(seed=0):
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.GELU(), torch.nn.LayerNorm(32),
-                               torch.nn.Linear(32, 5))
+    return torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.GELU(), torch.nn.LayerNorm(32), torch.nn.Linear(32, 5))
 
 
 def batches(n, seed=1, size=16):

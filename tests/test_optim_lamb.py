@@ -1,4 +1,5 @@
 """LAMB against a plain per-parameter reference (apex FusedLAMB semantics), both implementations."""
+
 from __future__ import annotations
 
 import copy
@@ -31,8 +32,8 @@ def reference_lamb(params, grads_seq, groups_wd, lr, betas, eps, max_grad_norm, 
             g = g / scale
             m[i] = b1 * m[i] + (1 - b1) * g
             v[i] = b2 * v[i] + (1 - b2) * g * g
-            m_hat = m[i] / (1 - b1 ** t)
-            v_hat = v[i] / (1 - b2 ** t)
+            m_hat = m[i] / (1 - b1**t)
+            v_hat = v[i] / (1 - b2**t)
             update = m_hat / (v_hat.sqrt() + eps) + groups_wd[i] * p
             ratio = 1.0
             if groups_wd[i] != 0 or use_nvlamb:
@@ -57,8 +58,10 @@ def make_problem(seed=0, steps=100):
 
 def run_lamb(params, grads_seq, wd, fused, **kw):
     ps = [torch.nn.Parameter(p.clone()) for p in params]
-    groups = [{"params": [p for p, w in zip(ps, wd) if w], "weight_decay": 0.01},
-              {"params": [p for p, w in zip(ps, wd) if not w], "weight_decay": 0.0}]
+    groups = [
+        {"params": [p for p, w in zip(ps, wd) if w], "weight_decay": 0.01},
+        {"params": [p for p, w in zip(ps, wd) if not w], "weight_decay": 0.0},
+    ]
     opt = LAMB(groups, fused=fused, **kw)
     for grads in grads_seq:
         for p, gr in zip(ps, grads):
@@ -82,8 +85,9 @@ def test_lamb_matches_reference_over_100_steps(fused, max_grad_norm):
 def test_lamb_nvlamb_applies_trust_ratio_without_weight_decay():
     params, grads_seq, wd = make_problem(steps=20)
     ours, _ = run_lamb(params, grads_seq, wd, True, lr=1e-2, use_nvlamb=True)
-    ref = reference_lamb(params, grads_seq, wd, lr=1e-2, betas=(0.9, 0.999), eps=1e-6, max_grad_norm=0.0,
-                         use_nvlamb=True)
+    ref = reference_lamb(
+        params, grads_seq, wd, lr=1e-2, betas=(0.9, 0.999), eps=1e-6, max_grad_norm=0.0, use_nvlamb=True
+    )
     plain = reference_lamb(params, grads_seq, wd, lr=1e-2, betas=(0.9, 0.999), eps=1e-6, max_grad_norm=0.0)
     for a, b in zip(ours, ref):
         torch.testing.assert_close(a.detach(), b, rtol=1e-6, atol=1e-6)
@@ -97,8 +101,10 @@ def test_lamb_state_dict_round_trip_continues_identically(fused):
     first, opt = run_lamb(params, grads_seq[:15], wd, fused, lr=1e-2, max_grad_norm=1.0)
     state = copy.deepcopy(opt.state_dict())
     ps = [torch.nn.Parameter(p.detach().clone()) for p in first]
-    groups = [{"params": [p for p, w in zip(ps, wd) if w], "weight_decay": 0.01},
-              {"params": [p for p, w in zip(ps, wd) if not w], "weight_decay": 0.0}]
+    groups = [
+        {"params": [p for p, w in zip(ps, wd) if w], "weight_decay": 0.01},
+        {"params": [p for p, w in zip(ps, wd) if not w], "weight_decay": 0.0},
+    ]
     opt2 = LAMB(groups, lr=5.0, fused=fused)  # lr and max_grad_norm come back from the state
     opt2.load_state_dict(state)
     assert opt2.max_grad_norm == 1.0

@@ -1,5 +1,6 @@
 """The order passes run in: pinned per stage and provider (it was pinned before passes moved from numeric
 `order=` to named phases and before/after constraints, and must not change unnoticed)."""
+
 from __future__ import annotations
 
 import pytest
@@ -7,24 +8,59 @@ import pytest
 from graphtrain.config.sections import EngineConfig
 from graphtrain.passes.manager import STAGES, pipeline, registered_passes
 
-CLEANUPS = ["remove_noop_ops", "fold_view_chains", "eliminate_common_subexpressions", "eliminate_dead_code",
-            "inplace_elementwise"]
-DYNAMO = ["specialize_static_masks", "route_learned_masks_to_math", "lift_no_grad_regions", "detach_returned_heads",
-          "hide_autograd_functions"]
+CLEANUPS = [
+    "remove_noop_ops",
+    "fold_view_chains",
+    "eliminate_common_subexpressions",
+    "eliminate_dead_code",
+    "inplace_elementwise",
+]
+DYNAMO = [
+    "specialize_static_masks",
+    "route_learned_masks_to_math",
+    "lift_no_grad_regions",
+    "detach_returned_heads",
+    "hide_autograd_functions",
+]
 EVERY_PASS = {
     "dynamo": DYNAMO,
-    "pre_autodiff": ["fuse_layer_norm", "fuse_rms_norm", "fuse_attention", "fuse_bias_gelu", "remove_noop_ops",
-                     "fold_view_chains", "fold_constants", "fuse_bias_dropout_add", "fuse_linear_cross_entropy",
-                     "eliminate_common_subexpressions", "fuse_cross_entropy", "sparse_lm_head", "eliminate_dead_code",
-                     "apply_mixed_precision", "lower_gelu_tanh", "lower_gemm_onednn"],
+    "pre_autodiff": [
+        "fuse_layer_norm",
+        "fuse_rms_norm",
+        "fuse_attention",
+        "fuse_bias_gelu",
+        "remove_noop_ops",
+        "fold_view_chains",
+        "fold_constants",
+        "fuse_bias_dropout_add",
+        "fuse_linear_cross_entropy",
+        "eliminate_common_subexpressions",
+        "fuse_cross_entropy",
+        "sparse_lm_head",
+        "eliminate_dead_code",
+        "apply_mixed_precision",
+        "lower_gelu_tanh",
+        "lower_gemm_onednn",
+    ],
     "forward": CLEANUPS,
     "backward": CLEANUPS,
 }
 DEFAULT_PRE_AUTODIFF = {
     "aten": [n for n in EVERY_PASS["pre_autodiff"] if not n.startswith("lower_")],
-    "inductor": ["fuse_attention", "remove_noop_ops", "fold_view_chains", "fold_constants", "fuse_bias_dropout_add",
-                 "fuse_linear_cross_entropy", "eliminate_common_subexpressions", "sparse_lm_head",
-                 "eliminate_dead_code", "apply_mixed_precision", "lower_gelu_tanh", "lower_gemm_onednn"],
+    "inductor": [
+        "fuse_attention",
+        "remove_noop_ops",
+        "fold_view_chains",
+        "fold_constants",
+        "fuse_bias_dropout_add",
+        "fuse_linear_cross_entropy",
+        "eliminate_common_subexpressions",
+        "sparse_lm_head",
+        "eliminate_dead_code",
+        "apply_mixed_precision",
+        "lower_gelu_tanh",
+        "lower_gemm_onednn",
+    ],
     "auto": EVERY_PASS["pre_autodiff"],
 }
 
@@ -57,14 +93,17 @@ def test_switching_passes_off_keeps_the_others_order():
 def temporary_passes():
     """Register test-only passes (name -> register_pass kwargs), removed afterwards."""
     from graphtrain.passes.manager import _REGISTRY, register_pass
+
     added = []
 
     def add(name: str, **kw):
         def fn(gm, ctx):
             return gm
+
         fn.__name__ = fn.__qualname__ = f"{name}_pass"
         register_pass("pre_autodiff", **kw)(fn)
         added.append(name)
+
     yield add
     for name in added:
         _REGISTRY.pop(name, None)
@@ -78,8 +117,9 @@ def test_constraints_place_a_pass_inside_its_phase(temporary_passes):
 
 
 def test_ordering_errors_are_clear(temporary_passes):
-    with pytest.raises(ValueError, match="unknown pass phase 'fusion'; phases, in order: masks, grad, opaque, fuse, "
-                                         "simplify"):
+    with pytest.raises(
+        ValueError, match="unknown pass phase 'fusion'; phases, in order: masks, grad, opaque, fuse, simplify"
+    ):
         temporary_passes("bad_phase_for_test", phase="fusion")
     temporary_passes("cycle_a_for_test", phase="fuse", after="cycle_b_for_test")
     temporary_passes("cycle_b_for_test", phase="fuse", after="cycle_a_for_test")
@@ -91,6 +131,7 @@ def test_a_run_of_some_phases_names_them_right():
     import torch
 
     from graphtrain.passes.manager import PassContext, run_pipeline
+
     gm = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match=r"unknown pass phases \['mask'\]; phases, in order: masks, grad"):
         run_pipeline(gm, PassContext(EngineConfig(), "dynamo"), phases=("mask",))
@@ -101,6 +142,7 @@ def test_a_run_of_some_phases_names_them_right():
 
 def test_unknown_or_contradicting_constraints_are_errors(temporary_passes):
     from graphtrain.passes.manager import _REGISTRY
+
     temporary_passes("typo_for_test", phase="fuse", after="fuse_layernorm")
     with pytest.raises(ValueError, match="ordered against 'fuse_layernorm', which is not a registered pass"):
         names("forward")  # checked whatever the stage: a typo never goes unnoticed
@@ -117,6 +159,7 @@ def test_pass_modules_do_not_import_each_other():
     import re
 
     import graphtrain.passes as pkg
+
     folder = pathlib.Path(pkg.__file__).parent
     shared = {"manager", "fuse_utils", "graph_utils"}
     offenders = []

@@ -1,4 +1,5 @@
 """Cleanup passes: each counts its rewrites and leaves the graph's results bitwise unchanged."""
+
 from __future__ import annotations
 
 import pytest
@@ -50,10 +51,11 @@ def _count(counts, op):
 
 def test_dce_removes_unused_but_keeps_random_ops():
     def f(x):
-        x.cos()            # dead, pure: removed
-        x.exp().sum()      # dead chain of two
+        x.cos()  # dead, pure: removed
+        x.exp().sum()  # dead chain of two
         torch.rand_like(x)  # dead but random: kept, so the generator advances as in eager
         return x.sin() + torch.rand_like(x)
+
     x = torch.randn(5, 7)
     n, counts = _apply(eliminate_dead_code_pass, _raw(f, x), x)
     assert n == 3
@@ -62,9 +64,10 @@ def test_dce_removes_unused_but_keeps_random_ops():
 
 def test_cse_merges_pure_ops_never_dropouts():
     def f(x):
-        a = x.sin() * 2 + x.sin() * 2            # sin and mul are shared: 2 merges
+        a = x.sin() * 2 + x.sin() * 2  # sin and mul are shared: 2 merges
         d = F.dropout(x, 0.5) + F.dropout(x, 0.5)  # two masks: must stay two
         return a, d
+
     x = torch.randn(6, 6)
     gm = _trace(f, x)
     bern_before = _count(op_counts(gm), "bernoulli")
@@ -76,9 +79,10 @@ def test_cse_merges_pure_ops_never_dropouts():
 
 def test_fold_constants_folds_masks_not_inputs():
     def f(x):
-        mask = torch.ones(8, 8).tril() == 0            # 3 ops from constants only: folded
-        pos = torch.arange(8)                          # a lone arange: recomputed, not kept
+        mask = torch.ones(8, 8).tril() == 0  # 3 ops from constants only: folded
+        pos = torch.arange(8)  # a lone arange: recomputed, not kept
         return x.masked_fill(mask, -1.0) + pos, x.sum() * torch.ones(1)
+
     x = torch.randn(8, 8)
     gm = _trace(f, x)
     n, counts = _apply(fold_constants_pass, gm, x)
@@ -90,6 +94,7 @@ def test_fold_constants_folds_masks_not_inputs():
 def test_fold_constants_leaves_random_and_input_dependent_ops():
     def f(x):
         return x + torch.rand(4).exp() + torch.ones(4) * x
+
     x = torch.randn(4)
     n, _ = _apply(fold_constants_pass, _trace(f, x), x)
     assert n == 0  # rand is random (so exp of it is not constant); ones * x depends on the input
@@ -97,11 +102,12 @@ def test_fold_constants_leaves_random_and_input_dependent_ops():
 
 def test_remove_noop_views_casts_clones():
     def f(x):
-        y = x.view(4, 6).reshape(4, 6).expand(4, 6)          # three same-shape views
-        z = aten._to_copy(y, dtype=torch.float32) * 2      # cast to the same dtype
-        w = z.clone() + 1                                   # clone not returned: removable
+        y = x.view(4, 6).reshape(4, 6).expand(4, 6)  # three same-shape views
+        z = aten._to_copy(y, dtype=torch.float32) * 2  # cast to the same dtype
+        w = z.clone() + 1  # clone not returned: removable
         t = x.t().clone(memory_format=torch.contiguous_format)  # changes strides: kept
-        return w.view(24), t, x.clone()                    # returned clone: kept
+        return w.view(24), t, x.clone()  # returned clone: kept
+
     x = torch.randn(4, 6)
     n, counts = _apply(remove_noop_ops_pass, _trace(f, x), x)
     assert n == 5
@@ -111,10 +117,12 @@ def test_remove_noop_views_casts_clones():
 def test_pipeline_respects_switches_and_records():
     def f(x):
         return x.sin() + x.sin()
+
     x = torch.randn(3)
     for enabled, merges in ((True, 1), (False, 0)):
-        ctx = PassContext(config=EngineConfig(passes={"eliminate_common_subexpressions": enabled}),
-                          stage="pre_autodiff")
+        ctx = PassContext(
+            config=EngineConfig(passes={"eliminate_common_subexpressions": enabled}), stage="pre_autodiff"
+        )
         gm = run_pipeline(_trace(f, x), ctx)
         rec = {r.name: r for r in ctx.records}
         assert ("eliminate_common_subexpressions" in rec) == enabled
@@ -148,11 +156,12 @@ def test_fold_view_chains_collapses_round_trips_and_reshape_chains():
     from graphtrain.passes.cleanup import fold_view_chains_pass
 
     def f(x, w):
-        a = x.t().t() * 2                      # transpose round trip: the root itself
+        a = x.t().t() * 2  # transpose round trip: the root itself
         b = x.view(4, 6).view(2, 12).view(24)  # a reshape chain: one view of x
-        c = w.permute(1, 0).t() + 1            # permute then t: back to w
-        d = x.t().contiguous().t()             # not a chain (a copy in between): kept
+        c = w.permute(1, 0).t() + 1  # permute then t: back to w
+        d = x.t().contiguous().t()  # not a chain (a copy in between): kept
         return a, b, c, d
+
     gm = _trace(f, torch.randn(3, 8), torch.randn(5, 7))
     rewrites, counts = _apply(fold_view_chains_pass, gm, torch.randn(3, 8), torch.randn(5, 7))
     assert rewrites == 4, rewrites  # t(t) -> x, view(view) twice, t(permute) -> w
@@ -172,6 +181,7 @@ def test_fold_view_chains_runs_on_real_backward_graphs():
 
         def forward(self, x):
             return self.out(torch.tanh(self.fc(x)))
+
     torch.manual_seed(0)
     model = MLP()
     ref = __import__("copy").deepcopy(model)

@@ -2,6 +2,7 @@
 exit with status 75; `--resume auto` continues the run bitwise; past the grace period the step is abandoned;
 a second Ctrl-C stops at once. In process (signals sent from inside a step), through the CLI as a subprocess,
 and (slow) a 2-rank run under torchrun where the ranks agree on the step they save."""
+
 from __future__ import annotations
 
 import json
@@ -19,10 +20,22 @@ import torch
 from graphtrain.config.sections import Config
 from graphtrain.trainer import Trainer, TrainingPreempted, list_checkpoints
 
-TINY = ["model.name=gpt2-tiny", "data.seq_len=32", "data.vocab_size=512", "data.max_bytes=300000",
-        "train.batch_size=4", "train.eval_every=0", "train.eval_batches=1", "train.log_every=1",
-        "train.accelerate=false", "train.progress=false", "train.threads=1", "train.deterministic=true",
-        "train.sample_tokens=0", "optim.warmup_steps=2"]
+TINY = [
+    "model.name=gpt2-tiny",
+    "data.seq_len=32",
+    "data.vocab_size=512",
+    "data.max_bytes=300000",
+    "train.batch_size=4",
+    "train.eval_every=0",
+    "train.eval_batches=1",
+    "train.log_every=1",
+    "train.accelerate=false",
+    "train.progress=false",
+    "train.threads=1",
+    "train.deterministic=true",
+    "train.sample_tokens=0",
+    "optim.warmup_steps=2",
+]
 
 
 pytestmark = pytest.mark.usefixtures("tiny_env")  # conftest.py: shared data cache, settings restored
@@ -40,6 +53,7 @@ def at_step(trainer: Trainer, step: int, action) -> None:
         if index == (step - 1) * trainer.config.train.grad_accum:
             action()
         return get_batch(index, batch_size)
+
     trainer.data.train.get_batch = hooked
 
 
@@ -60,8 +74,8 @@ def test_sigterm_finishes_the_step_saves_it_and_resume_continues_bitwise(tmp_pat
     e = info.value
     assert e.signal_name == "SIGTERM" and e.step == 3 and e.checkpoint == tmp_path / "run" / "ckpt-0000003.pt"
     assert 0 <= e.saved_after_s < 30 and "stopped by SIGTERM at step 3" in str(e)
-    assert [s for s, _ in list_checkpoints(tmp_path / "run")] == [3]   # the step in flight, finished and saved
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL          # handlers restored
+    assert [s for s, _ in list_checkpoints(tmp_path / "run")] == [3]  # the step in flight, finished and saved
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handlers restored
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["kind"] == "preempted" and rows[-1]["step"] == 3
 
@@ -76,12 +90,16 @@ def test_a_step_outliving_the_grace_period_is_abandoned(tmp_path):
     def slow_step():  # the signal arrives, then the step needs longer than the grace period
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(5)
+
     at_step(run, 3, slow_step)
     t0 = time.monotonic()
-    with pytest.raises(TrainingPreempted, match=r"step 3 did not finish within train.preempt_grace_s=0.3s and was "
-                                                r"abandoned; .*ckpt-0000002.pt is the latest checkpoint") as info:
+    with pytest.raises(
+        TrainingPreempted,
+        match=r"step 3 did not finish within train.preempt_grace_s=0.3s and was "
+        r"abandoned; .*ckpt-0000002.pt is the latest checkpoint",
+    ) as info:
         run.fit()
-    assert time.monotonic() - t0 < 4                                   # did not wait for the step
+    assert time.monotonic() - t0 < 4  # did not wait for the step
     assert info.value.saved_after_s is None and info.value.step == 2
     assert [s for s, _ in list_checkpoints(tmp_path / "run")] == [1, 2]
 
@@ -92,6 +110,7 @@ def test_second_ctrl_c_stops_at_once(tmp_path):
     def two_ctrl_c():
         os.kill(os.getpid(), signal.SIGINT)
         os.kill(os.getpid(), signal.SIGINT)
+
     at_step(run, 3, two_ctrl_c)
     before = signal.getsignal(signal.SIGINT)  # default_int_handler, or SIG_IGN in a background job (nohup, CI)
     with pytest.raises(KeyboardInterrupt):
@@ -101,8 +120,19 @@ def test_second_ctrl_c_stops_at_once(tmp_path):
 
 
 def _cli(out: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-u", "-m", "graphtrain", "train", *TINY, "train.steps=40", "train.ckpt_every=0",
-            "--out", str(out), *extra]
+    return [
+        sys.executable,
+        "-u",
+        "-m",
+        "graphtrain",
+        "train",
+        *TINY,
+        "train.steps=40",
+        "train.ckpt_every=0",
+        "--out",
+        str(out),
+        *extra,
+    ]
 
 
 def _sigterm_when_training(proc: subprocess.Popen, after_step: int) -> float:
@@ -126,13 +156,15 @@ def test_sigterm_to_the_cli_exits_75_and_resume_auto_continues_bitwise(tmp_path)
     err = proc.stderr.read()
     assert proc.returncode == 75, err
     assert "preempted: stopped by SIGTERM at step" in err and "--resume auto" in err and "Traceback" not in err
-    (step, ckpt), = list_checkpoints(out)                              # ckpt_every=0: the preemption's own save
+    ((step, ckpt),) = list_checkpoints(out)  # ckpt_every=0: the preemption's own save
     assert 3 <= step < 40
     record = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     assert record["kind"] == "preempted" and record["step"] == step and record["checkpoint"] == str(ckpt)
     assert record["seconds_after_signal"] < 30 and latency < 30
-    print(f"SIGTERM at step {step}: checkpoint written {record['seconds_after_signal']:.3f}s after the signal, "
-          f"process gone {latency:.2f}s after it")
+    print(
+        f"SIGTERM at step {step}: checkpoint written {record['seconds_after_signal']:.3f}s after the signal, "
+        f"process gone {latency:.2f}s after it"
+    )
 
     done = subprocess.run(_cli(out, "--resume", "auto"), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
@@ -154,13 +186,15 @@ def test_sigterm_to_a_two_rank_run_saves_the_agreed_step_and_resume_auto_continu
     latency = _sigterm_when_training(proc, after_step=3)
     err = proc.stderr.read()
     assert proc.returncode == 75, err[-3000:]
-    (step, ckpt), = list_checkpoints(out)
-    assert ckpt.is_dir() and 3 <= step < 40                            # the sharded folder of the agreed step
+    ((step, ckpt),) = list_checkpoints(out)
+    assert ckpt.is_dir() and 3 <= step < 40  # the sharded folder of the agreed step
     record = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     assert record["kind"] == "preempted" and record["step"] == step and record["seconds_after_signal"] < 30
     assert f"preempted: SIGTERM at step {step}" in err and "Traceback" not in err
-    print(f"2 ranks, SIGTERM at step {step}: sharded checkpoint written {record['seconds_after_signal']:.3f}s after "
-          f"the signal, launcher gone {latency:.2f}s after it")
+    print(
+        f"2 ranks, SIGTERM at step {step}: sharded checkpoint written {record['seconds_after_signal']:.3f}s after "
+        f"the signal, launcher gone {latency:.2f}s after it"
+    )
     done = subprocess.run(_cli(out, *dp, "--resume", "auto"), capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "done: 40 steps" in done.stdout and f"resumed from {ckpt}" in done.stdout

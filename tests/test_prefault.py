@@ -1,6 +1,7 @@
 """memory/prefault.py: a first step's fresh CPU memory is recorded, and a later process with the same model primes
 it (faults it in on a background thread) while Dynamo traces. Page faults and counters are checked, never time;
 each case runs in a fresh process (the allocator is per process)."""
+
 from __future__ import annotations
 
 import json
@@ -15,14 +16,21 @@ MIB = 2**20
 
 def _needs_cpp() -> None:
     from graphtrain.kernels import _cpu_ext
+
     if _cpu_ext.load() is None:
         pytest.skip(f"graphtrain's C++ kernels do not build here: {_cpu_ext.build_error()}")
 
 
 def _run(code: str, *args: str, env: dict[str, str] | None = None) -> dict:
     import os
-    r = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=600,
-                       env={**os.environ, **(env or {})})
+
+    r = subprocess.run(
+        [sys.executable, "-c", code, *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, **(env or {})},
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
 
@@ -85,7 +93,7 @@ def test_record_and_prime_in_the_allocator():
     out = _run(_ALLOCATOR)
     assert out["recorded"] == [3 * MIB, 5 * MIB], out
     pages = 4 * MIB // 4096
-    assert out["primed_faults"] < pages // 10, out      # without priming: every 4 KiB page
+    assert out["primed_faults"] < pages // 10, out  # without priming: every 4 KiB page
     assert out["again_faults"] < pages // 10 and out["again_hits"] == 1, out
     assert out["fresh_faults"] >= 40 * MIB // 4096 // 2, out  # the check above can fail: fresh pages do fault
     assert out["settled"] == {"primed": 2, "taken": 1, "returned_bytes": 6 * MIB}, out
@@ -176,5 +184,6 @@ def test_without_a_torch_optimizer_the_record_settles_after_a_few_calls(tmp_path
     settles at the module's SETTLE_CALLS-th call after the first."""
     _needs_cpp()
     from graphtrain.memory.prefault import SETTLE_CALLS
+
     settled = _run(_NO_OPTIMIZER, env={"GRAPHTRAIN_CACHE": str(tmp_path)})
     assert settled.index(True) == SETTLE_CALLS and all(settled[SETTLE_CALLS:]), settled

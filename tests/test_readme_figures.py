@@ -1,6 +1,7 @@
 """The README's measured figures trace back to the benchmark and memory pages (issue #52): every ratio and percentage
 in its Measured section appears in a docs page that records the command, commit and machine behind it, and no ratio
 range it quotes straddles 1.00x (such a range is not a gain)."""
+
 from __future__ import annotations
 
 import re
@@ -13,7 +14,7 @@ SOURCES = ("docs/design/benchmarks.md", "docs/design/memory.md", "docs/design/me
 def _measured() -> str:
     text = (ROOT / "README.md").read_text()
     start = text.index("## Measured")
-    return text[start:text.index("\n## ", start + 1)]
+    return text[start : text.index("\n## ", start + 1)]
 
 
 def test_every_readme_figure_appears_in_the_docs_tables():

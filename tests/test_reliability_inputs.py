@@ -2,6 +2,7 @@
 a planted pickle in the pass cache, a symlinked metrics.jsonl, a large file under data.max_bytes, a real SIGTERM
 during data preparation, and the mistakes that used to end in tracebacks. docs/design/reliability.md lists each case with
 its test."""
+
 from __future__ import annotations
 
 import json
@@ -17,10 +18,23 @@ import torch
 
 from graphtrain.cli.main import main
 
-TINY = ["model.name=gpt2-tiny", "data.seq_len=32", "data.vocab_size=512", "data.max_bytes=300000",
-        "train.batch_size=4", "train.steps=2", "train.eval_every=0", "train.eval_batches=1", "train.log_every=1",
-        "train.ckpt_every=1", "train.progress=false", "train.threads=1", "train.sample_tokens=0",
-        "train.loggers=[jsonl]", "--no-accelerate"]
+TINY = [
+    "model.name=gpt2-tiny",
+    "data.seq_len=32",
+    "data.vocab_size=512",
+    "data.max_bytes=300000",
+    "train.batch_size=4",
+    "train.steps=2",
+    "train.eval_every=0",
+    "train.eval_batches=1",
+    "train.log_every=1",
+    "train.ckpt_every=1",
+    "train.progress=false",
+    "train.threads=1",
+    "train.sample_tokens=0",
+    "train.loggers=[jsonl]",
+    "--no-accelerate",
+]
 
 pytestmark = pytest.mark.usefixtures("tiny_env")  # conftest.py: shared data cache, settings restored
 
@@ -38,6 +52,7 @@ def _error_line(capsys) -> str:
 
 
 # ------------------------------------------------------------------------------------ (a) `~` ----
+
 
 def test_tilde_in_out_dir_is_the_home_folder(tmp_path, monkeypatch):
     """train.out_dir=~/runs/x writes under $HOME, not into a folder named `~` in the working directory."""
@@ -58,6 +73,7 @@ def test_a_run_saved_with_an_unexpanded_tilde_resumes(tmp_path, monkeypatch, cap
     import torch as _torch
 
     from graphtrain.checksums import sha256_file, sidecar_path, write_sums
+
     home = tmp_path / "home"
     (home / "data").mkdir(parents=True)
     (home / "data" / "a.py").write_text(_code(1))
@@ -75,6 +91,7 @@ def test_a_run_saved_with_an_unexpanded_tilde_resumes(tmp_path, monkeypatch, cap
 
 # ------------------------------------------------------------------------ (b) run inside data ----
 
+
 def test_a_run_folder_inside_data_path_is_not_read_as_data(tmp_path, capsys):
     """The run writes its checkpoints and metrics inside data.path; resuming it reads the same corpus (the run's own
     files are not data), so `--resume auto` continues instead of being refused as "another tokenizer"."""
@@ -89,11 +106,13 @@ def test_a_run_folder_inside_data_path_is_not_read_as_data(tmp_path, capsys):
     assert max(r["step"] for r in records) == 3
     from graphtrain.config.sections import Config
     from graphtrain.data.corpus import list_files
+
     _, files = list_files(Config().with_overrides([f"data.path={data}"]).data)
     assert sorted(f.relpath for f in files) == ["m0.py", "m1.py", "m2.py"]
 
 
 # ------------------------------------------------------------------- (c) planted pass cache ----
+
 
 class _Payload:
     """What a planted pickle runs when it is loaded: it creates a file."""
@@ -109,9 +128,11 @@ def _accelerated_step(cache: Path) -> object:
     import graphtrain
     from graphtrain.config.sections import ModelConfig
     from graphtrain.models import build_model
+
     torch.manual_seed(0)
-    model = graphtrain.accelerate(build_model(ModelConfig(name="gpt2-tiny", dropout=0.0)), provider="aten",
-                                  cache_dir=str(cache), fallback="error")
+    model = graphtrain.accelerate(
+        build_model(ModelConfig(name="gpt2-tiny", dropout=0.0)), provider="aten", cache_dir=str(cache), fallback="error"
+    )
     x = torch.randint(0, 512, (2, 16))
     model(x, x).backward()
     torch._dynamo.reset()
@@ -122,6 +143,7 @@ def test_a_planted_pass_cache_entry_runs_no_code(tmp_path, one_thread):
     """engine.cache_dir can name any folder: a pickle planted in its passes/ (raw, or with a forged header) is never
     loaded; the graph is traced again, the entry rewritten, and a genuine entry still hits."""
     import pickle
+
     forged = b"graphtrain-pass-cache-hmac-sha256\n" + b"\0" * 32  # pipeline/cache.py's header, with a made-up tag
     cache = tmp_path / "cache"
     _accelerated_step(cache)
@@ -141,6 +163,7 @@ def test_a_planted_pass_cache_entry_runs_no_code(tmp_path, one_thread):
 
 # ------------------------------------------------------------------- (d) symlinked metrics ----
 
+
 def test_a_symlinked_metrics_log_is_refused_and_its_target_untouched(tmp_path, capsys):
     victim = tmp_path / "victim.txt"
     victim.write_text("precious\n")
@@ -156,6 +179,7 @@ def test_a_symlinked_metrics_log_is_refused_and_its_target_untouched(tmp_path, c
 def test_a_symlink_planted_as_the_metrics_temporary_file_is_not_written_through(tmp_path, capsys):
     """On resume metrics.jsonl is rewritten through metrics.jsonl.tmp: a link planted there is replaced."""
     from graphtrain.trainer.metrics import MetricsLog
+
     victim = tmp_path / "victim.txt"
     victim.write_text("precious\n")
     log = MetricsLog(tmp_path / "metrics.jsonl")
@@ -182,12 +206,14 @@ def test_resume_over_a_malformed_metrics_record_continues(tmp_path, capsys):
 
 # ------------------------------------------------------------------------ (e) max_bytes reads ----
 
+
 def test_a_large_file_is_read_only_up_to_max_bytes(tmp_path):
     """data.max_bytes=20000 over a 64 MB text file: the read allocates about 20 KB, not the file (tracemalloc)."""
     import tracemalloc
 
     from graphtrain.config.sections import Config
     from graphtrain.data.corpus import list_files, read_files
+
     data = tmp_path / "data"
     data.mkdir()
     with open(data / "big.py", "wb") as f:
@@ -208,6 +234,7 @@ def test_a_large_file_is_read_only_up_to_max_bytes(tmp_path):
 
 # --------------------------------------------------------------- (f) SIGTERM in data preparation ----
 
+
 def test_sigterm_during_data_preparation_exits_75_and_says_nothing_was_lost(tmp_path):
     """A real SIGTERM while the tokenizer trains on a cold data cache (8 MB of the standard library, several
     seconds): exit 75 with one line saying nothing was lost; nothing of a run is written. The signal follows the
@@ -215,9 +242,24 @@ def test_sigterm_during_data_preparation_exits_75_and_says_nothing_was_lost(tmp_
     env = dict(os.environ)
     args = [a for a in TINY if not a.startswith(("data.vocab_size", "data.max_bytes"))]
     cache = tmp_path / "cache"
-    proc = subprocess.Popen([sys.executable, "-m", "graphtrain", "train", *args, "data.vocab_size=2048",
-                             "data.max_bytes=8000000", f"data.cache_dir={cache}", "--out", str(tmp_path / "run")],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "graphtrain",
+            "train",
+            *args,
+            "data.vocab_size=2048",
+            "data.max_bytes=8000000",
+            f"data.cache_dir={cache}",
+            "--out",
+            str(tmp_path / "run"),
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and proc.poll() is None and not cache.is_dir():  # data preparation began
         time.sleep(0.02)
@@ -234,9 +276,21 @@ def test_sigterm_during_data_preparation_exits_75_and_says_nothing_was_lost(tmp_
 def test_sigterm_while_torch_is_imported_exits_75(tmp_path):
     """SIGTERM before data preparation, while `graphtrain train` imports torch: the same exit 75 and line
     (the handler is installed on the command's first line; a CI run once signalled before the trainer's)."""
-    proc = subprocess.Popen([sys.executable, "-m", "graphtrain", "train", *TINY, f"data.cache_dir={tmp_path / 'c'}",
-                             "--out", str(tmp_path / "run")],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "graphtrain",
+            "train",
+            *TINY,
+            f"data.cache_dir={tmp_path / 'c'}",
+            "--out",
+            str(tmp_path / "run"),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and proc.poll() is None:
         if "libtorch" in Path(f"/proc/{proc.pid}/maps").read_text():
@@ -251,9 +305,11 @@ def test_sigterm_while_torch_is_imported_exits_75(tmp_path):
 
 # ------------------------------------------------------------ (g) mistakes that were tracebacks ----
 
+
 def _prepare_mistake(case: str, tmp: Path, monkeypatch) -> list[str]:
     """The files a case needs; returns the command (after `graphtrain`)."""
     import numpy as np
+
     if case == "model vocabulary smaller than the tokenizer's":
         return ["train", *TINY, "model.vocab_size=300", "--out", str(tmp / "run")]
     if case == "negative token ids":
@@ -275,9 +331,11 @@ def _prepare_mistake(case: str, tmp: Path, monkeypatch) -> list[str]:
         return ["sweep", str(tmp / "sweep.yaml")]
     if case in ("bad YAML in a run's config.yaml given to plot", "malformed metrics.jsonl record"):
         (tmp / "run").mkdir()
-        (tmp / "run" / "metrics.jsonl").write_text('{"kind": "train", "step": 1, "loss": 2.0}\n[1, 2]\n'
-                                                   if case.startswith("malformed") else
-                                                   '{"kind": "train", "step": 1, "loss": 2.0}\n')
+        (tmp / "run" / "metrics.jsonl").write_text(
+            '{"kind": "train", "step": 1, "loss": 2.0}\n[1, 2]\n'
+            if case.startswith("malformed")
+            else '{"kind": "train", "step": 1, "loss": 2.0}\n'
+        )
         (tmp / "run" / "config.yaml").write_text("model: {name: [gpt2\n" if case.startswith("bad") else "{}\n")
         return ["plot", str(tmp / "run"), "--out", str(tmp / "report.html")]
     if case == "deeply nested YAML":
@@ -293,8 +351,11 @@ def _prepare_mistake(case: str, tmp: Path, monkeypatch) -> list[str]:
 
 
 MISTAKES = {  # case: (exit status, text the one error line holds: the key or file, and the fix)
-    "model vocabulary smaller than the tokenizer's": (2, "model.vocab_size=300 is smaller than the tokenizer's "
-                                                         "vocabulary (512 ids): set model.vocab_size to at least 512"),
+    "model vocabulary smaller than the tokenizer's": (
+        2,
+        "model.vocab_size=300 is smaller than the tokenizer's "
+        "vocabulary (512 ids): set model.vocab_size to at least 512",
+    ),
     "negative token ids": (2, "tokens.npy' holds token id -3: token ids are 0 or more"),
     "absurd model.vocab_size": (2, "model.vocab_size=100000000000 is out of range: give 1 to 16,777,216"),
     "logger package missing": (2, "train.loggers asks for wandb, which is not installed: pip install wandb, or drop"),
@@ -305,8 +366,11 @@ MISTAKES = {  # case: (exit status, text the one error line holds: the key or fi
     "deeply nested YAML": (2, "deep.yaml' is not valid YAML: it nests deeper than the YAML reader can follow"),
     "deeply nested override": (2, "override train.loggers: it nests deeper than the YAML reader can follow"),
     # an unusable cache folder: a usage error naming the key (was exit 1, "continue with --resume auto")
-    "data.cache_dir is a file": (2, "data.cache_dir '{tmp}/afile' cannot be used as a cache folder (File exists): "
-                                    "point data.cache_dir at a folder you can write"),
+    "data.cache_dir is a file": (
+        2,
+        "data.cache_dir '{tmp}/afile' cannot be used as a cache folder (File exists): "
+        "point data.cache_dir at a folder you can write",
+    ),
     "engine.cache_dir is a file": (2, "engine.cache_dir '{tmp}/afile' cannot be used as the compile cache"),
 }
 
@@ -344,12 +408,14 @@ def test_a_hostile_tokenizer_config_is_ignored(tmp_path, capsys, content):
     tracebacks): ignored, the special tokens are found by their usual names, and the run trains."""
     from graphtrain.config.sections import Config
     from graphtrain.data.tokenizer import load_or_build
+
     built = load_or_build(Config().with_overrides(["data.vocab_size=512", "data.max_bytes=300000"]).data)
     (tmp_path / "tok").mkdir()
     (tmp_path / "tok" / "tokenizer.json").write_bytes((built.cache_dir / "tokenizer.json").read_bytes())
     (tmp_path / "tok" / "tokenizer_config.json").write_text(content)
-    assert main(["train", *TINY, f"data.tokenizer={tmp_path / 'tok'}", "--out", str(tmp_path / "run")]) == 0, \
+    assert main(["train", *TINY, f"data.tokenizer={tmp_path / 'tok'}", "--out", str(tmp_path / "run")]) == 0, (
         capsys.readouterr().err
+    )
 
 
 def test_resume_over_metrics_records_of_the_wrong_types_continues(tmp_path, capsys):

@@ -4,6 +4,7 @@ case with its test.
 
 The runs with a background compile (provider auto on a cold cache) are slow-marked: each is a real training
 process that imports torch and compiles (25-40 s on the shared 2-core machine)."""
+
 from __future__ import annotations
 
 import os
@@ -18,13 +19,26 @@ import pytest
 
 from graphtrain.cli.main import main
 
-TINY = ["model.name=gpt2-tiny", "data.seq_len=32", "data.vocab_size=512", "data.max_bytes=300000",
-        "train.batch_size=4", "train.steps=2", "train.eval_every=0", "train.eval_batches=1", "train.log_every=1",
-        "train.ckpt_every=1", "train.progress=false", "train.threads=1", "train.sample_tokens=0"]
+TINY = [
+    "model.name=gpt2-tiny",
+    "data.seq_len=32",
+    "data.vocab_size=512",
+    "data.max_bytes=300000",
+    "train.batch_size=4",
+    "train.steps=2",
+    "train.eval_every=0",
+    "train.eval_batches=1",
+    "train.log_every=1",
+    "train.ckpt_every=1",
+    "train.progress=false",
+    "train.threads=1",
+    "train.sample_tokens=0",
+]
 BACKGROUND = "graphtrain.runtime.background"
 
 
 # ------------------------------------------------------------ item 5: no process left behind ----
+
 
 def _processes_of(session: int, parent: int) -> dict[int, str]:
     """Every live process of the session `session` (the training command's: started with a session of its own) and
@@ -43,7 +57,7 @@ def _processes_of(session: int, parent: int) -> dict[int, str]:
             continue
         if state == "Z":
             continue
-        ours = BACKGROUND in argv and str(parent) in argv[argv.index(BACKGROUND):]
+        ours = BACKGROUND in argv and str(parent) in argv[argv.index(BACKGROUND) :]
         if sid == session or ours:
             out[pid] = " ".join(argv)[:200]
     return out
@@ -55,11 +69,27 @@ def _train(out: Path, cache: Path, data_cache: Path, *extra: str, steps: int = 4
     env = {k: v for k, v in os.environ.items() if k != "GRAPHTRAIN_BACKGROUND_AT_EXIT"}
     env["GRAPHTRAIN_CACHE"] = str(cache)
     args = [a for a in TINY if not a.startswith(("train.steps=", "train.ckpt_every="))]
-    return subprocess.Popen([sys.executable, "-m", "graphtrain", "train", *args, f"train.steps={steps}",
-                             "train.ckpt_every=0", "train.loggers=[jsonl]", f"data.cache_dir={data_cache}",
-                             "--out", str(out), *extra],
-                            env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "graphtrain",
+            "train",
+            *args,
+            f"train.steps={steps}",
+            "train.ckpt_every=0",
+            "train.loggers=[jsonl]",
+            f"data.cache_dir={data_cache}",
+            "--out",
+            str(out),
+            *extra,
+        ],
+        env=env,
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 class _Watch:
@@ -148,11 +178,13 @@ def test_finishing_in_the_background_is_opt_in_listed_and_stopped(tmp_path):
         assert "finishes after this process" in out and "graphtrain cache stop" in out
         assert Path(f"/proc/{pid}/comm").read_text().strip() == "graphtrain-bg"
         assert os.getsid(pid) == pid  # detached: a session of its own
-        listed = subprocess.run([sys.executable, "-m", "graphtrain", "cache", "list"], capture_output=True, text=True,
-                                timeout=120)
+        listed = subprocess.run(
+            [sys.executable, "-m", "graphtrain", "cache", "list"], capture_output=True, text=True, timeout=120
+        )
         assert f"pid {pid} " in listed.stdout and f"its run (pid {proc.pid}) exited" in listed.stdout, listed
-        stopped = subprocess.run([sys.executable, "-m", "graphtrain", "cache", "stop", str(pid)], capture_output=True,
-                                 text=True, timeout=120)
+        stopped = subprocess.run(
+            [sys.executable, "-m", "graphtrain", "cache", "stop", str(pid)], capture_output=True, text=True, timeout=120
+        )
         assert stopped.returncode == 0 and f"pid {pid}" in stopped.stdout, stopped
         assert _left(proc, wait_s=10.0) == {}
     finally:
@@ -170,17 +202,26 @@ def test_cache_stop_refuses_a_pid_that_is_not_a_background_compile(capsys):
 
 # ------------------------------------------------ a sweep's trials end with the sweep (same kind) ----
 
+
 def _sweep(tmp: Path) -> subprocess.Popen:
     """`graphtrain sweep` of long trials (400 eager steps each), in a session of its own."""
     (tmp / "job.yaml").write_text(
         "model: {name: gpt2-tiny}\n"
         f"data: {{seq_len: 32, vocab_size: 512, max_bytes: 300000, cache_dir: {tmp / 'data'}}}\n"
         "train: {steps: 400, batch_size: 4, eval_every: 0, eval_batches: 1, log_every: 50, ckpt_every: 0,\n"
-        "        threads: 1, accelerate: false, loggers: [jsonl]}\n")
-    (tmp / "sweep.yaml").write_text(f"job: job.yaml\nspace:\n  optim.lr: {{log_uniform: [1.0e-4, 1.0e-2]}}\n"
-                                    f"trials: 2\nparallel: 1\npruner: none\nout: {tmp / 'sweep'}\n")
-    return subprocess.Popen([sys.executable, "-m", "graphtrain", "sweep", str(tmp / "sweep.yaml")],
-                            start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        "        threads: 1, accelerate: false, loggers: [jsonl]}\n"
+    )
+    (tmp / "sweep.yaml").write_text(
+        f"job: job.yaml\nspace:\n  optim.lr: {{log_uniform: [1.0e-4, 1.0e-2]}}\n"
+        f"trials: 2\nparallel: 1\npruner: none\nout: {tmp / 'sweep'}\n"
+    )
+    return subprocess.Popen(
+        [sys.executable, "-m", "graphtrain", "sweep", str(tmp / "sweep.yaml")],
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def _wait_for_trial(proc: subprocess.Popen, timeout: float = 240.0) -> None:
@@ -221,6 +262,7 @@ def test_cache_stop_removes_only_a_compile_folder(tmp_path):
     """A process whose command line looks like a background compile but names another folder is stopped, and that
     folder is kept: `graphtrain cache stop` removes only folders graphtrain made for its compiles."""
     from graphtrain.runtime import background
+
     keep = tmp_path / "important"
     keep.mkdir()
     (keep / "owner.json").write_text("{}")

@@ -2,6 +2,7 @@
 respect a refusal, one run per folder (two real concurrent processes), an export that cannot delete the run, a
 real file-size limit (RLIMIT_FSIZE) during a checkpoint save, and a checksum file copied from another checkpoint.
 docs/design/reliability.md lists each fault, what the user sees and the test here."""
+
 from __future__ import annotations
 
 import json
@@ -23,10 +24,23 @@ from graphtrain.trainer import Trainer, list_checkpoints
 from graphtrain.trainer.checkpoint import latest_valid_checkpoint, load_checkpoint, verify_checkpoint
 from graphtrain.trainer.resume import lock_run_folder
 
-TINY = ["model.name=gpt2-tiny", "data.seq_len=32", "data.vocab_size=512", "data.max_bytes=300000",
-        "train.batch_size=4", "train.eval_every=0", "train.eval_batches=1", "train.log_every=1",
-        "train.accelerate=false", "train.progress=false", "train.threads=1", "train.deterministic=true",
-        "train.sample_tokens=0", "optim.warmup_steps=2", "train.loggers=[jsonl]"]
+TINY = [
+    "model.name=gpt2-tiny",
+    "data.seq_len=32",
+    "data.vocab_size=512",
+    "data.max_bytes=300000",
+    "train.batch_size=4",
+    "train.eval_every=0",
+    "train.eval_batches=1",
+    "train.log_every=1",
+    "train.accelerate=false",
+    "train.progress=false",
+    "train.threads=1",
+    "train.deterministic=true",
+    "train.sample_tokens=0",
+    "optim.warmup_steps=2",
+    "train.loggers=[jsonl]",
+]
 
 pytestmark = pytest.mark.usefixtures("tiny_env")  # conftest.py: shared data cache, settings restored
 
@@ -45,8 +59,11 @@ def _run(argv: list[str], timeout: float = 300, **kwargs) -> subprocess.Complete
 
 def _snapshot(folder: Path) -> dict[str, tuple[int, int]]:
     """Every file under `folder` (but the lock file) with its size and mtime: what "nothing changed" compares."""
-    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns)
-            for p in sorted(folder.rglob("*")) if p.is_file() and p.name != ".graphtrain.lock"}
+    return {
+        str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns)
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and p.name != ".graphtrain.lock"
+    }
 
 
 def _tiny(out: Path, *overrides: str) -> Config:
@@ -61,6 +78,7 @@ def _children(pid: int) -> list[int]:
 
 
 # ---------------------------------------------------------------------- 1. restarts and refusals ----
+
 
 def test_max_restarts_never_restarts_a_refused_command_into_a_finished_run(tmp_path):
     """A folder that holds a finished run, started again without --resume under --max-restarts: refused (exit 2) and
@@ -83,8 +101,17 @@ def test_max_restarts_keeps_the_checkpoint_a_mistyped_resume_from_asked_for(tmp_
     Trainer(_tiny(out, "train.steps=4", "train.ckpt_every=1")).fit()
     assert [s for s, _ in list_checkpoints(out)] == [2, 3, 4]
     before = _snapshot(out)
-    done = _run(_cli(out, "train.steps=8", "train.ckpt_every=1", "--resume-from", str(out / "ckpt-000002.pt"),
-                     "--max-restarts", "1"))
+    done = _run(
+        _cli(
+            out,
+            "train.steps=8",
+            "train.ckpt_every=1",
+            "--resume-from",
+            str(out / "ckpt-000002.pt"),
+            "--max-restarts",
+            "1",
+        )
+    )
     assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
     assert "ckpt-000002.pt' does not exist" in done.stderr
     assert _snapshot(out) == before  # ckpt-0000002.pt is still there, nothing after it
@@ -96,9 +123,21 @@ def test_a_crash_before_the_first_save_restarts_from_the_checkpoint_asked_for(tm
     ckpt-2 again, not from the newest checkpoint of the folder (ckpt-4, of the history the user left)."""
     out = tmp_path / "run"
     Trainer(_tiny(out, "train.steps=4", "train.ckpt_every=1")).fit()
-    proc = subprocess.Popen(_cli(out, "train.steps=400", "train.ckpt_every=0", "--resume-from",
-                                 str(out / "ckpt-0000002.pt"), "--max-restarts", "1"),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env())
+    proc = subprocess.Popen(
+        _cli(
+            out,
+            "train.steps=400",
+            "train.ckpt_every=0",
+            "--resume-from",
+            str(out / "ckpt-0000002.pt"),
+            "--max-restarts",
+            "1",
+        ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=_env(),
+    )
     deadline = time.monotonic() + 60
     while not _children(proc.pid) and time.monotonic() < deadline:  # the agent starts the first worker...
         time.sleep(0.05)
@@ -117,6 +156,7 @@ def test_a_crash_before_the_first_save_restarts_from_the_checkpoint_asked_for(tm
 
 # -------------------------------------------------------------------- 2. export never deletes a run ----
 
+
 @pytest.fixture
 def finished_run(tmp_path):
     out = tmp_path / "runs" / "a"
@@ -127,8 +167,13 @@ def finished_run(tmp_path):
 @pytest.mark.parametrize("where", ["the run", "its parent", "a folder of its own", "a checkpoint", "user files"])
 def test_export_force_never_deletes_a_run_or_foreign_files(finished_run, where, capsys):
     run = finished_run
-    target = {"the run": run, "its parent": run.parent, "a folder of its own": run / "superseded-1-x",
-              "a checkpoint": run / "ckpt-0000002.pt", "user files": run.parent / "notes"}[where]
+    target = {
+        "the run": run,
+        "its parent": run.parent,
+        "a folder of its own": run / "superseded-1-x",
+        "a checkpoint": run / "ckpt-0000002.pt",
+        "user files": run.parent / "notes",
+    }[where]
     if where == "a folder of its own":
         shutil.copytree(run, target, ignore=shutil.ignore_patterns("superseded-*"))
     if where == "user files":
@@ -157,18 +202,21 @@ def test_export_force_replaces_an_earlier_export_only_once_the_new_one_is_comple
 
 # ----------------------------------------------------------------------------- 3. one run per folder ----
 
+
 def test_a_second_run_on_a_live_folder_is_refused_and_touches_nothing(tmp_path):
     """Two real processes on one --out: the second is refused (exit 2) naming the first's PID and start time, and
     removes nothing, not even what looks like a killed save's leftover (here: the live run's save in flight)."""
     out = tmp_path / "run"
     log = tmp_path / "first.log"  # a file, not a pipe: a pipe nobody reads would stall the run's logging
     with log.open("w") as sink:
-        first = subprocess.Popen(_cli(out, "train.steps=100000", "train.ckpt_every=0"), stdout=sink,
-                                 stderr=subprocess.STDOUT, env=_env())
+        first = subprocess.Popen(
+            _cli(out, "train.steps=100000", "train.ckpt_every=0"), stdout=sink, stderr=subprocess.STDOUT, env=_env()
+        )
     try:
         deadline = time.monotonic() + 120
-        while not re.search(r"^step +2/", log.read_text(), re.M) and first.poll() is None \
-                and time.monotonic() < deadline:
+        while (
+            not re.search(r"^step +2/", log.read_text(), re.M) and first.poll() is None and time.monotonic() < deadline
+        ):
             time.sleep(0.05)
         assert first.poll() is None, log.read_text()[-2000:]
         in_flight = out / ".ckpt-0000009.pt.x7k2.tmp"  # the name a live save writes under
@@ -184,18 +232,21 @@ def test_a_second_run_on_a_live_folder_is_refused_and_touches_nothing(tmp_path):
         first.send_signal(signal.SIGTERM)
         first.wait(timeout=120)
     assert first.returncode == 75
-    steps = [r["step"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
-             if r["kind"] == "train"]
+    steps = [
+        r["step"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "train"
+    ]
     assert steps == list(range(1, len(steps) + 1))  # one run's records, each step once
     assert lock_run_folder(out) == out / ".graphtrain.lock"  # the kernel released it with its process
 
 
 # -------------------------------------------------------------------- 4. a real disk error while saving ----
 
+
 def _file_size_limit(limit: int):
     def apply():  # in the child, before exec: past `limit` bytes a write fails with EFBIG (SIGXFSZ ignored, as
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # CPython does at start-up anyway: a shell's ulimit -f too)
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
     return apply
 
 
@@ -204,8 +255,9 @@ def test_a_real_file_size_limit_during_a_save_is_one_line_and_keeps_the_last_che
     Trainer(_tiny(out, "train.steps=2", "train.ckpt_every=1")).fit()
     good = out / "ckpt-0000002.pt"
     limit = good.stat().st_size // 2  # metrics.jsonl and config.yaml stay far below it
-    done = _run(_cli(out, "train.steps=4", "train.ckpt_every=1", "--resume", "auto"),
-                preexec_fn=_file_size_limit(limit))
+    done = _run(
+        _cli(out, "train.steps=4", "train.ckpt_every=1", "--resume", "auto"), preexec_fn=_file_size_limit(limit)
+    )
     err = done.stderr.strip()
     assert done.returncode == 1, err[-3000:]
     assert "Traceback" not in err and len(err.splitlines()) == 1, err[-3000:]
@@ -217,6 +269,7 @@ def test_a_real_file_size_limit_during_a_save_is_one_line_and_keeps_the_last_che
 
 
 # ------------------------------------------------------------------- 5. a checksum file names its file ----
+
 
 def test_a_checksum_file_copied_from_another_checkpoint_verifies_nothing(tmp_path):
     out = tmp_path / "run"
@@ -234,6 +287,7 @@ def test_a_checksum_file_copied_from_another_checkpoint_verifies_nothing(tmp_pat
 
 # ------------------------------------------------------- the next ones: arguments that name a path ----
 
+
 def test_resume_from_another_folder_into_a_folder_with_checkpoints_is_refused(tmp_path, capsys):
     """--resume-from A/ckpt-2 --out B, B holding another history: refused, B's checkpoints kept (before: B's later
     ones moved aside and its ckpt-2 was pruned once the new history had saved three)."""
@@ -241,14 +295,28 @@ def test_resume_from_another_folder_into_a_folder_with_checkpoints_is_refused(tm
     Trainer(_tiny(a, "train.steps=4", "train.ckpt_every=1")).fit()
     Trainer(_tiny(b, "train.steps=4", "train.ckpt_every=1", "optim.lr=0.002")).fit()
     before = _snapshot(b)
-    code = main(["train", *TINY, "train.steps=6", "train.ckpt_every=1", "--out", str(b),
-                 "--resume-from", str(a / "ckpt-0000002.pt")])
+    code = main(
+        [
+            "train",
+            *TINY,
+            "train.steps=6",
+            "train.ckpt_every=1",
+            "--out",
+            str(b),
+            "--resume-from",
+            str(a / "ckpt-0000002.pt"),
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and "holds checkpoints of its own (latest ckpt-0000004.pt)" in err, err
     assert _snapshot(b) == before
     # the same checkpoint continued in an empty folder, or within its own folder, still works
-    assert main(["train", *TINY, "train.steps=5", "--out", str(tmp_path / "c"),
-                 "--resume-from", str(a / "ckpt-0000002.pt")]) == 0
+    assert (
+        main(
+            ["train", *TINY, "train.steps=5", "--out", str(tmp_path / "c"), "--resume-from", str(a / "ckpt-0000002.pt")]
+        )
+        == 0
+    )
 
 
 @pytest.mark.parametrize("name", ["config.yaml", "metrics.jsonl", "ckpt-0000002.pt", "."])
@@ -269,12 +337,25 @@ def test_an_export_killed_half_way_leaves_the_earlier_export_and_the_run_intact(
     run = finished_run
     assert main(["export", str(run), "--format", "safetensors", "--out", str(run.parent / "e")]) == 0
     before, earlier = _snapshot(run), _snapshot(run.parent / "e")
-    argv = [sys.executable, "-m", "graphtrain", "export", str(run), "--format", "hf", "--out", str(run.parent / "e"),
-            "--force"]
+    argv = [
+        sys.executable,
+        "-m",
+        "graphtrain",
+        "export",
+        str(run),
+        "--format",
+        "hf",
+        "--out",
+        str(run.parent / "e"),
+        "--force",
+    ]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env())
     deadline = time.monotonic() + 120
-    while (not [p for p in run.parent.iterdir() if p.name.startswith(".e.")] and proc.poll() is None
-           and time.monotonic() < deadline):
+    while (
+        not [p for p in run.parent.iterdir() if p.name.startswith(".e.")]
+        and proc.poll() is None
+        and time.monotonic() < deadline
+    ):
         time.sleep(0.002)
     proc.kill()
     proc.wait(timeout=60)
@@ -292,8 +373,9 @@ def _small_disk_available() -> bool:
     lets users create namespaces."""
     if shutil.which("unshare") is None:
         return False
-    probe = subprocess.run(["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o size=64k tmpfs /mnt"],
-                           capture_output=True, timeout=30)
+    probe = subprocess.run(
+        ["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o size=64k tmpfs /mnt"], capture_output=True, timeout=30
+    )
     return probe.returncode == 0
 
 
@@ -308,8 +390,10 @@ def test_a_real_full_disk_during_a_save_is_one_line_and_keeps_the_last_checkpoin
     run = disk / "run"
     first = " ".join(_cli(run, "train.steps=2", "train.ckpt_every=1"))
     second = " ".join(_cli(run, "train.steps=4", "train.ckpt_every=1", "--resume", "auto"))
-    script = (f"mount -t tmpfs -o size=4m tmpfs {disk} && {first} >/dev/null 2>&1 && {second} >/dev/null "
-              f"2>{tmp_path / 'err'}; echo $? > {tmp_path / 'rc'}; cp -a {run} {copy}")
+    script = (
+        f"mount -t tmpfs -o size=4m tmpfs {disk} && {first} >/dev/null 2>&1 && {second} >/dev/null "
+        f"2>{tmp_path / 'err'}; echo $? > {tmp_path / 'rc'}; cp -a {run} {copy}"
+    )
     subprocess.run(["unshare", "-rm", "sh", "-c", script], timeout=600, env=_env(), check=True)
     err = (tmp_path / "err").read_text().strip()
     assert (tmp_path / "rc").read_text().strip() == "1", err[-3000:]

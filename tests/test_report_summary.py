@@ -1,5 +1,6 @@
 """graphtrain.report(model) opens with a one-screen summary (graphs and providers, breaks, fallbacks and why,
 predicted and measured memory) and names the model's tensors as the model does, never as Dynamo's placeholders."""
+
 from __future__ import annotations
 
 import re
@@ -49,15 +50,16 @@ def test_the_report_opens_with_a_one_screen_summary(trained):
     accelerated, opt = trained
     rep = graphtrain.report(accelerated, optimizer=opt)
     lines = str(rep).splitlines()
-    head = lines[:lines.index("details:")]
+    head = lines[: lines.index("details:")]
     assert head[0].startswith("graphtrain report") and head[1].startswith("summary: 1 graph(s) captured")
     assert len(head) <= 20, "\n".join(head)
     text = "\n".join(head)
     assert re.search(r"providers: aten \(fp32\) for graph0", text), text
     assert "graph breaks: 0" in text and "fallbacks: 0 (engine), 0 (fused ops at run time): none" in text
     step = rep.step_peak["peak"]
-    assert f"predicted step peak {step / 2**10:.1f} KiB" in text or f"predicted step peak {step / 2**20:.2f} MiB" \
-        in text, text
+    assert (
+        f"predicted step peak {step / 2**10:.1f} KiB" in text or f"predicted step peak {step / 2**20:.2f} MiB" in text
+    ), text
     assert rep.measured_peak["bytes"] > 0 and "measured peak RSS of the process" in text
     assert "time to first step" in text
 
@@ -73,8 +75,10 @@ def test_no_mangled_names_anywhere(trained):
 
 def test_user_name_reads_dynamo_placeholders():
     assert user_name("l_self_modules_transformer_modules_wte_parameters_weight_") == "transformer.wte.weight"
-    assert user_name("l_self_modules_model_modules_layers_modules_0_modules_self_attn_modules_q_proj_parameters_"
-                     "weight_") == "model.layers.0.self_attn.q_proj.weight"
+    assert (
+        user_name("l_self_modules_model_modules_layers_modules_0_modules_self_attn_modules_q_proj_parameters_weight_")
+        == "model.layers.0.self_attn.q_proj.weight"
+    )
     assert user_name("l_self_modules_lm_head_parameters_weight_") == "lm_head.weight"
     assert user_name("l_self_buffers_rope_cache_") == "rope_cache"
     assert user_name("l_x_") == "l_x_" and user_name("primals_1") == "primals_1"
@@ -83,6 +87,7 @@ def test_user_name_reads_dynamo_placeholders():
 def test_fallbacks_are_in_the_summary_with_why():
     """A real fallback (Dynamo's recompile limit reached: new shapes run eagerly) is counted and explained first."""
     import torch._dynamo
+
     torch._dynamo.reset()  # the limit counts every compile of the engine's call frame in this process
     # torch's config patch, not pytest's monkeypatch: monkeypatch's undo deleted the key from Dynamo's config
     # module, and every later test in the process failed on "recompile_limit does not exist"

@@ -1,6 +1,7 @@
 """Logits a model returns beside its loss (passes/returned_heads.py): detached from the compiled graph and given
 linear's backward outside it, so a step that trains on the loss fills no zero gradient of the logits' size. Checked
 against eager PyTorch: the loss alone, and a caller that backpropagates through the returned logits too."""
+
 from __future__ import annotations
 
 import copy
@@ -69,8 +70,9 @@ def test_switched_off_the_logits_stay_outputs_of_the_graph():
     graph's), the same training as eager, and the report says the pass was off."""
     torch.manual_seed(0)
     eager = TinyLM(tied=True, bias=False)
-    model = graphtrain.accelerate(copy.deepcopy(eager), provider="aten", fallback="error",
-                                  passes={"detach_returned_heads": False})
+    model = graphtrain.accelerate(
+        copy.deepcopy(eager), provider="aten", fallback="error", passes={"detach_returned_heads": False}
+    )
     ids, labels = _batch()
     for m in (eager, model):
         loss, logits = m(ids, labels)
@@ -131,13 +133,32 @@ def test_hugging_face_language_models_return_reattached_logits():
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     models = {
-        "gpt2": transformers.GPT2LMHeadModel(transformers.GPT2Config(
-            n_layer=2, n_embd=32, n_head=2, vocab_size=101, n_positions=32, attn_implementation="sdpa",
-            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
-        "bert": transformers.BertForMaskedLM(transformers.BertConfig(
-            num_hidden_layers=2, hidden_size=32, num_attention_heads=2, intermediate_size=64, vocab_size=101,
-            max_position_embeddings=32, attn_implementation="sdpa", hidden_dropout_prob=0.0,
-            attention_probs_dropout_prob=0.0)),
+        "gpt2": transformers.GPT2LMHeadModel(
+            transformers.GPT2Config(
+                n_layer=2,
+                n_embd=32,
+                n_head=2,
+                vocab_size=101,
+                n_positions=32,
+                attn_implementation="sdpa",
+                resid_pdrop=0.0,
+                embd_pdrop=0.0,
+                attn_pdrop=0.0,
+            )
+        ),
+        "bert": transformers.BertForMaskedLM(
+            transformers.BertConfig(
+                num_hidden_layers=2,
+                hidden_size=32,
+                num_attention_heads=2,
+                intermediate_size=64,
+                vocab_size=101,
+                max_position_embeddings=32,
+                attn_implementation="sdpa",
+                hidden_dropout_prob=0.0,
+                attention_probs_dropout_prob=0.0,
+            )
+        ),
     }
     ids = torch.randint(0, 101, (2, 16), generator=torch.Generator().manual_seed(1))
     for name, eager in models.items():

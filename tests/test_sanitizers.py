@@ -10,6 +10,7 @@ no UBSan "runtime error:" (overflow, misaligned or null access, division by zero
 
 Run it: ``python -m pytest -q -m slow tests/test_sanitizers.py``; by hand, the same environment as `_sanitized_env`.
 """
+
 from __future__ import annotations
 
 import os
@@ -23,8 +24,14 @@ import pytest
 pytestmark = pytest.mark.slow
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-KERNEL_TESTS = ["tests/test_kernels_ops.py", "tests/test_kernels_gemm.py", "tests/test_kernels_fake_strides.py",
-                "tests/test_kernel_contracts.py", "tests/test_fuzz_kernels.py", "tests/test_fuzz_attention.py"]
+KERNEL_TESTS = [
+    "tests/test_kernels_ops.py",
+    "tests/test_kernels_gemm.py",
+    "tests/test_kernels_fake_strides.py",
+    "tests/test_kernel_contracts.py",
+    "tests/test_fuzz_kernels.py",
+    "tests/test_fuzz_attention.py",
+]
 REPORT = re.compile(r"ERROR: AddressSanitizer|runtime error:|ERROR: LeakSanitizer|AddressSanitizer: CHECK failed")
 
 
@@ -44,11 +51,13 @@ def _sanitized_env(logs: str) -> dict[str, str]:
     with "CHECK failed: ... real___cxa_throw". Reports also go to files under `logs` (log_path): a report that ends
     the process inside a test would otherwise die with pytest's captured output."""
     env = dict(os.environ)
-    env.update(GRAPHTRAIN_SANITIZE="address,undefined",
-               LD_PRELOAD=f"{_gcc_lib('libasan.so')} {_gcc_lib('libstdc++.so')}",
-               # detect_leaks=0: CPython frees little at exit by design
-               ASAN_OPTIONS=f"detect_leaks=0:halt_on_error=1:symbolize=1:log_path={logs}/asan",
-               UBSAN_OPTIONS=f"print_stacktrace=1:halt_on_error=0:log_path={logs}/ubsan")
+    env.update(
+        GRAPHTRAIN_SANITIZE="address,undefined",
+        LD_PRELOAD=f"{_gcc_lib('libasan.so')} {_gcc_lib('libstdc++.so')}",
+        # detect_leaks=0: CPython frees little at exit by design
+        ASAN_OPTIONS=f"detect_leaks=0:halt_on_error=1:symbolize=1:log_path={logs}/asan",
+        UBSAN_OPTIONS=f"print_stacktrace=1:halt_on_error=0:log_path={logs}/ubsan",
+    )
     return env
 
 
@@ -64,13 +73,29 @@ def test_kernel_tests_and_fuzzing_run_clean_under_asan_and_ubsan(tmp_path):
     logs = str(tmp_path)
     env = _sanitized_env(logs)
     # the sanitized build is the one that loads (a failed build raises under GRAPHTRAIN_SANITIZE, never falls back)
-    probe = subprocess.run([sys.executable, "-c", "from graphtrain.kernels import _cpu_ext\n_cpu_ext.load()\n"
-                            "print(_cpu_ext.loaded_variant())"], env=env, cwd=ROOT, capture_output=True, text=True,
-                           timeout=1200)
-    assert probe.returncode == 0 and "address sanitizer, undefined sanitizer" in probe.stdout, \
+    probe = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from graphtrain.kernels import _cpu_ext\n_cpu_ext.load()\nprint(_cpu_ext.loaded_variant())",
+        ],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    assert probe.returncode == 0 and "address sanitizer, undefined sanitizer" in probe.stdout, (
         f"the sanitized C++ kernels did not load (rc {probe.returncode}): {probe.stdout}{probe.stderr[-3000:]}"
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow",
-                          *KERNEL_TESTS], env=env, cwd=ROOT, capture_output=True, text=True, timeout=3000)
+    )
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow", *KERNEL_TESTS],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=3000,
+    )
     out = run.stdout + run.stderr
     reports = _reports(out, logs)
     assert not reports, f"{len(reports)} sanitizer report(s):\n" + "\n".join(reports[:20]) + f"\n{out[-6000:]}"
@@ -99,5 +124,7 @@ m = load_inline("graphtrain_asan_selfcheck", cpp_sources=[src], functions=["read
 print(m.read_past(torch.empty(5)))
 """
     r = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=1200)
-    assert r.returncode != 0 and any("heap-buffer-overflow" in ln for ln in _reports(r.stderr, str(tmp_path))), \
-        (r.returncode, r.stderr[-3000:])
+    assert r.returncode != 0 and any("heap-buffer-overflow" in ln for ln in _reports(r.stderr, str(tmp_path))), (
+        r.returncode,
+        r.stderr[-3000:],
+    )

@@ -12,6 +12,7 @@ A stable learning rate (1e-4): at 1e-3 these models are unstable in eager PyTorc
 dropout 0.1: eager's loss after 4 steps was 8.10, 8.49 and 14.10 over three seeds), so a loss after N steps there
 measures the spike, not the implementation.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -33,12 +34,16 @@ SEQ = 512
 
 def _reference(family: str, dropout: float) -> torch.nn.Module:
     from graphtrain.models.presets import ModelSpec
-    spec = ModelSpec(family=family, max_seq_len=SEQ, dropout=dropout,
-                     layer_norm_eps=1e-5 if family == "gpt2" else 1e-12, **DEPTH)
+
+    spec = ModelSpec(
+        family=family, max_seq_len=SEQ, dropout=dropout, layer_norm_eps=1e-5 if family == "gpt2" else 1e-12, **DEPTH
+    )
     if family == "gpt2":
         from graphtrain.models.gpt2 import GPT2
+
         return GPT2(spec)
     from graphtrain.models.bert import BERT
+
     return BERT(spec)
 
 
@@ -46,12 +51,29 @@ def _hf(family: str, dropout: float) -> torch.nn.Module:
     transformers = pytest.importorskip("transformers")
     common = dict(attn_implementation="sdpa", bos_token_id=0, eos_token_id=0, pad_token_id=0)
     if family == "hf-gpt2":
-        cfg = transformers.GPT2Config(vocab_size=8192, n_positions=SEQ, n_embd=256, n_layer=12, n_head=4,
-                                      resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout, **common)
+        cfg = transformers.GPT2Config(
+            vocab_size=8192,
+            n_positions=SEQ,
+            n_embd=256,
+            n_layer=12,
+            n_head=4,
+            resid_pdrop=dropout,
+            embd_pdrop=dropout,
+            attn_pdrop=dropout,
+            **common,
+        )
         return transformers.GPT2LMHeadModel(cfg)
-    cfg = transformers.BertConfig(vocab_size=8192, hidden_size=256, num_hidden_layers=12, num_attention_heads=4,
-                                  intermediate_size=1024, max_position_embeddings=SEQ, hidden_dropout_prob=dropout,
-                                  attention_probs_dropout_prob=dropout, **common)
+    cfg = transformers.BertConfig(
+        vocab_size=8192,
+        hidden_size=256,
+        num_hidden_layers=12,
+        num_attention_heads=4,
+        intermediate_size=1024,
+        max_position_embeddings=SEQ,
+        hidden_dropout_prob=dropout,
+        attention_probs_dropout_prob=dropout,
+        **common,
+    )
     return transformers.BertForMaskedLM(cfg)
 
 
@@ -93,8 +115,9 @@ def losses(family: str, mode: str, dropout: float, seed: int) -> list[float]:
     return out
 
 
-@pytest.mark.parametrize("family,provider", [("gpt2", "aten"), ("gpt2", "inductor"), ("bert", "aten"),
-                                             ("bert", "inductor")])
+@pytest.mark.parametrize(
+    "family,provider", [("gpt2", "aten"), ("gpt2", "inductor"), ("bert", "aten"), ("bert", "inductor")]
+)
 def test_dropout0_loss_curve_matches_eager_at_seed_depth(family, provider):
     # measured (2-core AVX2 EPYC): gpt2 aten and inductor equal eager to 4 decimals at all 10 steps
     want = losses(family, "eager", 0.0, 0)
@@ -116,8 +139,10 @@ def _within_spread(got: list[list[float]], want: list[list[float]], steps: range
         se = (statistics.variance(e) / len(e) + statistics.variance(g) / len(g)) ** 0.5
         diff = statistics.mean(g) - statistics.mean(e)
         if abs(diff) > k * se:
-            bad.append(f"step {i}: graphtrain {[round(v, 4) for v in g]}, eager {[round(v, 4) for v in e]}: "
-                       f"mean difference {diff:+.4f} is {abs(diff) / se:.1f} standard errors")
+            bad.append(
+                f"step {i}: graphtrain {[round(v, 4) for v in g]}, eager {[round(v, 4) for v in e]}: "
+                f"mean difference {diff:+.4f} is {abs(diff) / se:.1f} standard errors"
+            )
     return bad
 
 

@@ -1,6 +1,7 @@
 """engine.static_masks: an attention mask that is a constant of the graph's shapes reaches SDPA as is_causal (or no
 mask); any other mask is left alone. Each case checks the rewrite (or its absence) and forward+backward against
 eager PyTorch."""
+
 from __future__ import annotations
 
 import copy
@@ -80,8 +81,17 @@ def _compiled(module, *inputs):
     return out.detach(), [p.grad.clone() for p in module.parameters()], lines
 
 
-@pytest.mark.parametrize("style,kind", [("causal_bool", "causal"), ("causal_additive", "causal"), ("full", "all-"),
-                                        ("window", None), ("mutated", None), ("padded", None)])
+@pytest.mark.parametrize(
+    "style,kind",
+    [
+        ("causal_bool", "causal"),
+        ("causal_additive", "causal"),
+        ("full", "all-"),
+        ("window", None),
+        ("mutated", None),
+        ("padded", None),
+    ],
+)
 def test_shape_masks_rewritten_only_when_constant_and_exact(style, kind):
     torch.manual_seed(0)
     m = ShapeMasked(style)
@@ -109,10 +119,21 @@ def test_repeated_block_bodies_lose_the_mask_input():
     transformers = pytest.importorskip("transformers")
     import graphtrain
     from graphtrain.pipeline.state import state_of
+
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                                   num_attention_heads=4, num_key_value_heads=2, use_cache=False,
-                                   attn_implementation="sdpa", bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        use_cache=False,
+        attn_implementation="sdpa",
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
     model = transformers.LlamaForCausalLM(cfg)
     ref = copy.deepcopy(model)
     fast = graphtrain.accelerate(model, provider="aten")
@@ -131,15 +152,18 @@ def test_repeated_block_bodies_lose_the_mask_input():
         ref.zero_grad()
     state, _ = state_of(fast)
     notes = [n for n in state.notes if "static_masks" in n]
-    assert notes == ["3 SDPA call(s) with a constant causal mask (built from shapes, e.g. Hugging Face's under "
-                     "tracing): rewritten to is_causal=True (engine.static_masks)",
-                     "attention_mask of all ones passed as None, as Hugging Face's eager SDPA path treats it (its "
-                     "causal mask then reaches SDPA as is_causal; engine.static_masks)"], state.notes
+    assert notes == [
+        "3 SDPA call(s) with a constant causal mask (built from shapes, e.g. Hugging Face's under "
+        "tracing): rewritten to is_causal=True (engine.static_masks)",
+        "attention_mask of all ones passed as None, as Hugging Face's eager SDPA path treats it (its "
+        "causal mask then reaches SDPA as is_causal; engine.static_masks)",
+    ], state.notes
 
 
 def _accelerated_step(**engine):
     """ShapeMasked("causal_bool") accelerated with `engine`, one step checked against eager: its report."""
     import graphtrain
+
     torch.manual_seed(0)
     eager = ShapeMasked("causal_bool")
     m = graphtrain.accelerate(copy.deepcopy(eager), provider="aten", fallback="error", **engine)
@@ -162,8 +186,11 @@ def test_the_pass_is_recorded():
     assert any("static_masks" in n for n in rep.notes), rep.notes
 
 
-@pytest.mark.parametrize("switch", [{"static_masks": False}, {"passes": {"specialize_static_masks": False}}],
-                         ids=["engine.static_masks", "engine.passes"])
+@pytest.mark.parametrize(
+    "switch",
+    [{"static_masks": False}, {"passes": {"specialize_static_masks": False}}],
+    ids=["engine.static_masks", "engine.passes"],
+)
 def test_switch_off_keeps_the_mask(switch):
     rep = _accelerated_step(**switch)
     assert not [n for n in rep.notes if "static_masks" in n]
@@ -176,8 +203,10 @@ def test_switch_off_keeps_the_mask(switch):
 def test_fused_attention_takes_sdpas_causal_mask_as_is_causal():
     """SDPA with dropout is decomposed, its is_causal spelled as where(tril(ones), 0, -inf): the fused op gets
     is_causal back (the C++ kernel then computes each row's first i + 1 scores only) and no mask."""
+
     def f(q, k, v):
         return F.scaled_dot_product_attention(q, k, v, dropout_p=0.1, is_causal=True)
+
     ins = [torch.randn(2, 3, 9, 8) for _ in range(3)]
     gm = trace_aten_forward(f, ins)
     ctx = PassContext(EngineConfig(), "pre_autodiff")

@@ -1,5 +1,6 @@
 """graphtrain.compile_step: forward, loss, backward, clipping, AdamW and loss scaling as one graph, checked
 against eager PyTorch with graphtrain's optimizer step (FusedAdamW = torch.optim.AdamW(fused=True))."""
+
 from __future__ import annotations
 
 import copy
@@ -15,9 +16,17 @@ from graphtrain.optim import build_optimizer, optimizer_step
 from graphtrain.testing import assert_close
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-NO_FUSIONS = {n: False for n in ("fuse_attention", "fuse_layer_norm", "fuse_bias_gelu", "fuse_cross_entropy",
-                                 "fuse_linear_cross_entropy",
-                                 "fuse_bias_dropout_add")}
+NO_FUSIONS = {
+    n: False
+    for n in (
+        "fuse_attention",
+        "fuse_layer_norm",
+        "fuse_bias_gelu",
+        "fuse_cross_entropy",
+        "fuse_linear_cross_entropy",
+        "fuse_bias_dropout_add",
+    )
+}
 
 
 def _batch(seed=0, shape=(4, 32)):
@@ -109,8 +118,11 @@ def test_whole_step_bf16_with_default_fusions_trains():
     assert losses[-1] < losses[0] - 0.5, losses
     done = {r.name: r.rewrites for r in step.pass_records}
     assert done["fuse_attention"] == 2 and done["apply_mixed_precision"] > 0 and done["fuse_layer_norm"] >= 4
-    dtypes = {n.meta["val"].dtype for n in step.graph.graph.nodes
-              if n.op == "call_function" and "mm" in str(n.target) and "val" in n.meta}
+    dtypes = {
+        n.meta["val"].dtype
+        for n in step.graph.graph.nodes
+        if n.op == "call_function" and "mm" in str(n.target) and "val" in n.meta
+    }
     assert torch.bfloat16 in dtypes
 
 
@@ -131,8 +143,9 @@ def test_fp16_overflow_skips_exactly_that_step_inside_the_graph(blocks):
     model = _BlowUp(build_model(ModelConfig(name="gpt2-tiny", dropout=0.0)))
     cfg = Config()
     cfg.engine.loss_scale_init, cfg.engine.loss_scale_hysteresis, cfg.engine.loss_scale_interval = 1024.0, 2, 4
-    step = graphtrain.compile_step(model, cfg, provider="aten", precision="fp16", passes=NO_FUSIONS,
-                                   compile_blocks=blocks)
+    step = graphtrain.compile_step(
+        model, cfg, provider="aten", precision="fp16", passes=NO_FUSIONS, compile_blocks=blocks
+    )
     assert step.by_blocks == blocks
     b = _batch()
     scales, skipped, losses = [], [], []
@@ -189,6 +202,7 @@ def test_user_errors_are_clear():
 
         def forward(self, x):
             return {"out": self.w * x}
+
     with pytest.raises(TypeError, match="must return the loss"):
         graphtrain.compile_step(NoLoss(), Config(), provider="aten")(x=torch.ones(3))
 
@@ -197,6 +211,7 @@ def test_report_shows_the_step_graph_passes_and_fallbacks(monkeypatch):
     """compile_step records like accelerate: graphtrain.report(model) lists the step graph, its passes and a
     provider fallback (here Inductor made to fail: the step runs on aten, and says so)."""
     from graphtrain.frontend.compile_step import CompiledStep
+
     torch.manual_seed(0)
     model = build_model(ModelConfig(name="gpt2-tiny", dropout=0.0))
     real = CompiledStep._compile
@@ -205,6 +220,7 @@ def test_report_shows_the_step_graph_passes_and_fallbacks(monkeypatch):
         if provider == "inductor":
             raise RuntimeError("inductor is broken in this test")
         return real(graph, args, provider)
+
     monkeypatch.setattr(CompiledStep, "_compile", staticmethod(broken))
     step = graphtrain.compile_step(model, Config(), provider="inductor", fallback="silent", compile_blocks=False)
     step(**_batch())
@@ -224,11 +240,12 @@ def test_the_step_graph_gets_the_inductor_providers_checks():
     aten, saying why."""
     torch.manual_seed(0)
     model = build_model(ModelConfig(name="gpt2-tiny"))  # dropout on
-    step = graphtrain.compile_step(model, Config(), provider="inductor", passes=NO_FUSIONS, fallback="silent",
-                                   compile_blocks=False)
+    step = graphtrain.compile_step(
+        model, Config(), provider="inductor", passes=NO_FUSIONS, fallback="silent", compile_blocks=False
+    )
     out = step(**_batch())
     assert step.provider == "aten" and torch.isfinite(out["loss"])
-    (part, why), = graphtrain.report(model).fallbacks
+    ((part, why),) = graphtrain.report(model).fallbacks
     assert part == "provider inductor on step (compile_step(GPT2))" and "ATen random ops" in why, why
 
 
@@ -265,6 +282,7 @@ def test_a_step_that_cannot_be_traced_whole_runs_uncompiled_and_says_why(recwarn
     pytest.importorskip("transformers")
     from graphtrain.bench.families import build_family
     from graphtrain.config.fallback import GraphtrainCaptureError
+
     torch.manual_seed(0)
     model, batch = build_family("bart", hidden=32, layers=1, vocab=101, batch=2, seq=16, dropout=False)
     ref = copy.deepcopy(model)
@@ -281,7 +299,7 @@ def test_a_step_that_cannot_be_traced_whole_runs_uncompiled_and_says_why(recwarn
     for (n, p), q in zip(model.named_parameters(), ref.parameters()):
         assert_close(p, q, name=f"weight {n}", atol=1e-6, rtol=1e-5)
     assert step.provider == "eager"
-    (part, reason), = graphtrain.report(model).fallbacks
+    ((part, reason),) = graphtrain.report(model).fallbacks
     assert "step graph" in part and "DataDependentOutputException" in reason
     assert sum("runs uncompiled" in str(w.message) for w in recwarn) == 1
     strict = graphtrain.compile_step(copy.deepcopy(ref), cfg, fallback="error")

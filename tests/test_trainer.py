@@ -1,4 +1,5 @@
 """Trainer: LR schedule values, a short fit with its outputs, bitwise resume, refusing to clobber."""
+
 from __future__ import annotations
 
 import json
@@ -12,10 +13,22 @@ from graphtrain.config.sections import Config, OptimConfig
 from graphtrain.trainer import Trainer, TrainingFailed, list_checkpoints, lr_at
 from graphtrain.trainer.strategies import WholeStepGraph
 
-TINY = ["model.name=gpt2-tiny", "data.seq_len=32", "data.vocab_size=512", "data.max_bytes=300000",
-        "train.batch_size=4", "train.steps=6", "train.eval_every=3", "train.eval_batches=2", "train.log_every=2",
-        "train.ckpt_every=3", "train.accelerate=false", "train.progress=false", "train.threads=1",
-        "optim.warmup_steps=2"]
+TINY = [
+    "model.name=gpt2-tiny",
+    "data.seq_len=32",
+    "data.vocab_size=512",
+    "data.max_bytes=300000",
+    "train.batch_size=4",
+    "train.steps=6",
+    "train.eval_every=3",
+    "train.eval_batches=2",
+    "train.log_every=2",
+    "train.ckpt_every=3",
+    "train.accelerate=false",
+    "train.progress=false",
+    "train.threads=1",
+    "optim.warmup_steps=2",
+]
 
 
 pytestmark = pytest.mark.usefixtures("tiny_env")  # conftest.py: shared data cache, settings restored
@@ -27,13 +40,14 @@ def tiny(out_dir, *overrides: str) -> Config:
 
 # -------------------------------------------------------------------------------- schedule ----
 
+
 def test_schedule_warmup_then_cosine_to_min():
     cfg = OptimConfig(lr=1.0, warmup_steps=4, min_lr_ratio=0.1, schedule="cosine")
     assert [lr_at(s, cfg, 14) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
-    assert lr_at(4, cfg, 14) == 1.0                           # decay starts at the peak
-    assert lr_at(13, cfg, 14) == pytest.approx(0.1)           # the last step reaches lr * min_lr_ratio
-    assert lr_at(9, cfg, 15) == pytest.approx(0.55)           # decay midpoint: (peak + min) / 2
-    assert lr_at(100, cfg, 14) == pytest.approx(0.1)          # clamped after the end
+    assert lr_at(4, cfg, 14) == 1.0  # decay starts at the peak
+    assert lr_at(13, cfg, 14) == pytest.approx(0.1)  # the last step reaches lr * min_lr_ratio
+    assert lr_at(9, cfg, 15) == pytest.approx(0.55)  # decay midpoint: (peak + min) / 2
+    assert lr_at(100, cfg, 14) == pytest.approx(0.1)  # clamped after the end
     lrs = [lr_at(s, cfg, 14) for s in range(4, 14)]
     assert all(a >= b for a, b in zip(lrs, lrs[1:]))
 
@@ -48,7 +62,7 @@ def test_schedule_shapes(schedule, mid):
 
 def test_schedule_edge_cases():
     cfg = OptimConfig(lr=2.0, warmup_steps=0)
-    assert lr_at(0, cfg, 1) == pytest.approx(0.2)             # a 1-step run decays immediately
+    assert lr_at(0, cfg, 1) == pytest.approx(0.2)  # a 1-step run decays immediately
     assert lr_at(9, OptimConfig(lr=2.0, warmup_steps=50), 10) == pytest.approx(0.4)  # still warming up
     with pytest.raises(ValueError):
         lr_at(-1, cfg, 10)
@@ -57,6 +71,7 @@ def test_schedule_edge_cases():
 
 
 # ------------------------------------------------------------------------------------- fit ----
+
 
 def test_fit_writes_metrics_config_checkpoints_and_samples(tmp_path):
     config = tiny(tmp_path / "run", "train.steps=10", "train.ckpt_every=2")
@@ -110,8 +125,11 @@ def test_resume_is_bitwise_identical_to_an_uninterrupted_run(tmp_path):
     for i in sa:
         for k in sa[i]:
             assert torch.equal(sa[i][k], sb[i][k]), f"optimizer state {i}.{k} differs"
-    steps = [r["step"] for r in map(json.loads, (tmp_path / "crash" / "metrics.jsonl").read_text().splitlines())
-             if r["kind"] == "train"]
+    steps = [
+        r["step"]
+        for r in map(json.loads, (tmp_path / "crash" / "metrics.jsonl").read_text().splitlines())
+        if r["kind"] == "train"
+    ]
     assert steps == [2, 4, 6]  # no duplicated records from the interrupted run
 
 
@@ -119,6 +137,7 @@ def test_deterministic_runs_settle_every_provider_before_the_first_step():
     """train.deterministic turns provider auto's background compile off (a resumed run must run every step on the
     providers the uninterrupted run used); other runs keep the engine settings as configured."""
     from graphtrain.trainer.strategies import engine_config
+
     det = Config.from_dict({"train": {"deterministic": True}})
     assert engine_config(det).compile_in_background is False
     assert engine_config(det).provider == det.engine.provider
@@ -152,8 +171,11 @@ def test_user_mistakes_are_clear(tmp_path):
     diverging = Trainer(tiny(tmp_path / "nan", "train.max_bad_steps=2"))
     with torch.no_grad():
         next(diverging.model.parameters()).fill_(float("nan"))
-    with pytest.raises(TrainingFailed, match=r"training diverged at step 2: 2 bad steps in a row \(steps 1-2; "
-                                             r"last: the loss is nan\).*Lower optim.lr"):
+    with pytest.raises(
+        TrainingFailed,
+        match=r"training diverged at step 2: 2 bad steps in a row \(steps 1-2; "
+        r"last: the loss is nan\).*Lower optim.lr",
+    ):
         diverging.fit()
     assert list_checkpoints(tmp_path / "nan") == []
     bert = Trainer(tiny(tmp_path, "model.name=bert-tiny"))
@@ -170,12 +192,14 @@ def test_shipped_configs_load():
 
 def test_auto_batch_size_fits_the_budget(tmp_path):
     budget = 8_000_000
-    trainer = Trainer(tiny(tmp_path, "train.batch_size=auto", f"engine.memory_budget={budget}", "train.grad_accum=2",
-                           "train.steps=1"))
+    trainer = Trainer(
+        tiny(tmp_path, "train.batch_size=auto", f"engine.memory_budget={budget}", "train.grad_accum=2", "train.steps=1")
+    )
     chosen = trainer.config.train.batch_size
     assert isinstance(chosen, int) and chosen > 1 and trainer.config.train.grad_accum == 2  # accum kept
     from graphtrain.models import build_model
     from graphtrain.tools.autobatch import pick_batch_size
+
     plan = pick_batch_size(lambda: build_model(trainer.config.model, vocab_size=512), 32, budget)
     assert plan.micro_batch == chosen and plan.predicted_peak <= budget
     summary = trainer.fit()
@@ -183,25 +207,35 @@ def test_auto_batch_size_fits_the_budget(tmp_path):
     assert f"batch_size: {chosen}" in (tmp_path / "config.yaml").read_text()  # resolved in the saved config
     # same weights as a run with that number set explicitly: picking does not move the seed
     explicit = Trainer(tiny(tmp_path / "explicit", f"train.batch_size={chosen}", "train.grad_accum=2"))
-    for (n, a), b in zip(explicit.model.state_dict().items(), Trainer(tiny(
-            tmp_path / "auto2", "train.batch_size=auto", f"engine.memory_budget={budget}")).model.state_dict().values()):
+    for (n, a), b in zip(
+        explicit.model.state_dict().items(),
+        Trainer(tiny(tmp_path / "auto2", "train.batch_size=auto", f"engine.memory_budget={budget}"))
+        .model.state_dict()
+        .values(),
+    ):
         assert torch.equal(a, b), n
 
 
-@pytest.mark.parametrize("precision,accelerate,bf16_fast,peak", [
-    ("auto", "true", True, "bf16"),     # auto runs bf16 where the hardware has it: MFU against the bf16 peak
-    ("auto", "true", False, "fp32"),    # and fp32 elsewhere
-    ("bf16", "true", False, "bf16"),    # bf16 asked for runs bf16 (slowly) even without native support
-    ("bf16", "false", True, "fp32"),    # without the engine nothing runs in bf16: the fp32 peak
-])
-def test_mfu_is_against_the_peak_of_the_precision_that_runs(tmp_path, monkeypatch, precision, accelerate,
-                                                            bf16_fast, peak):
+@pytest.mark.parametrize(
+    "precision,accelerate,bf16_fast,peak",
+    [
+        ("auto", "true", True, "bf16"),  # auto runs bf16 where the hardware has it: MFU against the bf16 peak
+        ("auto", "true", False, "fp32"),  # and fp32 elsewhere
+        ("bf16", "true", False, "bf16"),  # bf16 asked for runs bf16 (slowly) even without native support
+        ("bf16", "false", True, "fp32"),  # without the engine nothing runs in bf16: the fp32 peak
+    ],
+)
+def test_mfu_is_against_the_peak_of_the_precision_that_runs(
+    tmp_path, monkeypatch, precision, accelerate, bf16_fast, peak
+):
     from graphtrain.kernels import capability
+
     peaks = {"fp32": 1e11, "bf16": 4e11}
     monkeypatch.setattr(capability, "peek_probe", lambda name, **kw: dict(peaks))
     monkeypatch.setattr(capability, "bf16_is_fast", lambda device="cpu": (bf16_fast, "monkeypatched"))
-    trainer = Trainer(tiny(tmp_path, f"engine.precision={precision}", f"train.accelerate={accelerate}",
-                           "engine.provider=aten"))
+    trainer = Trainer(
+        tiny(tmp_path, f"engine.precision={precision}", f"train.accelerate={accelerate}", "engine.provider=aten")
+    )
     assert trainer._peak == peaks[peak]
 
 
@@ -209,8 +243,15 @@ def test_init_from_loads_weights_only(tmp_path):
     Trainer(tiny(tmp_path / "a", "train.steps=3", "model.max_seq_len=64")).fit()
     src = torch.load(list_checkpoints(tmp_path / "a")[-1][1], weights_only=True)["model"]
     # a run folder (its latest checkpoint), a longer data.seq_len, step 0 and a fresh optimizer
-    b = Trainer(tiny(tmp_path / "b", "train.steps=1", "model.max_seq_len=64", "data.seq_len=64",
-                     f"train.init_from={tmp_path / 'a'}"))
+    b = Trainer(
+        tiny(
+            tmp_path / "b",
+            "train.steps=1",
+            "model.max_seq_len=64",
+            "data.seq_len=64",
+            f"train.init_from={tmp_path / 'a'}",
+        )
+    )
     for k, v in b.model.state_dict().items():
         assert torch.equal(v, src[k]), k
     assert b.step == 0 and not b.optimizer.state
@@ -228,16 +269,28 @@ def test_init_from_loads_weights_only(tmp_path):
 def test_bert_phase_configs_chain(tmp_path):
     """configs/bert-pretrain-phase1.yaml then phase2.yaml (init_from phase 1), shrunk to bert-tiny."""
     configs = Path(__file__).resolve().parent.parent / "configs"
-    small = ["model.name=bert-tiny", "model.max_seq_len=64", "data.vocab_size=512", "data.max_bytes=300000",
-             "train.steps=2", "train.batch_size=4", "train.eval_batches=1", "train.accelerate=false",
-             "train.progress=false", "train.threads=1", "engine.precision=fp32"]
+    small = [
+        "model.name=bert-tiny",
+        "model.max_seq_len=64",
+        "data.vocab_size=512",
+        "data.max_bytes=300000",
+        "train.steps=2",
+        "train.batch_size=4",
+        "train.eval_batches=1",
+        "train.accelerate=false",
+        "train.progress=false",
+        "train.threads=1",
+        "engine.precision=fp32",
+    ]
     one = Config.from_yaml(configs / "bert-pretrain-phase1.yaml").with_overrides(
-        [*small, "data.seq_len=32", f"train.out_dir={tmp_path / 'p1'}"])
+        [*small, "data.seq_len=32", f"train.out_dir={tmp_path / 'p1'}"]
+    )
     assert math.isfinite(Trainer(one).fit()["val_loss"])
     two = Config.from_yaml(configs / "bert-pretrain-phase2.yaml")
     assert two.train.init_from == Config.from_yaml(configs / "bert-pretrain-phase1.yaml").train.out_dir
-    two = two.with_overrides([*small, "data.seq_len=64", f"train.out_dir={tmp_path / 'p2'}",
-                              f"train.init_from={tmp_path / 'p1'}"])
+    two = two.with_overrides(
+        [*small, "data.seq_len=64", f"train.out_dir={tmp_path / 'p2'}", f"train.init_from={tmp_path / 'p1'}"]
+    )
     trainer = Trainer(two)
     assert trainer.init_source == list_checkpoints(tmp_path / "p1")[-1][1]
     assert trainer.fit()["steps"] == 2
@@ -266,8 +319,9 @@ def test_whole_step_graph_matches_eager_and_resumes_exactly(tmp_path):
     common = ("model.dropout=0.0", "train.log_every=1", "train.deterministic=true", "engine.provider=aten")
     eager = Trainer(tiny(tmp_path / "eager", *common))
     eager.fit()
-    whole = Trainer(tiny(tmp_path / "whole", *common, "train.accelerate=true", "train.whole_step=true",
-                         "engine.fallback=error"))
+    whole = Trainer(
+        tiny(tmp_path / "whole", *common, "train.accelerate=true", "train.whole_step=true", "engine.fallback=error")
+    )
     assert isinstance(whole.strategy, WholeStepGraph)
     whole.fit()
     assert _train_losses(tmp_path / "whole") == pytest.approx(_train_losses(tmp_path / "eager"), rel=1e-4)
@@ -281,6 +335,7 @@ def test_whole_step_graph_matches_eager_and_resumes_exactly(tmp_path):
         if index == 4:
             raise KeyboardInterrupt("killed")
         return get_batch(index, batch_size)
+
     crashed.data.train.get_batch = dies_at_step_4
     with pytest.raises(KeyboardInterrupt):
         crashed.fit()
@@ -305,6 +360,7 @@ def test_rank_seeds_differ_per_replica_and_stage_and_agree_across_tp():
     stage 0's hash masks in stage 1's layers); tensor-parallel ranks are seeded alike (the seed does not take the
     tp rank); rank (0, 0) keeps the single-process stream."""
     from graphtrain.trainer.runtime import rank_seed
+
     seeds = {(dp, pp): rank_seed(1337, dp, pp) for dp in range(8) for pp in range(8)}
     assert len(set(seeds.values())) == len(seeds) and seeds[0, 0] == 1337
     with pytest.raises(ValueError, match="stages"):

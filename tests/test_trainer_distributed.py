@@ -5,6 +5,7 @@ Every distributed run is compared step by step with the single-process eager run
 so only the reduction order differs (rel 1e-5); later steps follow AdamW updates of gradients that were
 summed in another order (rel 1e-4, fp32).
 """
+
 from __future__ import annotations
 
 import json
@@ -19,10 +20,21 @@ from graphtrain.trainer import list_checkpoints
 
 pytestmark = pytest.mark.dist
 
-TINY = ["data.max_bytes=300000", "data.vocab_size=512", "data.seq_len=32", "model.name=gpt2-tiny",
-        "model.dropout=0.0",  # dropout masks differ between one process and two ranks
-        "train.steps=3", "train.batch_size=4", "train.eval_every=0", "train.eval_batches=2", "train.log_every=1",
-        "train.sample_tokens=0", "train.progress=false", "train.accelerate=false"]
+TINY = [
+    "data.max_bytes=300000",
+    "data.vocab_size=512",
+    "data.seq_len=32",
+    "model.name=gpt2-tiny",
+    "model.dropout=0.0",  # dropout masks differ between one process and two ranks
+    "train.steps=3",
+    "train.batch_size=4",
+    "train.eval_every=0",
+    "train.eval_batches=2",
+    "train.log_every=1",
+    "train.sample_tokens=0",
+    "train.progress=false",
+    "train.accelerate=false",
+]
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +46,13 @@ def cache(tmp_path_factory):
 def _train(tmp_path, cache, name: str, *extra: str) -> tuple[subprocess.CompletedProcess, list[dict]]:
     env = {**os.environ, "GRAPHTRAIN_CACHE": str(cache), "OMP_NUM_THREADS": "1"}
     out = tmp_path / name
-    proc = subprocess.run([sys.executable, "-m", "graphtrain", "train", *TINY, "--out", str(out), *extra],
-                          capture_output=True, text=True, env=env, timeout=240)
+    proc = subprocess.run(
+        [sys.executable, "-m", "graphtrain", "train", *TINY, "--out", str(out), *extra],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return proc, records
@@ -51,6 +68,7 @@ def single(tmp_path_factory, cache):
         if extra not in runs:
             runs[extra] = _train(tmp_path_factory.mktemp("single"), cache, "single", *extra)
         return runs[extra]
+
     return run
 
 
@@ -98,27 +116,50 @@ def test_nproc_2_data_parallel_with_the_engine_matches_single_eager_process(tmp_
     test_distributed_dp.py)."""
     accum = ("train.grad_accum=2",)
     _, ref = single("train.threads=1", *accum)
-    proc, dist = _train(tmp_path, cache, "dp2", "parallel.dp=2", "train.accelerate=true", "engine.provider=aten",
-                        "engine.fallback=error", *accum, "--nproc", "2")
+    proc, dist = _train(
+        tmp_path,
+        cache,
+        "dp2",
+        "parallel.dp=2",
+        "train.accelerate=true",
+        "engine.provider=aten",
+        "engine.fallback=error",
+        *accum,
+        "--nproc",
+        "2",
+    )
     assert "params; graphtrain engine (provider aten" in proc.stdout, proc.stdout[-2000:]  # the start banner
     # the embeddings, the block (compiled once for both layers), the head and loss
-    assert "graphtrain engine, distributed: 3 graph(s) captured per rank (repeated blocks compiled once: " \
-        "blocks (2 x Block)" in proc.stdout, proc.stdout[-2000:]
+    assert (
+        "graphtrain engine, distributed: 3 graph(s) captured per rank (repeated blocks compiled once: "
+        "blocks (2 x Block)" in proc.stdout
+    ), proc.stdout[-2000:]
     assert "eager fallbacks on 0 of 2 ranks" in proc.stdout
     _assert_same_run(ref, dist)
 
 
 @pytest.mark.parametrize("layout", [("parallel.tp=2",), ("parallel.pp=2", "parallel.microbatches=2")])
-def test_nproc_2_tensor_or_pipeline_parallel_with_the_engine_matches_single_eager_process(tmp_path, cache, single,
-                                                                                         layout):
+def test_nproc_2_tensor_or_pipeline_parallel_with_the_engine_matches_single_eager_process(
+    tmp_path, cache, single, layout
+):
     """tp=2 or pp=2 with train.accelerate on: each rank's module (tensor-parallel model, pipeline stage) runs
     through the graph engine on every rank with no eager fallback, and the losses equal one eager process's."""
     _, ref = single("train.threads=1")
-    proc, dist = _train(tmp_path, cache, "dist", *layout, "train.accelerate=true", "engine.provider=aten",
-                        "engine.fallback=error", "--nproc", "2")
+    proc, dist = _train(
+        tmp_path,
+        cache,
+        "dist",
+        *layout,
+        "train.accelerate=true",
+        "engine.provider=aten",
+        "engine.fallback=error",
+        "--nproc",
+        "2",
+    )
     # tp: embeddings, the block (once for both layers), head and loss; pp: each stage holds one block
-    assert re.search(r"graphtrain engine, distributed: [13] graph\(s\) captured per rank", proc.stdout), \
-        proc.stdout[-2000:]
+    assert re.search(r"graphtrain engine, distributed: [13] graph\(s\) captured per rank", proc.stdout), proc.stdout[
+        -2000:
+    ]
     assert "eager fallbacks on 0 of 2 ranks" in proc.stdout
     _assert_same_run(ref, dist)
 
@@ -128,24 +169,34 @@ def test_nproc_2_pipeline_parallel_matches_single_process(tmp_path, cache):
     pipeline between training steps (the schedule switches eval <-> train), a sharded DCP checkpoint resumed
     for a fifth step, and rank 0's sample (read from that checkpoint) equal to the single process's."""
     pp = ("parallel.pp=2", "parallel.microbatches=4", "train.eval_every=2", "train.grad_accum=2")
-    single_proc, single = _train(tmp_path, cache, "single", "train.threads=1", "train.steps=5", "train.eval_every=2",
-                                 "train.grad_accum=2", "train.sample_tokens=8")
+    single_proc, single = _train(
+        tmp_path,
+        cache,
+        "single",
+        "train.threads=1",
+        "train.steps=5",
+        "train.eval_every=2",
+        "train.grad_accum=2",
+        "train.sample_tokens=8",
+    )
     proc, _ = _train(tmp_path, cache, "pp2", *pp, "train.steps=4", "--nproc", "2")
     assert proc.stdout.count("done: 4 steps") == 1  # only rank 0 prints
     ckpts = list_checkpoints(tmp_path / "pp2")
     assert [s for s, _ in ckpts] == [4] and ckpts[0][1].is_dir()
-    proc, dist = _train(tmp_path, cache, "pp2", *pp, "train.steps=5", "train.sample_tokens=8", "--resume",
-                        "--nproc", "2")
+    proc, dist = _train(
+        tmp_path, cache, "pp2", *pp, "train.steps=5", "train.sample_tokens=8", "--resume", "--nproc", "2"
+    )
     assert "resumed from" in proc.stdout
     _assert_same_run(single, dist)  # steps 1-4 from the first run, 5 after the resume; evals at 2, 4, 5
     assert sorted(_val(dist)) == [2, 4, 5]
-    sample = single_proc.stdout[single_proc.stdout.index("completion of"):]
+    sample = single_proc.stdout[single_proc.stdout.index("completion of") :]
     assert sample in proc.stdout  # same weights on rank 0 after reading the sharded checkpoint
 
 
 @pytest.mark.slow  # 4 ranks on 2 shared cores: ~15 s each plus the reference
-@pytest.mark.parametrize("layout", [("parallel.dp=2", "parallel.tp=2"),
-                                    ("parallel.dp=2", "parallel.pp=2", "parallel.microbatches=2")])
+@pytest.mark.parametrize(
+    "layout", [("parallel.dp=2", "parallel.tp=2"), ("parallel.dp=2", "parallel.pp=2", "parallel.microbatches=2")]
+)
 def test_nproc_4_dp_composed_with_tp_or_pp_matches_single_process(tmp_path, cache, single, layout):
     _, ref = single("train.threads=1")
     proc, dist = _train(tmp_path, cache, "dist", *layout, "--nproc", "4")

@@ -10,6 +10,7 @@ Public API::
     step = graphtrain.compile_step(model, config)   # forward+backward+clip+AdamW compiled; step(**batch)
     graphtrain.Trainer(graphtrain.Config()).fit()   # the trainer behind `graphtrain train`
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -43,13 +44,22 @@ _LAZY = {
     "Trainer": "graphtrain.trainer.trainer",
 }
 
-__all__ = ["Config", "DataConfig", "EngineConfig", "ModelConfig", "OptimConfig", "ParallelConfig", "TrainConfig",
-           *_LAZY]
+__all__ = [
+    "Config",
+    "DataConfig",
+    "EngineConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "ParallelConfig",
+    "TrainConfig",
+    *_LAZY,
+]
 
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
         import importlib
+
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'graphtrain' has no attribute {name!r}")
 
@@ -63,11 +73,15 @@ def _register_backend() -> None:
     checkout used without installing it (PYTHONPATH) has no entry point: then, or when Dynamo is loaded already,
     the backend is registered directly."""
     import sys
+
     if "torch._dynamo" not in sys.modules:
         from importlib import metadata
+
         try:
-            if any(ep.name == "graphtrain" and ep.group == "torch_dynamo_backends"
-                   for ep in metadata.distribution("graphtrain").entry_points):
+            if any(
+                ep.name == "graphtrain" and ep.group == "torch_dynamo_backends"
+                for ep in metadata.distribution("graphtrain").entry_points
+            ):
                 return
         except metadata.PackageNotFoundError:
             pass

@@ -14,6 +14,7 @@ verifies when its digest is any of them.
 Standard library only (hashlib): the trainer's single-file checkpoints and the distributed layer's
 sharded folders share it, so it lives at the bottom of the layers.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -23,8 +24,8 @@ import re
 import tempfile
 from pathlib import Path
 
-SUMS_NAME = "SHA256SUMS"      # inside a sharded checkpoint folder
-SIDECAR_SUFFIX = ".sha256"    # beside a checkpoint file
+SUMS_NAME = "SHA256SUMS"  # inside a sharded checkpoint folder
+SIDECAR_SUFFIX = ".sha256"  # beside a checkpoint file
 _LINE = re.compile(r"^([0-9a-f]{64}) [ *](.+)$")
 
 # Inside `digests_reused()`: (device, inode, size, mtime in ns) -> digest. Off elsewhere: an mtime has the
@@ -124,8 +125,11 @@ def verify_sums(path: str | os.PathLike, base: str | os.PathLike) -> list[str]:
         got = sha256_file(file)
         if got not in digests:
             want = " or ".join(d[:16] for d in sorted(digests))
-            raise ChecksumMismatch(file, f"{name} has SHA-256 {got[:16]}..., {path.name} records {want}... "
-                                         f"(the file was truncated or changed after it was written)")
+            raise ChecksumMismatch(
+                file,
+                f"{name} has SHA-256 {got[:16]}..., {path.name} records {want}... "
+                f"(the file was truncated or changed after it was written)",
+            )
     return list(sums)
 
 
@@ -138,13 +142,19 @@ def verify_file(sums_path: str | os.PathLike, file: str | os.PathLike) -> None:
     digests = {d for name, ds in sums.items() if Path(name) == Path(file.name) for d in ds}
     if not digests:
         named = ", ".join(sorted(sums))
-        raise ChecksumMismatch(file, f"its checksum file {sums_path.name} describes {named}, not {file.name} (copied "
-                                     f"from another checkpoint?), so it proves nothing about this file")
+        raise ChecksumMismatch(
+            file,
+            f"its checksum file {sums_path.name} describes {named}, not {file.name} (copied "
+            f"from another checkpoint?), so it proves nothing about this file",
+        )
     got = sha256_file(file)
     if got not in digests:
         want = " or ".join(d[:16] for d in sorted(digests))
-        raise ChecksumMismatch(file, f"{file.name} has SHA-256 {got[:16]}..., {sums_path.name} records {want}... "
-                                     f"(the file was truncated or changed after it was written)")
+        raise ChecksumMismatch(
+            file,
+            f"{file.name} has SHA-256 {got[:16]}..., {sums_path.name} records {want}... "
+            f"(the file was truncated or changed after it was written)",
+        )
 
 
 def fsync_dir(folder: str | os.PathLike) -> None:

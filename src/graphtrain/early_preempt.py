@@ -7,6 +7,7 @@ this from its first line until `fit()` begins; a `Trainer` built from Python hol
 
 Kept free of torch: the command line installs it before importing the trainer.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -18,9 +19,11 @@ from collections.abc import Iterator
 from typing import Any
 
 EXIT_PREEMPTED = 75
-MESSAGE = ("preempted: SIGTERM before the first step (while the data and model were prepared): nothing was lost, "
-           "no step had run and no checkpoint was written or changed; run the same command again (--resume auto "
-           "continues a run that has checkpoints)")
+MESSAGE = (
+    "preempted: SIGTERM before the first step (while the data and model were prepared): nothing was lost, "
+    "no step had run and no checkpoint was written or changed; run the same command again (--resume auto "
+    "continues a run that has checkpoints)"
+)
 
 
 class PreemptedBeforeStart(SystemExit):

@@ -2,6 +2,7 @@
 
 Tolerances are per dtype. Loosening one for a test needs a comment there saying why.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -18,8 +19,15 @@ TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
 }
 
 
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, *, name: str = "tensor", bitwise: bool = False,
-                 rtol: float | None = None, atol: float | None = None) -> None:
+def assert_close(
+    actual: torch.Tensor,
+    expected: torch.Tensor,
+    *,
+    name: str = "tensor",
+    bitwise: bool = False,
+    rtol: float | None = None,
+    atol: float | None = None,
+) -> None:
     """Assert two tensors match: bitwise, or within the dtype's tolerance (overridable per call)."""
     if actual.shape != expected.shape:
         raise AssertionError(f"{name}: shape {tuple(actual.shape)} != expected {tuple(expected.shape)}")
@@ -31,8 +39,13 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, *, name: str = "t
             raise AssertionError(f"{name}: not bitwise equal (max abs diff {diff:.3e})")
         return
     r, a = TOLERANCES.get(expected.dtype, (0.0, 0.0))
-    torch.testing.assert_close(actual, expected, rtol=r if rtol is None else rtol, atol=a if atol is None else atol,
-                               msg=lambda m: f"{name}: {m}")
+    torch.testing.assert_close(
+        actual,
+        expected,
+        rtol=r if rtol is None else rtol,
+        atol=a if atol is None else atol,
+        msg=lambda m: f"{name}: {m}",
+    )
 
 
 def grads_of(module: torch.nn.Module) -> dict[str, torch.Tensor | None]:
@@ -50,8 +63,9 @@ def assert_grads_close(actual: torch.nn.Module, expected: torch.nn.Module, **kw:
         assert_close(ga[n], ge[n], name=f"grad of {n}", **kw)
 
 
-def run_step(module: torch.nn.Module, inputs: tuple, loss_fn: Callable[[Any], torch.Tensor] | None = None,
-             seed: int = 0) -> torch.Tensor:
+def run_step(
+    module: torch.nn.Module, inputs: tuple, loss_fn: Callable[[Any], torch.Tensor] | None = None, seed: int = 0
+) -> torch.Tensor:
     """Forward (with a fixed RNG seed), loss, backward; returns the loss. Zeroes grads first."""
     module.zero_grad(set_to_none=True)
     torch.manual_seed(seed)

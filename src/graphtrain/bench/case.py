@@ -11,6 +11,7 @@ in JSON lines: ``setup``, then ``steps N`` as often as it likes (that is how var
 then ``finish``. Replies go through a private copy of stdout; the real stdout is pointed at stderr
 so library prints cannot corrupt the channel.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -36,8 +37,10 @@ from graphtrain.tools.report import report
 SEED = 1337
 MLM_PROBABILITY = 0.15
 # Hugging Face configs for the `hf-*` cases: the shapes of MEASURED.md's mini and small models.
-HF_SIZES = {"mini": dict(layers=4, hidden=256, heads=4, vocab=8192),
-            "small": dict(layers=6, hidden=512, heads=8, vocab=16384)}
+HF_SIZES = {
+    "mini": dict(layers=4, hidden=256, heads=4, vocab=8192),
+    "small": dict(layers=6, hidden=512, heads=8, vocab=16384),
+}
 REPLY = "@@bench "
 
 
@@ -100,22 +103,44 @@ def _build_hf(case: Case) -> tuple[torch.nn.Module, int]:
         raise Skip(f"transformers is not installed ({e}); pip install 'graphtrain[hf]'") from None
     common = dict(attn_implementation="sdpa", bos_token_id=0, eos_token_id=0, pad_token_id=0)
     if family == "gpt2":
-        cfg = transformers.GPT2Config(vocab_size=dims["vocab"], n_positions=max(512, case.seq), n_embd=dims["hidden"],
-                                      n_layer=dims["layers"], n_head=dims["heads"], resid_pdrop=0.1, embd_pdrop=0.1,
-                                      attn_pdrop=0.1, **common)
+        cfg = transformers.GPT2Config(
+            vocab_size=dims["vocab"],
+            n_positions=max(512, case.seq),
+            n_embd=dims["hidden"],
+            n_layer=dims["layers"],
+            n_head=dims["heads"],
+            resid_pdrop=0.1,
+            embd_pdrop=0.1,
+            attn_pdrop=0.1,
+            **common,
+        )
         return transformers.GPT2LMHeadModel(cfg), dims["vocab"]
     if family == "bert":
-        cfg = transformers.BertConfig(vocab_size=dims["vocab"], hidden_size=dims["hidden"],
-                                      num_hidden_layers=dims["layers"], num_attention_heads=dims["heads"],
-                                      intermediate_size=4 * dims["hidden"], max_position_embeddings=max(512, case.seq),
-                                      hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1, **common)
+        cfg = transformers.BertConfig(
+            vocab_size=dims["vocab"],
+            hidden_size=dims["hidden"],
+            num_hidden_layers=dims["layers"],
+            num_attention_heads=dims["heads"],
+            intermediate_size=4 * dims["hidden"],
+            max_position_embeddings=max(512, case.seq),
+            hidden_dropout_prob=0.1,
+            attention_probs_dropout_prob=0.1,
+            **common,
+        )
         return transformers.BertForMaskedLM(cfg), dims["vocab"]
     if family == "llama":  # a Llama-family decoder: RMSNorm, rotary positions, SwiGLU, grouped-query attention
-        cfg = transformers.LlamaConfig(vocab_size=dims["vocab"], hidden_size=dims["hidden"],
-                                       intermediate_size=int(2.75 * dims["hidden"]), num_hidden_layers=dims["layers"],
-                                       num_attention_heads=dims["heads"], num_key_value_heads=dims["heads"] // 2,
-                                       max_position_embeddings=max(512, case.seq), attention_dropout=0.0,
-                                       use_cache=False, **common)
+        cfg = transformers.LlamaConfig(
+            vocab_size=dims["vocab"],
+            hidden_size=dims["hidden"],
+            intermediate_size=int(2.75 * dims["hidden"]),
+            num_hidden_layers=dims["layers"],
+            num_attention_heads=dims["heads"],
+            num_key_value_heads=dims["heads"] // 2,
+            max_position_embeddings=max(512, case.seq),
+            attention_dropout=0.0,
+            use_cache=False,
+            **common,
+        )
         return transformers.LlamaForCausalLM(cfg), dims["vocab"]
     raise ValueError(f"hf case {case.model!r}: family must be gpt2, bert or llama")
 
@@ -171,8 +196,10 @@ def executed_flops(case: Case, work: Workload, info: dict[str, Any]) -> dict[str
     rows = case.batch * case.seq
     run = labelled_rows(case, work.batch, work.hf)
     head = info["vocab"] * info["d_model"]
-    return {"executed_flops_per_step": dense - 6 * head * (rows - run),
-            "flops_shortcut": f"sparse LM head: {run} of {rows} rows"}
+    return {
+        "executed_flops_per_step": dense - 6 * head * (rows - run),
+        "flops_shortcut": f"sparse LM head: {run} of {rows} rows",
+    }
 
 
 def wrap_model(model: torch.nn.Module, variant: Variant) -> torch.nn.Module:
@@ -220,8 +247,14 @@ def make_optimizer(model: torch.nn.Module, variant: Variant | None = None) -> to
     loop = variant is not None and variant.optimizer == "loop"
     if variant is not None and variant.mode in ("graphtrain", "graphtrain-step") and not loop:
         return build_optimizer(model, cfg)
-    return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
-                             foreach=False if loop else None, fused=None if loop else True)
+    return torch.optim.AdamW(
+        param_groups(model, cfg.weight_decay),
+        lr=cfg.lr,
+        betas=cfg.betas,
+        eps=cfg.eps,
+        foreach=False if loop else None,
+        fused=None if loop else True,
+    )
 
 
 def build_workload(case: Case, variant: Variant, device: str = "cpu") -> tuple[Workload, dict[str, Any]]:
@@ -235,8 +268,14 @@ def build_workload(case: Case, variant: Variant, device: str = "cpu") -> tuple[W
     model, vocab, hf = build_model(case)
     model.to(dev).train()
     n_layer, d_model = flops.model_dims(model)
-    info = {"params": sum(p.numel() for p in model.parameters()), "matmul_params": flops.matmul_params(model),
-            "n_layer": n_layer, "d_model": d_model, "hf": hf, "vocab": vocab}
+    info = {
+        "params": sum(p.numel() for p in model.parameters()),
+        "matmul_params": flops.matmul_params(model),
+        "n_layer": n_layer,
+        "d_model": d_model,
+        "hf": hf,
+        "vocab": vocab,
+    }
     batch = make_batch(case, vocab, hf, dev)
     wrapped = wrap_model(model, variant)
     optimizer = make_optimizer(model, variant)
@@ -249,6 +288,7 @@ def build_workload(case: Case, variant: Variant, device: str = "cpu") -> tuple[W
 
 
 # ------------------------------------------------------------------------------- memory ----
+
 
 def _proc_status_kib(field: str) -> int | None:
     try:
@@ -264,10 +304,11 @@ def _proc_status_kib(field: str) -> int | None:
 def peak_memory_mib(device: torch.device) -> float:
     """Peak memory so far: CUDA max allocated, else this process's peak RSS (VmHWM)."""
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2 ** 20
+        return torch.cuda.max_memory_allocated(device) / 2**20
     kib = _proc_status_kib("VmHWM")
     if kib is None:  # not Linux: ru_maxrss is KiB on Linux, bytes on macOS
         import resource
+
         r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         kib = r // 1024 if sys.platform == "darwin" else r
     return kib / 1024
@@ -277,13 +318,14 @@ def children_peak_mib() -> float:
     """The largest peak RSS of this process's finished children (the background compile, Inductor's compile
     workers): what a whole-process peak adds to the worker's own. Linux reports KiB."""
     import resource
+
     r = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    return (r / 2 ** 20 if sys.platform == "darwin" else r / 1024)
+    return r / 2**20 if sys.platform == "darwin" else r / 1024
 
 
 def current_memory_mib(device: torch.device) -> float:
     if device.type == "cuda":
-        return torch.cuda.memory_allocated(device) / 2 ** 20
+        return torch.cuda.memory_allocated(device) / 2**20
     return (_proc_status_kib("VmRSS") or 0) / 1024
 
 
@@ -301,6 +343,7 @@ def reset_peak_memory(device: torch.device) -> bool:
 
 
 # ------------------------------------------------------------------------------- worker ----
+
 
 class Worker:
     """Serves the runner's commands for one (case, variant) inside this process."""
@@ -323,6 +366,7 @@ class Worker:
         # the same process environment for every variant of a run (runner decides): what graphtrain sets itself
         # (runtime/allocator.py allocator_mode), release under its recompute variants, keep otherwise
         from graphtrain.runtime.allocator import set_cpu_allocator
+
         set_cpu_allocator("release" if self.pin_mmap else "keep")
         t0 = time.perf_counter()
         self.work, info = build_workload(self.case, self.variant, str(self.device))
@@ -342,8 +386,9 @@ class Worker:
         info["time_to_full_speed_s"] = time.perf_counter() - t0
         info.update(executed_flops(self.case, self.work, info))
         info["threads"] = torch.get_num_threads()
-        info["optimizer"] = ("AdamW in the step graph" if self.work.step_graph is not None
-                             else type(self.work.optimizer).__name__)
+        info["optimizer"] = (
+            "AdamW in the step graph" if self.work.step_graph is not None else type(self.work.optimizer).__name__
+        )
         return info
 
     def _run(self, n: int) -> float:
@@ -371,8 +416,13 @@ class Worker:
 
     def finish(self) -> dict[str, Any]:
         now = peak_memory_mib(self.device)
-        return {"peak_mem_mib": max(now, self.peak_before_reset), "step_peak_mem_mib": now if self.was_reset else None,
-                "children_peak_mem_mib": children_peak_mib(), "steps_done": self.steps_done, "final_loss": self.loss}
+        return {
+            "peak_mem_mib": max(now, self.peak_before_reset),
+            "step_peak_mem_mib": now if self.was_reset else None,
+            "children_peak_mem_mib": children_peak_mib(),
+            "steps_done": self.steps_done,
+            "final_loss": self.loss,
+        }
 
 
 def serve(case: Case, variant: Variant, device: str, stdin: Any, channel: Any, pin_mmap: bool = False) -> None:
@@ -395,6 +445,7 @@ def serve(case: Case, variant: Variant, device: str, stdin: Any, channel: Any, p
             reply = {"ok": False, "skipped": str(e)}
         except Exception as e:  # noqa: BLE001 - reported to the runner, which records it per variant
             import traceback
+
             traceback.print_exc()
             reply = {"ok": False, "error": f"{type(e).__name__}: {e}"}
         channel.write(REPLY + json.dumps(reply) + "\n")
@@ -409,8 +460,7 @@ def main(argv: list[str] | None = None) -> int:
     case = Case(**spec["case"])
     channel = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # stray prints from libraries go to the worker's log, not the reply channel
-    serve(case, VARIANTS[spec["variant"]], spec.get("device", "cpu"), sys.stdin, channel,
-          bool(spec.get("pin_mmap")))
+    serve(case, VARIANTS[spec["variant"]], spec.get("device", "cpu"), sys.stdin, channel, bool(spec.get("pin_mmap")))
     return 0
 
 

@@ -1,8 +1,9 @@
 """The `graphtrain bench` subcommand: `add_arguments(parser)` and `run(args) -> int`.
 
-    graphtrain bench SUITE [--out DIR] [--variants ...] [--steps N] [--repeats R] [--cap-gib G]
-                           [--device cpu|cuda] [--cases PATTERN ...] [--maxbatch] [--docs PATH]
+graphtrain bench SUITE [--out DIR] [--variants ...] [--steps N] [--repeats R] [--cap-gib G]
+                       [--device cpu|cuda] [--cases PATTERN ...] [--maxbatch] [--docs PATH]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -16,36 +17,69 @@ from graphtrain.bench.suites import DEFAULT_VARIANTS, SUITES, VARIANTS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("suite", nargs="?", choices=list(SUITES),
-                        help="; ".join(f"{s.name}: {s.doc}" for s in SUITES.values()))
-    parser.add_argument("--out", default="bench_results", metavar="DIR",
-                        help="results folder: <suite>-<time>.json/.md, <suite>-latest.md, results.jsonl, logs/")
-    parser.add_argument("--variants", nargs="+", metavar="NAME", choices=list(VARIANTS),
-                        help=f"variants to compare (default: the suite's; for most {' '.join(DEFAULT_VARIANTS)}); "
-                             + "; ".join(f"{v.name}: {v.doc}" for v in VARIANTS.values()))
-    parser.add_argument("--cases", nargs="+", metavar="PATTERN",
-                        help="only cases whose name contains one of these or matches it as a glob, e.g. gpt2-small, "
-                             "'b8 s128' or 'hf-llama-*'")
+    parser.add_argument(
+        "suite", nargs="?", choices=list(SUITES), help="; ".join(f"{s.name}: {s.doc}" for s in SUITES.values())
+    )
+    parser.add_argument(
+        "--out",
+        default="bench_results",
+        metavar="DIR",
+        help="results folder: <suite>-<time>.json/.md, <suite>-latest.md, results.jsonl, logs/",
+    )
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        metavar="NAME",
+        choices=list(VARIANTS),
+        help=f"variants to compare (default: the suite's; for most {' '.join(DEFAULT_VARIANTS)}); "
+        + "; ".join(f"{v.name}: {v.doc}" for v in VARIANTS.values()),
+    )
+    parser.add_argument(
+        "--cases",
+        nargs="+",
+        metavar="PATTERN",
+        help="only cases whose name contains one of these or matches it as a glob, e.g. gpt2-small, "
+        "'b8 s128' or 'hf-llama-*'",
+    )
     parser.add_argument("--steps", type=int, help="steps per timed block (default: the suite's)")
-    parser.add_argument("--repeats", type=int, help="interleaved rounds, one block per variant each (default: the suite's)")
+    parser.add_argument(
+        "--repeats", type=int, help="interleaved rounds, one block per variant each (default: the suite's)"
+    )
     parser.add_argument("--warmup", type=int, help="untimed steps after the first step (default: the suite's)")
     parser.add_argument("--cap-gib", type=float, help="memory cap for the largest-batch search (default: the suite's)")
-    parser.add_argument("--alone", action="store_true",
-                        help="one variant's process at a time, alone on the machine, its rounds back to back (the "
-                             "default interleaves rounds across variants whose processes stay alive together)")
+    parser.add_argument(
+        "--alone",
+        action="store_true",
+        help="one variant's process at a time, alone on the machine, its rounds back to back (the "
+        "default interleaves rounds across variants whose processes stay alive together)",
+    )
     mb = parser.add_mutually_exclusive_group()
-    mb.add_argument("--maxbatch", dest="maxbatch", action="store_true", default=None,
-                    help="search the largest batch under --cap-gib for every case (suite `seed` does by default)")
+    mb.add_argument(
+        "--maxbatch",
+        dest="maxbatch",
+        action="store_true",
+        default=None,
+        help="search the largest batch under --cap-gib for every case (suite `seed` does by default)",
+    )
     mb.add_argument("--no-maxbatch", dest="maxbatch", action="store_false", help="skip the largest-batch search")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where to run the steps")
-    parser.add_argument("--docs", metavar="PATH",
-                        help="afterwards, regenerate this page (e.g. docs/design/benchmarks.md) from the latest run of each "
-                             "suite in --out; with no SUITE, only regenerate it")
-    parser.add_argument("--partial", action="store_true",
-                        help="with --docs: also use an interrupted run's cases (<suite>-<time>.partial.json)")
-    parser.add_argument("--allow-slow-bf16", action="store_true",
-                        help="run bf16 variants on a CPU without native bf16 too (emulated: ~30x slower than fp32 on "
-                             "an AVX2 EPYC; skipped by default with the reason)")
+    parser.add_argument(
+        "--docs",
+        metavar="PATH",
+        help="afterwards, regenerate this page (e.g. docs/design/benchmarks.md) from the latest run of each "
+        "suite in --out; with no SUITE, only regenerate it",
+    )
+    parser.add_argument(
+        "--partial",
+        action="store_true",
+        help="with --docs: also use an interrupted run's cases (<suite>-<time>.partial.json)",
+    )
+    parser.add_argument(
+        "--allow-slow-bf16",
+        action="store_true",
+        help="run bf16 variants on a CPU without native bf16 too (emulated: ~30x slower than fp32 on "
+        "an AVX2 EPYC; skipped by default with the reason)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--list", action="store_true", help="list suites, cases and variants, then exit")
 
@@ -75,14 +109,23 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.device == "cuda":
         import torch
+
         if not torch.cuda.is_available():
-            print("graphtrain bench: --device cuda, but torch.cuda.is_available() is False; install a CUDA build "
-                  "of torch or use --device cpu", file=sys.stderr)
+            print(
+                "graphtrain bench: --device cuda, but torch.cuda.is_available() is False; install a CUDA build "
+                "of torch or use --device cpu",
+                file=sys.stderr,
+            )
             return 2
     try:
-        suite = suites.with_overrides(suites.get_suite(args.suite), steps=args.steps, repeats=args.repeats,
-                                      warmup=args.warmup, cap_gib=args.cap_gib,
-                                      max_workers=1 if args.alone else None)
+        suite = suites.with_overrides(
+            suites.get_suite(args.suite),
+            steps=args.steps,
+            repeats=args.repeats,
+            warmup=args.warmup,
+            cap_gib=args.cap_gib,
+            max_workers=1 if args.alone else None,
+        )
         variants = suites.resolve_variants(args.variants, suite)
         cases = suites.select_cases(suite, args.cases)
     except ValueError as e:
@@ -92,10 +135,18 @@ def run(args: argparse.Namespace) -> int:
     argv = list(getattr(args, "argv", None) or sys.argv[1:])
     argv = argv[1:] if argv[:1] == ["bench"] else argv  # as a subcommand of `graphtrain`
     command = "graphtrain bench " + " ".join(shlex.quote(a) for a in argv)
-    result = runner.run_suite(suite, variants, cases, device=args.device, out_dir=out, maxbatch=args.maxbatch,
-                              progress=not args.no_progress, command=command,
-                              on_case=lambda partial: report.save_partial(partial, out),
-                              allow_slow_bf16=args.allow_slow_bf16)
+    result = runner.run_suite(
+        suite,
+        variants,
+        cases,
+        device=args.device,
+        out_dir=out,
+        maxbatch=args.maxbatch,
+        progress=not args.no_progress,
+        command=command,
+        on_case=lambda partial: report.save_partial(partial, out),
+        allow_slow_bf16=args.allow_slow_bf16,
+    )
     paths = report.save(result, out)
     print(report.terminal_table(result))
     print(f"results: {paths['json']}\nreport:  {paths['md']}\nlogs:    {result['log_dir']}")

@@ -19,6 +19,7 @@ precision, provider and recompute: the first pass, fused op or provider out of t
 ``accelerate`` in this process: a cell that fails only through another entry point is bisected as accelerate runs
 it, and a crash inside bisect ends it (its configurations are not isolated).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,7 +47,9 @@ def _cells():
     """bench/conformance_cells.py, imported on first use: it imports torch and transformers (seconds), and every
     `graphtrain` command, `--help` too, builds this verb's parser."""
     from graphtrain.bench import conformance_cells
+
     return conformance_cells
+
 
 DEFAULT_COLS = "*/fp32/aten"
 MARK = "conformance-result: "
@@ -54,6 +57,7 @@ SHORT = {"pass": "pass", "fallback": "fallback", "fail": "FAIL", "n/a": "n/a"}
 
 
 # ------------------------------------------------------------------------------------------ selection ----
+
 
 def _matches(pattern: str, names: list[str], what: str) -> list[str]:
     hits = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
@@ -92,6 +96,7 @@ def select(rows: str | None, cols: str | None) -> tuple[list[str], list[Column]]
 
 # ------------------------------------------------------------------------------------------- running ----
 
+
 def run_isolated(row: str, col: Column, steps: int, timeout: float) -> Result:
     """The cell in a child process: its result, or a failed cell naming the signal, exit status or timeout."""
     cmd = [sys.executable, "-m", "graphtrain.bench.conformance", "--cell", f"{row}:{col.name}", "--steps", str(steps)]
@@ -100,11 +105,16 @@ def run_isolated(row: str, col: Column, steps: int, timeout: float) -> Result:
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
-        return _cells().Result(row, col.name, "fail", f"timeout: no result after {timeout:.0f} s (child killed)",
-                      seconds=time.perf_counter() - t0)
+        return _cells().Result(
+            row,
+            col.name,
+            "fail",
+            f"timeout: no result after {timeout:.0f} s (child killed)",
+            seconds=time.perf_counter() - t0,
+        )
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith(MARK):
-            return _cells().Result.from_json(line[len(MARK):])
+            return _cells().Result.from_json(line[len(MARK) :])
     if proc.returncode < 0:
         try:
             name = signal.Signals(-proc.returncode).name
@@ -114,12 +124,24 @@ def run_isolated(row: str, col: Column, steps: int, timeout: float) -> Result:
     else:
         why = f"child exited with status {proc.returncode} without a result"
     tail = [ln for ln in proc.stderr.splitlines() if ln.strip()][-1:]
-    return _cells().Result(row, col.name, "fail", why + (f" (last stderr line: {tail[0][:200]})" if tail else ""),
-                  seconds=time.perf_counter() - t0)
+    return _cells().Result(
+        row,
+        col.name,
+        "fail",
+        why + (f" (last stderr line: {tail[0][:200]})" if tail else ""),
+        seconds=time.perf_counter() - t0,
+    )
 
 
-def run_matrix(rows: list[str], cols: list[Column], *, steps: int = DEFAULT_STEPS, isolate: bool = False,
-               timeout: float = 900.0, progress: bool = True) -> list[Result]:
+def run_matrix(
+    rows: list[str],
+    cols: list[Column],
+    *,
+    steps: int = DEFAULT_STEPS,
+    isolate: bool = False,
+    timeout: float = 900.0,
+    progress: bool = True,
+) -> list[Result]:
     results = []
     for r in rows:
         for c in cols:
@@ -127,12 +149,16 @@ def run_matrix(rows: list[str], cols: list[Column], *, steps: int = DEFAULT_STEP
             results.append(res)
             if progress:
                 diff = "" if res.max_loss_diff is None else f"loss diff {res.max_loss_diff:.1e}  "
-                print(f"  {r:<12} {c.name:<36} {res.status:<8} {res.seconds:6.1f} s  {diff}{res.reason[:90]}",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"  {r:<12} {c.name:<36} {res.status:<8} {res.seconds:6.1f} s  {diff}{res.reason[:90]}",
+                    file=sys.stderr,
+                    flush=True,
+                )
     return results
 
 
 # ------------------------------------------------------------------------------------------ printing ----
+
 
 def table(results: list[Result], rows: list[str], cols: list[Column], markdown: bool = False) -> str:
     """The grid (rows x columns) of verdicts, then each failure's and fallback's reason, then the counts."""
@@ -147,10 +173,13 @@ def table(results: list[Result], rows: list[str], cols: list[Column], markdown: 
         if markdown and res.status in ("pass", "fallback") and res.fused_ops is not None:
             text += f" ({res.fused_ops} fused, {res.providers})"
         if res.status in ("fail", "fallback"):
-            notes.append(f"[{len(notes) + 1}] {r} x {c.name}: {res.status}: "
-                         + "; ".join([res.reason] + [f for f in res.fallbacks if f != res.reason]))
+            notes.append(
+                f"[{len(notes) + 1}] {r} x {c.name}: {res.status}: "
+                + "; ".join([res.reason] + [f for f in res.fallbacks if f != res.reason])
+            )
             text += f" [{len(notes)}]"
         return text
+
     grid = [[r] + [cell(r, c) for c in cols] for r in rows]
     head = ["row"] + [c.name for c in cols]
     if markdown:
@@ -161,10 +190,13 @@ def table(results: list[Result], rows: list[str], cols: list[Column], markdown: 
         lines = ["  ".join(x.ljust(w) for x, w in zip(line, widths)).rstrip() for line in [head, *grid]]
     counts = {s: sum(r.status == s for r in results) for s in SHORT}
     ran = [r for r in results if r.status in ("pass", "fallback")]
-    lines += ["", f"{len(results)} cells: " + ", ".join(f"{n} {s}" for s, n in counts.items()),
-              f"of the {len(ran)} that ran within tolerance, {sum(bool(r.fused_ops) for r in ran)} ran graphtrain's "
-              f"fused ops (the count in a cell: ops the passes put into its graphs, per graph)",
-              f"time: {sum(r.seconds for r in results):.0f} s"]
+    lines += [
+        "",
+        f"{len(results)} cells: " + ", ".join(f"{n} {s}" for s, n in counts.items()),
+        f"of the {len(ran)} that ran within tolerance, {sum(bool(r.fused_ops) for r in ran)} ran graphtrain's "
+        f"fused ops (the count in a cell: ops the passes put into its graphs, per graph)",
+        f"time: {sum(r.seconds for r in results):.0f} s",
+    ]
     if notes:
         lines += [""] + [("- " if markdown else "") + n for n in notes]
     return "\n".join(lines)
@@ -173,16 +205,24 @@ def table(results: list[Result], rows: list[str], cols: list[Column], markdown: 
 def machine() -> dict[str, str]:
     """The commit, CPU, the ISA torch dispatches to (and the simulation variables when set), torch's version."""
     import torch
+
     cpu = platform.processor() or platform.machine()
     try:
-        cpu = next(ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                   if ln.startswith("model name"))
+        cpu = next(
+            ln.split(":", 1)[1].strip()
+            for ln in Path("/proc/cpuinfo").read_text().splitlines()
+            if ln.startswith("model name")
+        )
     except (OSError, StopIteration):
         pass
     try:
         where = Path(__file__).parent
-        commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True,
-                                cwd=where, timeout=10).stdout.strip() or "unknown"
+        commit = (
+            subprocess.run(
+                ["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True, cwd=where, timeout=10
+            ).stdout.strip()
+            or "unknown"
+        )
         if subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "."], cwd=where.parent, timeout=10).returncode:
             commit += " (the package had uncommitted changes)"
     except (OSError, subprocess.SubprocessError):
@@ -191,37 +231,64 @@ def machine() -> dict[str, str]:
     sim = [f"{k}={os.environ[k]}" for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA") if os.environ.get(k)]
     try:
         import transformers
+
         tf = transformers.__version__
     except ImportError:
         tf = "not installed"
-    return {"commit": commit, "cpu": f"{cpu}, {os.cpu_count()} cores", "isa": isa + (
-        f" (simulated: {', '.join(sim)})" if sim else ""), "torch": torch.__version__, "transformers": tf}
+    return {
+        "commit": commit,
+        "cpu": f"{cpu}, {os.cpu_count()} cores",
+        "isa": isa + (f" (simulated: {', '.join(sim)})" if sim else ""),
+        "torch": torch.__version__,
+        "transformers": tf,
+    }
 
 
 def markdown(results: list[Result], rows: list[str], cols: list[Column], command: str) -> str:
     m = machine()
-    head = ["# Conformance matrix", "",
-            f"Generated by `{command}` ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}); regenerate it with the "
-            f"same command. What a cell runs and compares: `src/graphtrain/bench/conformance_cells.py`.", "",
-            f"- commit: {m['commit']}", f"- machine: {m['cpu']}; torch CPU capability {m['isa']}",
-            f"- torch {m['torch']}, transformers {m['transformers']}", "",
-            "Rows: " + "; ".join(f"`{r}` {_cells().ROWS[r].what}" for r in rows) + ".", "", ""]
+    head = [
+        "# Conformance matrix",
+        "",
+        f"Generated by `{command}` ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}); regenerate it with the "
+        f"same command. What a cell runs and compares: `src/graphtrain/bench/conformance_cells.py`.",
+        "",
+        f"- commit: {m['commit']}",
+        f"- machine: {m['cpu']}; torch CPU capability {m['isa']}",
+        f"- torch {m['torch']}, transformers {m['transformers']}",
+        "",
+        "Rows: " + "; ".join(f"`{r}` {_cells().ROWS[r].what}" for r in rows) + ".",
+        "",
+        "",
+    ]
     return "\n".join(head) + table(results, rows, cols, markdown=True) + "\n"
 
 
 # ------------------------------------------------------------------------------------------- the CLI ----
 
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--rows", metavar="NAMES", help="comma-separated rows or shell patterns (default: all; "
-                   "see --list)")
-    p.add_argument("--cols", metavar="NAMES", help=f"comma-separated columns ENTRY/PRECISION/PROVIDER[/recompute]"
-                   f"[/frozen-emb] or patterns, `all` for the whole matrix (default: {DEFAULT_COLS!r})")
-    p.add_argument("--steps", type=int, default=DEFAULT_STEPS,
-                   help=f"training steps per cell (default {DEFAULT_STEPS})")
-    p.add_argument("--isolate", action="store_true", help="run each cell in a child process: a crash is a failed "
-                   "cell named by its signal")
-    p.add_argument("--timeout", type=float, default=900.0, metavar="S",
-                   help="--isolate: seconds a cell may take before it is killed and failed (default 900)")
+    p.add_argument("--rows", metavar="NAMES", help="comma-separated rows or shell patterns (default: all; see --list)")
+    p.add_argument(
+        "--cols",
+        metavar="NAMES",
+        help=f"comma-separated columns ENTRY/PRECISION/PROVIDER[/recompute]"
+        f"[/frozen-emb] or patterns, `all` for the whole matrix (default: {DEFAULT_COLS!r})",
+    )
+    p.add_argument(
+        "--steps", type=int, default=DEFAULT_STEPS, help=f"training steps per cell (default {DEFAULT_STEPS})"
+    )
+    p.add_argument(
+        "--isolate",
+        action="store_true",
+        help="run each cell in a child process: a crash is a failed cell named by its signal",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=900.0,
+        metavar="S",
+        help="--isolate: seconds a cell may take before it is killed and failed (default 900)",
+    )
     p.add_argument("--markdown", metavar="FILE", help="also write the table, with the commit and machine, to FILE")
     p.add_argument("--list", action="store_true", help="list the rows and columns and exit")
     p.add_argument("--bisect", metavar="ROW:COLUMN", help="run graphtrain.bisect on that cell's model instead")
@@ -252,8 +319,12 @@ def run(args: argparse.Namespace) -> int:
     if args.markdown:
         Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("GRAPHTRAIN_BACKGROUND_AT_EXIT", "stop")  # many short jobs: no compile outlives one
-    print(f"conformance: {len(rows)} rows x {len(cols)} columns, {args.steps} steps per cell"
-          f"{', each in a child process' if args.isolate else ''}", file=sys.stderr, flush=True)
+    print(
+        f"conformance: {len(rows)} rows x {len(cols)} columns, {args.steps} steps per cell"
+        f"{', each in a child process' if args.isolate else ''}",
+        file=sys.stderr,
+        flush=True,
+    )
     results = run_matrix(rows, cols, steps=args.steps, isolate=args.isolate, timeout=args.timeout)
     print(table(results, rows, cols))
     if args.markdown:
@@ -272,12 +343,20 @@ def _bisect(row: str, col: Column, steps: int) -> int:
         if col.frozen:
             _freeze_embedding(model)
         return model
+
     _, batch = _cells().ROWS[row].build()
     engine = {k: v for k, v in col.engine().items() if k in ("recompute", "memory_budget")}
     if col.entry != "accelerate":
         print(f"note: bisect trains through accelerate; this cell's entry point is {col.entry}", file=sys.stderr)
-    rep = graphtrain.bisect(factory, batch, steps=steps, provider=col.provider, precision=col.precision,
-                            engine=engine, name=f"{row} ({col.name})")
+    rep = graphtrain.bisect(
+        factory,
+        batch,
+        steps=steps,
+        provider=col.provider,
+        precision=col.precision,
+        engine=engine,
+        name=f"{row} ({col.name})",
+    )
     print(rep)
     return 0 if rep.ok else 1  # as `graphtrain bisect`
 

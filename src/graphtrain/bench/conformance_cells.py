@@ -24,6 +24,7 @@ relative error in norm (BF16_GRAD_REL, or eager autocast's times AUTOCAST_FACTOR
 eagerly, or a fused op's fast path that failed at run time; each reason is kept) or ``fail`` (out of tolerance, or
 an exception; in a child process, a signal).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -75,6 +76,7 @@ REL_FLOOR = 1e-3
 
 # --------------------------------------------------------------------------------------------- rows ----
 
+
 @dataclass(frozen=True)
 class Row:
     name: str
@@ -88,8 +90,8 @@ class Row:
 
 def _hf(family: str, **overrides: Any) -> Callable[[], tuple[nn.Module, dict[str, torch.Tensor]]]:
     def build() -> tuple[nn.Module, dict[str, torch.Tensor]]:
-        return build_family(family, hidden=64, layers=2, vocab=256, batch=2, seq=32, dropout=False,
-                            overrides=overrides)
+        return build_family(family, hidden=64, layers=2, vocab=256, batch=2, seq=32, dropout=False, overrides=overrides)
+
     return build
 
 
@@ -104,6 +106,7 @@ def _preset(name: str) -> Callable[[], tuple[nn.Module, dict[str, torch.Tensor]]
         labels = torch.where(torch.rand(ids.shape, generator=g) < 0.15, ids, -100)
         labels[:, 0] = ids[:, 0]
         return model, {"input_ids": ids, "labels": labels}
+
     return build
 
 
@@ -117,6 +120,7 @@ class _Crash(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         import ctypes
+
         os.abort() if self.how == "abort" else ctypes.string_at(0)
         return self.lin(x).sum()
 
@@ -151,32 +155,48 @@ def _crash(how: str) -> Callable[[], tuple[nn.Module, dict[str, torch.Tensor]]]:
     return lambda: (_Crash(how), {"x": torch.ones(2, 4)})
 
 
-ROWS: dict[str, Row] = {r.name: r for r in [
-    Row("gpt2", "HF GPT2LMHeadModel", _hf("gpt2"), "clm"),
-    Row("neox", "HF GPTNeoXForCausalLM", _hf("neox"), "clm"),
-    Row("llama-gqa", "HF LlamaForCausalLM, 4 query / 2 key-value heads", _hf("llama"), "clm"),
-    Row("mistral-swa", "HF MistralForCausalLM, sliding window 16 < seq 32", _hf("mistral", sliding_window=16), "clm"),
-    Row("qwen2", "HF Qwen2ForCausalLM (GQA)", _hf("qwen2"), "clm"),
-    Row("phi", "HF PhiForCausalLM", _hf("phi"), "clm"),
-    Row("gemma", "HF GemmaForCausalLM (GQA)", _hf("gemma"), "clm"),
-    Row("bert", "HF BertForMaskedLM", _hf("bert"), "mlm"),
-    Row("roberta", "HF RobertaForMaskedLM", _hf("roberta"), "mlm"),
-    Row("distilbert", "HF DistilBertForMaskedLM", _hf("distilbert"), "mlm"),
-    Row("vit", "HF ViTForImageClassification (224 px)", _hf("vit"), None),
-    Row("t5", "HF T5ForConditionalGeneration", _hf("t5"), None),
-    Row("bart", "HF BartForConditionalGeneration", _hf("bart"), None),
-    Row("gpt2-tiny", "graphtrain preset", _preset("gpt2-tiny"), "clm"),
-    Row("bert-tiny", "graphtrain preset", _preset("bert-tiny"), "mlm"),
-    Row("_abort", "test only: forward calls os.abort()", _crash("abort"), None, hidden=True),
-    Row("_segv", "test only: forward reads address 0", _crash("segv"), None, hidden=True),
-    Row("_eager", "test only: forward hidden from Dynamo", lambda: (_Eager(), {"x": torch.ones(2, 4)}), None,
-        hidden=True),
-    Row("_wrong", "test only: 1% off eager when compiled", lambda: (_Wrong(), {"x": torch.ones(2, 4)}), None,
-        hidden=True),
-]}
+ROWS: dict[str, Row] = {
+    r.name: r
+    for r in [
+        Row("gpt2", "HF GPT2LMHeadModel", _hf("gpt2"), "clm"),
+        Row("neox", "HF GPTNeoXForCausalLM", _hf("neox"), "clm"),
+        Row("llama-gqa", "HF LlamaForCausalLM, 4 query / 2 key-value heads", _hf("llama"), "clm"),
+        Row(
+            "mistral-swa", "HF MistralForCausalLM, sliding window 16 < seq 32", _hf("mistral", sliding_window=16), "clm"
+        ),
+        Row("qwen2", "HF Qwen2ForCausalLM (GQA)", _hf("qwen2"), "clm"),
+        Row("phi", "HF PhiForCausalLM", _hf("phi"), "clm"),
+        Row("gemma", "HF GemmaForCausalLM (GQA)", _hf("gemma"), "clm"),
+        Row("bert", "HF BertForMaskedLM", _hf("bert"), "mlm"),
+        Row("roberta", "HF RobertaForMaskedLM", _hf("roberta"), "mlm"),
+        Row("distilbert", "HF DistilBertForMaskedLM", _hf("distilbert"), "mlm"),
+        Row("vit", "HF ViTForImageClassification (224 px)", _hf("vit"), None),
+        Row("t5", "HF T5ForConditionalGeneration", _hf("t5"), None),
+        Row("bart", "HF BartForConditionalGeneration", _hf("bart"), None),
+        Row("gpt2-tiny", "graphtrain preset", _preset("gpt2-tiny"), "clm"),
+        Row("bert-tiny", "graphtrain preset", _preset("bert-tiny"), "mlm"),
+        Row("_abort", "test only: forward calls os.abort()", _crash("abort"), None, hidden=True),
+        Row("_segv", "test only: forward reads address 0", _crash("segv"), None, hidden=True),
+        Row(
+            "_eager",
+            "test only: forward hidden from Dynamo",
+            lambda: (_Eager(), {"x": torch.ones(2, 4)}),
+            None,
+            hidden=True,
+        ),
+        Row(
+            "_wrong",
+            "test only: 1% off eager when compiled",
+            lambda: (_Wrong(), {"x": torch.ones(2, 4)}),
+            None,
+            hidden=True,
+        ),
+    ]
+}
 
 
 # ------------------------------------------------------------------------------------------ columns ----
+
 
 @dataclass(frozen=True)
 class Column:
@@ -188,12 +208,16 @@ class Column:
 
     @property
     def name(self) -> str:
-        return "/".join([self.entry, self.precision, self.provider] + (["recompute"] * (self.recompute != "none"))
-                        + (["frozen-emb"] * self.frozen))
+        return "/".join(
+            [self.entry, self.precision, self.provider]
+            + (["recompute"] * (self.recompute != "none"))
+            + (["frozen-emb"] * self.frozen)
+        )
 
     def engine(self) -> dict[str, Any]:
-        kw: dict[str, Any] = dict(provider=self.provider, precision=self.precision, recompute=self.recompute,
-                                  fallback="warn")
+        kw: dict[str, Any] = dict(
+            provider=self.provider, precision=self.precision, recompute=self.recompute, fallback="warn"
+        )
         if self.recompute != "none":
             kw["memory_budget"] = float(2**20)  # 1 MiB, the least it takes: nothing fits, auto recomputes all it can
         return kw
@@ -213,14 +237,22 @@ def parse_column(name: str) -> Column:
     """A column by name, also one outside the default list (``trainer/bf16/auto/recompute/frozen-emb``)."""
     parts = name.split("/")
     flags = set(parts[3:])
-    if len(parts) < 3 or parts[0] not in ENTRIES or parts[1] not in PRECISIONS or parts[2] not in PROVIDERS \
-            or not flags <= {"recompute", "frozen-emb"}:
-        raise ValueError(f"column {name!r} is not ENTRY/PRECISION/PROVIDER[/recompute][/frozen-emb] with ENTRY in "
-                         f"{'|'.join(ENTRIES)}, PRECISION in {'|'.join(PRECISIONS)}, PROVIDER in {'|'.join(PROVIDERS)}")
+    if (
+        len(parts) < 3
+        or parts[0] not in ENTRIES
+        or parts[1] not in PRECISIONS
+        or parts[2] not in PROVIDERS
+        or not flags <= {"recompute", "frozen-emb"}
+    ):
+        raise ValueError(
+            f"column {name!r} is not ENTRY/PRECISION/PROVIDER[/recompute][/frozen-emb] with ENTRY in "
+            f"{'|'.join(ENTRIES)}, PRECISION in {'|'.join(PRECISIONS)}, PROVIDER in {'|'.join(PROVIDERS)}"
+        )
     return Column(parts[0], parts[1], parts[2], "auto" if "recompute" in flags else "none", "frozen-emb" in flags)
 
 
 # ---------------------------------------------------------------------------------------------- cell ----
+
 
 @dataclass
 class Result:
@@ -264,8 +296,14 @@ def _freeze_embedding(model: nn.Module) -> None:
     emb.requires_grad_(False)  # every parameter of it (ViT's patch embedding is a convolution with a bias)
 
 
-def _loop(model: nn.Module, call: Callable[..., Any], batch: dict[str, torch.Tensor], steps: int,
-          after_first: Callable[[], Any] | None = None, moments: bool = False) -> _Trace:
+def _loop(
+    model: nn.Module,
+    call: Callable[..., Any],
+    batch: dict[str, torch.Tensor],
+    steps: int,
+    after_first: Callable[[], Any] | None = None,
+    moments: bool = False,
+) -> _Trace:
     """`steps` AdamW steps of `call(**batch)`; the first step's gradients of `model`'s trained parameters."""
     opt = build_optimizer(model, OPTIM)
     losses, grads = [], {}
@@ -276,14 +314,20 @@ def _loop(model: nn.Module, call: Callable[..., Any], batch: dict[str, torch.Ten
         loss.backward()
         losses.append(loss.detach().float().clone())
         if i == 0:
-            grads = {n: None if p.grad is None else p.grad.detach().clone()
-                     for n, p in model.named_parameters() if p.requires_grad}
+            grads = {
+                n: None if p.grad is None else p.grad.detach().clone()
+                for n, p in model.named_parameters()
+                if p.requires_grad
+            }
         opt.step()
         if i == 0 and after_first is not None:
             after_first()
     if moments:  # what the Trainer's cells compare: the first moments after the last step
-        grads = {n: opt.state[p]["exp_avg"].detach().clone() if p in opt.state else None
-                 for n, p in model.named_parameters() if p.requires_grad}
+        grads = {
+            n: opt.state[p]["exp_avg"].detach().clone() if p in opt.state else None
+            for n, p in model.named_parameters()
+            if p.requires_grad
+        }
     return _Trace(losses, grads)
 
 
@@ -291,8 +335,9 @@ def _autocast(model: nn.Module, batch: dict[str, torch.Tensor], col: Column, ste
     """Eager PyTorch under torch.autocast(bf16): what the Trainer's cells compare after `steps` steps, the first
     step's gradients otherwise."""
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        return _loop(model, model, batch, steps, moments=True) if col.entry == "trainer" \
-            else _loop(model, model, batch, 1)
+        return (
+            _loop(model, model, batch, steps, moments=True) if col.entry == "trainer" else _loop(model, model, batch, 1)
+        )
 
 
 def _eager(model: nn.Module, batch: dict[str, torch.Tensor], col: Column, steps: int) -> _Trace:
@@ -335,6 +380,7 @@ class _FixedSource:
 @dataclass
 class _FixedData:
     """What the Trainer reads of its data (graphtrain.data.DataBundle): the cell's one batch at every step."""
+
     train: _FixedSource
     val: _FixedSource
     vocab_size: int
@@ -348,14 +394,27 @@ def as_language_model(model: nn.Module, objective: str) -> nn.Module:
     return HFLanguageModel(model, objective, spec_of(model.config, objective))
 
 
-def _trainer(model: nn.Module, batch: dict[str, torch.Tensor], col: Column, steps: int, *,
-             accelerate: bool) -> _Trace:
+def _trainer(model: nn.Module, batch: dict[str, torch.Tensor], col: Column, steps: int, *, accelerate: bool) -> _Trace:
     B, T = batch["input_ids"].shape
     with tempfile.TemporaryDirectory(prefix="graphtrain-conformance-") as out:
-        cfg = Config(engine=EngineConfig(**col.engine()), optim=OPTIM, data=DataConfig(seq_len=T),
-                     train=TrainConfig(steps=steps, batch_size=B, eval_every=10**6, eval_batches=1, log_every=1,
-                                       ckpt_every=10**6, out_dir=out, accelerate=accelerate, progress=False,
-                                       loggers=["jsonl"], seed=0))
+        cfg = Config(
+            engine=EngineConfig(**col.engine()),
+            optim=OPTIM,
+            data=DataConfig(seq_len=T),
+            train=TrainConfig(
+                steps=steps,
+                batch_size=B,
+                eval_every=10**6,
+                eval_batches=1,
+                log_every=1,
+                ckpt_every=10**6,
+                out_dir=out,
+                accelerate=accelerate,
+                progress=False,
+                loggers=["jsonl"],
+                seed=0,
+            ),
+        )
         data = _FixedData(_FixedSource(batch), _FixedSource(batch), vocab_size=model.spec.vocab_size)
         with contextlib.redirect_stdout(io.StringIO()):  # its config and progress lines; the table says the rest
             trainer = Trainer(cfg, model=model, data=data)
@@ -366,14 +425,19 @@ def _trainer(model: nn.Module, batch: dict[str, torch.Tensor], col: Column, step
         records = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
     losses = [torch.tensor(r["loss"], dtype=torch.float32) for r in records if r.get("kind") == "train"]
     opt = trainer.optimizer
-    moments = {n: opt.state[p]["exp_avg"].detach().clone() if p in opt.state else None
-               for n, p in trainer.strategy.module.named_parameters() if p.requires_grad}
-    return _Trace(losses, moments, state=getattr(trainer.strategy.module, "_graphtrain", None),
-                  model=trainer.strategy.module)
+    moments = {
+        n: opt.state[p]["exp_avg"].detach().clone() if p in opt.state else None
+        for n, p in trainer.strategy.module.named_parameters()
+        if p.requires_grad
+    }
+    return _Trace(
+        losses, moments, state=getattr(trainer.strategy.module, "_graphtrain", None), model=trainer.strategy.module
+    )
 
 
-def _compare(ours: _Trace, ref: _Trace, precision: str,
-             autocast: Callable[[], _Trace] | None = None) -> tuple[str | None, float]:
+def _compare(
+    ours: _Trace, ref: _Trace, precision: str, autocast: Callable[[], _Trace] | None = None
+) -> tuple[str | None, float]:
     """The first difference out of tolerance (one line), or None; and the largest loss difference. `autocast`: eager
     under autocast, run when a low-precision gradient is off eager fp32's by more than BF16_GRAD_REL."""
     rtol, atol = TOLERANCES[_DTYPE[precision]]
@@ -382,12 +446,16 @@ def _compare(ours: _Trace, ref: _Trace, precision: str,
         return f"{len(ours.losses)} losses, eager has {len(ref.losses)}", diff
     if ours.grads.keys() != ref.grads.keys():
         return f"trained parameters differ: {sorted(set(ours.grads) ^ set(ref.grads))[:3]}", diff
-    floor = REL_FLOOR * float(torch.cat([g.double().flatten() for g in ref.grads.values() if g is not None]
-                                        or [torch.zeros(1, dtype=torch.float64)]).norm())
+    floor = REL_FLOOR * float(
+        torch.cat(
+            [g.double().flatten() for g in ref.grads.values() if g is not None] or [torch.zeros(1, dtype=torch.float64)]
+        ).norm()
+    )
     ac: _Trace | None = None
 
     def rel(a: torch.Tensor, b: torch.Tensor) -> float:
         return float((a.double() - b.double()).norm()) / max(float(b.double().norm()), floor, 1e-30)
+
     try:
         for i, (a, b) in enumerate(zip(ours.losses, ref.losses)):
             assert_close(a.float(), b.float(), name=f"loss of step {i + 1}", rtol=rtol, atol=atol)
@@ -404,8 +472,10 @@ def _compare(ours: _Trace, ref: _Trace, precision: str,
                 ac = autocast()
             theirs = rel(ac.grads[n], g) if ac is not None and ac.grads.get(n) is not None else 0.0
             if err > AUTOCAST_FACTOR * theirs:
-                return (f"gradient of {n}: relative error {err:.2e} against eager fp32's, > {BF16_GRAD_REL} and > "
-                        f"{AUTOCAST_FACTOR} x eager autocast's ({theirs:.2e})"), diff
+                return (
+                    f"gradient of {n}: relative error {err:.2e} against eager fp32's, > {BF16_GRAD_REL} and > "
+                    f"{AUTOCAST_FACTOR} x eager autocast's ({theirs:.2e})"
+                ), diff
     except AssertionError as e:
         return _one_line(str(e)), diff
     return None, diff
@@ -421,11 +491,13 @@ def _fallbacks(trace: _Trace, start: dict[str, int]) -> list[str]:
     out = []
     st = trace.state
     if st is not None:
-        out += [f"{part}: {_one_line(why)}" for part, why in st.fallbacks[start.get("engine", 0):]]
+        out += [f"{part}: {_one_line(why)}" for part, why in st.fallbacks[start.get("engine", 0) :]]
         if st.eager_only:
             out.append("capture failed: the module ran eagerly")
-    out += [f"fused op {f.op} ({f.implementation}) fell back to its reference: {_one_line(f.reason)}"
-            for f in runtime_fallbacks()[start.get("kernels", 0):]]
+    out += [
+        f"fused op {f.op} ({f.implementation}) fell back to its reference: {_one_line(f.reason)}"
+        for f in runtime_fallbacks()[start.get("kernels", 0) :]
+    ]
     return out
 
 
@@ -433,15 +505,16 @@ def _fused_ops(trace: _Trace, start: dict[str, int]) -> int | None:
     st = trace.state
     if st is None:
         return None
-    return sum(n for r in st.passes[start.get("passes", 0):] for op, n in r.op_diff.items()
-               if op.startswith("graphtrain."))
+    return sum(
+        n for r in st.passes[start.get("passes", 0) :] for op, n in r.op_diff.items() if op.startswith("graphtrain.")
+    )
 
 
 def _providers(trace: _Trace, start: dict[str, int]) -> str:
     st = trace.state
     if st is None:
         return "eager"
-    return ",".join(sorted({g.provider.split(" ")[0] for g in st.graphs[start.get("graphs", 0):]})) or "-"
+    return ",".join(sorted({g.provider.split(" ")[0] for g in st.graphs[start.get("graphs", 0) :]})) or "-"
 
 
 def run_cell(row: Row, col: Column, steps: int = STEPS) -> Result:
@@ -449,15 +522,23 @@ def run_cell(row: Row, col: Column, steps: int = STEPS) -> Result:
     import time
 
     import torch._dynamo
+
     t0 = time.perf_counter()
     if col.entry == "trainer" and row.objective is None:
-        return Result(row.name, col.name, "n/a", "the Trainer trains language models (graphtrain's, Hugging Face "
-                      "causal or masked LMs); this row is not one")
+        return Result(
+            row.name,
+            col.name,
+            "n/a",
+            "the Trainer trains language models (graphtrain's, Hugging Face causal or masked LMs); this row is not one",
+        )
     torch._dynamo.reset()
     start = {"kernels": len(runtime_fallbacks())}
     if col.entry == "backend":  # the process-wide record: this cell's part is what it adds
-        start |= {"engine": len(GLOBAL_STATE.fallbacks), "passes": len(GLOBAL_STATE.passes),
-                  "graphs": len(GLOBAL_STATE.graphs)}
+        start |= {
+            "engine": len(GLOBAL_STATE.fallbacks),
+            "passes": len(GLOBAL_STATE.passes),
+            "graphs": len(GLOBAL_STATE.graphs),
+        }
     try:
         model, batch = row.build()
         if col.entry == "trainer":
@@ -472,11 +553,25 @@ def run_cell(row: Row, col: Column, steps: int = STEPS) -> Result:
         ref = _eager(ref_model, batch, col, steps)
         bad, diff = _compare(ours, ref, col.precision, lambda: _autocast(ac_model, batch, col, steps))
     except Exception as e:  # noqa: BLE001 - a cell reports, the matrix goes on
-        return Result(row.name, col.name, "fail", f"{type(e).__name__}: {' '.join(str(e).split())[:300]}",
-                      seconds=time.perf_counter() - t0)
+        return Result(
+            row.name,
+            col.name,
+            "fail",
+            f"{type(e).__name__}: {' '.join(str(e).split())[:300]}",
+            seconds=time.perf_counter() - t0,
+        )
     fb = _fallbacks(ours, start)
-    res = Result(row.name, col.name, "fail" if bad else "fallback" if fb else "pass", bad or "", fb,
-                 _fused_ops(ours, start), _providers(ours, start), diff, time.perf_counter() - t0)
+    res = Result(
+        row.name,
+        col.name,
+        "fail" if bad else "fallback" if fb else "pass",
+        bad or "",
+        fb,
+        _fused_ops(ours, start),
+        _providers(ours, start),
+        diff,
+        time.perf_counter() - t0,
+    )
     if not bad and fb:
         res.reason = fb[0]
     return res

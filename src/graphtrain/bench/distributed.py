@@ -9,6 +9,7 @@ gradient all-reduce (each rank's gradient bytes), the tensor-parallel collective
 `tensor_parallel.COMM_BYTES`), the pipeline's activations and their gradients between stages (from the
 boundary tensor's shape: micro-batches x 2 directions).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,8 +25,13 @@ from graphtrain.distributed.spawn import run_ranks
 from graphtrain.models import build_model
 from graphtrain.optim import build_optimizer
 
-LAYOUTS = {"dp=1": dict(), "dp=2": dict(dp=2), "dp=2 zero1": dict(dp=2, zero_stage=1), "tp=2": dict(tp=2),
-           "pp=2": dict(pp=2, microbatches=2)}
+LAYOUTS = {
+    "dp=1": dict(),
+    "dp=2": dict(dp=2),
+    "dp=2 zero1": dict(dp=2, zero_stage=1),
+    "tp=2": dict(tp=2),
+    "pp=2": dict(pp=2, microbatches=2),
+}
 BATCH, SEQ = 8, 64
 
 
@@ -51,10 +57,14 @@ def _work(layout: dict, model_name: str, steps: int) -> dict:
     pp_bytes = 0
     if par.env.parallel.pp > 1:  # each stage boundary: [B/dp, T, d] activations forward, their gradient back
         pp_bytes = 2 * (BATCH // dp) * SEQ * model.spec.d_model * 4
-    return {"ms": seconds * 1e3, "param_bytes": sum(t.numel() * t.element_size() for t in local),
-            "optim_bytes": par.optimizer_state_bytes(),
-            "dp_bytes": gradient_bytes(par.module) if dp > 1 else 0,
-            "tp_bytes": sum(tp.COMM_BYTES.values()) // steps, "pp_bytes": pp_bytes}
+    return {
+        "ms": seconds * 1e3,
+        "param_bytes": sum(t.numel() * t.element_size() for t in local),
+        "optim_bytes": par.optimizer_state_bytes(),
+        "dp_bytes": gradient_bytes(par.module) if dp > 1 else 0,
+        "tp_bytes": sum(tp.COMM_BYTES.values()) // steps,
+        "pp_bytes": pp_bytes,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,15 +74,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated, from {', '.join(LAYOUTS)}")
     a = p.parse_args(argv)
-    print("| layout | rank | ms/step | parameter bytes | optimizer state bytes | dp all-reduce bytes/step "
-          "| tp collective bytes/step | pp boundary bytes/step |")
+    print(
+        "| layout | rank | ms/step | parameter bytes | optimizer state bytes | dp all-reduce bytes/step "
+        "| tp collective bytes/step | pp boundary bytes/step |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for label in a.layouts.split(","):
         layout = LAYOUTS[label]
         world = layout.get("dp", 1) * layout.get("tp", 1) * layout.get("pp", 1)
         for r, m in enumerate(run_ranks(_work, world, layout, a.model, a.steps)):
-            print(f"| {label} | {r} | {m['ms']:.1f} | {m['param_bytes']:,} | {m['optim_bytes']:,} | {m['dp_bytes']:,} "
-                  f"| {m['tp_bytes']:,} | {m['pp_bytes']:,} |", flush=True)
+            print(
+                f"| {label} | {r} | {m['ms']:.1f} | {m['param_bytes']:,} | {m['optim_bytes']:,} | {m['dp_bytes']:,} "
+                f"| {m['tp_bytes']:,} | {m['pp_bytes']:,} |",
+                flush=True,
+            )
     return 0
 
 

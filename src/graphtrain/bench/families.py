@@ -9,6 +9,7 @@ its eager attention where it has not (Bloom, GPT-J, DeBERTa-v2, T5). Language mo
 (masked-LM families: 15% of tokens masked, the rest ignored; seq2seq: the labels double as decoder inputs, which
 the model shifts itself); vision models 224 px images (32 px when narrower than 64) and class labels.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -33,80 +34,201 @@ _IDS = dict(bos_token_id=0, eos_token_id=0, pad_token_id=0)
 
 
 def _dec(h: int, n: int, a: int, v: int, **kw: Any) -> dict[str, Any]:
-    return dict(hidden_size=h, num_hidden_layers=n, num_attention_heads=a, intermediate_size=4 * h,
-                max_position_embeddings=1024, vocab_size=v, **_IDS) | kw
+    return (
+        dict(
+            hidden_size=h,
+            num_hidden_layers=n,
+            num_attention_heads=a,
+            intermediate_size=4 * h,
+            max_position_embeddings=1024,
+            vocab_size=v,
+            **_IDS,
+        )
+        | kw
+    )
 
 
 FAMILIES: dict[str, Family] = {
     "bert": Family("BertConfig", "BertForMaskedLM", _dec, task="mlm"),
-    "roberta": Family("RobertaConfig", "RobertaForMaskedLM", lambda h, n, a, v: _dec(h, n, a, v, pad_token_id=1),
-                      task="mlm"),
-    "distilbert": Family("DistilBertConfig", "DistilBertForMaskedLM",
-                         lambda h, n, a, v: dict(dim=h, n_layers=n, n_heads=a, hidden_dim=4 * h, vocab_size=v,
-                                                 max_position_embeddings=1024, **_IDS), task="mlm"),
-    "electra": Family("ElectraConfig", "ElectraForMaskedLM", lambda h, n, a, v: _dec(h, n, a, v, embedding_size=h),
-                      task="mlm"),
-    "albert": Family("AlbertConfig", "AlbertForMaskedLM",
-                     lambda h, n, a, v: _dec(h, n, a, v, embedding_size=max(16, h // 2)), task="mlm"),
+    "roberta": Family(
+        "RobertaConfig", "RobertaForMaskedLM", lambda h, n, a, v: _dec(h, n, a, v, pad_token_id=1), task="mlm"
+    ),
+    "distilbert": Family(
+        "DistilBertConfig",
+        "DistilBertForMaskedLM",
+        lambda h, n, a, v: dict(
+            dim=h, n_layers=n, n_heads=a, hidden_dim=4 * h, vocab_size=v, max_position_embeddings=1024, **_IDS
+        ),
+        task="mlm",
+    ),
+    "electra": Family(
+        "ElectraConfig", "ElectraForMaskedLM", lambda h, n, a, v: _dec(h, n, a, v, embedding_size=h), task="mlm"
+    ),
+    "albert": Family(
+        "AlbertConfig",
+        "AlbertForMaskedLM",
+        lambda h, n, a, v: _dec(h, n, a, v, embedding_size=max(16, h // 2)),
+        task="mlm",
+    ),
     "deberta2": Family("DebertaV2Config", "DebertaV2ForMaskedLM", _dec, attention="eager", task="mlm"),
-    "gpt2": Family("GPT2Config", "GPT2LMHeadModel",
-                   lambda h, n, a, v: dict(n_embd=h, n_layer=n, n_head=a, n_positions=1024, vocab_size=v, **_IDS)),
-    "llama": Family("LlamaConfig", "LlamaForCausalLM",
-                    lambda h, n, a, v: _dec(h, n, a, v, num_key_value_heads=max(1, a // 2),
-                                            intermediate_size=int(2.75 * h))),
-    "qwen2": Family("Qwen2Config", "Qwen2ForCausalLM",
-                    lambda h, n, a, v: _dec(h, n, a, v, num_key_value_heads=max(1, a // 2))),
-    "qwen3": Family("Qwen3Config", "Qwen3ForCausalLM",
-                    lambda h, n, a, v: _dec(h, n, a, v, num_key_value_heads=max(1, a // 2), head_dim=h // a)),
-    "mistral": Family("MistralConfig", "MistralForCausalLM",
-                      lambda h, n, a, v: _dec(h, n, a, v, num_key_value_heads=max(1, a // 2))),
-    "gemma": Family("GemmaConfig", "GemmaForCausalLM",
-                    lambda h, n, a, v: _dec(h, n, a, v, num_key_value_heads=max(1, a // 2), head_dim=h // a)),
+    "gpt2": Family(
+        "GPT2Config",
+        "GPT2LMHeadModel",
+        lambda h, n, a, v: dict(n_embd=h, n_layer=n, n_head=a, n_positions=1024, vocab_size=v, **_IDS),
+    ),
+    "llama": Family(
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        lambda h, n, a, v: _dec(h, n, a, v, num_key_value_heads=max(1, a // 2), intermediate_size=int(2.75 * h)),
+    ),
+    "qwen2": Family(
+        "Qwen2Config", "Qwen2ForCausalLM", lambda h, n, a, v: _dec(h, n, a, v, num_key_value_heads=max(1, a // 2))
+    ),
+    "qwen3": Family(
+        "Qwen3Config",
+        "Qwen3ForCausalLM",
+        lambda h, n, a, v: _dec(h, n, a, v, num_key_value_heads=max(1, a // 2), head_dim=h // a),
+    ),
+    "mistral": Family(
+        "MistralConfig", "MistralForCausalLM", lambda h, n, a, v: _dec(h, n, a, v, num_key_value_heads=max(1, a // 2))
+    ),
+    "gemma": Family(
+        "GemmaConfig",
+        "GemmaForCausalLM",
+        lambda h, n, a, v: _dec(h, n, a, v, num_key_value_heads=max(1, a // 2), head_dim=h // a),
+    ),
     "phi3": Family("Phi3Config", "Phi3ForCausalLM", lambda h, n, a, v: _dec(h, n, a, v, num_key_value_heads=a)),
     "phi": Family("PhiConfig", "PhiForCausalLM", _dec),
     "neox": Family("GPTNeoXConfig", "GPTNeoXForCausalLM", _dec),
-    "opt": Family("OPTConfig", "OPTForCausalLM",
-                  lambda h, n, a, v: dict(hidden_size=h, num_hidden_layers=n, num_attention_heads=a, ffn_dim=4 * h,
-                                          word_embed_proj_dim=h, max_position_embeddings=1024, vocab_size=v, **_IDS)),
-    "bloom": Family("BloomConfig", "BloomForCausalLM",
-                    lambda h, n, a, v: dict(hidden_size=h, n_layer=n, n_head=a, vocab_size=v, **_IDS),
-                    attention="eager"),
-    "falcon": Family("FalconConfig", "FalconForCausalLM",
-                     lambda h, n, a, v: dict(hidden_size=h, num_hidden_layers=n, num_attention_heads=a, vocab_size=v,
-                                             **_IDS)),
-    "gptj": Family("GPTJConfig", "GPTJForCausalLM",
-                   lambda h, n, a, v: dict(n_embd=h, n_layer=n, n_head=a, rotary_dim=h // a // 2, n_positions=1024,
-                                           vocab_size=v, **_IDS), attention="eager"),
-    "stablelm": Family("StableLmConfig", "StableLmForCausalLM",
-                       lambda h, n, a, v: _dec(h, n, a, v, num_key_value_heads=a)),
-    "starcoder2": Family("Starcoder2Config", "Starcoder2ForCausalLM",
-                         lambda h, n, a, v: _dec(h, n, a, v, num_key_value_heads=max(1, a // 2))),
-    "bigcode": Family("GPTBigCodeConfig", "GPTBigCodeForCausalLM",
-                      lambda h, n, a, v: dict(n_embd=h, n_layer=n, n_head=a, n_positions=1024, vocab_size=v, **_IDS)),
+    "opt": Family(
+        "OPTConfig",
+        "OPTForCausalLM",
+        lambda h, n, a, v: dict(
+            hidden_size=h,
+            num_hidden_layers=n,
+            num_attention_heads=a,
+            ffn_dim=4 * h,
+            word_embed_proj_dim=h,
+            max_position_embeddings=1024,
+            vocab_size=v,
+            **_IDS,
+        ),
+    ),
+    "bloom": Family(
+        "BloomConfig",
+        "BloomForCausalLM",
+        lambda h, n, a, v: dict(hidden_size=h, n_layer=n, n_head=a, vocab_size=v, **_IDS),
+        attention="eager",
+    ),
+    "falcon": Family(
+        "FalconConfig",
+        "FalconForCausalLM",
+        lambda h, n, a, v: dict(hidden_size=h, num_hidden_layers=n, num_attention_heads=a, vocab_size=v, **_IDS),
+    ),
+    "gptj": Family(
+        "GPTJConfig",
+        "GPTJForCausalLM",
+        lambda h, n, a, v: dict(
+            n_embd=h, n_layer=n, n_head=a, rotary_dim=h // a // 2, n_positions=1024, vocab_size=v, **_IDS
+        ),
+        attention="eager",
+    ),
+    "stablelm": Family(
+        "StableLmConfig", "StableLmForCausalLM", lambda h, n, a, v: _dec(h, n, a, v, num_key_value_heads=a)
+    ),
+    "starcoder2": Family(
+        "Starcoder2Config",
+        "Starcoder2ForCausalLM",
+        lambda h, n, a, v: _dec(h, n, a, v, num_key_value_heads=max(1, a // 2)),
+    ),
+    "bigcode": Family(
+        "GPTBigCodeConfig",
+        "GPTBigCodeForCausalLM",
+        lambda h, n, a, v: dict(n_embd=h, n_layer=n, n_head=a, n_positions=1024, vocab_size=v, **_IDS),
+    ),
     "olmo2": Family("Olmo2Config", "Olmo2ForCausalLM", lambda h, n, a, v: _dec(h, n, a, v, num_key_value_heads=a)),
-    "granite": Family("GraniteConfig", "GraniteForCausalLM",
-                      lambda h, n, a, v: _dec(h, n, a, v, num_key_value_heads=max(1, a // 2))),
-    "modernbert": Family("ModernBertConfig", "ModernBertForMaskedLM",
-                         lambda h, n, a, v: dict(hidden_size=h, num_hidden_layers=n, num_attention_heads=a,
-                                                 intermediate_size=2 * h, max_position_embeddings=1024, vocab_size=v,
-                                                 pad_token_id=0, bos_token_id=None, eos_token_id=None,
-                                                 cls_token_id=1, sep_token_id=2), task="mlm"),
-    "t5": Family("T5Config", "T5ForConditionalGeneration",
-                 lambda h, n, a, v: dict(d_model=h, d_kv=h // a, d_ff=4 * h, num_layers=n, num_heads=a, vocab_size=v,
-                                         decoder_start_token_id=0, **_IDS), attention="eager", task="seq2seq"),
-    "bart": Family("BartConfig", "BartForConditionalGeneration",
-                   lambda h, n, a, v: dict(d_model=h, encoder_layers=max(1, n // 2), decoder_layers=max(1, n // 2),
-                                           encoder_attention_heads=a, decoder_attention_heads=a, encoder_ffn_dim=4 * h,
-                                           decoder_ffn_dim=4 * h, max_position_embeddings=1024, vocab_size=v,
-                                           decoder_start_token_id=0, **_IDS), task="seq2seq"),
-    "vit": Family("ViTConfig", "ViTForImageClassification",
-                  lambda h, n, a, v: dict(hidden_size=h, num_hidden_layers=n, num_attention_heads=a,
-                                          intermediate_size=4 * h, num_labels=100, image_size=_image(h),
-                                          patch_size=16 if h >= 64 else 8), task="image"),
-    "swin": Family("SwinConfig", "SwinForImageClassification",
-                   lambda h, n, a, v: dict(embed_dim=max(16, h // 8 * 3 // 2), depths=[2] * max(1, n // 2),
-                                           num_heads=[2 * 2 ** i for i in range(max(1, n // 2))], num_labels=100,
-                                           image_size=_image(h), window_size=7 if h >= 64 else 4), task="image"),
+    "granite": Family(
+        "GraniteConfig", "GraniteForCausalLM", lambda h, n, a, v: _dec(h, n, a, v, num_key_value_heads=max(1, a // 2))
+    ),
+    "modernbert": Family(
+        "ModernBertConfig",
+        "ModernBertForMaskedLM",
+        lambda h, n, a, v: dict(
+            hidden_size=h,
+            num_hidden_layers=n,
+            num_attention_heads=a,
+            intermediate_size=2 * h,
+            max_position_embeddings=1024,
+            vocab_size=v,
+            pad_token_id=0,
+            bos_token_id=None,
+            eos_token_id=None,
+            cls_token_id=1,
+            sep_token_id=2,
+        ),
+        task="mlm",
+    ),
+    "t5": Family(
+        "T5Config",
+        "T5ForConditionalGeneration",
+        lambda h, n, a, v: dict(
+            d_model=h,
+            d_kv=h // a,
+            d_ff=4 * h,
+            num_layers=n,
+            num_heads=a,
+            vocab_size=v,
+            decoder_start_token_id=0,
+            **_IDS,
+        ),
+        attention="eager",
+        task="seq2seq",
+    ),
+    "bart": Family(
+        "BartConfig",
+        "BartForConditionalGeneration",
+        lambda h, n, a, v: dict(
+            d_model=h,
+            encoder_layers=max(1, n // 2),
+            decoder_layers=max(1, n // 2),
+            encoder_attention_heads=a,
+            decoder_attention_heads=a,
+            encoder_ffn_dim=4 * h,
+            decoder_ffn_dim=4 * h,
+            max_position_embeddings=1024,
+            vocab_size=v,
+            decoder_start_token_id=0,
+            **_IDS,
+        ),
+        task="seq2seq",
+    ),
+    "vit": Family(
+        "ViTConfig",
+        "ViTForImageClassification",
+        lambda h, n, a, v: dict(
+            hidden_size=h,
+            num_hidden_layers=n,
+            num_attention_heads=a,
+            intermediate_size=4 * h,
+            num_labels=100,
+            image_size=_image(h),
+            patch_size=16 if h >= 64 else 8,
+        ),
+        task="image",
+    ),
+    "swin": Family(
+        "SwinConfig",
+        "SwinForImageClassification",
+        lambda h, n, a, v: dict(
+            embed_dim=max(16, h // 8 * 3 // 2),
+            depths=[2] * max(1, n // 2),
+            num_heads=[2 * 2**i for i in range(max(1, n // 2))],
+            num_labels=100,
+            image_size=_image(h),
+            window_size=7 if h >= 64 else 4,
+        ),
+        task="image",
+    ),
 }
 
 
@@ -120,12 +242,22 @@ def _no_dropout(cfg: Any) -> None:
             setattr(cfg, k, 0.0)
 
 
-def build_family(name: str, *, hidden: int = 256, layers: int = 4, vocab: int = 8192, batch: int = 8, seq: int = 128,
-                 dropout: bool = True, seed: int = 0, overrides: dict[str, Any] | None = None,
-                 ) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+def build_family(
+    name: str,
+    *,
+    hidden: int = 256,
+    layers: int = 4,
+    vocab: int = 8192,
+    batch: int = 8,
+    seq: int = 128,
+    dropout: bool = True,
+    seed: int = 0,
+    overrides: dict[str, Any] | None = None,
+) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
     """(model in train mode, one fixed batch) for family `name` (module docstring). `overrides`: config keys set
     after the family's own (e.g. Mistral's ``sliding_window``, shorter than the sequence to make it slide)."""
     import transformers
+
     if name not in FAMILIES:
         raise ValueError(f"unknown family {name!r}: choose from {', '.join(FAMILIES)}")
     fam = FAMILIES[name]
@@ -139,8 +271,10 @@ def build_family(name: str, *, hidden: int = 256, layers: int = 4, vocab: int = 
     g = torch.Generator().manual_seed(seed + 1)
     if fam.task == "image":
         size = _image(hidden)
-        return model, {"pixel_values": torch.randn(batch, 3, size, size, generator=g),
-                       "labels": torch.randint(0, cfg.num_labels, (batch,), generator=g)}
+        return model, {
+            "pixel_values": torch.randn(batch, 3, size, size, generator=g),
+            "labels": torch.randint(0, cfg.num_labels, (batch,), generator=g),
+        }
     ids = torch.randint(5, vocab, (batch, seq), generator=g)
     labels = ids.clone()
     if fam.task == "mlm":

@@ -19,6 +19,7 @@ the cap, jumps to the predicted largest batch, and bisects by measurement until 
 pinned (``hi == lo + 1``) or the trial budget runs out (then ``exact`` is false and the answer is a
 measured lower bound). No trial whose predicted peak exceeds the memory currently available runs.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -45,15 +46,23 @@ def available_mib() -> float | None:
     return None
 
 
-def measure_peak(case: Case, variant: Variant, batch: int, device: str, log_dir: Path,
-                 pin_mmap: bool = False) -> tuple[float | None, str]:
+def measure_peak(
+    case: Case, variant: Variant, batch: int, device: str, log_dir: Path, pin_mmap: bool = False
+) -> tuple[float | None, str]:
     """(whole-process peak MiB, "") for one trial batch, or (None, reason) when the trial failed."""
-    w = WorkerProc(dataclasses.replace(case, batch=batch), variant, device,
-                   log_dir / f"maxbatch.{case.model}.s{case.seq}.b{batch}.{variant.name}.log", pin_mmap=pin_mmap)
+    w = WorkerProc(
+        dataclasses.replace(case, batch=batch),
+        variant,
+        device,
+        log_dir / f"maxbatch.{case.model}.s{case.seq}.b{batch}.{variant.name}.log",
+        pin_mmap=pin_mmap,
+    )
     try:
-        for op, args, timeout in (("setup", {}, SETUP_TIMEOUT_S),
-                                  ("steps", {"n": TRIAL_STEPS}, 60 + STEP_TIMEOUT_S * TRIAL_STEPS),
-                                  ("finish", {}, 120.0)):
+        for op, args, timeout in (
+            ("setup", {}, SETUP_TIMEOUT_S),
+            ("steps", {"n": TRIAL_STEPS}, 60 + STEP_TIMEOUT_S * TRIAL_STEPS),
+            ("finish", {}, 120.0),
+        ):
             reply = w.call(op, timeout, **args)
             if not reply.get("ok"):
                 return None, reply.get("skipped") or reply.get("error", "failed")
@@ -81,9 +90,17 @@ def predict(points: dict[int, float], cap_mib: float) -> int:
     return max(1, math.floor((cap_mib - base) / per_sample))
 
 
-def search(case: Case, variant: Variant, cap_gib: float, device: str, log_dir: Path,
-           known: dict[int, float] | None = None, tick: Callable[[str], None] = lambda s: None,
-           max_trials: int = MAX_TRIALS, pin_mmap: bool = False) -> dict[str, Any]:
+def search(
+    case: Case,
+    variant: Variant,
+    cap_gib: float,
+    device: str,
+    log_dir: Path,
+    known: dict[int, float] | None = None,
+    tick: Callable[[str], None] = lambda s: None,
+    max_trials: int = MAX_TRIALS,
+    pin_mmap: bool = False,
+) -> dict[str, Any]:
     """Largest batch (at case.seq) with peak memory <= cap_gib, by measure, extrapolate, bisect."""
     cap = cap_gib * 1024
     points: dict[int, float] = {b: p for b, p in (known or {}).items() if p is not None}
@@ -98,8 +115,13 @@ def search(case: Case, variant: Variant, cap_gib: float, device: str, log_dir: P
         return peak is not None
 
     if not points and not trial(case.batch):
-        return {"cap_gib": cap_gib, "max_batch": None, "exact": False, "trials": trials,
-                "note": f"batch {case.batch} failed: {trials[0].get('failed')}"}
+        return {
+            "cap_gib": cap_gib,
+            "max_batch": None,
+            "exact": False,
+            "trials": trials,
+            "note": f"batch {case.batch} failed: {trials[0].get('failed')}",
+        }
     while len(trials) < max_trials:
         lo, hi = _bounds(points, cap)
         if hi is not None and hi <= lo + 1:
@@ -120,8 +142,12 @@ def search(case: Case, variant: Variant, cap_gib: float, device: str, log_dir: P
         trial(nxt)
     lo, hi = _bounds(points, cap)
     finite = {b: p for b, p in points.items() if math.isfinite(p)}
-    result: dict[str, Any] = {"cap_gib": cap_gib, "max_batch": lo or None, "exact": hi is not None and hi == lo + 1,
-                              "trials": trials}
+    result: dict[str, Any] = {
+        "cap_gib": cap_gib,
+        "max_batch": lo or None,
+        "exact": hi is not None and hi == lo + 1,
+        "trials": trials,
+    }
     if len(finite) >= 2:
         base, per_sample = fit_line(finite, cap)
         result.update(base_mib=round(base, 1), per_sample_mib=round(per_sample, 2))

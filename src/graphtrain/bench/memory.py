@@ -17,6 +17,7 @@ interleaving keeps the ratios fair. The largest batch under ``--cap-gib`` (absol
 is found per variant from a second measurement at half the batch: peak is affine in the batch, so
 the two points give the line, and ``--confirm`` measures the extrapolated batch to check it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -63,8 +64,15 @@ def run(a: argparse.Namespace) -> list[dict]:
         raise SystemExit(f"unknown variants {unknown}: choose from {', '.join(VARIANTS)}")
     pinned = malloc_pinned(names, a.malloc)
     print(f"glibc mmap threshold: {'pinned' if pinned else 'default'} in every variant's process", file=sys.stderr)
-    common = dict(model=a.model, seq=a.seq, warmup=a.warmup, dropout=a.dropout, attention=a.attention, pin_malloc=pinned,
-                  no_pin_malloc=not pinned)
+    common = dict(
+        model=a.model,
+        seq=a.seq,
+        warmup=a.warmup,
+        dropout=a.dropout,
+        attention=a.attention,
+        pin_malloc=pinned,
+        no_pin_malloc=not pinned,
+    )
     runs: dict[str, list[dict]] = {n: [] for n in names}
     for rnd in range(a.rounds):
         for name in names:
@@ -131,9 +139,17 @@ def _max_batch(r: dict, half: dict, cap: float) -> tuple[int | None, str]:
     return int((cap - (r["peak_rss"] - k * r["batch"])) // k), "measured line"
 
 
-def interleaved_step_times(model: str, seq: int, batch: int, variants: list[str], steps: int = 5, warmup: int = 2,
-                           threads: int = 2, dropout: float | None = None,
-                           attention: str = "sdpa") -> dict[str, list[float]]:
+def interleaved_step_times(
+    model: str,
+    seq: int,
+    batch: int,
+    variants: list[str],
+    steps: int = 5,
+    warmup: int = 2,
+    threads: int = 2,
+    dropout: float | None = None,
+    attention: str = "sdpa",
+) -> dict[str, list[float]]:
     """Step times of several variants in one process, alternating one step of each: load on a shared machine
     drifts over minutes, so back-to-back steps compare under the same load. Memory is not measured here
     (one process holds every model); use run() for that. Variants: eager, compile, or a recompute mode
@@ -144,6 +160,7 @@ def interleaved_step_times(model: str, seq: int, batch: int, variants: list[str]
 
     from graphtrain.runtime.allocator import set_cpu_allocator
     from graphtrain.tools.measure import build
+
     torch.set_num_threads(threads)
     # what accelerate does for these modes (runtime/allocator.py allocator_mode); applies to every variant here
     set_cpu_allocator("release" if any(v in ("selective", "full", "auto") for v in variants) else "keep")
@@ -158,6 +175,7 @@ def interleaved_step_times(model: str, seq: int, batch: int, variants: list[str]
             fn = m
         else:
             import graphtrain
+
             fn = graphtrain.accelerate(m, provider="aten", recompute=v)
         opt = torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True)
 
@@ -165,6 +183,7 @@ def interleaved_step_times(model: str, seq: int, batch: int, variants: list[str]
             fn(*data).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
+
         steps_fn[v] = step
     times: dict[str, list[float]] = {v: [] for v in variants}
     for i in range(warmup + steps):
@@ -178,10 +197,12 @@ def interleaved_step_times(model: str, seq: int, batch: int, variants: list[str]
 
 def table(rows: list[dict], cap_gib: float | None = None) -> str:
     eager = next((r for r in rows if r["variant"] == "eager"), None)
-    out = ["| variant | peak RSS MiB | vs eager | step tensors MiB | vs eager | saved for backward MiB | "
-           "predicted step MiB | predicted process MiB | error vs peak RSS | step s (median) | eager/this | "
-           "max batch under cap |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    out = [
+        "| variant | peak RSS MiB | vs eager | step tensors MiB | vs eager | saved for backward MiB | "
+        "predicted step MiB | predicted process MiB | error vs peak RSS | step s (median) | eager/this | "
+        "max batch under cap |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         rel = f"{r['peak_rss'] / eager['peak_rss']:.2f}x" if eager else "-"
         relt = f"{r['peak_tensor_bytes'] / eager['peak_tensor_bytes']:.2f}x" if eager else "-"
@@ -198,8 +219,10 @@ def table(rows: list[dict], cap_gib: float | None = None) -> str:
             mb = f"{mb} (measured {r['confirm_peak_rss'] / MiB:,.0f} MiB)"
             if "max_batch_refit" in r:
                 mb += f" -> {r['max_batch_refit']} refit"
-        out.append(f"| {r['variant']} | {r['peak_rss'] / MiB:,.0f} | {rel} | {r['peak_tensor_bytes'] / MiB:,.0f} | {relt} | "
-                   f"{saved} | {pred} | {proc} | {err} | {r['step_s']:.2f} | {tp} | {mb} |")
+        out.append(
+            f"| {r['variant']} | {r['peak_rss'] / MiB:,.0f} | {rel} | {r['peak_tensor_bytes'] / MiB:,.0f} | {relt} | "
+            f"{saved} | {pred} | {proc} | {err} | {r['step_s']:.2f} | {tp} | {mb} |"
+        )
     return "\n".join(out)
 
 
@@ -215,20 +238,30 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--dropout", type=float, default=None)
-    p.add_argument("--attention", choices=("sdpa", "explicit"), default="sdpa",
-                   help="reference models' attention: SDPA (the headline baseline) or hand-written (second rows)")
-    p.add_argument("--malloc", choices=("auto", "pinned", "default"), default="auto",
-                   help="glibc's mmap threshold in every variant's process: auto pins it when a recompute variant "
-                        "runs (as graphtrain does for recompute), else glibc's default; never per variant")
+    p.add_argument(
+        "--attention",
+        choices=("sdpa", "explicit"),
+        default="sdpa",
+        help="reference models' attention: SDPA (the headline baseline) or hand-written (second rows)",
+    )
+    p.add_argument(
+        "--malloc",
+        choices=("auto", "pinned", "default"),
+        default="auto",
+        help="glibc's mmap threshold in every variant's process: auto pins it when a recompute variant "
+        "runs (as graphtrain does for recompute), else glibc's default; never per variant",
+    )
     p.add_argument("--out", default=None, help="append the JSON rows to this file")
-    p.add_argument("--timing", action="store_true",
-                   help="only step times, all variants in one process, interleaved step by step")
+    p.add_argument(
+        "--timing", action="store_true", help="only step times, all variants in one process, interleaved step by step"
+    )
     a = p.parse_args(argv)
     if a.timing:
         names = (a.only or DEFAULT).split(",")
         names = [n for n in names if n in ("eager", "compile", "none", "selective", "full")]
-        times = interleaved_step_times(a.model, a.seq, a.batch, names, steps=a.steps, warmup=a.warmup,
-                                       dropout=a.dropout, attention=a.attention)
+        times = interleaved_step_times(
+            a.model, a.seq, a.batch, names, steps=a.steps, warmup=a.warmup, dropout=a.dropout, attention=a.attention
+        )
         ref = statistics.median(times[names[0]])
         print(f"{a.model} seq {a.seq} batch {a.batch}: step time, variants interleaved step by step in one process")
         print("| variant | median step s | vs " + names[0] + " | all |\n|---|---|---|---|")
@@ -240,10 +273,12 @@ def main(argv: list[str] | None = None) -> None:
                 f.write(json.dumps({"timing": times, "model": a.model, "seq": a.seq, "batch": a.batch}) + "\n")
         return
     rows = run(a)
-    print(f"\n{a.model} seq {a.seq} batch {a.batch} on {rows[0]['machine'] if rows else '?'} (CPU peak resident "
-          f"memory, VmHWM; step tensors = peak minus the non-tensor resident baseline; predicted process = the "
-          f"resident set before the step, less its parameters, optimizer state and batch, plus the predicted step "
-          f"peak; error = (predicted process - peak RSS) / peak RSS; cap {a.cap_gib} GiB)\n" + table(rows, a.cap_gib))
+    print(
+        f"\n{a.model} seq {a.seq} batch {a.batch} on {rows[0]['machine'] if rows else '?'} (CPU peak resident "
+        f"memory, VmHWM; step tensors = peak minus the non-tensor resident baseline; predicted process = the "
+        f"resident set before the step, less its parameters, optimizer state and batch, plus the predicted step "
+        f"peak; error = (predicted process - peak RSS) / peak RSS; cap {a.cap_gib} GiB)\n" + table(rows, a.cap_gib)
+    )
     if a.out:
         with open(a.out, "a") as f:
             for r in rows:

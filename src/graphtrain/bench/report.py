@@ -9,6 +9,7 @@ part comes from `markdown(run)`; the prose says how they are made and how to rep
 CUDA GPU. Sections written by hand (dated runs on other machines) sit between `keep` markers and are carried
 over to the end of the regenerated page.
 """
+
 from __future__ import annotations
 
 import json
@@ -45,30 +46,51 @@ def summarize(run: dict[str, Any]) -> list[dict[str, Any]]:
         c = case["case"]
         recs = case["variants"]
         for name, rec in recs.items():
-            row: dict[str, Any] = {"case": case["name"], "variant": name, "status": rec.get("status", "error"),
-                                   "reason": rec.get("reason", "")}
+            row: dict[str, Any] = {
+                "case": case["name"],
+                "variant": name,
+                "status": rec.get("status", "error"),
+                "reason": rec.get("reason", ""),
+            }
             times = rec.get("step_s") or []
             if row["status"] == "ok" and times:
                 med = statistics.median(times)
                 q1, q3 = quartiles(times)
                 setup = rec.get("setup", {})
                 prec = VARIANTS[name].precision if name in VARIANTS else "fp32"
-                row.update(median_s=med, min_s=min(times), max_s=max(times), q1_s=q1, q3_s=q3, rounds=len(times),
-                           samples_s=c["batch"] / med, tokens_s=c["batch"] * c["seq"] / med,
-                           # MFU on the FLOPs the variant runs; the dense formula's figure beside it when they differ
-                           mfu=flops.mfu(setup.get("executed_flops_per_step", setup.get("flops_per_step", 0)), med,
-                                         peak.get(prec)),
-                           mfu_dense=flops.mfu(setup.get("flops_per_step", 0), med, peak.get(prec))
-                           if setup.get("flops_shortcut") else None, shortcut=setup.get("flops_shortcut"),
-                           flops_per_step=setup.get("flops_per_step"), ttfs_s=setup.get("time_to_first_step_s"),
-                           full_speed_s=setup.get("time_to_full_speed_s"),
-                           children_peak_mem_mib=rec.get("children_peak_mem_mib"),
-                           peak_mem_mib=rec.get("peak_mem_mib"), step_peak_mem_mib=rec.get("step_peak_mem_mib"),
-                           final_loss=rec.get("final_loss"), steps_done=rec.get("steps_done"),
-                           opt_ms=statistics.median(rec["opt_s"]) * 1e3 if rec.get("opt_s") else None,
-                           optimizer=setup.get("optimizer"))
-                for key, ref_name in (("vs_eager", REFERENCE), ("vs_compile", f"compile-{prec}"),
-                                      ("vs_best", _best_baseline(recs, prec))):
+                row.update(
+                    median_s=med,
+                    min_s=min(times),
+                    max_s=max(times),
+                    q1_s=q1,
+                    q3_s=q3,
+                    rounds=len(times),
+                    samples_s=c["batch"] / med,
+                    tokens_s=c["batch"] * c["seq"] / med,
+                    # MFU on the FLOPs the variant runs; the dense formula's figure beside it when they differ
+                    mfu=flops.mfu(
+                        setup.get("executed_flops_per_step", setup.get("flops_per_step", 0)), med, peak.get(prec)
+                    ),
+                    mfu_dense=flops.mfu(setup.get("flops_per_step", 0), med, peak.get(prec))
+                    if setup.get("flops_shortcut")
+                    else None,
+                    shortcut=setup.get("flops_shortcut"),
+                    flops_per_step=setup.get("flops_per_step"),
+                    ttfs_s=setup.get("time_to_first_step_s"),
+                    full_speed_s=setup.get("time_to_full_speed_s"),
+                    children_peak_mem_mib=rec.get("children_peak_mem_mib"),
+                    peak_mem_mib=rec.get("peak_mem_mib"),
+                    step_peak_mem_mib=rec.get("step_peak_mem_mib"),
+                    final_loss=rec.get("final_loss"),
+                    steps_done=rec.get("steps_done"),
+                    opt_ms=statistics.median(rec["opt_s"]) * 1e3 if rec.get("opt_s") else None,
+                    optimizer=setup.get("optimizer"),
+                )
+                for key, ref_name in (
+                    ("vs_eager", REFERENCE),
+                    ("vs_compile", f"compile-{prec}"),
+                    ("vs_best", _best_baseline(recs, prec)),
+                ):
                     ref = recs.get(ref_name, {}) if ref_name else {}
                     if ref.get("status") == "ok" and ref.get("step_s"):
                         row[key], row[key + "_min"], row[key + "_max"] = _ratios(ref["step_s"], times)
@@ -80,7 +102,8 @@ def summarize(run: dict[str, Any]) -> list[dict[str, Any]]:
                     # < 1: graphtrain is that much slower without the lever
                     row["ablates"] = ab
                     row["vs_graphtrain"], row["vs_graphtrain_min"], row["vs_graphtrain_max"] = _ratios(
-                        base["step_s"], times)
+                        base["step_s"], times
+                    )
             if rec.get("maxbatch"):
                 row["maxbatch"] = rec["maxbatch"]
             rows.append(row)
@@ -96,8 +119,14 @@ def _best_baseline(recs: dict[str, Any], prec: str) -> str | None:
     best, best_t = None, float("inf")
     for name, rec in recs.items():
         v = VARIANTS.get(name)
-        if (v is None or v.mode not in BASELINE_MODES or v.precision != prec or v.optimizer != "fused"
-                or rec.get("status") != "ok" or not rec.get("step_s")):
+        if (
+            v is None
+            or v.mode not in BASELINE_MODES
+            or v.precision != prec
+            or v.optimizer != "fused"
+            or rec.get("status") != "ok"
+            or not rec.get("step_s")
+        ):
             continue
         t = statistics.median(rec["step_s"])
         if t < best_t:
@@ -106,6 +135,7 @@ def _best_baseline(recs: dict[str, Any], prec: str) -> str | None:
 
 
 # ---------------------------------------------------------------------------- formatting ----
+
 
 def _f(x: Any, fmt: str, dash: str = "-") -> str:
     return dash if x is None else format(x, fmt)
@@ -126,9 +156,22 @@ def _maxbatch(row: dict[str, Any]) -> str:
     return f"{mb['max_batch']}{'' if mb.get('exact') else '+'} @ {mb['cap_gib']:g} GiB"
 
 
-COLUMNS = ("variant", "ms/step median (min-max)", "IQR ms", "samples/s", "tokens/s", "vs eager fp32",
-           "vs compile same prec", "vs best baseline same prec", "MFU", "optimizer ms", "peak MiB (steps)",
-           "1st step / full speed s", "loss@N", "max batch")
+COLUMNS = (
+    "variant",
+    "ms/step median (min-max)",
+    "IQR ms",
+    "samples/s",
+    "tokens/s",
+    "vs eager fp32",
+    "vs compile same prec",
+    "vs best baseline same prec",
+    "MFU",
+    "optimizer ms",
+    "peak MiB (steps)",
+    "1st step / full speed s",
+    "loss@N",
+    "max batch",
+)
 
 
 def row_cells(row: dict[str, Any]) -> list[str]:
@@ -143,11 +186,22 @@ def row_cells(row: dict[str, Any]) -> list[str]:
     if row.get("mfu_dense") is not None:
         mfu += f" (dense-equivalent {_pct(row['mfu_dense'])})"
     mark = SHORTCUT_MARK if row.get("shortcut") else ""  # a shortcut eager does not get: named under the table
-    return [row["variant"], ms, f"{(row['q3_s'] - row['q1_s']) * 1e3:.1f}", f"{row['samples_s']:.1f}",
-            f"{row['tokens_s']:.0f}", _ratio(row, "vs_eager") + mark, _ratio(row, "vs_compile") + mark,
-            _ratio(row, "vs_best") + mark + (f" {row['best_baseline']}" if row.get("best_baseline") else ""), mfu,
-            _f(row.get("opt_ms"), ".1f") + (f" {row['optimizer']}" if row.get("optimizer") else ""), mem,
-            f"{_f(row.get('ttfs_s'), '.1f')} / {_f(row.get('full_speed_s'), '.1f')}", loss, _maxbatch(row)]
+    return [
+        row["variant"],
+        ms,
+        f"{(row['q3_s'] - row['q1_s']) * 1e3:.1f}",
+        f"{row['samples_s']:.1f}",
+        f"{row['tokens_s']:.0f}",
+        _ratio(row, "vs_eager") + mark,
+        _ratio(row, "vs_compile") + mark,
+        _ratio(row, "vs_best") + mark + (f" {row['best_baseline']}" if row.get("best_baseline") else ""),
+        mfu,
+        _f(row.get("opt_ms"), ".1f") + (f" {row['optimizer']}" if row.get("optimizer") else ""),
+        mem,
+        f"{_f(row.get('ttfs_s'), '.1f')} / {_f(row.get('full_speed_s'), '.1f')}",
+        loss,
+        _maxbatch(row),
+    ]
 
 
 SHORTCUT_MARK = " +"
@@ -160,12 +214,18 @@ def _pct(x: float | None) -> str:
 def notes(rows: list[dict[str, Any]], case: str) -> list[str]:
     """Why variants did not run, the shortcuts behind marked ratios, and max-batch search remarks, for one case."""
     out = [f"{r['variant']} {r['status']}: {r['reason']}" for r in rows if r["case"] == case and r["status"] != "ok"]
-    out += [f"{r['variant']}:{SHORTCUT_MARK} marks ratios that include a shortcut eager does not get ({r['shortcut']}); "
-            f"its MFU counts the FLOPs that run, the dense-equivalent one those of the dense formula"
-            + ("; the graphtrain-fp32-no-sparse-head ablation measures the shortcut" if "sparse" in r["shortcut"]
-               else "") for r in rows if r["case"] == case and r.get("shortcut")]
-    out += [f"{r['variant']} max batch: {r['maxbatch']['note']}" for r in rows
-            if r["case"] == case and r.get("maxbatch", {}).get("note")]
+    out += [
+        f"{r['variant']}:{SHORTCUT_MARK} marks ratios that include a shortcut eager does not get ({r['shortcut']}); "
+        f"its MFU counts the FLOPs that run, the dense-equivalent one those of the dense formula"
+        + ("; the graphtrain-fp32-no-sparse-head ablation measures the shortcut" if "sparse" in r["shortcut"] else "")
+        for r in rows
+        if r["case"] == case and r.get("shortcut")
+    ]
+    out += [
+        f"{r['variant']} max batch: {r['maxbatch']['note']}"
+        for r in rows
+        if r["case"] == case and r.get("maxbatch", {}).get("note")
+    ]
     return out
 
 
@@ -187,58 +247,89 @@ def terminal_table(run: dict[str, Any]) -> str:
 
 def markdown(run: dict[str, Any], heading: str = "##") -> str:
     env, peak, s = run.get("env", {}), run.get("peak") or {}, run.get("settings", {})
-    lines = [f"{heading} Suite `{run['suite']}` ({run.get('started', '?')})", "",
-             f"Command: `{run.get('command', '?')}`", "",
-             *([f"**Partial run**: interrupted after {len(run['cases'])} case(s); only those are shown.", ""]
-               if "finished" not in run else []),
-             f"Machine: {env.get('cpu', '?')}"
-             + (f" ({env['cpu_family_model']})" if env.get("cpu_family_model") else "")
-             + (f", **simulated {env['simulated']}**" if env.get("simulated") else "")
-             + (f" (environment: {', '.join(f'{k}={v}' for k, v in env['isa_env'].items())})"
-                if env.get("isa_env") else "")
-             + f", {env.get('cores', '?')} cores"
-             + (f", GPU {env['gpu']}" if env.get("gpu") else "")
-             + (f", CPU capability {env['isa']} (aten dispatch {env.get('torch_isa')})" if env.get("isa") else "")
-             + f", flags: {', '.join(env.get('cpu_flags', [])) or 'no avx2/avx512/amx'}; "
-             f"{s.get('threads', env.get('cores', '?'))} torch threads, device `{env.get('device', 'cpu')}`"
-             + (f"; load average {env['loadavg_start'][0]:.1f} at start, "
-                f"{(env.get('loadavg_end') or ['?'])[0]} at end (other work on the machine adds noise)"
-                if env.get("loadavg_start") else "") + ".", "",
-             f"Versions: python {env.get('python')}, torch {env.get('torch')}, graphtrain {env.get('graphtrain')}"
-             + (f", transformers {env['transformers']}" if env.get("transformers") else "")
-             + f", git `{(env.get('git_sha') or '?')[:12]}`{' (uncommitted changes)' if env.get('git_dirty') else ''}.",
-             "",
-             f"Protocol: {s.get('warmup')} warmup steps after the first, then {s.get('repeats')} "
-             + ("rounds of " if s.get("max_workers") == 1 else "interleaved rounds of ")
-             + f"{s.get('steps')} steps per variant "
-             + ("(one variant's process at a time, each alone on the machine)" if s.get("max_workers") == 1
-                else "(order rotated each round)")
-             + "; ratios are ref time / time (> 1 is faster), the range in brackets is the spread of the "
-             "per-round ratios. Every variant uses fused AdamW (eager and torch.compile: torch.optim.AdamW(fused=True)) "
-             "unless its name says loop-adamw; glibc's mmap threshold is "
-             + ("pinned in every variant's process (a recompute variant ran, and graphtrain pins it for recompute). "
-                "Pinned, glibc returns every freed large block to the OS and the next step faults its pages in "
-                "again, so every variant's step is slower than in an unpinned table (measured 1.50x on eager "
-                "gpt2-small, 2-core AVX2 EPYC): compare ratios within this table, not step times across tables"
-                if s.get("pin_mmap") else
-                "kept in every variant's process: glibc serves freed blocks up to 1 GiB from its heap for the next "
-                "step, what graphtrain sets without recompute (engine.cpu_allocator)"
-                if s.get("allocator") == "keep" else "left at glibc's default in every process") + "."
-             + (" Every variant's process puts CPU blocks of 2 MiB and more on transparent huge pages, as graphtrain "
-                "does (engine.cpu_huge_pages)." if s.get("huge_pages") else ""), "",
-             f"MFU = model FLOPs / step time / measured matmul peak: fp32 {_f(peak.get('fp32'), '.3g')} FLOP/s"
-             + (f" (the better of aten/MKL {_f(peak.get('fp32_aten'), '.3g')} and oneDNN "
-                f"{_f(peak.get('fp32_onednn'), '.3g')})" if peak.get("fp32_onednn") else "")
-             + f", bf16 {_f(peak.get('bf16'), '.3g')} FLOP/s (`{peak.get('command', flops.PEAK_COMMAND)}`); "
-             f"FLOPs per step = `{FLOP_FORMULA}`, N = parameters minus position/token-type embeddings.", ""]
+    lines = [
+        f"{heading} Suite `{run['suite']}` ({run.get('started', '?')})",
+        "",
+        f"Command: `{run.get('command', '?')}`",
+        "",
+        *(
+            [f"**Partial run**: interrupted after {len(run['cases'])} case(s); only those are shown.", ""]
+            if "finished" not in run
+            else []
+        ),
+        f"Machine: {env.get('cpu', '?')}"
+        + (f" ({env['cpu_family_model']})" if env.get("cpu_family_model") else "")
+        + (f", **simulated {env['simulated']}**" if env.get("simulated") else "")
+        + (f" (environment: {', '.join(f'{k}={v}' for k, v in env['isa_env'].items())})" if env.get("isa_env") else "")
+        + f", {env.get('cores', '?')} cores"
+        + (f", GPU {env['gpu']}" if env.get("gpu") else "")
+        + (f", CPU capability {env['isa']} (aten dispatch {env.get('torch_isa')})" if env.get("isa") else "")
+        + f", flags: {', '.join(env.get('cpu_flags', [])) or 'no avx2/avx512/amx'}; "
+        f"{s.get('threads', env.get('cores', '?'))} torch threads, device `{env.get('device', 'cpu')}`"
+        + (
+            f"; load average {env['loadavg_start'][0]:.1f} at start, "
+            f"{(env.get('loadavg_end') or ['?'])[0]} at end (other work on the machine adds noise)"
+            if env.get("loadavg_start")
+            else ""
+        )
+        + ".",
+        "",
+        f"Versions: python {env.get('python')}, torch {env.get('torch')}, graphtrain {env.get('graphtrain')}"
+        + (f", transformers {env['transformers']}" if env.get("transformers") else "")
+        + f", git `{(env.get('git_sha') or '?')[:12]}`{' (uncommitted changes)' if env.get('git_dirty') else ''}.",
+        "",
+        f"Protocol: {s.get('warmup')} warmup steps after the first, then {s.get('repeats')} "
+        + ("rounds of " if s.get("max_workers") == 1 else "interleaved rounds of ")
+        + f"{s.get('steps')} steps per variant "
+        + (
+            "(one variant's process at a time, each alone on the machine)"
+            if s.get("max_workers") == 1
+            else "(order rotated each round)"
+        )
+        + "; ratios are ref time / time (> 1 is faster), the range in brackets is the spread of the "
+        "per-round ratios. Every variant uses fused AdamW (eager and torch.compile: torch.optim.AdamW(fused=True)) "
+        "unless its name says loop-adamw; glibc's mmap threshold is "
+        + (
+            "pinned in every variant's process (a recompute variant ran, and graphtrain pins it for recompute). "
+            "Pinned, glibc returns every freed large block to the OS and the next step faults its pages in "
+            "again, so every variant's step is slower than in an unpinned table (measured 1.50x on eager "
+            "gpt2-small, 2-core AVX2 EPYC): compare ratios within this table, not step times across tables"
+            if s.get("pin_mmap")
+            else "kept in every variant's process: glibc serves freed blocks up to 1 GiB from its heap for the next "
+            "step, what graphtrain sets without recompute (engine.cpu_allocator)"
+            if s.get("allocator") == "keep"
+            else "left at glibc's default in every process"
+        )
+        + "."
+        + (
+            " Every variant's process puts CPU blocks of 2 MiB and more on transparent huge pages, as graphtrain "
+            "does (engine.cpu_huge_pages)."
+            if s.get("huge_pages")
+            else ""
+        ),
+        "",
+        f"MFU = model FLOPs / step time / measured matmul peak: fp32 {_f(peak.get('fp32'), '.3g')} FLOP/s"
+        + (
+            f" (the better of aten/MKL {_f(peak.get('fp32_aten'), '.3g')} and oneDNN "
+            f"{_f(peak.get('fp32_onednn'), '.3g')})"
+            if peak.get("fp32_onednn")
+            else ""
+        )
+        + f", bf16 {_f(peak.get('bf16'), '.3g')} FLOP/s (`{peak.get('command', flops.PEAK_COMMAND)}`); "
+        f"FLOPs per step = `{FLOP_FORMULA}`, N = parameters minus position/token-type embeddings.",
+        "",
+    ]
     rows = summarize(run)
     for case in run["cases"]:
         setup = next((v.get("setup") for v in case["variants"].values() if v.get("setup")), {}) or {}
         lines += [f"{heading}# {case['name']}", ""]
         if setup:
-            lines += [f"{setup.get('params', 0) / 1e6:.1f} M parameters (N = {setup.get('matmul_params', 0) / 1e6:.1f} M), "
-                      f"{setup.get('n_layer')} layers, d_model {setup.get('d_model')}, "
-                      f"{_f(setup.get('flops_per_step'), '.3g')} FLOP per step.", ""]
+            lines += [
+                f"{setup.get('params', 0) / 1e6:.1f} M parameters (N = {setup.get('matmul_params', 0) / 1e6:.1f} M), "
+                f"{setup.get('n_layer')} layers, d_model {setup.get('d_model')}, "
+                f"{_f(setup.get('flops_per_step'), '.3g')} FLOP per step.",
+                "",
+            ]
         lines += roofline(rows, case["name"], peak)
         lines += ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
         lines += ["| " + " | ".join(row_cells(r)) + " |" for r in rows if r["case"] == case["name"]]
@@ -246,13 +337,16 @@ def markdown(run: dict[str, Any], heading: str = "##") -> str:
         lines += [f"* {n}" for n in notes(rows, case["name"])]
         lines += [""] if notes(rows, case["name"]) else []
         lines += ablation_table(rows, case["name"])
-    lines += ["Peak MiB: the worker process's peak RSS (VmHWM; CUDA: max allocated), including compile; in brackets "
-              "the peak during the timed steps only; `+N child`: the largest peak of a process it started (the "
-              "background Inductor compile, compile workers), so the whole job peaked at no more than the sum. "
-              "1st step / full speed: seconds from building the model to the end of the first step, and to the end "
-              "of the first step at the speed the variant keeps (graphtrain's first steps run on aten while Inductor "
-              "compiles in the background; for the other variants the two are the same). Max batch: largest measured batch whose peak stays under the cap "
-              "(`+`: a measured lower bound, the search ran out of trials).", ""]
+    lines += [
+        "Peak MiB: the worker process's peak RSS (VmHWM; CUDA: max allocated), including compile; in brackets "
+        "the peak during the timed steps only; `+N child`: the largest peak of a process it started (the "
+        "background Inductor compile, compile workers), so the whole job peaked at no more than the sum. "
+        "1st step / full speed: seconds from building the model to the end of the first step, and to the end "
+        "of the first step at the speed the variant keeps (graphtrain's first steps run on aten while Inductor "
+        "compiles in the background; for the other variants the two are the same). Max batch: largest measured batch whose peak stays under the cap "
+        "(`+`: a measured lower bound, the search ran out of trials).",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -266,9 +360,12 @@ def roofline(rows: list[dict[str, Any]], case: str, peak: dict[str, Any]) -> lis
         if ref is None or not peak.get(prec) or not ref.get("flops_per_step"):
             continue
         ideal_ms = ref["flops_per_step"] / peak[prec] * 1e3
-        lines += [f"Roofline ({prec}): this step's FLOPs at the measured {prec} GEMM peak take {ideal_ms:.1f} ms; "
-                  f"eager {prec} runs at {100 * ref['mfu']:.1f}% of that rate, so no {prec} variant can beat it by "
-                  f"more than {1 / ref['mfu']:.2f}x here.", ""]
+        lines += [
+            f"Roofline ({prec}): this step's FLOPs at the measured {prec} GEMM peak take {ideal_ms:.1f} ms; "
+            f"eager {prec} runs at {100 * ref['mfu']:.1f}% of that rate, so no {prec} variant can beat it by "
+            f"more than {1 / ref['mfu']:.2f}x here.",
+            "",
+        ]
     return lines
 
 
@@ -278,17 +375,23 @@ def ablation_table(rows: list[dict[str, Any]], case: str) -> list[str]:
     base = next((r for r in rows if r["case"] == case and r["variant"] == "graphtrain-fp32" and "median_s" in r), None)
     if not abl or base is None:
         return []
-    lines = ["Ablation (graphtrain fp32, one lever off at a time; speed relative to graphtrain with every lever on, "
-             "< 1 = slower without it):", "",
-             "| lever switched off | variant | ms/step | vs graphtrain (all on) | vs eager fp32 | vs best baseline | "
-             "peak MiB |", "|---|---|---|---|---|---|---|",
-             f"| (none) | graphtrain-fp32 | {base['median_s'] * 1e3:.1f} | 1.00x | {_ratio(base, 'vs_eager')} | "
-             f"{_ratio(base, 'vs_best')} | {_f(base.get('peak_mem_mib'), '.0f')} |"]
+    lines = [
+        "Ablation (graphtrain fp32, one lever off at a time; speed relative to graphtrain with every lever on, "
+        "< 1 = slower without it):",
+        "",
+        "| lever switched off | variant | ms/step | vs graphtrain (all on) | vs eager fp32 | vs best baseline | "
+        "peak MiB |",
+        "|---|---|---|---|---|---|---|",
+        f"| (none) | graphtrain-fp32 | {base['median_s'] * 1e3:.1f} | 1.00x | {_ratio(base, 'vs_eager')} | "
+        f"{_ratio(base, 'vs_best')} | {_f(base.get('peak_mem_mib'), '.0f')} |",
+    ]
     for r in abl:
         if "median_s" not in r:
             continue
-        lines.append(f"| {r['ablates']} | {r['variant']} | {r['median_s'] * 1e3:.1f} | {_ratio(r, 'vs_graphtrain')} | "
-                     f"{_ratio(r, 'vs_eager')} | {_ratio(r, 'vs_best')} | {_f(r.get('peak_mem_mib'), '.0f')} |")
+        lines.append(
+            f"| {r['ablates']} | {r['variant']} | {r['median_s'] * 1e3:.1f} | {_ratio(r, 'vs_graphtrain')} | "
+            f"{_ratio(r, 'vs_eager')} | {_ratio(r, 'vs_best')} | {_f(r.get('peak_mem_mib'), '.0f')} |"
+        )
     return lines + [""]
 
 
@@ -308,9 +411,14 @@ def save(run: dict[str, Any], out_dir: Path) -> dict[str, Path]:
     """Write <suite>-<stamp>.json and .md, refresh <suite>-latest.md, append to results.jsonl."""
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = _stem(run)
-    paths = {"json": out_dir / f"{stem}.json", "md": out_dir / f"{stem}.md",
-             "latest": out_dir / f"{run['suite']}-latest.md", "jsonl": out_dir / "results.jsonl",
-             "html": out_dir / f"{stem}.html", "latest_html": out_dir / f"{run['suite']}-latest.html"}
+    paths = {
+        "json": out_dir / f"{stem}.json",
+        "md": out_dir / f"{stem}.md",
+        "latest": out_dir / f"{run['suite']}-latest.md",
+        "jsonl": out_dir / "results.jsonl",
+        "html": out_dir / f"{stem}.html",
+        "latest_html": out_dir / f"{run['suite']}-latest.html",
+    }
     (out_dir / f"{stem}.partial.json").unlink(missing_ok=True)
     paths["json"].write_text(json.dumps(run, indent=1) + "\n")
     text = markdown(run)
@@ -329,12 +437,15 @@ def html_page(run: dict[str, Any], out: Path) -> Path:
     groups: dict[str, list[tuple[str, float, float, float]]] = {}
     for row in summarize(run):
         if row.get("vs_eager") is not None:
-            groups.setdefault(row["case"], []).append((row["variant"], row["vs_eager"], row["vs_eager_min"],
-                                                       row["vs_eager_max"]))
+            groups.setdefault(row["case"], []).append(
+                (row["variant"], row["vs_eager"], row["vs_eager_min"], row["vs_eager_max"])
+            )
     env = run.get("env", {})
-    intro = (f"`{run.get('command', 'graphtrain bench ' + run['suite'])}` on {env.get('cpu', '?')} "
-             f"({env.get('cores', '?')} cores), torch {env.get('torch', '?')}, graphtrain {env.get('graphtrain', '?')}"
-             f" ({env.get('git_sha', '?')}), {run.get('started', '')}")
+    intro = (
+        f"`{run.get('command', 'graphtrain bench ' + run['suite'])}` on {env.get('cpu', '?')} "
+        f"({env.get('cores', '?')} cores), torch {env.get('torch', '?')}, graphtrain {env.get('graphtrain', '?')}"
+        f" ({env.get('git_sha', '?')}), {run.get('started', '')}"
+    )
     table = "<pre>" + terminal_table(run).replace("&", "&amp;").replace("<", "&lt;") + "</pre>"
     return write_bar_page(f"graphtrain bench {run['suite']}", groups, out, intro, table)
 
@@ -444,24 +555,33 @@ def _variants_table() -> str:
 
 def _mfu_text(runs: dict[str, dict[str, Any]]) -> str:
     peak = next((r.get("peak") for r in runs.values() if r.get("peak") and "fp32" in r["peak"]), None)
-    measured = ("" if peak is None else
-                f" On this machine the peak measured with `{peak.get('command', flops.PEAK_COMMAND)}` "
-                f"({peak.get('threads')} threads) was {peak['fp32'] / 1e9:.0f} GFLOP/s fp32"
-                + (f" (aten's MKL path {peak['fp32_aten'] / 1e9:.0f}, oneDNN {peak['fp32_onednn'] / 1e9:.0f}: the fp32 "
-                   "peak is the better of the two)" if peak.get("fp32_onednn") else "")
-                + " and "
-                f"{peak['bf16'] / 1e9:.0f} GFLOP/s bf16 (best of {peak.get('repeats')} timed n x n matmuls, "
-                f"n in {peak.get('sizes_run') or peak.get('sizes')}: sizes grow while they fit a time budget); "
-                "it is measured once per machine and cached, and each run prints it above its tables.")
-    return ("## MFU\n\nFLOPs per step = `" + FLOP_FORMULA + "`, with N the trainable parameters except "
-            "position and token-type embeddings (a tied token embedding counts once, as the LM head's matmul): "
-            "6 N per token for the forward and backward matmuls, plus 12 n_layer seq d_model per token for "
-            "attention's two matmuls (the causal mask is not subtracted). Softmax, norms, GELU and the optimizer "
-            "are not counted. MFU = FLOPs per step / step time / the measured matmul peak of the variant's "
-            "precision (bf16 variants against the bf16 peak). MFU counts the FLOPs a variant runs: graphtrain computes "
-            "a masked-LM head only on the rows that carry a label (the sparse head), so its FLOPs per step are the "
-            "formula's less 6 x (vocab x d_model) per skipped row; the dense formula's figure is printed beside it, "
-            "labelled dense-equivalent, and every ratio that includes the shortcut is marked." + measured + "\n")
+    measured = (
+        ""
+        if peak is None
+        else f" On this machine the peak measured with `{peak.get('command', flops.PEAK_COMMAND)}` "
+        f"({peak.get('threads')} threads) was {peak['fp32'] / 1e9:.0f} GFLOP/s fp32"
+        + (
+            f" (aten's MKL path {peak['fp32_aten'] / 1e9:.0f}, oneDNN {peak['fp32_onednn'] / 1e9:.0f}: the fp32 "
+            "peak is the better of the two)"
+            if peak.get("fp32_onednn")
+            else ""
+        )
+        + " and "
+        f"{peak['bf16'] / 1e9:.0f} GFLOP/s bf16 (best of {peak.get('repeats')} timed n x n matmuls, "
+        f"n in {peak.get('sizes_run') or peak.get('sizes')}: sizes grow while they fit a time budget); "
+        "it is measured once per machine and cached, and each run prints it above its tables."
+    )
+    return (
+        "## MFU\n\nFLOPs per step = `" + FLOP_FORMULA + "`, with N the trainable parameters except "
+        "position and token-type embeddings (a tied token embedding counts once, as the LM head's matmul): "
+        "6 N per token for the forward and backward matmuls, plus 12 n_layer seq d_model per token for "
+        "attention's two matmuls (the causal mask is not subtracted). Softmax, norms, GELU and the optimizer "
+        "are not counted. MFU = FLOPs per step / step time / the measured matmul peak of the variant's "
+        "precision (bf16 variants against the bf16 peak). MFU counts the FLOPs a variant runs: graphtrain computes "
+        "a masked-LM head only on the rows that carry a label (the sparse head), so its FLOPs per step are the "
+        "formula's less 6 x (vocab x d_model) per skipped row; the dense formula's figure is printed beside it, "
+        "labelled dense-equivalent, and every ratio that includes the shortcut is marked." + measured + "\n"
+    )
 
 
 KEEP_BEGIN = "<!-- keep: written by hand; `graphtrain bench --docs` carries it over -->"
@@ -472,6 +592,7 @@ def kept_sections(page: str) -> list[str]:
     """The hand-written sections of an existing page (each between KEEP_BEGIN and KEEP_END, markers included):
     dated runs of other machines or of a subset of a suite, which the latest run of each suite does not replace."""
     import re
+
     return re.findall(re.escape(KEEP_BEGIN) + r".*?" + re.escape(KEEP_END), page, flags=re.DOTALL)
 
 
@@ -485,6 +606,9 @@ def render_docs(runs: dict[str, dict[str, Any]], kept: list[str] = ()) -> str:
     parts.extend(f"{section}\n" for section in kept)
     missing = [s for s in ("small", "hf", "ablation", "seed") if s not in runs]
     if missing:
-        parts.append("Not yet recorded here: " + ", ".join(f"`{s}`" for s in missing)
-                     + " (run `graphtrain bench SUITE --docs docs/design/benchmarks.md`).\n")
+        parts.append(
+            "Not yet recorded here: "
+            + ", ".join(f"`{s}`" for s in missing)
+            + " (run `graphtrain bench SUITE --docs docs/design/benchmarks.md`).\n"
+        )
     return "\n".join(parts)

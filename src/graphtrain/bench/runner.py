@@ -8,6 +8,7 @@ steps: round 0 runs A B C, round 1 B C A, and so on. Noise that drifts over minu
 tenants) then hits every variant alike, and the per-round ratios show the spread honestly. Idle
 workers only hold memory; `Suite.max_workers` bounds how many are alive at once for big models.
 """
+
 from __future__ import annotations
 
 import datetime as _dt
@@ -45,15 +46,23 @@ def skip_reason(variant: Variant, device: str, allow_slow_bf16: bool = False) ->
     """Why `variant` is not run on this machine (None: it runs)."""
     if variant.precision == "bf16" and not allow_slow_bf16:
         from graphtrain.kernels import capability
+
         fast, why = capability.bf16_is_fast(device)
         if not fast:
             return f"bf16 not measured here: {why} (--allow-slow-bf16 runs it anyway)"
     return None
 
 
-def run_case(case: Case, variants: list[Variant], suite: Suite, device: str, log_dir: Path,
-             tick: Callable[[str], None], pin_mmap: bool = False,
-             allow_slow_bf16: bool = False) -> dict[str, Any]:
+def run_case(
+    case: Case,
+    variants: list[Variant],
+    suite: Suite,
+    device: str,
+    log_dir: Path,
+    tick: Callable[[str], None],
+    pin_mmap: bool = False,
+    allow_slow_bf16: bool = False,
+) -> dict[str, Any]:
     """Set up, warm up and time every variant of one case, interleaved; returns per-variant records."""
     records: dict[str, dict[str, Any]] = {v.name: {"variant": v.name} for v in variants}
     for v in variants:
@@ -62,15 +71,16 @@ def run_case(case: Case, variants: list[Variant], suite: Suite, device: str, log
             records[v.name].update(status="skipped", reason=why)
     variants = [v for v in variants if "status" not in records[v.name]]
     for start in range(0, len(variants), suite.max_workers):
-        group = variants[start:start + suite.max_workers]
+        group = variants[start : start + suite.max_workers]
         live: list[tuple[Variant, WorkerProc]] = []
         for v in group:
             tick(f"{case.name} | {v.name} | setup (first step, compiles)")
             w = WorkerProc(case, v, device, log_dir / f"{_slug(case.name)}.{v.name}.log", pin_mmap=pin_mmap)
             reply = w.call("setup", SETUP_TIMEOUT_S)
             if reply.get("ok"):
-                records[v.name].update(status="ok", setup={k: x for k, x in reply.items() if k != "ok"}, step_s=[],
-                                       round_losses=[])
+                records[v.name].update(
+                    status="ok", setup={k: x for k, x in reply.items() if k != "ok"}, step_s=[], round_losses=[]
+                )
                 live.append((v, w))
             else:
                 records[v.name].update(_failed(reply))
@@ -85,8 +95,13 @@ def run_case(case: Case, variants: list[Variant], suite: Suite, device: str, log
     return records
 
 
-def _interleave(case: Case, live: list[tuple[Variant, WorkerProc]], records: dict[str, dict[str, Any]], suite: Suite,
-                tick: Callable[[str], None]) -> None:
+def _interleave(
+    case: Case,
+    live: list[tuple[Variant, WorkerProc]],
+    records: dict[str, dict[str, Any]],
+    suite: Suite,
+    tick: Callable[[str], None],
+) -> None:
     timeout = 60.0 + STEP_TIMEOUT_S * max(suite.steps, suite.warmup)
     for v, w in live:
         tick(f"{case.name} | {v.name} | warmup")
@@ -117,8 +132,14 @@ def _slug(s: str) -> str:
 
 # ------------------------------------------------------------------------------ environment ----
 
-ISA_ENV = ("GRAPHTRAIN_SIMULATE_CPU", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA",
-           "MKL_ENABLE_INSTRUCTIONS", "MKL_DEBUG_CPU_TYPE")
+ISA_ENV = (
+    "GRAPHTRAIN_SIMULATE_CPU",
+    "ATEN_CPU_CAPABILITY",
+    "ONEDNN_MAX_CPU_ISA",
+    "DNNL_MAX_CPU_ISA",
+    "MKL_ENABLE_INSTRUCTIONS",
+    "MKL_DEBUG_CPU_TYPE",
+)
 """Environment variables that limit the instruction set torch, oneDNN, MKL or graphtrain use: recorded with each run
 and named in its machine line."""
 
@@ -129,18 +150,30 @@ def environment(device: str) -> dict[str, Any]:
 
     import graphtrain
     from graphtrain.kernels import capability
+
     c = capability.cpu()
-    env: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
-                           "graphtrain": graphtrain.__version__, "platform": platform.platform(),
-                           "cpu": cpu_name(), "cores": os.cpu_count(), "device": device,
-                           "cpu_flags": _cpu_flags(), "cpu_family_model": _cpu_family_model(),
-                           "isa": c.isa, "torch_isa": c.torch_isa, "git_sha": _git("rev-parse", "HEAD"),
-                           "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
-                           "loadavg_start": _loadavg(), "simulated": c.simulated or None,
-                           # what changes the code a run executes without changing the machine: a simulated CPU
-                           "isa_env": {k: os.environ[k] for k in ISA_ENV if os.environ.get(k)}}
+    env: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "graphtrain": graphtrain.__version__,
+        "platform": platform.platform(),
+        "cpu": cpu_name(),
+        "cores": os.cpu_count(),
+        "device": device,
+        "cpu_flags": _cpu_flags(),
+        "cpu_family_model": _cpu_family_model(),
+        "isa": c.isa,
+        "torch_isa": c.torch_isa,
+        "git_sha": _git("rev-parse", "HEAD"),
+        "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
+        "loadavg_start": _loadavg(),
+        "simulated": c.simulated or None,
+        # what changes the code a run executes without changing the machine: a simulated CPU
+        "isa_env": {k: os.environ[k] for k in ISA_ENV if os.environ.get(k)},
+    }
     try:
         import transformers
+
         env["transformers"] = transformers.__version__
     except ImportError:
         pass
@@ -159,7 +192,7 @@ def _loadavg() -> list[float] | None:
 
 
 def _cpu_family_model() -> str | None:
-    """"family F model M" from /proc/cpuinfo (which EPYC generation, e.g. family 23 = Zen 1, 25 = Zen 3/4)."""
+    """ "family F model M" from /proc/cpuinfo (which EPYC generation, e.g. family 23 = Zen 1, 25 = Zen 3/4)."""
     fields: dict[str, str] = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -177,8 +210,11 @@ def _cpu_flags() -> list[str]:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
-                return sorted(f for f in line.split(":", 1)[1].split() if f.startswith(("avx512_bf16", "amx", "avx2"))
-                              or f == "avx512f")
+                return sorted(
+                    f
+                    for f in line.split(":", 1)[1].split()
+                    if f.startswith(("avx512_bf16", "amx", "avx2")) or f == "avx512f"
+                )
     except OSError:
         pass
     return []
@@ -187,6 +223,7 @@ def _cpu_flags() -> list[str]:
 def _git(*args: str) -> str | None:
     """Read-only git queries about the checkout graphtrain was imported from."""
     import graphtrain
+
     root = Path(graphtrain.__file__).resolve().parents[2]
     try:
         out = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10)
@@ -210,11 +247,20 @@ def now_iso() -> str:
 
 # ------------------------------------------------------------------------------------ suite ----
 
-def run_suite(suite: Suite, variants: list[Variant], cases: tuple[Case, ...], device: str = "cpu",
-              out_dir: Path = Path("bench_results"), maxbatch: bool | None = None, progress: bool = True,
-              command: str = "", measure_peak: bool = True,
-              on_case: Callable[[dict[str, Any]], None] | None = None,
-              allow_slow_bf16: bool = False) -> dict[str, Any]:
+
+def run_suite(
+    suite: Suite,
+    variants: list[Variant],
+    cases: tuple[Case, ...],
+    device: str = "cpu",
+    out_dir: Path = Path("bench_results"),
+    maxbatch: bool | None = None,
+    progress: bool = True,
+    command: str = "",
+    measure_peak: bool = True,
+    on_case: Callable[[dict[str, Any]], None] | None = None,
+    allow_slow_bf16: bool = False,
+) -> dict[str, Any]:
     """Run `cases` x `variants` of `suite`; returns the run record (see report.summarize).
 
     `on_case(run)` is called after every case with the partial record, so a long run that is
@@ -227,13 +273,27 @@ def run_suite(suite: Suite, variants: list[Variant], cases: tuple[Case, ...], de
     started = now_iso()
     log_dir = out_dir / "logs" / f"{suite.name}-{started.replace(':', '')[:17]}"
     pinned = pins_mmap(variants)
-    run: dict[str, Any] = {"suite": suite.name, "started": started, "command": command, "env": environment(device),
-                           "settings": {"steps": suite.steps, "repeats": suite.repeats, "warmup": suite.warmup,
-                                        "cap_gib": suite.cap_gib, "device": device, "max_workers": suite.max_workers,
-                                        "threads": os.cpu_count(), "variants": [v.name for v in variants],
-                                        "pin_mmap": pinned, "allocator": "release" if pinned else "keep",
-                                        "huge_pages": huge_pages_available()[0]},
-                           "log_dir": str(log_dir), "cases": []}
+    run: dict[str, Any] = {
+        "suite": suite.name,
+        "started": started,
+        "command": command,
+        "env": environment(device),
+        "settings": {
+            "steps": suite.steps,
+            "repeats": suite.repeats,
+            "warmup": suite.warmup,
+            "cap_gib": suite.cap_gib,
+            "device": device,
+            "max_workers": suite.max_workers,
+            "threads": os.cpu_count(),
+            "variants": [v.name for v in variants],
+            "pin_mmap": pinned,
+            "allocator": "release" if pinned else "keep",
+            "huge_pages": huge_pages_available()[0],
+        },
+        "log_dir": str(log_dir),
+        "cases": [],
+    }
     total = sum(len(variants) * (suite.repeats + 2) for _ in cases)
     bar = tqdm(total=total, desc=f"bench {suite.name}", unit="op", disable=not progress, dynamic_ncols=True)
 
@@ -251,8 +311,16 @@ def run_suite(suite: Suite, variants: list[Variant], cases: tuple[Case, ...], de
                 bar.update(1)
                 tick(what)
 
-            records = run_case(case, variants, suite, device, log_dir, step_tick, pin_mmap=pins_mmap(variants),
-                               allow_slow_bf16=allow_slow_bf16)
+            records = run_case(
+                case,
+                variants,
+                suite,
+                device,
+                log_dir,
+                step_tick,
+                pin_mmap=pins_mmap(variants),
+                allow_slow_bf16=allow_slow_bf16,
+            )
             bar.n = done_before + len(variants) * (suite.repeats + 2)  # skipped variants tick less
             bar.refresh()
             if maxbatch if maxbatch is not None else case.maxbatch:
@@ -261,8 +329,9 @@ def run_suite(suite: Suite, variants: list[Variant], cases: tuple[Case, ...], de
                     if rec.get("status") != "ok":
                         continue
                     known = {case.batch: rec["peak_mem_mib"]} if rec.get("peak_mem_mib") else None
-                    rec["maxbatch"] = mb.search(case, v, suite.cap_gib, device, log_dir, known, tick,
-                                                pin_mmap=pins_mmap(variants))
+                    rec["maxbatch"] = mb.search(
+                        case, v, suite.cap_gib, device, log_dir, known, tick, pin_mmap=pins_mmap(variants)
+                    )
             run["cases"].append({"name": case.name, "case": dict(case.__dict__), "variants": records})
             if on_case is not None:
                 on_case(run)

@@ -15,6 +15,7 @@ graphtrain-aten | graphtrain-inductor; fused AdamW in every one. Models: graphtr
 bert-mini, ...), hf-gpt2 / hf-bert (transformers, built from config at the "small" size, SDPA attention), or
 hf:<family> (any family of graphtrain.bench.families, e.g. hf:deberta2, hf:swin, at --dims).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,31 +32,37 @@ import torch
 # graphtrain loads in it.
 
 
-def build(model: str, batch: int, seq: int, seed: int = 0, dims: tuple[int, int, int] = (256, 4, 8192)
-          ) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+def build(
+    model: str, batch: int, seq: int, seed: int = 0, dims: tuple[int, int, int] = (256, 4, 8192)
+) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
     """The model (dropout on, train mode) and one fixed batch. ``hf:<family>`` builds a Hugging Face family of
     graphtrain.bench.families at `dims` (hidden, layers, vocabulary)."""
     if model.startswith("hf:"):
         from graphtrain.bench.families import build_family
+
         hidden, layers, vocab = dims
         return build_family(model[3:], hidden=hidden, layers=layers, vocab=vocab, batch=batch, seq=seq, seed=seed)
     torch.manual_seed(seed)
     g = torch.Generator().manual_seed(seed + 1)
     if model.startswith("hf-"):
         import transformers as tf
+
         kw = dict(vocab_size=16384, attn_implementation="sdpa")
         if model == "hf-gpt2":
-            m: torch.nn.Module = tf.GPT2LMHeadModel(tf.GPT2Config(n_layer=6, n_embd=512, n_head=8, n_positions=512,
-                                                                  **kw))
+            m: torch.nn.Module = tf.GPT2LMHeadModel(
+                tf.GPT2Config(n_layer=6, n_embd=512, n_head=8, n_positions=512, **kw)
+            )
         elif model == "hf-bert":
-            m = tf.BertForMaskedLM(tf.BertConfig(num_hidden_layers=6, hidden_size=512, num_attention_heads=8,
-                                                 intermediate_size=2048, **kw))
+            m = tf.BertForMaskedLM(
+                tf.BertConfig(num_hidden_layers=6, hidden_size=512, num_attention_heads=8, intermediate_size=2048, **kw)
+            )
         else:
             raise ValueError(f"unknown model {model!r}: use hf-gpt2, hf-bert or a graphtrain preset")
         vocab, family = 16384, "gpt2" if model == "hf-gpt2" else "bert"
     else:
         from graphtrain.config.sections import ModelConfig
         from graphtrain.models import build_model, resolve_spec
+
         cfg = ModelConfig(name=model)
         spec = resolve_spec(cfg)
         m, vocab, family = build_model(cfg), spec.vocab_size, spec.family
@@ -72,18 +79,21 @@ def _loss(out: Any) -> torch.Tensor:
     return out if isinstance(out, torch.Tensor) else out.loss
 
 
-def _worker(conn: Any, variant: str, model: str, batch: int, seq: int, threads: int,
-            dims: tuple[int, int, int]) -> None:
+def _worker(
+    conn: Any, variant: str, model: str, batch: int, seq: int, threads: int, dims: tuple[int, int, int]
+) -> None:
     torch.set_num_threads(threads)
     # the same process environment for every variant: the CPU allocator graphtrain sets for itself without
     # recompute (freed blocks kept, huge pages), as the `graphtrain bench` suites do
     from graphtrain.runtime.allocator import set_cpu_allocator
+
     set_cpu_allocator("keep")
     m, inputs = build(model, batch, seq, dims=dims)
     if variant == "compile":
         m.compile()
     elif variant.startswith("graphtrain"):
         import graphtrain
+
         provider = variant.split("-", 1)[1] if "-" in variant else "auto"
         graphtrain.accelerate(m, provider=provider)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True)  # the strongest one-flag AdamW, every variant
@@ -98,6 +108,7 @@ def _worker(conn: Any, variant: str, model: str, batch: int, seq: int, threads: 
     first = time.perf_counter() - t0
     if variant.startswith("graphtrain"):  # provider auto: time the compiled graphs, not the background compile
         import graphtrain
+
         graphtrain.wait_compiled(m, timeout=1800)
         step()  # the switching step
     conn.send(("first", first))
@@ -113,17 +124,28 @@ def _worker(conn: Any, variant: str, model: str, batch: int, seq: int, threads: 
     conn.send(("rss", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024))
     if variant.startswith("graphtrain"):
         import graphtrain
+
         conn.send(("report", str(graphtrain.report(m))))
     else:
         conn.send(("report", ""))
 
 
-def run(model: str, batch: int, seq: int, variants: list[str], steps: int, repeats: int, threads: int,
-        show_report: bool = False, dims: tuple[int, int, int] = (256, 4, 8192)) -> dict[str, dict[str, Any]]:
+def run(
+    model: str,
+    batch: int,
+    seq: int,
+    variants: list[str],
+    steps: int,
+    repeats: int,
+    threads: int,
+    show_report: bool = False,
+    dims: tuple[int, int, int] = (256, 4, 8192),
+) -> dict[str, dict[str, Any]]:
     ctx = mp.get_context("spawn")
     # the spawned workers inherit this environment: torch.compile's own Inductor cache kept apart per simulated
     # ISA, as for `graphtrain bench`'s workers (worker.worker_env says why)
     from graphtrain.bench.worker import worker_env
+
     if "TORCHINDUCTOR_CACHE_DIR" in (env := worker_env()):
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = env["TORCHINDUCTOR_CACHE_DIR"]
     workers = {}
@@ -158,8 +180,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=5, help="timed steps per turn")
     ap.add_argument("--repeats", type=int, default=3, help="turns per variant (interleaved)")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--dims", default="256,4,8192", metavar="HIDDEN,LAYERS,VOCAB",
-                    help="size of an hf:<family> model (graphtrain.bench.families)")
+    ap.add_argument(
+        "--dims",
+        default="256,4,8192",
+        metavar="HIDDEN,LAYERS,VOCAB",
+        help="size of an hf:<family> model (graphtrain.bench.families)",
+    )
     ap.add_argument("--report", action="store_true", help="print graphtrain's engine report per variant")
     a = ap.parse_args(argv)
     variants = [v.strip() for v in a.variants.split(",") if v.strip()]
@@ -171,17 +197,23 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"--dims {a.dims!r}: give three integers, hidden,layers,vocab (e.g. 256,4,8192)")
     dims = tuple(int(x) for x in parts)
     res = run(a.model, a.batch, a.seq, variants, a.steps, a.repeats, a.threads, a.report, dims)
-    print(f"{a.model} batch {a.batch} seq {a.seq}, {a.threads} threads, {a.repeats} interleaved turns x "
-          f"{a.steps} steps, torch {torch.__version__}")
-    print(f"{'variant':<20} {'median s/step':>13} {'spread':>15} {'vs eager':>9} {'vs compile':>10} "
-          f"{'peak RSS':>10} {'first step':>10}")
+    print(
+        f"{a.model} batch {a.batch} seq {a.seq}, {a.threads} threads, {a.repeats} interleaved turns x "
+        f"{a.steps} steps, torch {torch.__version__}"
+    )
+    print(
+        f"{'variant':<20} {'median s/step':>13} {'spread':>15} {'vs eager':>9} {'vs compile':>10} "
+        f"{'peak RSS':>10} {'first step':>10}"
+    )
     base = res.get("eager", {}).get("median")
     comp = res.get("compile", {}).get("median")
     for v, r in res.items():
         speed_e = f"{base / r['median']:.2f}x" if base else "-"
         speed_c = f"{comp / r['median']:.2f}x" if comp else "-"
-        print(f"{v:<20} {r['median']:>13.3f} {min(r['times']):>7.3f}-{max(r['times']):<7.3f} {speed_e:>9} "
-              f"{speed_c:>10} {r['rss'] / 2**20:>7.0f} MiB {r['first']:>9.1f}s")
+        print(
+            f"{v:<20} {r['median']:>13.3f} {min(r['times']):>7.3f}-{max(r['times']):<7.3f} {speed_e:>9} "
+            f"{speed_c:>10} {r['rss'] / 2**20:>7.0f} MiB {r['first']:>9.1f}s"
+        )
     if a.report:
         for v, r in res.items():
             if r["report"]:

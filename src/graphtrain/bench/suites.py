@@ -5,6 +5,7 @@ A *case* is one (model, batch, seq); a *variant* is one way of running its train
 variant of a case is built by the same setup factory (:mod:`graphtrain.bench.case`) from the same
 seed, so the numbers differ only by how the step runs.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -54,41 +55,92 @@ _LEVERS = (
     ("graphtrain-fp32-loop-adamw", "fused optimizer (AdamW as a per-parameter loop)", dict(optimizer="loop")),
 )
 
-VARIANTS: dict[str, Variant] = {v.name: v for v in (
-    Variant("eager-fp32", "eager", "fp32", "plain PyTorch, torch.optim.AdamW(fused=True)"),
-    Variant("eager-fp32-loop-adamw", "eager", "fp32", "plain PyTorch, torch.optim.AdamW's default per-parameter loop",
-            optimizer="loop"),
-    Variant("eager-bf16", "eager", "bf16", "PyTorch with torch.autocast(bfloat16), AdamW(fused=True)"),
-    Variant("eager-fp32-matmul-bf16", "eager", "bf16", 'plain PyTorch in fp32 with torch.backends.mkldnn.matmul.'
-            'fp32_precision = "bf16" (its matmuls in bf16, no autocast), AdamW(fused=True)', fp32_matmul_bf16=True),
-    Variant("compile-fp32", "compile", "fp32", "torch.compile(model), default mode (Inductor), AdamW(fused=True)"),
-    Variant("compile-bf16", "compile", "bf16", "torch.compile(model) under torch.autocast(bfloat16)"),
-    Variant("compile-max-autotune-fp32", "compile", "fp32", 'torch.compile(model, mode="max-autotune")',
-            compile_mode="max-autotune"),
-    Variant("compile-max-autotune-bf16", "compile", "bf16",
-            'torch.compile(model, mode="max-autotune") under torch.autocast(bfloat16)', compile_mode="max-autotune"),
-    Variant("graphtrain-fp32", "graphtrain", "fp32", "graphtrain.accelerate(model)"),
-    Variant("graphtrain-bf16", "graphtrain", "bf16", 'graphtrain.accelerate(model, precision="bf16")'),
-    Variant("graphtrain-ckpt-fp32", "graphtrain", "fp32",
-            'graphtrain.accelerate(model, recompute="full"): every layer but the last checkpointed', "full"),
-    Variant("graphtrain-ckpt-bf16", "graphtrain", "bf16",
-            'graphtrain.accelerate(model, precision="bf16", recompute="full")', "full"),
-    Variant("graphtrain-selective-fp32", "graphtrain", "fp32",
-            'graphtrain.accelerate(model, recompute="selective"): the attention core recomputed', "selective",
-            ablates="no recompute (adds selective recompute: the memory lever)"),
-    *(Variant(name, "graphtrain", "fp32", f"graphtrain.accelerate(model) without {what}", ablates=what, **kw)
-      for name, what, kw in _LEVERS),
-    Variant("graphtrain-step-fp32", "graphtrain-step", "fp32", "graphtrain.compile_step(model): forward, backward, "
-            "clip and AdamW compiled (blocks once, then one update graph)"),
-    Variant("graphtrain-step-bf16", "graphtrain-step", "bf16", 'graphtrain.compile_step(model, precision="bf16")'),
-    Variant("ortmodule-fp32", "ortmodule", "fp32", "onnxruntime-training ORTModule (skipped if not installed)"),
-)}
+VARIANTS: dict[str, Variant] = {
+    v.name: v
+    for v in (
+        Variant("eager-fp32", "eager", "fp32", "plain PyTorch, torch.optim.AdamW(fused=True)"),
+        Variant(
+            "eager-fp32-loop-adamw",
+            "eager",
+            "fp32",
+            "plain PyTorch, torch.optim.AdamW's default per-parameter loop",
+            optimizer="loop",
+        ),
+        Variant("eager-bf16", "eager", "bf16", "PyTorch with torch.autocast(bfloat16), AdamW(fused=True)"),
+        Variant(
+            "eager-fp32-matmul-bf16",
+            "eager",
+            "bf16",
+            "plain PyTorch in fp32 with torch.backends.mkldnn.matmul."
+            'fp32_precision = "bf16" (its matmuls in bf16, no autocast), AdamW(fused=True)',
+            fp32_matmul_bf16=True,
+        ),
+        Variant("compile-fp32", "compile", "fp32", "torch.compile(model), default mode (Inductor), AdamW(fused=True)"),
+        Variant("compile-bf16", "compile", "bf16", "torch.compile(model) under torch.autocast(bfloat16)"),
+        Variant(
+            "compile-max-autotune-fp32",
+            "compile",
+            "fp32",
+            'torch.compile(model, mode="max-autotune")',
+            compile_mode="max-autotune",
+        ),
+        Variant(
+            "compile-max-autotune-bf16",
+            "compile",
+            "bf16",
+            'torch.compile(model, mode="max-autotune") under torch.autocast(bfloat16)',
+            compile_mode="max-autotune",
+        ),
+        Variant("graphtrain-fp32", "graphtrain", "fp32", "graphtrain.accelerate(model)"),
+        Variant("graphtrain-bf16", "graphtrain", "bf16", 'graphtrain.accelerate(model, precision="bf16")'),
+        Variant(
+            "graphtrain-ckpt-fp32",
+            "graphtrain",
+            "fp32",
+            'graphtrain.accelerate(model, recompute="full"): every layer but the last checkpointed',
+            "full",
+        ),
+        Variant(
+            "graphtrain-ckpt-bf16",
+            "graphtrain",
+            "bf16",
+            'graphtrain.accelerate(model, precision="bf16", recompute="full")',
+            "full",
+        ),
+        Variant(
+            "graphtrain-selective-fp32",
+            "graphtrain",
+            "fp32",
+            'graphtrain.accelerate(model, recompute="selective"): the attention core recomputed',
+            "selective",
+            ablates="no recompute (adds selective recompute: the memory lever)",
+        ),
+        *(
+            Variant(name, "graphtrain", "fp32", f"graphtrain.accelerate(model) without {what}", ablates=what, **kw)
+            for name, what, kw in _LEVERS
+        ),
+        Variant(
+            "graphtrain-step-fp32",
+            "graphtrain-step",
+            "fp32",
+            "graphtrain.compile_step(model): forward, backward, "
+            "clip and AdamW compiled (blocks once, then one update graph)",
+        ),
+        Variant("graphtrain-step-bf16", "graphtrain-step", "bf16", 'graphtrain.compile_step(model, precision="bf16")'),
+        Variant("ortmodule-fp32", "ortmodule", "fp32", "onnxruntime-training ORTModule (skipped if not installed)"),
+    )
+}
 DEFAULT_VARIANTS = ("eager-fp32", "eager-bf16", "compile-fp32", "compile-bf16", "graphtrain-fp32", "graphtrain-bf16")
 BF16_BASELINES = ("eager-bf16", "eager-fp32-matmul-bf16", "compile-bf16", "compile-max-autotune-bf16")
 """Every one-flag bf16 baseline a CPU user has (`graphtrain bench hf --variants ...` with graphtrain-bf16)."""
 AUTOTUNE_VARIANTS = ("compile-max-autotune-fp32", "compile-max-autotune-bf16")
-ABLATION_VARIANTS = ("eager-fp32", "compile-fp32", "graphtrain-fp32", *(name for name, _, _ in _LEVERS),
-                     "graphtrain-selective-fp32")
+ABLATION_VARIANTS = (
+    "eager-fp32",
+    "compile-fp32",
+    "graphtrain-fp32",
+    *(name for name, _, _ in _LEVERS),
+    "graphtrain-selective-fp32",
+)
 REFERENCE = "eager-fp32"
 """Speed ratios are given against this variant and against torch.compile at the same precision."""
 
@@ -133,36 +185,101 @@ class Suite:
     """What runs when `--variants` is not given."""
 
 
-SUITES: dict[str, Suite] = {s.name: s for s in (
-    Suite("tiny", "seconds-long smoke run used by the tests",
-          (Case("gpt2-tiny", 2, 32), Case("bert-tiny", 2, 32)), steps=2, repeats=2, warmup=1, cap_gib=2.0),
-    Suite("small", "gpt2/bert mini and small presets at seq 128 with SDPA attention (small also with hand-written "
-                   "attention): stable numbers from a 2-core CPU in minutes",
-          (Case("gpt2-mini", 16, 128), Case("bert-mini", 16, 128), Case("gpt2-small", 8, 128),
-           Case("bert-small", 8, 128), Case("gpt2-small", 8, 128, attention="explicit"),
-           Case("bert-small", 8, 128, attention="explicit")), steps=4, repeats=5, warmup=2, cap_gib=8.0,
-          variants=DEFAULT_VARIANTS + AUTOTUNE_VARIANTS),
-    Suite("hf", "Hugging Face GPT2LMHeadModel / BertForMaskedLM (dropout 0.1) / LlamaForCausalLM (GQA, no dropout) "
-                "from config (random init, SDPA)",
-          (Case("hf-gpt2-mini", 16, 128), Case("hf-bert-mini", 16, 128), Case("hf-gpt2-small", 8, 128),
-           Case("hf-bert-small", 8, 128), Case("hf-llama-mini", 16, 128), Case("hf-llama-small", 8, 128)), steps=4, repeats=5, warmup=2, cap_gib=8.0,
-          variants=DEFAULT_VARIANTS + AUTOTUNE_VARIANTS),
-    Suite("ablation", "what each of graphtrain's levers is worth: graphtrain fp32 with one lever switched off at a "
-                      "time, beside eager and torch.compile, on the headline small and Hugging Face cases",
-          (Case("gpt2-small", 8, 128), Case("bert-small", 8, 128), Case("hf-gpt2-small", 8, 128),
-           Case("hf-bert-small", 8, 128)), steps=4, repeats=4, warmup=2, cap_gib=8.0, variants=ABLATION_VARIANTS),
-    Suite("seed", "the ORT Training blog's models: BERT-Large phase 1 (seq 128) and 2 (seq 512), GPT-2 Medium "
-                  "(seq 1024), at CPU-sized batches, plus the largest batch under the memory cap",
-          (Case("bert-large", 4, 128, maxbatch=True), Case("bert-large", 1, 512, maxbatch=True),
-           Case("gpt2-medium", 1, 1024, maxbatch=True)),
-          steps=2, repeats=3, warmup=1, cap_gib=12.0, max_workers=1,
-          variants=DEFAULT_VARIANTS + ("graphtrain-ckpt-fp32", "graphtrain-ckpt-bf16")),
-    Suite("seed-ablation", "the seed models with one graphtrain lever switched off at a time (fp32)",
-          (Case("bert-large", 4, 128), Case("bert-large", 1, 512), Case("gpt2-medium", 1, 1024)),
-          steps=1, repeats=2, warmup=1, cap_gib=12.0, max_workers=1, variants=ABLATION_VARIANTS),
-    # max_workers=1: one gpt2-medium worker at seq 1024 peaks at 12.6 GB (eager fp32, batch 1), so two side
-    # by side can exhaust a 24 GiB machine; variants run one after another on an otherwise idle machine.
-)}
+SUITES: dict[str, Suite] = {
+    s.name: s
+    for s in (
+        Suite(
+            "tiny",
+            "seconds-long smoke run used by the tests",
+            (Case("gpt2-tiny", 2, 32), Case("bert-tiny", 2, 32)),
+            steps=2,
+            repeats=2,
+            warmup=1,
+            cap_gib=2.0,
+        ),
+        Suite(
+            "small",
+            "gpt2/bert mini and small presets at seq 128 with SDPA attention (small also with hand-written "
+            "attention): stable numbers from a 2-core CPU in minutes",
+            (
+                Case("gpt2-mini", 16, 128),
+                Case("bert-mini", 16, 128),
+                Case("gpt2-small", 8, 128),
+                Case("bert-small", 8, 128),
+                Case("gpt2-small", 8, 128, attention="explicit"),
+                Case("bert-small", 8, 128, attention="explicit"),
+            ),
+            steps=4,
+            repeats=5,
+            warmup=2,
+            cap_gib=8.0,
+            variants=DEFAULT_VARIANTS + AUTOTUNE_VARIANTS,
+        ),
+        Suite(
+            "hf",
+            "Hugging Face GPT2LMHeadModel / BertForMaskedLM (dropout 0.1) / LlamaForCausalLM (GQA, no dropout) "
+            "from config (random init, SDPA)",
+            (
+                Case("hf-gpt2-mini", 16, 128),
+                Case("hf-bert-mini", 16, 128),
+                Case("hf-gpt2-small", 8, 128),
+                Case("hf-bert-small", 8, 128),
+                Case("hf-llama-mini", 16, 128),
+                Case("hf-llama-small", 8, 128),
+            ),
+            steps=4,
+            repeats=5,
+            warmup=2,
+            cap_gib=8.0,
+            variants=DEFAULT_VARIANTS + AUTOTUNE_VARIANTS,
+        ),
+        Suite(
+            "ablation",
+            "what each of graphtrain's levers is worth: graphtrain fp32 with one lever switched off at a "
+            "time, beside eager and torch.compile, on the headline small and Hugging Face cases",
+            (
+                Case("gpt2-small", 8, 128),
+                Case("bert-small", 8, 128),
+                Case("hf-gpt2-small", 8, 128),
+                Case("hf-bert-small", 8, 128),
+            ),
+            steps=4,
+            repeats=4,
+            warmup=2,
+            cap_gib=8.0,
+            variants=ABLATION_VARIANTS,
+        ),
+        Suite(
+            "seed",
+            "the ORT Training blog's models: BERT-Large phase 1 (seq 128) and 2 (seq 512), GPT-2 Medium "
+            "(seq 1024), at CPU-sized batches, plus the largest batch under the memory cap",
+            (
+                Case("bert-large", 4, 128, maxbatch=True),
+                Case("bert-large", 1, 512, maxbatch=True),
+                Case("gpt2-medium", 1, 1024, maxbatch=True),
+            ),
+            steps=2,
+            repeats=3,
+            warmup=1,
+            cap_gib=12.0,
+            max_workers=1,
+            variants=DEFAULT_VARIANTS + ("graphtrain-ckpt-fp32", "graphtrain-ckpt-bf16"),
+        ),
+        Suite(
+            "seed-ablation",
+            "the seed models with one graphtrain lever switched off at a time (fp32)",
+            (Case("bert-large", 4, 128), Case("bert-large", 1, 512), Case("gpt2-medium", 1, 1024)),
+            steps=1,
+            repeats=2,
+            warmup=1,
+            cap_gib=12.0,
+            max_workers=1,
+            variants=ABLATION_VARIANTS,
+        ),
+        # max_workers=1: one gpt2-medium worker at seq 1024 peaks at 12.6 GB (eager fp32, batch 1), so two side
+        # by side can exhaust a 24 GiB machine; variants run one after another on an otherwise idle machine.
+    )
+}
 
 
 def get_suite(name: str) -> Suite:
@@ -190,8 +307,9 @@ def select_cases(suite: Suite, patterns: list[str] | None) -> tuple[Case, ...]:
         return suite.cases
     chosen = tuple(c for c in suite.cases if any(p in c.name or fnmatch.fnmatchcase(c.name, p) for p in patterns))
     if not chosen:
-        raise ValueError(f"no case of suite {suite.name!r} matches {patterns}: cases are "
-                         f"{', '.join(c.name for c in suite.cases)}")
+        raise ValueError(
+            f"no case of suite {suite.name!r} matches {patterns}: cases are {', '.join(c.name for c in suite.cases)}"
+        )
     return chosen
 
 

@@ -1,5 +1,6 @@
 """A benchmark worker: a long-lived `python -m graphtrain.bench.case` process and its JSON-lines channel, shared
 by the suite runner (runner.py) and the largest-batch search (maxbatch.py)."""
+
 from __future__ import annotations
 
 import json
@@ -30,12 +31,15 @@ def worker_env() -> dict[str, str]:
     `cache_dir()` writes the default into the environment the first time this process asks for it, and the workers
     started after that (a run's second variant on) had loaded AVX-512 code under AVX2 and died."""
     import os
+
     env = dict(os.environ)
     isa = env.get("ATEN_CPU_CAPABILITY", "").strip().lower()
     if isa:
         from graphtrain.pipeline.cache import user_set_inductor_cache
+
         if not user_set_inductor_cache(env):
             from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
             env["TORCHINDUCTOR_CACHE_DIR"] = f"{default_cache_dir()}-isa-{isa}"
     return env
 
@@ -48,9 +52,15 @@ class WorkerProc:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self.log_path = log_path
         self._log = open(log_path, "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "graphtrain.bench.case", spec], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self._log, text=True, bufsize=1,
-                                     env=worker_env())
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "graphtrain.bench.case", spec],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+            bufsize=1,
+            env=worker_env(),
+        )
 
     def call(self, op: str, timeout: float, **args: Any) -> dict[str, Any]:
         try:
@@ -72,7 +82,7 @@ class WorkerProc:
             if not line:
                 return self._died()
             if line.startswith(REPLY):
-                return json.loads(line[len(REPLY):])
+                return json.loads(line[len(REPLY) :])
 
     def _died(self) -> dict[str, Any]:
         rc = self.proc.wait(timeout=30)

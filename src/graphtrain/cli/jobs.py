@@ -1,6 +1,7 @@
 """How the command line becomes a job (`[CONFIG.yaml] [section.key=value ...]`: load_config), and the commands that
 inspect a configured job without training it: `graphtrain report`, `graphtrain precompile`, `graphtrain bisect` (their
 arguments, what they run and the ``*_for_config`` functions behind them; cli/main.py registers them)."""
+
 from __future__ import annotations
 
 import argparse
@@ -15,9 +16,13 @@ from graphtrain.config.sections import Config
 
 def add_config_items(p: argparse.ArgumentParser) -> None:
     p.usage = f"{p.prog} [CONFIG.yaml] [section.key=value ...] [options]"
-    p.add_argument("items", nargs="*", metavar="CONFIG.yaml | section.key=value",
-                   help="an optional YAML job file, then overrides such as train.steps=50 model.name=gpt2-tiny "
-                        "(values are parsed as YAML)")
+    p.add_argument(
+        "items",
+        nargs="*",
+        metavar="CONFIG.yaml | section.key=value",
+        help="an optional YAML job file, then overrides such as train.steps=50 model.name=gpt2-tiny "
+        "(values are parsed as YAML)",
+    )
 
 
 def load_config(items: list[str]) -> Config:
@@ -29,13 +34,15 @@ def load_config(items: list[str]) -> Config:
         elif i == 0:
             path = item
         else:
-            raise ValueError(f"unexpected argument {item!r}: give at most one CONFIG.yaml, first, then "
-                             f"section.key=value overrides")
+            raise ValueError(
+                f"unexpected argument {item!r}: give at most one CONFIG.yaml, first, then section.key=value overrides"
+            )
     config = Config.from_yaml(path) if path is not None else Config()
     return config.with_overrides(overrides) if overrides else config
 
 
 # ---------------------------------------------------------------------------------- report ----
+
 
 def add_report_arguments(p: argparse.ArgumentParser) -> None:
     add_config_items(p)
@@ -82,10 +89,12 @@ def run_precompile(args: argparse.Namespace) -> int:
         print(json.dumps(rep.to_dict(), indent=2, default=str))
         return 0
     c = rep.cache or {}
-    print(f"precompiled in {seconds:.1f} s: {len(rep.graphs)} graphs into {c.get('folder')}\n"
-          f"  graphtrain pass results stored: {c.get('passes_miss', 0)} (already there: {c.get('passes_hit', 0)}); "
-          f"Inductor FX graphs compiled: {c.get('fxgraph_miss', 0)} (already there: {c.get('fxgraph_hit', 0)})\n"
-          f"  a `graphtrain train` of the same job on this machine now starts from the cache")
+    print(
+        f"precompiled in {seconds:.1f} s: {len(rep.graphs)} graphs into {c.get('folder')}\n"
+        f"  graphtrain pass results stored: {c.get('passes_miss', 0)} (already there: {c.get('passes_hit', 0)}); "
+        f"Inductor FX graphs compiled: {c.get('fxgraph_miss', 0)} (already there: {c.get('fxgraph_hit', 0)})\n"
+        f"  a `graphtrain train` of the same job on this machine now starts from the cache"
+    )
     print(rep.summary())
     return 0
 
@@ -104,16 +113,27 @@ def precompile_for_config(config: Config) -> tuple[Any, float]:
     from graphtrain.trainer import Trainer
 
     if config.parallel.world_size > 1:
-        raise ValueError(f"graphtrain precompile runs one process; parallel.dp*tp*pp = {config.parallel.world_size}: "
-                         f"each rank compiles its own graphs at the start of the job")
+        raise ValueError(
+            f"graphtrain precompile runs one process; parallel.dp*tp*pp = {config.parallel.world_size}: "
+            f"each rank compiles its own graphs at the start of the job"
+        )
     if not config.train.accelerate:
         raise ValueError("train.accelerate is false: the job compiles nothing, there is nothing to precompile")
     scratch = tempfile.mkdtemp(prefix="graphtrain-precompile-")
     try:
-        job = config.with_overrides({"train.steps": 1, "train.eval_every": 0, "train.eval_batches": 1,
-                                     "train.ckpt_every": 0, "train.out_dir": scratch, "train.progress": False,
-                                     "train.sample_tokens": 0, "train.init_from": None,
-                                     "engine.compile_in_background": False})  # provider auto: both now
+        job = config.with_overrides(
+            {
+                "train.steps": 1,
+                "train.eval_every": 0,
+                "train.eval_batches": 1,
+                "train.ckpt_every": 0,
+                "train.out_dir": scratch,
+                "train.progress": False,
+                "train.sample_tokens": 0,
+                "train.init_from": None,
+                "engine.compile_in_background": False,
+            }
+        )  # provider auto: both now
         t0 = time.perf_counter()
         with contextlib.redirect_stdout(sys.stderr):  # the scratch run's log is not the command's output
             trainer = Trainer(job)
@@ -131,15 +151,18 @@ def _check_job(config: Config, who: str) -> Config:
         raise TypeError(f"{who} expects a graphtrain.Config, got {type(config).__name__}")
     spec = resolve_spec(config.model)
     if config.data.seq_len > spec.max_seq_len:
-        raise ValueError(f"data.seq_len={config.data.seq_len} is longer than model {config.model.label!r} supports "
-                         f"(max_seq_len={spec.max_seq_len}): lower data.seq_len, or set "
-                         f"model.max_seq_len={config.data.seq_len}")
+        raise ValueError(
+            f"data.seq_len={config.data.seq_len} is longer than model {config.model.label!r} supports "
+            f"(max_seq_len={spec.max_seq_len}): lower data.seq_len, or set "
+            f"model.max_seq_len={config.data.seq_len}"
+        )
     return config
 
 
 def _job_data(config: Config) -> Any:
     from graphtrain.data import build_data
     from graphtrain.models import resolve_spec
+
     return build_data(config, family=resolve_spec(config.model).family)
 
 
@@ -166,13 +189,17 @@ examples:
 
 def add_bisect_arguments(p: argparse.ArgumentParser) -> None:
     add_config_items(p)
-    p.add_argument("--steps", type=int, default=3, metavar="N",
-                   help="SGD steps compared per configuration (default 3)")
-    p.add_argument("--provider", choices=("aten", "inductor"),
-                   help="the provider to end on (default: the config's engine.provider; auto is inductor)")
-    p.add_argument("--keep-dropout", action="store_true",
-                   help="keep dropout on; configurations whose random stream differs from eager's are then "
-                        "reported, not judged")
+    p.add_argument("--steps", type=int, default=3, metavar="N", help="SGD steps compared per configuration (default 3)")
+    p.add_argument(
+        "--provider",
+        choices=("aten", "inductor"),
+        help="the provider to end on (default: the config's engine.provider; auto is inductor)",
+    )
+    p.add_argument(
+        "--keep-dropout",
+        action="store_true",
+        help="keep dropout on; configurations whose random stream differs from eager's are then reported, not judged",
+    )
     p.add_argument("--alone", action="store_true", help="also run each pass on its own")
     p.add_argument("--json", action="store_true", help="print the result as JSON instead of text")
 
@@ -180,14 +207,20 @@ def add_bisect_arguments(p: argparse.ArgumentParser) -> None:
 def run_bisect(args: argparse.Namespace) -> int:
     import json
 
-    rep = bisect_for_config(load_config(args.items), steps=args.steps, provider=args.provider,
-                            keep_dropout=args.keep_dropout, alone=args.alone)
+    rep = bisect_for_config(
+        load_config(args.items),
+        steps=args.steps,
+        provider=args.provider,
+        keep_dropout=args.keep_dropout,
+        alone=args.alone,
+    )
     print(json.dumps(rep.to_dict(), indent=2, default=str) if args.json else rep)
     return 0 if rep.ok else 1
 
 
-def bisect_for_config(config: Config, *, steps: int = 3, provider: str | None = None, keep_dropout: bool = False,
-                      alone: bool = False) -> Any:
+def bisect_for_config(
+    config: Config, *, steps: int = 3, provider: str | None = None, keep_dropout: bool = False, alone: bool = False
+) -> Any:
     """Bisect the configured model on the first batch of its data (``graphtrain bisect CONFIG``), model and batch
     built as ``report_for_config`` builds them; `provider` None means the config's engine.provider."""
     import torch
@@ -201,6 +234,15 @@ def bisect_for_config(config: Config, *, steps: int = 3, provider: str | None = 
         torch.manual_seed(config.train.seed)
         return build_model(config.model, vocab_size=data.vocab_size)
 
-    return bisect(factory, _first_batch(config, data), steps=steps, provider=provider or config.engine.provider,
-                  precision=config.engine.precision, seed=config.train.seed, keep_dropout=keep_dropout, alone=alone,
-                  engine=config.engine, name=config.model.name)
+    return bisect(
+        factory,
+        _first_batch(config, data),
+        steps=steps,
+        provider=provider or config.engine.provider,
+        precision=config.engine.precision,
+        seed=config.train.seed,
+        keep_dropout=keep_dropout,
+        alone=alone,
+        engine=config.engine,
+        name=config.model.name,
+    )

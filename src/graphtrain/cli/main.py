@@ -26,6 +26,7 @@ Exit status, so that a scheduler can tell what to do:
 Every error is one ``error: ...`` line naming the problem and the fix, without a traceback;
 ``--debug`` shows the traceback instead. A traceback without --debug is a bug in graphtrain.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -69,6 +70,7 @@ class Subcommand(NamedTuple):
 
 # ----------------------------------------------------------------------------- shared bits ----
 
+
 class _Parser(argparse.ArgumentParser):
     """argparse with one-line usage errors: ``error: <what> (see graphtrain train --help)``, exit status 2."""
 
@@ -106,35 +108,61 @@ and the run exits with status 75; continue with --resume auto. Exit status: 0 do
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
     add_config_items(p)
-    p.add_argument("--resume", nargs="?", const="latest", metavar="auto",
-                   help="continue from the latest checkpoint in out_dir (weights, optimizer, step, RNG); "
-                        "`--resume auto`: continue from the latest valid checkpoint if there is one, else "
-                        "start fresh (the same command starts and continues a run)")
-    p.add_argument("--resume-from", metavar="CKPT",
-                   help="continue from this checkpoint file (or the latest one in this run folder)")
-    p.add_argument("--no-accelerate", action="store_true",
-                   help="train with plain eager PyTorch instead of the graphtrain engine (train.accelerate=false)")
+    p.add_argument(
+        "--resume",
+        nargs="?",
+        const="latest",
+        metavar="auto",
+        help="continue from the latest checkpoint in out_dir (weights, optimizer, step, RNG); "
+        "`--resume auto`: continue from the latest valid checkpoint if there is one, else "
+        "start fresh (the same command starts and continues a run)",
+    )
+    p.add_argument(
+        "--resume-from",
+        metavar="CKPT",
+        help="continue from this checkpoint file (or the latest one in this run folder)",
+    )
+    p.add_argument(
+        "--no-accelerate",
+        action="store_true",
+        help="train with plain eager PyTorch instead of the graphtrain engine (train.accelerate=false)",
+    )
     p.add_argument("--out", metavar="DIR", help="output folder for checkpoints and metrics (train.out_dir)")
     p.add_argument("--steps", type=int, metavar="N", help="optimizer steps in total (train.steps)")
-    p.add_argument("--allow-config-change", metavar="KEY[,KEY]",
-                   help="when resuming, accept these config keys differing from the checkpoint's (e.g. "
-                        "train.steps,optim.lr); any other difference refuses the resume")
-    p.add_argument("--nproc", type=int, metavar="N",
-                   help="run on N local processes under torchrun (parallel.dp*tp*pp must equal N, e.g. "
-                        "parallel.dp=N); the same command runs in every worker, without --nproc")
-    p.add_argument("--max-restarts", type=int, metavar="K",
-                   help="torchrun's elastic agent restarts the workers up to K times when one crashes (a signal, "
-                        "exit 1), never after a usage error (exit 2); restarted workers continue from the latest "
-                        "valid checkpoint this launch wrote (--resume auto), or do what the command asked when it "
-                        "wrote none. Default 0; without --nproc, N is parallel.dp*tp*pp")
+    p.add_argument(
+        "--allow-config-change",
+        metavar="KEY[,KEY]",
+        help="when resuming, accept these config keys differing from the checkpoint's (e.g. "
+        "train.steps,optim.lr); any other difference refuses the resume",
+    )
+    p.add_argument(
+        "--nproc",
+        type=int,
+        metavar="N",
+        help="run on N local processes under torchrun (parallel.dp*tp*pp must equal N, e.g. "
+        "parallel.dp=N); the same command runs in every worker, without --nproc",
+    )
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        metavar="K",
+        help="torchrun's elastic agent restarts the workers up to K times when one crashes (a signal, "
+        "exit 1), never after a usage error (exit 2); restarted workers continue from the latest "
+        "valid checkpoint this launch wrote (--resume auto), or do what the command asked when it "
+        "wrote none. Default 0; without --nproc, N is parallel.dp*tp*pp",
+    )
 
 
 def _worker_argv(args: argparse.Namespace) -> list[str]:
     """The `graphtrain train` arguments each torchrun worker gets: this command's, minus --nproc and
     --max-restarts. (A restarted worker resumes by itself: see `_resume_mode`.)"""
     argv = list(args.items)
-    for flag, value in (("--resume-from", args.resume_from), ("--out", args.out), ("--steps", args.steps),
-                        ("--allow-config-change", args.allow_config_change)):
+    for flag, value in (
+        ("--resume-from", args.resume_from),
+        ("--out", args.out),
+        ("--steps", args.steps),
+        ("--allow-config-change", args.allow_config_change),
+    ):
         if value is not None:
             argv += [flag, str(value)]
     if args.resume == "auto":
@@ -155,6 +183,7 @@ def _resume_mode(args: argparse.Namespace, out_dir: str) -> bool | str | Path:
     if args.resume is not None and args.resume_from:
         raise ValueError("give either --resume (latest checkpoint in out_dir) or --resume-from CKPT, not both")
     from graphtrain.distributed import launch
+
     if launch.restart_count() > 0 and launch.written_since_launch(out_dir):
         return "auto"
     if args.resume_from:
@@ -170,8 +199,10 @@ def _check_out_dir(out_dir: str) -> None:
         with tempfile.TemporaryFile(dir=path):
             pass
     except OSError as e:
-        raise ValueError(f"train.out_dir {str(path)!r} cannot be written ({e.strerror or e}): choose a folder you "
-                         f"can write with --out DIR (or train.out_dir=...)") from None
+        raise ValueError(
+            f"train.out_dir {str(path)!r} cannot be written ({e.strerror or e}): choose a folder you "
+            f"can write with --out DIR (or train.out_dir=...)"
+        ) from None
 
 
 def _check_job_file(items: list[str], config: Config) -> None:
@@ -184,9 +215,11 @@ def _check_job_file(items: list[str], config: Config) -> None:
         if "=" in item or not job.is_file() or not target.exists() or not job.samefile(target):
             continue
         if job.read_text() != load_config([item]).to_yaml():
-            raise ValueError(f"the job file {item!r} is the run folder's config.yaml, which the run overwrites with "
-                             f"its resolved config (your comments and layout would be lost): move the job file out "
-                             f"of {str(target.parent)!r} or choose another --out DIR")
+            raise ValueError(
+                f"the job file {item!r} is the run folder's config.yaml, which the run overwrites with "
+                f"its resolved config (your comments and layout would be lost): move the job file out "
+                f"of {str(target.parent)!r} or choose another --out DIR"
+            )
 
 
 def _check_resume_from(resume: bool | str | Path, out_dir: str) -> None:
@@ -196,15 +229,18 @@ def _check_resume_from(resume: bool | str | Path, out_dir: str) -> None:
     if not isinstance(resume, Path):
         return
     from graphtrain.trainer.checkpoint import is_sharded, list_checkpoints
+
     source, folder = resume.expanduser().resolve(), Path(out_dir).expanduser().resolve()
     home = source if source.is_dir() and not is_sharded(source) else source.parent
     found = list_checkpoints(folder)
     if not found or home.is_relative_to(folder):
         return
-    raise ValueError(f"--resume-from {str(resume)!r} is outside train.out_dir {str(folder)!r}, which holds checkpoints "
-                     f"of its own (latest {found[-1][1].name}): continuing another run there would mix two histories "
-                     f"and pruning would delete its checkpoints. Choose an empty folder with --out DIR, or continue "
-                     f"the run in {str(folder)!r} with --resume")
+    raise ValueError(
+        f"--resume-from {str(resume)!r} is outside train.out_dir {str(folder)!r}, which holds checkpoints "
+        f"of its own (latest {found[-1][1].name}): continuing another run there would mix two histories "
+        f"and pruning would delete its checkpoints. Choose an empty folder with --out DIR, or continue "
+        f"the run in {str(folder)!r} with --resume"
+    )
 
 
 _LOCKED_ENV = "GRAPHTRAIN_RUN_LOCKED"  # the run folder the launching process holds the lock of, for its workers
@@ -215,6 +251,7 @@ def _lock_out_dir(out_dir: str) -> None:
     `graphtrain train --nproc/--max-restarts` the launching process holds it for its workers; under a torchrun
     started by hand, global rank 0 takes it."""
     from graphtrain.trainer.resume import lock_run_folder
+
     folder = str(Path(out_dir).expanduser().resolve())
     if os.environ.get("TORCHELASTIC_RUN_ID") is not None:
         if os.environ.get(_LOCKED_ENV) == folder or os.environ.get("RANK", "0") != "0":
@@ -234,10 +271,14 @@ def _prepare_train(args: argparse.Namespace) -> int | Callable[[], int]:
     """run_train up to fit(): an exit status (a refusal), or what runs next (fit, or launching the workers: the
     elastic agent handles SIGTERM itself) returning the command's exit status."""
     from graphtrain.distributed import launch
+
     if launch.refused_earlier() is not None:  # a restart after a refusal: the command still cannot run
         if os.environ.get("RANK", "0") == "0":
-            print("error: not restarted: an earlier attempt refused this command (its error is above); a restart is "
-                  "for a crash, never for a usage error: fix the command and run it again", file=sys.stderr)
+            print(
+                "error: not restarted: an earlier attempt refused this command (its error is above); a restart is "
+                "for a crash, never for a usage error: fix the command and run it again",
+                file=sys.stderr,
+            )
         return EXIT_USAGE
     from graphtrain.trainer import Trainer, TrainingPreempted
     from graphtrain.trainer.resume import allowed_keys
@@ -264,10 +305,13 @@ def _prepare_train(args: argparse.Namespace) -> int | Callable[[], int]:
         if nproc < 1:
             raise ValueError(f"--nproc must be >= 1, got {nproc}")
         if config.parallel.world_size != nproc:
-            raise ValueError(f"--nproc {nproc} but parallel.dp*tp*pp = {config.parallel.world_size}: set "
-                             f"parallel.dp={nproc} (or a dp, tp, pp whose product is {nproc})")
+            raise ValueError(
+                f"--nproc {nproc} but parallel.dp*tp*pp = {config.parallel.world_size}: set "
+                f"parallel.dp={nproc} (or a dp, tp, pp whose product is {nproc})"
+            )
         if nproc > 1 or args.max_restarts:
             from graphtrain.trainer.runtime import check_supported
+
             check_supported(config)  # here, once, rather than as an error line from every worker
             _check_out_dir(config.train.out_dir)
             _lock_out_dir(config.train.out_dir)
@@ -277,9 +321,11 @@ def _prepare_train(args: argparse.Namespace) -> int | Callable[[], int]:
     launch.record_checkpoints(config.train.out_dir)  # under torchrun: what a restart must not mistake for its own
     if config.train.loggers != ["jsonl"]:  # the MFU curve's denominator, measured once per machine
         from graphtrain.kernels.flops import ensure_machine_peak
+
         ensure_machine_peak(log=lambda m: print(m, file=sys.stderr, flush=True))
     trainer = Trainer(config, resume=resume, allow_config_change=allowed)
     from graphtrain.runs.sweep import pruning_callback
+
     prune = pruning_callback()  # a trial of `graphtrain sweep` (its environment says so): report, maybe stop early
     if prune is not None:
         trainer.eval_callbacks.append(prune)
@@ -306,29 +352,41 @@ def _launch(nproc: int, args: argparse.Namespace, config: Config) -> int:
     import time
 
     from graphtrain.distributed.launch import launch
+
     started = time.time()
     os.environ[_LOCKED_ENV] = str(Path(config.train.out_dir).expanduser().resolve())  # the workers inherit it
-    code = launch(nproc, _worker_argv(args), out_dir=config.train.out_dir, max_restarts=args.max_restarts or 0,
-                  shutdown_timeout_s=math.ceil(config.train.preempt_grace_s) + 15)
+    code = launch(
+        nproc,
+        _worker_argv(args),
+        out_dir=config.train.out_dir,
+        max_restarts=args.max_restarts or 0,
+        shutdown_timeout_s=math.ceil(config.train.preempt_grace_s) + 15,
+    )
     if code in (EXIT_OK, EXIT_USAGE, EXIT_FAILURE):  # the workers said why (one error line each)
         return code
     record = _last_record(Path(config.train.out_dir) / "metrics.jsonl", since=started)
     if record is not None and record.get("kind") == "preempted":
         where = record.get("checkpoint") or "no checkpoint"
-        print(f"preempted: {record.get('signal')} at step {record['step']}, {where}; continue with --resume auto",
-              file=sys.stderr)
+        print(
+            f"preempted: {record.get('signal')} at step {record['step']}, {where}; continue with --resume auto",
+            file=sys.stderr,
+        )
         return EXIT_PREEMPTED
     if code in (EXIT_PREEMPTED, 128 + signal.SIGTERM, 128 + signal.SIGINT):  # stopped before training began
         print("preempted before the first step; continue with --resume auto", file=sys.stderr)
         return EXIT_PREEMPTED
-    print(f"error: the workers stopped with status {code} (torchrun's log above says which rank and why); the "
-          f"checkpoints already written are kept: continue with --resume auto", file=sys.stderr)
+    print(
+        f"error: the workers stopped with status {code} (torchrun's log above says which rank and why); the "
+        f"checkpoints already written are kept: continue with --resume auto",
+        file=sys.stderr,
+    )
     return EXIT_FAILURE
 
 
 def _last_record(path: Path, since: float) -> dict | None:
     """The last complete record of metrics.jsonl written after `since` (time.time()), if any."""
     import json
+
     try:
         lines = path.read_text().splitlines()
     except OSError:
@@ -343,16 +401,23 @@ def _last_record(path: Path, since: float) -> dict | None:
 
 
 def _report(trainer, s: dict) -> None:
-    print(f"\ndone: {s['steps']} steps, train loss {_num(s['train_loss'])}, val loss {_num(s['val_loss'])}, "
-          f"{_num(s['tokens_per_s'], ',.0f')} tok/s, {_num(s['ms_per_step'], '.0f')} ms/step, "
-          f"peak mem {_mb(s['peak_mem_bytes'])}")
+    print(
+        f"\ndone: {s['steps']} steps, train loss {_num(s['train_loss'])}, val loss {_num(s['val_loss'])}, "
+        f"{_num(s['tokens_per_s'], ',.0f')} tok/s, {_num(s['ms_per_step'], '.0f')} ms/step, "
+        f"peak mem {_mb(s['peak_mem_bytes'])}"
+    )
     print(f"checkpoint: {s['checkpoint']}\nmetrics: {Path(s['out_dir']) / 'metrics.jsonl'}")
     if hasattr(trainer.model, "_graphtrain"):
         from graphtrain.tools.report import report
+
         print(report(trainer.model).summary())
     tc = trainer.config.train
-    if trainer.family == "gpt2" and tc.sample_tokens > 0 and trainer.config.parallel.tp == 1 \
-            and trainer.data.tokenizer is not None:
+    if (
+        trainer.family == "gpt2"
+        and tc.sample_tokens > 0
+        and trainer.config.parallel.tp == 1
+        and trainer.data.tokenizer is not None
+    ):
         print(f"\ncompletion of {tc.sample_prompt!r} ({tc.sample_tokens} tokens, top-k 20, T 0.8, seed {tc.seed}):")
         print("-" * 60)
         print(trainer.sample(tc.sample_prompt, tc.sample_tokens))
@@ -369,6 +434,7 @@ def _mb(n: int | None) -> str:
 
 # ---------------------------------------------------------------------------------- config ----
 
+
 def add_config_arguments(p: argparse.ArgumentParser) -> None:
     add_config_items(p)
 
@@ -383,32 +449,45 @@ def run_config(args: argparse.Namespace) -> int:
 
 def _bench_arguments(p: argparse.ArgumentParser) -> None:
     from graphtrain.bench import cli as bench_cli
+
     bench_cli.add_arguments(p)
 
 
 def _bench_run(args: argparse.Namespace) -> int:
     from graphtrain.bench import cli as bench_cli
+
     return bench_cli.run(args)
 
 
 def _cache_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("action", choices=("list", "stop"), help="list: this user's background compile processes; "
-                   "stop: end them (all, or the PIDs given)")
+    p.add_argument(
+        "action",
+        choices=("list", "stop"),
+        help="list: this user's background compile processes; stop: end them (all, or the PIDs given)",
+    )
     p.add_argument("pids", nargs="*", type=int, metavar="PID", help="stop only these")
 
 
 def _cache_run(args: argparse.Namespace) -> int:
     from graphtrain.runtime import background
+
     if args.action == "stop":
         stopped = background.stop(args.pids)
-        print(f"stopped {len(stopped)} background compile(s){': pid ' + ', '.join(map(str, stopped)) if stopped else ''}")
+        print(
+            f"stopped {len(stopped)} background compile(s){': pid ' + ', '.join(map(str, stopped)) if stopped else ''}"
+        )
         return 0
     rows = background.running()
     for r in rows:
-        owner = (f"its run (pid {r['parent_pid']}) is running" if r["parent_alive"] else
-                 f"detached: its run (pid {r['parent_pid']}) exited")
-        print(f"pid {r['pid']}  {r['seconds']:.0f} s  {r['done']}/{r['jobs']} graphs done  {owner}  {r['folder']}"
-              f"{'  ' + r['command'] if r['command'] else ''}")
+        owner = (
+            f"its run (pid {r['parent_pid']}) is running"
+            if r["parent_alive"]
+            else f"detached: its run (pid {r['parent_pid']}) exited"
+        )
+        print(
+            f"pid {r['pid']}  {r['seconds']:.0f} s  {r['done']}/{r['jobs']} graphs done  {owner}  {r['folder']}"
+            f"{'  ' + r['command'] if r['command'] else ''}"
+        )
     print(f"{len(rows)} background compile(s) running" + ("; `graphtrain cache stop [PID]` ends them" if rows else ""))
     return 0
 
@@ -416,46 +495,88 @@ def _cache_run(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------------ main ----
 
 SUBCOMMANDS: dict[str, Subcommand] = {
-    "train": Subcommand("train a model (default: gpt2-mini on the Python standard library's source)",
-                        add_train_arguments, run_train),
-    "config": Subcommand("list every config key with its default and documentation; with a CONFIG.yaml "
-                         "and/or overrides, print the resolved job instead", add_config_arguments, run_config),
-    "report": Subcommand("build the configured model, run one accelerated training step and print what the engine "
-                         "did: graphs, breaks, passes, providers, memory", add_report_arguments, run_report),
-    "precompile": Subcommand("fill the compile cache for a job before it runs (one training step and one "
-                             "evaluation in a scratch folder); the job then starts from the cache",
-                             add_precompile_arguments, run_precompile),
-    "plot": Subcommand("write one HTML page comparing runs: loss, throughput, memory and learning-rate curves, "
-                       "config differences and final figures", cli_runs.add_plot_arguments, cli_runs.run_plot),
-    "sweep": Subcommand("search hyperparameters with Optuna (TPE, median or ASHA pruning of poor trials, trials in "
-                        "parallel processes, resumable) and write the best job as best.yaml",
-                        cli_runs.add_sweep_arguments, cli_runs.run_sweep),
-    "export": Subcommand("export a run's trained model: safetensors weights, a Hugging Face folder "
-                         "(from_pretrained), or ONNX (checked with onnxruntime)", cli_runs.add_export_arguments,
-                         cli_runs.run_export),
-    "bisect": Subcommand("find the first pass, fused op or provider that takes the configured model's loss or "
-                         "gradients out of tolerance of eager PyTorch", add_bisect_arguments, run_bisect),
-    "bench": Subcommand("compare eager PyTorch, torch.compile and graphtrain training steps side by side",
-                        _bench_arguments, _bench_run),
-    "cache": Subcommand("list (or stop) the background Inductor compiles still running: those of runs in progress "
-                        "and those engine.background_at_exit=finish left to finish", _cache_arguments, _cache_run),
-    "conformance": Subcommand("train tiny models through each entry point, precision and provider against eager "
-                              "PyTorch and print the pass/fallback/fail table", conformance.add_arguments,
-                              conformance.run),
+    "train": Subcommand(
+        "train a model (default: gpt2-mini on the Python standard library's source)", add_train_arguments, run_train
+    ),
+    "config": Subcommand(
+        "list every config key with its default and documentation; with a CONFIG.yaml "
+        "and/or overrides, print the resolved job instead",
+        add_config_arguments,
+        run_config,
+    ),
+    "report": Subcommand(
+        "build the configured model, run one accelerated training step and print what the engine "
+        "did: graphs, breaks, passes, providers, memory",
+        add_report_arguments,
+        run_report,
+    ),
+    "precompile": Subcommand(
+        "fill the compile cache for a job before it runs (one training step and one "
+        "evaluation in a scratch folder); the job then starts from the cache",
+        add_precompile_arguments,
+        run_precompile,
+    ),
+    "plot": Subcommand(
+        "write one HTML page comparing runs: loss, throughput, memory and learning-rate curves, "
+        "config differences and final figures",
+        cli_runs.add_plot_arguments,
+        cli_runs.run_plot,
+    ),
+    "sweep": Subcommand(
+        "search hyperparameters with Optuna (TPE, median or ASHA pruning of poor trials, trials in "
+        "parallel processes, resumable) and write the best job as best.yaml",
+        cli_runs.add_sweep_arguments,
+        cli_runs.run_sweep,
+    ),
+    "export": Subcommand(
+        "export a run's trained model: safetensors weights, a Hugging Face folder "
+        "(from_pretrained), or ONNX (checked with onnxruntime)",
+        cli_runs.add_export_arguments,
+        cli_runs.run_export,
+    ),
+    "bisect": Subcommand(
+        "find the first pass, fused op or provider that takes the configured model's loss or "
+        "gradients out of tolerance of eager PyTorch",
+        add_bisect_arguments,
+        run_bisect,
+    ),
+    "bench": Subcommand(
+        "compare eager PyTorch, torch.compile and graphtrain training steps side by side", _bench_arguments, _bench_run
+    ),
+    "cache": Subcommand(
+        "list (or stop) the background Inductor compiles still running: those of runs in progress "
+        "and those engine.background_at_exit=finish left to finish",
+        _cache_arguments,
+        _cache_run,
+    ),
+    "conformance": Subcommand(
+        "train tiny models through each entry point, precision and provider against eager "
+        "PyTorch and print the pass/fallback/fail table",
+        conformance.add_arguments,
+        conformance.run,
+    ),
 }
 EPILOGS = {"train": TRAIN_EPILOG, "bisect": BISECT_EPILOG}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="graphtrain", description="Faster PyTorch training by capturing the "
-                                     "training step as one optimized static graph.")
+    parser = _Parser(
+        prog="graphtrain",
+        description="Faster PyTorch training by capturing the training step as one optimized static graph.",
+    )
     parser.add_argument("--debug", action="store_true", help="show full tracebacks for errors")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for name, cmd in SUBCOMMANDS.items():
-        p = sub.add_parser(name, help=cmd.help, description=cmd.help, epilog=EPILOGS.get(name),
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
-        p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
-                       help="show full tracebacks for errors")
+        p = sub.add_parser(
+            name,
+            help=cmd.help,
+            description=cmd.help,
+            epilog=EPILOGS.get(name),
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        p.add_argument(
+            "--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks for errors"
+        )
         cmd.add_arguments(p)
         p.set_defaults(run=cmd.run)
     return parser
@@ -492,6 +613,7 @@ def main(argv: list[str] | None = None) -> int:
         code = exit_status(e)
         if code == EXIT_USAGE and args.command == "train" and os.environ.get("TORCHELASTIC_RUN_ID") is not None:
             from graphtrain.distributed.launch import record_refusal
+
             record_refusal(_one_line(e))  # torchrun's agent restarts on any failure: its restarts must refuse too
         if code is None or args.debug:
             raise  # a bug in graphtrain (or --debug): the traceback
@@ -511,6 +633,7 @@ def program() -> None:
     code = main()
     if os.environ.get("TORCHELASTIC_RUN_ID") is not None and "torch.distributed" in sys.modules:
         import atexit
+
         atexit._run_exitfuncs()
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
@@ -539,8 +662,10 @@ def _os_error(e: OSError) -> str:
     """An I/O failure while running, with the file and the fix."""
     where = f" {e.filename!r}" if e.filename else ""
     if e.errno == errno.ENOSPC:
-        return (f"no space left on the device writing{where}: free space or use another folder (--out DIR, "
-                f"data.cache_dir); checkpoints written before are kept, continue with --resume auto")
+        return (
+            f"no space left on the device writing{where}: free space or use another folder (--out DIR, "
+            f"data.cache_dir); checkpoints written before are kept, continue with --resume auto"
+        )
     if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         return f"cannot write{where} ({e.strerror}): check its permissions, or use another folder"
     return f"{e.strerror or _one_line(e)}{where}; checkpoints written before are kept, continue with --resume auto"

@@ -10,6 +10,7 @@ or ``error`` (raise, naming the part and the fix). The engine sets the process-w
 from its config when it compiles (`set_policy`), since fused ops run inside compiled graphs that carry
 no config. This module sits at the bottom of the import graph (it needs only the standard library).
 """
+
 from __future__ import annotations
 
 import warnings
@@ -42,15 +43,17 @@ def policy() -> str:
     return _policy
 
 
-def report_fallback(part: str, reason: str, config: Any, what: str = "runs eagerly",
-                    sink: list[tuple[str, str]] | None = None) -> None:
+def report_fallback(
+    part: str, reason: str, config: Any, what: str = "runs eagerly", sink: list[tuple[str, str]] | None = None
+) -> None:
     """Record that `part` fell back (into `sink`, a module's ``EngineState.fallbacks``, which the report
     reads); warn once per (part, reason) or raise, per ``config.fallback``."""
     if sink is not None:
         sink.append((part, reason))
     if config.fallback == "error":
-        raise GraphtrainCaptureError(f"graphtrain could not optimize {part}: {reason}. "
-                                     f"Set engine.fallback=warn to run it eagerly instead.")
+        raise GraphtrainCaptureError(
+            f"graphtrain could not optimize {part}: {reason}. Set engine.fallback=warn to run it eagerly instead."
+        )
     if config.fallback == "warn" and (part, reason) not in _WARNED:
         _WARNED.add((part, reason))
         warnings.warn(f"graphtrain: {part} {what}: {reason}", GraphtrainFallbackWarning, stacklevel=3)

@@ -1,5 +1,6 @@
 """YAML job files: PyYAML's safe loader reading YAML 1.2 floats, and `defaults:` composition (config/sections.py builds
 the typed Config from the dict these give)."""
+
 from __future__ import annotations
 
 import re
@@ -17,7 +18,8 @@ class _Loader(yaml.SafeLoader):
 _Loader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
     re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
-    list("-+0123456789."))
+    list("-+0123456789."),
+)
 
 
 class NestedTooDeep(yaml.YAMLError):
@@ -25,8 +27,10 @@ class NestedTooDeep(yaml.YAMLError):
     in a RecursionError traceback)."""
 
     def __init__(self) -> None:
-        super().__init__("it nests deeper than the YAML reader can follow (thousands of levels), where a job file "
-                         "or a value needs a few (section, key, value)")
+        super().__init__(
+            "it nests deeper than the YAML reader can follow (thousands of levels), where a job file "
+            "or a value needs a few (section, key, value)"
+        )
         self.problem, self.problem_mark = str(self), None
 
 
@@ -61,8 +65,9 @@ def load_job_file(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, A
     if path.resolve() in _seen:
         chain = " -> ".join(str(p) for p in (*_seen, path.resolve()))
         raise ValueError(f"config files include each other in a cycle: {chain}; remove one of these defaults")
-    d = read_yaml_file(path, "config file", f"fix the syntax there (`graphtrain config {path}` checks a file "
-                                            f"without training)")
+    d = read_yaml_file(
+        path, "config file", f"fix the syntax there (`graphtrain config {path}` checks a file without training)"
+    )
     if d is None:
         d = {}
     if not isinstance(d, dict):
@@ -71,8 +76,10 @@ def load_job_file(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, A
     if isinstance(bases, str):
         bases = [bases]
     if not isinstance(bases, list) or not all(isinstance(b, str) for b in bases):
-        raise ValueError(f"config file {str(path)!r}: defaults must be a list of YAML file paths (relative to the "
-                         f"file), e.g. defaults: [base.yaml]")
+        raise ValueError(
+            f"config file {str(path)!r}: defaults must be a list of YAML file paths (relative to the "
+            f"file), e.g. defaults: [base.yaml]"
+        )
     merged: dict[str, Any] = {}
     for base in bases:
         merged = _deep_merge(merged, load_job_file(path.parent / base, (*_seen, path.resolve())))

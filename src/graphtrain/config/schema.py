@@ -6,6 +6,7 @@ type or value says what the key takes. Written by hand rather than with a schema
 validators) because the messages are part of the product: each names the full `section.key` and the fix, and YAML
 1.1's quirks (1e-3 read as a string) are forgiven where the user meant a number.
 """
+
 from __future__ import annotations
 
 import ast
@@ -28,9 +29,11 @@ def suggest(name: str, options: list[str], prefix: str = "") -> str:
 def from_dict(cls: type, d: Any, prefix: str) -> Any:
     """An instance of config dataclass `cls` from a mapping; nested sections recurse, `prefix` names them."""
     if not isinstance(d, dict):
-        section = prefix.rstrip('.') or 'root'
-        raise TypeError(f"config section {section!r} must be a mapping of keys, got {type(d).__name__} {_shown(d)}; e.g. "
-                        f"{section if section != 'root' else 'train'}: {{steps: 50}}")
+        section = prefix.rstrip(".") or "root"
+        raise TypeError(
+            f"config section {section!r} must be a mapping of keys, got {type(d).__name__} {_shown(d)}; e.g. "
+            f"{section if section != 'root' else 'train'}: {{steps: 50}}"
+        )
     names = {f.name: f for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
     kwargs = {}
@@ -123,7 +126,8 @@ def describe_type(tp: Any) -> str:
     if typing.get_origin(tp) is Literal:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
     return {type(None): "null", int: "an integer", float: "a number", str: "a string", bool: "true/false"}.get(
-        tp, getattr(tp, "__name__", str(tp)))
+        tp, getattr(tp, "__name__", str(tp))
+    )
 
 
 def _shown(value: Any, limit: int = 120) -> str:
@@ -145,7 +149,12 @@ def field_docs(cls: type) -> dict[str, str]:
     body = tree.body[0].body  # type: ignore[attr-defined]
     docs: dict[str, str] = {}
     for node, nxt in zip(body, body[1:]):
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(nxt, ast.Expr)
-                and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+            and isinstance(nxt.value.value, str)
+        ):
             docs[node.target.id] = " ".join(nxt.value.value.split())
     return docs

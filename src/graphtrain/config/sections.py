@@ -10,6 +10,7 @@ it as help). YAML job files map onto these sections one to one::
 Values are validated on creation: an unknown key, a wrong type or an out-of-range value raises
 ``ValueError``/``TypeError`` naming the key and the fix.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -112,15 +113,20 @@ class EngineConfig:
     def __post_init__(self) -> None:
         _validate(self)
         if self.memory_budget is not None and not (0 < self.memory_budget <= 1 or self.memory_budget >= 2**20):
-            raise ValueError(f"engine.memory_budget={self.memory_budget:g} is out of range: give a fraction of device "
-                             f"memory in (0, 1], e.g. 0.5, or bytes (at least 1 MiB), e.g. 2000000000")
+            raise ValueError(
+                f"engine.memory_budget={self.memory_budget:g} is out of range: give a fraction of device "
+                f"memory in (0, 1], e.g. 0.5, or bytes (at least 1 MiB), e.g. 2000000000"
+            )
         if self.recompute == "auto" and self.memory_budget is None:  # said now, not as a fallback at the first step
-            raise ValueError("engine.recompute=auto fits the step into engine.memory_budget, which is not set: give it "
-                             "as bytes (e.g. engine.memory_budget=2000000000) or a fraction of device memory (e.g. "
-                             "0.5), or choose engine.recompute=selective or full")
+            raise ValueError(
+                "engine.recompute=auto fits the step into engine.memory_budget, which is not set: give it "
+                "as bytes (e.g. engine.memory_budget=2000000000) or a fraction of device memory (e.g. "
+                "0.5), or choose engine.recompute=selective or full"
+            )
         if self.background_timeout < 0:
-            raise ValueError(f"engine.background_timeout must be seconds >= 0 (0: no limit), got "
-                             f"{self.background_timeout}")
+            raise ValueError(
+                f"engine.background_timeout must be seconds >= 0 (0: no limit), got {self.background_timeout}"
+            )
         if self.loss_scale_backoff <= 0 or self.loss_scale_backoff >= 1:
             raise ValueError("engine.loss_scale_backoff must be in (0, 1), e.g. 0.5")
         if self.loss_scale_growth <= 1:
@@ -161,6 +167,7 @@ class ModelConfig:
         if self.hf is None:
             return self.name
         from pathlib import Path
+
         p = Path(self.hf)
         return f"hf:{(p.parent if p.suffix == '.json' else p).name or self.hf}"
 
@@ -171,11 +178,15 @@ class ModelConfig:
         if self.hf is not None and (not isinstance(self.hf, str) or not self.hf):
             raise ValueError(f"model.hf must be a path (a model folder or a config.json), got {self.hf!r}")
         if self.vocab_size is not None and not 1 <= self.vocab_size <= MAX_VOCAB:
-            raise ValueError(f"model.vocab_size={self.vocab_size} is out of range: give 1 to {MAX_VOCAB:,} ids (the "
-                             f"largest published vocabularies hold about 256,000), or null for the tokenizer's size")
+            raise ValueError(
+                f"model.vocab_size={self.vocab_size} is out of range: give 1 to {MAX_VOCAB:,} ids (the "
+                f"largest published vocabularies hold about 256,000), or null for the tokenizer's size"
+            )
         if self.objective is not None and self.hf is None:
-            raise ValueError("model.objective applies to model.hf models only (a preset's objective is its family): "
-                             "set model.hf, or drop model.objective")
+            raise ValueError(
+                "model.objective applies to model.hf models only (a preset's objective is its family): "
+                "set model.hf, or drop model.objective"
+            )
 
 
 @dataclass
@@ -214,8 +225,10 @@ class DataConfig:
         if self.vocab_size < 260:
             raise ValueError(f"data.vocab_size must be at least 260 (256 bytes + specials), got {self.vocab_size}")
         if self.vocab_size > MAX_VOCAB:
-            raise ValueError(f"data.vocab_size={self.vocab_size} is out of range: give at most {MAX_VOCAB:,} (the "
-                             f"largest published vocabularies hold about 256,000)")
+            raise ValueError(
+                f"data.vocab_size={self.vocab_size} is out of range: give at most {MAX_VOCAB:,} (the "
+                f"largest published vocabularies hold about 256,000)"
+            )
         if not 0.0 < self.mlm_probability < 1.0:
             raise ValueError(f"data.mlm_probability must be in (0, 1), got {self.mlm_probability}")
 
@@ -256,11 +269,15 @@ class OptimConfig:
         if self.warmup_steps < 0:
             raise ValueError("optim.warmup_steps must be >= 0")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ValueError(f"optim.min_lr_ratio must be in [0, 1] (the schedule ends at lr * min_lr_ratio), "
-                             f"got {self.min_lr_ratio}")
+            raise ValueError(
+                f"optim.min_lr_ratio must be in [0, 1] (the schedule ends at lr * min_lr_ratio), "
+                f"got {self.min_lr_ratio}"
+            )
         if self.grad_clip is not None and self.grad_clip <= 0:
-            raise ValueError(f"optim.grad_clip must be positive (a global gradient norm), or null for no clipping; "
-                             f"got {self.grad_clip}")
+            raise ValueError(
+                f"optim.grad_clip must be positive (a global gradient norm), or null for no clipping; "
+                f"got {self.grad_clip}"
+            )
         if self.weight_decay < 0:
             raise ValueError(f"optim.weight_decay must be >= 0, got {self.weight_decay}")
         if self.eps <= 0:
@@ -360,8 +377,10 @@ class TrainConfig:
         if unknown:
             raise ValueError(f"train.loggers: unknown logger(s) {unknown}; choose from {list(LOGGERS)}")
         if self.loss_spike_factor is not None and self.loss_spike_factor <= 1:
-            raise ValueError(f"train.loss_spike_factor must be > 1 (a multiple of the median loss), e.g. 3.0, or "
-                             f"null (off); got {self.loss_spike_factor}")
+            raise ValueError(
+                f"train.loss_spike_factor must be > 1 (a multiple of the median loss), e.g. 3.0, or "
+                f"null (off); got {self.loss_spike_factor}"
+            )
         if self.keep_last < 0:
             raise ValueError(f"train.keep_last must be >= 0 (0 keeps every checkpoint), got {self.keep_last}")
         for name in ("steps", "grad_accum", "eval_batches", "log_every", "max_bad_steps"):
@@ -448,8 +467,10 @@ class Config:
             node = d
             for i, p in enumerate(parts[:-1]):
                 if not isinstance(node.get(p), dict):
-                    raise ValueError(f"unknown config key {key!r}: {'.'.join(parts[: i + 1])!r} is not a section"
-                                     f"{suggest(p, [k for k, v in node.items() if isinstance(v, dict)])}")
+                    raise ValueError(
+                        f"unknown config key {key!r}: {'.'.join(parts[: i + 1])!r} is not a section"
+                        f"{suggest(p, [k for k, v in node.items() if isinstance(v, dict)])}"
+                    )
                 node = node[p]
             node[parts[-1]] = value
         return Config.from_dict(d)
@@ -470,6 +491,7 @@ def _split_override(o: str) -> tuple[str, Any]:
 
 # ----------------------------------------------------------------------------- validation ----
 
+
 def _section_name(cls: type) -> str:
     for f in dataclasses.fields(Config):
         if f.default_factory is cls:  # type: ignore[comparison-overlap]
@@ -486,8 +508,13 @@ def _expand_user(path: str | None) -> str | None:
     return os.path.expanduser(path) if isinstance(path, str) and path.startswith("~") else path
 
 
-PATH_KEYS = (("train", "out_dir"), ("train", "init_from"), ("data", "path"), ("data", "cache_dir"),
-             ("data", "tokenizer"))  # expanded when a Config is made
+PATH_KEYS = (
+    ("train", "out_dir"),
+    ("train", "init_from"),
+    ("data", "path"),
+    ("data", "cache_dir"),
+    ("data", "tokenizer"),
+)  # expanded when a Config is made
 
 
 def expand_path_keys(d: dict[str, Any]) -> dict[str, Any]:

@@ -8,6 +8,7 @@ torch (requirements-dev.txt) lies inside the range.
 Every import of a torch API that is not the same across the range goes through a function here, so a new torch
 release means reading one file. Each shim names the versions on both sides of the difference.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -26,8 +27,10 @@ check_torch_version(torch.__version__)  # a torch imported some other way than i
 # torch 2.14 (and 2.13): symbolic_shapes.optimization_hint; torch 2.11 has not got it: symbolic_shapes.size_hint,
 # the same contract (the hint recorded with the symbol, or `fallback`).
 
+
 def _optimization_hint() -> Callable[..., int]:
     from torch.fx.experimental import symbolic_shapes
+
     return getattr(symbolic_shapes, "optimization_hint", None) or symbolic_shapes.size_hint
 
 
@@ -39,15 +42,18 @@ optimization_hint: Callable[..., int] = _optimization_hint()
 # and codecache.triton_key. torch 2.11: codecache.torch_key; triton_key only in torch._inductor.runtime.triton_compat
 # (where Triton is installed); `codecache.triton_key` raised AttributeError there (issue #48, provider auto).
 
+
 def inductor_cache_key_functions() -> list[Any]:
     """The cache-key functions this torch has (for prefetching them): torch_key, and triton_key where found."""
     import torch._inductor.codecache as codecache
+
     keys = [codecache.torch_key]
     triton_key = getattr(codecache, "triton_key", None)
     if triton_key is None:
         try:
             from torch._inductor.runtime.triton_compat import HAS_TRITON
             from torch._inductor.runtime.triton_compat import triton_key as compat_key
+
             triton_key = compat_key if HAS_TRITON else None
         except ImportError:
             triton_key = None
@@ -59,6 +65,7 @@ def inductor_cache_key_functions() -> list[Any]:
 # torch.backends.cuda.matmul.fp32_precision ("tf32" | "ieee" | "none": follow torch.backends.fp32_precision);
 # the legacy torch.backends.cuda.matmul.allow_tf32 / set_float32_matmul_precision still work, but reading the
 # legacy flag raises once the new API set something ("mix of the legacy and new APIs"), so the new one is read first.
+
 
 def cuda_matmul_allows_tf32() -> bool:
     matmul = torch.backends.cuda.matmul

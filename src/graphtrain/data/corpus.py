@@ -4,6 +4,7 @@ Files are taken in sorted relative-path order and read up to `data.max_bytes`. T
 split is by a stable hash (SHA-1) of each file's relative path, so it never changes between
 runs or machines, and a file is wholly in one split.
 """
+
 from __future__ import annotations
 
 import codecs
@@ -16,8 +17,20 @@ from pathlib import Path
 from graphtrain.config.sections import DataConfig
 
 # Folders never worth reading in a user's tree (version control, caches, virtual environments).
-_SKIP_DIRS = {".git", ".hg", ".svn", "__pycache__", ".venv", "venv", "node_modules", ".mypy_cache",
-              ".pytest_cache", ".tox", "site-packages", "dist-packages"}
+_SKIP_DIRS = {
+    ".git",
+    ".hg",
+    ".svn",
+    "__pycache__",
+    ".venv",
+    "venv",
+    "node_modules",
+    ".mypy_cache",
+    ".pytest_cache",
+    ".tox",
+    "site-packages",
+    "dist-packages",
+}
 
 
 # Default corpus only: stdlib modules that are generated data tables rather than code. `encodings/`
@@ -67,9 +80,11 @@ def source_kind(cfg: DataConfig, paths: list[Path] | None = None) -> str:
             return "tokens"
         if p.suffix in DATASET_BUILDERS:
             return "dataset"
-        raise ValueError(f"data.path {cfg.path!r} is a {p.suffix or 'suffix-less'} file: graphtrain reads a folder of "
-                         f"text files, a .txt, .jsonl, .json or .parquet file (or a folder of them), or .bin/.npy token "
-                         f"arrays; rename the file or put it in a folder")
+        raise ValueError(
+            f"data.path {cfg.path!r} is a {p.suffix or 'suffix-less'} file: graphtrain reads a folder of "
+            f"text files, a .txt, .jsonl, .json or .parquet file (or a folder of them), or .bin/.npy token "
+            f"arrays; rename the file or put it in a folder"
+        )
     suffixes = {f.suffix for f in (paths if paths is not None else walk_files(corpus_root(cfg), default=False))}
     if suffixes and suffixes <= set(TOKEN_SUFFIXES):
         return "tokens"
@@ -83,8 +98,9 @@ def is_run_folder(folder: Path) -> bool:
     metrics.jsonl, or its lock. Never read as data: a run folder inside data.path fed the run's own checkpoints and
     metrics into its corpus, which then changed with every save, and each `--resume auto` was refused as "another
     tokenizer"."""
-    return (folder / ".graphtrain.lock").is_file() or ((folder / "metrics.jsonl").is_file()
-                                                         and (folder / "config.yaml").is_file())
+    return (folder / ".graphtrain.lock").is_file() or (
+        (folder / "metrics.jsonl").is_file() and (folder / "config.yaml").is_file()
+    )
 
 
 def walk_files(root: Path, default: bool) -> list[Path]:
@@ -95,8 +111,11 @@ def walk_files(root: Path, default: bool) -> list[Path]:
         if is_run_folder(Path(dirpath)):
             dirnames[:] = []
             continue
-        dirnames[:] = [d for d in dirnames if d not in _SKIP_DIRS and (default or not d.startswith("."))
-                       and not is_run_folder(Path(dirpath) / d)]
+        dirnames[:] = [
+            d
+            for d in dirnames
+            if d not in _SKIP_DIRS and (default or not d.startswith(".")) and not is_run_folder(Path(dirpath) / d)
+        ]
         if default and Path(dirpath) == root:
             dirnames[:] = [d for d in dirnames if d not in _STDLIB_SKIP_DIRS]
         for name in filenames:
@@ -117,8 +136,10 @@ def corpus_root(cfg: DataConfig) -> Path:
         return default_root()
     root = Path(cfg.path).expanduser()
     if not root.exists():
-        raise ValueError(f"data.path {cfg.path!r} does not exist: point data.path at a folder of text or code "
-                         f"files, or leave it unset to train on the Python standard library")
+        raise ValueError(
+            f"data.path {cfg.path!r} does not exist: point data.path at a folder of text or code "
+            f"files, or leave it unset to train on the Python standard library"
+        )
     if root.is_file():
         return root.parent.resolve()
     return root.resolve()
@@ -199,7 +220,7 @@ def split_documents(docs: dict[str, str], val_fraction: float) -> tuple[dict[str
     if not docs:
         raise ValueError("no documents to split")
     if len(docs) == 1:
-        (name, text), = docs.items()
+        ((name, text),) = docs.items()
         cut = int(len(text) * (1.0 - val_fraction))
         newline = text.rfind("\n", 0, cut)
         cut = newline + 1 if newline > 0 else cut
@@ -225,8 +246,10 @@ def read_rows(files: list[SourceFile], text_field: str, max_bytes: int | None) -
     try:
         import datasets
     except ImportError:
-        raise ValueError("data.path names .jsonl/.json/.parquet/.txt files, which graphtrain reads with Hugging Face "
-                         "datasets: pip install 'graphtrain[data]'") from None
+        raise ValueError(
+            "data.path names .jsonl/.json/.parquet/.txt files, which graphtrain reads with Hugging Face "
+            "datasets: pip install 'graphtrain[data]'"
+        ) from None
     datasets.disable_progress_bars()
     docs: dict[str, str] = {}
     remaining = max_bytes
@@ -238,13 +261,17 @@ def read_rows(files: list[SourceFile], text_field: str, max_bytes: int | None) -
             field = "text" if builder == "text" else text_field
             for i, row in enumerate(rows):
                 if field not in row:
-                    raise ValueError(f"{str(f.path)!r} has no field {field!r} (its rows have "
-                                     f"{', '.join(map(repr, row)) or 'no fields'}): set data.text_field to the field "
-                                     f"holding the text")
+                    raise ValueError(
+                        f"{str(f.path)!r} has no field {field!r} (its rows have "
+                        f"{', '.join(map(repr, row)) or 'no fields'}): set data.text_field to the field "
+                        f"holding the text"
+                    )
                 text = row[field]
                 if not isinstance(text, str):
-                    raise ValueError(f"{str(f.path)!r} row {i}: field {field!r} holds {type(text).__name__}, not text: "
-                                     f"set data.text_field to a field of strings")
+                    raise ValueError(
+                        f"{str(f.path)!r} row {i}: field {field!r} holds {type(text).__name__}, not text: "
+                        f"set data.text_field to a field of strings"
+                    )
                 if not text:
                     continue
                 if remaining is not None:
@@ -257,8 +284,10 @@ def read_rows(files: list[SourceFile], text_field: str, max_bytes: int | None) -
         except ValueError:
             raise
         except Exception as e:  # noqa: BLE001 - pyarrow/json errors: name the file and the reader
-            raise ValueError(f"data.path: {str(f.path)!r} could not be read as {builder} "
-                             f"({type(e).__name__}: {str(e).splitlines()[0][:300]}): fix the file or remove it") from None
+            raise ValueError(
+                f"data.path: {str(f.path)!r} could not be read as {builder} "
+                f"({type(e).__name__}: {str(e).splitlines()[0][:300]}): fix the file or remove it"
+            ) from None
     return docs
 
 
@@ -268,14 +297,18 @@ def load_corpus(cfg: DataConfig, files: tuple[Path, list[SourceFile]] | None = N
     if source_kind(cfg, [f.path for f in candidates]) == "dataset":
         docs = read_rows(candidates, cfg.text_field, cfg.max_bytes)
         if not docs:
-            raise ValueError(f"data.path {cfg.path!r} holds no non-empty {cfg.text_field!r} text: point it at files "
-                             f"with text rows, or set data.text_field")
+            raise ValueError(
+                f"data.path {cfg.path!r} holds no non-empty {cfg.text_field!r} text: point it at files "
+                f"with text rows, or set data.text_field"
+            )
         train, val = split_documents(docs, cfg.val_fraction)
         return Corpus(root=root, train=train, val=val)
     docs = read_files(candidates, cfg.max_bytes)
     if not docs:
         where = f"data.path {cfg.path!r}" if cfg.path is not None else f"the standard library at {str(root)!r}"
-        raise ValueError(f"{where} holds no readable UTF-8 text files: point data.path at a folder of text or "
-                         f"code files (binary and non-UTF-8 files are skipped)")
+        raise ValueError(
+            f"{where} holds no readable UTF-8 text files: point data.path at a folder of text or "
+            f"code files (binary and non-UTF-8 files are skipped)"
+        )
     train, val = split_documents(docs, cfg.val_fraction)
     return Corpus(root=root, train=train, val=val)

@@ -8,6 +8,7 @@ a resumed run sees exactly the batches an uninterrupted one would, with no state
           [CLS] + seq_len-2 tokens + [SEP]; mlm_probability of the ordinary tokens are selected, of
           which 80% become [MASK], 10% a random token, 10% stay; labels are -100 elsewhere.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -39,9 +40,18 @@ class BatchSource:
     crosses a shard's end). `tokenizer` may be None for token arrays without one (causal LM only), with
     `vocab_size` then given."""
 
-    def __init__(self, tokens: np.ndarray | torch.Tensor | list[np.ndarray], *, family: Family, split: str,
-                 seq_len: int, seed: int, tokenizer: CodeTokenizer | None, mlm_probability: float = 0.15,
-                 vocab_size: int | None = None) -> None:
+    def __init__(
+        self,
+        tokens: np.ndarray | torch.Tensor | list[np.ndarray],
+        *,
+        family: Family,
+        split: str,
+        seq_len: int,
+        seed: int,
+        tokenizer: CodeTokenizer | None,
+        mlm_probability: float = 0.15,
+        vocab_size: int | None = None,
+    ) -> None:
         if family not in ("gpt2", "bert"):
             raise ValueError(f"family must be 'gpt2' or 'bert', got {family!r}")
         shards = tokens if isinstance(tokens, list) else [tokens]
@@ -60,16 +70,21 @@ class BatchSource:
         self._cum_starts = np.cumsum(starts)
         if self._cum_starts[-1] == 0:
             n = max(int(t.shape[0]) for t in self.shards)
-            raise ValueError(f"the {split} split has only {n} tokens, too few for data.seq_len={seq_len} "
-                             f"(a sample needs {self.window}): lower data.seq_len, or give it more text "
-                             f"(raise data.max_bytes or data.val_fraction, or add files to data.path)")
+            raise ValueError(
+                f"the {split} split has only {n} tokens, too few for data.seq_len={seq_len} "
+                f"(a sample needs {self.window}): lower data.seq_len, or give it more text "
+                f"(raise data.max_bytes or data.val_fraction, or add files to data.path)"
+            )
         if family == "bert":
-            missing = [name for name in ("mask", "cls", "sep")
-                       if tokenizer is None or getattr(tokenizer, f"{name}_id") is None]
+            missing = [
+                name for name in ("mask", "cls", "sep") if tokenizer is None or getattr(tokenizer, f"{name}_id") is None
+            ]
             if missing:
-                raise ValueError(f"masked-LM batches need [MASK], [CLS] and [SEP] tokens; the tokenizer "
-                                 f"{'is missing' if tokenizer is None else 'has no ' + ', '.join(missing)}: set "
-                                 f"data.tokenizer to a BERT-style tokenizer, or drop it to train one on the corpus")
+                raise ValueError(
+                    f"masked-LM batches need [MASK], [CLS] and [SEP] tokens; the tokenizer "
+                    f"{'is missing' if tokenizer is None else 'has no ' + ', '.join(missing)}: set "
+                    f"data.tokenizer to a BERT-style tokenizer, or drop it to train one on the corpus"
+                )
             specials = sorted(tokenizer.special_ids)
             self._specials = torch.tensor(specials)
             # random replacement tokens: the ordinary ids (graphtrain's tokenizers put the specials first)
@@ -96,7 +111,7 @@ class BatchSource:
         shard = np.searchsorted(self._cum_starts, starts, side="right")
         offsets = starts - np.concatenate([[0], self._cum_starts])[shard]
         # gathered per shard: only the windows' pages of a memory-mapped shard are read
-        rows = [self.shards[s][o:o + self.window] for s, o in zip(shard.tolist(), offsets.tolist())]
+        rows = [self.shards[s][o : o + self.window] for s, o in zip(shard.tolist(), offsets.tolist())]
         windows = torch.from_numpy(np.stack(rows).astype(np.int64))
         if self.family == "gpt2":
             return {"input_ids": windows[:, :-1].contiguous(), "labels": windows[:, 1:].contiguous()}
@@ -125,8 +140,12 @@ class BatchSource:
             random_ids = self._ordinary[torch.randint(0, self._ordinary.numel(), input_ids.shape, generator=g)]
         input_ids = input_ids.masked_fill(to_mask, self.tokenizer.mask_id)
         input_ids = torch.where(to_random, random_ids, input_ids)
-        return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids),
-                "token_type_ids": torch.zeros_like(input_ids), "labels": labels}
+        return {
+            "input_ids": input_ids,
+            "attention_mask": torch.ones_like(input_ids),
+            "token_type_ids": torch.zeros_like(input_ids),
+            "labels": labels,
+        }
 
 
 @dataclass
@@ -151,13 +170,32 @@ def build_data(config: Config, family: str) -> DataBundle:
     if source_kind(data) == "tokens":
         tok = load_user_tokenizer(data.tokenizer) if data.tokenizer is not None else None
         shards = load_token_shards(data, tok)
-        common = dict(family=family, seq_len=data.seq_len, seed=config.train.seed, tokenizer=tok,
-                      mlm_probability=data.mlm_probability, vocab_size=shards.vocab_size)
-        return DataBundle(tokenizer=tok, train=BatchSource(shards.train, split="train", **common),
-                          val=BatchSource(shards.val, split="val", **common), info=shards.info)
+        common = dict(
+            family=family,
+            seq_len=data.seq_len,
+            seed=config.train.seed,
+            tokenizer=tok,
+            mlm_probability=data.mlm_probability,
+            vocab_size=shards.vocab_size,
+        )
+        return DataBundle(
+            tokenizer=tok,
+            train=BatchSource(shards.train, split="train", **common),
+            val=BatchSource(shards.val, split="val", **common),
+            info=shards.info,
+        )
     tc: TokenizedCorpus = load_or_build(data)
-    common = dict(family=family, seq_len=data.seq_len, seed=config.train.seed, tokenizer=tc.tokenizer,
-                  mlm_probability=data.mlm_probability)
+    common = dict(
+        family=family,
+        seq_len=data.seq_len,
+        seed=config.train.seed,
+        tokenizer=tc.tokenizer,
+        mlm_probability=data.mlm_probability,
+    )
     info = {**tc.stats, "cache_dir": str(tc.cache_dir), "from_cache": tc.from_cache}
-    return DataBundle(tokenizer=tc.tokenizer, train=BatchSource(tc.train, split="train", **common),
-                      val=BatchSource(tc.val, split="val", **common), info=info)
+    return DataBundle(
+        tokenizer=tc.tokenizer,
+        train=BatchSource(tc.train, split="train", **common),
+        val=BatchSource(tc.val, split="val", **common),
+        info=info,
+    )

@@ -9,6 +9,7 @@ The vocabulary is `data.tokenizer`'s when given (the tokenizer also decodes samp
 specials), else `data.vocab_size`; every id is checked to be below it, streaming over each array once per
 version of the file (its largest id is remembered in the data cache, keyed by path, size and modification time).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -39,11 +40,15 @@ def open_array(path: Path) -> np.ndarray:
     try:
         arr = np.load(path, mmap_mode="r") if path.suffix == ".npy" else np.memmap(path, dtype=np.uint16, mode="r")
     except (OSError, ValueError) as e:
-        raise ValueError(f"data.path: {str(path)!r} is not a token array ({e}): .bin files hold raw uint16 ids, "
-                         f".npy files are written by numpy.save") from None
+        raise ValueError(
+            f"data.path: {str(path)!r} is not a token array ({e}): .bin files hold raw uint16 ids, "
+            f".npy files are written by numpy.save"
+        ) from None
     if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
-        raise ValueError(f"data.path: {str(path)!r} holds a {arr.dtype} array of shape {arr.shape}: token files must "
-                         f"be flat arrays of integer ids")
+        raise ValueError(
+            f"data.path: {str(path)!r} holds a {arr.dtype} array of shape {arr.shape}: token files must "
+            f"be flat arrays of integer ids"
+        )
     return arr
 
 
@@ -58,7 +63,7 @@ def _id_range(cfg: DataConfig, path: Path, arr: np.ndarray) -> tuple[int, int]:
         return int(d["min_id"]), int(d["max_id"])
     except (OSError, ValueError, KeyError, TypeError, RecursionError):  # absent or not ours: scanned again
         pass
-    chunks = [arr[i:i + _CHUNK] for i in range(0, arr.shape[0], _CHUNK)]
+    chunks = [arr[i : i + _CHUNK] for i in range(0, arr.shape[0], _CHUNK)]
     low = min((int(c.min()) for c in chunks), default=0)
     top = max((int(c.max()) for c in chunks), default=-1)
     _atomic_write(memo, lambda f: f.write(json.dumps({"path": str(path), "min_id": low, "max_id": top}).encode()))
@@ -68,19 +73,26 @@ def _id_range(cfg: DataConfig, path: Path, arr: np.ndarray) -> tuple[int, int]:
 def load_token_shards(cfg: DataConfig, tokenizer: CodeTokenizer | None) -> TokenShards:
     root = corpus_root(cfg)
     given = Path(cfg.path).expanduser()
-    files = [given.resolve()] if given.is_file() else sorted(p for p in walk_files(root, default=False)
-                                                           if p.suffix in TOKEN_SUFFIXES)
+    files = (
+        [given.resolve()]
+        if given.is_file()
+        else sorted(p for p in walk_files(root, default=False) if p.suffix in TOKEN_SUFFIXES)
+    )
     arrays = {f: open_array(f) for f in files}
     vocab = tokenizer.vocab_size if tokenizer is not None else cfg.vocab_size
     for f, arr in arrays.items():
         low, top = _id_range(cfg, f, arr)
         if low < 0:  # a negative id indexes the embedding from its end, or fails the step with a traceback
-            raise ValueError(f"data.path: {str(f)!r} holds token id {low}: token ids are 0 or more; rewrite the file "
-                             f"with the tokenizer's ids (a signed dtype that wrapped around is a common cause)")
+            raise ValueError(
+                f"data.path: {str(f)!r} holds token id {low}: token ids are 0 or more; rewrite the file "
+                f"with the tokenizer's ids (a signed dtype that wrapped around is a common cause)"
+            )
         if top >= vocab:
             where = f"data.tokenizer's vocabulary ({vocab})" if tokenizer is not None else f"data.vocab_size={vocab}"
-            raise ValueError(f"data.path: {str(f)!r} holds token id {top}, outside {where}: set data.vocab_size above "
-                             f"{top} (or data.tokenizer to the tokenizer that made the ids)")
+            raise ValueError(
+                f"data.path: {str(f)!r} holds token id {top}, outside {where}: set data.vocab_size above "
+                f"{top} (or data.tokenizer to the tokenizer that made the ids)"
+            )
     if len(files) == 1:  # one array: its tail is validation
         arr = arrays[files[0]]
         cut = int(arr.shape[0] * (1.0 - cfg.val_fraction))
@@ -93,8 +105,16 @@ def load_token_shards(cfg: DataConfig, tokenizer: CodeTokenizer | None) -> Token
         train = [arrays[f] for f in files if f not in val_files]
         val = [arrays[f] for f in val_files]
         if not train:
-            raise ValueError(f"data.path {cfg.path!r}: every token file's name says val; name the training ones "
-                             f"train.bin / train.npy")
-    info = {"root": str(root), "token_files": [str(f) for f in files], "train_tokens": int(sum(a.shape[0] for a in train)),
-            "val_tokens": int(sum(a.shape[0] for a in val)), "vocab_size": vocab, "memory_mapped": True}
+            raise ValueError(
+                f"data.path {cfg.path!r}: every token file's name says val; name the training ones "
+                f"train.bin / train.npy"
+            )
+    info = {
+        "root": str(root),
+        "token_files": [str(f) for f in files],
+        "train_tokens": int(sum(a.shape[0] for a in train)),
+        "val_tokens": int(sum(a.shape[0] for a in val)),
+        "vocab_size": vocab,
+        "memory_mapped": True,
+    }
     return TokenShards(train=train, val=val, tokenizer=tokenizer, vocab_size=vocab, info=info)

@@ -7,6 +7,7 @@ everything they depend on: the file list with sizes and mtimes, vocab_size, max_
 val_fraction. Every file is written atomically (tmp file + os.replace), so concurrent processes
 building the same cache never read half a file.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -49,6 +50,7 @@ class CodeTokenizer:
         def tid(name: str) -> int | None:
             token = specials.get(name)
             return None if token is None else tokenizer.token_to_id(token)
+
         self.eos_id: int | None = tid("eos")
         self.pad_id: int | None = tid("pad")
         self.mask_id: int | None = tid("mask")
@@ -104,16 +106,24 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> CodeTokenizer:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(texts, trainer=trainer)
     return CodeTokenizer(tok)
 
 
 # a user tokenizer's own names for the special tokens, when its tokenizer_config.json does not name them
-_SPECIAL_CANDIDATES = {"eos": ("<|endoftext|>", "</s>", "<|end_of_text|>", "<|im_end|>", "[SEP]"),
-                       "pad": ("[PAD]", "<pad>", "<|pad|>"), "mask": ("[MASK]", "<mask>"),
-                       "cls": ("[CLS]", "<s>", "<|begin_of_text|>"), "sep": ("[SEP]", "</s>")}
+_SPECIAL_CANDIDATES = {
+    "eos": ("<|endoftext|>", "</s>", "<|end_of_text|>", "<|im_end|>", "[SEP]"),
+    "pad": ("[PAD]", "<pad>", "<|pad|>"),
+    "mask": ("[MASK]", "<mask>"),
+    "cls": ("[CLS]", "<s>", "<|begin_of_text|>"),
+    "sep": ("[SEP]", "</s>"),
+}
 
 
 def user_tokenizer_file(path: str) -> Path:
@@ -122,11 +132,15 @@ def user_tokenizer_file(path: str) -> Path:
     if p.is_dir():
         p = p / "tokenizer.json"
         if not p.is_file():
-            raise ValueError(f"data.tokenizer {path!r} is a folder without tokenizer.json: point it at a Hugging Face "
-                             f"fast tokenizer (tokenizer.save_pretrained(folder) writes one) or at the tokenizer.json")
+            raise ValueError(
+                f"data.tokenizer {path!r} is a folder without tokenizer.json: point it at a Hugging Face "
+                f"fast tokenizer (tokenizer.save_pretrained(folder) writes one) or at the tokenizer.json"
+            )
     elif not p.is_file():
-        raise ValueError(f"data.tokenizer {path!r} does not exist: point it at a tokenizer.json or a folder holding "
-                         f"one (nothing is downloaded, so hub names are not accepted)")
+        raise ValueError(
+            f"data.tokenizer {path!r} does not exist: point it at a tokenizer.json or a folder holding "
+            f"one (nothing is downloaded, so hub names are not accepted)"
+        )
     return p
 
 
@@ -137,8 +151,10 @@ def load_user_tokenizer(path: str) -> CodeTokenizer:
     try:
         tok = Tokenizer.from_file(str(file))
     except Exception as e:  # tokenizers raises plain Exception on a malformed file
-        raise ValueError(f"data.tokenizer {str(file)!r} is not a tokenizers JSON file ({e}): save it with "
-                         f"tokenizer.save_pretrained(folder) or Tokenizer.save(path)") from None
+        raise ValueError(
+            f"data.tokenizer {str(file)!r} is not a tokenizers JSON file ({e}): save it with "
+            f"tokenizer.save_pretrained(folder) or Tokenizer.save(path)"
+        ) from None
     named: dict[str, str] = {}
     config_file = file.parent / "tokenizer_config.json"
     if config_file.is_file():
@@ -161,6 +177,7 @@ def load_user_tokenizer(path: str) -> CodeTokenizer:
 
 # ------------------------------------------------------------------------------------- cache --
 
+
 def cache_root(cfg: DataConfig) -> Path:
     """`data.cache_dir`, else $GRAPHTRAIN_CACHE/data, else ~/.cache/graphtrain/data."""
     if cfg.cache_dir is not None:
@@ -178,8 +195,10 @@ def usable_folder(folder: Path, key: str) -> Path:
         if not os.access(folder, os.W_OK | os.X_OK):
             raise PermissionError(13, "Permission denied")
     except OSError as e:
-        raise ValueError(f"{key} {str(folder)!r} cannot be used as a cache folder ({e.strerror or e}): point {key} "
-                         f"at a folder you can write") from None
+        raise ValueError(
+            f"{key} {str(folder)!r} cannot be used as a cache folder ({e.strerror or e}): point {key} "
+            f"at a folder you can write"
+        ) from None
     return folder
 
 
@@ -187,8 +206,12 @@ def cache_key(cfg: DataConfig, root: Path, files: list[SourceFile]) -> str:
     """Hash of everything the tokenizer and token ids depend on."""
     h = hashlib.sha256()
     h.update(str(root).encode() + b"\0")
-    settings = {"version": _CACHE_VERSION, "vocab_size": cfg.vocab_size, "max_bytes": cfg.max_bytes,
-                "val_fraction": cfg.val_fraction}
+    settings = {
+        "version": _CACHE_VERSION,
+        "vocab_size": cfg.vocab_size,
+        "max_bytes": cfg.max_bytes,
+        "val_fraction": cfg.val_fraction,
+    }
     if cfg.text_field != "text":
         settings["text_field"] = cfg.text_field
     if cfg.tokenizer is not None:  # a user's tokenizer: its contents, not its size setting
@@ -250,26 +273,39 @@ def _check_cache_is_this_corpus(cached: TokenizedCorpus, cfg: DataConfig, root: 
     if top >= vocab:
         problems.append(f"its token ids reach {top}, past its tokenizer's {vocab}")
     if problems:
-        raise ValueError(f"the data cache {str(cached.cache_dir)!r} was built from another corpus "
-                         f"({'; '.join(problems)}): delete that folder (graphtrain builds it again) or set "
-                         f"data.cache_dir to an empty folder")
+        raise ValueError(
+            f"the data cache {str(cached.cache_dir)!r} was built from another corpus "
+            f"({'; '.join(problems)}): delete that folder (graphtrain builds it again) or set "
+            f"data.cache_dir to an empty folder"
+        )
 
 
 def load_or_build(cfg: DataConfig) -> TokenizedCorpus:
     """The tokenizer and token ids of both splits, from the cache or built (then cached)."""
     root, files = list_files(cfg)
     key = cache_key(cfg, root, files)
-    where = "data.cache_dir" if cfg.cache_dir is not None else \
-        ("$GRAPHTRAIN_CACHE (or data.cache_dir)" if os.environ.get("GRAPHTRAIN_CACHE") else "data.cache_dir")
+    where = (
+        "data.cache_dir"
+        if cfg.cache_dir is not None
+        else ("$GRAPHTRAIN_CACHE (or data.cache_dir)" if os.environ.get("GRAPHTRAIN_CACHE") else "data.cache_dir")
+    )
     folder = usable_folder(cache_root(cfg), where) / key
     meta_path = folder / "meta.json"
     if meta_path.is_file():  # meta.json is written last: its presence means the folder is complete
         try:
-            tok = load_user_tokenizer(cfg.tokenizer) if cfg.tokenizer is not None else \
-                CodeTokenizer.load(folder / "tokenizer.json")
-            cached = TokenizedCorpus(tokenizer=tok, train=np.load(folder / "train.npy", mmap_mode="r"),
-                                     val=np.load(folder / "val.npy", mmap_mode="r"),
-                                     cache_dir=folder, from_cache=True, stats=json.loads(meta_path.read_text()))
+            tok = (
+                load_user_tokenizer(cfg.tokenizer)
+                if cfg.tokenizer is not None
+                else CodeTokenizer.load(folder / "tokenizer.json")
+            )
+            cached = TokenizedCorpus(
+                tokenizer=tok,
+                train=np.load(folder / "train.npy", mmap_mode="r"),
+                val=np.load(folder / "val.npy", mmap_mode="r"),
+                cache_dir=folder,
+                from_cache=True,
+                stats=json.loads(meta_path.read_text()),
+            )
         except Exception:  # tokenizers raises plain Exception; any unreadable cache is rebuilt
             cached = None
         if cached is not None:
@@ -279,22 +315,37 @@ def load_or_build(cfg: DataConfig) -> TokenizedCorpus:
     t0 = time.perf_counter()
     corpus: Corpus = load_corpus(cfg, files=(root, files))
     t1 = time.perf_counter()
-    tokenizer = load_user_tokenizer(cfg.tokenizer) if cfg.tokenizer is not None else \
-        train_tokenizer(corpus.train.values(), cfg.vocab_size)
+    tokenizer = (
+        load_user_tokenizer(cfg.tokenizer)
+        if cfg.tokenizer is not None
+        else train_tokenizer(corpus.train.values(), cfg.vocab_size)
+    )
     if tokenizer.eos_id is None:
-        raise ValueError(f"data.tokenizer {cfg.tokenizer!r} has no end-of-text token (</s>, <|endoftext|>, [SEP], or "
-                         f"tokenizer_config.json's eos_token) to put between documents: add one to the tokenizer")
+        raise ValueError(
+            f"data.tokenizer {cfg.tokenizer!r} has no end-of-text token (</s>, <|endoftext|>, [SEP], or "
+            f"tokenizer_config.json's eos_token) to put between documents: add one to the tokenizer"
+        )
     t2 = time.perf_counter()
     train_ids, val_ids = encode_split(tokenizer, corpus.train), encode_split(tokenizer, corpus.val)
     t3 = time.perf_counter()
-    stats = {"key": key, "root": str(root), "train_files": len(corpus.train), "val_files": len(corpus.val),
-             "bytes": corpus.n_bytes, "vocab_size": tokenizer.vocab_size, "train_tokens": int(train_ids.size),
-             "val_tokens": int(val_ids.size), "read_s": round(t1 - t0, 3), "tokenizer_train_s": round(t2 - t1, 3),
-             "encode_s": round(t3 - t2, 3)}
+    stats = {
+        "key": key,
+        "root": str(root),
+        "train_files": len(corpus.train),
+        "val_files": len(corpus.val),
+        "bytes": corpus.n_bytes,
+        "vocab_size": tokenizer.vocab_size,
+        "train_tokens": int(train_ids.size),
+        "val_tokens": int(val_ids.size),
+        "read_s": round(t1 - t0, 3),
+        "tokenizer_train_s": round(t2 - t1, 3),
+        "encode_s": round(t3 - t2, 3),
+    }
 
     tokenizer.save(folder / "tokenizer.json")
     _atomic_write(folder / "train.npy", lambda f: np.save(f, train_ids))
     _atomic_write(folder / "val.npy", lambda f: np.save(f, val_ids))
     _atomic_write(meta_path, lambda f: f.write(json.dumps(stats, indent=1).encode()))
-    return TokenizedCorpus(tokenizer=tokenizer, train=train_ids, val=val_ids, cache_dir=folder,
-                           from_cache=False, stats=stats)
+    return TokenizedCorpus(
+        tokenizer=tokenizer, train=train_ids, val=val_ids, cache_dir=folder, from_cache=False, stats=stats
+    )

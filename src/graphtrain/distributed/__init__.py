@@ -15,11 +15,20 @@ DDP takes neither DTensor parameters nor pipelined micro-batches). `par.accelera
 each with the graph engine, and tp x pp (x dp) on the 3-D mesh. Not supported yet (clear ValueError):
 ZeRO-1 with tp, ZeRO-1 with dp x pp.
 """
+
 from __future__ import annotations
 
 from graphtrain.distributed.layout import Parallelized, check_engine_under_ddp, parallelize
 from graphtrain.distributed.mesh import DistEnv, check_layout, init_distributed, shutdown
 from graphtrain.distributed.zero import optimizer_state_bytes
 
-__all__ = ["DistEnv", "Parallelized", "check_engine_under_ddp", "check_layout", "init_distributed", "parallelize",
-           "shutdown", "optimizer_state_bytes"]
+__all__ = [
+    "DistEnv",
+    "Parallelized",
+    "check_engine_under_ddp",
+    "check_layout",
+    "init_distributed",
+    "parallelize",
+    "shutdown",
+    "optimizer_state_bytes",
+]

@@ -24,6 +24,7 @@ classes, torch dtypes, `torch.Size` and paths (anything else is refused), every 
 a tensor (DCP would unpickle a "bytes" entry), tensors are read with `weights_only=True`, and so is
 `extra.pt`. Folders written before SHA256SUMS existed load without the checksum check.
 """
+
 from __future__ import annotations
 
 import os
@@ -99,7 +100,7 @@ def _fuse(entries: dict[str, torch.Tensor], fused: dict[str, list[str]], model: 
     out = dict(entries)
     for prefix, parts in fused.items():
         for key in [k for k in entries if k.startswith(prefix + parts[0] + ".")]:
-            rest = key[len(prefix + parts[0]):]
+            rest = key[len(prefix + parts[0]) :]
             pieces = [_full(out.pop(prefix + p + rest)) for p in parts]
             dim = _part_dim(model, prefix.partition(".")[2], rest)
             out[prefix + rest] = torch.cat(pieces, dim) if pieces[0].dim() else pieces[0]  # 0-d: Adam's step
@@ -118,8 +119,12 @@ def _state_entries(model: nn.Module, optimizer: torch.optim.Optimizer | None) ->
     return _fuse(entries, fused, model)
 
 
-def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                    extra: dict[str, Any] | None = None) -> Path:
+def save_checkpoint(
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    extra: dict[str, Any] | None = None,
+) -> Path:
     """Collective: every rank calls it. Writes `<path>` atomically; returns the final path."""
     model = unwrap(model)
     path = Path(path)
@@ -135,8 +140,14 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
         _fsync_file(tmp / "extra.pt")
     _barrier()
     if rank == 0:  # every rank's files are complete: checksum them, then make the folder visible
-        write_sums(tmp / SUMS_NAME, [(f.relative_to(tmp).as_posix(), sha256_file(f))
-                                     for f in sorted(tmp.rglob("*")) if f.is_file() and f.name != SUMS_NAME])
+        write_sums(
+            tmp / SUMS_NAME,
+            [
+                (f.relative_to(tmp).as_posix(), sha256_file(f))
+                for f in sorted(tmp.rglob("*"))
+                if f.is_file() and f.name != SUMS_NAME
+            ],
+        )
         old = path.with_name(path.name + ".old")
         shutil.rmtree(old, ignore_errors=True)
         if path.exists():
@@ -175,6 +186,7 @@ def _check_integrity(path: Path) -> None:
 
 # ------------------------------------------------------------------------------ safe reading ----
 
+
 class _Refused(pickle.UnpicklingError):
     """The pickle names a global outside the allow-list."""
 
@@ -183,14 +195,20 @@ def _allowed_globals() -> dict[tuple[str, str], Any]:
     """What a DCP .metadata pickle may name: DCP's metadata classes (dataclasses and an enum), torch dtypes,
     torch.Size, the layout lookup and pathlib paths. Constructing any of them runs no code of the file's."""
     allowed: dict[tuple[str, str], Any] = {
-        (dcp_metadata.__name__, n): obj for n, obj in vars(dcp_metadata).items()
-        if isinstance(obj, type) and obj.__module__ == dcp_metadata.__name__}
+        (dcp_metadata.__name__, n): obj
+        for n, obj in vars(dcp_metadata).items()
+        if isinstance(obj, type) and obj.__module__ == dcp_metadata.__name__
+    }
     allowed[(_StorageInfo.__module__, _StorageInfo.__name__)] = _StorageInfo
     allowed.update({("torch", n): getattr(torch, n) for n in dir(torch) if isinstance(getattr(torch, n), torch.dtype)})
     allowed[("torch", "Size")] = torch.Size
     allowed[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
-    allowed.update({("pathlib", n): getattr(pathlib, n)
-                    for n in ("Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath")})
+    allowed.update(
+        {
+            ("pathlib", n): getattr(pathlib, n)
+            for n in ("Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath")
+        }
+    )
     return allowed
 
 
@@ -214,12 +232,16 @@ def read_metadata(path: str | os.PathLike, file: str = ".metadata") -> dcp_metad
         with open(path / file, "rb") as f:
             meta = _MetadataUnpickler(f).load()
     except _Refused as e:
-        raise ValueError(f"checkpoint {str(path)!r}: its DCP {file} names {e}, which is not part of DCP's checkpoint "
-                         f"metadata; graphtrain refuses to unpickle it (a pickle can run code): load only "
-                         f"checkpoints graphtrain wrote") from None
+        raise ValueError(
+            f"checkpoint {str(path)!r}: its DCP {file} names {e}, which is not part of DCP's checkpoint "
+            f"metadata; graphtrain refuses to unpickle it (a pickle can run code): load only "
+            f"checkpoints graphtrain wrote"
+        ) from None
     except Exception as e:  # truncated or not a pickle: EOFError, UnpicklingError, ...
-        raise ValueError(f"checkpoint {str(path)!r}: its DCP {file} is unreadable or corrupt ({type(e).__name__}); "
-                         f"resume from an earlier checkpoint instead") from None
+        raise ValueError(
+            f"checkpoint {str(path)!r}: its DCP {file} is unreadable or corrupt ({type(e).__name__}); "
+            f"resume from an earlier checkpoint instead"
+        ) from None
     if not isinstance(meta, dcp_metadata.Metadata):
         raise ValueError(f"checkpoint {str(path)!r}: its DCP {file} holds a {type(meta).__name__}, not DCP metadata")
     return meta
@@ -248,9 +270,11 @@ def read_extra(path: str | os.PathLike) -> dict[str, Any]:
     except pickle.UnpicklingError as e:
         if "weights only" not in str(e).lower():
             raise
-        raise ValueError(f"checkpoint {str(Path(path))!r}: extra.pt holds Python objects other than tensors and plain "
-                         f"values ({_first_line(e)}); graphtrain does not unpickle those (a pickle can run code): "
-                         f"load only checkpoints graphtrain wrote") from None
+        raise ValueError(
+            f"checkpoint {str(Path(path))!r}: extra.pt holds Python objects other than tensors and plain "
+            f"values ({_first_line(e)}); graphtrain does not unpickle those (a pickle can run code): "
+            f"load only checkpoints graphtrain wrote"
+        ) from None
 
 
 def _first_line(e: BaseException) -> str:
@@ -262,9 +286,11 @@ def _tensor_entries(path: Path, meta: dict[str, Any], keys: list[str]) -> None:
     must be a tensor."""
     for key in keys:
         if not isinstance(meta.get(key), dcp_metadata.TensorStorageMetadata):
-            raise ValueError(f"checkpoint {str(path)!r}: entry {key!r} is stored as "
-                             f"{type(meta.get(key)).__name__}, not a tensor; graphtrain reads only tensors from "
-                             f"sharded checkpoints (other entries are pickles, which can run code)")
+            raise ValueError(
+                f"checkpoint {str(path)!r}: entry {key!r} is stored as "
+                f"{type(meta.get(key)).__name__}, not a tensor; graphtrain reads only tensors from "
+                f"sharded checkpoints (other entries are pickles, which can run code)"
+            )
 
 
 def _shard_of(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -282,7 +308,7 @@ def _canonical(name: str, model: nn.Module) -> list[str]:
     for prefix, parts in _fused(model).items():
         for part in parts:
             if name.startswith(prefix + part + "."):
-                return [prefix + name[len(prefix + part):]]
+                return [prefix + name[len(prefix + part) :]]
     alias = _aliases(model).get(name)
     return [name] + ([alias] if alias else [])
 
@@ -295,21 +321,27 @@ def _allocate_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer
         state = opt.state[p]
         for stored in _canonical(names[id(p)], model):
             for key, m in meta.items():
-                k = key[len(f"optim.{stored}."):]
+                k = key[len(f"optim.{stored}.") :]
                 if not key.startswith(f"optim.{stored}.") or "." in k or k in state or not hasattr(m, "size"):
                     continue
-                state[k] = (torch.zeros_like(p) if p.dim() and len(m.size) == p.dim()
-                            else torch.zeros(m.size, dtype=m.properties.dtype))
+                state[k] = (
+                    torch.zeros_like(p)
+                    if p.dim() and len(m.size) == p.dim()
+                    else torch.zeros(m.size, dtype=m.properties.dtype)
+                )
 
 
-def load_checkpoint(path: str | os.PathLike, model: nn.Module,
-                    optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
+def load_checkpoint(
+    path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+) -> dict[str, Any]:
     """Collective: load `<path>` (saved under any layout) into this rank's model/optimizer; returns `extra`."""
     model = unwrap(model)
     path = Path(path)
     if not (path / ".metadata").is_file():
-        raise ValueError(f"{path} is not a complete graphtrain checkpoint (no .metadata): pass the folder "
-                         f"save_checkpoint wrote (an interrupted save leaves only {path.name}.tmp)")
+        raise ValueError(
+            f"{path} is not a complete graphtrain checkpoint (no .metadata): pass the folder "
+            f"save_checkpoint wrote (an interrupted save leaves only {path.name}.tmp)"
+        )
     _check_integrity(path)
     meta = read_metadata(path).state_dict_metadata
     if optimizer is not None:
@@ -320,7 +352,7 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module,
         if key not in meta:  # a pipeline stage's copy of the tied matrix, saved by a pp=1 run under its alias
             for name, alt in _aliases(model).items():
                 if rest.startswith(name + "."):
-                    key = f"{kind}.{alt}{rest[len(name):]}"
+                    key = f"{kind}.{alt}{rest[len(name) :]}"
         if key not in meta:
             raise ValueError(f"checkpoint {path} has no entry {key!r}: it was saved from a different model")
         request[key] = t
@@ -330,8 +362,7 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module,
     return read_extra(path)
 
 
-def _scatter_fused(model: nn.Module, optimizer: torch.optim.Optimizer | None,
-                   loaded: dict[str, torch.Tensor]) -> None:
+def _scatter_fused(model: nn.Module, optimizer: torch.optim.Optimizer | None, loaded: dict[str, torch.Tensor]) -> None:
     """Copy loaded fused q/k/v entries (fresh full tensors) into the module's split, sharded tensors."""
     if not _fused(model):
         return
@@ -346,7 +377,7 @@ def _scatter_fused(model: nn.Module, optimizer: torch.optim.Optimizer | None,
             for prefix, parts in _fused(model).items():
                 if not rest.startswith(prefix + "."):
                     continue
-                tail = rest[len(prefix):]
+                tail = rest[len(prefix) :]
                 dim = _part_dim(model, prefix, tail)
                 pieces = full.chunk(len(parts), dim) if full.dim() else [full] * len(parts)
                 for part, piece in zip(parts, pieces):
@@ -365,6 +396,7 @@ def load_model_weights_local(path: str | os.PathLike, model: nn.Module) -> None:
     request = {f"model.{k}": v for k, v in model.state_dict().items()}
     _tensor_entries(path, read_metadata(path).state_dict_metadata, list(request))
     import warnings
+
     with warnings.catch_warnings():  # DCP says it assumes a single process: that is the point here
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(request, storage_reader=SafeFileSystemReader(str(path)), no_dist=True)

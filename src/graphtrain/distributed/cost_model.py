@@ -16,6 +16,7 @@ P = parameters, mixed precision (fp16 weights/grads, fp32 master + Adam/LAMB mom
   TP           4 all-reduces of s b d * 2 bytes per layer per micro-batch (2 fwd, 2 bwd), intra-node
   PP           bubble fraction (pp - 1) / (m + pp - 1) of compute; activation sends negligible
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -40,6 +41,7 @@ class ModelDims:
 @dataclass(frozen=True)
 class Hardware:
     """Defaults: DGX-2 (16x V100 32GB, NVSwitch) nodes joined by 8x100Gb/s InfiniBand each."""
+
     gpus_per_node: int = 16
     memory_gb: float = 32.0
     peak_tflops: float = 125.0  # V100 fp16 tensor cores
@@ -64,9 +66,12 @@ def memory_gb(m: ModelDims, lay: Layout, batch: int) -> dict[str, float]:
     shard = m.params / (lay.tp * lay.pp)
     act_per_layer = m.seq * batch * m.d_model * (34 + 5 * m.n_head * m.seq / m.d_model) / lay.tp
     in_flight = min(lay.pp, lay.microbatches) if lay.pp > 1 else 1
-    out = {"weights": 2 * shard, "grads": 2 * shard,
-           "optimizer": 12 * shard / (lay.dp if lay.zero1 else 1),
-           "activations": m.n_layer / lay.pp * act_per_layer * in_flight}
+    out = {
+        "weights": 2 * shard,
+        "grads": 2 * shard,
+        "optimizer": 12 * shard / (lay.dp if lay.zero1 else 1),
+        "activations": m.n_layer / lay.pp * act_per_layer * in_flight,
+    }
     out = {k: v / 1e9 for k, v in out.items()}
     out["total"] = sum(out.values())
     return out
@@ -107,8 +112,14 @@ def step_time(m: ModelDims, lay: Layout, batch: int, hw: Hardware = Hardware()) 
     # DDP overlaps the all-reduce with backward (~2/3 of compute); only the excess is exposed
     exposed_dp = max(0.0, dp_comm - compute * 2 / 3 / lay.grad_accum)
     total = compute + tp_comm + exposed_dp
-    return {"compute_s": compute, "dp_comm_s": dp_comm, "tp_comm_s": tp_comm, "step_s": total,
-            "dp_bytes": dp_bytes, "samples_per_s": samples_per_rank * lay.dp / total}
+    return {
+        "compute_s": compute,
+        "dp_comm_s": dp_comm,
+        "tp_comm_s": tp_comm,
+        "step_s": total,
+        "dp_bytes": dp_bytes,
+        "samples_per_s": samples_per_rank * lay.dp / total,
+    }
 
 
 BERT_LARGE = dict(n_layer=24, d_model=1024, n_head=16, vocab=30522)
@@ -118,11 +129,15 @@ GPT2_MEDIUM = dict(n_layer=24, d_model=1024, n_head=16, vocab=50257)
 def table(model: dict, seq: int, layouts: dict[str, Layout], hw: Hardware = Hardware()) -> str:
     """A markdown table: per-GPU memory at the largest batch that fits, and job throughput on 64 GPUs."""
     m = ModelDims(seq=seq, **model)
-    rows = ["| layout | max batch/GPU | weights GB | grads GB | optim GB | activ. GB | step s | DP comm s | samples/s |",
-            "|---|---|---|---|---|---|---|---|---|"]
+    rows = [
+        "| layout | max batch/GPU | weights GB | grads GB | optim GB | activ. GB | step s | DP comm s | samples/s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for name, lay in layouts.items():
         b = max_batch(m, lay, hw)
         mem, t = memory_gb(m, lay, b), step_time(m, lay, b, hw)
-        rows.append(f"| {name} | {b} | {mem['weights']:.2f} | {mem['grads']:.2f} | {mem['optimizer']:.2f} | "
-                    f"{mem['activations']:.1f} | {t['step_s']:.3f} | {t['dp_comm_s']:.3f} | {t['samples_per_s']:.0f} |")
+        rows.append(
+            f"| {name} | {b} | {mem['weights']:.2f} | {mem['grads']:.2f} | {mem['optimizer']:.2f} | "
+            f"{mem['activations']:.1f} | {t['step_s']:.3f} | {t['dp_comm_s']:.3f} | {t['samples_per_s']:.0f} |"
+        )
     return "\n".join(rows)

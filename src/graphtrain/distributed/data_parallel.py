@@ -21,6 +21,7 @@ group per transformer block, so communication overlaps the rest of backward), an
 `torch.distributed.pipelining` knows it (no all-reduce until a stage's last micro-batch).
 `replicate` replaces the parameters: build the optimizer after it.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -34,21 +35,37 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 
-def apply_data_parallel(model: nn.Module, dp_mesh: DeviceMesh, device: torch.device, *,
-                        bucket_cap_mb: float = 25.0, find_unused_parameters: bool = False) -> nn.Module:
+def apply_data_parallel(
+    model: nn.Module,
+    dp_mesh: DeviceMesh,
+    device: torch.device,
+    *,
+    bucket_cap_mb: float = 25.0,
+    find_unused_parameters: bool = False,
+) -> nn.Module:
     """Wrap `model` in DDP over `dp_mesh` (1-D). dp == 1 returns the model unchanged."""
     if dp_mesh.size() == 1:
         return model
     if any(isinstance(p, DTensor) for p in model.parameters()):
         from torch.distributed.tensor.parallel.ddp import _pre_dp_module_transform
+
         _pre_dp_module_transform(model)
     device_ids = [device.index] if device.type == "cuda" else None
     # Buffers (the causal mask) are identical by construction: skip DDP's per-forward buffer broadcast
     # (the keyword was renamed forward_sync_buffers in recent torch).
-    no_buffer_sync = ({"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(DDP).parameters
-                      else {"broadcast_buffers": False})
-    return DDP(model, device_ids=device_ids, process_group=dp_mesh.get_group(), bucket_cap_mb=bucket_cap_mb,
-               find_unused_parameters=find_unused_parameters, **no_buffer_sync)
+    no_buffer_sync = (
+        {"forward_sync_buffers": False}
+        if "forward_sync_buffers" in inspect.signature(DDP).parameters
+        else {"broadcast_buffers": False}
+    )
+    return DDP(
+        model,
+        device_ids=device_ids,
+        process_group=dp_mesh.get_group(),
+        bucket_cap_mb=bucket_cap_mb,
+        find_unused_parameters=find_unused_parameters,
+        **no_buffer_sync,
+    )
 
 
 def apply_replicate(model: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
@@ -58,6 +75,7 @@ def apply_replicate(model: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
     if dp_mesh.size() == 1:
         return model
     from torch.distributed._composable.replicate_with_fsdp import replicate
+
     for block in transformer_blocks(model):
         replicate(block, mesh=dp_mesh)
     return replicate(model, mesh=dp_mesh)
@@ -78,6 +96,7 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
 def is_replicated(model: nn.Module) -> bool:
     """True for a module data-parallel through FSDP2 (`replicate` / `fully_shard`)."""
     from torch.distributed.fsdp import FSDPModule
+
     return isinstance(model, FSDPModule)
 
 

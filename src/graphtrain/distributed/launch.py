@@ -21,6 +21,7 @@ checkpoint once this launch has written one (`written_since_launch`: compared wi
 taken when the launch began); until then it repeats what the command asked (a fresh start, --resume,
 --resume-from CKPT), so a crash before the first save never swaps the checkpoint the user named for another.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -38,9 +39,16 @@ STATE_ENV = "GRAPHTRAIN_LAUNCH_STATE"  # the folder the attempts of one launch s
 _CKPT = re.compile(r"^ckpt-\d{7,}(\.pt)?$")  # trainer/checkpoint.py's names: a file or a sharded folder
 
 
-def torchrun_command(nproc: int, argv: list[str], *, nnodes: int = 1, rdzv_endpoint: str | None = None,
-                     rdzv_id: str = "graphtrain", max_restarts: int = 0,
-                     shutdown_timeout_s: int | None = None) -> list[str]:
+def torchrun_command(
+    nproc: int,
+    argv: list[str],
+    *,
+    nnodes: int = 1,
+    rdzv_endpoint: str | None = None,
+    rdzv_id: str = "graphtrain",
+    max_restarts: int = 0,
+    shutdown_timeout_s: int | None = None,
+) -> list[str]:
     """The torchrun command line that runs `graphtrain train <argv>` on `nproc` processes per node."""
     if nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {nproc}")
@@ -48,8 +56,7 @@ def torchrun_command(nproc: int, argv: list[str], *, nnodes: int = 1, rdzv_endpo
         raise ValueError(f"--max-restarts must be >= 0, got {max_restarts}")
     if "--nproc" in argv or any(a.startswith("--nproc=") for a in argv):
         raise ValueError("remove --nproc from the arguments passed on to the workers (launch adds the torchrun flags)")
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-           f"--max-restarts={max_restarts}"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}"]
     if shutdown_timeout_s is not None:
         cmd.append(f"--shutdown-timeout={int(shutdown_timeout_s)}")
     if nnodes == 1 and rdzv_endpoint is None:
@@ -122,6 +129,7 @@ def _no_restart_after_refusal():
     try:
         from torch.distributed.elastic.agent.server.api import WorkerState
         from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
         original = LocalElasticAgent._monitor_workers
     except (ImportError, AttributeError):
         yield
@@ -130,8 +138,12 @@ def _no_restart_after_refusal():
     def monitor(self, worker_group):
         result = original(self, worker_group)
         failures = getattr(result, "failures", None) or {}
-        if (result.state == WorkerState.FAILED and failures and hasattr(self, "_remaining_restarts")
-                and all(f.exitcode == EXIT_USAGE for f in failures.values())):
+        if (
+            result.state == WorkerState.FAILED
+            and failures
+            and hasattr(self, "_remaining_restarts")
+            and all(f.exitcode == EXIT_USAGE for f in failures.values())
+        ):
             self._remaining_restarts = 0
         return result
 

@@ -2,6 +2,7 @@
 out, with the step helpers (forward/backward, clipping, save/load) that differ per layout. The package docstring
 (graphtrain/distributed/__init__.py) shows the loop and lists the layouts.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -38,7 +39,7 @@ from graphtrain.distributed.tp_plans import apply_tensor_parallel
 from graphtrain.distributed.zero import optimizer_state_bytes, shard_optimizer
 from graphtrain.frontend.accelerate import accelerate, compile_in_place, new_state
 from graphtrain.optim.functional import clip_coefficient
-from graphtrain.pipeline.blocks import splits_into_blocks
+from graphtrain.pipeline.block_regions import splits_into_blocks
 from graphtrain.pipeline.functional import loss_of
 
 __all__ = ["Parallelized", "check_engine_under_ddp", "parallelize"]
@@ -64,8 +65,15 @@ class Parallelized:
         """The user's module (or this rank's stage) without DDP / compile wrappers."""
         return ckpt.unwrap(self.model)
 
-    def forward_backward(self, input_ids: torch.Tensor, labels: torch.Tensor, *, micro_step: int = 0,
-                         micro_steps: int = 1, **model_kwargs: Any) -> torch.Tensor:
+    def forward_backward(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        *,
+        micro_step: int = 0,
+        micro_steps: int = 1,
+        **model_kwargs: Any,
+    ) -> torch.Tensor:
         """Forward, loss and backward for one micro-batch of this dp rank; returns the detached loss.
 
         Gradients accumulate over micro-steps (loss / micro_steps); data-parallel all-reduce runs
@@ -128,7 +136,9 @@ class Parallelized:
         inner = self.module
         # The last pipeline stage's copy of the tied embedding holds the same (summed) gradient as stage 0's
         # matrix after sync_tied_grads: it is counted once, on stage 0.
-        copy = inner.lm_head.weight if getattr(inner, "is_last", False) and not getattr(inner, "is_first", True) else None
+        copy = (
+            inner.lm_head.weight if getattr(inner, "is_last", False) and not getattr(inner, "is_first", True) else None
+        )
         params = [p for p in inner.parameters() if p.grad is not None]
         sq = torch.zeros((), dtype=torch.float32, device=self.env.device)
         sharded = torch.zeros_like(sq)
@@ -180,15 +190,21 @@ def check_engine_under_ddp(engine: Any, module: nn.Module) -> None:
         return  # compiled block by block, without DDPOptimizer (frontend/accelerate.py _run_compiled)
     grad_bytes = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
     if grad_bytes > dist._DEFAULT_FIRST_BUCKET_BYTES:
-        raise ValueError(f"engine.provider=aten does not compose with DDP for a model whose gradients "
-                         f"({grad_bytes / 2**20:.1f} MiB) span several DDP buckets (Dynamo's DDPOptimizer splits the "
-                         f"graph there and torch cannot compile the aten pieces' backward): use engine.provider=auto "
-                         f"(Inductor), engine.compile_blocks=true with engine.recompute none or selective for a "
-                         f"model with repeated blocks (compiled block by block, no split), or train.accelerate=false")
+        raise ValueError(
+            f"engine.provider=aten does not compose with DDP for a model whose gradients "
+            f"({grad_bytes / 2**20:.1f} MiB) span several DDP buckets (Dynamo's DDPOptimizer splits the "
+            f"graph there and torch cannot compile the aten pieces' backward): use engine.provider=auto "
+            f"(Inductor), engine.compile_blocks=true with engine.recompute none or selective for a "
+            f"model with repeated blocks (compiled block by block, no split), or train.accelerate=false"
+        )
 
 
-def parallelize(model: nn.Module, optimizer_factory: Callable[[nn.Module], torch.optim.Optimizer],
-                parallel: ParallelConfig | Config, env: DistEnv | None = None) -> Parallelized:
+def parallelize(
+    model: nn.Module,
+    optimizer_factory: Callable[[nn.Module], torch.optim.Optimizer],
+    parallel: ParallelConfig | Config,
+    env: DistEnv | None = None,
+) -> Parallelized:
     """Lay `model` out over the mesh and build its optimizer. Collective: every rank calls it.
 
     `model` is the full model built on every rank (weights are broadcast from rank 0, so they need
@@ -201,10 +217,12 @@ def parallelize(model: nn.Module, optimizer_factory: Callable[[nn.Module], torch
     if composed and parallel.zero_stage == 1:
         # dp with tp/pp runs through FSDP2 replicate, whose parameters are DTensors; ZeroRedundancyOptimizer
         # partitions plain tensors only (it raises on DTensors).
-        raise ValueError(f"parallel.zero_stage=1 with parallel.dp>1 and parallel.{'tp' if parallel.tp > 1 else 'pp'}>1 "
-                         f"is not supported (ZeroRedundancyOptimizer needs plain tensors; dp composed with tp/pp uses "
-                         f"FSDP2 replicate, whose parameters are DTensors): set parallel.zero_stage=0, or use "
-                         f"zero_stage=1 with dp alone")
+        raise ValueError(
+            f"parallel.zero_stage=1 with parallel.dp>1 and parallel.{'tp' if parallel.tp > 1 else 'pp'}>1 "
+            f"is not supported (ZeroRedundancyOptimizer needs plain tensors; dp composed with tp/pp uses "
+            f"FSDP2 replicate, whose parameters are DTensors): set parallel.zero_stage=0, or use "
+            f"zero_stage=1 with dp alone"
+        )
     model = model.to(env.device)
     if env.mesh is None:
         return Parallelized(model, optimizer_factory(model), env)
@@ -226,6 +244,7 @@ def parallelize(model: nn.Module, optimizer_factory: Callable[[nn.Module], torch
     if parallel.zero_stage == 1:
         optimizer = shard_optimizer(optimizer, env.group("dp"))
     if parallel.pp > 1:
-        schedule = build_schedule(wrapped, env.pp_rank, parallel.pp, env.group("pp"), env.device,
-                                  parallel.microbatches, parallel.schedule)
+        schedule = build_schedule(
+            wrapped, env.pp_rank, parallel.pp, env.group("pp"), env.device, parallel.microbatches, parallel.schedule
+        )
     return Parallelized(wrapped, optimizer, env, schedule, tied)

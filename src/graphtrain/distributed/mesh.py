@@ -6,6 +6,7 @@ timeout from `parallel.timeout_s` (so a dead or stuck rank raises instead of han
 `torch.distributed.device_mesh.DeviceMesh` with dims ("pp", "dp", "tp"). tp is the innermost dim,
 so tensor-parallel peers are neighbouring ranks (same node, fastest link), and pp the outermost.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -60,12 +61,15 @@ class DistEnv:
 def check_layout(parallel: ParallelConfig, world_size: int) -> None:
     """Raise ValueError unless pp * dp * tp == world size, naming the sizes and the fix."""
     if parallel.world_size != world_size:
-        hint = (f"set parallel.dp={world_size // (parallel.tp * parallel.pp)}"
-                if world_size % (parallel.tp * parallel.pp) == 0 else
-                f"choose dp, tp, pp whose product is {world_size}")
+        hint = (
+            f"set parallel.dp={world_size // (parallel.tp * parallel.pp)}"
+            if world_size % (parallel.tp * parallel.pp) == 0
+            else f"choose dp, tp, pp whose product is {world_size}"
+        )
         raise ValueError(
             f"parallel layout pp={parallel.pp} x dp={parallel.dp} x tp={parallel.tp} = {parallel.world_size} ranks, "
-            f"but the job has world size {world_size}: {hint}, or launch with --nproc {parallel.world_size}")
+            f"but the job has world size {world_size}: {hint}, or launch with --nproc {parallel.world_size}"
+        )
 
 
 def default_backend() -> str:
@@ -92,10 +96,13 @@ def init_distributed(parallel: ParallelConfig, backend: str | None = None) -> Di
         return DistEnv(0, 1, 0, device, None, parallel)
     if not dist.is_initialized():
         if "MASTER_ADDR" not in os.environ:
-            raise ValueError("WORLD_SIZE is set but MASTER_ADDR/MASTER_PORT are not: launch with torchrun "
-                             "(`graphtrain train --nproc N` or `torchrun --nproc-per-node N -m graphtrain train`)")
-        dist.init_process_group(backend=backend, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=parallel.timeout_s))
+            raise ValueError(
+                "WORLD_SIZE is set but MASTER_ADDR/MASTER_PORT are not: launch with torchrun "
+                "(`graphtrain train --nproc N` or `torchrun --nproc-per-node N -m graphtrain train`)"
+            )
+        dist.init_process_group(
+            backend=backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=parallel.timeout_s)
+        )
     mesh = init_device_mesh(device.type, (parallel.pp, parallel.dp, parallel.tp), mesh_dim_names=MESH_DIMS)
     return DistEnv(rank, world_size, local_rank, device, mesh, parallel)
 

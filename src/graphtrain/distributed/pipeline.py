@@ -17,6 +17,7 @@ is the mean cross-entropy per micro-batch times 1/(microbatches x accumulation s
 the schedule's own scale_grads is off), so with equal-size micro-batches (and no -100 labels) the
 step equals the full-batch step, with or without gradient accumulation.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -33,8 +34,10 @@ from graphtrain.models.layers import language_model_loss
 def stage_layers(n_layer: int, n_stages: int) -> list[range]:
     """Contiguous block ranges per stage; the first `n_layer % n_stages` stages take one extra block."""
     if n_layer < n_stages:
-        raise ValueError(f"parallel.pp={n_stages} stages need at least {n_stages} transformer blocks, the model has "
-                         f"{n_layer}: use parallel.pp<={n_layer} or a deeper model")
+        raise ValueError(
+            f"parallel.pp={n_stages} stages need at least {n_stages} transformer blocks, the model has "
+            f"{n_layer}: use parallel.pp<={n_layer} or a deeper model"
+        )
     base, extra = divmod(n_layer, n_stages)
     ranges, start = [], 0
     for s in range(n_stages):
@@ -53,8 +56,10 @@ class GPT2Stage(nn.Module):
     def __init__(self, model: nn.Module, stage: int, n_stages: int) -> None:
         super().__init__()
         if getattr(model, "family", None) != "gpt2":
-            raise ValueError(f"pipeline parallelism has a split for graphtrain's reference GPT-2 only, not "
-                             f"{type(model).__name__}: use parallel.pp=1 for this model")
+            raise ValueError(
+                f"pipeline parallelism has a split for graphtrain's reference GPT-2 only, not "
+                f"{type(model).__name__}: use parallel.pp=1 for this model"
+            )
         self.spec, self.loss_fn = model.spec, model.loss_fn
         self.stage, self.n_stages = stage, n_stages
         self.is_first, self.is_last = stage == 0, stage == n_stages - 1
@@ -127,8 +132,9 @@ class ScaledLMLoss:
     gradients accumulated by earlier accumulation steps (measured: pp=2 with 2 accumulation steps drifted
     from the single-process run from the second step on)."""
 
-    def __init__(self, loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = language_model_loss,
-                 microbatches: int = 1) -> None:
+    def __init__(
+        self, loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = language_model_loss, microbatches: int = 1
+    ) -> None:
         self.loss, self.microbatches = loss, microbatches
         self.scale = 1.0 / microbatches
 
@@ -139,12 +145,22 @@ class ScaledLMLoss:
         return self.loss(logits, labels) * self.scale
 
 
-def build_schedule(stage_module: nn.Module, stage: int, n_stages: int, pp_group: dist.ProcessGroup,
-                   device: torch.device, microbatches: int, schedule: str, loss_fn: ScaledLMLoss | None = None):
+def build_schedule(
+    stage_module: nn.Module,
+    stage: int,
+    n_stages: int,
+    pp_group: dist.ProcessGroup,
+    device: torch.device,
+    microbatches: int,
+    schedule: str,
+    loss_fn: ScaledLMLoss | None = None,
+):
     """PipelineStage + Schedule1F1B / ScheduleGPipe over `pp_group` (stage_module may be DDP-wrapped)."""
     if schedule == "1f1b" and microbatches < n_stages:
-        raise ValueError(f"parallel.schedule=1f1b needs parallel.microbatches >= parallel.pp ({n_stages}), got "
-                         f"{microbatches}: raise parallel.microbatches or use parallel.schedule=gpipe")
+        raise ValueError(
+            f"parallel.schedule=1f1b needs parallel.microbatches >= parallel.pp ({n_stages}), got "
+            f"{microbatches}: raise parallel.microbatches or use parallel.schedule=gpipe"
+        )
     pipe_stage = PipelineStage(stage_module, stage, n_stages, device, group=pp_group)
     cls = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[schedule]
     inner = getattr(stage_module, "module", stage_module)
@@ -152,17 +168,21 @@ def build_schedule(stage_module: nn.Module, stage: int, n_stages: int, pp_group:
     return cls(pipe_stage, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
 
 
-def pipeline_step(schedule, stage_module: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor,
-                  pp_group: dist.ProcessGroup) -> torch.Tensor:
+def pipeline_step(
+    schedule, stage_module: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, pp_group: dist.ProcessGroup
+) -> torch.Tensor:
     """One forward+backward over all micro-batches; returns the mean micro-batch loss on every stage."""
     inner = getattr(stage_module, "module", stage_module)
     if input_ids.size(0) % schedule._n_microbatches:
-        raise ValueError(f"the batch size {input_ids.size(0)} must divide by parallel.microbatches="
-                         f"{schedule._n_microbatches}: change train.batch_size or parallel.microbatches")
+        raise ValueError(
+            f"the batch size {input_ids.size(0)} must divide by parallel.microbatches="
+            f"{schedule._n_microbatches}: change train.batch_size or parallel.microbatches"
+        )
     losses: list[torch.Tensor] = []
     args = (input_ids,) if inner.is_first else ()
-    schedule.step(*args, target=labels if inner.is_last else None, losses=losses if inner.is_last else None,
-                  return_outputs=False)
+    schedule.step(
+        *args, target=labels if inner.is_last else None, losses=losses if inner.is_last else None, return_outputs=False
+    )
     scale = getattr(schedule._loss_fn, "scale", 1.0)
     loss = torch.stack([x.detach().float() for x in losses]).mean() / scale if inner.is_last else torch.zeros(())
     loss = loss.to(input_ids.device)
@@ -171,16 +191,22 @@ def pipeline_step(schedule, stage_module: nn.Module, input_ids: torch.Tensor, la
     return loss
 
 
-def pipeline_eval(schedule, stage_module: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor,
-                  pp_group: dist.ProcessGroup) -> torch.Tensor:
+def pipeline_eval(
+    schedule, stage_module: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, pp_group: dist.ProcessGroup
+) -> torch.Tensor:
     """Forward only (the schedule's `eval`) over all micro-batches; the mean micro-batch loss on every stage."""
     inner = getattr(stage_module, "module", stage_module)
     if input_ids.size(0) % schedule._n_microbatches:
-        raise ValueError(f"the evaluation batch size {input_ids.size(0)} must divide by parallel.microbatches="
-                         f"{schedule._n_microbatches}: change train.batch_size or parallel.microbatches")
+        raise ValueError(
+            f"the evaluation batch size {input_ids.size(0)} must divide by parallel.microbatches="
+            f"{schedule._n_microbatches}: change train.batch_size or parallel.microbatches"
+        )
     losses: list[torch.Tensor] = []
-    schedule.eval(*((input_ids,) if inner.is_first else ()), target=labels if inner.is_last else None,
-                  losses=losses if inner.is_last else None)
+    schedule.eval(
+        *((input_ids,) if inner.is_first else ()),
+        target=labels if inner.is_last else None,
+        losses=losses if inner.is_last else None,
+    )
     scale = getattr(schedule._loss_fn, "scale", 1.0)
     loss = torch.stack([x.detach().float() for x in losses]).mean() / scale if inner.is_last else torch.zeros(())
     loss = loss.to(input_ids.device)

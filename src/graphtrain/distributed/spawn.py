@@ -8,6 +8,7 @@ value travels through a file read with `torch.load(weights_only=True)`: return t
 A rank that raises fails the whole call with its traceback; a run past `timeout_s` is killed and
 raises TimeoutError, so a broken collective can never hang a test suite.
 """
+
 from __future__ import annotations
 
 import os
@@ -31,8 +32,14 @@ def free_port() -> int:
 
 
 def _entry(local_rank: int, fn: Callable, nproc: int, port: int, out_dir: str, args: tuple) -> None:
-    os.environ.update(RANK=str(local_rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(local_rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    os.environ.update(
+        RANK=str(local_rank),
+        WORLD_SIZE=str(nproc),
+        LOCAL_RANK=str(local_rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS="1",
+    )
     torch.set_num_threads(1)
     try:
         result = fn(*args)
@@ -52,8 +59,9 @@ def _entry(local_rank: int, fn: Callable, nproc: int, port: int, out_dir: str, a
 def run_ranks(fn: Callable[..., Any], nproc: int, *args: Any, timeout_s: float = 180.0) -> list[Any]:
     """Call `fn(*args)` on `nproc` spawned ranks; return their results in rank order."""
     with tempfile.TemporaryDirectory(prefix="graphtrain-ranks-") as out_dir:
-        ctx = mp.start_processes(_entry, args=(fn, nproc, free_port(), out_dir, args), nprocs=nproc,
-                                 join=False, start_method="spawn")
+        ctx = mp.start_processes(
+            _entry, args=(fn, nproc, free_port(), out_dir, args), nprocs=nproc, join=False, start_method="spawn"
+        )
         deadline = time.monotonic() + timeout_s
         try:
             while not ctx.join(timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
@@ -71,6 +79,8 @@ def _result(out_dir: str, rank: int) -> Any:
     try:
         return torch.load(os.path.join(out_dir, f"rank{rank}.pt"), weights_only=True)
     except pickle.UnpicklingError as e:
-        raise TypeError(f"run_ranks: rank {rank} returned objects other than tensors and plain values "
-                        f"({' '.join(str(e).split())[:200]}); return tensors, numbers, strings, lists, tuples and "
-                        f"dicts") from None
+        raise TypeError(
+            f"run_ranks: rank {rank} returned objects other than tensors and plain values "
+            f"({' '.join(str(e).split())[:200]}); return tensors, numbers, strings, lists, tuples and "
+            f"dicts"
+        ) from None

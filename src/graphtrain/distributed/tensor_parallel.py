@@ -42,6 +42,7 @@ model's parameter names and shapes and load under any layout.
 This module holds the collectives and the parallel layers; which layers of which model they replace (the
 per-model plans, and `apply_tensor_parallel`) is distributed/tp_plans.py.
 """
+
 from __future__ import annotations
 
 import collections
@@ -79,6 +80,7 @@ def _sent(op: str, x: torch.Tensor) -> None:
 # --- the collectives, as custom ops with autograd -------------------------------------------------------
 # Custom ops may not return an alias of an input, so tp_copy's identity forward is a copy (one
 # activation-sized memcpy per attention / MLP, small beside their matmuls).
+
 
 def _all_reduce(x: torch.Tensor, group: str, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
     out = x.contiguous().clone()  # custom ops must not return (or write) their input
@@ -126,9 +128,15 @@ def _(x: torch.Tensor, group: str) -> torch.Tensor:
 
 
 # Never recomputed (a re-run would add communication); dtype follows the input.
-register_ops(*(OpDescriptor(name, role=COLLECTIVE, random=False, recompute=NEVER, precision=FOLLOW,
-                            workspace_bytes=no_workspace, cpp=())
-               for name in ("tp_reduce", "tp_copy", "tp_max", "tp_gather_last")), owner=__name__)
+register_ops(
+    *(
+        OpDescriptor(
+            name, role=COLLECTIVE, random=False, recompute=NEVER, precision=FOLLOW, workspace_bytes=no_workspace, cpp=()
+        )
+        for name in ("tp_reduce", "tp_copy", "tp_max", "tp_gather_last")
+    ),
+    owner=__name__,
+)
 
 
 def _save_group(ctx, inputs, output) -> None:
@@ -149,6 +157,7 @@ tp_gather_last.register_autograd(_gather_backward, setup_context=_save_group)
 
 
 # --- dropout on this rank's heads ------------------------------------------------------------------
+
 
 class LocalHeadsRNG:
     """Eager attention dropout on this tp rank's heads, drawn from a random stream of the rank's own.
@@ -187,8 +196,9 @@ class LocalHeadsRNG:
         fork.__exit__(None, None, None)
 
 
-def _attention_dropout_on_local_heads(tp_mesh: DeviceMesh, regions: list[tuple[nn.Module, nn.Module, bool]],
-                                      p_of) -> None:
+def _attention_dropout_on_local_heads(
+    tp_mesh: DeviceMesh, regions: list[tuple[nn.Module, nn.Module, bool]], p_of
+) -> None:
     """Salt this rank's attention dropout: the fused op (process-wide) and, for eager, `LocalHeadsRNG` over each
     (module where the core starts, module at whose entry (True) or exit (False) it ends) in `regions`."""
     salt = tp_mesh.get_local_rank()
@@ -203,6 +213,7 @@ def _attention_dropout_on_local_heads(tp_mesh: DeviceMesh, regions: list[tuple[n
 
 
 # --- the parallel layers ----------------------------------------------------------------------------
+
 
 def _local(t: torch.Tensor | None) -> torch.Tensor | None:
     return t.to_local() if isinstance(t, DTensor) else t
@@ -225,8 +236,14 @@ class ColumnParallelLinear(nn.Module):
     (off when the caller already did, as SplitQKV does once for q, k and v). `gather_output`: all-gather
     y along its last dim (for a head whose model computes the loss itself, e.g. Hugging Face's)."""
 
-    def __init__(self, linear: nn.Linear, mesh: DeviceMesh, copy_input: bool = True,
-                 gather_output: bool = False, rows: slice = slice(None)) -> None:
+    def __init__(
+        self,
+        linear: nn.Linear,
+        mesh: DeviceMesh,
+        copy_input: bool = True,
+        gather_output: bool = False,
+        rows: slice = slice(None),
+    ) -> None:
         """`rows`: shard only these output rows of `linear` (one of q, k, v of a fused projection)."""
         super().__init__()
         self.group, self.copy_input, self.gather_output = mesh.get_group().group_name, copy_input, gather_output
@@ -261,8 +278,9 @@ class SplitQKV(nn.Module):
         super().__init__()
         self.group = mesh.get_group().group_name
         d = fused.out_features // 3
-        self.q, self.k, self.v = (ColumnParallelLinear(fused, mesh, copy_input=False, rows=slice(i * d, (i + 1) * d))
-                                  for i in range(3))
+        self.q, self.k, self.v = (
+            ColumnParallelLinear(fused, mesh, copy_input=False, rows=slice(i * d, (i + 1) * d)) for i in range(3)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = tp_copy(x, self.group)
@@ -282,8 +300,7 @@ class ColumnParallelConv1D(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.copy_input:
             x = tp_copy(x, self.group)
-        return torch.addmm(_local(self.bias), x.reshape(-1, x.size(-1)), self.weight.to_local()).view(
-            *x.shape[:-1], -1)
+        return torch.addmm(_local(self.bias), x.reshape(-1, x.size(-1)), self.weight.to_local()).view(*x.shape[:-1], -1)
 
 
 class RowParallelConv1D(nn.Module):
@@ -306,8 +323,9 @@ class SplitQKVConv1D(nn.Module):
         super().__init__()
         self.group = mesh.get_group().group_name
         d = conv.weight.shape[1] // 3
-        self.q, self.k, self.v = (ColumnParallelConv1D(conv, mesh, copy_input=False, cols=slice(i * d, (i + 1) * d))
-                                  for i in range(3))
+        self.q, self.k, self.v = (
+            ColumnParallelConv1D(conv, mesh, copy_input=False, cols=slice(i * d, (i + 1) * d)) for i in range(3)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = tp_copy(x, self.group)
@@ -345,8 +363,9 @@ class VocabParallelMLMHead(nn.Module):
         return self.decoder(self.ln(F.gelu(self.dense(x)))) + self.bias.to_local()
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, *, group: str, start: int,
-                                 ignore_index: int = -100) -> torch.Tensor:
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor, labels: torch.Tensor, *, group: str, start: int, ignore_index: int = -100
+) -> torch.Tensor:
     """Mean cross-entropy over labels != ignore_index, from vocab-sharded logits [..., V / tp] (Megatron's
     vocab-parallel loss): the max, the sum of exponentials and the target logit are reduced over the tp
     group instead of gathering the logits."""

@@ -12,6 +12,7 @@ for them. `apply_tensor_parallel` finds the model's plan by what the model is, n
 
 Anything else has no plan: `check_tp` says so, naming what does (data parallelism works with any model).
 """
+
 from __future__ import annotations
 
 import functools
@@ -69,14 +70,17 @@ def _has(model: nn.Module, fqn: str) -> bool:
 
 def _copy_first_input(group: str):
     """A forward pre-hook putting tp_copy on a module's hidden_states (positional or keyword)."""
+
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if args:
             return (tp_copy(args[0], group),) + tuple(args[1:]), kwargs
         return args, {**kwargs, "hidden_states": tp_copy(kwargs["hidden_states"], group)}
+
     return hook
 
 
 # --- graphtrain's reference models -----------------------------------------------------------------
+
 
 def _apply_reference(model: nn.Module, tp_mesh: DeviceMesh, gpt2: bool) -> nn.Module:
     """The Megatron plan on graphtrain's GPT-2 (or one of its pipeline stages: its blocks, plus the embedding on the
@@ -86,7 +90,7 @@ def _apply_reference(model: nn.Module, tp_mesh: DeviceMesh, gpt2: bool) -> nn.Mo
     prefix, blocks = ("blocks", model.blocks) if gpt2 else ("layers", model.layers)
     fused: dict[str, list[str]] = {}
     regions = []
-    for i, block in (blocks.items() if isinstance(blocks, nn.ModuleDict) else enumerate(blocks)):
+    for i, block in blocks.items() if isinstance(blocks, nn.ModuleDict) else enumerate(blocks):
         block.attn.qkv = SplitQKV(block.attn.qkv, tp_mesh)
         fused[f"{prefix}.{i}.attn.qkv"] = [".q", ".k", ".v"]
         block.attn.proj = RowParallelLinear(block.attn.proj, tp_mesh)
@@ -126,6 +130,7 @@ REFERENCE_BERT = TPPlan("graphtrain BERT", _reference_sizes, functools.partial(_
 
 # --- Hugging Face models ---------------------------------------------------------------------------
 
+
 def _apply_hf_bert(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
     """The Megatron plan on Hugging Face BertForMaskedLM (separate query/key/value Linears, heads reshaped with
     -1, so each rank's attention runs on its n_head / tp heads unchanged). The word embedding is vocab-parallel;
@@ -163,8 +168,10 @@ def _apply_hf_gpt2(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
     for i, block in enumerate(model.transformer.h):
         attn = block.attn
         if getattr(attn, "is_cross_attention", False) or getattr(attn, "reorder_and_upcast_attn", False):
-            raise ValueError("tensor parallel on Hugging Face GPT-2 supports self-attention without "
-                             "reorder_and_upcast_attn; use parallel.tp=1 for this config")
+            raise ValueError(
+                "tensor parallel on Hugging Face GPT-2 supports self-attention without "
+                "reorder_and_upcast_attn; use parallel.tp=1 for this config"
+            )
         attn.c_attn = SplitQKVConv1D(attn.c_attn, tp_mesh)
         attn.split_size = attn.embed_dim // tp
         fused[f"transformer.h.{i}.attn.c_attn"] = [".q", ".k", ".v"]
@@ -212,22 +219,41 @@ def _apply_llama_family(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
     return model
 
 
-HF_BERT = TPPlan("Hugging Face BertForMaskedLM", lambda m: (m.config.num_attention_heads, m.config.intermediate_size,
-                                                            m.config.vocab_size, None), _apply_hf_bert)
-HF_GPT2 = TPPlan("Hugging Face GPT2LMHeadModel", lambda m: (m.config.n_head, m.config.n_inner or 4 * m.config.n_embd,
-                                                            m.config.vocab_size, None), _apply_hf_gpt2)
-HF_LLAMA = TPPlan("Hugging Face Llama-family causal LM",
-                  lambda m: (m.config.num_attention_heads, m.config.intermediate_size, m.config.vocab_size,
-                             m.config.num_key_value_heads), _apply_llama_family)
+HF_BERT = TPPlan(
+    "Hugging Face BertForMaskedLM",
+    lambda m: (m.config.num_attention_heads, m.config.intermediate_size, m.config.vocab_size, None),
+    _apply_hf_bert,
+)
+HF_GPT2 = TPPlan(
+    "Hugging Face GPT2LMHeadModel",
+    lambda m: (m.config.n_head, m.config.n_inner or 4 * m.config.n_embd, m.config.vocab_size, None),
+    _apply_hf_gpt2,
+)
+HF_LLAMA = TPPlan(
+    "Hugging Face Llama-family causal LM",
+    lambda m: (
+        m.config.num_attention_heads,
+        m.config.intermediate_size,
+        m.config.vocab_size,
+        m.config.num_key_value_heads,
+    ),
+    _apply_llama_family,
+)
 
 
 def _hf_plans(transformers) -> dict[str, tuple[type, TPPlan]]:
     """config.model_type -> (the transformers class the plan is written for, the plan). Families this
     transformers release does not have are left out."""
-    plans = {"bert": (transformers.BertForMaskedLM, HF_BERT), "gpt2": (transformers.GPT2LMHeadModel, HF_GPT2),
-             "llama": (transformers.LlamaForCausalLM, HF_LLAMA)}
-    for model_type, cls in (("mistral", "MistralForCausalLM"), ("qwen2", "Qwen2ForCausalLM"),
-                            ("qwen3", "Qwen3ForCausalLM")):
+    plans = {
+        "bert": (transformers.BertForMaskedLM, HF_BERT),
+        "gpt2": (transformers.GPT2LMHeadModel, HF_GPT2),
+        "llama": (transformers.LlamaForCausalLM, HF_LLAMA),
+    }
+    for model_type, cls in (
+        ("mistral", "MistralForCausalLM"),
+        ("qwen2", "Qwen2ForCausalLM"),
+        ("qwen3", "Qwen3ForCausalLM"),
+    ):
         try:
             plans[model_type] = (getattr(transformers, cls), HF_LLAMA)
         except (AttributeError, ImportError):  # an older transformers without this family
@@ -236,6 +262,7 @@ def _hf_plans(transformers) -> dict[str, tuple[type, TPPlan]]:
 
 
 # --- finding a model's plan ------------------------------------------------------------------------
+
 
 def plan_of(model: nn.Module) -> tuple[nn.Module, TPPlan]:
     """(the module the plan shards, the plan) for `model`; for graphtrain's model.hf wrapper the module is the
@@ -255,20 +282,26 @@ def plan_of(model: nn.Module) -> tuple[nn.Module, TPPlan]:
         f"tensor parallelism has a plan for graphtrain's reference GPT-2 and BERT (graphtrain.models) and Hugging "
         f"Face GPT2LMHeadModel, BertForMaskedLM and Llama-family causal LMs (Llama, Mistral, Qwen2, Qwen3: q/k/v/o "
         f"and gate/up/down projections), not for {type(inner).__name__}, which has no plan; use parallel.tp=1 "
-        f"(data parallel works with any model) or a model with a plan")
+        f"(data parallel works with any model) or a model with a plan"
+    )
 
 
 def check_tp(model: nn.Module, tp: int) -> None:
     """Raise ValueError unless the model has a plan and its heads, MLP width and vocabulary divide by tp."""
     inner, plan = plan_of(model)
     n_head, d_ff, vocab, kv = plan.sizes(inner)
-    for what, n in (("attention heads (n_head)", n_head), ("MLP width (d_ff)", d_ff),
-                    ("vocabulary (vocab_size)", vocab), *((("key/value heads (num_key_value_heads)", kv),) if kv else ())):
+    for what, n in (
+        ("attention heads (n_head)", n_head),
+        ("MLP width (d_ff)", d_ff),
+        ("vocabulary (vocab_size)", vocab),
+        *((("key/value heads (num_key_value_heads)", kv),) if kv else ()),
+    ):
         if n % tp:
             fix = [d for d in range(tp, 0, -1) if n % d == 0][0]
-            raise ValueError(f"parallel.tp={tp} must divide the model's {what} = {n}: use parallel.tp={fix}"
-                             + (" or pad the vocabulary (model.vocab_size) to a multiple of tp"
-                                if "vocab" in what else ""))
+            raise ValueError(
+                f"parallel.tp={tp} must divide the model's {what} = {n}: use parallel.tp={fix}"
+                + (" or pad the vocabulary (model.vocab_size) to a multiple of tp" if "vocab" in what else "")
+            )
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:

@@ -10,6 +10,7 @@ its updated parameters to the other dp ranks. Per-rank optimizer memory is there
 (or any torch optimizer) into its ZeRO-1 twin: same class, same param groups, same hyper-
 parameters. Call it before the first step (the original optimizer must hold no state yet).
 """
+
 from __future__ import annotations
 
 import inspect
@@ -29,12 +30,16 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, dp_group: dist.ProcessGrou
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         return optimizer
     if any(len(s) for s in optimizer.state.values()):
-        raise ValueError("shard_optimizer must be called before the first optimizer step (the optimizer already "
-                         "holds state); build the optimizer, shard it, then train")
+        raise ValueError(
+            "shard_optimizer must be called before the first optimizer step (the optimizer already "
+            "holds state); build the optimizer, shard it, then train"
+        )
     params = [p for g in optimizer.param_groups for p in g["params"]]
     if any(isinstance(p, DTensor) for p in params):
-        raise ValueError("parallel.zero_stage=1 with parallel.tp>1 is not supported (ZeroRedundancyOptimizer needs "
-                         "plain tensors, tensor parallelism makes DTensors): set parallel.zero_stage=0 when tp > 1")
+        raise ValueError(
+            "parallel.zero_stage=1 with parallel.tp>1 is not supported (ZeroRedundancyOptimizer needs "
+            "plain tensors, tensor parallelism makes DTensors): set parallel.zero_stage=0 when tp > 1"
+        )
     groups = [{k: v for k, v in g.items()} for g in optimizer.param_groups]
     groups = [g for g in groups if g["params"]]  # ZeroRedundancyOptimizer rejects empty groups
     accepted = inspect.signature(type(optimizer).__init__).parameters

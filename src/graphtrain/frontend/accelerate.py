@@ -6,6 +6,7 @@ prefix), same forward signature, and an ordinary ``loss.backward(); optimizer.st
 Our call wrapper around the compiled call measures time to first step, attributes Dynamo's graph breaks
 to this module, and applies the fallback policy when capture itself fails.
 """
+
 from __future__ import annotations
 
 import functools
@@ -20,16 +21,17 @@ from graphtrain.kernels._common import KernelFallbackError
 from graphtrain.memory import prefault
 from graphtrain.models.hf_calls import call_adapter, trace_through_log_once
 from graphtrain.passes.manager import pipeline
-from graphtrain.pipeline.blocks import ReuseMisbound, mark_repeated_blocks, no_subgraph_reuse, whole_model_reason
+from graphtrain.pipeline.block_regions import ReuseMisbound, mark_repeated_blocks, no_subgraph_reuse, whole_model_reason
 from graphtrain.pipeline.cache import cache_root, configure_cache
 from graphtrain.pipeline.state import EngineState, state_of
 from graphtrain.runtime.allocator import set_cpu_allocator_once
 from graphtrain.runtime.backend import make_backend
-from graphtrain.runtime.tiered import wait_background
+from graphtrain.runtime.workers import wait_background
 
 
-def accelerate(module: torch.nn.Module, config: Config | EngineConfig | dict | None = None,
-               **overrides: Any) -> torch.nn.Module:
+def accelerate(
+    module: torch.nn.Module, config: Config | EngineConfig | dict | None = None, **overrides: Any
+) -> torch.nn.Module:
     """Compile `module` in place with the graphtrain engine and return it.
 
     `config` is a graphtrain Config, an EngineConfig, a dict of engine keys or None; keyword overrides win,
@@ -50,8 +52,9 @@ def wait_compiled(module: torch.nn.Module, timeout: float | None = None) -> bool
     `timeout` seconds. Benchmarks call it after the first step so that they time what training settles on."""
     state, source = state_of(module)
     if source != "module":
-        raise TypeError(f"graphtrain.wait_compiled takes a module returned by graphtrain.accelerate, got "
-                        f"{type(module).__name__}")
+        raise TypeError(
+            f"graphtrain.wait_compiled takes a module returned by graphtrain.accelerate, got {type(module).__name__}"
+        )
     return wait_background(state, timeout)
 
 
@@ -64,8 +67,9 @@ def new_state(cfg: EngineConfig) -> EngineState:
     return EngineState(cfg)
 
 
-def compile_in_place(modules: torch.nn.Module | list[torch.nn.Module], state: EngineState, *,
-                     hooks_outside: bool = False) -> None:
+def compile_in_place(
+    modules: torch.nn.Module | list[torch.nn.Module], state: EngineState, *, hooks_outside: bool = False
+) -> None:
     """Compile each module's call (hooks included) with the engine, recording into `state`.
 
     `hooks_outside`: compile `module.forward` only, so the module's own forward hooks run eagerly around the
@@ -131,6 +135,7 @@ def _source_names_only_when_logged() -> None:
     lookup runs. Process-wide and idempotent, as models/hf_calls.py ``trace_through_log_once``."""
     import importlib
     import logging
+
     try:
         sc = importlib.import_module("torch._dynamo.symbolic_convert")
         og = importlib.import_module("torch._dynamo.output_graph")
@@ -139,13 +144,21 @@ def _source_names_only_when_logged() -> None:
     original = getattr(sc, "get_funcname", None)
     if original is None or getattr(original, "_graphtrain_lazy", False):
         return
-    loggers = [lg for lg in (getattr(sc, "trace_call_log", None), getattr(sc, "trace_source_log", None),
-                             getattr(og, "trace_call_log", None)) if lg is not None]
+    loggers = [
+        lg
+        for lg in (
+            getattr(sc, "trace_call_log", None),
+            getattr(sc, "trace_source_log", None),
+            getattr(og, "trace_call_log", None),
+        )
+        if lg is not None
+    ]
 
     def get_funcname(filename: str, lineno: int) -> str | None:
         if any(lg.isEnabledFor(logging.DEBUG) for lg in loggers):
             return original(filename, lineno)
         return None
+
     get_funcname._graphtrain_lazy = True  # type: ignore[attr-defined]
     sc.get_funcname = get_funcname
 
@@ -160,6 +173,7 @@ def _caused_by(e: BaseException, kind: type) -> bool:
 
 def _graph_break_reasons() -> list[Any]:
     from torch._dynamo.utils import graph_break_reasons
+
     return graph_break_reasons
 
 
@@ -192,7 +206,9 @@ class _CallWrapper:
         except Exception as e:  # noqa: BLE001
             out = self._capture_failed(e, args, kwargs)
         for r in reasons[n_before:]:
-            where = f" at {r.user_stack[-1].filename.rsplit('/', 1)[-1]}:{r.user_stack[-1].lineno}" if r.user_stack else ""
+            where = (
+                f" at {r.user_stack[-1].filename.rsplit('/', 1)[-1]}:{r.user_stack[-1].lineno}" if r.user_stack else ""
+            )
             msg = f"{' '.join(str(r.reason).split())[:300]}{where}"
             if msg not in state.graph_breaks:
                 state.graph_breaks.append(msg)
@@ -200,9 +216,13 @@ class _CallWrapper:
         if state.first_call_seconds is None:
             state.first_call_seconds = time.perf_counter() - t0
             if not state.graphs and not state.fallbacks and not state.eager_only:
-                report_fallback(f"capture of {type(self.module).__name__}", "Dynamo compiled no graph of its call "
-                                "(every frame skipped or empty)", state.config, what="runs eagerly",
-                                sink=state.fallbacks)
+                report_fallback(
+                    f"capture of {type(self.module).__name__}",
+                    "Dynamo compiled no graph of its call (every frame skipped or empty)",
+                    state.config,
+                    what="runs eagerly",
+                    sink=state.fallbacks,
+                )
         return out
 
     def _begin_prefault(self, args: tuple, kwargs: dict) -> None:
@@ -217,8 +237,9 @@ class _CallWrapper:
             return
         try:
             set_cpu_allocator_once([p], cfg)
-            self.prefault = prefault.begin(self.module, args, kwargs, cfg, cache_root(cfg),
-                                           self.state.first_step_memory)
+            self.prefault = prefault.begin(
+                self.module, args, kwargs, cfg, cache_root(cfg), self.state.first_step_memory
+            )
         except Exception as e:  # noqa: BLE001
             self.state.notes.append(f"first-step memory not recorded: {type(e).__name__}: {e}")
 
@@ -253,8 +274,9 @@ class _CallWrapper:
             if not _caused_by(e, ReuseMisbound):
                 raise
         self.state.block_reuse = False  # nothing ran yet: the backend refused the graph before compiling it
-        self.state.notes.append("Dynamo's reuse of traced blocks bound the wrong weights: every block is traced "
-                                "(still compiled once)")
+        self.state.notes.append(
+            "Dynamo's reuse of traced blocks bound the wrong weights: every block is traced (still compiled once)"
+        )
         with no_subgraph_reuse():
             return self.compiled(*args, **kwargs)
 
@@ -279,30 +301,36 @@ class _CallWrapper:
         except Exception as user_error:  # noqa: BLE001
             raise user_error from None
         import torch._dynamo.exc as dexc
+
         if _caused_by(e, dexc.FailOnRecompileLimitHit):
             # The module keeps its compiled variants; each new one runs eagerly, reported once (raised under `error`)
             limit = torch._dynamo.config.recompile_limit
             self.recompile_limit_hit = True
-            report_fallback(f"recompile limit of {type(self.module).__name__}",
-                            f"Dynamo compiled this code for {limit} variants and compiles no more (torch._dynamo."
-                            f"config.recompile_limit: with engine.dynamic=false each new input shape is a variant, "
-                            f"and so is each other accelerated module of this process that runs the same code). "
-                            f"For changing shapes, pad batches to a few fixed lengths (each compiled once, the "
-                            f"fastest) or pass engine.dynamic=true (one compile for every length, done before "
-                            f"its first step); "
-                            f"for many models in one process, call torch._dynamo.reset() between them",
-                            self.state.config,
-                            what="runs each new input shape eagerly (the shapes compiled so far stay compiled)",
-                            sink=self.state.fallbacks)
+            report_fallback(
+                f"recompile limit of {type(self.module).__name__}",
+                f"Dynamo compiled this code for {limit} variants and compiles no more (torch._dynamo."
+                f"config.recompile_limit: with engine.dynamic=false each new input shape is a variant, "
+                f"and so is each other accelerated module of this process that runs the same code). "
+                f"For changing shapes, pad batches to a few fixed lengths (each compiled once, the "
+                f"fastest) or pass engine.dynamic=true (one compile for every length, done before "
+                f"its first step); "
+                f"for many models in one process, call torch._dynamo.reset() between them",
+                self.state.config,
+                what="runs each new input shape eagerly (the shapes compiled so far stay compiled)",
+                sink=self.state.fallbacks,
+            )
             return out
         if "found no compiled frames" in str(e):  # Dynamo gave up on the frame (recompile limit hit)
-            inner = RuntimeError(f"{e} Dynamo compiles one code object at most torch._dynamo.config.recompile_limit "
-                                 f"times (all instances of a class count); raise it or use dynamic=True")
+            inner = RuntimeError(
+                f"{e} Dynamo compiles one code object at most torch._dynamo.config.recompile_limit "
+                f"times (all instances of a class count); raise it or use dynamic=True"
+            )
         elif not (isinstance(e, dexc.TorchDynamoException) or isinstance(inner, dexc.TorchDynamoException)):
             inner = RuntimeError(f"its compiled graph raised where eager runs ({type(e).__name__}: {e})")
         name = type(self.module).__name__
         reason = " ".join(f"{type(inner).__name__}: {inner}".split())[:600]
-        report_fallback(f"capture of {name}", reason, self.state.config, what="runs eagerly from now on",
-                        sink=self.state.fallbacks)
+        report_fallback(
+            f"capture of {name}", reason, self.state.config, what="runs eagerly from now on", sink=self.state.fallbacks
+        )
         self.state.eager_only = True
         return out

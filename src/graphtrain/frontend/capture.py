@@ -14,6 +14,7 @@ Calling convention (AOTAutograd): forward inputs are (*parameters, *buffers, *ba
 (loss, *saved for backward); backward inputs are (*saved, tangent) and its outputs are one gradient per
 forward input (None for the batch).
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -47,8 +48,14 @@ class Captured:
 class _StepCapture:
     """`model`'s step as the pipeline compiles it: module_as_function(model, loss=True) on (*state, *batch)."""
 
-    def __init__(self, model: torch.nn.Module, engine_cfg: EngineConfig | None, optimizer: str,
-                 only: dict[str, Sequence[PassFn]], records: list[RecomputeRecord] | None = None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        engine_cfg: EngineConfig | None,
+        optimizer: str,
+        only: dict[str, Sequence[PassFn]],
+        records: list[RecomputeRecord] | None = None,
+    ) -> None:
         self.name = type(model).__name__
         self.fn, self.tensors, self.kinds = module_as_function(model, loss=True)
         self.config = engine_cfg if engine_cfg is not None else EngineConfig()
@@ -61,13 +68,20 @@ class _StepCapture:
         recompute=full reads survive)."""
         kinds = self.kinds + ["input"] * (len(example) - len(self.tensors))
         rec = new_record("train step", self.name, example, kinds, self.state, frame_compile=0)
-        return autodiff(self.fn, example, self.config, self.state, rec, only=self.only, optimizer=self.optimizer,
-                        **autodiff_kw)
+        return autodiff(
+            self.fn, example, self.config, self.state, rec, only=self.only, optimizer=self.optimizer, **autodiff_kw
+        )
 
 
-def capture_graphs(model: torch.nn.Module, example_batch: Sequence[Any], engine_cfg: EngineConfig | None = None, *,
-                   optimizer: str = "adamw", fw_passes: Sequence[PassFn] = (),
-                   bw_passes: Sequence[PassFn] = ()) -> Captured:
+def capture_graphs(
+    model: torch.nn.Module,
+    example_batch: Sequence[Any],
+    engine_cfg: EngineConfig | None = None,
+    *,
+    optimizer: str = "adamw",
+    fw_passes: Sequence[PassFn] = (),
+    bw_passes: Sequence[PassFn] = (),
+) -> Captured:
     """Trace forward+loss+backward of `model(*example_batch)` on fake tensors and partition it with
     engine_cfg's recompute mode; `fw_passes`/`bw_passes` (registered passes) run on the graphs. Nothing is
     executed for real."""
@@ -75,20 +89,29 @@ def capture_graphs(model: torch.nn.Module, example_batch: Sequence[Any], engine_
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
     example = [fake_mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in [*cap.tensors, *example_batch]]
     graphs: dict[str, fx.GraphModule] = {}
-    compiled = cap.compile(example, backward_passes_at_partition=True,
-                           on_graphs=lambda fw, bw, _: graphs.update(fw=fw, bw=bw))
+    compiled = cap.compile(
+        example, backward_passes_at_partition=True, on_graphs=lambda fw, bw, _: graphs.update(fw=fw, bw=bw)
+    )
     with fake_mode, fx.traceback.preserve_node_meta():
         compiled(*example)  # the forward on fake tensors: traces, partitions and compiles both graphs
     fw, bw = graphs["fw"], graphs["bw"]
-    return Captured(fw, bw, param_bytes(cap.tensors), len(cap.tensors), user_outputs(fw, bw), cap.state.recompute,
-                    cap.state)
+    return Captured(
+        fw, bw, param_bytes(cap.tensors), len(cap.tensors), user_outputs(fw, bw), cap.state.recompute, cap.state
+    )
 
 
-def compile_train_step(model: torch.nn.Module, engine_cfg: EngineConfig | None = None, *,
-                       fw_passes: Sequence[PassFn] = (), bw_passes: Sequence[PassFn] = (), boxed: bool = True,
-                       optimizer: str = "adamw", records: list[RecomputeRecord] | None = None,
-                       rewrites: dict[str, int] | None = None,
-                       graphs: list[fx.GraphModule] | None = None) -> Callable[..., torch.Tensor]:
+def compile_train_step(
+    model: torch.nn.Module,
+    engine_cfg: EngineConfig | None = None,
+    *,
+    fw_passes: Sequence[PassFn] = (),
+    bw_passes: Sequence[PassFn] = (),
+    boxed: bool = True,
+    optimizer: str = "adamw",
+    records: list[RecomputeRecord] | None = None,
+    rewrites: dict[str, int] | None = None,
+    graphs: list[fx.GraphModule] | None = None,
+) -> Callable[..., torch.Tensor]:
     """loss = step(*batch); loss.backward() fills the parameters' .grad. One fixed input shape: the step is
     compiled at its first call and does not guard shapes, so build a new step for a new shape.
 
@@ -99,7 +122,7 @@ def compile_train_step(model: torch.nn.Module, engine_cfg: EngineConfig | None =
     counted = [0]  # pass records already added to `rewrites`
 
     def after_passes(stage: str, gm: fx.GraphModule) -> None:
-        for r in cap.state.passes[counted[0]:]:
+        for r in cap.state.passes[counted[0] :]:
             if rewrites is not None and r.left_to is None:
                 key = f"{r.stage}/{r.name}_pass"
                 rewrites[key] = rewrites.get(key, 0) + r.rewrites
@@ -113,15 +136,29 @@ def compile_train_step(model: torch.nn.Module, engine_cfg: EngineConfig | None =
             compiled.append(cap.compile(example, boxed=boxed, on_stage=after_passes))
         with fx.traceback.preserve_node_meta():  # the first call traces: keep the layer annotations
             return compiled[0](*example)
+
     step.state = cap.state  # type: ignore[attr-defined]
     return step
 
 
-def predict_for_model(model: torch.nn.Module, example_batch: tuple, engine_cfg: EngineConfig | None = None, *,
-                      optimizer: str = "adamw", **kw: Any) -> MemoryEstimate:
+def predict_for_model(
+    model: torch.nn.Module,
+    example_batch: tuple,
+    engine_cfg: EngineConfig | None = None,
+    *,
+    optimizer: str = "adamw",
+    **kw: Any,
+) -> MemoryEstimate:
     """Capture `model(*example_batch) -> loss` with AOTAutograd on fake tensors (nothing runs, no
     activation memory is used) under engine_cfg's recompute mode, and predict the step's peak."""
     cap = capture_graphs(model, example_batch, engine_cfg)
     opt_temp = kw.pop("optimizer_temp_bytes", max((storage_bytes(p) for p in model.parameters()), default=0))
-    return predict_peak(cap.fw_gm, cap.bw_gm, cap.param_bytes, optimizer=optimizer, n_param_inputs=cap.n_state_inputs,
-                        optimizer_temp_bytes=opt_temp, **kw)
+    return predict_peak(
+        cap.fw_gm,
+        cap.bw_gm,
+        cap.param_bytes,
+        optimizer=optimizer,
+        n_param_inputs=cap.n_state_inputs,
+        optimizer_temp_bytes=opt_temp,
+        **kw,
+    )

@@ -40,6 +40,7 @@ gradient accumulation); as one graph, fixed input shapes per compile (a new shap
 returns the loss (a tensor, or an object with ``.loss`` such as Hugging Face outputs); one graph: no graph
 breaks in the forward (the step is traced whole, not through Dynamo); by blocks, breaks run as in ``accelerate``.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -54,8 +55,8 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from graphtrain.config.fallback import GraphtrainCaptureError, report_fallback, set_policy
 from graphtrain.config.sections import Config, EngineConfig, OptimConfig
 from graphtrain.frontend.accelerate import compile_in_place, new_state
-from graphtrain.optim.functional import adamw_, adamw_fused_, clip_divisor, global_grad_norm, loss_scale_update
-from graphtrain.pipeline.blocks import splits_into_blocks
+from graphtrain.optim.functional import step_update
+from graphtrain.pipeline.block_regions import splits_into_blocks
 from graphtrain.pipeline.functional import loss_of, module_as_function
 from graphtrain.pipeline.stages import compile_with_fallback, new_record, run_passes, trace
 from graphtrain.pipeline.trace import trace_step
@@ -74,8 +75,10 @@ class CompiledStep:
         if engine_overrides:
             config = dataclasses.replace(config, engine=dataclasses.replace(config.engine, **engine_overrides))
         if config.optim.name != "adamw":
-            raise ValueError(f"compile_step builds AdamW into the step graph; optim.name={config.optim.name!r} "
-                             f"is not supported there: use graphtrain.accelerate + graphtrain.optim.build_optimizer")
+            raise ValueError(
+                f"compile_step builds AdamW into the step graph; optim.name={config.optim.name!r} "
+                f"is not supported there: use graphtrain.accelerate + graphtrain.optim.build_optimizer"
+            )
         self.model, self.engine, self.optim = model, config.engine, config.optim
         _, self._tensors, self._kinds = module_as_function(model)
         self._train_idx = [i for i, k in enumerate(self._kinds) if k == "param"]
@@ -126,21 +129,34 @@ class CompiledStep:
         if self._compiled is None:
             compile_in_place(self.model, self.state)
             params = [self._tensors[i] for i in self._train_idx]
-            args = [params, [torch.empty_like(p) for p in params], self.exp_avg, self.exp_avg_sq, self.state_steps,
-                    self.lr, self.max_loss, self.scale, self.growth_tracker, self.hysteresis_left,
-                    torch.zeros((), device=self.lr.device)]  # stand-ins for the gradients and the loss
+            args = [
+                params,
+                [torch.empty_like(p) for p in params],
+                self.exp_avg,
+                self.exp_avg_sq,
+                self.state_steps,
+                self.lr,
+                self.max_loss,
+                self.scale,
+                self.growth_tracker,
+                self.hysteresis_left,
+                torch.zeros((), device=self.lr.device),
+            ]  # stand-ins for the gradients and the loss
             update = self._update_fn(fused_kernel=True)
             flat, spec = torch.utils._pytree.tree_flatten(args)
 
             def flat_update(*xs: Tensor):
                 return update(*torch.utils._pytree.tree_unflatten(list(xs), spec))
+
             fake_mode = FakeTensorMode(allow_non_fake_inputs=True)  # no shape env: the fused kernel has no fake impl
             graph = trace_step(flat_update, [fake_mode.from_tensor(x) for x in flat], fake_mode)
             ops = sum(n.op == "call_function" for n in graph.graph.nodes)
-            self.state.notes.append(f"compile_step({type(self.model).__name__}): forward and backward through the "
-                                    f"model's graphs (compiled block by block, below); then the update graph on aten "
-                                    f"({ops} ops: gradient norm, clipping, the skip decision, torch's fused AdamW"
-                                    f"{', loss scaling' if self.fp16 else ''})")
+            self.state.notes.append(
+                f"compile_step({type(self.model).__name__}): forward and backward through the "
+                f"model's graphs (compiled block by block, below); then the update graph on aten "
+                f"({ops} ops: gradient norm, clipping, the skip decision, torch's fused AdamW"
+                f"{', loss scaling' if self.fp16 else ''})"
+            )
             self._compiled, self.graph = graph, graph
         self._batch_names = list(batch)
         self.compile_seconds += time.perf_counter() - t0
@@ -159,8 +175,19 @@ class CompiledStep:
             loss = loss_of(self.model(**batch))
             grads = torch.autograd.grad(loss * self.scale if self.fp16 else loss, params, allow_unused=True)
         grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
-        args = [params, grads, self.exp_avg, self.exp_avg_sq, self.state_steps, self.lr, self.max_loss, self.scale,
-                self.growth_tracker, self.hysteresis_left, loss.detach()]
+        args = [
+            params,
+            grads,
+            self.exp_avg,
+            self.exp_avg_sq,
+            self.state_steps,
+            self.lr,
+            self.max_loss,
+            self.scale,
+            self.growth_tracker,
+            self.hysteresis_left,
+            loss.detach(),
+        ]
         with torch.no_grad():
             return self._compiled(*torch.utils._pytree.tree_flatten(args)[0])
 
@@ -173,8 +200,15 @@ class CompiledStep:
         cfg = resolve_runtime(self.engine, example)
         provider = cfg.provider
         kinds = self._kinds + ["input"] * len(inputs)
-        rec = new_record("step", f"compile_step({type(self.model).__name__})", example, kinds, self.state,
-                         frame_compile=sum(g.name == "step" for g in self.state.graphs), precision=cfg.precision)
+        rec = new_record(
+            "step",
+            f"compile_step({type(self.model).__name__})",
+            example,
+            kinds,
+            self.state,
+            frame_compile=sum(g.name == "step" for g in self.state.graphs),
+            precision=cfg.precision,
+        )
         fn, _, _ = module_as_function(self.model, input_names=names, loss=True)
         try:
             graph, fake_args = self._trace_step(fn, example, kinds, inputs, cfg, rec, provider)
@@ -186,25 +220,43 @@ class CompiledStep:
             # breaks the graph there, a whole-step graph cannot. The same step runs op by op on the real tensors:
             # the model, autograd and the AdamW update, nothing skipped.
             what = "runs uncompiled (the model, autograd and AdamW op by op" + (
-                ", in fp32)" if cfg.precision != "fp32" else ")")  # precision is one of the passes it skips
-            report_fallback(f"the step graph of {rec.name} ({rec.frame})", f"{type(e).__name__}: {str(e)[:300]}",
-                            cfg, what=what, sink=self.state.fallbacks)
+                ", in fp32)" if cfg.precision != "fp32" else ")"
+            )  # precision is one of the passes it skips
+            report_fallback(
+                f"the step graph of {rec.name} ({rec.frame})",
+                f"{type(e).__name__}: {str(e)[:300]}",
+                cfg,
+                what=what,
+                sink=self.state.fallbacks,
+            )
             self._compiled, self._provider = self._step_fn(fn, len(inputs), fused_kernel=True), "eager"
             rec.provider, self._batch_names, self.graph = "eager", names, None
             rec.compile_seconds = time.perf_counter() - t0
             self.compile_seconds += rec.compile_seconds
             return
         self._compiled, self._provider = compile_with_fallback(
-            ["inductor", "aten"] if provider == "inductor" else ["aten"], lambda p: self._compile(graph, fake_args, p),
-            part=f"{rec.name} ({rec.frame})", config=cfg, state=self.state)
+            ["inductor", "aten"] if provider == "inductor" else ["aten"],
+            lambda p: self._compile(graph, fake_args, p),
+            part=f"{rec.name} ({rec.frame})",
+            config=cfg,
+            state=self.state,
+        )
         rec.provider = self._provider
         self._batch_names = names
         self.graph = graph
         rec.compile_seconds = time.perf_counter() - t0
         self.compile_seconds += rec.compile_seconds
 
-    def _trace_step(self, fn: Any, example: list[Tensor], kinds: list[str], inputs: list[Tensor], cfg: EngineConfig,
-                    rec: Any, provider: str) -> tuple[torch.fx.GraphModule, list[Tensor]]:
+    def _trace_step(
+        self,
+        fn: Any,
+        example: list[Tensor],
+        kinds: list[str],
+        inputs: list[Tensor],
+        cfg: EngineConfig,
+        rec: Any,
+        provider: str,
+    ) -> tuple[torch.fx.GraphModule, list[Tensor]]:
         """The whole step as one graph: the forward traced and optimized by the pre-autodiff passes, then forward,
         autograd and the update traced together on fake tensors. Returns the graph and its fake arguments."""
         fwd = trace(fn, example, rec)
@@ -223,14 +275,23 @@ class CompiledStep:
         # env"), and every process compiled the step anew (HF GPT-2, 4 layers, width 256: a second process's first
         # step took 22 s against 38 s cold, 2-core Zen 4). The aten graph goes without: its fused AdamW kernel has no
         # fake implementation, which a fake mode runs (on meta tensors) only without a shape environment.
-        fake_mode = FakeTensorMode(allow_non_fake_inputs=True,
-                                   shape_env=ShapeEnv() if provider == "inductor" else None)
+        fake_mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv() if provider == "inductor" else None)
         fake_args = [fake_mode.from_tensor(a) for a in args]
         return trace_step(step_fn, fake_args, fake_mode), fake_args
 
     def _args(self, inputs: list[Tensor]) -> list[Tensor]:
-        return [*self._tensors, *inputs, *self.exp_avg, *self.exp_avg_sq, *self.state_steps, self.lr, self.max_loss,
-                self.scale, self.growth_tracker, self.hysteresis_left]
+        return [
+            *self._tensors,
+            *inputs,
+            *self.exp_avg,
+            *self.exp_avg_sq,
+            *self.state_steps,
+            self.lr,
+            self.max_loss,
+            self.scale,
+            self.growth_tracker,
+            self.hysteresis_left,
+        ]
 
     def _step_fn(self, fwd: torch.fx.GraphModule, n_inputs: int, fused_kernel: bool):
         n_t, train_idx, n_p = len(self._tensors), list(self._train_idx), len(self._train_idx)
@@ -240,8 +301,8 @@ class CompiledStep:
         def step(*args: Tensor):
             tensors, rest = list(args[:n_t]), args[n_t:]
             inputs, rest = rest[:n_inputs], rest[n_inputs:]
-            m, v, steps = rest[:n_p], rest[n_p:2 * n_p], rest[2 * n_p:3 * n_p]
-            lr, max_loss, scale, tracker, hyst = rest[3 * n_p:]
+            m, v, steps = rest[:n_p], rest[n_p : 2 * n_p], rest[2 * n_p : 3 * n_p]
+            lr, max_loss, scale, tracker, hyst = rest[3 * n_p :]
             params = [tensors[i] for i in train_idx]
             with torch.enable_grad():
                 leaves = [p.detach().requires_grad_(True) for p in params]
@@ -250,53 +311,12 @@ class CompiledStep:
                 loss = fwd(*tensors, *inputs)
                 grads = torch.autograd.grad(loss * scale if fp16 else loss, leaves, allow_unused=True)
             return update(params, list(grads), m, v, steps, lr, max_loss, scale, tracker, hyst, loss.detach())
+
         return step
 
     def _update_fn(self, fused_kernel: bool):
-        """The step after the gradients: global norm and overflow check, clipping, AdamW (torch's fused kernel, or
-        the same update as elementwise math for Inductor) and the fp16 loss-scale update, on tensors; returns
-        (loss, the unscaled gradient norm, found_inf)."""
-        n_p = len(self._train_idx)
-        o, e, fp16 = self.optim, self.engine, self.fp16
-        decay = list(self._decay)
-        max_norm = o.grad_clip
-
-        def update(params, grads, m, v, steps, lr, max_loss, scale, tracker, hyst, loss):
-            grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
-            # one reduction: global norm (for clipping) and the overflow check (non-finite norm)
-            norm = global_grad_norm(grads)
-            true_norm = norm / scale if fp16 else norm
-            grad_scale = scale if fp16 else torch.ones_like(scale)
-            if max_norm is not None:
-                grad_scale = grad_scale * clip_divisor(true_norm, max_norm)
-            # skip the update on a non-finite norm (fp16: overflow) or loss, or a loss spike
-            bad_loss = ~torch.isfinite(loss) | (loss > max_loss)
-            overflow = ~torch.isfinite(norm)
-            found_inf = (overflow | bad_loss).to(torch.float32)
-            torch._foreach_add_(steps, [1.0 - found_inf] * len(steps))  # counters advance only on steps that update
-            for wd, sel in ((o.weight_decay, True), (0.0, False)):
-                idx = [i for i in range(n_p) if decay[i] == sel]
-                if not idx:
-                    continue
-                group = ([params[i] for i in idx], [grads[i] for i in idx], [m[i] for i in idx], [v[i] for i in idx],
-                         [steps[i] for i in idx])
-                if fused_kernel:
-                    adamw_fused_(*group, lr=lr, betas=o.betas, weight_decay=wd, eps=o.eps, grad_scale=grad_scale,
-                                 found_inf=found_inf)
-                else:
-                    with torch.no_grad():  # the parameters are leaves that require grad
-                        adamw_(*group, lr=lr, betas=o.betas, weight_decay=wd, eps=o.eps,
-                                    grad_scale=grad_scale, found_inf=found_inf)
-            if fp16:  # DynamicLossScaler.update's rule, on tensors
-                new_scale, new_tracker, new_hyst = loss_scale_update(
-                    scale, tracker, hyst, overflow, growth_factor=e.loss_scale_growth,
-                    backoff_factor=e.loss_scale_backoff, growth_interval=e.loss_scale_interval,
-                    hysteresis=e.loss_scale_hysteresis, min_scale=e.loss_scale_min)
-                tracker.copy_(new_tracker)
-                hyst.copy_(new_hyst)
-                scale.copy_(new_scale)
-            return loss, true_norm, found_inf
-        return update
+        """The step after the gradients (optim/functional.py step_update) for this step's parameters."""
+        return step_update(self.optim, self.engine, list(self._decay), self.fp16, fused_kernel)
 
     @staticmethod
     def _compile(graph: torch.fx.GraphModule, args: list[Tensor], provider: str) -> Any:
@@ -326,25 +346,31 @@ class CompiledStep:
         skipped = bool(found_inf.item())
         self.steps += 1
         self.skipped_steps += skipped
-        return {"loss": loss, "grad_norm": norm, "skipped": skipped,
-                "scale": float(self.scale) if self.fp16 else None}
+        return {"loss": loss, "grad_norm": norm, "skipped": skipped, "scale": float(self.scale) if self.fp16 else None}
 
     # ------------------------------------------------------------------------------ state I/O --
     def state_dict(self) -> dict[str, Any]:
         """Optimizer and loss-scale state (the model's weights are in model.state_dict())."""
         names = self._train_names
-        return {"exp_avg": dict(zip(names, self.exp_avg)), "exp_avg_sq": dict(zip(names, self.exp_avg_sq)),
-                "step": dict(zip(names, self.state_steps)), "scale": self.scale.clone(),
-                "growth_tracker": self.growth_tracker.clone(), "hysteresis_left": self.hysteresis_left.clone(),
-                "steps": self.steps, "skipped_steps": self.skipped_steps}
+        return {
+            "exp_avg": dict(zip(names, self.exp_avg)),
+            "exp_avg_sq": dict(zip(names, self.exp_avg_sq)),
+            "step": dict(zip(names, self.state_steps)),
+            "scale": self.scale.clone(),
+            "growth_tracker": self.growth_tracker.clone(),
+            "hysteresis_left": self.hysteresis_left.clone(),
+            "steps": self.steps,
+            "skipped_steps": self.skipped_steps,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         names = self._train_names
         for key in ("exp_avg", "exp_avg_sq", "step"):
             missing = [n for n in names if n not in state.get(key, {})]
             if missing:
-                raise ValueError(f"step state {key!r} lacks parameters {missing[:3]}: not a CompiledStep.state_dict() "
-                                 f"of this model")
+                raise ValueError(
+                    f"step state {key!r} lacks parameters {missing[:3]}: not a CompiledStep.state_dict() of this model"
+                )
         with torch.no_grad():  # in place: the compiled graph holds these tensors
             for dst, key in ((self.exp_avg, "exp_avg"), (self.exp_avg_sq, "exp_avg_sq"), (self.state_steps, "step")):
                 for t, n in zip(dst, names):

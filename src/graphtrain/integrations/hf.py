@@ -20,6 +20,7 @@ checkpointing is on (the engine's ``recompute`` does that job inside the graph; 
 at every layer). A callback is not handed its Trainer, so ``GraphtrainCallback()`` finds the Trainer whose
 training loop called it (the caller's frames); ``GraphtrainCallback(trainer)`` names it instead.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -37,9 +38,11 @@ except ImportError:  # the callback needs transformers; accelerate_for_trainer d
     TrainerCallback = object  # type: ignore[misc,assignment]
 
 
-_CHECKPOINTING = ("graphtrain: the model has Hugging Face activation (gradient) checkpointing on, which breaks the "
-                  "graph at every layer; call model.activation_checkpointing_disable() (transformers < 5: "
-                  "gradient_checkpointing_disable()) and use engine.recompute instead")
+_CHECKPOINTING = (
+    "graphtrain: the model has Hugging Face activation (gradient) checkpointing on, which breaks the "
+    "graph at every layer; call model.activation_checkpointing_disable() (transformers < 5: "
+    "gradient_checkpointing_disable()) and use engine.recompute instead"
+)
 
 
 def accelerate_for_trainer(model: torch.nn.Module, config: Any = None, **overrides: Any) -> torch.nn.Module:
@@ -83,8 +86,11 @@ class GraphtrainCallback(TrainerCallback):  # type: ignore[misc]
             self.trainer.log(summary)
             control.should_log = self.trainer.control.should_log = pending
         else:  # no Trainer found (callbacks driven by hand): the history only
-            warnings.warn("GraphtrainCallback: no transformers.Trainer called it, so the engine summary goes to "
-                          "state.log_history only; pass the trainer: GraphtrainCallback(trainer)", stacklevel=2)
+            warnings.warn(
+                "GraphtrainCallback: no transformers.Trainer called it, so the engine summary goes to "
+                "state.log_history only; pass the trainer: GraphtrainCallback(trainer)",
+                stacklevel=2,
+            )
             state.log_history.append({**summary, "step": state.global_step})
 
 
@@ -99,8 +105,12 @@ def _checkpointing(model: Any) -> bool:
 def engine_summary(model: Any) -> dict[str, float]:
     """The engine's report of an accelerated model as numbers a logger takes."""
     rep = report(model)
-    return {"graphtrain_graphs": len(rep.graphs), "graphtrain_graph_breaks": len(rep.graph_breaks),
-            "graphtrain_fallbacks": len(rep.fallbacks), "graphtrain_eager_only": int(bool(rep.eager_only))}
+    return {
+        "graphtrain_graphs": len(rep.graphs),
+        "graphtrain_graph_breaks": len(rep.graph_breaks),
+        "graphtrain_fallbacks": len(rep.fallbacks),
+        "graphtrain_eager_only": int(bool(rep.eager_only)),
+    }
 
 
 def _calling_trainer() -> Any:

@@ -20,6 +20,7 @@ module to ``torch.compile``. ``GraphtrainCallback`` logs what the engine did (gr
 metrics when fitting ends. PyTorch Lightning is optional (``pip install lightning``); this module imports it
 lazily.
 """
+
 from __future__ import annotations
 
 from typing import Any

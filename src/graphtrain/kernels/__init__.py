@@ -8,6 +8,7 @@ about each custom op (`OPS`, `op_descriptor`: random, recompute cost, precision 
 functions); a checker claims an input only where the fast path supports it, else the reference runs.
 Importing this works without triton installed.
 """
+
 from graphtrain.kernels import _cpu_ext, capability
 from graphtrain.kernels._common import HAS_TRITON, runtime_fallbacks
 from graphtrain.kernels.attention import attention
@@ -38,25 +39,51 @@ def capabilities() -> dict:
         gemm = f"aten (MKL/OpenBLAS): oneDNN's fp32 GEMM unavailable: {dnn_why}"
     elif gemm_probe_ran():
         p = gemm_probe()
-        gemm = (f"{'oneDNN' if onednn_gemm_wins() else 'aten'}: probe oneDNN {p['onednn']:.0f} vs aten "
-                f"{p['aten']:.0f} GFLOP/s over {len(p['shapes'])} layer shapes{' (cached)' if p.get('cached') else ''}"
-                f"; oneDNN is used when {WIN_MARGIN}x faster (inside graphtrain's kernels; the step's own GEMMs are "
-                f"probed shape by shape, see lower_gemm_onednn)")
+        gemm = (
+            f"{'oneDNN' if onednn_gemm_wins() else 'aten'}: probe oneDNN {p['onednn']:.0f} vs aten "
+            f"{p['aten']:.0f} GFLOP/s over {len(p['shapes'])} layer shapes{' (cached)' if p.get('cached') else ''}"
+            f"; oneDNN is used when {WIN_MARGIN}x faster (inside graphtrain's kernels; the step's own GEMMs are "
+            f"probed shape by shape, see lower_gemm_onednn)"
+        )
     else:
         gemm = "aten until the first fp32 GEMM probe (oneDNN's fp32 path is available)"
     level = _cpu_ext.isa_level()
     err = _cpu_ext.build_error(level)
-    cpp = (_cpu_ext.loaded_variant() or (f"not built: {err}" if err else f"c++ ({level} build), not loaded yet"))
+    cpp = _cpu_ext.loaded_variant() or (f"not built: {err}" if err else f"c++ ({level} build), not loaded yet")
     bf_ok, bf_why = capability.bf16_is_fast("cpu")
     return dict(
-        cpu=c.name, arch=c.arch, torch_isa=c.torch_isa, isa=c.isa, simulated=c.simulated,
+        cpu=c.name,
+        arch=c.arch,
+        torch_isa=c.torch_isa,
+        isa=c.isa,
+        simulated=c.simulated,
         cpp_kernels=cpp if not err else f"reference ops (c++ not built: {err[:200]})",
-        cpu_fp32_gemm=gemm, onednn_fp32=dict(ok=dnn_ok, why=dnn_why), native_bf16=dict(ok=bf_ok, why=bf_why),
-        triton=dict(zip(("ok", "why"), capability.triton())), cuda=dict(zip(("ok", "why"), capability.cuda())),
-        runtime_fallbacks=[dict(op=f.op, implementation=f.implementation, reason=f.reason)
-                           for f in runtime_fallbacks()])
+        cpu_fp32_gemm=gemm,
+        onednn_fp32=dict(ok=dnn_ok, why=dnn_why),
+        native_bf16=dict(ok=bf_ok, why=bf_why),
+        triton=dict(zip(("ok", "why"), capability.triton())),
+        cuda=dict(zip(("ok", "why"), capability.cuda())),
+        runtime_fallbacks=[
+            dict(op=f.op, implementation=f.implementation, reason=f.reason) for f in runtime_fallbacks()
+        ],
+    )
 
 
-__all__ = ["capabilities", "HAS_TRITON", "KERNELS", "KernelSpec", "OPS", "OpDescriptor", "op_descriptor", "attention",
-           "bias_dropout_add", "bias_gelu", "cross_entropy", "gemm", "implementation_for", "layer_norm",
-           "linear_cross_entropy", "rms_norm"]
+__all__ = [
+    "capabilities",
+    "HAS_TRITON",
+    "KERNELS",
+    "KernelSpec",
+    "OPS",
+    "OpDescriptor",
+    "op_descriptor",
+    "attention",
+    "bias_dropout_add",
+    "bias_gelu",
+    "cross_entropy",
+    "gemm",
+    "implementation_for",
+    "layer_norm",
+    "linear_cross_entropy",
+    "rms_norm",
+]

@@ -5,6 +5,7 @@ Dropout masks in every implementation (reference, C++ CPU, Triton) come from one
 of (seed, flat element index), so a mask is reproducible from an int64 seed: backward regenerates
 it instead of saving it, and the implementations agree bit for bit (tests check that).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -23,6 +24,7 @@ from graphtrain.config.fallback import GraphtrainFallbackWarning  # noqa: F401  
 try:  # graphtrain works without triton; the CUDA fast paths then fall back to the references
     import triton  # noqa: F401
     import triton.language as tl  # noqa: F401
+
     HAS_TRITON = True
 except Exception:  # ImportError, or a broken install
     triton = None
@@ -45,8 +47,9 @@ def keep_threshold(p: float) -> int:
     return min(t, 0xFFFFFFFF)
 
 
-def dropout_keep_mask(numel: int, p: float, seed: torch.Tensor | int, device: torch.device | str = "cpu",
-                      offset: int = 0) -> torch.Tensor:
+def dropout_keep_mask(
+    numel: int, p: float, seed: torch.Tensor | int, device: torch.device | str = "cpu", offset: int = 0
+) -> torch.Tensor:
     """Reference keep-mask (bool, flat) for elements offset..offset+numel: hash32(seed, i) >= p*2^32."""
     s = int(seed.item()) if isinstance(seed, torch.Tensor) else int(seed)
     i = torch.arange(offset + 1, offset + numel + 1, dtype=torch.int64, device=device)
@@ -65,8 +68,9 @@ def dense_empty(like: torch.Tensor, shape=None, dtype: torch.dtype | None = None
     torch.empty_like(x) would instead keep a non-contiguous x's strides (e.g. BERT's transposed
     q/k/v), which AOTAutograd then trusts when it emits view()s in the backward graph.
     """
-    return torch.empty(like.shape if shape is None else shape, dtype=like.dtype if dtype is None else dtype,
-                       device=like.device)
+    return torch.empty(
+        like.shape if shape is None else shape, dtype=like.dtype if dtype is None else dtype, device=like.device
+    )
 
 
 def new_seed() -> torch.Tensor:
@@ -133,7 +137,7 @@ def interpret_mode() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-TRITON_MAX_NUMEL = 2 ** 31 - 1
+TRITON_MAX_NUMEL = 2**31 - 1
 """The Triton kernels compute element offsets from int32 program ids and strides (row * stride + column): every
 tensor they take must have fewer elements than an int32 holds, or an offset wraps and the kernel reads or writes
 outside the tensor. Larger tensors run the next implementation (part of each Triton kernel's contract)."""
@@ -215,7 +219,8 @@ def guarded(op: str, implementation: str, fast: Callable[[], Any], reference: Ca
         if policy == "error":
             raise KernelFallbackError(
                 f"graphtrain::{op}: its {implementation} implementation failed: {reason}. Set engine.fallback=warn "
-                f"to run the op's reference implementation instead") from e
+                f"to run the op's reference implementation instead"
+            ) from e
         try:
             out = reference()
         except Exception as ref_error:  # the inputs are bad, not the fast path: say what the reference says
@@ -226,8 +231,12 @@ def guarded(op: str, implementation: str, fast: Callable[[], Any], reference: Ca
             if first:
                 _FALLBACKS.append(KernelFallback(op, implementation, reason))
         if first and policy == "warn":
-            warnings.warn(f"graphtrain: fused op {op}: its {implementation} implementation failed ({reason}); "
-                          f"running its reference implementation from now on", GraphtrainFallbackWarning, stacklevel=2)
+            warnings.warn(
+                f"graphtrain: fused op {op}: its {implementation} implementation failed ({reason}); "
+                f"running its reference implementation from now on",
+                GraphtrainFallbackWarning,
+                stacklevel=2,
+            )
         return out
 
 
@@ -248,9 +257,9 @@ def dispatch(op: str, candidates: list[tuple[str, bool, Callable[[], Any]]], ref
 
 @dataclass
 class _Forcing:
-    ops: frozenset[str] | None       # None: every op
+    ops: frozenset[str] | None  # None: every op
     except_for: frozenset[str]
-    chosen: set[tuple[str, str]]     # (op, implementation) fast paths chosen inside the block, forced or not
+    chosen: set[tuple[str, str]]  # (op, implementation) fast paths chosen inside the block, forced or not
 
 
 _FORCING: list[_Forcing] = []  # a stack: the innermost block decides

@@ -27,6 +27,7 @@ build lock is a plain file that a killed build leaves behind, and every later pr
 without a word; builds here hold a kernel lock (`flock`, released when its holder dies) and clear a lock file no
 live builder can own (`_stale_lock_cleared`).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -47,44 +48,88 @@ from graphtrain.kernels.contract import Contract, Rule, cpp_checks, register_con
 
 # The contracts of the entry points below (contract.py): each entry point's first statement is its check, and the
 # kernel files' gates evaluate the same rules before choosing it. An absent optional tensor is an empty one.
-_ROWS = Rule("x.dim() > 0 && x.size(-1) > 0 && cpu(x) && floating(x)",
-             "x must be a floating-point CPU tensor with a non-empty last dim (the rows the kernel walks)")
-_BIAS = Rule("bias.numel() == 0 || (bias.numel() == x.size(-1) && same_dtype(bias, x) && cpu(bias))",
-             "bias must be empty or hold the last dim's size, in x's dtype")
-BIAS_DROPOUT_ADD_FWD = register_contract(Contract("bias_dropout_add_fwd", ("x", "bias", "residual"), rules=(
-    _ROWS, _BIAS,
-    Rule("residual.numel() == 0 || (same_shape(residual, x) && same_dtype(residual, x) && cpu(residual))",
-         "residual must be empty or shaped and typed as x"),
-)))
-DROPOUT_BWD = register_contract(Contract("dropout_bwd", ("g",), rules=(
-    Rule("cpu(g) && floating(g)", "g must be a floating-point CPU tensor"),
-)))
+_ROWS = Rule(
+    "x.dim() > 0 && x.size(-1) > 0 && cpu(x) && floating(x)",
+    "x must be a floating-point CPU tensor with a non-empty last dim (the rows the kernel walks)",
+)
+_BIAS = Rule(
+    "bias.numel() == 0 || (bias.numel() == x.size(-1) && same_dtype(bias, x) && cpu(bias))",
+    "bias must be empty or hold the last dim's size, in x's dtype",
+)
+BIAS_DROPOUT_ADD_FWD = register_contract(
+    Contract(
+        "bias_dropout_add_fwd",
+        ("x", "bias", "residual"),
+        rules=(
+            _ROWS,
+            _BIAS,
+            Rule(
+                "residual.numel() == 0 || (same_shape(residual, x) && same_dtype(residual, x) && cpu(residual))",
+                "residual must be empty or shaped and typed as x",
+            ),
+        ),
+    )
+)
+DROPOUT_BWD = register_contract(
+    Contract("dropout_bwd", ("g",), rules=(Rule("cpu(g) && floating(g)", "g must be a floating-point CPU tensor"),))
+)
 GELU_TANH_FWD = register_contract(Contract("gelu_tanh_fwd", ("x", "bias"), rules=(_ROWS, _BIAS)))
-GELU_TANH_BWD = register_contract(Contract("gelu_tanh_bwd", ("dy", "x", "bias"), rules=(
-    _ROWS, _BIAS, Rule("same_shape(dy, x) && same_dtype(dy, x) && cpu(dy)", "dy must be shaped and typed as x"),
-)))
+GELU_TANH_BWD = register_contract(
+    Contract(
+        "gelu_tanh_bwd",
+        ("dy", "x", "bias"),
+        rules=(
+            _ROWS,
+            _BIAS,
+            Rule("same_shape(dy, x) && same_dtype(dy, x) && cpu(dy)", "dy must be shaped and typed as x"),
+        ),
+    )
+)
 _CE = (
-    Rule("x.dim() == 2 && x.is_contiguous() && cpu(x) && floating(x)",
-         "x must be a contiguous floating-point CPU [n, v] tensor"),
+    Rule(
+        "x.dim() == 2 && x.is_contiguous() && cpu(x) && floating(x)",
+        "x must be a contiguous floating-point CPU [n, v] tensor",
+    ),
     Rule("int64(target) && target.is_contiguous() && target.numel() == x.size(0)", "target must be int64 [n]"),
     Rule("f32(losses) && losses.is_contiguous() && losses.numel() == x.size(0)", "losses must be fp32 [n]"),
 )
 CE_INPLACE = register_contract(Contract("ce_fwd_bwd_inplace", ("x", "target", "losses"), rules=_CE))
-CE_ROWS = register_contract(Contract("ce_fwd_bwd_rows", ("x", "src", "rows", "target", "losses"), rules=(
-    *_CE,
-    Rule("src.dim() == 2 && src.is_contiguous() && src.size(1) == x.size(1) && same_dtype(src, x) && cpu(src)",
-         "src must be a contiguous [m, v] tensor of x's dtype"),
-    Rule("int64(rows) && rows.is_contiguous() && rows.numel() == x.size(0)", "rows must be int64 [n]"),
-)))
-ONEDNN_MATMUL = register_contract(Contract("onednn_matmul", ("a", "b", "out"), rules=(
-    Rule("(a.dim() == 2 || a.dim() == 3) && b.dim() == a.dim() && out.dim() == a.dim()",
-         "a, b and out must all be 2-D or all 3-D"),
-    Rule("a.size(-1) == b.size(-2) && out.size(-2) == a.size(-2) && out.size(-1) == b.size(-1) && "
-         "(a.dim() == 2 || (b.size(0) == a.size(0) && out.size(0) == a.size(0)))",
-         "shapes must be a [.., M, K] @ b [.., K, N] -> out [.., M, N]"),
-    Rule("out.is_contiguous() && same_dtype(a, b) && same_dtype(a, out) && floating(a) && cpu(a) && cpu(b) && "
-         "cpu(out)", "a, b and a contiguous out must be CPU tensors of one floating dtype"),
-)))
+CE_ROWS = register_contract(
+    Contract(
+        "ce_fwd_bwd_rows",
+        ("x", "src", "rows", "target", "losses"),
+        rules=(
+            *_CE,
+            Rule(
+                "src.dim() == 2 && src.is_contiguous() && src.size(1) == x.size(1) && same_dtype(src, x) && cpu(src)",
+                "src must be a contiguous [m, v] tensor of x's dtype",
+            ),
+            Rule("int64(rows) && rows.is_contiguous() && rows.numel() == x.size(0)", "rows must be int64 [n]"),
+        ),
+    )
+)
+ONEDNN_MATMUL = register_contract(
+    Contract(
+        "onednn_matmul",
+        ("a", "b", "out"),
+        rules=(
+            Rule(
+                "(a.dim() == 2 || a.dim() == 3) && b.dim() == a.dim() && out.dim() == a.dim()",
+                "a, b and out must all be 2-D or all 3-D",
+            ),
+            Rule(
+                "a.size(-1) == b.size(-2) && out.size(-2) == a.size(-2) && out.size(-1) == b.size(-1) && "
+                "(a.dim() == 2 || (b.size(0) == a.size(0) && out.size(0) == a.size(0)))",
+                "shapes must be a [.., M, K] @ b [.., K, N] -> out [.., M, N]",
+            ),
+            Rule(
+                "out.is_contiguous() && same_dtype(a, b) && same_dtype(a, out) && floating(a) && cpu(a) && cpu(b) && "
+                "cpu(out)",
+                "a, b and a contiguous out must be CPU tensors of one floating dtype",
+            ),
+        ),
+    )
+)
 
 CSRC = Path(__file__).with_name("csrc")
 """The hand-written C++ (shipped with the package): one .cpp per kernel family, headers they share."""
@@ -111,6 +156,7 @@ def _assemble(units: tuple[str, ...], read: Callable[[str], str], generated: dic
                 return ""
             seen.add(name)
             return expand(generated[name] if name in generated else read(name))
+
         return _INCLUDE.sub(header, text)
 
     return "".join(expand(read(u)) for u in units)
@@ -133,15 +179,44 @@ def module_name() -> str:
     return f"{MODULE_PREFIX}_{hashlib.sha256(source().encode()).hexdigest()[:12]}"
 
 
-_DECLS = ["bias_dropout_add_fwd", "dropout_bwd", "dropout_mask", "gelu_tanh_fwd", "gelu_tanh_bwd", "attn_probs_fwd",
-          "attn_probs_bwd", "attn_heads_available", "attn_heads_fwd", "attn_heads_bwd", "onednn_matmul", "ce_fwd_bwd_inplace", "ce_fwd_bwd_rows", "block_allocator",
-          "block_cache_drain", "block_cache_stats", "block_cache_prime", "block_cache_prime_stop",
-          "block_cache_settle", "block_cache_record"]
+_DECLS = [
+    "bias_dropout_add_fwd",
+    "dropout_bwd",
+    "dropout_mask",
+    "gelu_tanh_fwd",
+    "gelu_tanh_bwd",
+    "attn_probs_fwd",
+    "attn_probs_bwd",
+    "attn_heads_available",
+    "attn_heads_fwd",
+    "attn_heads_bwd",
+    "onednn_matmul",
+    "ce_fwd_bwd_inplace",
+    "ce_fwd_bwd_rows",
+    "block_allocator",
+    "block_cache_drain",
+    "block_cache_stats",
+    "block_cache_prime",
+    "block_cache_prime_stop",
+    "block_cache_settle",
+    "block_cache_record",
+]
 
 # Compiler flags per ISA level (explicit -m flags rather than -march=x86-64-v3/v4 so older compilers work).
 _ISA_FLAGS: dict[str, list[str]] = {
-    "avx512": ["-mavx2", "-mfma", "-mf16c", "-mbmi", "-mbmi2", "-mavx512f", "-mavx512bw", "-mavx512vl",
-               "-mavx512dq", "-mavx512cd", "-mprefer-vector-width=512"],
+    "avx512": [
+        "-mavx2",
+        "-mfma",
+        "-mf16c",
+        "-mbmi",
+        "-mbmi2",
+        "-mavx512f",
+        "-mavx512bw",
+        "-mavx512vl",
+        "-mavx512dq",
+        "-mavx512cd",
+        "-mprefer-vector-width=512",
+    ],
     "avx2": ["-mavx2", "-mfma", "-mf16c", "-mbmi", "-mbmi2"],
     "baseline": [],
 }
@@ -183,21 +258,32 @@ def load(level: str | None = None):
         if level not in _modules and level not in _failed:
             try:
                 from torch.utils.cpp_extension import load_inline
+
                 name = f"{module_name()}_{level}" + "".join(f"_{c}" for c in checks)
                 build_dir = build_directory(name)
                 san = [f"-fsanitize={','.join(checks)}", "-fno-omit-frame-pointer", "-g"] if checks else []
                 with _build_lock(build_dir):
                     _modules[level] = load_inline(
-                        name=name, cpp_sources=[source()], functions=_DECLS,
+                        name=name,
+                        cpp_sources=[source()],
+                        functions=_DECLS,
                         extra_cflags=["-O3", *_ISA_FLAGS[level], "-fopenmp", *_FP_FLAGS, *san],
-                        extra_ldflags=["-fopenmp", *san], build_directory=build_dir, verbose=False)
+                        extra_ldflags=["-fopenmp", *san],
+                        build_directory=build_dir,
+                        verbose=False,
+                    )
             except Exception as e:  # no compiler / headers: correctness first, reference path
                 if checks:  # a sanitizer run on the references would check nothing: say why it cannot run
-                    raise RuntimeError(f"graphtrain: the {'+'.join(checks)}-sanitized CPU kernels ({level}) could not "
-                                       f"be built or loaded (GRAPHTRAIN_SANITIZE): {type(e).__name__}: {e}") from e
+                    raise RuntimeError(
+                        f"graphtrain: the {'+'.join(checks)}-sanitized CPU kernels ({level}) could not "
+                        f"be built or loaded (GRAPHTRAIN_SANITIZE): {type(e).__name__}: {e}"
+                    ) from e
                 _failed[level] = f"{type(e).__name__}: {e}"
-                warnings.warn(f"graphtrain: CPU kernels ({level}) could not be built, using reference ops: "
-                              f"{_failed[level][:300]}", stacklevel=2)
+                warnings.warn(
+                    f"graphtrain: CPU kernels ({level}) could not be built, using reference ops: "
+                    f"{_failed[level][:300]}",
+                    stacklevel=2,
+                )
     return _modules.get(level)
 
 
@@ -214,8 +300,10 @@ def sanitizers() -> tuple[str, ...]:
     names = tuple(sorted({s.strip() for s in raw.split(",") if s.strip()}))
     unknown = [s for s in names if s not in SANITIZERS]
     if unknown:
-        raise ValueError(f"GRAPHTRAIN_SANITIZE={raw!r}: unknown sanitizer {', '.join(unknown)}; use a comma-separated "
-                         f"list of {', '.join(SANITIZERS)} (or leave it unset)")
+        raise ValueError(
+            f"GRAPHTRAIN_SANITIZE={raw!r}: unknown sanitizer {', '.join(unknown)}; use a comma-separated "
+            f"list of {', '.join(SANITIZERS)} (or leave it unset)"
+        )
     return names
 
 
@@ -223,6 +311,7 @@ def build_directory(name: str) -> str:
     """<TORCH_EXTENSIONS_DIR or torch's default root>/<name>-<torch version and install path digest>."""
     import torch
     from torch.utils.cpp_extension import get_default_build_root
+
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
     tag = hashlib.sha256(f"{torch.__version__}|{os.path.dirname(os.path.abspath(torch.__file__))}".encode()).hexdigest()
     path = os.path.join(root, f"{name}-{tag[:12]}")
@@ -255,8 +344,10 @@ def _stale_lock_cleared(build_dir: str) -> None:
         os.remove(stale)
     except FileNotFoundError:
         return
-    warnings.warn(f"graphtrain: removed a build lock left by a killed build of its CPU kernels ({stale}); "
-                  "rebuilding", stacklevel=2)
+    warnings.warn(
+        f"graphtrain: removed a build lock left by a killed build of its CPU kernels ({stale}); rebuilding",
+        stacklevel=2,
+    )
 
 
 def build_error(level: str | None = None) -> str | None:

@@ -20,6 +20,7 @@ attention. aten's SDPA with dropout falls to its math path, which samples a Bern
 saves the probabilities. Measured in `python -m graphtrain.bench.kernels`.
 CUDA: flash-style Triton kernels (online softmax forward, dK/dV and dQ backward kernels).
 """
+
 from __future__ import annotations
 
 import torch
@@ -93,8 +94,9 @@ def _sum_groups(g: Tensor, groups: int) -> Tensor:
     return g.reshape(b, h // groups, groups, s, d).sum(2)
 
 
-def attention_reference(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float, is_causal: bool,
-                        p: float, seed: Tensor) -> tuple[Tensor, Tensor]:
+def attention_reference(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float, is_causal: bool, p: float, seed: Tensor
+) -> tuple[Tensor, Tensor]:
     k, v = _repeat_kv(k, _groups(q, k)), _repeat_kv(v, _groups(q, k))
     s = _scores(q, k, mask, scale, is_causal)
     lse = torch.logsumexp(s, -1)
@@ -108,8 +110,9 @@ def attention_reference(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, sc
 def attention_backward_reference(dout, q, k, v, mask, out, lse, scale, is_causal, p, seed):
     groups = _groups(q, k)
     if groups > 1:
-        dq, dk, dv = attention_backward_reference(dout, q, _repeat_kv(k, groups), _repeat_kv(v, groups), mask, out,
-                                                  lse, scale, is_causal, p, seed)
+        dq, dk, dv = attention_backward_reference(
+            dout, q, _repeat_kv(k, groups), _repeat_kv(v, groups), mask, out, lse, scale, is_causal, p, seed
+        )
         return dq, _sum_groups(dk, groups).to(k.dtype), _sum_groups(dv, groups).to(v.dtype)
     acc = _acc(q)
     s = _scores(q, k, mask, scale, is_causal)
@@ -135,13 +138,19 @@ def _mask4d(mask: Tensor | None, q: Tensor, k: Tensor) -> Tensor | None:
     return mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
 
 
-SHAPES = Contract("attention", ("q", "k", "v"), rules=(
-    Rule("q.dim() == 4 && k.dim() == 4 && v.dim() == 4", "q, k and v must be [batch, heads, seq, head_dim]"),
-    Rule("k.size(0) == q.size(0) && v.size(0) == q.size(0)", "q, k and v must have one batch size"),
-    Rule("k.size(1) > 0 && v.size(1) == k.size(1) && q.size(1) % k.size(1) == 0",
-         "k and v must have the same number of heads, which divides q's (grouped-query attention)"),
-    Rule("v.size(2) == k.size(2) && k.size(3) == q.size(3)", "k and v must have one length, and k q's head size"),
-))
+SHAPES = Contract(
+    "attention",
+    ("q", "k", "v"),
+    rules=(
+        Rule("q.dim() == 4 && k.dim() == 4 && v.dim() == 4", "q, k and v must be [batch, heads, seq, head_dim]"),
+        Rule("k.size(0) == q.size(0) && v.size(0) == q.size(0)", "q, k and v must have one batch size"),
+        Rule(
+            "k.size(1) > 0 && v.size(1) == k.size(1) && q.size(1) % k.size(1) == 0",
+            "k and v must have the same number of heads, which divides q's (grouped-query attention)",
+        ),
+        Rule("v.size(2) == k.size(2) && k.size(3) == q.size(3)", "k and v must have one length, and k q's head size"),
+    ),
+)
 """The op's own contract, on every path: graphtrain::attention is reached from the public `attention`, from fusion
 passes and from torch.ops directly, and aten's CPU flash kernel checks none of it (a v shorter than k was read past
 its end). Not a C++ entry point's: checked in Python by the op and its fake (`_check_shapes`)."""
@@ -163,23 +172,37 @@ def _unit_d(t: Tensor) -> Tensor:
 
 def _cpu_flash_ok(q, k, v, mask, p) -> bool:
     """aten's CPU flash kernel: no dropout, fp32 or bf16, one head size for q, k and v (it raises otherwise)."""
-    return (p == 0 and q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16)
-            and k.dtype == q.dtype and v.dtype == q.dtype and (mask is None or mask.dtype == q.dtype)
-            and v.shape[-1] == q.shape[-1])
+    return (
+        p == 0
+        and q.device.type == "cpu"
+        and q.dtype in (torch.float32, torch.bfloat16)
+        and k.dtype == q.dtype
+        and v.dtype == q.dtype
+        and (mask is None or mask.dtype == q.dtype)
+        and v.shape[-1] == q.shape[-1]
+    )
 
 
 def _cpu_cpp_ok(q, k, v, mask, p) -> bool:
     """The batched-matmul path with dropout: its C++ pass must take the scores and mask `_cpu_fwd` gives it
     (_cpu_attention.py PROBS_FWD; PROBS_BWD adds only what `_cpu_bwd` derives from them)."""
-    if not (p > 0 and q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16, torch.float16)
-            and k.dtype == q.dtype and v.dtype == q.dtype and (mask is None or mask.dtype == q.dtype)
-            and q.dim() == 4 and k.dim() == 4):
+    if not (
+        p > 0
+        and q.device.type == "cpu"
+        and q.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        and k.dtype == q.dtype
+        and v.dtype == q.dtype
+        and (mask is None or mask.dtype == q.dtype)
+        and q.dim() == 4
+        and k.dim() == 4
+    ):
         return False
     B, H, Sq = q.shape[:3]
     m = _mask4d(mask, q, k)
     scores = Layout.contiguous((B * H, Sq, k.shape[2]), q.dtype)
-    return (PROBS_FWD.holds(scores, m if m is not None else Layout((0,), (1,), q.dtype), H)
-            and _cpu_ext.load() is not None)
+    return (
+        PROBS_FWD.holds(scores, m if m is not None else Layout((0,), (1,), q.dtype), H) and _cpu_ext.load() is not None
+    )
 
 
 HEADS_QB = 64
@@ -280,8 +303,9 @@ def _cpu_fwd(q, k, v, mask, scale, is_causal, p, seed):
     m = _mask4d(mask, q, k)
     k, v = _repeat_kv(k, _groups(q, k)), _repeat_kv(v, _groups(q, k))
     s = matmul(_flat(q), _flat(k).transpose(1, 2)).contiguous()
-    probs, lse = _cpu_ext.load().attn_probs_fwd(s, m if m is not None else q.new_empty(0), H, scale, is_causal, p,
-                                                int(seed.item()))
+    probs, lse = _cpu_ext.load().attn_probs_fwd(
+        s, m if m is not None else q.new_empty(0), H, scale, is_causal, p, int(seed.item())
+    )
     out = matmul(probs, _flat(v))
     return out.reshape(B, H, Sq, v.shape[-1]), lse.reshape(B, H, Sq)
 
@@ -295,10 +319,23 @@ def _cpu_bwd(dout, q, k, v, mask, out, lse, scale, is_causal, p, seed):
     s = matmul(qf, kf.transpose(1, 2)).contiguous()
     dp = matmul(dof, vf.transpose(1, 2)).contiguous()
     # rowsum(dO * O) = rowsum(P * dP); bf16/fp16: the kernel computes it from each rounded row (csrc/attention.cpp)
-    delta = ((dout.float() * out.float()).sum(-1).reshape(-1, Sq).contiguous() if q.dtype == torch.float32
-             else q.new_empty(0, dtype=torch.float32))
-    _cpu_ext.load().attn_probs_bwd(s, dp, m if m is not None else q.new_empty(0), lse.reshape(-1, Sq).contiguous(),
-                                   delta, H, scale, is_causal, p, int(seed.item()))
+    delta = (
+        (dout.float() * out.float()).sum(-1).reshape(-1, Sq).contiguous()
+        if q.dtype == torch.float32
+        else q.new_empty(0, dtype=torch.float32)
+    )
+    _cpu_ext.load().attn_probs_bwd(
+        s,
+        dp,
+        m if m is not None else q.new_empty(0),
+        lse.reshape(-1, Sq).contiguous(),
+        delta,
+        H,
+        scale,
+        is_causal,
+        p,
+        int(seed.item()),
+    )
     dv = matmul(s.transpose(1, 2), dof)  # s now holds the dropped probabilities, dp holds dS * scale
     dq = matmul(dp, kf)
     dk = matmul(dp.transpose(1, 2), qf)
@@ -307,8 +344,9 @@ def _cpu_bwd(dout, q, k, v, mask, out, lse, scale, is_causal, p, seed):
 
 
 @torch.library.custom_op("graphtrain::attention", mutates_args=())
-def _attention_op(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float, is_causal: bool,
-                  p: float) -> tuple[Tensor, Tensor, Tensor]:
+def _attention_op(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float, is_causal: bool, p: float
+) -> tuple[Tensor, Tensor, Tensor]:
     _check_shapes(q, k, v)
     # Salted with the tp rank under tensor parallelism (each rank's heads differ: see _common.py); the op
     # returns the salted seed, so backward regenerates the same mask.
@@ -316,24 +354,31 @@ def _attention_op(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: f
 
     def triton_path():
         groups = _groups(q, k)  # the Triton kernels read one key/value head per query head
-        return attention_fwd_triton(q, _repeat_kv(k, groups), _repeat_kv(v, groups), _mask4d(mask, q, k), scale,
-                                    is_causal, p, int(seed.item()))
+        return attention_fwd_triton(
+            q, _repeat_kv(k, groups), _repeat_kv(v, groups), _mask4d(mask, q, k), scale, is_causal, p, int(seed.item())
+        )
 
     def flash():  # returns a [B, S, H, D]-strided view; made contiguous below
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            _unit_d(q), _unit_d(k), _unit_d(v), 0.0, is_causal, attn_mask=_mask4d(mask, q, k), scale=scale)[:2]
+            _unit_d(q), _unit_d(k), _unit_d(v), 0.0, is_causal, attn_mask=_mask4d(mask, q, k), scale=scale
+        )[:2]
 
     def heads():
         o = _empty_as(q, v.shape[-1])
-        return o, _cpu_ext.load().attn_heads_fwd(_for_blas(q), _for_blas(k), _for_blas(v), o, scale, is_causal, p,
-                                                 int(seed.item()), HEADS_QB)
+        return o, _cpu_ext.load().attn_heads_fwd(
+            _for_blas(q), _for_blas(k), _for_blas(v), o, scale, is_causal, p, int(seed.item()), HEADS_QB
+        )
 
-    out, lse = dispatch("attention", [
-        ("triton", _supports_triton(q, k, v, mask), triton_path),
-        ("c++ heads", _cpu_heads_ok(q, k, v, mask, p, is_causal), heads),
-        ("cpu flash", _cpu_flash_ok(q, k, v, mask, p), flash),
-        ("c++", _cpu_cpp_ok(q, k, v, mask, p), lambda: _cpu_fwd(q, k, v, mask, scale, is_causal, p, seed)),
-    ], lambda: attention_reference(q, k, v, mask, scale, is_causal, p, seed))
+    out, lse = dispatch(
+        "attention",
+        [
+            ("triton", _supports_triton(q, k, v, mask), triton_path),
+            ("c++ heads", _cpu_heads_ok(q, k, v, mask, p, is_causal), heads),
+            ("cpu flash", _cpu_flash_ok(q, k, v, mask, p), flash),
+            ("c++", _cpu_cpp_ok(q, k, v, mask, p), lambda: _cpu_fwd(q, k, v, mask, scale, is_causal, p, seed)),
+        ],
+        lambda: attention_reference(q, k, v, mask, scale, is_causal, p, seed),
+    )
     return _as(out, q, v.shape[-1]), lse.contiguous(), seed
 
 
@@ -346,36 +391,84 @@ def _(q, k, v, mask, scale, is_causal, p):
 
 
 @torch.library.custom_op("graphtrain::attention_backward", mutates_args=())
-def _attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, out: Tensor,
-                           lse: Tensor, seed: Tensor, scale: float, is_causal: bool,
-                           p: float) -> tuple[Tensor, Tensor, Tensor]:
+def _attention_backward_op(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None,
+    out: Tensor,
+    lse: Tensor,
+    seed: Tensor,
+    scale: float,
+    is_causal: bool,
+    p: float,
+) -> tuple[Tensor, Tensor, Tensor]:
     _check_shapes(q, k, v)
 
     def triton_path():
         groups = _groups(q, k)
-        dq, dk, dv = attention_bwd_triton(dout, q, _repeat_kv(k, groups), _repeat_kv(v, groups), _mask4d(mask, q, k),
-                                          out, lse, scale, is_causal, p, int(seed.item()))
+        dq, dk, dv = attention_bwd_triton(
+            dout,
+            q,
+            _repeat_kv(k, groups),
+            _repeat_kv(v, groups),
+            _mask4d(mask, q, k),
+            out,
+            lse,
+            scale,
+            is_causal,
+            p,
+            int(seed.item()),
+        )
         return dq, _sum_groups(dk, groups), _sum_groups(dv, groups)
 
     def flash():
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout.contiguous(), _unit_d(q), _unit_d(k), _unit_d(v), _unit_d(out), lse, 0.0, is_causal,
-            attn_mask=_mask4d(mask, q, k), scale=scale)
+            dout.contiguous(),
+            _unit_d(q),
+            _unit_d(k),
+            _unit_d(v),
+            _unit_d(out),
+            lse,
+            0.0,
+            is_causal,
+            attn_mask=_mask4d(mask, q, k),
+            scale=scale,
+        )
 
     def heads():
         grads = _empty_as(q, q.shape[-1]), _empty_as(k, k.shape[-1]), _empty_as(v, v.shape[-1])
-        _cpu_ext.load().attn_heads_bwd(_for_blas(dout), _for_blas(q), _for_blas(k), _for_blas(v),
-                                       _for_blas(out), lse.contiguous(), *grads, scale, is_causal, p,
-                                       int(seed.item()), HEADS_QB)
+        _cpu_ext.load().attn_heads_bwd(
+            _for_blas(dout),
+            _for_blas(q),
+            _for_blas(k),
+            _for_blas(v),
+            _for_blas(out),
+            lse.contiguous(),
+            *grads,
+            scale,
+            is_causal,
+            p,
+            int(seed.item()),
+            HEADS_QB,
+        )
         return grads
 
-    dq, dk, dv = dispatch("attention_backward", [
-        ("triton", _supports_triton(q, k, v, mask), triton_path),
-        ("c++ heads", _cpu_heads_ok(q, k, v, mask, p, is_causal), heads),
-        ("cpu flash", _cpu_flash_ok(q, k, v, mask, p), flash),
-        ("c++", _cpu_cpp_ok(q, k, v, mask, p),
-         lambda: _cpu_bwd(dout, q, k, v, mask, out, lse, scale, is_causal, p, seed)),
-    ], lambda: attention_backward_reference(dout, q, k, v, mask, out, lse, scale, is_causal, p, seed))
+    dq, dk, dv = dispatch(
+        "attention_backward",
+        [
+            ("triton", _supports_triton(q, k, v, mask), triton_path),
+            ("c++ heads", _cpu_heads_ok(q, k, v, mask, p, is_causal), heads),
+            ("cpu flash", _cpu_flash_ok(q, k, v, mask, p), flash),
+            (
+                "c++",
+                _cpu_cpp_ok(q, k, v, mask, p),
+                lambda: _cpu_bwd(dout, q, k, v, mask, out, lse, scale, is_causal, p, seed),
+            ),
+        ],
+        lambda: attention_backward_reference(dout, q, k, v, mask, out, lse, scale, is_causal, p, seed),
+    )
     return _as(dq, q, q.shape[-1]), _as(dk, k, k.shape[-1]), _as(dv, v, v.shape[-1])
 
 
@@ -400,8 +493,16 @@ def _backward(ctx, dout, _dlse, _dseed):
 _attention_op.register_autograd(_backward, setup_context=_setup)
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, scale: float | None = None,
-              is_causal: bool = False, dropout_p: float = 0.0, training: bool = True) -> Tensor:
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None = None,
+    scale: float | None = None,
+    is_causal: bool = False,
+    dropout_p: float = 0.0,
+    training: bool = True,
+) -> Tensor:
     """Fused attention on [B, H, S, D] tensors. mask: additive float or bool (True = attend), no gradient.
     k and v may have fewer heads than q, a divisor of its count (grouped-query or multi-query attention: query head
     h reads key/value head h // (H / Hkv), as SDPA's enable_gqa)."""
@@ -409,14 +510,17 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, scale
     _check_shapes(q, k, v)
     if mask is not None:
         if mask.requires_grad:
-            raise ValueError("attention: a mask that requires grad (learned bias) is not supported; "
-                             "use the unfused ops for it")
+            raise ValueError(
+                "attention: a mask that requires grad (learned bias) is not supported; use the unfused ops for it"
+            )
         if mask.dtype == torch.bool:
             mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))
         else:
             mask = mask.to(q.dtype)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    return torch.ops.graphtrain.attention(q, k, v, mask, scale, bool(is_causal), float(dropout_p) if training else 0.0)[0]
+    return torch.ops.graphtrain.attention(q, k, v, mask, scale, bool(is_causal), float(dropout_p) if training else 0.0)[
+        0
+    ]
 
 
 def _cpu_scores_bytes(qv: Tensor, kv: Tensor, mask: Argument, p: Argument, causal: Argument, copies: int) -> int:
@@ -440,26 +544,57 @@ def _arg(n: torch.fx.Node, i: int, name: str, default: Argument) -> Argument:
 
 
 def _forward_workspace(n: torch.fx.Node) -> int:
-    return _cpu_scores_bytes(input_value(n, 0), input_value(n, 1), _arg(n, 3, "mask", None), _arg(n, 6, "p", 0.0),
-                             _arg(n, 5, "is_causal", False), 1)
+    return _cpu_scores_bytes(
+        input_value(n, 0),
+        input_value(n, 1),
+        _arg(n, 3, "mask", None),
+        _arg(n, 6, "p", 0.0),
+        _arg(n, 5, "is_causal", False),
+        1,
+    )
 
 
 def _backward_workspace(n: torch.fx.Node) -> int:
-    return _cpu_scores_bytes(input_value(n, 1), input_value(n, 2), _arg(n, 4, "mask", None), _arg(n, 10, "p", 0.0),
-                             _arg(n, 9, "is_causal", False), 2)
+    return _cpu_scores_bytes(
+        input_value(n, 1),
+        input_value(n, 2),
+        _arg(n, 4, "mask", None),
+        _arg(n, 10, "p", 0.0),
+        _arg(n, 9, "is_causal", False),
+        2,
+    )
 
 
-SPEC = register_kernel_spec(KernelSpec(
-    "attention", attention, attention_reference,
-    {"cpu": "c++ head by head (fp32, no mask) / aten flash (p=0) / aten bmm + c++ softmax-dropout (p>0)",
-     "cuda": "triton flash"},
-    {"cpu": _supports_cpu, "cuda": _supports_triton},
-    ops=(
-        # random: draws its dropout seed inside (never recomputed: it has no seeded variant yet, so it is saved)
-        OpDescriptor("attention", role=FORWARD, random=True, recompute=COMPUTE_BOUND, precision=LOW,
-                     workspace_bytes=_forward_workspace,
-                     cpp=("attn_heads_available", "attn_heads_fwd", "attn_probs_fwd", "onednn_matmul")),
-        OpDescriptor("attention_backward", role=BACKWARD, random=False, recompute=COMPUTE_BOUND, precision=FOLLOW,
-                     workspace_bytes=_backward_workspace,
-                     cpp=("attn_heads_bwd", "attn_probs_bwd", "onednn_matmul")),
-    )))
+SPEC = register_kernel_spec(
+    KernelSpec(
+        "attention",
+        attention,
+        attention_reference,
+        {
+            "cpu": "c++ head by head (fp32, no mask) / aten flash (p=0) / aten bmm + c++ softmax-dropout (p>0)",
+            "cuda": "triton flash",
+        },
+        {"cpu": _supports_cpu, "cuda": _supports_triton},
+        ops=(
+            # random: draws its dropout seed inside (never recomputed: it has no seeded variant yet, so it is saved)
+            OpDescriptor(
+                "attention",
+                role=FORWARD,
+                random=True,
+                recompute=COMPUTE_BOUND,
+                precision=LOW,
+                workspace_bytes=_forward_workspace,
+                cpp=("attn_heads_available", "attn_heads_fwd", "attn_probs_fwd", "onednn_matmul"),
+            ),
+            OpDescriptor(
+                "attention_backward",
+                role=BACKWARD,
+                random=False,
+                recompute=COMPUTE_BOUND,
+                precision=FOLLOW,
+                workspace_bytes=_backward_workspace,
+                cpp=("attn_heads_bwd", "attn_probs_bwd", "onednn_matmul"),
+            ),
+        ),
+    )
+)

@@ -13,6 +13,7 @@ fp32 on the 2-core EPYC (0.69 ms vs 3.9 ms; aten's Bernoulli sampler is the cost
 For recompute, the op also exists split in two (memory/seeded.py): graphtrain::dropout_seed (the random
 draw) and graphtrain::bias_dropout_add_seeded (deterministic: the same kernels for a given seed).
 """
+
 from __future__ import annotations
 
 import torch
@@ -46,8 +47,9 @@ from graphtrain.kernels.registry import (
 )
 
 
-def bias_dropout_add_reference(x: Tensor, bias: Tensor | None, residual: Tensor | None, p: float,
-                               seed: Tensor) -> Tensor:
+def bias_dropout_add_reference(
+    x: Tensor, bias: Tensor | None, residual: Tensor | None, p: float, seed: Tensor
+) -> Tensor:
     z = x + bias if bias is not None else x
     if p > 0:
         keep = dropout_keep_mask(z.numel(), p, seed, z.device).reshape(z.shape)
@@ -63,6 +65,7 @@ def dropout_backward_reference(g: Tensor, p: float, seed: Tensor) -> Tensor:
 
 
 if HAS_TRITON:
+
     @triton.jit
     def _keep(seed, idx, thr):
         # splitmix64 finalizer of seed + (idx + 1) * golden, high 32 bits >= p * 2^32 (as in _common.py)
@@ -73,8 +76,9 @@ if HAS_TRITON:
         return (z >> 32) >= thr
 
     @triton.jit
-    def _bda_kernel(X, B, R, OUT, numel, N, seed, thr, scale, HAS_B: tl.constexpr, HAS_R: tl.constexpr,
-                    BLOCK: tl.constexpr):
+    def _bda_kernel(
+        X, B, R, OUT, numel, N, seed, thr, scale, HAS_B: tl.constexpr, HAS_R: tl.constexpr, BLOCK: tl.constexpr
+    ):
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         m = offs < numel
         z = tl.load(X + offs, mask=m, other=0.0).to(tl.float32)
@@ -91,9 +95,19 @@ def _bda_triton(x, bias, residual, p, seed):
     out = torch.empty_like(xc)
     numel, block = xc.numel(), 1024
     _bda_kernel[(triton.cdiv(numel, block),)](
-        xc, bias if bias is not None else xc, residual.contiguous() if residual is not None else xc, out, numel,
-        x.shape[-1] if x.dim() else 1, int(seed.item()), keep_threshold(p), 1.0 / (1.0 - p),
-        HAS_B=bias is not None, HAS_R=residual is not None, BLOCK=block)
+        xc,
+        bias if bias is not None else xc,
+        residual.contiguous() if residual is not None else xc,
+        out,
+        numel,
+        x.shape[-1] if x.dim() else 1,
+        int(seed.item()),
+        keep_threshold(p),
+        1.0 / (1.0 - p),
+        HAS_B=bias is not None,
+        HAS_R=residual is not None,
+        BLOCK=block,
+    )
     return out
 
 
@@ -102,25 +116,36 @@ def _supports_triton(x, bias=None, residual=None, *rest) -> bool:
 
 
 def _supports_cpu(x, bias=None, residual=None, *rest) -> bool:
-    return (x.device.type == "cpu" and x.dtype != torch.float64 and BIAS_DROPOUT_ADD_FWD.holds(x, bias, residual)
-            and _cpu_ext.load() is not None)
+    return (
+        x.device.type == "cpu"
+        and x.dtype != torch.float64
+        and BIAS_DROPOUT_ADD_FWD.holds(x, bias, residual)
+        and _cpu_ext.load() is not None
+    )
 
 
 def _forward(x: Tensor, bias: Tensor | None, residual: Tensor | None, p: float, seed: Tensor) -> Tensor:
     """The op's output for a given seed (bias_dropout_add and bias_dropout_add_seeded: the same bits)."""
+
     def cpu():
         empty = x.new_empty(0)
-        return _cpu_ext.load().bias_dropout_add_fwd(x, bias if bias is not None else empty,
-                                                    residual if residual is not None else empty, p, int(seed.item()))
+        return _cpu_ext.load().bias_dropout_add_fwd(
+            x, bias if bias is not None else empty, residual if residual is not None else empty, p, int(seed.item())
+        )
 
     def reference():
         out = bias_dropout_add_reference(x, bias, residual, p, seed)
         # p == 0 without bias and residual gives x itself: a custom op's output must not alias its input
         return x.clone(memory_format=torch.contiguous_format) if out is x else out
 
-    out = dispatch("bias_dropout_add", [("triton", _supports_triton(x, bias, residual),
-                                         lambda: _bda_triton(x, bias, residual, p, seed)),
-                                        ("c++", _supports_cpu(x, bias, residual), cpu)], reference)
+    out = dispatch(
+        "bias_dropout_add",
+        [
+            ("triton", _supports_triton(x, bias, residual), lambda: _bda_triton(x, bias, residual, p, seed)),
+            ("c++", _supports_cpu(x, bias, residual), cpu),
+        ],
+        reference,
+    )
     return out.contiguous()
 
 
@@ -137,11 +162,18 @@ def _(x, bias, residual, p):
 
 @torch.library.custom_op("graphtrain::dropout_backward", mutates_args=())
 def _dropout_backward_op(g: Tensor, p: float, seed: Tensor) -> Tensor:
-    return dispatch("dropout_backward", [
-        ("triton", p > 0 and _supports_triton(g), lambda: _bda_triton(g, None, None, p, seed)),
-        ("c++", p > 0 and g.dtype != torch.float64 and DROPOUT_BWD.holds(g) and _cpu_ext.load() is not None,
-         lambda: _cpu_ext.load().dropout_bwd(g, p, int(seed.item()))),
-    ], lambda: dropout_backward_reference(g.contiguous(), p, seed)).contiguous()
+    return dispatch(
+        "dropout_backward",
+        [
+            ("triton", p > 0 and _supports_triton(g), lambda: _bda_triton(g, None, None, p, seed)),
+            (
+                "c++",
+                p > 0 and g.dtype != torch.float64 and DROPOUT_BWD.holds(g) and _cpu_ext.load() is not None,
+                lambda: _cpu_ext.load().dropout_bwd(g, p, int(seed.item())),
+            ),
+        ],
+        lambda: dropout_backward_reference(g.contiguous(), p, seed),
+    ).contiguous()
 
 
 @_dropout_backward_op.register_fake
@@ -168,8 +200,9 @@ def _backward(ctx, g, _dseed):
 _bias_dropout_add_op.register_autograd(_backward, setup_context=_setup)
 
 
-def bias_dropout_add(x: Tensor, bias: Tensor | None = None, residual: Tensor | None = None, p: float = 0.1,
-                     training: bool = True) -> Tensor:
+def bias_dropout_add(
+    x: Tensor, bias: Tensor | None = None, residual: Tensor | None = None, p: float = 0.1, training: bool = True
+) -> Tensor:
     """dropout(x + bias, p) + residual; bias [x.shape[-1]] or None, residual shaped like x or None."""
     check_dropout_p(p, "bias_dropout_add")
     if bias is not None and tuple(bias.shape) != (x.shape[-1],):
@@ -182,6 +215,7 @@ def bias_dropout_add(x: Tensor, bias: Tensor | None = None, residual: Tensor | N
 # --- recomputable dropout: the seed draw and the op for a given seed, apart ------------------------------------
 # memory/seeded.py rewrites graphtrain::bias_dropout_add in the joint graph into these two, so the recompute
 # partitioner saves the 8-byte seed and re-runs the deterministic op in the backward (see that module).
+
 
 @torch.library.custom_op("graphtrain::dropout_seed", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,))
 def _dropout_seed_op(salt: int) -> Tensor:
@@ -196,8 +230,9 @@ def _(salt: int) -> Tensor:
 
 
 @torch.library.custom_op("graphtrain::bias_dropout_add_seeded", mutates_args=())
-def _bias_dropout_add_seeded_op(x: Tensor, bias: Tensor | None, residual: Tensor | None, p: float,
-                                seed: Tensor) -> Tensor:
+def _bias_dropout_add_seeded_op(
+    x: Tensor, bias: Tensor | None, residual: Tensor | None, p: float, seed: Tensor
+) -> Tensor:
     """graphtrain::bias_dropout_add's output for a given seed (the same kernels, so the same bits)."""
     return _forward(x, bias, residual, p, seed)
 
@@ -207,16 +242,50 @@ def _(x, bias, residual, p, seed):
     return dense_empty(x)
 
 
-SPEC = register_kernel_spec(KernelSpec(
-    "bias_dropout_add", bias_dropout_add, bias_dropout_add_reference, {"cpu": "c++ (hash RNG)", "cuda": "triton"},
-    {"cpu": _supports_cpu, "cuda": _supports_triton},
-    ops=(
-        OpDescriptor("bias_dropout_add", role=FORWARD, random=True, recompute=CHEAP, precision=FOLLOW,
-                     workspace_bytes=no_workspace, cpp=("bias_dropout_add_fwd",)),
-        OpDescriptor("dropout_backward", role=BACKWARD, random=False, recompute=CHEAP, precision=FOLLOW,
-                     workspace_bytes=no_workspace, cpp=("dropout_bwd",)),
-        OpDescriptor("dropout_seed", role=SEED, random=True, recompute=CHEAP, precision=FOLLOW,
-                     workspace_bytes=no_workspace, cpp=()),
-        OpDescriptor("bias_dropout_add_seeded", role=SEEDED, random=False, recompute=CHEAP, precision=FOLLOW,
-                     workspace_bytes=no_workspace, cpp=("bias_dropout_add_fwd",)),
-    )))
+SPEC = register_kernel_spec(
+    KernelSpec(
+        "bias_dropout_add",
+        bias_dropout_add,
+        bias_dropout_add_reference,
+        {"cpu": "c++ (hash RNG)", "cuda": "triton"},
+        {"cpu": _supports_cpu, "cuda": _supports_triton},
+        ops=(
+            OpDescriptor(
+                "bias_dropout_add",
+                role=FORWARD,
+                random=True,
+                recompute=CHEAP,
+                precision=FOLLOW,
+                workspace_bytes=no_workspace,
+                cpp=("bias_dropout_add_fwd",),
+            ),
+            OpDescriptor(
+                "dropout_backward",
+                role=BACKWARD,
+                random=False,
+                recompute=CHEAP,
+                precision=FOLLOW,
+                workspace_bytes=no_workspace,
+                cpp=("dropout_bwd",),
+            ),
+            OpDescriptor(
+                "dropout_seed",
+                role=SEED,
+                random=True,
+                recompute=CHEAP,
+                precision=FOLLOW,
+                workspace_bytes=no_workspace,
+                cpp=(),
+            ),
+            OpDescriptor(
+                "bias_dropout_add_seeded",
+                role=SEEDED,
+                random=False,
+                recompute=CHEAP,
+                precision=FOLLOW,
+                workspace_bytes=no_workspace,
+                cpp=("bias_dropout_add_fwd",),
+            ),
+        ),
+    )
+)

@@ -8,6 +8,7 @@ arrives as 8 elementwise ops, each a memory pass with its own saved tensor, and 
 the pre-activation. CUDA: Triton elementwise kernels (fp32 compute). Backward recomputes x + bias instead of
 saving it.
 """
+
 from __future__ import annotations
 
 import math
@@ -56,13 +57,15 @@ def bias_gelu_backward_reference(dy: Tensor, x: Tensor, bias: Tensor | None, app
 
 
 if HAS_TRITON:
+
     @triton.jit
     def _tanh(u):
         return 1.0 - 2.0 / (tl.exp(2.0 * u) + 1.0)
 
     @triton.jit
-    def _gelu_kernel(X, B, DY, OUT, numel, N, HAS_B: tl.constexpr, TANH: tl.constexpr, BACKWARD: tl.constexpr,
-                     BLOCK: tl.constexpr):
+    def _gelu_kernel(
+        X, B, DY, OUT, numel, N, HAS_B: tl.constexpr, TANH: tl.constexpr, BACKWARD: tl.constexpr, BLOCK: tl.constexpr
+    ):
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         m = offs < numel
         z = tl.load(X + offs, mask=m, other=0.0).to(tl.float32)
@@ -90,9 +93,17 @@ def _gelu_triton(x, bias, approximate, dy=None):
     numel = xc.numel()
     block = 1024
     _gelu_kernel[(triton.cdiv(numel, block),)](
-        xc, bias if bias is not None else xc, dy.contiguous() if dy is not None else xc, out, numel,
-        x.shape[-1] if x.dim() else 1, HAS_B=bias is not None, TANH=approximate == "tanh",
-        BACKWARD=dy is not None, BLOCK=block)
+        xc,
+        bias if bias is not None else xc,
+        dy.contiguous() if dy is not None else xc,
+        out,
+        numel,
+        x.shape[-1] if x.dim() else 1,
+        HAS_B=bias is not None,
+        TANH=approximate == "tanh",
+        BACKWARD=dy is not None,
+        BLOCK=block,
+    )
     return out
 
 
@@ -107,9 +118,15 @@ def _supports_cpu(x, bias=None, *rest) -> bool:
 def cpp_tanh_ok(x: Tensor, bias: Tensor | None, approximate: str) -> bool:
     """The C++ tanh-form kernel takes this call (CPU, fp32/bf16/fp16, a bias of the last dim's size or none) and
     measured faster than aten's on this machine (`gelu_tanh_probe`)."""
-    return (approximate == "tanh" and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16,
-            torch.float16) and (bias is None or bias.dim() == 1) and GELU_TANH_FWD.holds(x, bias)
-            and _cpu_ext.load() is not None and gelu_tanh_probe()["cpp_wins"])
+    return (
+        approximate == "tanh"
+        and x.device.type == "cpu"
+        and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        and (bias is None or bias.dim() == 1)
+        and GELU_TANH_FWD.holds(x, bias)
+        and _cpu_ext.load() is not None
+        and gelu_tanh_probe()["cpp_wins"]
+    )
 
 
 _PROBE: dict[str, dict] = {}
@@ -123,19 +140,27 @@ def gelu_tanh_probe() -> dict:
     not vectorize (a baseline ISA) loses."""
     key = capability.machine_key()
     if key not in _PROBE:
+
         def measure() -> dict:
             mod = _cpu_ext.load()
             g = torch.Generator().manual_seed(0)
-            x, b, dy = (torch.randn(512, 2048, generator=g) * 2, torch.randn(2048, generator=g),
-                        torch.randn(512, 2048, generator=g))
+            x, b, dy = (
+                torch.randn(512, 2048, generator=g) * 2,
+                torch.randn(2048, generator=g),
+                torch.randn(512, 2048, generator=g),
+            )
             with torch.no_grad():
-                cpp = (_time(lambda: mod.gelu_tanh_fwd(x, b), 0.03)
-                       + _time(lambda: mod.gelu_tanh_bwd(dy, x, b), 0.03))
-                aten = (_time(lambda: torch.ops.aten.gelu(x + b, approximate="tanh"), 0.03)
-                        + _time(lambda: torch.ops.aten.gelu_backward(dy, x + b, approximate="tanh"), 0.03))
+                cpp = _time(lambda: mod.gelu_tanh_fwd(x, b), 0.03) + _time(lambda: mod.gelu_tanh_bwd(dy, x, b), 0.03)
+                aten = _time(lambda: torch.ops.aten.gelu(x + b, approximate="tanh"), 0.03) + _time(
+                    lambda: torch.ops.aten.gelu_backward(dy, x + b, approximate="tanh"), 0.03
+                )
             return {"cpp_s": cpp, "aten_s": aten, "cpp_wins": cpp * WIN_MARGIN < aten}
-        _PROBE[key] = capability.cached_probe("gelu_tanh_cpp_vs_aten", measure) if _cpu_ext.load() is not None \
+
+        _PROBE[key] = (
+            capability.cached_probe("gelu_tanh_cpp_vs_aten", measure)
+            if _cpu_ext.load() is not None
             else {"cpp_wins": False, "skipped": "no C++ kernels", "cached": False}
+        )
     return _PROBE[key]
 
 
@@ -154,13 +179,23 @@ def _check_approx(approximate: str) -> None:
 
 @torch.library.custom_op("graphtrain::bias_gelu", mutates_args=())
 def _bias_gelu_op(x: Tensor, bias: Tensor | None, approximate: str) -> Tensor:
-    return dispatch("bias_gelu", [
-        ("triton", _supports_triton(x, bias), lambda: _gelu_triton(x, bias, approximate)),
-        ("c++", cpp_tanh_ok(x, bias, approximate),
-         lambda: _cpu_ext.load().gelu_tanh_fwd(x, bias if bias is not None else _no_bias(x))),
-        ("cpu", _supports_cpu(x, bias),
-         lambda: torch.ops.aten.gelu(x + bias if bias is not None else x, approximate=approximate).contiguous()),
-    ], lambda: bias_gelu_reference(x, bias, approximate).contiguous())
+    return dispatch(
+        "bias_gelu",
+        [
+            ("triton", _supports_triton(x, bias), lambda: _gelu_triton(x, bias, approximate)),
+            (
+                "c++",
+                cpp_tanh_ok(x, bias, approximate),
+                lambda: _cpu_ext.load().gelu_tanh_fwd(x, bias if bias is not None else _no_bias(x)),
+            ),
+            (
+                "cpu",
+                _supports_cpu(x, bias),
+                lambda: torch.ops.aten.gelu(x + bias if bias is not None else x, approximate=approximate).contiguous(),
+            ),
+        ],
+        lambda: bias_gelu_reference(x, bias, approximate).contiguous(),
+    )
 
 
 @_bias_gelu_op.register_fake
@@ -170,13 +205,25 @@ def _(x, bias, approximate):
 
 @torch.library.custom_op("graphtrain::bias_gelu_backward", mutates_args=())
 def _bias_gelu_backward_op(dy: Tensor, x: Tensor, bias: Tensor | None, approximate: str) -> Tensor:
-    return dispatch("bias_gelu_backward", [
-        ("triton", _supports_triton(x, bias), lambda: _gelu_triton(x, bias, approximate, dy)),
-        ("c++", cpp_tanh_ok(x, bias, approximate) and GELU_TANH_BWD.holds(dy, x, bias),
-         lambda: _cpu_ext.load().gelu_tanh_bwd(dy, x, bias if bias is not None else _no_bias(x))),
-        ("cpu", _supports_cpu(x, bias), lambda: torch.ops.aten.gelu_backward(
-            dy, x + bias if bias is not None else x, approximate=approximate).contiguous()),
-    ], lambda: bias_gelu_backward_reference(dy, x, bias, approximate).contiguous())
+    return dispatch(
+        "bias_gelu_backward",
+        [
+            ("triton", _supports_triton(x, bias), lambda: _gelu_triton(x, bias, approximate, dy)),
+            (
+                "c++",
+                cpp_tanh_ok(x, bias, approximate) and GELU_TANH_BWD.holds(dy, x, bias),
+                lambda: _cpu_ext.load().gelu_tanh_bwd(dy, x, bias if bias is not None else _no_bias(x)),
+            ),
+            (
+                "cpu",
+                _supports_cpu(x, bias),
+                lambda: torch.ops.aten.gelu_backward(
+                    dy, x + bias if bias is not None else x, approximate=approximate
+                ).contiguous(),
+            ),
+        ],
+        lambda: bias_gelu_backward_reference(dy, x, bias, approximate).contiguous(),
+    )
 
 
 @_bias_gelu_backward_op.register_fake
@@ -209,12 +256,32 @@ def bias_gelu(x: Tensor, bias: Tensor | None = None, approximate: str = "none") 
     return torch.ops.graphtrain.bias_gelu(x, bias, approximate)
 
 
-SPEC = register_kernel_spec(KernelSpec(
-    "bias_gelu", bias_gelu, bias_gelu_reference, {"cpu": "c++ (tanh form) / aten.gelu (erf form)", "cuda": "triton"},
-    {"cpu": _supports_cpu, "cuda": _supports_triton},
-    ops=(
-        OpDescriptor("bias_gelu", role=FORWARD, random=False, recompute=CHEAP, precision=FOLLOW,
-                     workspace_bytes=no_workspace, cpp=("gelu_tanh_fwd",)),
-        OpDescriptor("bias_gelu_backward", role=BACKWARD, random=False, recompute=CHEAP, precision=FOLLOW,
-                     workspace_bytes=no_workspace, cpp=("gelu_tanh_bwd",)),
-    )))
+SPEC = register_kernel_spec(
+    KernelSpec(
+        "bias_gelu",
+        bias_gelu,
+        bias_gelu_reference,
+        {"cpu": "c++ (tanh form) / aten.gelu (erf form)", "cuda": "triton"},
+        {"cpu": _supports_cpu, "cuda": _supports_triton},
+        ops=(
+            OpDescriptor(
+                "bias_gelu",
+                role=FORWARD,
+                random=False,
+                recompute=CHEAP,
+                precision=FOLLOW,
+                workspace_bytes=no_workspace,
+                cpp=("gelu_tanh_fwd",),
+            ),
+            OpDescriptor(
+                "bias_gelu_backward",
+                role=BACKWARD,
+                random=False,
+                recompute=CHEAP,
+                precision=FOLLOW,
+                workspace_bytes=no_workspace,
+                cpp=("gelu_tanh_bwd",),
+            ),
+        ),
+    )
+)

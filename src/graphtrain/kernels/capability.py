@@ -15,6 +15,7 @@ are then built for x86-64-v3 (AVX2 + FMA) only. Combine it with torch's own ``AT
 and ``ONEDNN_MAX_CPU_ISA=AVX2`` to approximate a first-generation EPYC on a bigger CPU. For debugging
 and tests only; it never enables a feature the CPU lacks.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -41,8 +42,8 @@ class CPUInfo:
 
     name: str
     arch: str
-    torch_isa: str                  # torch.backends.cpu.get_cpu_capability(): DEFAULT | AVX2 | AVX512 | ...
-    flags: frozenset[str]           # cpuinfo features that are present (avx2, avx512_bf16, amx_bf16, ...)
+    torch_isa: str  # torch.backends.cpu.get_cpu_capability(): DEFAULT | AVX2 | AVX512 | ...
+    flags: frozenset[str]  # cpuinfo features that are present (avx2, avx512_bf16, amx_bf16, ...)
     simulated: str | None = None
 
     @property
@@ -95,12 +96,19 @@ def _cpu_info(sim: str | None) -> CPUInfo:
     flags = {k for k, v in raw.items() if v is True}
     isa = str(torch.backends.cpu.get_cpu_capability())
     if not raw and isa.startswith("AVX"):  # infer the minimum from aten's dispatch
-        flags |= {"avx", "avx2", "fma3"} | ({"avx512_f", "avx512_bw", "avx512_vl", "avx512_dq"} if "512" in isa else set())
+        flags |= {"avx", "avx2", "fma3"} | (
+            {"avx512_f", "avx512_bw", "avx512_vl", "avx512_dq"} if "512" in isa else set()
+        )
     if sim == "avx2":
         flags = {f for f in flags if not f.startswith(("avx512", "amx", "avx10", "avx_ne", "avx_vnni"))}
         isa = "AVX2" if "avx2" in flags else isa
-    return CPUInfo(name=str(raw.get("cpu_name") or platform.processor() or "unknown"), arch=platform.machine(),
-                   torch_isa=isa, flags=frozenset(flags), simulated=sim)
+    return CPUInfo(
+        name=str(raw.get("cpu_name") or platform.processor() or "unknown"),
+        arch=platform.machine(),
+        torch_isa=isa,
+        flags=frozenset(flags),
+        simulated=sim,
+    )
 
 
 def cpu() -> CPUInfo:
@@ -159,8 +167,10 @@ def bf16_is_fast(device: str = "cpu") -> tuple[bool, str]:
     c = cpu()
     if c.native_bf16:
         return True, f"native bf16 ({', '.join(sorted(c.flags & {'avx512_bf16', 'amx_bf16', 'avx_ne_convert'}))})"
-    return False, (f"no native bf16 on this CPU ({c.isa.upper()}: no AVX512_BF16, AMX or AVX-NE-CONVERT); bf16 "
-                   f"matmuls are emulated, measured ~30x slower than fp32 on an AVX2 EPYC")
+    return False, (
+        f"no native bf16 on this CPU ({c.isa.upper()}: no AVX512_BF16, AMX or AVX-NE-CONVERT); bf16 "
+        f"matmuls are emulated, measured ~30x slower than fp32 on an AVX2 EPYC"
+    )
 
 
 def resolve_precision(precision: str, device: str = "cpu") -> str:
@@ -175,6 +185,7 @@ def resolve_precision(precision: str, device: str = "cpu") -> str:
 # results are kept in one JSON file keyed by the machine (CPU, ISA, simulation, torch version, threads), so
 # a choice does not flip between runs on timing noise, and a slow machine pays for a probe once.
 
+
 def probe_cache_file() -> Path:
     root = os.environ.get("GRAPHTRAIN_PROBE_CACHE")
     if root:
@@ -185,8 +196,10 @@ def probe_cache_file() -> Path:
 
 def machine_key() -> str:
     c = cpu()
-    return (f"{c.name} | {c.isa}{' (simulated)' if c.simulated else ''} | torch {torch.__version__} | "
-            f"{torch.get_num_threads()} threads")
+    return (
+        f"{c.name} | {c.isa}{' (simulated)' if c.simulated else ''} | torch {torch.__version__} | "
+        f"{torch.get_num_threads()} threads"
+    )
 
 
 _probe_lock = threading.Lock()
@@ -233,9 +246,14 @@ def peek_probe(name: str, any_threads: bool = False) -> dict[str, Any] | None:
         hit = table.get(machine_key(), {}).get(name)
         return hit if isinstance(hit, dict) else None
     stem = machine_key().rsplit(" | ", 1)[0]
-    hits = [(int(k.rsplit(" | ", 1)[1].split()[0]), v[name]) for k, v in table.items()
-            if isinstance(v, dict) and k.rsplit(" | ", 1)[0] == stem and isinstance(v.get(name), dict)
-            and k.rsplit(" | ", 1)[1].split()[0].isdigit()]
+    hits = [
+        (int(k.rsplit(" | ", 1)[1].split()[0]), v[name])
+        for k, v in table.items()
+        if isinstance(v, dict)
+        and k.rsplit(" | ", 1)[0] == stem
+        and isinstance(v.get(name), dict)
+        and k.rsplit(" | ", 1)[1].split()[0].isdigit()
+    ]
     return max(hits, key=lambda h: h[0])[1] if hits else None
 
 

@@ -19,6 +19,7 @@ checked in order, so a rule may assume the ones before it (``q.dim() == 4`` befo
 Hand-written rather than borrowed: no library states one contract for both a Python dispatcher and a C++ extension
 (ATen writes its ``TORCH_CHECK``s and Python meta functions separately, Thunder its checkers in Python only).
 """
+
 from __future__ import annotations
 
 import re
@@ -27,7 +28,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-GT_INT32_MAX = 2 ** 31 - 1
+GT_INT32_MAX = 2**31 - 1
 """The largest size, stride or leading dimension a 32-bit BLAS integer (LP64 sgemm_) or a 32-bit offset holds."""
 
 

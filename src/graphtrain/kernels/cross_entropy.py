@@ -10,6 +10,7 @@ scatter and one in-place scale, backward); CUDA: Triton (one row per program, bl
 fp32 compute). Saved for backward: the logits and lse, where eager's _log_softmax + nll_loss saves a full
 [N, V] log-probability tensor.
 """
+
 from __future__ import annotations
 
 import torch
@@ -50,8 +51,9 @@ def cross_entropy_reference(logits: Tensor, target: Tensor, ignore_index: int, r
     return loss.to(logits.dtype), lse
 
 
-def cross_entropy_backward_reference(grad: Tensor, logits: Tensor, target: Tensor, lse: Tensor, ignore_index: int,
-                                     reduction: int) -> Tensor:
+def cross_entropy_backward_reference(
+    grad: Tensor, logits: Tensor, target: Tensor, lse: Tensor, ignore_index: int, reduction: int
+) -> Tensor:
     x = logits.to(_acc(logits))
     valid = target != ignore_index
     g = grad.to(x.dtype)
@@ -96,6 +98,7 @@ def _supports_cpu(logits: Tensor, *rest) -> bool:
 
 
 if HAS_TRITON:
+
     @triton.jit
     def _ce_fwd_kernel(X, T, LOSS, LSE, V, ignore_index, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
@@ -141,8 +144,16 @@ def ce_bwd_triton(row_grad, logits, target, lse, ignore_index):
     n, v = logits.shape
     x = logits.contiguous()
     dx = torch.empty_like(x)
-    _ce_bwd_kernel[(n,)](x, target.contiguous(), lse, row_grad.float().contiguous(), dx, v, ignore_index,
-                         BLOCK=min(4096, triton.next_power_of_2(v)))
+    _ce_bwd_kernel[(n,)](
+        x,
+        target.contiguous(),
+        lse,
+        row_grad.float().contiguous(),
+        dx,
+        v,
+        ignore_index,
+        BLOCK=min(4096, triton.next_power_of_2(v)),
+    )
     return dx
 
 
@@ -173,9 +184,14 @@ def _cross_entropy_op(logits: Tensor, target: Tensor, ignore_index: int, reducti
         loss, lse = cross_entropy_reference(logits, target, ignore_index, reduction)
         return loss.contiguous(), lse.contiguous()
 
-    return dispatch("cross_entropy", [("triton", _supports_triton(logits, target), triton_path),
-                                      ("cpu", _supports_cpu(logits),
-                                       lambda: _cpu_fwd(logits, target, ignore_index, reduction))], reference)
+    return dispatch(
+        "cross_entropy",
+        [
+            ("triton", _supports_triton(logits, target), triton_path),
+            ("cpu", _supports_cpu(logits), lambda: _cpu_fwd(logits, target, ignore_index, reduction)),
+        ],
+        reference,
+    )
 
 
 @_cross_entropy_op.register_fake
@@ -185,17 +201,21 @@ def _(logits, target, ignore_index, reduction):
 
 
 @torch.library.custom_op("graphtrain::cross_entropy_backward", mutates_args=())
-def _cross_entropy_backward_op(grad: Tensor, logits: Tensor, target: Tensor, lse: Tensor, ignore_index: int,
-                               reduction: int) -> Tensor:
+def _cross_entropy_backward_op(
+    grad: Tensor, logits: Tensor, target: Tensor, lse: Tensor, ignore_index: int, reduction: int
+) -> Tensor:
     def triton_path():
         rg = _row_grad(grad, target != ignore_index, reduction, logits.shape[0])
         return ce_bwd_triton(rg, logits, target, lse, ignore_index)
 
-    return dispatch("cross_entropy_backward", [("triton", _supports_triton(logits, target), triton_path),
-                                               ("cpu", _supports_cpu(logits),
-                                                lambda: _cpu_bwd(grad, logits, target, ignore_index, reduction))],
-                    lambda: cross_entropy_backward_reference(grad, logits, target, lse, ignore_index,
-                                                             reduction).contiguous())
+    return dispatch(
+        "cross_entropy_backward",
+        [
+            ("triton", _supports_triton(logits, target), triton_path),
+            ("cpu", _supports_cpu(logits), lambda: _cpu_bwd(grad, logits, target, ignore_index, reduction)),
+        ],
+        lambda: cross_entropy_backward_reference(grad, logits, target, lse, ignore_index, reduction).contiguous(),
+    )
 
 
 @_cross_entropy_backward_op.register_fake
@@ -224,19 +244,42 @@ def cross_entropy(logits: Tensor, target: Tensor, ignore_index: int = -100, redu
     if target.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"cross_entropy: target must be an integer class-index tensor, got {target.dtype}")
     if tuple(target.shape) != tuple(logits.shape[:-1]):
-        raise ValueError(f"cross_entropy: target shape {tuple(target.shape)} must equal logits' leading shape "
-                         f"{tuple(logits.shape[:-1])}")
-    loss = torch.ops.graphtrain.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1).long(),
-                                              int(ignore_index), REDUCTIONS[reduction])[0]
+        raise ValueError(
+            f"cross_entropy: target shape {tuple(target.shape)} must equal logits' leading shape "
+            f"{tuple(logits.shape[:-1])}"
+        )
+    loss = torch.ops.graphtrain.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), target.reshape(-1).long(), int(ignore_index), REDUCTIONS[reduction]
+    )[0]
     return loss.reshape(target.shape) if reduction == "none" else loss
 
 
-SPEC = register_kernel_spec(KernelSpec(
-    "cross_entropy", cross_entropy, cross_entropy_reference, {"cpu": "aten log_softmax / softmax row kernels", "cuda": "triton"},
-    {"cpu": _supports_cpu, "cuda": _supports_triton},
-    ops=(
-        OpDescriptor("cross_entropy", role=FORWARD, random=False, recompute=REDUCTION, precision=FP32,
-                     workspace_bytes=no_workspace, cpp=()),
-        OpDescriptor("cross_entropy_backward", role=BACKWARD, random=False, recompute=REDUCTION, precision=FOLLOW,
-                     workspace_bytes=no_workspace, cpp=()),
-    )))
+SPEC = register_kernel_spec(
+    KernelSpec(
+        "cross_entropy",
+        cross_entropy,
+        cross_entropy_reference,
+        {"cpu": "aten log_softmax / softmax row kernels", "cuda": "triton"},
+        {"cpu": _supports_cpu, "cuda": _supports_triton},
+        ops=(
+            OpDescriptor(
+                "cross_entropy",
+                role=FORWARD,
+                random=False,
+                recompute=REDUCTION,
+                precision=FP32,
+                workspace_bytes=no_workspace,
+                cpp=(),
+            ),
+            OpDescriptor(
+                "cross_entropy_backward",
+                role=BACKWARD,
+                random=False,
+                recompute=REDUCTION,
+                precision=FOLLOW,
+                workspace_bytes=no_workspace,
+                cpp=(),
+            ),
+        ),
+    )
+)

@@ -21,6 +21,7 @@ aten's ``a @ b`` (MKL) and oneDNN (graphtrain.kernels.gemm): on AMD CPUs MKL run
 half of what the cores do with AVX-512, and a peak taken from it alone would put graphtrain's fp32 MFU
 above 100%. Both rates are kept in the output (``fp32_aten``, ``fp32_onednn``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,8 +46,13 @@ matmul runs at ~1.4 GFLOP/s (emulated), so bf16 stops at 1024 there, where 4096^
 
 def step_flops(n_params: int, n_layer: int, seq: int, d_model: int, tokens: int) -> int:
     """Training FLOPs of one step (forward + backward), see the module docstring."""
-    for name, v in (("n_params", n_params), ("n_layer", n_layer), ("seq", seq), ("d_model", d_model),
-                    ("tokens", tokens)):
+    for name, v in (
+        ("n_params", n_params),
+        ("n_layer", n_layer),
+        ("seq", seq),
+        ("d_model", d_model),
+        ("tokens", tokens),
+    ):
         if v < 0:
             raise ValueError(f"{name} must be >= 0, got {v}")
     return (6 * n_params + 12 * n_layer * seq * d_model) * tokens
@@ -57,6 +63,7 @@ def matmul_params(model: Any) -> int:
     whose matrix no other module uses (an untied input embedding, as Llama's; a tied one is also the LM head's
     matmul and counts)."""
     import torch.nn as nn
+
     in_embedding: set[int] = set()
     elsewhere: set[int] = set()
     for module in model.modules():
@@ -102,8 +109,13 @@ def mfu(flops: float, seconds: float, peak_flops: float | None) -> float | None:
     return flops / seconds / peak_flops
 
 
-def measure_peak(sizes: tuple[int, ...] = DEFAULT_SIZES, repeats: int = 5, threads: int | None = None,
-                 device: str = "cpu", budget_s: float = DEFAULT_BUDGET_S) -> dict[str, Any]:
+def measure_peak(
+    sizes: tuple[int, ...] = DEFAULT_SIZES,
+    repeats: int = 5,
+    threads: int | None = None,
+    device: str = "cpu",
+    budget_s: float = DEFAULT_BUDGET_S,
+) -> dict[str, Any]:
     """Best achieved FLOP/s of an n x n x n matmul in fp32 and bf16 (the MFU denominators), each dtype and
     library within `budget_s` seconds: sizes are tried smallest first and a size is skipped once its
     predicted time (at the best rate so far) no longer fits. The result says which sizes ran."""
@@ -112,13 +124,19 @@ def measure_peak(sizes: tuple[int, ...] = DEFAULT_SIZES, repeats: int = 5, threa
     import torch
 
     torch.set_num_threads(threads or os.cpu_count() or 1)
-    out: dict[str, Any] = {"threads": torch.get_num_threads(), "repeats": repeats, "device": device,
-                           "budget_s": budget_s, "command": PEAK_COMMAND, "sizes_run": {}}
+    out: dict[str, Any] = {
+        "threads": torch.get_num_threads(),
+        "repeats": repeats,
+        "device": device,
+        "budget_s": budget_s,
+        "command": PEAK_COMMAND,
+        "sizes_run": {},
+    }
 
     def best_rate(label: str, dtype: torch.dtype, mm: Any) -> float:
         best, spent, ran = 0.0, 0.0, []
         for n in sorted(sizes):
-            flop = 2.0 * n ** 3
+            flop = 2.0 * n**3
             if best and flop / best * (repeats + 2) > budget_s - spent:
                 break  # the next size would not fit the budget
             g = torch.Generator(device="cpu").manual_seed(0)
@@ -184,12 +202,15 @@ def ensure_machine_peak(device: str = "cpu", log: Any = print) -> None:
 def _sync(device: str) -> None:
     if device.startswith("cuda"):
         import torch
+
         torch.cuda.synchronize()
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="Measure the fp32 and bf16 matmul peak (FLOP/s) as JSON. With no "
-                                "options the result is cached per machine; --refresh measures again.")
+    p = argparse.ArgumentParser(
+        description="Measure the fp32 and bf16 matmul peak (FLOP/s) as JSON. With no "
+        "options the result is cached per machine; --refresh measures again."
+    )
     p.add_argument("--sizes", type=int, nargs="+", default=None, help=f"square matmul sizes (default {DEFAULT_SIZES})")
     p.add_argument("--repeats", type=int, default=5, help="timed matmuls per size; the best one counts")
     p.add_argument("--budget", type=float, default=DEFAULT_BUDGET_S, help="seconds per dtype and library")

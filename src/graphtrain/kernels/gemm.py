@@ -26,6 +26,7 @@ AVX-NE-CONVERT: an AVX2-only EPYC raises) or does not win use aten as well: `one
 the capability and makes a trial call before the probe times anything, and a oneDNN call that still
 fails at run time falls back to aten (`_common.guarded`).
 """
+
 from __future__ import annotations
 
 import functools
@@ -111,8 +112,9 @@ def _takes(a: Tensor, b: Tensor, bias: Tensor | None) -> bool:
     return min(a.shape[0], a.shape[1], b.shape[1]) > 0 and _contract_ok(a, b) and onednn_available()
 
 
-def gemm_onednn(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor | None = None,
-                accumulate: bool = False) -> Tensor:
+def gemm_onednn(
+    a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor | None = None, accumulate: bool = False
+) -> Tensor:
     """out = a @ b (+ bias) (+ out if `accumulate`) through oneDNN's fp32 GEMM; a, b 2-D (or 3-D, batched).
     `out` (contiguous) is allocated when not given. The caller checked the inputs (fp32 CPU) and
     `onednn_available()`; callers that can fall back go through `matmul` / `mm_into` instead."""
@@ -134,15 +136,25 @@ def gemm_onednn(a: Tensor, b: Tensor, bias: Tensor | None = None, out: Tensor | 
 def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None) -> Tensor:
     """a @ b (+ bias) for 2-D or batched 3-D operands, through oneDNN where `onednn_gemm_wins()` (fp32 CPU),
     else torch.matmul: graphtrain's own CPU kernels (attention, chunked linear cross-entropy) call this."""
-    if (a.dim() == b.dim() and a.dim() in (2, 3) and a.shape[:-2] == b.shape[:-2] and a.shape[-1] == b.shape[-2]
-            and a.numel() > 0 and b.numel() > 0 and _fp32_cpu(a, b, bias) and _contract_ok(a, b)
-            and onednn_available() and onednn_gemm_wins()):
+    if (
+        a.dim() == b.dim()
+        and a.dim() in (2, 3)
+        and a.shape[:-2] == b.shape[:-2]
+        and a.shape[-1] == b.shape[-2]
+        and a.numel() > 0
+        and b.numel() > 0
+        and _fp32_cpu(a, b, bias)
+        and _contract_ok(a, b)
+        and onednn_available()
+        and onednn_gemm_wins()
+    ):
         return guarded("gemm", "onednn", lambda: gemm_onednn(a, b, bias), lambda: gemm_reference(a, b, bias))
     return gemm_reference(a, b, bias)
 
 
 def mm_into(a: Tensor, b: Tensor, out: Tensor, accumulate: bool) -> None:
     """out (+)= a @ b: oneDNN straight into `out` for fp32 CPU where it wins, else aten."""
+
     def aten() -> None:
         same = out.dtype == a.dtype == b.dtype and out.is_contiguous()
         if accumulate and same:
@@ -154,8 +166,14 @@ def mm_into(a: Tensor, b: Tensor, out: Tensor, accumulate: bool) -> None:
         else:
             out.copy_(a @ b)
 
-    if (out.is_contiguous() and out.dtype == a.dtype and _fp32_cpu(a, b) and _contract_ok(a, b, out)
-            and onednn_available() and onednn_gemm_wins()):
+    if (
+        out.is_contiguous()
+        and out.dtype == a.dtype
+        and _fp32_cpu(a, b)
+        and _contract_ok(a, b, out)
+        and onednn_available()
+        and onednn_gemm_wins()
+    ):
         # beta = 1 reads `out`; a oneDNN failure raises before it writes (primitive creation), so the retry
         # through aten sees the same `out`
         guarded("gemm", "onednn", lambda: gemm_onednn(a, b, out=out, accumulate=accumulate), aten)
@@ -198,11 +216,17 @@ def _backward(ctx, grad):
     a, b = ctx.saved_tensors
     ga = gb = None
     if ctx.needs_input_grad[0]:
-        ga = (torch.ops.graphtrain.gemm(b, grad.t(), None).t() if _column_major(a)
-              else torch.ops.graphtrain.gemm(grad, b.t(), None))
+        ga = (
+            torch.ops.graphtrain.gemm(b, grad.t(), None).t()
+            if _column_major(a)
+            else torch.ops.graphtrain.gemm(grad, b.t(), None)
+        )
     if ctx.needs_input_grad[1]:
-        gb = (torch.ops.graphtrain.gemm(grad.t(), a, None).t() if _column_major(b)
-              else torch.ops.graphtrain.gemm(a.t(), grad, None))
+        gb = (
+            torch.ops.graphtrain.gemm(grad.t(), a, None).t()
+            if _column_major(b)
+            else torch.ops.graphtrain.gemm(a.t(), grad, None)
+        )
     gbias = None
     if ctx.bias_shape is not None and ctx.needs_input_grad[2]:
         gbias = grad.sum_to_size(ctx.bias_shape) if len(ctx.bias_shape) else grad.sum()
@@ -219,8 +243,9 @@ def gemm(a: Tensor, b: Tensor, bias: Tensor | None = None) -> Tensor:
     if a.shape[1] != b.shape[0]:
         raise ValueError(f"gemm: inner dimensions differ: a is {tuple(a.shape)}, b is {tuple(b.shape)}")
     if a.dtype != b.dtype or (bias is not None and bias.dtype != a.dtype):
-        raise TypeError(f"gemm: dtypes must match, got a {a.dtype}, b {b.dtype}"
-                        + ("" if bias is None else f", bias {bias.dtype}"))
+        raise TypeError(
+            f"gemm: dtypes must match, got a {a.dtype}, b {b.dtype}" + ("" if bias is None else f", bias {bias.dtype}")
+        )
     return torch.ops.graphtrain.gemm(a, b, bias)
 
 
@@ -277,8 +302,11 @@ def gemm_probe() -> dict:
     key = capability.machine_key()
     if key not in _PROBES:
         ok, why = onednn_fp32()
-        _PROBES[key] = (capability.cached_probe("gemm_onednn_vs_aten", _measure) if ok else
-                        {"aten": None, "onednn": None, "shapes": [], "skipped": why, "cached": False})
+        _PROBES[key] = (
+            capability.cached_probe("gemm_onednn_vs_aten", _measure)
+            if ok
+            else {"aten": None, "onednn": None, "shapes": [], "skipped": why, "cached": False}
+        )
     return _PROBES[key]
 
 
@@ -363,15 +391,27 @@ def _forget() -> None:
     _PROBES.clear()
 
 
-SPEC = register_kernel_spec(KernelSpec(
-    "gemm", gemm, gemm_reference,
-    {"cpu": "oneDNN fp32 GEMM (at::native::mkldnn_matmul)", "cuda": "aten (cuBLAS)"},
-    {"cpu": lambda a, b, bias=None: _takes(a, b, bias)},
-    ops=(
-        # Its backward is graphtrain::gemm again. recompute=never keeps what the partitioner did before the
-        # registry (gemm was not among recompute's deterministic ops, so it was always saved); compute-bound, like
-        # aten.mm, would let recompute=full re-run it inside checkpointed layers. precision=follow: the pass that
-        # inserts it (lower_gemm_onednn) runs after mixed precision, on fp32 matmuls only.
-        OpDescriptor("gemm", role=FORWARD, random=False, recompute=NEVER, precision=FOLLOW,
-                     workspace_bytes=no_workspace, cpp=("onednn_matmul",)),
-    )))
+SPEC = register_kernel_spec(
+    KernelSpec(
+        "gemm",
+        gemm,
+        gemm_reference,
+        {"cpu": "oneDNN fp32 GEMM (at::native::mkldnn_matmul)", "cuda": "aten (cuBLAS)"},
+        {"cpu": lambda a, b, bias=None: _takes(a, b, bias)},
+        ops=(
+            # Its backward is graphtrain::gemm again. recompute=never keeps what the partitioner did before the
+            # registry (gemm was not among recompute's deterministic ops, so it was always saved); compute-bound, like
+            # aten.mm, would let recompute=full re-run it inside checkpointed layers. precision=follow: the pass that
+            # inserts it (lower_gemm_onednn) runs after mixed precision, on fp32 matmuls only.
+            OpDescriptor(
+                "gemm",
+                role=FORWARD,
+                random=False,
+                recompute=NEVER,
+                precision=FOLLOW,
+                workspace_bytes=no_workspace,
+                cpp=("onednn_matmul",),
+            ),
+        ),
+    )
+)

@@ -7,6 +7,7 @@ on CPU is recognizing hand-written LayerNorms (5-8 ops and as many saved tensors
 CUDA: Triton kernels (one row per program, fp32 compute). Outputs (y, mean, rstd); mean and rstd
 are fp32 [rows], saved for backward.
 """
+
 from __future__ import annotations
 
 import math
@@ -56,11 +57,10 @@ def layer_norm_backward_reference(dy, x, weight, mean, rstd):
     return dx.reshape(x.shape).to(x.dtype), dw, dyf.sum(0)
 
 
-
 if HAS_TRITON:
+
     @triton.jit
-    def _ln_fwd_kernel(X, W, B, Y, MEAN, RSTD, N, eps, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-                       BLOCK: tl.constexpr):
+    def _ln_fwd_kernel(X, W, B, Y, MEAN, RSTD, N, eps, HAS_W: tl.constexpr, HAS_B: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         m = cols < N
@@ -112,9 +112,19 @@ def _ln_fwd_triton(x, weight, bias, eps):
     y = torch.empty_like(x2)
     mean = torch.empty(rows, dtype=torch.float32, device=x.device)
     rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
-    _ln_fwd_kernel[(rows,)](x2, weight if weight is not None else x2, bias if bias is not None else x2, y, mean, rstd,
-                            n, eps, HAS_W=weight is not None, HAS_B=bias is not None,
-                            BLOCK=triton.next_power_of_2(n))
+    _ln_fwd_kernel[(rows,)](
+        x2,
+        weight if weight is not None else x2,
+        bias if bias is not None else x2,
+        y,
+        mean,
+        rstd,
+        n,
+        eps,
+        HAS_W=weight is not None,
+        HAS_B=bias is not None,
+        BLOCK=triton.next_power_of_2(n),
+    )
     return y.reshape(x.shape), mean, rstd
 
 
@@ -128,8 +138,21 @@ def _ln_bwd_triton(dy, x, weight, mean, rstd):
     dx = torch.empty_like(x2)
     dw = torch.empty(progs, n, dtype=torch.float32, device=x.device)
     db = torch.empty(progs, n, dtype=torch.float32, device=x.device)
-    _ln_bwd_kernel[(progs,)](dy2, x2, weight if weight is not None else x2, mean, rstd, dx, dw, db, rows, n, rows_per,
-                             HAS_W=weight is not None, BLOCK=triton.next_power_of_2(n))
+    _ln_bwd_kernel[(progs,)](
+        dy2,
+        x2,
+        weight if weight is not None else x2,
+        mean,
+        rstd,
+        dx,
+        dw,
+        db,
+        rows,
+        n,
+        rows_per,
+        HAS_W=weight is not None,
+        BLOCK=triton.next_power_of_2(n),
+    )
     return dx.reshape(x.shape), (dw.sum(0).to(weight.dtype) if weight is not None else None), db.sum(0)
 
 
@@ -151,8 +174,14 @@ def _layer_norm_op(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: f
         y, mean, rstd = layer_norm_reference(x, weight, bias, eps)
         return y.contiguous(), mean.contiguous(), rstd.contiguous()
 
-    return dispatch("layer_norm", [("triton", _supports_triton(x, weight, bias), lambda: _ln_fwd_triton(x, weight, bias, eps)),
-                                   ("cpu", _supports_cpu(x), cpu)], reference)
+    return dispatch(
+        "layer_norm",
+        [
+            ("triton", _supports_triton(x, weight, bias), lambda: _ln_fwd_triton(x, weight, bias, eps)),
+            ("cpu", _supports_cpu(x), cpu),
+        ],
+        reference,
+    )
 
 
 @_layer_norm_op.register_fake
@@ -162,18 +191,30 @@ def _(x, weight, bias, eps):
 
 
 @torch.library.custom_op("graphtrain::layer_norm_backward", mutates_args=())
-def _layer_norm_backward_op(dy: Tensor, x: Tensor, weight: Tensor | None, bias: Tensor | None, mean: Tensor,
-                            rstd: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def _layer_norm_backward_op(
+    dy: Tensor, x: Tensor, weight: Tensor | None, bias: Tensor | None, mean: Tensor, rstd: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
     def cpu():
         shape = list(x.shape[:-1]) + [1]
         return torch.ops.aten.native_layer_norm_backward(
-            dy.contiguous(), x, [x.shape[-1]], mean.reshape(shape), rstd.reshape(shape), weight, bias,
-            [True, weight is not None, bias is not None])
+            dy.contiguous(),
+            x,
+            [x.shape[-1]],
+            mean.reshape(shape),
+            rstd.reshape(shape),
+            weight,
+            bias,
+            [True, weight is not None, bias is not None],
+        )
 
-    dx, dw, db = dispatch("layer_norm_backward", [
-        ("triton", _supports_triton(x, weight, bias), lambda: _ln_bwd_triton(dy, x, weight, mean, rstd)),
-        ("cpu", _supports_cpu(x), cpu),
-    ], lambda: layer_norm_backward_reference(dy, x, weight, mean, rstd))
+    dx, dw, db = dispatch(
+        "layer_norm_backward",
+        [
+            ("triton", _supports_triton(x, weight, bias), lambda: _ln_bwd_triton(dy, x, weight, mean, rstd)),
+            ("cpu", _supports_cpu(x), cpu),
+        ],
+        lambda: layer_norm_backward_reference(dy, x, weight, mean, rstd),
+    )
     n = x.shape[-1]
     dw = dw if dw is not None else x.new_zeros(n)
     db = db.to(bias.dtype) if (bias is not None and db is not None) else x.new_zeros(n)
@@ -184,8 +225,11 @@ def _layer_norm_backward_op(dy: Tensor, x: Tensor, weight: Tensor | None, bias: 
 @_layer_norm_backward_op.register_fake
 def _(dy, x, weight, bias, mean, rstd):
     n = x.shape[-1]
-    return (dense_empty(x), dense_empty(x, (n,), weight.dtype if weight is not None else None),
-            dense_empty(x, (n,), bias.dtype if bias is not None else None))
+    return (
+        dense_empty(x),
+        dense_empty(x, (n,), weight.dtype if weight is not None else None),
+        dense_empty(x, (n,), bias.dtype if bias is not None else None),
+    )
 
 
 def _setup(ctx, inputs, output):
@@ -213,13 +257,32 @@ def layer_norm(x: Tensor, weight: Tensor | None = None, bias: Tensor | None = No
     return torch.ops.graphtrain.layer_norm(x, weight, bias, float(eps))[0]
 
 
-SPEC = register_kernel_spec(KernelSpec(
-    "layer_norm", layer_norm, layer_norm_reference,
-    {"cpu": "aten.native_layer_norm", "cuda": "triton"},
-    {"cpu": _supports_cpu, "cuda": _supports_triton},
-    ops=(
-        OpDescriptor("layer_norm", role=FORWARD, random=False, recompute=CHEAP, precision=FP32,
-                     workspace_bytes=no_workspace, cpp=()),
-        OpDescriptor("layer_norm_backward", role=BACKWARD, random=False, recompute=CHEAP, precision=FOLLOW,
-                     workspace_bytes=no_workspace, cpp=()),
-    )))
+SPEC = register_kernel_spec(
+    KernelSpec(
+        "layer_norm",
+        layer_norm,
+        layer_norm_reference,
+        {"cpu": "aten.native_layer_norm", "cuda": "triton"},
+        {"cpu": _supports_cpu, "cuda": _supports_triton},
+        ops=(
+            OpDescriptor(
+                "layer_norm",
+                role=FORWARD,
+                random=False,
+                recompute=CHEAP,
+                precision=FP32,
+                workspace_bytes=no_workspace,
+                cpp=(),
+            ),
+            OpDescriptor(
+                "layer_norm_backward",
+                role=BACKWARD,
+                random=False,
+                recompute=CHEAP,
+                precision=FOLLOW,
+                workspace_bytes=no_workspace,
+                cpp=(),
+            ),
+        ),
+    )
+)

@@ -19,6 +19,7 @@ cross-entropy and its gradient in one C++ call on CPU (_cpu_ext.ce_fwd_bwd_inpla
 logits overwritten by their gradient), the plain-PyTorch reference math without the C++ module, and
 Triton row kernels on CUDA.
 """
+
 from __future__ import annotations
 
 import torch
@@ -52,12 +53,14 @@ def _loss_dtype(hidden: Tensor) -> torch.dtype:
     return torch.float32 if hidden.dtype in (torch.bfloat16, torch.float16) else hidden.dtype
 
 
-def linear_cross_entropy_reference(hidden: Tensor, weight: Tensor, target: Tensor, ignore_index: int,
-                                   reduction: int, bias: Tensor | None = None) -> Tensor:
+def linear_cross_entropy_reference(
+    hidden: Tensor, weight: Tensor, target: Tensor, ignore_index: int, reduction: int, bias: Tensor | None = None
+) -> Tensor:
     logits = hidden @ weight.t()
     logits = (logits if bias is None else logits + bias).to(_acc(hidden))
-    return torch.nn.functional.cross_entropy(logits, target, ignore_index=ignore_index,
-                                             reduction={1: "mean", 2: "sum"}[reduction]).to(_loss_dtype(hidden))
+    return torch.nn.functional.cross_entropy(
+        logits, target, ignore_index=ignore_index, reduction={1: "mean", 2: "sum"}[reduction]
+    ).to(_loss_dtype(hidden))
 
 
 def _default_chunk(hidden: Tensor, weight: Tensor) -> int:
@@ -78,16 +81,27 @@ def _chunked(hidden, weight, target, ignore_index, reduction, chunk, bias=None, 
     them."""
     use_triton = _supports_triton(hidden, target)
     # the C++ kernel's contract for each chunk's logits, targets and losses, as the loop makes them
-    rows, targets, losses = (Layout.contiguous((chunk, weight.shape[0]), hidden.dtype),
-                             Layout.contiguous((chunk,), torch.int64), Layout.contiguous((chunk,), torch.float32))
-    use_cpp = (not use_triton and hidden.device.type == "cpu" and hidden.dtype in _CPP_DTYPES
-               and CE_INPLACE.holds(rows, targets, losses) and _cpu_ext.load() is not None)
+    rows, targets, losses = (
+        Layout.contiguous((chunk, weight.shape[0]), hidden.dtype),
+        Layout.contiguous((chunk,), torch.int64),
+        Layout.contiguous((chunk,), torch.float32),
+    )
+    use_cpp = (
+        not use_triton
+        and hidden.device.type == "cpu"
+        and hidden.dtype in _CPP_DTYPES
+        and CE_INPLACE.holds(rows, targets, losses)
+        and _cpu_ext.load() is not None
+    )
 
     def run(impl):
-        return lambda: _chunk_loop(hidden, weight, target, ignore_index, reduction, chunk, bias, impl, skip_ignored,
-                                   logits)
-    return dispatch("linear_cross_entropy", [("triton", use_triton, run("triton")), ("c++", use_cpp, run("c++"))],
-                    run("torch"))
+        return lambda: _chunk_loop(
+            hidden, weight, target, ignore_index, reduction, chunk, bias, impl, skip_ignored, logits
+        )
+
+    return dispatch(
+        "linear_cross_entropy", [("triton", use_triton, run("triton")), ("c++", use_cpp, run("c++"))], run("torch")
+    )
 
 
 def _chunk_loop(hidden, weight, target, ignore_index, reduction, chunk, bias, impl, skip_ignored, all_logits=None):
@@ -119,18 +133,17 @@ def _chunk_loop(hidden, weight, target, ignore_index, reduction, chunk, bias, im
     reuse = all_logits is not None or (bias is None and hidden.device.type == "cpu")
     buf: Tensor | None = None
     # the C++ pass reads each chunk's rows from all_logits itself, into the buffer
-    cpp_rows = (all_logits is not None and use_cpp and all_logits.is_contiguous()
-                and all_logits.dtype == hidden.dtype)
+    cpp_rows = all_logits is not None and use_cpp and all_logits.is_contiguous() and all_logits.dtype == hidden.dtype
     for s in range(0, hidden.shape[0], chunk):
-        h, t = hidden[s:s + chunk], target[s:s + chunk]
+        h, t = hidden[s : s + chunk], target[s : s + chunk]
         if reuse and buf is None:
             dtype = all_logits.dtype if all_logits is not None else hidden.dtype
             buf = torch.empty((h.shape[0], weight.shape[0]), dtype=dtype, device=hidden.device)
-        rows_buf = buf[:h.shape[0]] if buf is not None else None
+        rows_buf = buf[: h.shape[0]] if buf is not None else None
         if cpp_rows and rows_buf is not None:
             logits = rows_buf  # filled by the C++ pass below
         elif all_logits is not None and rows_buf is not None:
-            logits = torch.index_select(all_logits, 0, picked[s:s + chunk], out=rows_buf)
+            logits = torch.index_select(all_logits, 0, picked[s : s + chunk], out=rows_buf)
         elif rows_buf is not None:
             logits = rows_buf
             mm_into(h, weight.t(), logits, accumulate=False)
@@ -144,8 +157,9 @@ def _chunk_loop(hidden, weight, target, ignore_index, reduction, chunk, bias, im
             losses = torch.empty(h.shape[0], dtype=torch.float32)
             scale = 1.0 / float(denom) if float(denom) else float("nan")  # no labelled row: NaN loss, as eager
             if cpp_rows:  # from the returned logits' rows straight into the buffer: no copy of them first
-                _cpu_ext.load().ce_fwd_bwd_rows(logits, all_logits, picked[s:s + chunk].contiguous(), t.contiguous(),
-                                                ignore_index, scale, losses)
+                _cpu_ext.load().ce_fwd_bwd_rows(
+                    logits, all_logits, picked[s : s + chunk].contiguous(), t.contiguous(), ignore_index, scale, losses
+                )
             else:
                 logits = logits.contiguous()
                 _cpu_ext.load().ce_fwd_bwd_inplace(logits, t.contiguous(), ignore_index, scale, losses)
@@ -160,7 +174,7 @@ def _chunk_loop(hidden, weight, target, ignore_index, reduction, chunk, bias, im
             x.scatter_add_(1, tt, -torch.ones_like(lse[:, None]))
             dlogits = x.mul_((torch.where(v, 1.0, 0.0) / denom)[:, None]).to(hidden.dtype)
         total += losses.sum()
-        mm_into(dlogits, weight, dh[s:s + chunk], accumulate=False)
+        mm_into(dlogits, weight, dh[s : s + chunk], accumulate=False)
         if dw is None:  # single: the one chunk's product is d weight
             dw = matmul(dlogits.t(), h)
         else:
@@ -176,8 +190,15 @@ def _chunk_loop(hidden, weight, target, ignore_index, reduction, chunk, bias, im
 
 
 @torch.library.custom_op("graphtrain::linear_cross_entropy", mutates_args=())
-def _linear_cross_entropy_op(hidden: Tensor, weight: Tensor, target: Tensor, ignore_index: int, reduction: int,
-                             chunk_rows: int, skip_ignored: bool = True) -> tuple[Tensor, Tensor, Tensor]:
+def _linear_cross_entropy_op(
+    hidden: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    ignore_index: int,
+    reduction: int,
+    chunk_rows: int,
+    skip_ignored: bool = True,
+) -> tuple[Tensor, Tensor, Tensor]:
     chunk = chunk_rows if chunk_rows > 0 else _default_chunk(hidden, weight)
     return _chunked(hidden, weight, target, ignore_index, reduction, chunk, skip_ignored=skip_ignored)
 
@@ -200,9 +221,16 @@ _linear_cross_entropy_op.register_autograd(_backward, setup_context=_setup)
 
 
 @torch.library.custom_op("graphtrain::linear_bias_cross_entropy", mutates_args=())
-def _linear_bias_cross_entropy_op(hidden: Tensor, weight: Tensor, bias: Tensor, target: Tensor, ignore_index: int,
-                                  reduction: int, chunk_rows: int,
-                                  skip_ignored: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _linear_bias_cross_entropy_op(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor,
+    target: Tensor,
+    ignore_index: int,
+    reduction: int,
+    chunk_rows: int,
+    skip_ignored: bool = True,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """cross_entropy(hidden @ weight^T + bias, target), chunked: BERT's MLM decoder (a tied matrix plus its own
     bias). Outputs (loss, d hidden, d weight, d bias) for a unit upstream gradient, like the op above."""
     chunk = chunk_rows if chunk_rows > 0 else _default_chunk(hidden, weight)
@@ -211,8 +239,12 @@ def _linear_bias_cross_entropy_op(hidden: Tensor, weight: Tensor, bias: Tensor, 
 
 @_linear_bias_cross_entropy_op.register_fake
 def _(hidden, weight, bias, target, ignore_index, reduction, chunk_rows, skip_ignored=True):
-    return (hidden.new_empty((), dtype=_loss_dtype(hidden)), dense_empty(hidden), dense_empty(weight),
-            dense_empty(bias))
+    return (
+        hidden.new_empty((), dtype=_loss_dtype(hidden)),
+        dense_empty(hidden),
+        dense_empty(weight),
+        dense_empty(bias),
+    )
 
 
 def _setup_bias(ctx, inputs, output):
@@ -233,6 +265,7 @@ _linear_bias_cross_entropy_op.register_autograd(_backward_bias, setup_context=_s
 # logits, their softmax cross-entropy gradient and (sparse rows aside) two GEMMs over it. With skip_ignored the
 # gradient GEMMs run on the labelled rows only (a masked-LM head: ~15% of them). Fused by fuse_linear_cross_entropy.
 
+
 def _with_logits(hidden, weight, target, ignore_index, reduction, chunk_rows, skip_ignored, bias=None):
     logits = matmul(hidden, weight.t(), bias).contiguous()
     chunk = chunk_rows if chunk_rows > 0 else _default_chunk(hidden, weight)
@@ -240,16 +273,27 @@ def _with_logits(hidden, weight, target, ignore_index, reduction, chunk_rows, sk
 
 
 @torch.library.custom_op("graphtrain::linear_cross_entropy_logits", mutates_args=())
-def _linear_cross_entropy_logits_op(hidden: Tensor, weight: Tensor, target: Tensor, ignore_index: int, reduction: int,
-                                    chunk_rows: int, skip_ignored: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _linear_cross_entropy_logits_op(
+    hidden: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    ignore_index: int,
+    reduction: int,
+    chunk_rows: int,
+    skip_ignored: bool = True,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(loss, d hidden, d weight for a unit upstream gradient, the logits hidden @ weight^T)."""
     return _with_logits(hidden, weight, target, ignore_index, reduction, chunk_rows, skip_ignored)
 
 
 @_linear_cross_entropy_logits_op.register_fake
 def _(hidden, weight, target, ignore_index, reduction, chunk_rows, skip_ignored=True):
-    return (hidden.new_empty((), dtype=_loss_dtype(hidden)), dense_empty(hidden), dense_empty(weight),
-            dense_empty(hidden, (hidden.shape[0], weight.shape[0])))
+    return (
+        hidden.new_empty((), dtype=_loss_dtype(hidden)),
+        dense_empty(hidden),
+        dense_empty(weight),
+        dense_empty(hidden, (hidden.shape[0], weight.shape[0])),
+    )
 
 
 def _setup_logits(ctx, inputs, output):
@@ -265,17 +309,29 @@ _linear_cross_entropy_logits_op.register_autograd(_backward_logits, setup_contex
 
 
 @torch.library.custom_op("graphtrain::linear_bias_cross_entropy_logits", mutates_args=())
-def _linear_bias_cross_entropy_logits_op(hidden: Tensor, weight: Tensor, bias: Tensor, target: Tensor,
-                                         ignore_index: int, reduction: int, chunk_rows: int, skip_ignored: bool = True
-                                         ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+def _linear_bias_cross_entropy_logits_op(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor,
+    target: Tensor,
+    ignore_index: int,
+    reduction: int,
+    chunk_rows: int,
+    skip_ignored: bool = True,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(loss, d hidden, d weight, d bias for a unit upstream gradient, the logits hidden @ weight^T + bias)."""
     return _with_logits(hidden, weight, target, ignore_index, reduction, chunk_rows, skip_ignored, bias)
 
 
 @_linear_bias_cross_entropy_logits_op.register_fake
 def _(hidden, weight, bias, target, ignore_index, reduction, chunk_rows, skip_ignored=True):
-    return (hidden.new_empty((), dtype=_loss_dtype(hidden)), dense_empty(hidden), dense_empty(weight),
-            dense_empty(bias), dense_empty(hidden, (hidden.shape[0], weight.shape[0])))
+    return (
+        hidden.new_empty((), dtype=_loss_dtype(hidden)),
+        dense_empty(hidden),
+        dense_empty(weight),
+        dense_empty(bias),
+        dense_empty(hidden, (hidden.shape[0], weight.shape[0])),
+    )
 
 
 def _setup_bias_logits(ctx, inputs, output):
@@ -290,8 +346,15 @@ def _backward_bias_logits(ctx, grad, _ddh, _ddw, _ddb, _dlogits):
 _linear_bias_cross_entropy_logits_op.register_autograd(_backward_bias_logits, setup_context=_setup_bias_logits)
 
 
-def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, ignore_index: int = -100,
-                         reduction: str = "mean", chunk_rows: int = 0, bias: Tensor | None = None) -> Tensor:
+def linear_cross_entropy(
+    hidden: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    chunk_rows: int = 0,
+    bias: Tensor | None = None,
+) -> Tensor:
     """cross_entropy(hidden @ weight.T (+ bias), target) without materializing the logits; hidden [..., H],
     weight [V, H], bias [V] or None."""
     if reduction not in ("mean", "sum"):
@@ -299,16 +362,20 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, ignore_
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
         raise ValueError(f"linear_cross_entropy: weight must be [vocab, {hidden.shape[-1]}], got {tuple(weight.shape)}")
     if tuple(target.shape) != tuple(hidden.shape[:-1]):
-        raise ValueError(f"linear_cross_entropy: target shape {tuple(target.shape)} must equal hidden's leading shape "
-                         f"{tuple(hidden.shape[:-1])}")
+        raise ValueError(
+            f"linear_cross_entropy: target shape {tuple(target.shape)} must equal hidden's leading shape "
+            f"{tuple(hidden.shape[:-1])}"
+        )
     h2, t1 = hidden.reshape(-1, hidden.shape[-1]), target.reshape(-1).long()
     if bias is not None:
         if tuple(bias.shape) != tuple(weight.shape[:1]):
             raise ValueError(f"linear_cross_entropy: bias must be [{weight.shape[0]}], got {tuple(bias.shape)}")
-        return torch.ops.graphtrain.linear_bias_cross_entropy(h2, weight, bias, t1, int(ignore_index),
-                                                              REDUCTIONS[reduction], int(chunk_rows))[0]
-    return torch.ops.graphtrain.linear_cross_entropy(h2, weight, t1, int(ignore_index), REDUCTIONS[reduction],
-                                                     int(chunk_rows))[0]
+        return torch.ops.graphtrain.linear_bias_cross_entropy(
+            h2, weight, bias, t1, int(ignore_index), REDUCTIONS[reduction], int(chunk_rows)
+        )[0]
+    return torch.ops.graphtrain.linear_cross_entropy(
+        h2, weight, t1, int(ignore_index), REDUCTIONS[reduction], int(chunk_rows)
+    )[0]
 
 
 def _workspace(n: torch.fx.Node, bias: bool) -> int:
@@ -345,23 +412,54 @@ def _workspace_logits(n: torch.fx.Node, bias: bool) -> int:
     return (1 + (input_value(n, 0).device.type != "cpu")) * _chunk_bytes(n, bias)[0]
 
 
-SPEC = register_kernel_spec(KernelSpec(
-    "linear_cross_entropy", linear_cross_entropy, linear_cross_entropy_reference,
-    {"cpu": "chunked torch (reference CE math)", "cuda": "chunked matmul + triton CE"},
-    {"cuda": _supports_triton},
-    ops=(
-        # Each computes its gradients in the forward: the backward only scales them (no backward op).
-        # precision=low: the LM head's matmuls in the low precision, the softmax cross-entropy and loss in fp32 inside.
-        OpDescriptor("linear_cross_entropy", role=FORWARD, random=False, recompute=COMPUTE_BOUND, precision=LOW,
-                     workspace_bytes=lambda n: _workspace(n, bias=False), cpp=("ce_fwd_bwd_inplace", "onednn_matmul")),
-        OpDescriptor("linear_bias_cross_entropy", role=FORWARD, random=False, recompute=COMPUTE_BOUND, precision=LOW,
-                     workspace_bytes=lambda n: _workspace(n, bias=True), cpp=("ce_fwd_bwd_inplace", "onednn_matmul")),
-        # The logits are an output; a chunk of their rows' gradient at a time is the scratch (C++: read from the
-        # logits straight into it, ce_fwd_bwd_rows; otherwise the rows are copied there first).
-        OpDescriptor("linear_cross_entropy_logits", role=FORWARD, random=False, recompute=COMPUTE_BOUND,
-                     precision=LOW, workspace_bytes=lambda n: _workspace_logits(n, bias=False),
-                     cpp=("ce_fwd_bwd_rows", "ce_fwd_bwd_inplace", "onednn_matmul")),
-        OpDescriptor("linear_bias_cross_entropy_logits", role=FORWARD, random=False, recompute=COMPUTE_BOUND,
-                     precision=LOW, workspace_bytes=lambda n: _workspace_logits(n, bias=True),
-                     cpp=("ce_fwd_bwd_rows", "ce_fwd_bwd_inplace", "onednn_matmul")),
-    )))
+SPEC = register_kernel_spec(
+    KernelSpec(
+        "linear_cross_entropy",
+        linear_cross_entropy,
+        linear_cross_entropy_reference,
+        {"cpu": "chunked torch (reference CE math)", "cuda": "chunked matmul + triton CE"},
+        {"cuda": _supports_triton},
+        ops=(
+            # Each computes its gradients in the forward: the backward only scales them (no backward op).
+            # precision=low: the LM head's matmuls in the low precision, the softmax cross-entropy and loss in fp32 inside.
+            OpDescriptor(
+                "linear_cross_entropy",
+                role=FORWARD,
+                random=False,
+                recompute=COMPUTE_BOUND,
+                precision=LOW,
+                workspace_bytes=lambda n: _workspace(n, bias=False),
+                cpp=("ce_fwd_bwd_inplace", "onednn_matmul"),
+            ),
+            OpDescriptor(
+                "linear_bias_cross_entropy",
+                role=FORWARD,
+                random=False,
+                recompute=COMPUTE_BOUND,
+                precision=LOW,
+                workspace_bytes=lambda n: _workspace(n, bias=True),
+                cpp=("ce_fwd_bwd_inplace", "onednn_matmul"),
+            ),
+            # The logits are an output; a chunk of their rows' gradient at a time is the scratch (C++: read from the
+            # logits straight into it, ce_fwd_bwd_rows; otherwise the rows are copied there first).
+            OpDescriptor(
+                "linear_cross_entropy_logits",
+                role=FORWARD,
+                random=False,
+                recompute=COMPUTE_BOUND,
+                precision=LOW,
+                workspace_bytes=lambda n: _workspace_logits(n, bias=False),
+                cpp=("ce_fwd_bwd_rows", "ce_fwd_bwd_inplace", "onednn_matmul"),
+            ),
+            OpDescriptor(
+                "linear_bias_cross_entropy_logits",
+                role=FORWARD,
+                random=False,
+                recompute=COMPUTE_BOUND,
+                precision=LOW,
+                workspace_bytes=lambda n: _workspace_logits(n, bias=True),
+                cpp=("ce_fwd_bwd_rows", "ce_fwd_bwd_inplace", "onednn_matmul"),
+            ),
+        ),
+    )
+)

@@ -9,6 +9,7 @@ tests/test_op_registry.py fails for a graphtrain op the dispatcher knows that ha
 
 Ops that belong to no kernel (the tensor-parallel collectives) register their descriptors with `register_ops`.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -21,23 +22,23 @@ import torch.fx as fx
 # --- the descriptor's vocabularies -------------------------------------------------------------------------
 
 # role: what the op is to its kernel
-FORWARD = "forward"        # what a fusion pass inserts (the public functional calls it too)
-BACKWARD = "backward"      # what the forward's autograd rule calls
-SEEDED = "seeded"          # a random forward op (returning (out, seed)) for a given seed: (*its inputs, seed) -> out
-SEED = "seed"              # draws that seed: (salt: int) -> int64 [1]; memory/seeded.py splits the forward in two
+FORWARD = "forward"  # what a fusion pass inserts (the public functional calls it too)
+BACKWARD = "backward"  # what the forward's autograd rule calls
+SEEDED = "seeded"  # a random forward op (returning (out, seed)) for a given seed: (*its inputs, seed) -> out
+SEED = "seed"  # draws that seed: (salt: int) -> int64 [1]; memory/seeded.py splits the forward in two
 COLLECTIVE = "collective"  # communication (tensor parallelism)
 ROLES = (FORWARD, BACKWARD, SEEDED, SEED, COLLECTIVE)
 
 # recompute: what re-running the op in the backward costs (memory/recompute.py)
-CHEAP = "cheap"                  # like a pointwise op or a norm: selective recompute may re-run it
-REDUCTION = "reduction"          # like an ATen reduction: re-run only inside a checkpointed layer (full)
+CHEAP = "cheap"  # like a pointwise op or a norm: selective recompute may re-run it
+REDUCTION = "reduction"  # like an ATen reduction: re-run only inside a checkpointed layer (full)
 COMPUTE_BOUND = "compute-bound"  # like a matmul: saved, except inside a checkpointed layer (full)
-NEVER = "never"                  # always saved (as an op without a descriptor would be)
+NEVER = "never"  # always saved (as an op without a descriptor would be)
 RECOMPUTE = (CHEAP, REDUCTION, COMPUTE_BOUND, NEVER)
 
 # precision: what mixed precision does with the op (passes/mixed_precision.py)
-LOW = "low"        # compute in bf16/fp16: fp32 inputs are cast down
-FP32 = "fp32"      # compute in fp32: low-precision inputs are cast up
+LOW = "low"  # compute in bf16/fp16: fp32 inputs are cast down
+FP32 = "fp32"  # compute in fp32: low-precision inputs are cast up
 FOLLOW = "follow"  # type promotion: low only when every floating input already is
 PRECISIONS = (LOW, FP32, FOLLOW)
 
@@ -88,8 +89,11 @@ class OpDescriptor:
     """The _cpu_ext functions its CPU path calls, directly or through gemm.matmul (empty: none)."""
 
     def __post_init__(self) -> None:
-        for field_name, value, allowed in (("role", self.role, ROLES), ("recompute", self.recompute, RECOMPUTE),
-                                           ("precision", self.precision, PRECISIONS)):
+        for field_name, value, allowed in (
+            ("role", self.role, ROLES),
+            ("recompute", self.recompute, RECOMPUTE),
+            ("precision", self.precision, PRECISIONS),
+        ):
             if value not in allowed:
                 raise ValueError(f"graphtrain::{self.name}: {field_name} must be one of {allowed}, got {value!r}")
         if not isinstance(self.random, bool) or not callable(self.workspace_bytes):

@@ -4,6 +4,7 @@ Layers: `rms_norm_reference` (plain PyTorch, fp32 math); CPU path: aten._fused_r
 vectorized pass, fp32); backward is the reference (aten has no CPU _fused_rms_norm_backward); CUDA: Triton (one row per program, fp32 compute).
 Outputs (y, rstd) with rstd fp32 [rows] (fp64 for fp64 inputs), saved for backward.
 """
+
 from __future__ import annotations
 
 import math
@@ -50,6 +51,7 @@ def rms_norm_backward_reference(dy, x, weight, rstd):
 
 
 if HAS_TRITON:
+
     @triton.jit
     def _rms_fwd_kernel(X, W, Y, RSTD, N, eps, HAS_W: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0)
@@ -100,8 +102,16 @@ def _rms_norm_op(x: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, 
         x2 = x.reshape(-1, n).contiguous()
         y = torch.empty_like(x2)
         rstd = torch.empty(x2.shape[0], dtype=torch.float32, device=x.device)
-        _rms_fwd_kernel[(x2.shape[0],)](x2, weight if weight is not None else x2, y, rstd, n, eps,
-                                        HAS_W=weight is not None, BLOCK=triton.next_power_of_2(n))
+        _rms_fwd_kernel[(x2.shape[0],)](
+            x2,
+            weight if weight is not None else x2,
+            y,
+            rstd,
+            n,
+            eps,
+            HAS_W=weight is not None,
+            BLOCK=triton.next_power_of_2(n),
+        )
         return y.reshape(x.shape).contiguous(), rstd
 
     def cpu():
@@ -112,8 +122,9 @@ def _rms_norm_op(x: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, 
         y, rstd = rms_norm_reference(x, weight, eps)
         return y.contiguous(), rstd.contiguous()
 
-    return dispatch("rms_norm", [("triton", _supports_triton(x, weight), triton_path),
-                                 ("cpu", _supports_cpu(x), cpu)], reference)
+    return dispatch(
+        "rms_norm", [("triton", _supports_triton(x, weight), triton_path), ("cpu", _supports_cpu(x), cpu)], reference
+    )
 
 
 @_rms_norm_op.register_fake
@@ -133,13 +144,27 @@ def _rms_norm_backward_op(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Te
         progs = triton.cdiv(rows, rows_per)
         dx = torch.empty_like(x2)
         dw = torch.empty(progs, n, dtype=torch.float32, device=x.device)
-        _rms_bwd_kernel[(progs,)](dy2, x2, weight if weight is not None else x2, rstd, dx, dw, rows, n, rows_per,
-                                  HAS_W=weight is not None, BLOCK=triton.next_power_of_2(n))
+        _rms_bwd_kernel[(progs,)](
+            dy2,
+            x2,
+            weight if weight is not None else x2,
+            rstd,
+            dx,
+            dw,
+            rows,
+            n,
+            rows_per,
+            HAS_W=weight is not None,
+            BLOCK=triton.next_power_of_2(n),
+        )
         return dx.reshape(x.shape), dw.sum(0)
 
     # CPU too runs the reference: aten._fused_rms_norm_backward has no CPU kernel in torch 2.13
-    dx, dw = dispatch("rms_norm_backward", [("triton", _supports_triton(x, weight), triton_path)],
-                      lambda: rms_norm_backward_reference(dy, x, weight, rstd))
+    dx, dw = dispatch(
+        "rms_norm_backward",
+        [("triton", _supports_triton(x, weight), triton_path)],
+        lambda: rms_norm_backward_reference(dy, x, weight, rstd),
+    )
     dw = dw.to(weight.dtype) if (weight is not None and dw is not None) else x.new_zeros(n)
     return dx.contiguous(), dw.contiguous()
 
@@ -171,13 +196,33 @@ def rms_norm(x: Tensor, weight: Tensor | None = None, eps: float = 1e-6) -> Tens
     return torch.ops.graphtrain.rms_norm(x, weight, float(eps))[0]
 
 
-SPEC = register_kernel_spec(KernelSpec(
-    "rms_norm", rms_norm, rms_norm_reference, {"cpu": "aten._fused_rms_norm", "cuda": "triton"},
-    {"cpu": _supports_cpu, "cuda": _supports_triton},
-    ops=(
-        # fp32 like layer_norm (and aten's rms_norm in the mixed-precision table): normalization statistics
-        OpDescriptor("rms_norm", role=FORWARD, random=False, recompute=CHEAP, precision=FP32,
-                     workspace_bytes=no_workspace, cpp=()),
-        OpDescriptor("rms_norm_backward", role=BACKWARD, random=False, recompute=CHEAP, precision=FOLLOW,
-                     workspace_bytes=no_workspace, cpp=()),
-    )))
+SPEC = register_kernel_spec(
+    KernelSpec(
+        "rms_norm",
+        rms_norm,
+        rms_norm_reference,
+        {"cpu": "aten._fused_rms_norm", "cuda": "triton"},
+        {"cpu": _supports_cpu, "cuda": _supports_triton},
+        ops=(
+            # fp32 like layer_norm (and aten's rms_norm in the mixed-precision table): normalization statistics
+            OpDescriptor(
+                "rms_norm",
+                role=FORWARD,
+                random=False,
+                recompute=CHEAP,
+                precision=FP32,
+                workspace_bytes=no_workspace,
+                cpp=(),
+            ),
+            OpDescriptor(
+                "rms_norm_backward",
+                role=BACKWARD,
+                random=False,
+                recompute=CHEAP,
+                precision=FOLLOW,
+                workspace_bytes=no_workspace,
+                cpp=(),
+            ),
+        ),
+    )
+)

@@ -42,6 +42,7 @@ every step, so most are served from the cache; the ones that are not are the siz
 the forward's (ViT, batch 32, ``full``: 176 hits and 58 misses a step). Measured in docs/design/memory.md ("The block
 cache under release").
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -86,8 +87,11 @@ def keep_freed_blocks(threshold: int = KEEP_THRESHOLD) -> bool:
     libc = _glibc()
     # the trim threshold first: once the mmap threshold is set glibc stops adjusting it. mallopt takes a C int:
     # trim only past twice the threshold of free heap top, at most 2 GiB - 1
-    return libc is not None and bool(libc.mallopt(M_TRIM_THRESHOLD, min(2 * int(threshold), 2**31 - 1))) and bool(
-        libc.mallopt(M_MMAP_THRESHOLD, int(threshold)))
+    return (
+        libc is not None
+        and bool(libc.mallopt(M_TRIM_THRESHOLD, min(2 * int(threshold), 2**31 - 1)))
+        and bool(libc.mallopt(M_MMAP_THRESHOLD, int(threshold)))
+    )
 
 
 def apply(mode: str) -> bool:
@@ -121,7 +125,7 @@ def huge_pages_available() -> tuple[bool, str]:
     why not)."""
     try:
         text = THP_ENABLED.read_text()
-        mode = text[text.index("[") + 1:text.index("]")]
+        mode = text[text.index("[") + 1 : text.index("]")]
     except (OSError, ValueError):
         return False, f"no transparent huge pages on this system ({THP_ENABLED} is missing)"
     if mode == "never":
@@ -185,8 +189,16 @@ def block_cache_stats() -> dict[str, int] | None:
     mod = _ext()
     if mod is None:
         return None
-    keys = ("in_use_bytes", "cached_bytes", "high_water_bytes", "hits", "misses", "evictions", "missed_bytes",
-            "primed_bytes")
+    keys = (
+        "in_use_bytes",
+        "cached_bytes",
+        "high_water_bytes",
+        "hits",
+        "misses",
+        "evictions",
+        "missed_bytes",
+        "primed_bytes",
+    )
     return dict(zip(keys, (int(v) for v in mod.block_cache_stats())))
 
 

@@ -8,6 +8,7 @@ A fraction is of the memory of the device the run uses: a CPU run's budget is a 
 with a GPU. Used by ``recompute: auto`` (memory/recompute.py, keyed on the device of the graph it partitions) and by
 ``train.batch_size: auto`` (trainer/runtime.py, keyed on the Trainer's device).
 """
+
 from __future__ import annotations
 
 import os
@@ -27,6 +28,8 @@ def device_memory_bytes(device: torch.device | str) -> int:
 def budget_bytes(budget: float, device: torch.device | str) -> float:
     """`budget` in bytes: bytes as given (> 1), or a fraction (0-1] of `device`'s memory (device_memory_bytes)."""
     if not budget > 0:
-        raise ValueError(f"a memory budget must be positive, got {budget:g}: give bytes (e.g. 2000000000) or a "
-                         f"fraction of device memory (e.g. 0.5)")
+        raise ValueError(
+            f"a memory budget must be positive, got {budget:g}: give bytes (e.g. 2000000000) or a "
+            f"fraction of device memory (e.g. 0.5)"
+        )
     return float(budget) if budget > 1 else budget * device_memory_bytes(device)

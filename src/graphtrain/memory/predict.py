@@ -22,6 +22,7 @@ The peak is the largest of the three. Fused ops that allocate scratch memory ins
 their node (``op_workspace_bytes``, from each op's descriptor beside its kernel): the graph only shows
 their outputs.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -189,28 +190,51 @@ class MemoryEstimate:
     @property
     def activations(self) -> int:
         """Peak bytes the graphs themselves hold (everything but persistent state)."""
-        return self.peak - self.params - self.optimizer_state - self.inputs - (
-            self.grads if self.peak_phase == "optimizer" else 0)
+        return (
+            self.peak
+            - self.params
+            - self.optimizer_state
+            - self.inputs
+            - (self.grads if self.peak_phase == "optimizer" else 0)
+        )
 
     def fits(self, budget_bytes: float) -> bool:
         return self.peak <= budget_bytes
 
     def __str__(self) -> str:
-        rows = [("parameters", self.params), ("gradients", self.grads), ("optimizer state", self.optimizer_state),
-                ("batch inputs", self.inputs), ("saved activations", self.saved_activations),
-                ("forward graph peak", self.forward_peak), ("backward graph peak", self.backward_peak),
-                ("optimizer temporaries", self.optimizer_temp)]
+        rows = [
+            ("parameters", self.params),
+            ("gradients", self.grads),
+            ("optimizer state", self.optimizer_state),
+            ("batch inputs", self.inputs),
+            ("saved activations", self.saved_activations),
+            ("forward graph peak", self.forward_peak),
+            ("backward graph peak", self.backward_peak),
+            ("optimizer temporaries", self.optimizer_temp),
+        ]
         lines = [f"predicted peak {self.peak / MiB:,.1f} MiB in {self.peak_phase}"]
         lines += [f"  {k:<22}{v / MiB:>10,.1f} MiB" for k, v in rows]
-        lines += [f"  step phase {k:<11}{v / MiB:>10,.1f} MiB" + (f"  (at {self.peak_node[k]})" if k in self.peak_node else "")
-                  for k, v in self.phase_totals.items()]
+        lines += [
+            f"  step phase {k:<11}{v / MiB:>10,.1f} MiB"
+            + (f"  (at {self.peak_node[k]})" if k in self.peak_node else "")
+            for k, v in self.phase_totals.items()
+        ]
         return "\n".join(lines)
 
 
-def predict_peak(fw_gm: fx.GraphModule, bw_gm: fx.GraphModule, n_params_bytes: int, *, optimizer: str = "adamw",
-                 num_user_outputs: int = 1, n_param_inputs: int | None = None, boxed_backward: bool = True,
-                 optimizer_temp_bytes: int | None = None, grads_kept: bool = False,
-                 batch_inputs: Iterable[int] | None = None) -> MemoryEstimate:
+def predict_peak(
+    fw_gm: fx.GraphModule,
+    bw_gm: fx.GraphModule,
+    n_params_bytes: int,
+    *,
+    optimizer: str = "adamw",
+    num_user_outputs: int = 1,
+    n_param_inputs: int | None = None,
+    boxed_backward: bool = True,
+    optimizer_temp_bytes: int | None = None,
+    grads_kept: bool = False,
+    batch_inputs: Iterable[int] | None = None,
+) -> MemoryEstimate:
     """Predict a step's peak from AOTAutograd's partitioned graphs (nodes carry fake meta['val']).
 
     n_params_bytes: bytes of the trainable parameters (grads have the same size; AdamW/LAMB keep 2x).
@@ -241,11 +265,23 @@ def predict_peak(fw_gm: fx.GraphModule, bw_gm: fx.GraphModule, n_params_bytes: i
     grads = n_params_bytes
     g_fw = grads if grads_kept else 0
     base = n_params_bytes + opt_state + batch_bytes
-    totals = {"forward": base + g_fw + fw.peak_bytes,
-              "backward": base + g_fw + bw.peak_bytes,
-              "optimizer": base + grads + opt_temp}
-    return MemoryEstimate(n_params_bytes, grads, opt_state, batch_bytes, saved, fw.peak_bytes, bw.peak_bytes, opt_temp,
-                          totals, {"forward": fw.peak_node, "backward": bw.peak_node})
+    totals = {
+        "forward": base + g_fw + fw.peak_bytes,
+        "backward": base + g_fw + bw.peak_bytes,
+        "optimizer": base + grads + opt_temp,
+    }
+    return MemoryEstimate(
+        n_params_bytes,
+        grads,
+        opt_state,
+        batch_bytes,
+        saved,
+        fw.peak_bytes,
+        bw.peak_bytes,
+        opt_temp,
+        totals,
+        {"forward": fw.peak_node, "backward": bw.peak_node},
+    )
 
 
 def param_bytes(params: Iterable[torch.Tensor]) -> int:

@@ -22,6 +22,7 @@ graphtrain's allocator gives anyway, and its contents are as undefined as any fr
 the primed blocks ahead of their use, at most the first step's own fresh memory (what the recording saw): a step
 that repeats the recorded one reaches the same peak. Off with ``engine.cpu_prefault: false``.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -71,8 +72,13 @@ class Session:
         stats = allocator.settle_priming() if self.primed_sizes is not None else None
         self.sink.update(recorded_blocks=len(sizes), recorded_bytes=sum(sizes), path=str(self.path))
         if stats is not None:
-            self.sink.update(primed_from=self.primed_from, primed_blocks=stats["primed"], primed_taken=stats["taken"],
-                             primed_bytes=sum(self.primed_sizes or []), returned_bytes=stats["returned_bytes"])
+            self.sink.update(
+                primed_from=self.primed_from,
+                primed_blocks=stats["primed"],
+                primed_taken=stats["taken"],
+                primed_bytes=sum(self.primed_sizes or []),
+                returned_bytes=stats["returned_bytes"],
+            )
         if sizes and sizes != self.primed_sizes:
             _save(self.path, sizes)
 
@@ -90,8 +96,9 @@ def key(module: torch.nn.Module, args: tuple, kwargs: dict, config: Any) -> str:
     """What a first step's requests depend on: the model's parameters and buffers, the call's tensors, the engine
     config and the versions (a hex digest)."""
     h = hashlib.sha256()
-    h.update(f"{type(module).__module__}.{type(module).__qualname__}|{torch.__version__}|{_version()}|"
-             f"{config!r}".encode())
+    h.update(
+        f"{type(module).__module__}.{type(module).__qualname__}|{torch.__version__}|{_version()}|{config!r}".encode()
+    )
     for name, t in [*module.named_parameters(), *module.named_buffers()]:
         h.update(f"{name}:{tuple(t.shape)}:{t.dtype}:{t.requires_grad};".encode())
     for leaf in torch.utils._pytree.tree_leaves((args, kwargs)):
@@ -101,6 +108,7 @@ def key(module: torch.nn.Module, args: tuple, kwargs: dict, config: Any) -> str:
 
 def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
+
     try:
         return version("graphtrain")
     except PackageNotFoundError:  # run from a source tree
@@ -127,8 +135,9 @@ def _save(path: Path, sizes: list[int]) -> None:
             tmp.unlink(missing_ok=True)
 
 
-def begin(module: torch.nn.Module, args: tuple, kwargs: dict, config: Any, root: Path,
-          sink: dict[str, Any]) -> Session | None:
+def begin(
+    module: torch.nn.Module, args: tuple, kwargs: dict, config: Any, root: Path, sink: dict[str, Any]
+) -> Session | None:
     """Start recording this first step (and priming it from an earlier record); None when another module's first
     step is being recorded in this process, or graphtrain's allocator is not installed."""
     global _ACTIVE

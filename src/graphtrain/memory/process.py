@@ -21,6 +21,7 @@ optimizer state yet, and the prediction adds it as new. The step is assumed to e
 ``predict_process_peak`` is the helper; ``graphtrain.report(model, optimizer=opt)`` shows its result
 next to the step peak, and ``python -m graphtrain.bench.memory`` compares it with the measured VmHWM.
 """
+
 from __future__ import annotations
 
 import gc
@@ -65,13 +66,18 @@ def _unique_bytes(tensors: Iterable[Any]) -> int:
     return sum(seen.values())
 
 
-def resident_state(model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
-                   batch: Iterable[Any] = ()) -> dict[str, int]:
+def resident_state(
+    model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None, batch: Iterable[Any] = ()
+) -> dict[str, int]:
     """Bytes now allocated of each persistent part of the step that ``predict_peak`` counts (one storage once)."""
     params = [p for p in model.parameters() if p.requires_grad] if model is not None else []
     state = [] if optimizer is None else [t for s in optimizer.state.values() for t in s.values()]
-    return {"params": param_bytes(params), "grads": _unique_bytes(p.grad for p in params),
-            "optimizer_state": _unique_bytes(state), "batch_inputs": _unique_bytes(batch)}
+    return {
+        "params": param_bytes(params),
+        "grads": _unique_bytes(p.grad for p in params),
+        "optimizer_state": _unique_bytes(state),
+        "batch_inputs": _unique_bytes(batch),
+    }
 
 
 @dataclass(frozen=True)
@@ -81,11 +87,11 @@ class ProcessPeak:
     process_peak = baseline_rss - resident_state + step_peak: the measured resident set before the step,
     less the step's own tensors already in it (counted by the prediction), plus the predicted step peak."""
 
-    step_peak: int             # predict_peak: params + grads + optimizer state + batch + activations at the step's peak
-    baseline_rss: int          # VmRSS measured before the step
-    resident_state: int        # of the step's persistent tensors, the bytes allocated at the baseline (measured)
+    step_peak: int  # predict_peak: params + grads + optimizer state + batch + activations at the step's peak
+    baseline_rss: int  # VmRSS measured before the step
+    resident_state: int  # of the step's persistent tensors, the bytes allocated at the baseline (measured)
     resident_parts: dict[str, int]
-    optimizer_measured: bool   # False: no optimizer given, its state counted as not yet allocated (an upper bound)
+    optimizer_measured: bool  # False: no optimizer given, its state counted as not yet allocated (an upper bound)
 
     @property
     def other_resident(self) -> int:
@@ -107,8 +113,12 @@ class ProcessPeak:
         return (self.process_peak - measured_peak_rss) / measured_peak_rss
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "other_resident": self.other_resident, "increment": self.increment,
-                "process_peak": self.process_peak}
+        return {
+            **asdict(self),
+            "other_resident": self.other_resident,
+            "increment": self.increment,
+            "process_peak": self.process_peak,
+        }
 
 
 def _step_peak(estimate: MemoryEstimate | Mapping[str, Any] | int) -> int:
@@ -119,9 +129,14 @@ def _step_peak(estimate: MemoryEstimate | Mapping[str, Any] | int) -> int:
     return int(estimate)
 
 
-def predict_process_peak(estimate: MemoryEstimate | Mapping[str, Any] | int, *, model: torch.nn.Module | None = None,
-                         optimizer: torch.optim.Optimizer | None = None, batch: Iterable[Any] = (),
-                         baseline_rss: int | None = None) -> ProcessPeak | None:
+def predict_process_peak(
+    estimate: MemoryEstimate | Mapping[str, Any] | int,
+    *,
+    model: torch.nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    batch: Iterable[Any] = (),
+    baseline_rss: int | None = None,
+) -> ProcessPeak | None:
     """Predict this process's peak resident memory (VmHWM) over the next training step.
 
     estimate: the step prediction (``predict_peak``'s MemoryEstimate, a report's ``predicted_memory`` dict,

@@ -36,6 +36,7 @@ and a deterministic op (``memory/seeded.py``), so only 8 bytes of seed are saved
 Every partition records a ``RecomputeChoice`` (saved bytes, bytes saved vs none, FLOPs added,
 recomputed ops, checkpointed layers) in a ``RecomputeRecord`` that the report prints.
 """
+
 from __future__ import annotations
 
 import collections
@@ -63,9 +64,19 @@ aten = torch.ops.aten
 graphtrain_ops = torch.ops.graphtrain
 # ATen ops never recomputed by selective (outside the attention core): their outputs are what a checkpoint
 # keeps. graphtrain's own: descriptor recompute="compute-bound".
-COMPUTE_INTENSIVE = {aten.mm, aten.bmm, aten.addmm, aten.baddbmm, aten.convolution, aten._convolution,
-                     aten._scaled_dot_product_flash_attention_for_cpu, aten._scaled_dot_product_efficient_attention,
-                     aten._scaled_dot_product_flash_attention, aten.linear, aten.matmul}
+COMPUTE_INTENSIVE = {
+    aten.mm,
+    aten.bmm,
+    aten.addmm,
+    aten.baddbmm,
+    aten.convolution,
+    aten._convolution,
+    aten._scaled_dot_product_flash_attention_for_cpu,
+    aten._scaled_dot_product_efficient_attention,
+    aten._scaled_dot_product_flash_attention,
+    aten.linear,
+    aten.matmul,
+}
 # Not pointwise, yet cheap: selective may recompute them. graphtrain's own: descriptor recompute="cheap".
 SELECTIVE_EXTRA = {aten.native_layer_norm, aten.clone, aten._to_copy, aten.expand, aten.slice, aten.select}
 # The attention core: what may follow the score matmul before the matmul with v.
@@ -91,8 +102,11 @@ def _never_recomputed(n: fx.Node) -> bool:
     """A custom (non-ATen) op that is always saved: its descriptor says so, or it has none (its schema cannot
     tell us it is not random)."""
     t = n.target
-    return isinstance(t, torch._ops.OpOverload) and t.namespace not in ("aten", "prims") and \
-        _recompute_class(n) in (None, NEVER)
+    return (
+        isinstance(t, torch._ops.OpOverload)
+        and t.namespace not in ("aten", "prims")
+        and _recompute_class(n) in (None, NEVER)
+    )
 
 
 def is_cheap(n: fx.Node) -> bool:
@@ -103,8 +117,12 @@ def is_cheap(n: fx.Node) -> bool:
         return True
     t = n.target
     if isinstance(t, torch._ops.OpOverload):
-        return (torch.Tag.pointwise in t.tags or t.is_view or t.overloadpacket in SELECTIVE_EXTRA
-                or _recompute_class(n) == CHEAP)
+        return (
+            torch.Tag.pointwise in t.tags
+            or t.is_view
+            or t.overloadpacket in SELECTIVE_EXTRA
+            or _recompute_class(n) == CHEAP
+        )
     return False
 
 
@@ -144,9 +162,16 @@ def attention_cores(joint: fx.GraphModule, bw: set[fx.Node] | None = None) -> li
                 continue
             seen.add(u)
             pk = _packet(u)
-            ok = u.target is operator.getitem or pk in SOFTMAX or pk is graphtrain_ops.bias_dropout_add_seeded or \
-                (isinstance(u.target, torch._ops.OpOverload) and not is_random(u) and
-                 (torch.Tag.pointwise in u.target.tags or u.target.is_view or pk in (aten.clone, aten.expand)))
+            ok = (
+                u.target is operator.getitem
+                or pk in SOFTMAX
+                or pk is graphtrain_ops.bias_dropout_add_seeded
+                or (
+                    isinstance(u.target, torch._ops.OpOverload)
+                    and not is_random(u)
+                    and (torch.Tag.pointwise in u.target.tags or u.target.is_view or pk in (aten.clone, aten.expand))
+                )
+            )
             if ok:
                 core.append(u)
                 todo.extend(u.users)
@@ -193,6 +218,7 @@ def layer_regions(joint: fx.GraphModule, bw: set[fx.Node] | None = None) -> dict
             unknown.append(n)
     if len(order) < 2:
         return {}
+
     def users(n: fx.Node) -> list[fx.Node]:  # through getitems: a multi-output op goes where its results go
         out = []
         for u in n.users:
@@ -220,15 +246,21 @@ def layer_regions(joint: fx.GraphModule, bw: set[fx.Node] | None = None) -> dict
 def _node_flops(n: fx.Node) -> int:
     """FLOPs of one node: the flop counter's formula for matmul-like ops, else 1 per output element."""
     from torch.utils.flop_counter import flop_registry
+
     val = n.meta.get("val")
     pk = _packet(n)
     if pk in flop_registry:
+
         def shape(a: Any) -> Any:
             return tuple(hint_int(d) for d in a.meta["val"].shape) if isinstance(a, fx.Node) else a
+
         args = torch.utils._pytree.tree_map(shape, n.args)
         try:
-            return hint_int(flop_registry[pk](*args, out_shape=tuple(hint_int(d) for d in val.shape)
-                                              if isinstance(val, torch.Tensor) else None))
+            return hint_int(
+                flop_registry[pk](
+                    *args, out_shape=tuple(hint_int(d) for d in val.shape) if isinstance(val, torch.Tensor) else None
+                )
+            )
         except Exception:
             pass
     return hint_int(val.numel()) if isinstance(val, torch.Tensor) else 0
@@ -247,11 +279,18 @@ class RecomputeChoice:
 
     def __str__(self) -> str:
         ops = ", ".join(f"{k} x{v}" for k, v in sorted(self.recomputed_ops.items(), key=lambda kv: -kv[1])[:6])
-        peak = "" if self.predicted_peak is None else f", peak {self.predicted_peak / MiB:,.0f} MiB" + \
-            ("" if self.fits is None else (" fits" if self.fits else " over budget"))
-        return (f"{self.name:<12} saved {self.saved_bytes / MiB:9,.1f} MiB (-{self.bytes_saved / MiB:,.1f}), "
-                f"+{self.flops_added / 1e9:.3f} GFLOP recomputed{peak}" + (f" ({self.what})" if self.what else "") +
-                (f" [{ops}]" if ops else ""))
+        peak = (
+            ""
+            if self.predicted_peak is None
+            else f", peak {self.predicted_peak / MiB:,.0f} MiB"
+            + ("" if self.fits is None else (" fits" if self.fits else " over budget"))
+        )
+        return (
+            f"{self.name:<12} saved {self.saved_bytes / MiB:9,.1f} MiB (-{self.bytes_saved / MiB:,.1f}), "
+            f"+{self.flops_added / 1e9:.3f} GFLOP recomputed{peak}"
+            + (f" ({self.what})" if self.what else "")
+            + (f" [{ops}]" if ops else "")
+        )
 
 
 @dataclass
@@ -269,8 +308,10 @@ class RecomputeRecord:
 
     def __str__(self) -> str:
         head = f"recompute={self.mode}" + (f" budget {self.budget / MiB:,.0f} MiB" if self.budget else "")
-        return "\n".join([head + f", chose {self.chosen}"] + [("* " if c.name == self.chosen else "  ") + str(c)
-                                                               for c in self.choices])
+        return "\n".join(
+            [head + f", chose {self.chosen}"]
+            + [("* " if c.name == self.chosen else "  ") + str(c) for c in self.choices]
+        )
 
 
 def _save(n: fx.Node) -> None:
@@ -300,8 +341,11 @@ def tag_for_recompute(joint: fx.GraphModule, how: str, layers: int | None = None
     Returns what was found: attention cores recomputed, layers checkpointed (and which one was left)."""
     bw = backward_region(joint)
     fw = [n for n in joint.graph.nodes if n.op == "call_function" and n not in bw]
-    info: dict[str, Any] = {"attention_cores": 0, "layers": 0,
-                            "fused_attention": sum(_packet(n) is graphtrain_ops.attention for n in fw)}
+    info: dict[str, Any] = {
+        "attention_cores": 0,
+        "layers": 0,
+        "fused_attention": sum(_packet(n) is graphtrain_ops.attention for n in fw),
+    }
     never = {n for n in fw if is_random(n) or _never_recomputed(n)}
     never |= {n for n in fw if n.target is operator.getitem and n.args[0] in never}  # a mask, a seed
     for n in never:
@@ -334,8 +378,9 @@ def tag_for_recompute(joint: fx.GraphModule, how: str, layers: int | None = None
         n.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
         n.meta["ac_graph_id"] = r + 1
     for n, r in checkpointed.items():  # the layer's outputs read by later code: the checkpoint boundary
-        if isinstance(n.meta.get("val"), torch.Tensor) and \
-                any(u.op == "call_function" and u not in bw and regions.get(u) != r for u in n.users):
+        if isinstance(n.meta.get("val"), torch.Tensor) and any(
+            u.op == "call_function" and u not in bw and regions.get(u) != r for u in n.users
+        ):
             _save(n)
     info["layers"] = len(set(checkpointed.values()))
     info["layers_total"] = last + 1
@@ -343,18 +388,29 @@ def tag_for_recompute(joint: fx.GraphModule, how: str, layers: int | None = None
     return info
 
 
-def _partition(joint: fx.GraphModule, joint_inputs: Any, num_fwd_outputs: int, how: str,
-               budget_fraction: float = 1.0, info: dict | None = None,
-               layers: int | None = None) -> tuple[fx.GraphModule, fx.GraphModule]:
+def _partition(
+    joint: fx.GraphModule,
+    joint_inputs: Any,
+    num_fwd_outputs: int,
+    how: str,
+    budget_fraction: float = 1.0,
+    info: dict | None = None,
+    layers: int | None = None,
+) -> tuple[fx.GraphModule, fx.GraphModule]:
     if how == "none":
         return default_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs)
     found = tag_for_recompute(joint, how, layers)
     if info is not None:
         info.update(found)
-    with fconfig.patch(aggressive_recomputation=True, ban_recompute_reductions=False,
-                       activation_memory_budget=budget_fraction), _no_tuples_saved():
-        return min_cut_rematerialization_partition(joint, joint_inputs, compiler="graphtrain",
-                                                   num_fwd_outputs=num_fwd_outputs)
+    with (
+        fconfig.patch(
+            aggressive_recomputation=True, ban_recompute_reductions=False, activation_memory_budget=budget_fraction
+        ),
+        _no_tuples_saved(),
+    ):
+        return min_cut_rematerialization_partition(
+            joint, joint_inputs, compiler="graphtrain", num_fwd_outputs=num_fwd_outputs
+        )
 
 
 @contextlib.contextmanager
@@ -366,13 +422,17 @@ def _no_tuples_saved() -> Iterator[None]:
     tensors, saved one by one). Written by hand because the choice happens inside torch's partitioner; the
     patch lives only for one partition call."""
     import torch._functorch.partitioners as partitioners
+
     original = partitioners.choose_saved_values_set
 
     def choose(*args: Any, **kwargs: Any) -> list[fx.Node]:
         out: list[fx.Node] = []
         for n in original(*args, **kwargs):
-            parts = [u for u in n.users if u.target is operator.getitem] \
-                if isinstance(n.meta.get("val"), (tuple, list)) else [n]
+            parts = (
+                [u for u in n.users if u.target is operator.getitem]
+                if isinstance(n.meta.get("val"), (tuple, list))
+                else [n]
+            )
             out.extend(p for p in parts if p not in out)
         return out
 
@@ -383,14 +443,19 @@ def _no_tuples_saved() -> Iterator[None]:
         partitioners.choose_saved_values_set = original
 
 
-def describe(name: str, fw_gm: fx.GraphModule, bw_gm: fx.GraphModule,
-             num_fwd_outputs: int, none_saved: int | None) -> RecomputeChoice:
+def describe(
+    name: str, fw_gm: fx.GraphModule, bw_gm: fx.GraphModule, num_fwd_outputs: int, none_saved: int | None
+) -> RecomputeChoice:
     saved = saved_activation_bytes(fw_gm, num_fwd_outputs)
     ops: collections.Counter = collections.Counter()
     flops = 0
     for n in bw_gm.graph.nodes:
-        if n.op == "call_function" and n.meta.get("graphtrain_forward_op") and n.target is not operator.getitem \
-                and not getattr(n.target, "is_view", False):
+        if (
+            n.op == "call_function"
+            and n.meta.get("graphtrain_forward_op")
+            and n.target is not operator.getitem
+            and not getattr(n.target, "is_view", False)
+        ):
             ops[str(_packet(n) or n.target).replace("aten.", "")] += 1
             flops += _node_flops(n)
     return RecomputeChoice(name, saved, (none_saved - saved) if none_saved is not None else 0, flops, dict(ops))
@@ -411,9 +476,16 @@ def _what(how: str, info: dict[str, Any]) -> str:
     return ""
 
 
-def make_partition_fn(engine_cfg: Any, *, n_params_bytes: int = 0, n_param_inputs: int | None = None,
-                      optimizer: str = "adamw", device_memory: int | None = None,
-                      records: list[RecomputeRecord] | None = None, **predict_kw: Any) -> Callable[..., Any]:
+def make_partition_fn(
+    engine_cfg: Any,
+    *,
+    n_params_bytes: int = 0,
+    n_param_inputs: int | None = None,
+    optimizer: str = "adamw",
+    device_memory: int | None = None,
+    records: list[RecomputeRecord] | None = None,
+    **predict_kw: Any,
+) -> Callable[..., Any]:
     """A partition_fn for ``aot_function``/``aot_module_simplified`` implementing engine_cfg.recompute.
 
     n_params_bytes / n_param_inputs / optimizer feed the peak prediction `auto` compares with
@@ -428,8 +500,9 @@ def make_partition_fn(engine_cfg: Any, *, n_params_bytes: int = 0, n_param_input
     def partition_fn(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int, **kw: Any):
         budget = None
         if given is not None:
-            budget = (given * device_memory if device_memory and given <= 1
-                      else budget_bytes(given, _device_of(joint_inputs)))
+            budget = (
+                given * device_memory if device_memory and given <= 1 else budget_bytes(given, _device_of(joint_inputs))
+            )
         rec = RecomputeRecord(mode, budget)
         rec.masks_shrunk = shrink_attention_masks(joint)
         none_saved = None
@@ -442,9 +515,12 @@ def make_partition_fn(engine_cfg: Any, *, n_params_bytes: int = 0, n_param_input
         for n in joint.graph.nodes:  # copied nodes keep their meta: marks recomputed ones in the backward
             if n.op == "call_function" and n not in bw_nodes:
                 n.meta["graphtrain_forward_op"] = True
-        ladder = {"none": [("none", 1.0)], "selective": [("selective", 1.0)], "full": [("full", 1.0)],
-                  "auto": [("none", 1.0), ("selective", 1.0), ("full", 1.0)] +
-                          [(f"budget={b}", b) for b in AUTO_BUDGETS]}[mode]
+        ladder = {
+            "none": [("none", 1.0)],
+            "selective": [("selective", 1.0)],
+            "full": [("full", 1.0)],
+            "auto": [("none", 1.0), ("selective", 1.0), ("full", 1.0)] + [(f"budget={b}", b) for b in AUTO_BUDGETS],
+        }[mode]
 
         def attempt(name: str, how: str, frac: float = 1.0, layers: int | None = None) -> tuple[Any, dict]:
             info: dict[str, Any] = {}
@@ -453,8 +529,15 @@ def make_partition_fn(engine_cfg: Any, *, n_params_bytes: int = 0, n_param_input
             choice = describe(name, fw, bw, num_fwd_outputs, none_saved)
             choice.what = _what(how, info)
             if budget is not None:
-                est = predict_peak(fw, bw, n_params_bytes, optimizer=optimizer, num_user_outputs=num_fwd_outputs,
-                                   n_param_inputs=n_param_inputs, **predict_kw)
+                est = predict_peak(
+                    fw,
+                    bw,
+                    n_params_bytes,
+                    optimizer=optimizer,
+                    num_user_outputs=num_fwd_outputs,
+                    n_param_inputs=n_param_inputs,
+                    **predict_kw,
+                )
                 choice.predicted_peak, choice.fits = est.peak, est.peak <= budget
             rec.choices.append(choice)
             return (choice, fw, bw), info

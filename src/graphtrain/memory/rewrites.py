@@ -5,6 +5,7 @@
 - a full-size additive attention mask read only by ``graphtrain::attention`` is rebuilt at its broadcast size;
 - random ops whose results nobody reads are erased from a partitioned graph.
 """
+
 from __future__ import annotations
 
 import operator
@@ -59,8 +60,12 @@ _MASK_ARG = {graphtrain_ops.attention: 3, graphtrain_ops.attention_backward: 4}
 def _reads_only_as_mask(u: fx.Node, mask: fx.Node) -> bool:
     packet = getattr(u.target, "overloadpacket", None)
     i = _MASK_ARG.get(packet) if packet is not None else None
-    return i is not None and len(u.args) > i and u.args[i] is mask and \
-        sum(a is mask for a in u.args) + sum(a is mask for a in u.kwargs.values()) == 1
+    return (
+        i is not None
+        and len(u.args) > i
+        and u.args[i] is mask
+        and sum(a is mask for a in u.args) + sum(a is mask for a in u.kwargs.values()) == 1
+    )
 
 
 def shrink_attention_masks(joint: fx.GraphModule) -> int:
@@ -83,15 +88,21 @@ def shrink_attention_masks(joint: fx.GraphModule) -> int:
             continue
         zval, m = z.meta["val"], mf.args[1]
         mshape = tuple(m.meta["val"].shape)
-        if len(mshape) > zval.dim() or tuple(torch.broadcast_shapes(mshape, tuple(zval.shape))) != tuple(zval.shape) \
-                or mf.meta["val"].numel() <= m.meta["val"].numel():
+        if (
+            len(mshape) > zval.dim()
+            or tuple(torch.broadcast_shapes(mshape, tuple(zval.shape))) != tuple(zval.shape)
+            or mf.meta["val"].numel() <= m.meta["val"].numel()
+        ):
             continue
         fake = detect_fake_mode([zval])
         if fake is None:  # no fake value to give the new nodes (a traced joint graph always has them)
             continue
         with g.inserting_before(z):
-            z2 = g.call_function(aten.zeros.default, symints_as_nodes(g, (list(mshape),)),
-                                 {"dtype": zval.dtype, "device": zval.device, "pin_memory": False})
+            z2 = g.call_function(
+                aten.zeros.default,
+                symints_as_nodes(g, (list(mshape),)),
+                {"dtype": zval.dtype, "device": zval.device, "pin_memory": False},
+            )
         with g.inserting_after(z2):
             mf2 = g.call_function(aten.masked_fill.Scalar, (z2, m, mf.args[2]))
         with fake:

@@ -17,6 +17,7 @@ step and every result are bitwise those of the fused op) and lets the partitione
 seed instead of an activation: the output is recomputed from its inputs and the seed. Both ops are
 registered in kernels/bias_dropout_add.py, whose descriptors name them (roles SEED and SEEDED).
 """
+
 from __future__ import annotations
 
 import operator

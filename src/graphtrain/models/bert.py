@@ -5,6 +5,7 @@ position + token-type embeddings, and the MLM head (dense, GELU, LayerNorm, deco
 word embeddings plus its own bias). No pooler and no next-sentence head: the parameter count is
 that of Hugging Face's BertForMaskedLM.
 """
+
 from __future__ import annotations
 
 import torch
@@ -108,8 +109,13 @@ class BERT(nn.Module):
                 nn.init.zeros_(module.bias)
         nn.init.zeros_(self.mlm.bias)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                token_type_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Logits [B, T, V]; with labels, the mean MLM cross-entropy over positions whose label != -100.
 
         attention_mask [B, T]: 1 = attend, 0 = padding (default: all ones).
@@ -118,11 +124,11 @@ class BERT(nn.Module):
         check_input_ids(input_ids)
         B, T = input_ids.shape
         check_seq_len(T, self.max_seq_len)
-        for name, t in (("attention_mask", attention_mask), ("token_type_ids", token_type_ids),
-                        ("labels", labels)):
+        for name, t in (("attention_mask", attention_mask), ("token_type_ids", token_type_ids), ("labels", labels)):
             if t is not None and t.shape != input_ids.shape:
-                raise ValueError(f"{name} must have the shape of input_ids {tuple(input_ids.shape)}, "
-                                 f"got {tuple(t.shape)}")
+                raise ValueError(
+                    f"{name} must have the shape of input_ids {tuple(input_ids.shape)}, got {tuple(t.shape)}"
+                )
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(input_ids)
         x = self.embeddings(input_ids, token_type_ids)

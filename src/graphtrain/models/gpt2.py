@@ -5,6 +5,7 @@ the MLP uses the exact (erf) GELU, where GPT-2 used the tanh approximation.
 
 Labels arrive already shifted by the data loader: ``labels[:, t]`` is the target for position t.
 """
+
 from __future__ import annotations
 
 import math
@@ -101,13 +102,20 @@ class GPT2(nn.Module):
         if labels is None:
             return self.logits_fn(logits)
         if labels.shape != input_ids.shape:
-            raise ValueError(f"labels must have the shape of input_ids {tuple(input_ids.shape)}, "
-                             f"got {tuple(labels.shape)}")
+            raise ValueError(
+                f"labels must have the shape of input_ids {tuple(input_ids.shape)}, got {tuple(labels.shape)}"
+            )
         return self.loss_fn(logits, labels)
 
     @torch.no_grad()
-    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
-                 top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
         """Sample `max_new_tokens` tokens after `input_ids` [B, T]; returns [B, T + max_new_tokens].
 
         The context is cropped to the last `max_seq_len` tokens. temperature 0 picks the argmax.
@@ -125,7 +133,7 @@ class GPT2(nn.Module):
         try:
             ids = input_ids.long()
             for _ in range(max_new_tokens):
-                context = ids[:, -self.max_seq_len:]
+                context = ids[:, -self.max_seq_len :]
                 logits = self(context)[:, -1, :].float()
                 if temperature == 0:
                     next_id = logits.argmax(dim=-1, keepdim=True)

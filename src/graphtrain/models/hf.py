@@ -15,6 +15,7 @@ loss is not used), ``.family`` names the data objective ("gpt2": causal, "bert":
 FLOP count, checkpoints and the memory planner read, and ``generate`` samples like `GPT2.generate`. The HF
 module itself is ``.hf``: export writes it with ``save_pretrained``.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,13 +30,55 @@ from graphtrain.models.gpt2 import GPT2
 from graphtrain.models.spec import ModelSpec
 
 # model_type -> objective, for configs whose `architectures` does not say (random-init configs written by hand)
-_CAUSAL_TYPES = {"gpt2", "llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma", "gemma2", "phi", "phi3", "gpt_neox",
-                 "gptj", "opt", "falcon", "olmo", "olmo2", "stablelm", "starcoder2", "bloom", "codegen", "smollm3"}
-_MASKED_TYPES = {"bert", "roberta", "xlm-roberta", "distilbert", "electra", "deberta", "deberta-v2", "albert",
-                 "camembert", "mpnet", "modernbert"}
+_CAUSAL_TYPES = {
+    "gpt2",
+    "llama",
+    "mistral",
+    "mixtral",
+    "qwen2",
+    "qwen3",
+    "gemma",
+    "gemma2",
+    "phi",
+    "phi3",
+    "gpt_neox",
+    "gptj",
+    "opt",
+    "falcon",
+    "olmo",
+    "olmo2",
+    "stablelm",
+    "starcoder2",
+    "bloom",
+    "codegen",
+    "smollm3",
+}
+_MASKED_TYPES = {
+    "bert",
+    "roberta",
+    "xlm-roberta",
+    "distilbert",
+    "electra",
+    "deberta",
+    "deberta-v2",
+    "albert",
+    "camembert",
+    "mpnet",
+    "modernbert",
+}
 # config attributes that hold a dropout probability, per architecture family (model.dropout sets all present)
-_DROPOUT_KEYS = ("hidden_dropout_prob", "attention_probs_dropout_prob", "resid_pdrop", "embd_pdrop", "attn_pdrop",
-                 "attention_dropout", "hidden_dropout", "dropout", "embedding_dropout", "summary_first_dropout")
+_DROPOUT_KEYS = (
+    "hidden_dropout_prob",
+    "attention_probs_dropout_prob",
+    "resid_pdrop",
+    "embd_pdrop",
+    "attn_pdrop",
+    "attention_dropout",
+    "hidden_dropout",
+    "dropout",
+    "embedding_dropout",
+    "summary_first_dropout",
+)
 
 
 def _transformers() -> Any:
@@ -51,15 +94,21 @@ def hf_folder(path: str) -> tuple[Path, Path]:
     p = Path(path).expanduser()
     if p.is_file():
         if p.suffix != ".json":
-            raise ValueError(f"model.hf {path!r} is a file but not a config.json: point model.hf at a Hugging Face "
-                             f"model folder (with config.json) or at a config.json")
+            raise ValueError(
+                f"model.hf {path!r} is a file but not a config.json: point model.hf at a Hugging Face "
+                f"model folder (with config.json) or at a config.json"
+            )
         return p.parent, p
     if not p.is_dir():
-        raise ValueError(f"model.hf {path!r} does not exist: point it at a local Hugging Face model folder or a "
-                         f"config.json (nothing is downloaded, so hub names such as 'gpt2' are not accepted)")
+        raise ValueError(
+            f"model.hf {path!r} does not exist: point it at a local Hugging Face model folder or a "
+            f"config.json (nothing is downloaded, so hub names such as 'gpt2' are not accepted)"
+        )
     if not (p / "config.json").is_file():
-        raise ValueError(f"model.hf {path!r} is a folder with no config.json: point it at a Hugging Face model folder "
-                         f"(save one with model.save_pretrained(folder) or config.save_pretrained(folder))")
+        raise ValueError(
+            f"model.hf {path!r} is a folder with no config.json: point it at a Hugging Face model folder "
+            f"(save one with model.save_pretrained(folder) or config.save_pretrained(folder))"
+        )
     return p, p / "config.json"
 
 
@@ -69,15 +118,21 @@ def load_hf_config(path: str) -> Any:
     try:
         raw = json.loads(config_file.read_text())
     except (OSError, ValueError, RecursionError) as e:
-        raise ValueError(f"model.hf: {str(config_file)!r} is not readable JSON ({e}): fix or re-save the config") from None
+        raise ValueError(
+            f"model.hf: {str(config_file)!r} is not readable JSON ({e}): fix or re-save the config"
+        ) from None
     if not isinstance(raw, dict) or "model_type" not in raw:
-        raise ValueError(f"model.hf: {str(config_file)!r} has no model_type: it is not a transformers config "
-                         f"(write it with config.save_pretrained(folder))")
+        raise ValueError(
+            f"model.hf: {str(config_file)!r} has no model_type: it is not a transformers config "
+            f"(write it with config.save_pretrained(folder))"
+        )
     try:
         return transformers.AutoConfig.for_model(**raw)
     except (ValueError, KeyError) as e:
-        raise ValueError(f"model.hf: transformers {transformers.__version__} cannot build model_type "
-                         f"{raw['model_type']!r} ({e}): upgrade transformers or use a supported architecture") from None
+        raise ValueError(
+            f"model.hf: transformers {transformers.__version__} cannot build model_type "
+            f"{raw['model_type']!r} ({e}): upgrade transformers or use a supported architecture"
+        ) from None
 
 
 def infer_objective(hf_config: Any, objective: str | None) -> str:
@@ -93,12 +148,15 @@ def infer_objective(hf_config: Any, objective: str | None) -> str:
         return "clm"
     if hf_config.model_type in _MASKED_TYPES:
         return "mlm"
-    raise ValueError(f"model.hf: cannot tell whether model_type {hf_config.model_type!r} is a causal or a masked "
-                     f"language model: set model.objective=clm or model.objective=mlm")
+    raise ValueError(
+        f"model.hf: cannot tell whether model_type {hf_config.model_type!r} is a causal or a masked "
+        f"language model: set model.objective=clm or model.objective=mlm"
+    )
 
 
 def spec_of(hf_config: Any, objective: str) -> ModelSpec:
     """The sizes graphtrain reads (FLOPs, memory plan, checkpoint compatibility) from a transformers config."""
+
     def first(*names: str, default: Any = None) -> Any:
         for n in names:
             v = getattr(hf_config, n, None)
@@ -110,15 +168,22 @@ def spec_of(hf_config: Any, objective: str) -> ModelSpec:
     n_head = first("num_attention_heads", "n_head")
     n_layer = first("num_hidden_layers", "n_layer")
     if not all(isinstance(v, int) for v in (d_model, n_head, n_layer)):
-        raise ValueError(f"model.hf: model_type {hf_config.model_type!r} does not name hidden_size, "
-                         f"num_attention_heads and num_hidden_layers in its config: graphtrain cannot size it")
-    return ModelSpec(family="gpt2" if objective == "clm" else "bert", n_layer=n_layer, n_head=n_head,
-                     d_model=d_model, d_ff=first("intermediate_size", "n_inner", "ffn_dim", default=4 * d_model),
-                     vocab_size=hf_config.vocab_size,
-                     max_seq_len=first("max_position_embeddings", "n_positions", default=2048),
-                     dropout=float(first(*_DROPOUT_KEYS, default=0.0)),
-                     layer_norm_eps=float(first("layer_norm_eps", "rms_norm_eps", "layer_norm_epsilon", default=1e-5)),
-                     hf_type=hf_config.model_type)
+        raise ValueError(
+            f"model.hf: model_type {hf_config.model_type!r} does not name hidden_size, "
+            f"num_attention_heads and num_hidden_layers in its config: graphtrain cannot size it"
+        )
+    return ModelSpec(
+        family="gpt2" if objective == "clm" else "bert",
+        n_layer=n_layer,
+        n_head=n_head,
+        d_model=d_model,
+        d_ff=first("intermediate_size", "n_inner", "ffn_dim", default=4 * d_model),
+        vocab_size=hf_config.vocab_size,
+        max_seq_len=first("max_position_embeddings", "n_positions", default=2048),
+        dropout=float(first(*_DROPOUT_KEYS, default=0.0)),
+        layer_norm_eps=float(first("layer_norm_eps", "rms_norm_eps", "layer_norm_epsilon", default=1e-5)),
+        hf_type=hf_config.model_type,
+    )
 
 
 def configure(cfg: Any, vocab_size: int | None = None) -> tuple[Any, str]:
@@ -136,10 +201,12 @@ def configure(cfg: Any, vocab_size: int | None = None) -> tuple[Any, str]:
     if cfg.vocab_size is not None:
         hf_config.vocab_size = cfg.vocab_size
     if vocab_size is not None and vocab_size > hf_config.vocab_size:
-        raise ValueError(f"the tokenizer has {vocab_size} tokens but model.hf {cfg.hf!r} has a vocabulary of "
-                         f"{hf_config.vocab_size}: its ids would not fit the embedding. Set data.vocab_size <= "
-                         f"{hf_config.vocab_size} (the trained tokenizer), or data.tokenizer to the model's own "
-                         f"tokenizer, or model.vocab_size={vocab_size} (random init only)")
+        raise ValueError(
+            f"the tokenizer has {vocab_size} tokens but model.hf {cfg.hf!r} has a vocabulary of "
+            f"{hf_config.vocab_size}: its ids would not fit the embedding. Set data.vocab_size <= "
+            f"{hf_config.vocab_size} (the trained tokenizer), or data.tokenizer to the model's own "
+            f"tokenizer, or model.vocab_size={vocab_size} (random init only)"
+        )
     hf_config.use_cache = False  # training: no key/value cache
     return hf_config, objective
 
@@ -160,29 +227,39 @@ def build_hf_model(cfg: Any, vocab_size: int | None = None) -> HFLanguageModel:
     auto = transformers.AutoModelForCausalLM if objective == "clm" else transformers.AutoModelForMaskedLM
     pretrained = Path(cfg.hf).expanduser().is_dir()  # a folder: its weights; a config.json: random init
     weights = _weights(folder) if pretrained else None
-    if pretrained and weights is None and any((folder / n).is_file() for n in ("pytorch_model.bin",
-                                                                              "pytorch_model.bin.index.json")):
-        raise ValueError(f"model.hf {cfg.hf!r} has only pytorch_model.bin weights; graphtrain loads safetensors only "
-                         f"(pickle files run code when read): convert them (model.save_pretrained(folder, "
-                         f"safe_serialization=True)), or point model.hf at its config.json for a random init")
+    if (
+        pretrained
+        and weights is None
+        and any((folder / n).is_file() for n in ("pytorch_model.bin", "pytorch_model.bin.index.json"))
+    ):
+        raise ValueError(
+            f"model.hf {cfg.hf!r} has only pytorch_model.bin weights; graphtrain loads safetensors only "
+            f"(pickle files run code when read): convert them (model.save_pretrained(folder, "
+            f"safe_serialization=True)), or point model.hf at its config.json for a random init"
+        )
     if weights is not None and cfg.vocab_size is not None and cfg.vocab_size != load_hf_config(cfg.hf).vocab_size:
-        raise ValueError(f"model.vocab_size={cfg.vocab_size} cannot change the vocabulary of the pretrained weights "
-                         f"in {cfg.hf!r}: drop model.vocab_size, or point model.hf at its config.json for a random init")
+        raise ValueError(
+            f"model.vocab_size={cfg.vocab_size} cannot change the vocabulary of the pretrained weights "
+            f"in {cfg.hf!r}: drop model.vocab_size, or point model.hf at its config.json for a random init"
+        )
     try:
         if weights is not None:
             model = auto.from_pretrained(str(folder), config=hf_config, local_files_only=True, use_safetensors=True)
         else:
             model = auto.from_config(hf_config)
     except ValueError as e:
-        raise ValueError(f"model.hf {cfg.hf!r}: transformers cannot build a {objective} model "
-                         f"({'AutoModelForCausalLM' if objective == 'clm' else 'AutoModelForMaskedLM'}) of model_type "
-                         f"{hf_config.model_type!r}: {str(e).splitlines()[0]}. Set model.objective to the other "
-                         f"objective, or use a causal-LM or masked-LM architecture") from None
+        raise ValueError(
+            f"model.hf {cfg.hf!r}: transformers cannot build a {objective} model "
+            f"({'AutoModelForCausalLM' if objective == 'clm' else 'AutoModelForMaskedLM'}) of model_type "
+            f"{hf_config.model_type!r}: {str(e).splitlines()[0]}. Set model.objective to the other "
+            f"objective, or use a causal-LM or masked-LM architecture"
+        ) from None
     return HFLanguageModel(model, objective, spec_of(hf_config, objective))
 
 
 def _accepts(module: nn.Module, name: str) -> bool:
     import inspect
+
     return name in inspect.signature(module.forward).parameters
 
 
@@ -199,8 +276,13 @@ class HFLanguageModel(nn.Module):
         self.attention = "sdpa" if getattr(hf.config, "_attn_implementation", "") == "sdpa" else "explicit"
         self._takes_token_types = _accepts(hf, "token_type_ids")
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
-                attention_mask: torch.Tensor | None = None, token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Logits [B, T, V] without labels; with labels [B, T] (aligned with the inputs, -100 ignored), the mean
         cross-entropy."""
         kwargs: dict[str, Any] = {}
@@ -212,8 +294,9 @@ class HFLanguageModel(nn.Module):
         if labels is None:
             return logits
         if labels.shape != input_ids.shape:
-            raise ValueError(f"labels must have the shape of input_ids {tuple(input_ids.shape)}, "
-                             f"got {tuple(labels.shape)}")
+            raise ValueError(
+                f"labels must have the shape of input_ids {tuple(input_ids.shape)}, got {tuple(labels.shape)}"
+            )
         return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
 
     generate = GPT2.generate  # the same sampler (it reads only max_seq_len and the logits of forward)

@@ -9,6 +9,7 @@ call what eager Hugging Face would compute from it (the loss and the gradients d
 (the report's) where the caller could not tell otherwise. ``trace_through_log_once`` is the process-wide part.
 transformers is never imported here: a module is a Hugging Face model only if transformers is loaded already.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -79,7 +80,8 @@ def reads_problem_type(module: torch.nn.Module) -> bool:
         return False
     # the loss_function property, read without it (it logs a warning for a model without a loss type)
     loss = getattr(module, "_loss_function", None) or getattr(loss_utils, "LOSS_MAPPING", {}).get(
-        getattr(module, "loss_type", None))
+        getattr(module, "loss_type", None)
+    )
     return loss is not None and loss is getattr(loss_utils, "ForSequenceClassificationLoss", None)
 
 
@@ -111,11 +113,17 @@ class CallAdapter:
     @staticmethod
     def _drop_full_mask(kwargs: dict, notes: list[str]) -> None:
         mask = kwargs.get("attention_mask")
-        if (isinstance(mask, torch.Tensor) and mask.dim() == 2 and kwargs.get("position_ids") is None
-                and bool(mask.all())):
+        if (
+            isinstance(mask, torch.Tensor)
+            and mask.dim() == 2
+            and kwargs.get("position_ids") is None
+            and bool(mask.all())
+        ):
             kwargs["attention_mask"] = None
-            note = ("attention_mask of all ones passed as None, as Hugging Face's eager SDPA path treats it (its "
-                    "causal mask then reaches SDPA as is_causal; engine.static_masks)")
+            note = (
+                "attention_mask of all ones passed as None, as Hugging Face's eager SDPA path treats it (its "
+                "causal mask then reaches SDPA as is_causal; engine.static_masks)"
+            )
             if note not in notes:
                 notes.append(note)
 
@@ -134,8 +142,10 @@ class CallAdapter:
             config.problem_type = "single_label_classification"
         else:
             config.problem_type = "multi_label_classification"
-        note = (f"config.problem_type set to {config.problem_type!r} before the first call, by Hugging Face's rule "
-                f"(its forward sets it in the first call, which would make the second call compile again)")
+        note = (
+            f"config.problem_type set to {config.problem_type!r} before the first call, by Hugging Face's rule "
+            f"(its forward sets it in the first call, which would make the second call compile again)"
+        )
         if note not in notes:
             notes.append(note)
 

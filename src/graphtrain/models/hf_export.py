@@ -13,6 +13,7 @@ belong to another tokenizer, and with graphtrain's own BPE (eos ``<|endoftext|>`
 between documents and nothing else before them, so eos is what every document the model saw followed (GPT-2's
 convention, ``<|endoftext|>`` for both). A masked model gets pad only.
 """
+
 from __future__ import annotations
 
 import json
@@ -61,12 +62,14 @@ def write_tokenizer(tokenizer: Any, folder: Path, max_len: int, causal: bool) ->
     return str(Path(folder) / "tokenizer.json")
 
 
-def write_hf_folder(model: torch.nn.Module, tokenizer: Any, folder: str | Path, sample: torch.Tensor,
-                    ref: torch.Tensor) -> dict[str, Any]:
+def write_hf_folder(
+    model: torch.nn.Module, tokenizer: Any, folder: str | Path, sample: torch.Tensor, ref: torch.Tensor
+) -> dict[str, Any]:
     """Save `model` (eval mode) as a Hugging Face folder with `tokenizer` (None: weights and config only, the
     special ids left as the model's config has them), load it back with AutoModelForCausalLM/ForMaskedLM and
     compare its logits on `sample` with `ref` (the model's own). Returns {class, max_abs_diff, special_tokens}."""
     import transformers
+
     folder = Path(folder)
     causal = model.spec.family == "gpt2"
     hf = to_transformers(model)
@@ -92,12 +95,24 @@ def _lin(dst: Any, src: torch.nn.Linear, transpose: bool = False) -> None:
 @torch.no_grad()
 def _to_gpt2(model: torch.nn.Module) -> Any:
     import transformers
+
     s = model.spec
-    cfg = transformers.GPT2Config(vocab_size=s.vocab_size, n_positions=s.max_seq_len, n_embd=s.d_model,
-                                  n_layer=s.n_layer, n_head=s.n_head, n_inner=s.d_ff, activation_function="gelu",
-                                  resid_pdrop=s.dropout, embd_pdrop=s.dropout, attn_pdrop=s.dropout,
-                                  layer_norm_epsilon=s.layer_norm_eps, tie_word_embeddings=True,
-                                  bos_token_id=None, eos_token_id=None)
+    cfg = transformers.GPT2Config(
+        vocab_size=s.vocab_size,
+        n_positions=s.max_seq_len,
+        n_embd=s.d_model,
+        n_layer=s.n_layer,
+        n_head=s.n_head,
+        n_inner=s.d_ff,
+        activation_function="gelu",
+        resid_pdrop=s.dropout,
+        embd_pdrop=s.dropout,
+        attn_pdrop=s.dropout,
+        layer_norm_epsilon=s.layer_norm_eps,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
     hf = transformers.GPT2LMHeadModel(cfg)
     t = hf.transformer
     t.wte.weight.copy_(model.wte.weight)
@@ -117,12 +132,22 @@ def _to_gpt2(model: torch.nn.Module) -> Any:
 @torch.no_grad()
 def _to_bert(model: torch.nn.Module) -> Any:
     import transformers
+
     s = model.spec
-    cfg = transformers.BertConfig(vocab_size=s.vocab_size, hidden_size=s.d_model, num_hidden_layers=s.n_layer,
-                                  num_attention_heads=s.n_head, intermediate_size=s.d_ff, hidden_act="gelu",
-                                  max_position_embeddings=s.max_seq_len, type_vocab_size=s.type_vocab_size,
-                                  layer_norm_eps=s.layer_norm_eps, hidden_dropout_prob=s.dropout,
-                                  attention_probs_dropout_prob=s.dropout, tie_word_embeddings=True)
+    cfg = transformers.BertConfig(
+        vocab_size=s.vocab_size,
+        hidden_size=s.d_model,
+        num_hidden_layers=s.n_layer,
+        num_attention_heads=s.n_head,
+        intermediate_size=s.d_ff,
+        hidden_act="gelu",
+        max_position_embeddings=s.max_seq_len,
+        type_vocab_size=s.type_vocab_size,
+        layer_norm_eps=s.layer_norm_eps,
+        hidden_dropout_prob=s.dropout,
+        attention_probs_dropout_prob=s.dropout,
+        tie_word_embeddings=True,
+    )
     hf = transformers.BertForMaskedLM(cfg)
     e, d = hf.bert.embeddings, s.d_model
     e.word_embeddings.weight.copy_(model.embeddings.word.weight)
@@ -132,8 +157,8 @@ def _to_bert(model: torch.nn.Module) -> Any:
     for h, b in zip(hf.bert.encoder.layer, model.layers):
         att = h.attention.self
         for i, proj in enumerate((att.query, att.key, att.value)):  # the fused qkv, split in its order
-            proj.weight.copy_(b.attn.qkv.weight[i * d:(i + 1) * d])
-            proj.bias.copy_(b.attn.qkv.bias[i * d:(i + 1) * d])
+            proj.weight.copy_(b.attn.qkv.weight[i * d : (i + 1) * d])
+            proj.bias.copy_(b.attn.qkv.bias[i * d : (i + 1) * d])
         _lin(h.attention.output.dense, b.attn.proj)
         _lin(h.attention.output.LayerNorm, b.ln_1)
         _lin(h.intermediate.dense, b.mlp.fc)

@@ -5,6 +5,7 @@ the real pattern (matmul, scale, mask, softmax, dropout, matmul) in captured gra
 ``attention="sdpa"`` the same layer calls ``F.scaled_dot_product_attention`` instead; both give
 the same result with dropout off (tests/test_models.py).
 """
+
 from __future__ import annotations
 
 import math
@@ -29,8 +30,9 @@ class SelfAttention(nn.Module):
     [B, 1, 1, T] (BERT padding: 0 keep, large negative drop) is added to the scores.
     """
 
-    def __init__(self, d_model: int, n_head: int, dropout: float, *, causal: bool,
-                 attention: AttentionImpl = "explicit") -> None:
+    def __init__(
+        self, d_model: int, n_head: int, dropout: float, *, causal: bool, attention: AttentionImpl = "explicit"
+    ) -> None:
         super().__init__()
         check_attention_impl(attention)
         assert d_model % n_head == 0
@@ -57,8 +59,13 @@ class SelfAttention(nn.Module):
 
         if self.attention == "sdpa":
             y = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=attn_mask, is_causal=self.causal and attn_mask is None,
-                dropout_p=self.dropout_p if self.training else 0.0)
+                q,
+                k,
+                v,
+                attn_mask=attn_mask,
+                is_causal=self.causal and attn_mask is None,
+                dropout_p=self.dropout_p if self.training else 0.0,
+            )
         else:
             att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))
             if self.causal:
@@ -92,16 +99,20 @@ class MLP(nn.Module):
 def padding_mask(attention_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """[B, T] with 1 = keep, 0 = padding  ->  additive [B, 1, 1, T]: 0 keep, dtype's minimum drop."""
     if attention_mask.dim() != 2:
-        raise ValueError(f"attention_mask must be [batch, seq] with 1 = keep and 0 = padding, "
-                         f"got shape {tuple(attention_mask.shape)}")
+        raise ValueError(
+            f"attention_mask must be [batch, seq] with 1 = keep and 0 = padding, "
+            f"got shape {tuple(attention_mask.shape)}"
+        )
     keep = attention_mask[:, None, None, :].to(dtype)
     return (1.0 - keep) * torch.finfo(dtype).min
 
 
 def check_seq_len(T: int, max_seq_len: int) -> None:
     if T > max_seq_len:
-        raise ValueError(f"input sequence length {T} exceeds the model's max_seq_len {max_seq_len}: "
-                         f"set model.max_seq_len >= {T} or lower data.seq_len to <= {max_seq_len}")
+        raise ValueError(
+            f"input sequence length {T} exceeds the model's max_seq_len {max_seq_len}: "
+            f"set model.max_seq_len >= {T} or lower data.seq_len to <= {max_seq_len}"
+        )
 
 
 def check_input_ids(input_ids: torch.Tensor) -> None:

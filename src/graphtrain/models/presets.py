@@ -4,6 +4,7 @@ Vocabulary size precedence in `build_model`: `model.vocab_size` (an explicit ove
 tokenizer's size passed by the caller, then the preset's. The seed presets `gpt2-medium` and
 `bert-large` match the published parameter counts (see tests/test_models.py).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -19,13 +20,27 @@ from graphtrain.models.spec import ModelSpec
 
 
 def _gpt2(n_layer: int, n_head: int, d_model: int, vocab_size: int, max_seq_len: int) -> ModelSpec:
-    return ModelSpec(family="gpt2", n_layer=n_layer, n_head=n_head, d_model=d_model, vocab_size=vocab_size,
-                     max_seq_len=max_seq_len, layer_norm_eps=1e-5)
+    return ModelSpec(
+        family="gpt2",
+        n_layer=n_layer,
+        n_head=n_head,
+        d_model=d_model,
+        vocab_size=vocab_size,
+        max_seq_len=max_seq_len,
+        layer_norm_eps=1e-5,
+    )
 
 
 def _bert(n_layer: int, n_head: int, d_model: int, vocab_size: int, max_seq_len: int) -> ModelSpec:
-    return ModelSpec(family="bert", n_layer=n_layer, n_head=n_head, d_model=d_model, vocab_size=vocab_size,
-                     max_seq_len=max_seq_len, layer_norm_eps=1e-12)
+    return ModelSpec(
+        family="bert",
+        n_layer=n_layer,
+        n_head=n_head,
+        d_model=d_model,
+        vocab_size=vocab_size,
+        max_seq_len=max_seq_len,
+        layer_norm_eps=1e-12,
+    )
 
 
 PRESETS: dict[str, ModelSpec] = {
@@ -60,8 +75,10 @@ def get_spec(name: str) -> ModelSpec:
 def resolve_spec(cfg: ModelConfig, vocab_size: int | None = None) -> ModelSpec:
     """The preset named by `cfg` with the config's overrides applied."""
     if not isinstance(cfg, ModelConfig):
-        raise TypeError(f"build_model expects a graphtrain.config.sections.ModelConfig (e.g. config.model), "
-                        f"got {type(cfg).__name__}")
+        raise TypeError(
+            f"build_model expects a graphtrain.config.sections.ModelConfig (e.g. config.model), "
+            f"got {type(cfg).__name__}"
+        )
     if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1):
         raise ValueError(f"vocab_size must be a positive integer (the tokenizer's size), got {vocab_size!r}")
     if cfg.hf is not None:
@@ -70,9 +87,11 @@ def resolve_spec(cfg: ModelConfig, vocab_size: int | None = None) -> ModelSpec:
     changes: dict[str, object] = {}
     if cfg.vocab_size is not None and vocab_size is not None and cfg.vocab_size < vocab_size:
         # ids past the embedding's rows ended the first step in an IndexError traceback
-        raise ValueError(f"model.vocab_size={cfg.vocab_size} is smaller than the tokenizer's vocabulary ({vocab_size} "
-                         f"ids): set model.vocab_size to at least {vocab_size}, or leave it unset (null: the "
-                         f"tokenizer's size)")
+        raise ValueError(
+            f"model.vocab_size={cfg.vocab_size} is smaller than the tokenizer's vocabulary ({vocab_size} "
+            f"ids): set model.vocab_size to at least {vocab_size}, or leave it unset (null: the "
+            f"tokenizer's size)"
+        )
     if cfg.vocab_size is not None:
         changes["vocab_size"] = cfg.vocab_size
     elif vocab_size is not None:

@@ -1,4 +1,5 @@
 """The shape of a reference model (what `GPT2` and `BERT` are built from; presets.py names the shapes)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

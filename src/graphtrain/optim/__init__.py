@@ -8,6 +8,7 @@ Gradient clipping by global norm is done once, by ``graphtrain.optim.step.optimi
 ``cfg.grad_clip``; LAMB's own pre-normalisation is therefore left off here (clipping to norm c and
 apex's pre-normalisation with max_grad_norm=c are the same operation).
 """
+
 from __future__ import annotations
 
 import torch
@@ -18,8 +19,15 @@ from graphtrain.optim.lamb import LAMB
 from graphtrain.optim.loss_scale import DynamicLossScaler, make_loss_scaler
 from graphtrain.optim.step import optimizer_step
 
-__all__ = ["DynamicLossScaler", "FusedAdamW", "LAMB", "build_optimizer", "make_loss_scaler", "optimizer_step",
-           "param_groups"]
+__all__ = [
+    "DynamicLossScaler",
+    "FusedAdamW",
+    "LAMB",
+    "build_optimizer",
+    "make_loss_scaler",
+    "optimizer_step",
+    "param_groups",
+]
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:

@@ -15,6 +15,7 @@ A ``_foreach_*`` AdamW of ours would run the same separate passes as ``foreach=T
 ``FusedAdamW`` is ``torch.optim.AdamW`` with ``fused=True`` wherever the kernel exists for the
 parameters' device and dtype, and ``foreach=True`` elsewhere (e.g. parameters of mixed devices).
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -32,21 +33,39 @@ def fused_supported(params: Iterable[torch.Tensor]) -> bool:
     if not params or not hasattr(torch, "_fused_adamw_"):
         return False
     devices = {p.device.type for p in params}
-    return (len(devices) == 1 and devices <= set(_FUSED_DEVICES)
-            and all(p.dtype in _FUSED_DTYPES and not p.is_sparse for p in params))
+    return (
+        len(devices) == 1
+        and devices <= set(_FUSED_DEVICES)
+        and all(p.dtype in _FUSED_DTYPES and not p.is_sparse for p in params)
+    )
 
 
 class FusedAdamW(torch.optim.AdamW):
     """``torch.optim.AdamW`` pinned to its fastest implementation (fused, else foreach)."""
 
-    def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.01) -> None:
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.01,
+    ) -> None:
         params = list(params)
         tensors = [p for g in params for p in (g["params"] if isinstance(g, dict) else [g])]
         if any(not isinstance(p, torch.Tensor) for p in tensors):
-            raise TypeError("FusedAdamW takes parameters or param-group dicts {'params': [...], ...}; "
-                            "pass model.parameters() or graphtrain.optim.param_groups(model, wd)")
+            raise TypeError(
+                "FusedAdamW takes parameters or param-group dicts {'params': [...], ...}; "
+                "pass model.parameters() or graphtrain.optim.param_groups(model, wd)"
+            )
         fused = fused_supported(tensors)
-        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                         fused=fused or None, foreach=None if fused else True)
+        super().__init__(
+            params,
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            fused=fused or None,
+            foreach=None if fused else True,
+        )
         self.implementation = "fused" if fused else "foreach"

@@ -23,6 +23,7 @@ one vector, and the update. Measured on 27.6M parameters (gpt2-small shapes, 2 s
 15 interleaved steps, two runs under other jobs' load): fused is 2.1-3.0x faster than foreach
 (minimum 65 vs 168 ms, and 350 vs 1061 ms under heavier load); torch's fused AdamW took 18-50 ms.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
@@ -43,9 +44,18 @@ from graphtrain.optim.functional import (
 class LAMB(Optimizer):
     """Layer-wise adaptive moments (LAMB), multi-tensor; see the module docstring for the update."""
 
-    def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-6, weight_decay: float = 0.01, max_grad_norm: float = 0.0,
-                 bias_correction: bool = True, use_nvlamb: bool = False, fused: bool | None = None) -> None:
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-6,
+        weight_decay: float = 0.01,
+        max_grad_norm: float = 0.0,
+        bias_correction: bool = True,
+        use_nvlamb: bool = False,
+        fused: bool | None = None,
+    ) -> None:
         if not lr > 0.0:
             raise ValueError(f"LAMB lr must be positive, got {lr}")
         if not all(0.0 <= b < 1.0 for b in betas) or len(betas) != 2:
@@ -58,8 +68,14 @@ class LAMB(Optimizer):
             fused = hasattr(torch, "_fused_adam_")
         if not max_grad_norm >= 0.0:
             raise ValueError(f"LAMB max_grad_norm must be >= 0 (0 switches pre-normalisation off), got {max_grad_norm}")
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                        bias_correction=bias_correction, use_nvlamb=use_nvlamb)
+        defaults = dict(
+            lr=lr,
+            betas=tuple(betas),
+            eps=eps,
+            weight_decay=weight_decay,
+            bias_correction=bias_correction,
+            use_nvlamb=use_nvlamb,
+        )
         super().__init__(params, defaults)
         self.max_grad_norm = float(max_grad_norm)
         self.fused = bool(fused)
@@ -119,9 +135,18 @@ class LAMB(Optimizer):
                 if p not in self._scratch:
                     self._scratch[p] = torch.empty_like(p, memory_format=torch.preserve_format)
                 scratch.append(self._scratch[p])
-            update = adam_direction_fused_(scratch, grads, exp_avg, exp_avg_sq, steps, betas=(beta1, beta2), eps=eps,
-                                           grad_scale=clip)
+            update = adam_direction_fused_(
+                scratch, grads, exp_avg, exp_avg_sq, steps, betas=(beta1, beta2), eps=eps, grad_scale=clip
+            )
         else:
-            update = adam_direction(grads, exp_avg, exp_avg_sq, steps, betas=(beta1, beta2), eps=eps,
-                                    bias_correction=group["bias_correction"], grad_scale=clip)
+            update = adam_direction(
+                grads,
+                exp_avg,
+                exp_avg_sq,
+                steps,
+                betas=(beta1, beta2),
+                eps=eps,
+                bias_correction=group["bias_correction"],
+                grad_scale=clip,
+            )
         lamb_apply_(params, update, lr=lr, weight_decay=wd, use_nvlamb=group["use_nvlamb"])

@@ -15,6 +15,7 @@ overflow since it last grew, so ``hysteresis - 1`` isolated overflows are skippe
 the scale; ``hysteresis=1`` backs off on every overflow. Once backed off, every further overflow
 backs off again until the scale next grows. The scale never drops below ``min_scale``.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -29,8 +30,15 @@ from graphtrain.optim.functional import loss_scale_update
 class DynamicLossScaler:
     """Scale the loss, unscale and check the gradients in one fused pass, adapt the scale."""
 
-    def __init__(self, init_scale: float = 65536.0, growth_factor: float = 2.0, backoff_factor: float = 0.5,
-                 growth_interval: int = 2000, hysteresis: int = 2, min_scale: float = 1.0) -> None:
+    def __init__(
+        self,
+        init_scale: float = 65536.0,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        hysteresis: int = 2,
+        min_scale: float = 1.0,
+    ) -> None:
         if not init_scale > 0:
             raise ValueError(f"loss scale init_scale must be positive, got {init_scale}")
         if not growth_factor > 1:
@@ -38,8 +46,9 @@ class DynamicLossScaler:
         if not 0 < backoff_factor < 1:
             raise ValueError(f"loss scale backoff_factor must be in (0, 1), got {backoff_factor}")
         if growth_interval < 1 or hysteresis < 1:
-            raise ValueError(f"loss scale growth_interval and hysteresis must be >= 1, got "
-                             f"{growth_interval} and {hysteresis}")
+            raise ValueError(
+                f"loss scale growth_interval and hysteresis must be >= 1, got {growth_interval} and {hysteresis}"
+            )
         if not 0 < min_scale <= init_scale:
             raise ValueError(f"loss scale min_scale must be in (0, init_scale={init_scale}], got {min_scale}")
         self.growth_factor, self.backoff_factor = float(growth_factor), float(backoff_factor)
@@ -52,9 +61,14 @@ class DynamicLossScaler:
 
     @classmethod
     def from_config(cls, cfg: EngineConfig) -> DynamicLossScaler:
-        return cls(init_scale=cfg.loss_scale_init, growth_factor=cfg.loss_scale_growth,
-                   backoff_factor=cfg.loss_scale_backoff, growth_interval=cfg.loss_scale_interval,
-                   hysteresis=cfg.loss_scale_hysteresis, min_scale=cfg.loss_scale_min)
+        return cls(
+            init_scale=cfg.loss_scale_init,
+            growth_factor=cfg.loss_scale_growth,
+            backoff_factor=cfg.loss_scale_backoff,
+            growth_interval=cfg.loss_scale_interval,
+            hysteresis=cfg.loss_scale_hysteresis,
+            min_scale=cfg.loss_scale_min,
+        )
 
     @property
     def scale_value(self) -> float:
@@ -95,13 +109,25 @@ class DynamicLossScaler:
         found_inf = bool(found_inf)
         self.skipped_steps += found_inf
         self._scale, self._growth_tracker, self._hysteresis_left = loss_scale_update(
-            self._scale, self._growth_tracker, self._hysteresis_left, found_inf, growth_factor=self.growth_factor,
-            backoff_factor=self.backoff_factor, growth_interval=self.growth_interval, hysteresis=self.hysteresis,
-            min_scale=self.min_scale)
+            self._scale,
+            self._growth_tracker,
+            self._hysteresis_left,
+            found_inf,
+            growth_factor=self.growth_factor,
+            backoff_factor=self.backoff_factor,
+            growth_interval=self.growth_interval,
+            hysteresis=self.hysteresis,
+            min_scale=self.min_scale,
+        )
 
     def state_dict(self) -> dict[str, Any]:
-        return {"scale": self._scale, "growth_tracker": self._growth_tracker, "hysteresis_left": self._hysteresis_left,
-                "skipped_steps": self.skipped_steps, "steps": self.steps}
+        return {
+            "scale": self._scale,
+            "growth_tracker": self._growth_tracker,
+            "hysteresis_left": self._hysteresis_left,
+            "skipped_steps": self.skipped_steps,
+            "steps": self.steps,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         missing = {"scale", "growth_tracker", "hysteresis_left"} - set(state)
@@ -114,8 +140,10 @@ class DynamicLossScaler:
         self.steps = int(state.get("steps", 0))
 
     def __repr__(self) -> str:
-        return (f"DynamicLossScaler(scale={self._scale:g}, skipped={self.skipped_steps}/{self.steps}, "
-                f"interval={self.growth_interval}, hysteresis={self.hysteresis})")
+        return (
+            f"DynamicLossScaler(scale={self._scale:g}, skipped={self.skipped_steps}/{self.steps}, "
+            f"interval={self.growth_interval}, hysteresis={self.hysteresis})"
+        )
 
 
 def make_loss_scaler(cfg: EngineConfig) -> DynamicLossScaler | None:

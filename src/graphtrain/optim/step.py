@@ -12,6 +12,7 @@ steps are counted in ``scaler.skipped_steps``). Without a scaler (fp32, bf16) a 
 gradient norm skips the step the same way (``skip_nonfinite``): a NaN is never written into the
 weights or the optimizer's moments.
 """
+
 from __future__ import annotations
 
 import math
@@ -23,9 +24,13 @@ import torch
 from graphtrain.optim.loss_scale import DynamicLossScaler
 
 
-def optimizer_step(optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor],
-                   scaler: DynamicLossScaler | None = None, grad_clip: float | None = None,
-                   skip_nonfinite: bool = True) -> dict[str, Any]:
+def optimizer_step(
+    optimizer: torch.optim.Optimizer,
+    params: Iterable[torch.Tensor],
+    scaler: DynamicLossScaler | None = None,
+    grad_clip: float | None = None,
+    skip_nonfinite: bool = True,
+) -> dict[str, Any]:
     """Unscale and check (with a scaler), clip by global norm (with grad_clip), then step or skip.
 
     Returns ``{"grad_norm": float (before clipping, nan on a skipped step), "skipped": bool,

@@ -23,6 +23,7 @@ The pass ``hide_autograd_functions`` (stage ``dynamo``, phase ``opaque``) runs `
 traces. Its other half is not a pass: the backend calls ``restore`` on every traced graph after its pre-autodiff
 passes, whether the pass ran or not (nothing hidden: nothing to restore), so switching passes never separates them.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -53,8 +54,10 @@ def _run_forward(key: str, args: list[torch.Tensor]) -> list[torch.Tensor]:
 def autograd_function(key: str, args: list[torch.Tensor]) -> list[torch.Tensor]:
     """A user's autograd.Function held opaque through the pre-autodiff passes (see the module docstring)."""
     if key not in _BODIES:
-        raise RuntimeError(f"graphtrain::autograd_function {key[:12]}: no such function in this process (a graph "
-                           f"hidden by engine/autograd_functions.hide runs only after its restore)")
+        raise RuntimeError(
+            f"graphtrain::autograd_function {key[:12]}: no such function in this process (a graph "
+            f"hidden by engine/autograd_functions.hide runs only after its restore)"
+        )
     return _run_forward(key, args)
 
 
@@ -65,25 +68,42 @@ def _(key: str, args: list[torch.Tensor]) -> list[torch.Tensor]:
 
 # random: a user's function may draw random numbers (a dropout inside), so no pass merges two calls of it; it is
 # never recomputed and follows its inputs' precision (it only exists between the trace and autodiff).
-register_ops(OpDescriptor("autograd_function", role=FORWARD, random=True, recompute=NEVER, precision=FOLLOW,
-                          workspace_bytes=no_workspace, cpp=()), owner="engine.autograd_functions")
+register_ops(
+    OpDescriptor(
+        "autograd_function",
+        role=FORWARD,
+        random=True,
+        recompute=NEVER,
+        precision=FOLLOW,
+        workspace_bytes=no_workspace,
+        cpp=(),
+    ),
+    owner="engine.autograd_functions",
+)
 
 
 def _hideable(n: fx.Node, gm: fx.GraphModule) -> bool:
     if n.op != "call_function" or _HOP is None or n.target is not _HOP or len(n.args) < 2:
         return False
-    fwd, bwd = (getattr(gm, str(a.target), None) if isinstance(a, fx.Node) and a.op == "get_attr" else None
-                for a in n.args[:2])
+    fwd, bwd = (
+        getattr(gm, str(a.target), None) if isinstance(a, fx.Node) and a.op == "get_attr" else None for a in n.args[:2]
+    )
     if not isinstance(fwd, fx.GraphModule) or not isinstance(bwd, fx.GraphModule):
         return False
-    if not all(isinstance(a, fx.Node) and isinstance(a.meta.get("example_value", a.meta.get("val")), torch.Tensor)
-               for a in n.args[2:]):
+    if not all(
+        isinstance(a, fx.Node) and isinstance(a.meta.get("example_value", a.meta.get("val")), torch.Tensor)
+        for a in n.args[2:]
+    ):
         return False
     out = next(iter(fwd.graph.find_nodes(op="output")))
     result = out.args[0]
     # Dynamo's forward body returns (outputs, saved values); the outputs as a tuple of tensors
-    return isinstance(result, (tuple, list)) and len(result) == 2 and isinstance(result[0], (tuple, list)) \
+    return (
+        isinstance(result, (tuple, list))
+        and len(result) == 2
+        and isinstance(result[0], (tuple, list))
         and all(isinstance(x, fx.Node) for x in result[0])
+    )
 
 
 def has_autograd_functions(gm: fx.GraphModule) -> bool:
@@ -126,8 +146,10 @@ def hide_autograd_functions_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.Gra
     gm, hidden = hide(gm)
     if hidden:
         ctx.count(hidden)
-        ctx.tell(f"{hidden} autograd.Function call(s) held opaque through the pre-autodiff passes (their own forward "
-                 f"and backward run)")
+        ctx.tell(
+            f"{hidden} autograd.Function call(s) held opaque through the pre-autodiff passes (their own forward "
+            f"and backward run)"
+        )
     return gm
 
 

@@ -10,6 +10,7 @@ tensors Dynamo lifted as constants). Frozen parameters and buffers are *not* fol
 on tensor values, so a later ``load_state_dict``, an in-place update or unfreezing would silently leave a
 stale constant in the compiled graph.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -41,7 +42,7 @@ _UNINITIALIZED = ("empty", "empty_like", "empty_strided", "new_empty", "new_empt
 
 def _is_pure_op(n: fx.Node) -> bool:
     """A call whose result depends only on its arguments and which has no side effect."""
-    return (n.op == "call_function" and not is_random(n) and not _is_mutating(n) and not n.is_impure())
+    return n.op == "call_function" and not is_random(n) and not _is_mutating(n) and not n.is_impure()
 
 
 def _graph_is_functional(gm: fx.GraphModule) -> bool:
@@ -77,10 +78,12 @@ def _key(n: fx.Node, rep: dict[fx.Node, fx.Node]) -> Any:
             return ("nan",)
         if isinstance(a, (torch.SymInt, torch.SymFloat, torch.SymBool)):
             return ("sym", str(a))
-        if isinstance(a, (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout,
-                          torch.memory_format)):
+        if isinstance(
+            a, (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
+        ):
             return (type(a).__name__, a)
         raise TypeError("unhashable")
+
     return (n.target, norm(n.args), norm(n.kwargs))
 
 
@@ -177,8 +180,14 @@ def _layout(v: Any) -> tuple | None:
 def _same_layout(a: Any, b: Any, offset: bool = True) -> bool:
     """Same dtype, device, shape and strides (and storage offset unless `offset` is False)."""
     la, lb = _layout(a), _layout(b)
-    return (la is not None and lb is not None and la[:2] == lb[:2] and _same(la[2], lb[2])
-            and _same(la[3], lb[3]) and (not offset or statically_known_true(la[4] == lb[4])))
+    return (
+        la is not None
+        and lb is not None
+        and la[:2] == lb[:2]
+        and _same(la[2], lb[2])
+        and _same(la[3], lb[3])
+        and (not offset or statically_known_true(la[4] == lb[4]))
+    )
 
 
 def _noop_source(n: fx.Node, functional: bool) -> fx.Node | None:
@@ -191,8 +200,13 @@ def _noop_source(n: fx.Node, functional: bool) -> fx.Node | None:
         return None
     if not _same_layout(out, inp, offset=False):
         return None
-    views = (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default,
-             aten.alias.default)
+    views = (
+        aten.view.default,
+        aten.reshape.default,
+        aten._unsafe_view.default,
+        aten.expand.default,
+        aten.alias.default,
+    )
     copies = (aten.clone.default, aten._to_copy.default, aten.to.dtype, aten.to.device, aten.to.dtype_layout)
     feeds_output = any(u.op == "output" for u in n.users)
     if n.target in views:
@@ -222,9 +236,18 @@ def remove_noop_ops_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
 
 
 # Ops that only reinterpret their input's storage (no data movement).
-_VIEW_OPS = (aten.view.default, aten._unsafe_view.default, aten.t.default, aten.transpose.int,
-             aten.permute.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims,
-             aten.squeeze.default, aten.alias.default)
+_VIEW_OPS = (
+    aten.view.default,
+    aten._unsafe_view.default,
+    aten.t.default,
+    aten.transpose.int,
+    aten.permute.default,
+    aten.unsqueeze.default,
+    aten.squeeze.dim,
+    aten.squeeze.dims,
+    aten.squeeze.default,
+    aten.alias.default,
+)
 _RESHAPES = (aten.view.default, aten._unsafe_view.default)
 
 

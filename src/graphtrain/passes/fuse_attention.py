@@ -24,6 +24,7 @@ but draws a different (hash-based) mask than aten's Bernoulli, like any change o
 mask is computed from trainable parameters (a learned bias needs a gradient the op does not give),
 or when shapes do not line up (a mask that would not broadcast to the fused op's [B, H, Sq, Sk] scores).
 """
+
 from __future__ import annotations
 
 import operator
@@ -57,8 +58,12 @@ from graphtrain.passes.manager import PassContext, register_pass
 
 def _split_mask(g: fx.Graph, n: fx.Node) -> tuple[fx.Node, Callable[[], fx.Node] | None]:
     """scores-with-mask node -> (scores node, additive-mask builder or None)."""
-    if is_op(n, aten.add) and len(n.args) == 2 and isinstance(a := n.args[0], fx.Node) \
-            and isinstance(b := n.args[1], fx.Node):
+    if (
+        is_op(n, aten.add)
+        and len(n.args) == 2
+        and isinstance(a := n.args[0], fx.Node)
+        and isinstance(b := n.args[1], fx.Node)
+    ):
         # the scores side comes from a bmm (through views/scales); the other side is the mask
         sa = shape(a)
         if strip_views(a, sa[-2:] if sa else ()) and _reaches_bmm(a):
@@ -72,9 +77,11 @@ def _split_mask(g: fx.Graph, n: fx.Node) -> tuple[fx.Node, Callable[[], fx.Node]
     if is_op(n, aten.where) and len(n.args) == 3:
         c, s, other = n.args
         if isinstance(s, fx.Node) and _reaches_bmm(s):
+
             def build() -> fx.Node:
                 fill = other if isinstance(other, fx.Node) else call(g, aten.full_like.default, s, other)
                 return call(g, aten.where.self, c, call(g, aten.zeros_like.default, s), fill)
+
             return s, build
     return n, None
 
@@ -181,8 +188,10 @@ def _try_fuse(gm: fx.GraphModule, sm: fx.Node, ctx: PassContext) -> bool:
     with g.inserting_before(bmm2):
         if not (len(known_shape(q)) == len(known_shape(kt)) == len(known_shape(v))):
             # mixed 3-D/4-D: work in [B*H, S, D]
-            q, kt, v = [n if len(known_shape(n)) == 3
-                        else call(g, aten.reshape.default, n, [-1, *known_shape(n)[-2:]]) for n in (q, kt, v)]
+            q, kt, v = [
+                n if len(known_shape(n)) == 3 else call(g, aten.reshape.default, n, [-1, *known_shape(n)[-2:]])
+                for n in (q, kt, v)
+            ]
         causal = False
         if mask_fn is not None:
             mask = mask_fn()
@@ -227,8 +236,11 @@ def _flash_to_heads(g: fx.Graph, node: fx.Node) -> bool:
     q, k, v, p, causal, mask, scale = (node.kwargs.get(name, a) for name, a in zip(names, args))
     p, causal = p or 0.0, bool(causal)
     qv, kv, vv = (val(x) if isinstance(x, fx.Node) else None for x in (q, k, v))
-    if mask is not None or p != 0.0 or not (isinstance(qv, torch.Tensor) and isinstance(kv, torch.Tensor)
-                                            and isinstance(vv, torch.Tensor)):
+    if (
+        mask is not None
+        or p != 0.0
+        or not (isinstance(qv, torch.Tensor) and isinstance(kv, torch.Tensor) and isinstance(vv, torch.Tensor))
+    ):
         return False
     if scale is not None and not isinstance(scale, (int, float, torch.SymFloat)):
         return False
@@ -246,8 +258,17 @@ def _flash_to_heads(g: fx.Graph, node: fx.Node) -> bool:
     if any(u.args[1] != 0 and u.users for u in users):  # the logsumexp is read
         return False
     with g.inserting_before(node):
-        att = call(g, torch.ops.graphtrain.attention.default, q, k, v, None,
-                   float(scale) if scale is not None else qv.shape[-1] ** -0.5, causal, 0.0)
+        att = call(
+            g,
+            torch.ops.graphtrain.attention.default,
+            q,
+            k,
+            v,
+            None,
+            float(scale) if scale is not None else qv.shape[-1] ** -0.5,
+            causal,
+            0.0,
+        )
         out = getitem(g, att, 0)
     for u in users:
         if u.args[1] == 0:
@@ -281,7 +302,9 @@ def fuse_attention_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     if kept:
         ctx.note(f"{kept} SDPA call(s) without dropout kept as aten's flash attention (already one fused kernel)")
     if heads:
-        ctx.note(f"{heads} causal SDPA call(s) without dropout or mask (fp32, CPU) moved to graphtrain's head-by-head "
-                 f"attention kernel")
+        ctx.note(
+            f"{heads} causal SDPA call(s) without dropout or mask (fp32, CPU) moved to graphtrain's head-by-head "
+            f"attention kernel"
+        )
     ctx.count(n + heads)
     return finish(gm)

@@ -23,6 +23,7 @@ view/_unsafe_view(mm(h, t(W))) (tied or untied LM head without bias), and with a
 MLM decoder) or add(view(mm(h, t(W))), b) (graphtrain BERT's tied decoder plus its own bias), with
 single users all the way and a mean/sum reduction. Same function; only rounding differs.
 """
+
 from __future__ import annotations
 
 import operator
@@ -86,8 +87,9 @@ def _returned_chain(u: fx.Node) -> list[fx.Node] | None:
     return chain
 
 
-def _returned_lm_head(x: fx.Node, ls: fx.Node) \
-        -> tuple[fx.Node, Argument, fx.Node | None, fx.Node, list[fx.Node]] | None:
+def _returned_lm_head(
+    x: fx.Node, ls: fx.Node
+) -> tuple[fx.Node, Argument, fx.Node | None, fx.Node, list[fx.Node]] | None:
     """x (the cross-entropy's 2-D logits) -> (hidden, weight^T, bias, head node, nodes to move after the fused op)
     when x is an LM head matmul (mm, or addmm with a bias) whose logits also leave the graph detached, through views
     only; None otherwise."""
@@ -124,8 +126,9 @@ def _returned_lm_head(x: fx.Node, ls: fx.Node) \
     return h, wt, bias, head, [n for n in reversed(path[:-1])] + moved
 
 
-def _fuse_returned(g: fx.Graph, node: fx.Node, ls: fx.Node, x: fx.Node, target: Any, reduction: Any,
-                   ignore: Any) -> bool:
+def _fuse_returned(
+    g: fx.Graph, node: fx.Node, ls: fx.Node, x: fx.Node, target: Any, reduction: Any, ignore: Any
+) -> bool:
     """Rewrite the LM head + cross-entropy (`node`, the nll_loss) of a head whose logits are also returned to
     graphtrain's *_logits op (the logits computed once, the loss's gradient chunked from them:
     kernels/linear_cross_entropy.py); False when `x` is not such a head."""
@@ -136,12 +139,23 @@ def _fuse_returned(g: fx.Graph, node: fx.Node, ls: fx.Node, x: fx.Node, target: 
     with g.inserting_before(node):
         w = wt.args[0] if is_op(wt, aten.t) else call(g, aten.t.default, wt)
         if bias is None:
-            fused = call(g, torch.ops.graphtrain.linear_cross_entropy_logits.default, h, w, target, ignore, reduction,
-                         0, False)
+            fused = call(
+                g, torch.ops.graphtrain.linear_cross_entropy_logits.default, h, w, target, ignore, reduction, 0, False
+            )
             logits = getitem(g, fused, 3)
         else:
-            fused = call(g, torch.ops.graphtrain.linear_bias_cross_entropy_logits.default, h, w, bias, target, ignore,
-                         reduction, 0, False)
+            fused = call(
+                g,
+                torch.ops.graphtrain.linear_bias_cross_entropy_logits.default,
+                h,
+                w,
+                bias,
+                target,
+                ignore,
+                reduction,
+                0,
+                False,
+            )
             logits = getitem(g, fused, 4)
         loss = getitem(g, fused, 0)
     for u in list(node.users):
@@ -167,8 +181,13 @@ def _fuse(gm: fx.GraphModule, ctx: PassContext, linear_only: bool) -> fx.GraphMo
             continue
         x = ls.args[0]
         xs = shape(x)
-        if not isinstance(x, fx.Node) or xs is None or len(xs) != 2 or ls.args[1] not in (1, -1) \
-                or (len(ls.args) > 2 and ls.args[2]):
+        if (
+            not isinstance(x, fx.Node)
+            or xs is None
+            or len(xs) != 2
+            or ls.args[1] not in (1, -1)
+            or (len(ls.args) > 2 and ls.args[2])
+        ):
             continue
         if any(not (is_op(u, operator.getitem) and u.args[1] == 0) for u in node.users):
             continue
@@ -183,11 +202,22 @@ def _fuse(gm: fx.GraphModule, ctx: PassContext, linear_only: bool) -> fx.GraphMo
                 h, wt, bias = head
                 w = wt.args[0] if is_op(wt, aten.t) else call(g, aten.t.default, wt)
                 if bias is None:
-                    fused = call(g, torch.ops.graphtrain.linear_cross_entropy.default, h, w, target, ignore,
-                                 reduction, 0, False)
+                    fused = call(
+                        g, torch.ops.graphtrain.linear_cross_entropy.default, h, w, target, ignore, reduction, 0, False
+                    )
                 else:
-                    fused = call(g, torch.ops.graphtrain.linear_bias_cross_entropy.default, h, w, bias, target,
-                                 ignore, reduction, 0, False)
+                    fused = call(
+                        g,
+                        torch.ops.graphtrain.linear_bias_cross_entropy.default,
+                        h,
+                        w,
+                        bias,
+                        target,
+                        ignore,
+                        reduction,
+                        0,
+                        False,
+                    )
             else:
                 fused = call(g, torch.ops.graphtrain.cross_entropy.default, x, target, ignore, reduction)
             out = getitem(g, fused, 0)
@@ -213,10 +243,12 @@ def fuse_cross_entropy_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphMod
     return _fuse(gm, ctx, linear_only=False)
 
 
-_LINEAR_CE = {torch.ops.graphtrain.linear_cross_entropy.default: 6,
-              torch.ops.graphtrain.linear_bias_cross_entropy.default: 7,
-              torch.ops.graphtrain.linear_cross_entropy_logits.default: 6,
-              torch.ops.graphtrain.linear_bias_cross_entropy_logits.default: 7}  # op -> index of skip_ignored
+_LINEAR_CE = {
+    torch.ops.graphtrain.linear_cross_entropy.default: 6,
+    torch.ops.graphtrain.linear_bias_cross_entropy.default: 7,
+    torch.ops.graphtrain.linear_cross_entropy_logits.default: 6,
+    torch.ops.graphtrain.linear_bias_cross_entropy_logits.default: 7,
+}  # op -> index of skip_ignored
 
 
 # it flags the LM-head ops both fusions above insert

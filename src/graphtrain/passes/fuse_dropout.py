@@ -7,6 +7,7 @@ residual add of the same shape. Examples: GPT-2/BERT embedding dropout, attentio
 dropouts with their residual adds. The fused op draws its mask from a hash RNG (same keep
 probability and 1/(1-p) scaling; different random stream than aten's Bernoulli) and saves no mask.
 """
+
 from __future__ import annotations
 
 import torch

@@ -7,6 +7,7 @@ formula x * 0.5 * (1 + erf(x / sqrt(2))) (or * 0.7071...). A bias from the produ
 split off (view(addmm(b, a, W)) -> view(mm(a, W)), bias handed to the op) or taken from an explicit
 add of a 1-D tensor. Same function; only rounding differs.
 """
+
 from __future__ import annotations
 
 import math
@@ -56,8 +57,13 @@ def _match_formula(t: fx.Node) -> tuple[Argument, str, fx.Node] | None:
         a, b = so[0].args
         x, cube = (a, b) if scalar_operand(b) else (b, a)
         c = scalar_operand(cube) if isinstance(cube, fx.Node) else None
-        if c is None or not _close(c[1], 0.044715) or not is_op(c[0], aten.pow) or c[0].args[0] is not x \
-                or number(c[0].args[1]) != 3:
+        if (
+            c is None
+            or not _close(c[1], 0.044715)
+            or not is_op(c[0], aten.pow)
+            or c[0].args[0] is not x
+            or number(c[0].args[1]) != 3
+        ):
             return None
         approx = "tanh"
     else:
@@ -85,8 +91,9 @@ def fuse_bias_gelu_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
 
 
 # before lower_gemm_onednn: the linear's bias is still an addmm here, so the GELU op absorbs it
-@register_pass("pre_autodiff", phase="lower", before="lower_gemm_onednn", changes_numerics=True,
-               providers=("inductor",))
+@register_pass(
+    "pre_autodiff", phase="lower", before="lower_gemm_onednn", changes_numerics=True, providers=("inductor",)
+)
 def lower_gelu_tanh_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Under Inductor, GELU's tanh form on CPU (HF GPT-2's NewGELU, gelu(approximate='tanh')) to graphtrain::bias_gelu,
     which runs it in graphtrain's C++ kernel: Inductor's own kernel for it uses Sleef's 1-ulp tanh and cost 1.9 ms
@@ -98,8 +105,10 @@ def lower_gelu_tanh_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
     if any(is_op(n, aten.tanh) or is_op(n, torch.ops.graphtrain.bias_gelu.default) for n in out.graph.nodes):
         probe = gelu_tanh_probe()
         if "cpp_s" in probe:
-            ctx.note(f"tanh GELU probe, [512, 2048] forward + backward: C++ {probe['cpp_s'] * 1e3:.2f} ms, aten "
-                     f"{probe['aten_s'] * 1e3:.2f} ms: {'lowered' if probe['cpp_wins'] else 'left to Inductor'}")
+            ctx.note(
+                f"tanh GELU probe, [512, 2048] forward + backward: C++ {probe['cpp_s'] * 1e3:.2f} ms, aten "
+                f"{probe['aten_s'] * 1e3:.2f} ms: {'lowered' if probe['cpp_wins'] else 'left to Inductor'}"
+            )
     return out
 
 

@@ -6,6 +6,7 @@ var(x, correction=0) or mean((x - mean)^2), and 1/sqrt as div by sqrt or mul by 
 RMSNorm spellings: x * rsqrt(mean(x^2) + eps) [* w] (HF Llama/T5 style, either operand order) and
 aten._fused_rms_norm. Same function; only rounding differs.
 """
+
 from __future__ import annotations
 
 import operator
@@ -26,9 +27,13 @@ def _last_dim(n: Argument, dims: Argument) -> bool:
 
 
 def _mean_last(n: Argument, x: Argument = None) -> TypeGuard[fx.Node]:
-    return (is_op(n, aten.mean) and len(n.args) >= 2 and _last_dim(n.args[0], n.args[1])
-            and bool(n.args[2] if len(n.args) > 2 else n.kwargs.get("keepdim", False))
-            and (x is None or n.args[0] is x))
+    return (
+        is_op(n, aten.mean)
+        and len(n.args) >= 2
+        and _last_dim(n.args[0], n.args[1])
+        and bool(n.args[2] if len(n.args) > 2 else n.kwargs.get("keepdim", False))
+        and (x is None or n.args[0] is x)
+    )
 
 
 def _same(a: Argument, b: Argument) -> bool:
@@ -82,8 +87,11 @@ def fuse_layer_norm_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
             continue
         if is_op(node, aten.native_layer_norm):
             x, ns, w, b, eps = node.args[:5]
-            if not isinstance(ns, (list, tuple)) or len(ns) != 1 \
-                    or any(not (is_op(u, operator.getitem) and u.args[1] == 0) for u in node.users):
+            if (
+                not isinstance(ns, (list, tuple))
+                or len(ns) != 1
+                or any(not (is_op(u, operator.getitem) and u.args[1] == 0) for u in node.users)
+            ):
                 continue
             with g.inserting_before(node):
                 fused = call(g, torch.ops.graphtrain.layer_norm.default, x, w, b, eps)
@@ -109,13 +117,18 @@ def fuse_layer_norm_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
             continue
         x = centered.args[0]
         if is_op(var, aten.var):
-            ok = var.args[0] is x and _last_dim(x, var.args[1]) and var.kwargs.get("correction", 1) == 0 \
+            ok = (
+                var.args[0] is x
+                and _last_dim(x, var.args[1])
+                and var.kwargs.get("correction", 1) == 0
                 and var.kwargs.get("keepdim", False)
+            )
         else:
             sq = var.args[0] if _mean_last(var) else None
-            ok = sq is not None and ((is_op(sq, aten.pow) and _same(sq.args[0], centered) and number(sq.args[1]) == 2)
-                                     or (is_op(sq, aten.mul) and _same(sq.args[0], centered)
-                                         and _same(sq.args[1], centered)))
+            ok = sq is not None and (
+                (is_op(sq, aten.pow) and _same(sq.args[0], centered) and number(sq.args[1]) == 2)
+                or (is_op(sq, aten.mul) and _same(sq.args[0], centered) and _same(sq.args[1], centered))
+            )
         xs = shape(x)  # not None: _mean_last read it
         if not ok or xs is None:
             continue
@@ -136,10 +149,18 @@ def fuse_rms_norm_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         if getattr(node, "_erased", False):
             continue
         if is_op(node, aten._fused_rms_norm):
-            x, ns, w, eps = node.args[0], node.args[1], node.args[2] if len(node.args) > 2 else None, \
-                node.args[3] if len(node.args) > 3 else None
-            if not isinstance(ns, (list, tuple)) or len(ns) != 1 or eps is None \
-                    or any(u.args[1] != 0 for u in node.users):
+            x, ns, w, eps = (
+                node.args[0],
+                node.args[1],
+                node.args[2] if len(node.args) > 2 else None,
+                node.args[3] if len(node.args) > 3 else None,
+            )
+            if (
+                not isinstance(ns, (list, tuple))
+                or len(ns) != 1
+                or eps is None
+                or any(u.args[1] != 0 for u in node.users)
+            ):
                 continue
             with g.inserting_before(node):
                 fused = call(g, torch.ops.graphtrain.rms_norm.default, x, w, eps)
@@ -151,7 +172,9 @@ def fuse_rms_norm_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         if m is None or m[2] != "rsqrt" or not _mean_last(mean := m[0]):
             continue
         sq = mean.args[0]
-        if not ((is_op(sq, aten.pow) and number(sq.args[1]) == 2) or (is_op(sq, aten.mul) and sq.args[0] is sq.args[1])):
+        if not (
+            (is_op(sq, aten.pow) and number(sq.args[1]) == 2) or (is_op(sq, aten.mul) and sq.args[0] is sq.args[1])
+        ):
             continue
         x = sq.args[0]
         u, xs = only_user(node), shape(x)

@@ -1,4 +1,5 @@
 """Helpers shared by the fuse_* passes: node predicates, dropout matching, view stripping, new-node meta."""
+
 from __future__ import annotations
 
 import operator
@@ -12,8 +13,14 @@ from torch.fx.node import Argument
 from graphtrain.passes.graph_utils import symints_as_nodes
 
 aten = torch.ops.aten
-VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.clone.default,
-         aten.expand.default, aten.alias.default}
+VIEWS = {
+    aten.view.default,
+    aten._unsafe_view.default,
+    aten.reshape.default,
+    aten.clone.default,
+    aten.expand.default,
+    aten.alias.default,
+}
 
 
 def is_op(n: Any, *targets: Any) -> TypeGuard[fx.Node]:
@@ -69,8 +76,12 @@ def match_dropout(n: fx.Node) -> tuple[fx.Node, float, list[fx.Node]] | None:
         # native_dropout's output (the tracer's spelling under dynamic shapes, where dropout takes its Python
         # decomposition); its mask output must be unused
         x, p = nd.args[0], nd.args[1]
-        if (isinstance(x, fx.Node) and isinstance(p, (int, float, torch.SymFloat))
-                and (len(nd.args) < 3 or nd.args[2] is not False) and all(u.args[1] == 0 for u in nd.users)):
+        if (
+            isinstance(x, fx.Node)
+            and isinstance(p, (int, float, torch.SymFloat))
+            and (len(nd.args) < 3 or nd.args[2] is not False)
+            and all(u.args[1] == 0 for u in nd.users)
+        ):
             return x, float(p), [nd]
         return None
     if not is_op(n, aten.mul) or len(n.args) != 2:
@@ -116,13 +127,16 @@ def strip_views(n: Argument, want_last2: tuple[int, ...]) -> tuple[fx.Node, floa
 
 def set_meta(node: fx.Node) -> None:
     """Fill node.meta['val'] by running its target on the fake values of its inputs."""
+
     def v(a):
         return a.meta["val"] if isinstance(a, fx.Node) else a
+
     args = torch.utils._pytree.tree_map(v, node.args)
     kwargs = torch.utils._pytree.tree_map(v, node.kwargs)
     fake_mode = detect_fake_mode(torch.utils._pytree.tree_leaves((args, kwargs)))
     if fake_mode is None:
         from torch._subclasses.fake_tensor import FakeTensorMode
+
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     target = node.target
     if not callable(target):
@@ -144,12 +158,12 @@ def getitem(graph: fx.Graph, n: fx.Node, i: int) -> fx.Node:
     return g
 
 
-_SHAPE_ONLY = {torch.ops.aten.zeros_like, torch.ops.aten.ones_like, torch.ops.aten.empty_like,
-               torch.ops.aten.full_like}
+_SHAPE_ONLY = {torch.ops.aten.zeros_like, torch.ops.aten.ones_like, torch.ops.aten.empty_like, torch.ops.aten.full_like}
 
 
-def needs_gradient(n: fx.Node, gm: fx.GraphModule, input_kinds: list[str] | None,
-                   example_inputs: list[Any] | None = None) -> bool:
+def needs_gradient(
+    n: fx.Node, gm: fx.GraphModule, input_kinds: list[str] | None, example_inputs: list[Any] | None = None
+) -> bool:
     """Whether n is computed from a trainable parameter placeholder, or from an input whose example value requires
     grad (an activation from the graph before: in a block graph, T5's position bias, which the first block
     computes from its learned embedding and hands to every later block). Then n needs a gradient.
@@ -159,8 +173,11 @@ def needs_gradient(n: fx.Node, gm: fx.GraphModule, input_kinds: list[str] | None
         return False
     phs = [p for p in gm.graph.nodes if p.op == "placeholder"]
     examples = list(example_inputs or []) + [None] * len(phs)
-    grads = {p for p, k, x in zip(phs, input_kinds, examples)
-             if k == "param" or (k != "buffer" and isinstance(x, torch.Tensor) and x.requires_grad)}
+    grads = {
+        p
+        for p, k, x in zip(phs, input_kinds, examples)
+        if k == "param" or (k != "buffer" and isinstance(x, torch.Tensor) and x.requires_grad)
+    }
     seen, stack = set(), [n]
     while stack:
         c = stack.pop()
@@ -187,16 +204,27 @@ def split_linear_bias(g: fx.Graph, x: fx.Node) -> tuple[fx.Node, fx.Node | None]
     if is_op(x, aten.add):
         a, b = x.args[0], x.args[1]
         xs, bs = shape(x), shape(b)
-        if isinstance(a, fx.Node) and isinstance(b, fx.Node) and bs is not None and len(bs) == 1 \
-                and xs is not None and bs[0] == xs[-1] and shape(a) == xs:
+        if (
+            isinstance(a, fx.Node)
+            and isinstance(b, fx.Node)
+            and bs is not None
+            and len(bs) == 1
+            and xs is not None
+            and bs[0] == xs[-1]
+            and shape(a) == xs
+        ):
             return a, b
     v = x if is_op(x, aten.view, aten._unsafe_view) else None
     mm = v.args[0] if v is not None else x
     if not is_op(mm, aten.addmm) or len(mm.users) != 1 or (v is not None and len(v.users) != 1):
         return x, None
     b, a, w = mm.args[:3]
-    if mm.kwargs.get("beta", 1) != 1 or mm.kwargs.get("alpha", 1) != 1 or not isinstance(b, fx.Node) \
-            or len(shape(b) or ()) != 1:
+    if (
+        mm.kwargs.get("beta", 1) != 1
+        or mm.kwargs.get("alpha", 1) != 1
+        or not isinstance(b, fx.Node)
+        or len(shape(b) or ()) != 1
+    ):
         return x, None
     with g.inserting_before(mm):
         new = call(g, aten.mm.default, a, w)
@@ -205,8 +233,16 @@ def split_linear_bias(g: fx.Graph, x: fx.Node) -> tuple[fx.Node, fx.Node | None]
     return new, b
 
 
-_ERASABLE = VIEWS | {aten.empty.memory_format, aten.empty_like.default, aten.bernoulli.p, aten.bernoulli_.float,
-                     aten.div.Scalar, aten.div_.Scalar, aten.div.Tensor, aten.mul.Tensor}
+_ERASABLE = VIEWS | {
+    aten.empty.memory_format,
+    aten.empty_like.default,
+    aten.bernoulli.p,
+    aten.bernoulli_.float,
+    aten.div.Scalar,
+    aten.div_.Scalar,
+    aten.div.Tensor,
+    aten.mul.Tensor,
+}
 
 
 def erase_dead(graph: fx.Graph, nodes: list[fx.Node]) -> None:

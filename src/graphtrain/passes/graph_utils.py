@@ -1,5 +1,6 @@
 """Node predicates every pass (and the recompute partitioner) shares. Pass modules import helpers from here or
 from fuse_utils.py, never from each other."""
+
 from __future__ import annotations
 
 import hashlib
@@ -33,8 +34,7 @@ def has_random_tag(n: fx.Node) -> bool:
     (which Inductor lowers itself) and graphtrain::dropout_seed, but not graphtrain's fused ops that draw their
     seed inside (see `is_random`)."""
     t = n.target
-    return (isinstance(t, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in t.tags
-            and not zero_dropout(n))
+    return isinstance(t, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in t.tags and not zero_dropout(n)
 
 
 def zero_dropout(n: fx.Node) -> bool:
@@ -62,8 +62,14 @@ def example_value(n: Any) -> Any:
 
 
 # F.scaled_dot_product_attention as Dynamo records it (before the trace to aten)
-_SDPA = tuple(f for f in (getattr(torch._C._nn, "scaled_dot_product_attention", None),
-                          torch.nn.functional.scaled_dot_product_attention) if f is not None)
+_SDPA = tuple(
+    f
+    for f in (
+        getattr(torch._C._nn, "scaled_dot_product_attention", None),
+        torch.nn.functional.scaled_dot_product_attention,
+    )
+    if f is not None
+)
 
 
 def is_sdpa_call(n: fx.Node) -> bool:
@@ -102,9 +108,25 @@ def _mutates(n: fx.Node) -> bool:
     return name.endswith("_") and not name.endswith("__")
 
 
-_INPLACE_OPERATORS = {getattr(operator, f) for f in ("iadd", "iand", "iconcat", "ifloordiv", "ilshift", "imatmul",
-                                                      "imod", "imul", "ior", "ipow", "irshift", "isub", "itruediv",
-                                                      "ixor")}
+_INPLACE_OPERATORS = {
+    getattr(operator, f)
+    for f in (
+        "iadd",
+        "iand",
+        "iconcat",
+        "ifloordiv",
+        "ilshift",
+        "imatmul",
+        "imod",
+        "imul",
+        "ior",
+        "ipow",
+        "irshift",
+        "isub",
+        "itruediv",
+        "ixor",
+    )
+}
 
 
 def constant_ancestors(node: fx.Node) -> set[fx.Node] | None:
@@ -150,7 +172,7 @@ def constant_value(gm: fx.GraphModule, node: fx.Node) -> torch.Tensor | None:
 
 
 def mask_kind(mask: torch.Tensor, q_len: int | None, k_len: int | None) -> str | None:
-    """"causal" when `mask` (as SDPA's attn_mask: bool, True attends; or additive float, 0 attends) is exactly
+    """ "causal" when `mask` (as SDPA's attn_mask: bool, True attends; or additive float, 0 attends) is exactly
     ``is_causal``'s pattern for q_len queries and k_len keys in every batch and head; "full" when it attends
     everywhere; None otherwise (an additive mask must hold only 0 and -inf or the dtype's lowest value)."""
     if mask.dim() < 2:
@@ -181,8 +203,9 @@ def constant_mask_kind(gm: fx.GraphModule, mask: fx.Node, q_len: int, k_len: int
 
 def is_symbolic(v: Any) -> bool:
     """Whether `v` is a SymInt or a tensor with a symbolic size (Dynamo's dynamic shapes)."""
-    return isinstance(v, torch.SymInt) or (isinstance(v, torch.Tensor) and any(isinstance(d, torch.SymInt)
-                                                                                for d in v.shape))
+    return isinstance(v, torch.SymInt) or (
+        isinstance(v, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in v.shape)
+    )
 
 
 def symints_as_nodes(graph: fx.Graph, args: Any) -> Any:
@@ -191,6 +214,7 @@ def symints_as_nodes(graph: fx.Graph, args: Any) -> Any:
     insertion point. A raw SymInt in a node's arguments stands for one trace's symbol, not graph data: FX warns
     about it, and the graph would not survive pickling into the pass cache or another trace."""
     from torch.utils import _pytree as pytree
+
     raw = [a for a in pytree.tree_leaves(args) if isinstance(a, torch.SymInt)]
     if not raw:
         return args
@@ -202,6 +226,7 @@ def materialize_symints(gm: fx.GraphModule) -> int:
     """symints_as_nodes for every node of `gm` (the backstop after the passes, for nodes they did not build
     through fuse_utils.call); returns how many nodes changed."""
     from torch.utils import _pytree as pytree
+
     g, changed = gm.graph, 0
     if not any(is_symbolic(example_value(n)) for n in g.nodes if n.op == "placeholder"):
         return 0  # static shapes: nothing symbolic to find

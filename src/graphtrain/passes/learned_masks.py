@@ -13,6 +13,7 @@ SDPA call (in the graph or in a repeated block's body) whose mask's example valu
 the ops eager runs, and autodiff gives the mask its gradient. Numerics are eager's: the same implementation.
 The pass ``route_learned_masks_to_math`` (stage ``dynamo``) runs it on every Dynamo graph.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -32,18 +33,28 @@ def route_learned_masks_to_math_pass(gm: fx.GraphModule, ctx: PassContext) -> fx
     Switched off, such a call reaches CPU flash attention, whose backward refuses the mask (the provider fails)."""
     if learned := learned_masks_to_math(gm):
         ctx.count(learned)
-        ctx.tell(f"{learned} SDPA call(s) with a mask that needs a gradient (a learned bias): run through aten's "
-                 f"math implementation, as eager does")
+        ctx.tell(
+            f"{learned} SDPA call(s) with a mask that needs a gradient (a learned bias): run through aten's "
+            f"math implementation, as eager does"
+        )
     return gm
 
 
-def sdpa_math(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
-              dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
-              enable_gqa: bool = False) -> torch.Tensor:
+def sdpa_math(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
     """``F.scaled_dot_product_attention`` through aten's math implementation (what eager runs for a mask that
     requires grad)."""
-    return torch.ops.aten._scaled_dot_product_attention_math(query, key, value, attn_mask, dropout_p, is_causal,
-                                                             scale=scale, enable_gqa=enable_gqa)[0]
+    return torch.ops.aten._scaled_dot_product_attention_math(
+        query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
+    )[0]
 
 
 def _needs_grad(mask: Any) -> bool:

@@ -29,6 +29,7 @@ lists every shape with its measured speedup. ``engine.passes.lower_gemm_onednn: 
 matmuls to aten unless the pass is switched on by name. Rewritten: aten.mm(a, b) and
 aten.addmm(bias, a, b) with alpha = beta = 1, a and b 2-D fp32 on CPU (each a node's fake value says so).
 """
+
 from __future__ import annotations
 
 from typing import TypeGuard
@@ -47,8 +48,7 @@ from graphtrain.passes.manager import PassContext, register_pass
 def _fp32_cpu(n: object) -> TypeGuard[fx.Node]:
     """An fp32 CPU tensor of at most 2 dimensions (by the node's fake value)."""
     v = val(n)
-    return (isinstance(v, torch.Tensor) and v.dim() <= 2 and v.dtype == torch.float32
-            and v.device.type == "cpu")
+    return isinstance(v, torch.Tensor) and v.dim() <= 2 and v.dtype == torch.float32 and v.device.type == "cpu"
 
 
 def gemm_operands(node: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node | None] | None:
@@ -56,8 +56,7 @@ def gemm_operands(node: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node | None] | No
     bias: fx.Node | None = None
     if is_op(node, aten.mm) and len(node.args) == 2 and not node.kwargs:
         a, b = node.args
-    elif (is_op(node, aten.addmm) and len(node.args) == 3
-          and all(node.kwargs.get(k, 1) == 1 for k in ("alpha", "beta"))):
+    elif is_op(node, aten.addmm) and len(node.args) == 3 and all(node.kwargs.get(k, 1) == 1 for k in ("alpha", "beta")):
         c, a, b = node.args
         if not _fp32_cpu(c):
             return None
@@ -102,10 +101,14 @@ def lower_gemm_onednn_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModu
         n += 1
     ctx.count(n)
     if probed:
-        ctx.note("oneDNN where it measured faster (forward + both gradient GEMMs, aten time / oneDNN time; "
-                 "rows capped at the probe's): " + ", ".join(
-                     f"{m}x{k}x{nn}{'t' if t else ''} {r['speedup']:.2f}x -> {'oneDNN' if r['wins'] else 'aten'}"
-                     for (m, k, nn, t), r in probed.items()))
+        ctx.note(
+            "oneDNN where it measured faster (forward + both gradient GEMMs, aten time / oneDNN time; "
+            "rows capped at the probe's): "
+            + ", ".join(
+                f"{m}x{k}x{nn}{'t' if t else ''} {r['speedup']:.2f}x -> {'oneDNN' if r['wins'] else 'aten'}"
+                for (m, k, nn, t), r in probed.items()
+            )
+        )
     return finish(gm) if n else gm
 
 

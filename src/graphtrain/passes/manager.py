@@ -20,6 +20,7 @@ Within a stage passes run phase by phase; inside a phase, in an order that keeps
 after, lints the graph and checks the output signature. A pass that raises is skipped under
 ``fallback: warn|silent`` (the graph from before it is kept) and re-raised under ``fallback: error``.
 """
+
 from __future__ import annotations
 
 import collections
@@ -136,9 +137,17 @@ class PassContext:
 _REGISTRY: dict[str, PassSpec] = {}
 
 
-def register_pass(stages: str | tuple[str, ...], *, phase: str, after: str | tuple[str, ...] = (),
-                  before: str | tuple[str, ...] = (), default: bool = True, changes_numerics: bool = False,
-                  providers: tuple[str, ...] | None = None, adds_outputs: bool = False) -> Callable[[PassFn], PassFn]:
+def register_pass(
+    stages: str | tuple[str, ...],
+    *,
+    phase: str,
+    after: str | tuple[str, ...] = (),
+    before: str | tuple[str, ...] = (),
+    default: bool = True,
+    changes_numerics: bool = False,
+    providers: tuple[str, ...] | None = None,
+    adds_outputs: bool = False,
+) -> Callable[[PassFn], PassFn]:
     """Register a pass; its name is the function's name without the trailing ``_pass``.
     It runs in `phase` (one of ``PHASES``); ``after`` / ``before`` name passes it must follow or precede where
     the order inside the phase matters. ``providers`` limits where the pass is on by default (e.g. a fusion
@@ -156,8 +165,9 @@ def register_pass(stages: str | tuple[str, ...], *, phase: str, after: str | tup
         assert fn.__name__.endswith("_pass"), f"pass functions end in _pass: {fn.__name__}"
         name = fn.__name__[: -len("_pass")]
         assert name not in _REGISTRY or _REGISTRY[name].fn.__qualname__ == fn.__qualname__, f"duplicate pass {name}"
-        _REGISTRY[name] = PassSpec(name, fn, stages, default, changes_numerics, phase, after, before, providers,
-                                   adds_outputs)
+        _REGISTRY[name] = PassSpec(
+            name, fn, stages, default, changes_numerics, phase, after, before, providers, adds_outputs
+        )
         return fn
 
     return deco
@@ -176,6 +186,7 @@ def pipeline(stage: str, config: EngineConfig) -> list[PassSpec]:
     unknown = [n for n in config.passes if n not in specs]
     if unknown:
         import difflib
+
         hints = [difflib.get_close_matches(n, specs, n=1) for n in unknown]
         msg = ", ".join(f"{n!r}" + (f" (did you mean {h[0]!r}?)" if h else "") for n, h in zip(unknown, hints))
         raise ValueError(f"engine.passes names unknown passes: {msg}; known passes: {', '.join(sorted(specs))}")
@@ -199,8 +210,10 @@ def pass_order(stage: str) -> list[PassSpec]:
     for s in everything.values():
         for other in (*s.after, *s.before):
             if other not in everything:
-                raise ValueError(f"pass {s.name!r} is ordered against {other!r}, which is not a registered pass; "
-                                 f"known passes: {', '.join(sorted(everything))}")
+                raise ValueError(
+                    f"pass {s.name!r} is ordered against {other!r}, which is not a registered pass; "
+                    f"known passes: {', '.join(sorted(everything))}"
+                )
         if s.name not in specs:
             continue
         preds[s.name].update(a for a in s.after if a in specs)
@@ -210,16 +223,20 @@ def pass_order(stage: str) -> list[PassSpec]:
     for n, ps in preds.items():
         for p in ps:
             if rank[specs[p].phase] > rank[specs[n].phase]:
-                raise ValueError(f"pass {n!r} (phase {specs[n].phase!r}) is constrained to run after {p!r} (phase "
-                                 f"{specs[p].phase!r}), but phases run in the order {', '.join(PHASES)}")
+                raise ValueError(
+                    f"pass {n!r} (phase {specs[n].phase!r}) is constrained to run after {p!r} (phase "
+                    f"{specs[p].phase!r}), but phases run in the order {', '.join(PHASES)}"
+                )
     order: list[PassSpec] = []
     for phase in PHASES:
         todo = {n: {p for p in preds[n] if specs[p].phase == phase} for n, s in specs.items() if s.phase == phase}
         while todo:
             ready = sorted(n for n, ps in todo.items() if not ps)
             if not ready:
-                raise ValueError(f"the after/before constraints of passes {', '.join(sorted(todo))} (phase "
-                                 f"{phase!r}, stage {stage!r}) form a cycle")
+                raise ValueError(
+                    f"the after/before constraints of passes {', '.join(sorted(todo))} (phase "
+                    f"{phase!r}, stage {stage!r}) form a cycle"
+                )
             order.append(specs[ready[0]])
             del todo[ready[0]]
             for ps in todo.values():
@@ -289,31 +306,54 @@ def run_pipeline(gm: fx.GraphModule, ctx: PassContext, phases: tuple[str, ...] |
             gm.graph.lint()
             gm.recompile()
             after_sig = _output_signature(gm)
-            if (after_sig[:len(before_sig)] if spec.adds_outputs else after_sig) != before_sig:
+            if (after_sig[: len(before_sig)] if spec.adds_outputs else after_sig) != before_sig:
                 raise AssertionError(f"pass {spec.name} changed the graph outputs: {before_sig} -> {after_sig}")
             if ctx.caller_notes is not None:
                 ctx.caller_notes.extend(line for line in dict.fromkeys(ctx.told) if line not in ctx.caller_notes)
         except Exception as e:  # a broken pass must never give a silently wrong graph
             if ctx.config.fallback == "error":
-                raise RuntimeError(f"graphtrain pass {spec.name!r} failed on {ctx.graph_name} ({ctx.stage}): {e}. "
-                                   f"Switch it off with engine.passes.{spec.name}=false") from e
+                raise RuntimeError(
+                    f"graphtrain pass {spec.name!r} failed on {ctx.graph_name} ({ctx.stage}): {e}. "
+                    f"Switch it off with engine.passes.{spec.name}=false"
+                ) from e
             error = f"{type(e).__name__}: {e}"
             gm = backup  # type: ignore[assignment]
             ctx.rewrites = 0
             ctx.results.pop(spec.name, None)
-            report_fallback(f"pass {spec.name}", error, ctx.config,
-                            what=f"{ctx.graph_name} keeps the graph from before the pass", sink=ctx.fallbacks)
+            report_fallback(
+                f"pass {spec.name}",
+                error,
+                ctx.config,
+                what=f"{ctx.graph_name} keeps the graph from before the pass",
+                sink=ctx.fallbacks,
+            )
         dt = time.perf_counter() - t0
         after_counts = op_counts(gm)
-        diff = {k: after_counts[k] - before_counts[k] for k in set(before_counts) | set(after_counts)
-                if after_counts[k] != before_counts[k]}
-        rec = PassRecord(spec.name, ctx.stage, ctx.graph_name, ctx.rewrites, dt,
-                         sum(before_counts.values()), sum(after_counts.values()), diff, error, phase=spec.phase,
-                         note="; ".join(ctx.notes) or None)
+        diff = {
+            k: after_counts[k] - before_counts[k]
+            for k in set(before_counts) | set(after_counts)
+            if after_counts[k] != before_counts[k]
+        }
+        rec = PassRecord(
+            spec.name,
+            ctx.stage,
+            ctx.graph_name,
+            ctx.rewrites,
+            dt,
+            sum(before_counts.values()),
+            sum(after_counts.values()),
+            diff,
+            error,
+            phase=spec.phase,
+            note="; ".join(ctx.notes) or None,
+        )
         ctx.records.append(rec)
         if ctx.config.debug:
-            warnings.warn(f"[graphtrain] {ctx.stage}/{spec.name} on {ctx.graph_name}: {rec.rewrites} rewrites, "
-                          f"{dt * 1e3:.1f} ms, ops {rec.ops_before} -> {rec.ops_after} {diff}", stacklevel=2)
+            warnings.warn(
+                f"[graphtrain] {ctx.stage}/{spec.name} on {ctx.graph_name}: {rec.rewrites} rewrites, "
+                f"{dt * 1e3:.1f} ms, ops {rec.ops_before} -> {rec.ops_after} {diff}",
+                stacklevel=2,
+            )
     _detect_provider_fusions(gm, ctx)
     return gm
 
@@ -326,8 +366,13 @@ def _detect_provider_fusions(gm: fx.GraphModule, ctx: PassContext) -> None:
     if provider == "auto":
         return
     for spec in registered_passes().values():
-        if (ctx.stage not in spec.stages or not spec.default or spec.on_by_default(provider)
-                or spec.name in ctx.config.passes or not spec.name.startswith("fuse_")):
+        if (
+            ctx.stage not in spec.stages
+            or not spec.default
+            or spec.on_by_default(provider)
+            or spec.name in ctx.config.passes
+            or not spec.name.startswith("fuse_")
+        ):
             continue
         ctx.rewrites = 0
         t0 = time.perf_counter()
@@ -336,8 +381,21 @@ def _detect_provider_fusions(gm: fx.GraphModule, ctx: PassContext) -> None:
         except Exception:  # detection only: never affects the graph
             continue
         n = sum(op_counts(gm).values())
-        ctx.records.append(PassRecord(spec.name, ctx.stage, ctx.graph_name, ctx.rewrites, time.perf_counter() - t0,
-                                      n, n, {}, None, left_to=provider, phase=spec.phase))
+        ctx.records.append(
+            PassRecord(
+                spec.name,
+                ctx.stage,
+                ctx.graph_name,
+                ctx.rewrites,
+                time.perf_counter() - t0,
+                n,
+                n,
+                {},
+                None,
+                left_to=provider,
+                phase=spec.phase,
+            )
+        )
     ctx.rewrites = 0
 
 

@@ -17,6 +17,7 @@ gradient). Runs for the ``aten`` provider only: Inductor plans its own buffers, 
 nothing when ``engine.provider`` is not ``aten``. The rewritten node's ``meta['val']`` becomes
 ``x``'s fake tensor, so ``graphtrain.memory.predict`` sees the alias.
 """
+
 from __future__ import annotations
 
 import operator
@@ -48,7 +49,8 @@ _INPLACE_OR_NONE: dict[torch._ops.OpOverload, torch._ops.OpOverload | None] = {
     aten.threshold_backward.default: None,  # no in-place overload: listed so nobody adds a wrong one
 }
 INPLACE: dict[torch._ops.OpOverload, torch._ops.OpOverload] = {
-    k: v for k, v in _INPLACE_OR_NONE.items() if v is not None}
+    k: v for k, v in _INPLACE_OR_NONE.items() if v is not None
+}
 
 
 def _storages(n: fx.Node) -> list[int]:
@@ -56,8 +58,13 @@ def _storages(n: fx.Node) -> list[int]:
 
 
 def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype and \
-        a.storage_offset() == b.storage_offset() and a.device == b.device
+    return (
+        a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.dtype == b.dtype
+        and a.storage_offset() == b.storage_offset()
+        and a.device == b.device
+    )
 
 
 def inplace_candidates(gm: fx.GraphModule) -> list[fx.Node]:

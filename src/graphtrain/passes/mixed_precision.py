@@ -22,6 +22,7 @@ so the output signature never changes. Only fp32 values change; fp64 graphs are 
 Numerics change (``changes_numerics=True``); the pass does nothing when ``precision == "fp32"``.
 Ops of other libraries get a policy with ``set_precision_policy(name, policy)``.
 """
+
 from __future__ import annotations
 
 import operator
@@ -39,30 +40,112 @@ from graphtrain.passes.manager import PassContext, register_pass
 
 PRECISION_POLICY: dict[str, str] = {
     # matmul family, convolution, attention: the work the low dtype speeds up
-    **{f"aten::{n}": LOW for n in (
-        "mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "linear", "dot", "vdot", "mv", "addmv",
-        "convolution", "_convolution", "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
-        "scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu",
-        "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-        "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_attention_math",
-        "_native_multi_head_attention")},
+    **{
+        f"aten::{n}": LOW
+        for n in (
+            "mm",
+            "addmm",
+            "bmm",
+            "baddbmm",
+            "addbmm",
+            "matmul",
+            "linear",
+            "dot",
+            "vdot",
+            "mv",
+            "addmv",
+            "convolution",
+            "_convolution",
+            "conv1d",
+            "conv2d",
+            "conv3d",
+            "conv_transpose1d",
+            "conv_transpose2d",
+            "scaled_dot_product_attention",
+            "_scaled_dot_product_flash_attention_for_cpu",
+            "_scaled_dot_product_flash_attention",
+            "_scaled_dot_product_efficient_attention",
+            "_scaled_dot_product_cudnn_attention",
+            "_scaled_dot_product_attention_math",
+            "_native_multi_head_attention",
+        )
+    },
     # softmax, normalization statistics, reductions, losses: numerically sensitive, stay fp32
-    **{f"aten::{n}": FP32 for n in (
-        "_softmax", "softmax", "_log_softmax", "log_softmax", "logsumexp",
-        "native_layer_norm", "layer_norm", "native_group_norm", "group_norm", "native_batch_norm",
-        "_native_batch_norm_legit", "_native_batch_norm_legit_functional", "_native_batch_norm_legit_no_training",
-        "batch_norm", "instance_norm", "rms_norm", "_fused_rms_norm",
-        "sum", "mean", "var", "var_mean", "std", "std_mean", "prod", "cumsum", "cumprod", "norm",
-        "linalg_vector_norm", "frobenius_norm", "nansum",
-        "nll_loss_forward", "nll_loss2d_forward", "nll_loss", "nll_loss_nd", "cross_entropy_loss", "mse_loss",
-        "l1_loss", "smooth_l1_loss", "huber_loss", "binary_cross_entropy", "binary_cross_entropy_with_logits",
-        "kl_div", "soft_margin_loss", "multilabel_margin_loss_forward", "cosine_embedding_loss",
-        "exp", "log", "pow", "rsqrt", "erfinv")},
+    **{
+        f"aten::{n}": FP32
+        for n in (
+            "_softmax",
+            "softmax",
+            "_log_softmax",
+            "log_softmax",
+            "logsumexp",
+            "native_layer_norm",
+            "layer_norm",
+            "native_group_norm",
+            "group_norm",
+            "native_batch_norm",
+            "_native_batch_norm_legit",
+            "_native_batch_norm_legit_functional",
+            "_native_batch_norm_legit_no_training",
+            "batch_norm",
+            "instance_norm",
+            "rms_norm",
+            "_fused_rms_norm",
+            "sum",
+            "mean",
+            "var",
+            "var_mean",
+            "std",
+            "std_mean",
+            "prod",
+            "cumsum",
+            "cumprod",
+            "norm",
+            "linalg_vector_norm",
+            "frobenius_norm",
+            "nansum",
+            "nll_loss_forward",
+            "nll_loss2d_forward",
+            "nll_loss",
+            "nll_loss_nd",
+            "cross_entropy_loss",
+            "mse_loss",
+            "l1_loss",
+            "smooth_l1_loss",
+            "huber_loss",
+            "binary_cross_entropy",
+            "binary_cross_entropy_with_logits",
+            "kl_div",
+            "soft_margin_loss",
+            "multilabel_margin_loss_forward",
+            "cosine_embedding_loss",
+            "exp",
+            "log",
+            "pow",
+            "rsqrt",
+            "erfinv",
+        )
+    },
 }
 
 # Shape-only ops a cast may be hoisted above (same elements, or fewer before an expand).
-_HOISTABLE = {f"aten::{n}" for n in ("t", "view", "_unsafe_view", "reshape", "transpose", "permute", "expand",
-                                     "unsqueeze", "squeeze", "alias", "detach", "_reshape_alias")}
+_HOISTABLE = {
+    f"aten::{n}"
+    for n in (
+        "t",
+        "view",
+        "_unsafe_view",
+        "reshape",
+        "transpose",
+        "permute",
+        "expand",
+        "unsqueeze",
+        "squeeze",
+        "alias",
+        "detach",
+        "_reshape_alias",
+    )
+}
 _LOW_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -72,8 +155,10 @@ def set_precision_policy(op: str | torch._ops.OpOverload | torch._ops.OpOverload
         raise ValueError(f"precision policy must be {LOW!r}, {FP32!r} or {FOLLOW!r}, got {policy!r}")
     key = _op_key(op)
     if key.startswith("graphtrain::"):
-        raise ValueError(f"{key}'s precision policy is its descriptor's `precision`, beside its kernel "
-                         f"(graphtrain/kernels/); set it there")
+        raise ValueError(
+            f"{key}'s precision policy is its descriptor's `precision`, beside its kernel "
+            f"(graphtrain/kernels/); set it there"
+        )
     PRECISION_POLICY[key] = policy
 
 
@@ -103,9 +188,12 @@ def is_cast(node: Argument) -> TypeGuard[fx.Node]:
         return False
     if node.target is torch.ops.prims.convert_element_type.default:
         return True
-    return (node.target is torch.ops.aten._to_copy.default and "dtype" in node.kwargs
-            and set(node.kwargs) <= {"dtype", "layout", "memory_format"}
-            and node.kwargs.get("memory_format") in (None, torch.preserve_format))
+    return (
+        node.target is torch.ops.aten._to_copy.default
+        and "dtype" in node.kwargs
+        and set(node.kwargs) <= {"dtype", "layout", "memory_format"}
+        and node.kwargs.get("memory_format") in (None, torch.preserve_format)
+    )
 
 
 def count_casts(gm: fx.GraphModule) -> int:
@@ -135,8 +223,13 @@ def apply_mixed_precision_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.Graph
         phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
         params = {p for p, k in zip(phs, ctx.input_kinds) if k in ("param", "frozen")}
         param_casts = sum(is_cast(n) and n.args[0] in params for n in gm.graph.nodes)
-    gm.meta["graphtrain_casts"] = {"before": casts_before, "after": count_casts(gm), "low_ops": rw.low_ops,
-                                   "removed": rw.removed, "parameter_casts": param_casts}
+    gm.meta["graphtrain_casts"] = {
+        "before": casts_before,
+        "after": count_casts(gm),
+        "low_ops": rw.low_ops,
+        "removed": rw.removed,
+        "parameter_casts": param_casts,
+    }
     ctx.count(rw.low_ops + rw.removed)
     return gm
 
@@ -165,8 +258,11 @@ class _Rewriter:
             self.dtype[node] = orig
         elif node.target is operator.getitem:
             parent = node.args[0]
-            self.dtype[node] = self.compute[parent] if (orig == torch.float32 and isinstance(parent, fx.Node)
-                                                        and parent in self.compute) else orig
+            self.dtype[node] = (
+                self.compute[parent]
+                if (orig == torch.float32 and isinstance(parent, fx.Node) and parent in self.compute)
+                else orig
+            )
         elif is_cast(node):
             self._visit_cast(node, orig)
         else:
@@ -193,8 +289,12 @@ class _Rewriter:
         inputs = [a for a in node.all_input_nodes if self.dtype.get(a) in (torch.float32, self.low)]
         val = node.meta.get("val")
         out_dtypes = {v.dtype for v in torch.utils._pytree.tree_leaves(val) if isinstance(v, torch.Tensor)}
-        if (not inputs or node.kwargs.get("dtype") is not None or torch.float64 in out_dtypes
-                or any(self.dtype.get(a) == torch.float64 for a in node.all_input_nodes)):
+        if (
+            not inputs
+            or node.kwargs.get("dtype") is not None
+            or torch.float64 in out_dtypes
+            or any(self.dtype.get(a) == torch.float64 for a in node.all_input_nodes)
+        ):
             self.dtype[node] = orig  # creates its own dtype, or fp64 work: leave it
             return
         if policy == LOW:
@@ -224,8 +324,12 @@ class _Rewriter:
         first_dtype = self.dtype.get(first) if first is not None else None
         if is_cast(src) and first is not None and first_dtype is not None and first_dtype.is_floating_point:
             new = self._cast(first, dtype, before)  # back and forth, or cast of a cast
-        elif (isinstance(src.target, torch._ops.OpOverload) and src.target._schema.name in _HOISTABLE
-              and first is not None and self.dtype.get(first) == self.dtype.get(src)):
+        elif (
+            isinstance(src.target, torch._ops.OpOverload)
+            and src.target._schema.name in _HOISTABLE
+            and first is not None
+            and self.dtype.get(first) == self.dtype.get(src)
+        ):
             inner = self._cast(first, dtype, before)
             with self.graph.inserting_before(before):
                 new = self.graph.call_function(src.target, (inner, *src.args[1:]), dict(src.kwargs))
@@ -248,6 +352,7 @@ class _Rewriter:
             if isinstance(v, torch.Tensor) and not isinstance(v, torch._subclasses.fake_tensor.FakeTensor):
                 return fake_mode.from_tensor(v, static_shapes=True)
             return v
+
         with fake_mode:
             return op(*map(fake, args), **kwargs)
 
@@ -265,8 +370,9 @@ def _refresh_meta(gm: fx.GraphModule) -> None:
     phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     vals = [n.meta.get("val") for n in phs]
     mode = detect_fake_mode(vals)
-    if mode is None or any(not isinstance(v, torch.Tensor) and v is not None and not isinstance(v, (int, float, bool))
-                           for v in vals):
+    if mode is None or any(
+        not isinstance(v, torch.Tensor) and v is not None and not isinstance(v, (int, float, bool)) for v in vals
+    ):
         raise AssertionError("mixed precision needs fake-tensor meta['val'] on every placeholder (trace_aten_forward)")
     with mode:
         _FakeProp(gm, mode).propagate_dont_convert_inputs(*vals)

@@ -19,6 +19,7 @@ on, and its result does not require grad, as a detached one does not. Applied on
 Anything else keeps the old behaviour (the graph goes to AOTAutograd as captured, passes skipped, reported).
 The pass ``lift_no_grad_regions`` (stage ``dynamo``) runs it on every Dynamo graph compiled with grad enabled.
 """
+
 from __future__ import annotations
 
 import operator
@@ -35,8 +36,10 @@ def lift_no_grad_regions_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphM
     regions: nothing to do); counts the regions lifted. Switched off, such a graph skips the pre-autodiff passes."""
     if torch.is_grad_enabled() and (lifted := lift_no_grad_regions(gm)):
         ctx.count(lifted)
-        ctx.tell(f"{lifted} no_grad region{'s' * (lifted > 1)} in a graph: lifted (its values detached) so that the "
-                 f"pre-autodiff passes run")
+        ctx.tell(
+            f"{lifted} no_grad region{'s' * (lifted > 1)} in a graph: lifted (its values detached) so that the "
+            f"pre-autodiff passes run"
+        )
     return gm
 
 
@@ -58,8 +61,15 @@ def _mutates(n: fx.Node) -> bool:
         if isinstance(t, torch._ops.OpOverloadPacket):
             return any(getattr(t, o)._schema.is_mutable for o in t.overloads())
         name = getattr(t, "__name__", "")
-        if t in (operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.iand,
-                 operator.ior):
+        if t in (
+            operator.setitem,
+            operator.iadd,
+            operator.isub,
+            operator.imul,
+            operator.itruediv,
+            operator.iand,
+            operator.ior,
+        ):
             return True
         return name.endswith("_") and not name.startswith("__")
     return n.op != "get_attr"  # call_module and anything unknown: not proven safe

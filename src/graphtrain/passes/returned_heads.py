@@ -20,6 +20,7 @@ weight computed in the graph, graphs compiled under no_grad, graphs with DTensor
 The pass ``detach_returned_heads`` (stage ``dynamo``) makes the rewrite and hands the caller ``(heads, output count
 before)`` in ``ctx.results["detach_returned_heads"]``, for ``reattach``; a caller that runs the pass must reattach.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -36,10 +37,10 @@ LINEARS = (torch._C._nn.linear, torch.nn.functional.linear)
 
 @dataclass(frozen=True)
 class ReturnedHead:
-    output: int          # which output of the graph holds the (detached) logits
-    hidden: int          # which output holds h, added after the graph's own
-    weight: int          # the input (placeholder) index of W
-    bias: int | None     # and of b
+    output: int  # which output of the graph holds the (detached) logits
+    hidden: int  # which output holds h, added after the graph's own
+    weight: int  # the input (placeholder) index of W
+    bias: int | None  # and of b
 
 
 def _linear_args(node: fx.Node) -> tuple[Any, Any, Any] | None:
@@ -63,8 +64,10 @@ def detach_returned_heads_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.Graph
         ctx.results["detach_returned_heads"] = (heads, n_out)
         ctx.count(len(heads))
         for hd in heads:
-            ctx.tell(f"returned logits of {placeholders[hd.weight]}: detached from the graph, given linear's "
-                     f"backward outside it (no zero gradient of their size when the loss is what trains)")
+            ctx.tell(
+                f"returned logits of {placeholders[hd.weight]}: detached from the graph, given linear's "
+                f"backward outside it (no zero gradient of their size when the loss is what trains)"
+            )
     return gm
 
 
@@ -116,8 +119,9 @@ class _HeadGrad(torch.autograd.Function):
     """`logits` (computed, detached, by the graph) as linear(h, weight, bias)'s output for autograd."""
 
     @staticmethod
-    def forward(ctx: Any, logits: torch.Tensor, h: torch.Tensor, weight: torch.Tensor,
-                bias: torch.Tensor | None) -> torch.Tensor:
+    def forward(
+        ctx: Any, logits: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
         ctx.save_for_backward(h, weight)
         ctx.has_bias = bias is not None
         return logits.view_as(logits)
@@ -139,6 +143,7 @@ class _HeadGrad(torch.autograd.Function):
 def reattach(compiled: Callable[..., Any], heads: Sequence[ReturnedHead], n_out: int) -> Callable[..., Any]:
     """`compiled` (the rewritten graph's callable) returning the graph's original outputs, each head's logits with
     `_HeadGrad` as their gradient function."""
+
     def run(*args: Any) -> Any:
         weights = [(args[hd.weight], None if hd.bias is None else args[hd.bias]) for hd in heads]
         outs = compiled(*args)
@@ -148,4 +153,5 @@ def reattach(compiled: Callable[..., Any], heads: Sequence[ReturnedHead], n_out:
             if torch.is_grad_enabled() and (h.requires_grad or w.requires_grad or (b is not None and b.requires_grad)):
                 kept[hd.output] = _HeadGrad.apply(kept[hd.output], h, w, b)
         return type(outs)(kept) if isinstance(outs, tuple) else kept
+
     return run

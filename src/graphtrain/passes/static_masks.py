@@ -18,6 +18,7 @@ an input and is left alone. The rewrite is sound for as long as the graph is: th
 graph's static shapes, which Dynamo guards. Graphs with symbolic shapes (``engine.dynamic``) are left alone.
 Switch: ``engine.static_masks``, or the pass by name (``engine.passes: {specialize_static_masks: false}``).
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -86,9 +87,11 @@ def specialize_static_masks(gm: fx.GraphModule) -> list[str]:
 
 
 def _line(kind: str, count: int) -> str:
-    return (f"{count} SDPA call(s) with a constant {'causal' if kind == 'causal' else 'all-attending'} mask "
-            f"(built from shapes, e.g. Hugging Face's under tracing): rewritten to "
-            f"{'is_causal=True' if kind == 'causal' else 'no mask'} (engine.static_masks)")
+    return (
+        f"{count} SDPA call(s) with a constant {'causal' if kind == 'causal' else 'all-attending'} mask "
+        f"(built from shapes, e.g. Hugging Face's under tracing): rewritten to "
+        f"{'is_causal=True' if kind == 'causal' else 'no mask'} (engine.static_masks)"
+    )
 
 
 def _specialize(gm: fx.GraphModule) -> dict[str, int]:
@@ -128,8 +131,12 @@ def _specialize_bodies(gm: fx.GraphModule, kind_of: Any) -> dict[str, int]:
     invoke = getattr(torch.ops.higher_order, "invoke_subgraph", None)
     calls: dict[str, list[fx.Node]] = {}
     for n in gm.graph.nodes:
-        if n.op == "call_function" and n.target is invoke and (attr := arg_node(n, 0)) is not None \
-                and attr.op == "get_attr":
+        if (
+            n.op == "call_function"
+            and n.target is invoke
+            and (attr := arg_node(n, 0)) is not None
+            and attr.op == "get_attr"
+        ):
             calls.setdefault(n.args[1], []).append(n)
     done: dict[str, int] = {}
     for ident, group in calls.items():
@@ -184,8 +191,9 @@ def _drop_dead(gm: fx.GraphModule, freed: set[fx.Node]) -> None:
     constant_ancestors) and the body attributes no call reads any more."""
     dead = set().union(*(constant_ancestors(n) or set() for n in freed))
     for n in reversed(list(gm.graph.nodes)):
-        if not n.users and (n in dead or (n.op == "get_attr" and isinstance(getattr(gm, n.target, None),
-                                                                            fx.GraphModule))):
+        if not n.users and (
+            n in dead or (n.op == "get_attr" and isinstance(getattr(gm, n.target, None), fx.GraphModule))
+        ):
             gm.graph.erase_node(n)
     gm.graph.lint()
     gm.recompile()

@@ -2,12 +2,8 @@
 
 Two halves, one on each side of Dynamo:
 
-- ``mark_repeated_blocks(module)`` (before capture) wraps the forward of every block of a repeated stack (an
-  ``nn.ModuleList`` of two or more modules of one class with the same parameter shapes: GPT-2's ``h``, BERT's
-  ``encoder.layer``, Llama's ``layers``, ViT's ``encoder.layer``) in ``torch.compiler.nested_compile_region``.
-  Dynamo then traces the block once and stamps out an ``invoke_subgraph`` call per layer on one shared body,
-  guarded like any Dynamo graph: a block whose inputs differ (shape, dtype, a flag) gets its own body, so reuse
-  is never unsafe. In eager PyTorch the wrapper is a no-op.
+- before capture, pipeline/block_regions.py marks each block of a repeated stack as a nested compile region, so
+  Dynamo traces the block once and calls one shared body per layer (``invoke_subgraph``);
 - ``compile_by_blocks(gm, ...)`` (the backend, runtime/backend.py) splits the Dynamo graph at its
   ``invoke_subgraph`` calls: each distinct block body is compiled once through the whole pipeline (trace,
   passes, autodiff with graphtrain's partitioner, provider) with the block's weights as inputs, and so is each
@@ -22,14 +18,11 @@ graphtrain's passes, recompute policy and memory prediction work on one flat gra
 so every stage applies to a block exactly as to a whole model. Dynamic shapes (``engine.dynamic``) split the same
 way: Dynamo traces the block with symbolic sizes, and each piece is compiled once for every length.
 """
+
 from __future__ import annotations
 
-import contextlib
-import functools
 import hashlib
-import importlib
 import operator
-import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,176 +30,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-_MARK = "_graphtrain_block_forward"
-
-
-def repeated_blocks(module: torch.nn.Module) -> list[tuple[str, list[torch.nn.Module]]]:
-    """The repeated stacks of `module`: (name, blocks) for each group of >= 2 modules of one class with the same
-    parameter and buffer shapes in an ``nn.ModuleList``, when the group holds at least half of the list; outermost
-    only (a stack inside a block is the block's). The name is the ModuleList's, or ``list[i, j, ...]`` when the
-    group is not the whole list: T5's first block alone carries the relative-position bias, so its other blocks
-    repeat and block 0 runs in the graph before them (one graph for the whole model before)."""
-    found: list[tuple[str, list[torch.nn.Module]]] = []
-    for name, child in module.named_modules():
-        if not isinstance(child, torch.nn.ModuleList) or len(child) < 2:
-            continue
-        if any(name.startswith(f"{outer.split('[')[0]}.") for outer, _ in found):
-            continue
-        groups: dict[tuple[Any, ...], list[int]] = {}
-        for i, b in enumerate(child):
-            if not isinstance(b, torch.nn.ModuleList):
-                groups.setdefault((type(b), _signature(b)), []).append(i)
-        for idx in groups.values():
-            if len(idx) >= 2 and 2 * len(idx) >= len(child):
-                label = name if len(idx) == len(child) else f"{name}[{', '.join(map(str, idx))}]"
-                found.append((label, [child[i] for i in idx]))
-    return found
-
-
-def _signature(block: torch.nn.Module) -> tuple[Any, ...]:
-    return tuple((n, tuple(t.shape), t.dtype) for n, t in
-                 [*block.named_parameters(), *block.named_buffers()])
-
-
-def whole_model_reason(config: Any) -> str:
-    """Why `config` needs the model as one graph ("" when blocks may compile one by one): recompute full and
-    auto decide per layer over the whole model (which layers to checkpoint, what fits the memory budget), so
-    their partitioner must see every layer at once."""
-    if config.recompute in ("full", "auto"):
-        return f"engine.recompute={config.recompute} decides over all layers at once"
-    return ""
-
-
-def splits_into_blocks(config: Any, module: torch.nn.Module) -> bool:
-    """Whether `accelerate` compiles `module` block by block under engine `config`: compile_blocks on, nothing that
-    needs the model as one graph (whole_model_reason), and a repeated stack to split at that carries no hooks."""
-    return bool(config.compile_blocks and not whole_model_reason(config) and markable_blocks(module))
-
-
-def markable_blocks(module: torch.nn.Module) -> list[tuple[str, list[torch.nn.Module]]]:
-    """The repeated stacks ``mark_repeated_blocks`` marks: those whose blocks carry no forward (pre-)hook; none on a
-    torch without ``nested_compile_region``."""
-    if not hasattr(torch.compiler, "nested_compile_region"):
-        return []
-    return [(name, blocks) for name, blocks in repeated_blocks(module)
-            if not any(b._forward_hooks or b._forward_pre_hooks for b in blocks)]
-
-
-def mark_repeated_blocks(module: torch.nn.Module) -> list[str]:
-    """Wrap each repeated block's forward in ``nested_compile_region`` (once; blocks with hooks are left alone,
-    since a region covers ``forward`` only and hooks would then run between traced pieces). Returns the names of
-    the stacks marked, e.g. ``["transformer.h (12 x GPT2Block)"]``."""
-    marked = []
-    for name, blocks in markable_blocks(module):
-        region = _region(type(blocks[0]).forward, len(blocks))
-        for block in blocks:
-            if getattr(block, _MARK, False):
-                continue
-            block.forward = types.MethodType(region, block)
-            setattr(block, _MARK, True)
-        marked.append(f"{name} ({len(blocks)} x {type(blocks[0]).__name__})")
-    return marked
-
-
-def _region(forward: Callable[..., Any], n_blocks: int) -> Callable[..., Any]:
-    """The block's forward for Dynamo: its arguments flattened to leaves, then ``nested_compile_region`` with room
-    for one reuse entry per block (under ``no_subgraph_reuse`` Dynamo traces every block call and records an entry
-    for each; torch 2.13's default limit of 8 then failed the capture of any model with more than 8 blocks: a
-    24-layer reference GPT-2 with dropout, "exceeded maximum reuse entries").
-
-    Why flatten: to reuse a traced block Dynamo fingerprints the call's arguments. Keyword arguments, or a tuple
-    among them (Llama's ``position_embeddings``), send it through ``pytree.tree_flatten`` traced symbolically: 20 ms
-    per block call, 0.45 s of a 24-layer Hugging Face GPT-2's 3 s capture (2-core Zen 4, torch 2.13). Flat
-    positional leaves (tensors, constants, the module) take its fast path. The flattening here is plain Python that
-    Dynamo folds away; ``spec`` (a string constant, so part of the fingerprint) says how to rebuild the call. Calls
-    with other argument kinds (a KV-cache object) keep the structured call. In eager PyTorch this is the forward."""
-    import inspect
-    kw: dict[str, Any] = {"max_reuse_entries": max(8, 2 * n_blocks)} \
-        if "max_reuse_entries" in inspect.signature(torch.compiler.nested_compile_region).parameters else {}
-    structured = torch.compiler.nested_compile_region(forward, **kw)
-
-    def flat_body(self: Any, spec: str, *leaves: Any) -> Any:
-        args, kwargs = _unflatten_call(spec, leaves)
-        return _unalias(forward(self, *args, **kwargs), leaves)
-    flat = torch.compiler.nested_compile_region(flat_body, **kw)
-
-    @functools.wraps(forward)
-    def block_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if not torch.compiler.is_compiling():
-            return forward(self, *args, **kwargs)
-        if any("," in k or "*" in k for k in kwargs):  # a name the spec cannot carry (only from **{...})
-            return structured(self, *args, **kwargs)
-        spec, leaves = _flatten_call(args, kwargs)
-        return flat(self, spec, *leaves)
-    return block_forward
-
-
-def _unalias(out: Any, leaves: Sequence[Any]) -> Any:
-    """`out` with every tensor that is one of the block's own inputs replaced by a copy. A compiled region may not
-    return an input (Dynamo refuses the aliasing), and T5's blocks hand back the position bias they were given; the
-    copy is that bias, [1, heads, S, S], once per block. Only a tensor or a flat tuple/list of outputs is looked at
-    (what Hugging Face blocks return): a general pytree walk would be traced per block call (see _region)."""
-    ins = [x for x in leaves if isinstance(x, torch.Tensor)]
-
-    def fix(t: Any) -> Any:
-        return t.clone() if isinstance(t, torch.Tensor) and any(t is x for x in ins) else t
-    if isinstance(out, (tuple, list)) and not hasattr(out, "_fields"):
-        return type(out)(fix(t) for t in out)
-    return fix(out)
-
-
-def _flatten_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[str, list[Any]]:
-    """(spec, leaves): the spec names each argument ("" positional, else its keyword) with ``*N`` after a tuple of N,
-    whose items become leaves of their own. Kept to a few bytecodes: Dynamo traces it at every block call."""
-    names: list[str] = []
-    leaves: list[Any] = []
-    for name, value in zip(("",) * len(args) + tuple(kwargs), (*args, *kwargs.values())):
-        if type(value) is tuple:
-            names.append(f"{name}*{len(value)}")
-            leaves.extend(value)
-        else:
-            names.append(name)
-            leaves.append(value)
-    return ",".join(names), leaves
-
-
-def _unflatten_call(spec: str, leaves: Sequence[Any]) -> tuple[list[Any], dict[str, Any]]:
-    args: list[Any] = []
-    kwargs: dict[str, Any] = {}
-    i = 0
-    for item in spec.split(",") if spec or leaves else []:
-        name, star, count = item.partition("*")
-        n = int(count) if star else 1
-        value = tuple(leaves[i:i + n]) if star else leaves[i]
-        i += n
-        if name:
-            kwargs[name] = value
-        else:
-            args.append(value)
-    return args, kwargs
-
-
-class ReuseMisbound(RuntimeError):
-    """Dynamo stamped out a block's traced body for another block but kept the first block's weights."""
-
-
-@contextlib.contextmanager
-def no_subgraph_reuse() -> Any:
-    """Dynamo traces every block call instead of stamping out a traced one (identical bodies are still
-    deduplicated after tracing, so they still compile once). Measured with torch 2.13: stamping out is what makes
-    tracing cheap (0.08 s instead of 0.26 s per GPT-2 block, 2-core AVX2 EPYC), but on a block called from a
-    plain ``for block in self.blocks`` loop it binds every call to the first block's parameters; compile_by_blocks
-    detects that (ReuseMisbound) and the capture is redone under this context."""
-    mod = importlib.import_module("torch._dynamo.variables.invoke_subgraph")
-    original = getattr(mod, "has_reuse_entries", None)
-    if original is None:
-        yield
-        return
-    mod.__dict__["has_reuse_entries"] = lambda *args, **kwargs: False  # (a module attribute mypy does not know)
-    try:
-        yield
-    finally:
-        mod.__dict__["has_reuse_entries"] = original
+from graphtrain.pipeline.block_regions import ReuseMisbound
 
 
 def has_block_calls(gm: fx.GraphModule) -> bool:
@@ -222,8 +46,9 @@ def _is_block_call(n: fx.Node) -> bool:
 CompilePiece = Callable[[fx.GraphModule, list[Any], list[str], str, int], Callable[..., Any]]
 
 
-def compile_by_blocks(gm: fx.GraphModule, example_inputs: Sequence[Any], input_kinds: list[str],
-                      compile_piece: CompilePiece) -> fx.GraphModule:
+def compile_by_blocks(
+    gm: fx.GraphModule, example_inputs: Sequence[Any], input_kinds: list[str], compile_piece: CompilePiece
+) -> fx.GraphModule:
     """`gm` (a Dynamo graph with invoke_subgraph calls) as a graph of compiled pieces, each compiled once.
 
     compile_piece(graph, example_inputs, input_kinds, label, calls_per_step) compiles one piece (the backend
@@ -249,8 +74,11 @@ def compile_by_blocks(gm: fx.GraphModule, example_inputs: Sequence[Any], input_k
         assert unit.graph is not None  # glue and block units carry their graph (_units)
         if unit.kind == "glue":
             kinds = [kind_of.get(i, "activation") for i in unit.inputs]
-            label = "before the first block" if n_glue == 0 else (
-                "after the last block" if unit is units[-1] else f"between blocks {n_glue}")
+            label = (
+                "before the first block"
+                if n_glue == 0
+                else ("after the last block" if unit is units[-1] else f"between blocks {n_glue}")
+            )
             n_glue += 1
             examples = [example(i) for i in unit.inputs]
             unit.fn = _conforming(compile_piece(unit.graph, examples, kinds, label, 1), examples, kinds)
@@ -258,28 +86,34 @@ def compile_by_blocks(gm: fx.GraphModule, example_inputs: Sequence[Any], input_k
             kinds = [kind_of.get(i, "activation") for i in unit.inputs]
             n = uses[unit.key]
             examples = [example(i) for i in unit.inputs]
-            compiled[unit.key] = _conforming(compile_piece(unit.graph, examples, kinds,
-                                                           f"block {unit.calls[0].args[1]} x{n}", n), examples, kinds)
+            compiled[unit.key] = _conforming(
+                compile_piece(unit.graph, examples, kinds, f"block {unit.calls[0].args[1]} x{n}", n), examples, kinds
+            )
     return _assemble(gm, placeholders, units, compiled)
 
 
-def _conforming(fn: Callable[..., Any], examples: Sequence[Any],
-                kinds: Sequence[str] | None = None) -> Callable[..., Any]:
+def _conforming(
+    fn: Callable[..., Any], examples: Sequence[Any], kinds: Sequence[str] | None = None
+) -> Callable[..., Any]:
     """`fn` called with each tensor laid out as the example it was compiled for. A piece is compiled on Dynamo's
     example values, and Inductor's code asserts their strides, but the piece before it may return a tensor of
     the same values in another layout: ModernBERT's mask, an expand in Dynamo's trace, reached its first
     repeated block dense, and the block raised (the module then ran eagerly). Same layout (every call of the
     models measured but that one): one stride comparison per tensor."""
     # weights and buffers come from the module as they are: only the batch and other pieces' outputs are checked
-    likes = [(i, x) for i, x in enumerate(examples) if isinstance(x, torch.Tensor)
-             and (kinds is None or kinds[i] not in ("param", "frozen", "buffer"))]
+    likes = [
+        (i, x)
+        for i, x in enumerate(examples)
+        if isinstance(x, torch.Tensor) and (kinds is None or kinds[i] not in ("param", "frozen", "buffer"))
+    ]
 
     def call(*args: Any) -> Any:
         for i, like in likes:
             x = args[i]
             if isinstance(x, torch.Tensor) and x.stride() != like.stride() and x.shape == like.shape:
-                args = (*args[:i], laid_out_as(x, like), *args[i + 1:])
+                args = (*args[:i], laid_out_as(x, like), *args[i + 1 :])
         return fn(*args)
+
     return call
 
 
@@ -294,8 +128,9 @@ def laid_out_as(x: torch.Tensor, like: Any) -> torch.Tensor:
         if s == 0 and n > 1:
             base = base.narrow(d, 0, 1)
     try:
-        out = torch.empty_strided(tuple(base.shape), tuple(s if s else 1 for s in stride), dtype=x.dtype,
-                                  device=x.device)
+        out = torch.empty_strided(
+            tuple(base.shape), tuple(s if s else 1 for s in stride), dtype=x.dtype, device=x.device
+        )
     except RuntimeError:
         return x
     out = out.copy_(base).expand(shape)
@@ -375,8 +210,10 @@ def _body_key(unit: _Unit, kind_of: dict[fx.Node, str], example: Callable[[fx.No
     share a body may still differ in their inputs' strides, which a compiled graph asserts, so each layout gets a
     compile of its own (_conforming then has nothing to copy)."""
     kinds = tuple(kind_of.get(i, "activation") for i in unit.inputs)
-    layouts = tuple((tuple(v.shape), v.stride(), v.dtype) if isinstance(v := example(i), torch.Tensor)
-                    else type(v).__name__ for i in unit.inputs)
+    layouts = tuple(
+        (tuple(v.shape), v.stride(), v.dtype) if isinstance(v := example(i), torch.Tensor) else type(v).__name__
+        for i in unit.inputs
+    )
     return unit.calls[0].args[1], hashlib.sha1(repr((kinds, layouts)).encode()).hexdigest()
 
 
@@ -404,8 +241,9 @@ def inline_blocks(gm: fx.GraphModule) -> fx.GraphModule:
     return fx.GraphModule(gm, graph)
 
 
-def _assemble(gm: fx.GraphModule, placeholders: list[fx.Node], units: list[_Unit],
-              compiled: dict[Any, Callable[..., Any]]) -> fx.GraphModule:
+def _assemble(
+    gm: fx.GraphModule, placeholders: list[fx.Node], units: list[_Unit], compiled: dict[Any, Callable[..., Any]]
+) -> fx.GraphModule:
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     pieces: dict[str, torch.nn.Module] = {}

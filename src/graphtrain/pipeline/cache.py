@@ -13,6 +13,7 @@ Custom passes stay cache-safe because the provider hands them to Inductor as a `
 ``uuid()`` hashes the pass sources and the enabled pass list (see providers.py); a changed pass or config
 gives a new key instead of a stale hit.
 """
+
 from __future__ import annotations
 
 import os
@@ -49,10 +50,15 @@ def configure_cache(config: EngineConfig) -> Path:
         try:
             root.mkdir(parents=True, exist_ok=True)
         except OSError as e:  # a usage error naming the setting (an OSError read as a failed run to --resume)
-            key = ("$GRAPHTRAIN_CACHE (or engine.cache_dir)" if not config.cache_dir
-                   and os.environ.get("GRAPHTRAIN_CACHE") else "engine.cache_dir")
-            raise ValueError(f"{key} {str(root)!r} cannot be used as the compile cache ({e.strerror or e}): point "
-                             f"{key} at a folder you can write") from None
+            key = (
+                "$GRAPHTRAIN_CACHE (or engine.cache_dir)"
+                if not config.cache_dir and os.environ.get("GRAPHTRAIN_CACHE")
+                else "engine.cache_dir"
+            )
+            raise ValueError(
+                f"{key} {str(root)!r} cannot be used as the compile cache ({e.strerror or e}): point "
+                f"{key} at a folder you can write"
+            ) from None
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(root)
         os.environ["_GRAPHTRAIN_SET_CACHE"] = "1"
     inductor_config.fx_graph_cache = True
@@ -67,6 +73,7 @@ def user_set_inductor_cache(env: Mapping[str, str] | None = None) -> bool:
     if not value:
         return False
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
     return os.path.abspath(value) != os.path.abspath(default_cache_dir())
 
 
@@ -84,8 +91,16 @@ _SOURCE_DIGEST: str | None = None
 PASS_CACHE_VERSION = 2
 
 
-_SOURCES = ("passes", "kernels", "frontend", "runtime", "pipeline", "memory", "config/sections.py",
-            "config/fallback.py")
+_SOURCES = (
+    "passes",
+    "kernels",
+    "frontend",
+    "runtime",
+    "pipeline",
+    "memory",
+    "config/sections.py",
+    "config/fallback.py",
+)
 """What a pre-autodiff result depends on: the passes, the kernels they insert (and their descriptors), the
 tracing pipeline, the providers and entry points that run it, and the config. The trainer, CLI, models and
 data do not (a model's own change shows in its Dynamo graph, which is in the key)."""
@@ -101,10 +116,12 @@ def source_digest() -> str:
     global _SOURCE_DIGEST
     if _SOURCE_DIGEST is None:
         import hashlib
+
         root = Path(__file__).resolve().parent.parent
         h = hashlib.sha256()
-        files = [p for name in _SOURCES for p in (_source_files(root / name) if (root / name).is_dir()
-                                                  else [root / name])]
+        files = [
+            p for name in _SOURCES for p in (_source_files(root / name) if (root / name).is_dir() else [root / name])
+        ]
         for path in sorted(files):
             h.update(str(path.relative_to(root)).encode())
             h.update(path.read_bytes())
@@ -112,8 +129,9 @@ def source_digest() -> str:
     return _SOURCE_DIGEST
 
 
-def pass_cache_key(gm: fx.GraphModule, example_inputs: Sequence[Any], kinds: Sequence[str],
-                   config: EngineConfig) -> str:
+def pass_cache_key(
+    gm: fx.GraphModule, example_inputs: Sequence[Any], kinds: Sequence[str], config: EngineConfig
+) -> str:
     """The key of `gm`'s pre-autodiff result under `config` (a hex digest)."""
     import dataclasses
     import hashlib
@@ -122,8 +140,10 @@ def pass_cache_key(gm: fx.GraphModule, example_inputs: Sequence[Any], kinds: Seq
     import torch
 
     h = hashlib.sha256()
-    h.update(f"v{PASS_CACHE_VERSION} torch {torch.__version__} {platform.machine()} "
-             f"{torch.backends.cpu.get_cpu_capability()} {source_digest()}\n".encode())
+    h.update(
+        f"v{PASS_CACHE_VERSION} torch {torch.__version__} {platform.machine()} "
+        f"{torch.backends.cpu.get_cpu_capability()} {source_digest()}\n".encode()
+    )
     h.update(_machine_and_passes(config).encode())
     # the ambient autocast state: Dynamo leaves an autocast entered outside the compiled region out of the graph's
     # code, and the trace applies it, so one graph's fp32 and bf16-autocast results differ by this alone (a bf16 run
@@ -175,6 +195,7 @@ def _user_key() -> bytes | None:
     use; None (the pass cache is off) when it cannot be made or is readable by others or owned by someone else."""
     import secrets
     import stat
+
     base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
     path = Path(base).expanduser() / "graphtrain" / "cache.key"
     try:
@@ -200,6 +221,7 @@ def _user_key() -> bytes | None:
 def _tag(key: bytes, data: bytes) -> bytes:
     import hashlib
     import hmac
+
     return hmac.new(key, data, hashlib.sha256).digest()
 
 
@@ -209,6 +231,7 @@ def load_pass_result(config: EngineConfig, key: str) -> tuple[fx.GraphModule, li
     HMAC verifies."""
     import hmac
     import pickle
+
     path = cache_root(config) / "passes" / f"{key}.pkl"
     secret = _user_key()
     if secret is None:
@@ -218,17 +241,18 @@ def load_pass_result(config: EngineConfig, key: str) -> tuple[fx.GraphModule, li
     except OSError:
         return None
     n = len(_MAGIC)
-    if not blob.startswith(_MAGIC) or not hmac.compare_digest(blob[n:n + 32], _tag(secret, blob[n + 32:])):
+    if not blob.startswith(_MAGIC) or not hmac.compare_digest(blob[n : n + 32], _tag(secret, blob[n + 32 :])):
         return None
     try:
-        encoded, records, ops_captured, ops_after = pickle.loads(blob[n + 32:])  # noqa: S301 - verified above
+        encoded, records, ops_captured, ops_after = pickle.loads(blob[n + 32 :])  # noqa: S301 - verified above
         return _decode_graph(encoded), records, ops_captured, ops_after
     except Exception:  # noqa: BLE001 - a stale entry (an older graphtrain's classes): recompute and overwrite it
         return None
 
 
-def save_pass_result(config: EngineConfig, key: str, gm: fx.GraphModule, records: list[Any], ops_captured: int,
-                     ops_after: int) -> fx.GraphModule:
+def save_pass_result(
+    config: EngineConfig, key: str, gm: fx.GraphModule, records: list[Any], ops_captured: int, ops_after: int
+) -> fx.GraphModule:
     """Store the optimized graph atomically (a reader never sees half a file), tagged (_user_key), and return the
     graph as a later process will load it: compile that one, so this process and the next hand Inductor the same
     graph and share its cache entries (a freshly traced graph and its pickled copy differ in node metadata, which
@@ -236,6 +260,7 @@ def save_pass_result(config: EngineConfig, key: str, gm: fx.GraphModule, records
     not cached and comes back as it is."""
     import pickle
     import tempfile
+
     folder = cache_root(config) / "passes"
     secret = _user_key()
     try:
@@ -269,6 +294,7 @@ class _Ref:
 
 def _encode_target(target: Any) -> Any:
     import torch
+
     if isinstance(target, str):
         return target
     if isinstance(target, torch._ops.OpOverload):
@@ -295,6 +321,7 @@ def _decode_target(ref: Any) -> Any:
     import importlib
 
     import torch
+
     if not isinstance(ref, _Ref):
         return ref
     if ref.kind == "op":

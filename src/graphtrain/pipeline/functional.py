@@ -6,6 +6,7 @@
 One helper for every compile path (frontend/capture.py's training-step capture, frontend/compile_step.py's whole
 step, the tests' pre-autodiff traces) and one loss rule (those, tools/bisect.py and distributed/).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -20,8 +21,9 @@ LAYER_KEY = "graphtrain_layer"
 layer_regions reads it for recompute=full, as it reads Dynamo's nn_module_stack in the engine's graphs)."""
 
 
-def module_as_function(module: torch.nn.Module, *, input_names: Sequence[str] | None = None,
-                       loss: bool = False) -> tuple[Callable[..., Any], list[torch.Tensor], list[str]]:
+def module_as_function(
+    module: torch.nn.Module, *, input_names: Sequence[str] | None = None, loss: bool = False
+) -> tuple[Callable[..., Any], list[torch.Tensor], list[str]]:
     """`module` as f(*params, *buffers, *inputs); returns (f, the parameter and buffer tensors in order, kinds).
 
     kinds[i] is "param" (trainable), "frozen" (parameter without requires_grad) or "buffer". Tied weights count
@@ -57,8 +59,10 @@ def loss_of(out: Any) -> torch.Tensor:
     loss = out.get("loss") if isinstance(out, dict) else getattr(out, "loss", None)
     if isinstance(loss, torch.Tensor):
         return loss
-    raise TypeError(f"the model's forward must return the loss (a tensor, or an object with a .loss tensor such "
-                    f"as a Hugging Face output given labels=); got {type(out).__name__}")
+    raise TypeError(
+        f"the model's forward must return the loss (a tensor, or an object with a .loss tensor such "
+        f"as a Hugging Face output given labels=); got {type(out).__name__}"
+    )
 
 
 @contextlib.contextmanager
@@ -83,6 +87,7 @@ def annotate_layers(model: torch.nn.Module) -> Iterator[None]:
 
             def post(_m: Any, _a: Any, _o: Any, frames: list = frames) -> None:
                 frames.pop().close()
+
             handles += [layer.register_forward_pre_hook(pre), layer.register_forward_hook(post)]
     try:
         with fx_traceback.annotate({LAYER_KEY: None}):  # outside every layer

@@ -3,6 +3,7 @@
 symbolic, so that their compile-cache keys agree; and the size check that comes with Inductor's code for a symbolic
 graph compiled that way. Its own module: the pass cache (pipeline/cache.py), the backend and provider auto all use it.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -27,8 +28,11 @@ def symbolic_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> list[A
     out: list[Any] = []
     for x, n in zip(example_inputs, placeholders):
         val = n.meta.get("example_value", n.meta.get("val"))
-        symbolic = isinstance(val, torch.Tensor) and isinstance(x, torch.Tensor) and any(
-            isinstance(d, torch.SymInt) for d in (*val.shape, *val.stride()))
+        symbolic = (
+            isinstance(val, torch.Tensor)
+            and isinstance(x, torch.Tensor)
+            and any(isinstance(d, torch.SymInt) for d in (*val.shape, *val.stride()))
+        )
         out.append(val if symbolic else x)
     return out
 
@@ -80,6 +84,7 @@ def rebuild_sizes(metas: list[tuple[Any, ...]]) -> tuple[Any, Callable[[Any], An
     is not assumed positive)."""
     from torch._dynamo.source import ConstantSource
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+
     env = ShapeEnv(duck_shape=False)
     symbols: dict[str, int] = {}
     for m in metas:
@@ -87,12 +92,18 @@ def rebuild_sizes(metas: list[tuple[Any, ...]]) -> tuple[Any, Callable[[Any], An
     names: dict[str, Any] = {}
     for name, hint in sorted(symbols.items()):
         source = ConstantSource(f"graphtrain_{name}")
-        sym = env.create_symbol(hint, source, dynamic_dim=DimDynamic.DYNAMIC, do_not_specialize_zero_one=True,
-                                positive=True if hint > 0 else None)
+        sym = env.create_symbol(
+            hint,
+            source,
+            dynamic_dim=DimDynamic.DYNAMIC,
+            do_not_specialize_zero_one=True,
+            positive=True if hint > 0 else None,
+        )
         names[name] = env.create_symintnode(sym, hint=hint, source=source)
 
     def size(d: Any) -> Any:
         return d if isinstance(d, int) else eval(d, {"__builtins__": {}}, names)  # noqa: S307 - our own encoding
+
     return env, size
 
 
@@ -109,8 +120,9 @@ class SizeChecked:
         return self.fn(*args)
 
 
-def size_check(env: Any, metas: list[tuple[Any, ...]],
-               size: Callable[[Any], Any]) -> Callable[[Sequence[Any]], bool] | None:
+def size_check(
+    env: Any, metas: list[tuple[Any, ...]], size: Callable[[Any], Any]
+) -> Callable[[Sequence[Any]], bool] | None:
     """A check of a call's sizes against the guards `env` collected (None: no guard), reading each symbol where an
     input carries it alone (a SymInt input, or a tensor dimension). Raises GuardsUnreadable for a guard on a symbol
     no input carries alone."""
@@ -132,8 +144,9 @@ def size_check(env: Any, metas: list[tuple[Any, ...]],
     guards = [g.expr.xreplace(rename) for g in env.guards]
     free = sorted({str(f) for g in guards for f in g.free_symbols})
     if any(f not in where for f in free):
-        raise GuardsUnreadable(f"Inductor's compile of this symbolic graph assumed {guards}, on sizes no input "
-                               f"carries alone")
+        raise GuardsUnreadable(
+            f"Inductor's compile of this symbolic graph assumed {guards}, on sizes no input carries alone"
+        )
     code = " and ".join(dict.fromkeys(f"({PythonPrinter().doprint(g)})" for g in guards))  # each guard once
     # torch's printer writes Max/Min/Abs and the float ops as Python builtins and math functions
     names = {"__builtins__": {}, "max": max, "min": min, "abs": abs, "int": int, "float": float, "math": math}
@@ -142,5 +155,6 @@ def size_check(env: Any, metas: list[tuple[Any, ...]],
 
     def check(args: Sequence[Any]) -> bool:
         return bool(test(*[args[i] if d is None else args[i].shape[d] for i, d in spots]))
+
     check.guards = code  # type: ignore[attr-defined]
     return check

@@ -7,6 +7,7 @@ candidate of provider auto; the optimized graph in place of the Dynamo graph for
 compile from data). The pass-cache key (pipeline/cache.py) is computed once per job, or given: the background
 compile process (runtime/background.py) uses the key the training process computed.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -38,9 +39,11 @@ class CompileJob:
 
     def __post_init__(self) -> None:
         if "auto" in (self.config.provider, self.config.precision):
-            raise ValueError(f"CompileJob for {self.rec.name}: provider {self.config.provider!r} and precision "
-                             f"{self.config.precision!r} must be resolved where the job is made "
-                             f"(runtime/providers.py resolve_runtime)")
+            raise ValueError(
+                f"CompileJob for {self.rec.name}: provider {self.config.provider!r} and precision "
+                f"{self.config.precision!r} must be resolved where the job is made "
+                f"(runtime/providers.py resolve_runtime)"
+            )
 
     @functools.cached_property
     def pass_key(self) -> str | None:

@@ -19,6 +19,7 @@ Three callers run them:
 Every pass run and every fallback is recorded on the caller's ``EngineState`` (``graphtrain.report`` reads it):
 run_passes hands ``state.fallbacks`` to the pass manager, so a pass that fails and is skipped lands there too.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -39,11 +40,14 @@ from graphtrain.pipeline.state import EngineState, GraphRecord
 from graphtrain.pipeline.trace import trace_aten_forward
 
 
-def new_record(name: str, frame: str, example_inputs: Sequence[Any], input_kinds: list[str],
-               state: EngineState, **fields: Any) -> GraphRecord:
+def new_record(
+    name: str, frame: str, example_inputs: Sequence[Any], input_kinds: list[str], state: EngineState, **fields: Any
+) -> GraphRecord:
     """Start the GraphRecord of one compiled graph on `state` (the report lists them in this order)."""
+
     def dim(d: Any) -> Any:
         return d if type(d) is int else str(d)
+
     shapes = [tuple(dim(d) for d in x.shape) if isinstance(x, torch.Tensor) else dim(x) for x in example_inputs]
     rec = GraphRecord(name=name, frame=frame, input_shapes=shapes, input_kinds=input_kinds, **fields)
     state.graphs.append(rec)
@@ -51,6 +55,7 @@ def new_record(name: str, frame: str, example_inputs: Sequence[Any], input_kinds
 
 
 # ------------------------------------------------------------------------------ 1. trace --
+
 
 def trace(fn: Callable[..., Any], example_inputs: Sequence[Any], rec: GraphRecord | None = None) -> fx.GraphModule:
     """`fn(*example_inputs)` (a Dynamo graph, or a function such as engine/functional's module_as_function) as
@@ -63,16 +68,31 @@ def trace(fn: Callable[..., Any], example_inputs: Sequence[Any], rec: GraphRecor
 
 # ----------------------------------------------------------------------------- 2, 4. passes --
 
-def run_passes(gm: fx.GraphModule, stage: str, config: EngineConfig, state: EngineState,
-               rec: GraphRecord | None = None, *, example_inputs: Sequence[Any] = (),
-               input_kinds: list[str] | None = None, only: Sequence[PassFn] | None = None) -> fx.GraphModule:
+
+def run_passes(
+    gm: fx.GraphModule,
+    stage: str,
+    config: EngineConfig,
+    state: EngineState,
+    rec: GraphRecord | None = None,
+    *,
+    example_inputs: Sequence[Any] = (),
+    input_kinds: list[str] | None = None,
+    only: Sequence[PassFn] | None = None,
+) -> fx.GraphModule:
     """The `stage` pipeline of `config` on `gm` through the pass manager (timed, linted, output-checked; a failed
     pass is skipped and recorded on state.fallbacks, or raised under fallback=error). The pass records go to
     state.passes and the op counts to `rec`. `only`: run exactly these registered passes instead."""
     if only is not None:
         config = _only(config, stage, only)
-    ctx = PassContext(config=config, stage=stage, graph_name=rec.name if rec is not None else f"{stage} graph",
-                      example_inputs=list(example_inputs), input_kinds=input_kinds, fallbacks=state.fallbacks)
+    ctx = PassContext(
+        config=config,
+        stage=stage,
+        graph_name=rec.name if rec is not None else f"{stage} graph",
+        example_inputs=list(example_inputs),
+        input_kinds=input_kinds,
+        fallbacks=state.fallbacks,
+    )
     gm = run_pipeline(gm, ctx)
     materialize_symints(gm)  # a size a pass wrote as a raw SymInt (dynamic shapes) becomes graph nodes
     state.passes.extend(ctx.records)
@@ -123,11 +143,13 @@ def _record_backward(gm: fx.GraphModule, rec: GraphRecord) -> None:
         rec.grads_computed -= rec.dtensor_inputs
     elif len(grads) >= len(kinds):
         offset = len(grads) - len(kinds)  # folded constants (module buffers) come first
-        rec.frozen_inputs_with_grad = sum(grads[offset + i] is not None for i, k in enumerate(kinds)
-                                          if k in ("frozen", "buffer"))
+        rec.frozen_inputs_with_grad = sum(
+            grads[offset + i] is not None for i, k in enumerate(kinds) if k in ("frozen", "buffer")
+        )
 
 
 # ------------------------------------------------------------------------------ 3. partition --
+
 
 @dataclass
 class StepLayout:
@@ -137,30 +159,41 @@ class StepLayout:
     constants fold_constants registered) in front of the graph's inputs, which Dynamo orders by first use,
     so the batch is not necessarily last."""
 
-    n_params_bytes: int   # trainable parameter bytes (tied weights once)
-    n_param_inputs: int   # parameters + buffers among the forward inputs
+    n_params_bytes: int  # trainable parameter bytes (tied weights once)
+    n_param_inputs: int  # parameters + buffers among the forward inputs
     batch_inputs: list[int]
 
 
 def layout(forward: Callable[..., Any], example_inputs: Sequence[Any], kinds: Sequence[str]) -> StepLayout:
     n_lifted = 0
     if isinstance(forward, fx.GraphModule):
-        n_lifted = len(dict(forward.named_parameters(remove_duplicate=False))) + \
-            len(dict(forward.named_buffers(remove_duplicate=False)))
+        n_lifted = len(dict(forward.named_parameters(remove_duplicate=False))) + len(
+            dict(forward.named_buffers(remove_duplicate=False))
+        )
     trained = [x for x, k in zip(example_inputs, kinds) if k == "param"]
-    return StepLayout(param_bytes(trained), n_lifted + sum(k in ("param", "frozen", "buffer") for k in kinds),
-                      [n_lifted + i for i, k in enumerate(kinds) if k == "input"])
+    return StepLayout(
+        param_bytes(trained),
+        n_lifted + sum(k in ("param", "frozen", "buffer") for k in kinds),
+        [n_lifted + i for i, k in enumerate(kinds) if k == "input"],
+    )
 
 
-def partition_fn(config: EngineConfig, state: EngineState, rec: GraphRecord, lay: StepLayout, *,
-                 optimizer: str = "adamw") -> Callable[..., tuple[fx.GraphModule, fx.GraphModule]]:
+def partition_fn(
+    config: EngineConfig, state: EngineState, rec: GraphRecord, lay: StepLayout, *, optimizer: str = "adamw"
+) -> Callable[..., tuple[fx.GraphModule, fx.GraphModule]]:
     """graphtrain.memory.recompute's partitioner for config.recompute; its decision record goes to
     state.recompute and `rec`.
 
     Every mode, `none` included, goes through it: on top of the mode's partition it drops the dead random
     ops AOTAutograd's partitioners copy into the backward (which would re-run work and consume RNG)."""
-    inner = make_partition_fn(config, n_params_bytes=lay.n_params_bytes, n_param_inputs=lay.n_param_inputs,
-                              optimizer=optimizer, records=state.recompute, batch_inputs=lay.batch_inputs)
+    inner = make_partition_fn(
+        config,
+        n_params_bytes=lay.n_params_bytes,
+        n_param_inputs=lay.n_param_inputs,
+        optimizer=optimizer,
+        records=state.recompute,
+        batch_inputs=lay.batch_inputs,
+    )
 
     def partition(joint: fx.GraphModule, joint_inputs: Any, **kw: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
         n = len(state.recompute)
@@ -168,6 +201,7 @@ def partition_fn(config: EngineConfig, state: EngineState, rec: GraphRecord, lay
         if len(state.recompute) > n:
             rec.recompute = state.recompute[-1]
         return fw, bw
+
     return partition
 
 
@@ -176,6 +210,7 @@ def partitioner_name(config: EngineConfig) -> str:
 
 
 # ------------------------------------------------------------------------- 3-4. autodiff --
+
 
 def to_boxed(gm: fx.GraphModule) -> fx.GraphModule:
     """Compile `gm` to the boxed calling convention: it takes the argument list and clears it, so
@@ -191,11 +226,20 @@ def to_boxed(gm: fx.GraphModule) -> fx.GraphModule:
 GraphsHook = Callable[[fx.GraphModule, fx.GraphModule, StepLayout], None]
 
 
-def autodiff(forward: Callable[..., Any], example_inputs: Sequence[Any], config: EngineConfig, state: EngineState,
-             rec: GraphRecord, *, only: dict[str, Sequence[PassFn]] | None = None, boxed: bool = True,
-             optimizer: str = "adamw", backward_passes_at_partition: bool = False,
-             on_graphs: GraphsHook | None = None,
-             on_stage: Callable[[str, fx.GraphModule], None] | None = None) -> Callable[..., Any]:
+def autodiff(
+    forward: Callable[..., Any],
+    example_inputs: Sequence[Any],
+    config: EngineConfig,
+    state: EngineState,
+    rec: GraphRecord,
+    *,
+    only: dict[str, Sequence[PassFn]] | None = None,
+    boxed: bool = True,
+    optimizer: str = "adamw",
+    backward_passes_at_partition: bool = False,
+    on_graphs: GraphsHook | None = None,
+    on_stage: Callable[[str, fx.GraphModule], None] | None = None,
+) -> Callable[..., Any]:
     """AOTAutograd on `forward`, as the aten provider runs it: no decompositions (the graphs hold the aten ops
     eager autograd would run), `partition_fn`'s partition, then each graph's stage passes, and each graph
     compiled to FX code, boxed (the backward frees each saved activation after its last use).
@@ -220,7 +264,9 @@ def autodiff(forward: Callable[..., Any], example_inputs: Sequence[Any], config:
         if on_stage is not None:
             on_stage(stage, g)
         done[stage] = g
-        if on_graphs is not None and len(done) == 2:  # AOTAutograd compiles the forward first, the backward maybe lazily
+        if (
+            on_graphs is not None and len(done) == 2
+        ):  # AOTAutograd compiles the forward first, the backward maybe lazily
             on_graphs(done.pop("forward"), done.pop("backward"), lay)
         return g
 
@@ -235,11 +281,13 @@ def autodiff(forward: Callable[..., Any], example_inputs: Sequence[Any], config:
             # Boxed: the backward takes its argument list and clears it, so each saved activation is freed after
             # its last use instead of when the backward returns (FX code drops intermediates the same way).
             return to_boxed(g) if boxed else make_boxed_func(g.forward)
+
         return compile_fn
 
     rec.partitioner = partitioner_name(config)
-    aot: dict[str, Any] = dict(fw_compiler=compiler("forward"), bw_compiler=compiler("backward"),
-                               partition_fn=partition, decompositions={})
+    aot: dict[str, Any] = dict(
+        fw_compiler=compiler("forward"), bw_compiler=compiler("backward"), partition_fn=partition, decompositions={}
+    )
     if isinstance(forward, fx.GraphModule):
         return aot_module_simplified(forward, list(example_inputs), **aot)
     return aot_function(forward, **aot)
@@ -262,9 +310,15 @@ compile and run the graph eagerly."""
 _NOT_DEGRADED: tuple[type[BaseException], ...] = (GraphtrainCaptureError, *DYNAMO_RESTARTS)
 
 
-
-def compile_with_fallback(order: Sequence[str], compile_one: Callable[[str], Any], *, part: str,
-                          config: EngineConfig, state: EngineState, eager: Any = None) -> tuple[Any, str]:
+def compile_with_fallback(
+    order: Sequence[str],
+    compile_one: Callable[[str], Any],
+    *,
+    part: str,
+    config: EngineConfig,
+    state: EngineState,
+    eager: Any = None,
+) -> tuple[Any, str]:
     """compile_one(provider) for the first provider in `order` that compiles; returns (compiled, provider).
 
     A provider that fails is reported through the fallback policy (recorded on state.fallbacks; warned once,
@@ -279,6 +333,11 @@ def compile_with_fallback(order: Sequence[str], compile_one: Callable[[str], Any
         except Exception as e:  # noqa: BLE001 - degrade to the next provider, loudly
             if nxt is None:
                 raise
-            report_fallback(f"provider {provider} on {part}", f"{type(e).__name__}: {str(e)[:500]}", config,
-                            what=f"runs on {nxt} instead", sink=state.fallbacks)
+            report_fallback(
+                f"provider {provider} on {part}",
+                f"{type(e).__name__}: {str(e)[:500]}",
+                config,
+                what=f"runs on {nxt} instead",
+                sink=state.fallbacks,
+            )
     return eager, "eager"

@@ -4,6 +4,7 @@ One ``EngineState`` lives on each accelerated module as ``module._graphtrain`` (
 ``torch.compile(m, backend="graphtrain")`` record into a process-wide ``GLOBAL_STATE``). The backend fills
 one ``GraphRecord`` per Dynamo graph; ``graphtrain.report`` turns the state into text and a dict.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -18,24 +19,24 @@ class GraphRecord:
     """One Dynamo graph as the engine compiled it."""
 
     name: str
-    frame: str                      # the Python function Dynamo captured
-    frame_compile: int              # 0 for the first compile of this frame, n for its n-th recompile
+    frame: str  # the Python function Dynamo captured
+    frame_compile: int  # 0 for the first compile of this frame, n for its n-th recompile
     input_shapes: list[Any]
-    input_kinds: list[str]          # per placeholder: param | frozen | buffer | input | symint | activation
-                                    # (activation: another piece's output, pipeline/blocks.py)
-    ops_captured: int = 0           # aten ops right after tracing, before any pass
-    ops_pre_autodiff: int = 0       # aten ops after the pre_autodiff passes
+    input_kinds: list[str]  # per placeholder: param | frozen | buffer | input | symint | activation
+    # (activation: another piece's output, pipeline/blocks.py)
+    ops_captured: int = 0  # aten ops right after tracing, before any pass
+    ops_pre_autodiff: int = 0  # aten ops after the pre_autodiff passes
     ops_forward: int | None = None  # ops of the partitioned forward / backward graphs after their passes
     ops_backward: int | None = None
-    provider: str = ""              # what ran the fw/bw graphs (aten | inductor | eager)
-    precision: str = ""             # the compute precision the graph ran in (`auto` resolved)
+    provider: str = ""  # what ran the fw/bw graphs (aten | inductor | eager)
+    precision: str = ""  # the compute precision the graph ran in (`auto` resolved)
     partitioner: str = ""
-    grads_computed: int | None = None        # backward outputs that are real gradients
+    grads_computed: int | None = None  # backward outputs that are real gradients
     frozen_inputs_with_grad: int | None = None  # must be 0: frozen params/buffers get no gradient work
-    saved_activation_bytes: int | None = None   # forward outputs kept for backward that are not parameters
+    saved_activation_bytes: int | None = None  # forward outputs kept for backward that are not parameters
     saved_tensors: int | None = None
-    batch: int | None = None        # leading dim of the first user input (for per-sample figures)
-    dtensor_inputs: int = 0         # tensor-parallel DTensor parameters among the inputs
+    batch: int | None = None  # leading dim of the first user input (for per-sample figures)
+    dtensor_inputs: int = 0  # tensor-parallel DTensor parameters among the inputs
     # The recompute decision of this graph's partition (a graphtrain.memory.recompute.RecomputeRecord: mode,
     # every candidate tried with bytes saved and FLOPs added, the one kept); None when Inductor's own
     # partitioner ran (recompute none under the inductor provider).
@@ -44,13 +45,13 @@ class GraphRecord:
     # graphtrain.memory.predict.predict_peak), from the partitioned fw/bw graphs after their passes.
     predicted_memory: dict[str, Any] | None = None
     compile_seconds: float = 0.0
-    calls_per_step: int = 1         # a repeated block's graph runs once per layer (pipeline/blocks.py)
-    inference: bool = False         # compiled under no_grad (an evaluation graph): no backward
+    calls_per_step: int = 1  # a repeated block's graph runs once per layer (pipeline/blocks.py)
+    inference: bool = False  # compiled under no_grad (an evaluation graph): no backward
     provider_times: dict[str, float] | None = None  # provider auto: each candidate's fw+bw seconds (choose.py)
-    pass_cache: str = ""            # graphtrain's pass-result cache (pipeline/cache.py): hit | miss | off
+    pass_cache: str = ""  # graphtrain's pass-result cache (pipeline/cache.py): hit | miss | off
     pass_cache_key: str = ""
-    compile_reason: str = ""        # why Dynamo ended this graph (graph break or end of frame)
-    notes_compile_id: int = 0       # Dynamo's per-code-object compile counter (shared across instances)
+    compile_reason: str = ""  # why Dynamo ended this graph (graph break or end of frame)
+    notes_compile_id: int = 0  # Dynamo's per-code-object compile counter (shared across instances)
     notes: list[str] = field(default_factory=list)
 
 
@@ -63,12 +64,12 @@ class EngineState:
     fallbacks: list[tuple[str, str]] = field(default_factory=list)
     recompute: list[Any] = field(default_factory=list)  # every RecomputeRecord, in compile order
     blocks: list[str] = field(default_factory=list)  # repeated stacks compiled once per block (pipeline/blocks.py)
-    block_reuse: bool = True        # Dynamo may stamp out a traced block (false once it bound the wrong weights)
+    block_reuse: bool = True  # Dynamo may stamp out a traced block (false once it bound the wrong weights)
     notes: list[str] = field(default_factory=list)
     calls: int = 0
     first_call_seconds: float | None = None
     first_step_memory: dict[str, Any] = field(default_factory=dict)  # memory/prefault.py: recorded, primed
-    eager_only: bool = False        # capture failed; the module runs eagerly from now on
+    eager_only: bool = False  # capture failed; the module runs eagerly from now on
     background: Any = field(default=None, repr=False, compare=False)  # provider auto's compile worker (choose.py)
 
     @property

@@ -5,6 +5,7 @@ parameters and buffers as ordinary placeholders, every node carrying ``meta["val
 tensor with shape and dtype). Pre-autodiff passes and fusion patterns are written against it, and
 AOTAutograd builds the gradient graph from it.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -27,7 +28,8 @@ def trace_aten_forward(fn: Callable[..., Any], example_inputs: Sequence[Any]) ->
     fake_mode = detect_fake_mode(example_inputs)
     # differentiated later: an input or a parameter of its own (a graph that holds its weights) requires grad
     needs_grad = any(isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs) or (
-        isinstance(fn, torch.nn.Module) and any(p.requires_grad for p in fn.parameters()))
+        isinstance(fn, torch.nn.Module) and any(p.requires_grad for p in fn.parameters())
+    )
     if isinstance(fn, fx.GraphModule):
         # Run the Dynamo graph node by node with node meta preserved, so each aten node keeps the
         # nn_module_stack of the node it came from (recompute=full finds the model's layers by it).
@@ -41,6 +43,7 @@ def trace_aten_forward(fn: Callable[..., Any], example_inputs: Sequence[Any]) ->
     dispatcher: contextlib.AbstractContextManager[Any]
     if any(is_symbolic(x) for x in inputs):
         from torch._dispatch.python import enable_python_dispatcher
+
         functional, dispatcher = _dispatch_functionalize(fn), enable_python_dispatcher()
     else:
         functional, dispatcher = torch.func.functionalize(fn, remove="mutations"), contextlib.nullcontext()
@@ -80,7 +83,7 @@ def keep_attention_logsumexp(gm: fx.GraphModule, fake_mode: FakeTensorMode) -> i
         if i < len(node.args):
             if node.args[i] is True:
                 continue
-            node.args = (*node.args[:i], True, *node.args[i + 1:])
+            node.args = (*node.args[:i], True, *node.args[i + 1 :])
         elif node.kwargs.get("compute_log_sumexp") is not True:
             node.kwargs = {**node.kwargs, "compute_log_sumexp": True}
         else:
@@ -115,13 +118,20 @@ def _dispatch_functionalize(fn: Callable[..., Any]) -> Callable[..., Any]:
                 if isinstance(w, FunctionalTensor):
                     torch._sync(w)
                     if torch._functionalize_has_metadata_mutation(w.elem):
-                        raise RuntimeError("the graph changes an input's shape or strides in place (e.g. "
-                                           "`x.t_()` on an input); graphtrain cannot trace that under dynamic "
-                                           "shapes: use engine.dynamic=false")
+                        raise RuntimeError(
+                            "the graph changes an input's shape or strides in place (e.g. "
+                            "`x.t_()` on an input); graphtrain cannot trace that under dynamic "
+                            "shapes: use engine.dynamic=false"
+                        )
+
             def unwrap(t: Any) -> Any:
                 return torch._from_functional_tensor(t.elem) if isinstance(t, FunctionalTensor) else t
-            mutated = [(a, unwrap(w)) for a, w in zip(args, wrapped) if isinstance(w, FunctionalTensor)
-                       and torch._functionalize_has_data_mutation(w.elem)]  # type: ignore[attr-defined]
+
+            mutated = [
+                (a, unwrap(w))
+                for a, w in zip(args, wrapped)
+                if isinstance(w, FunctionalTensor) and torch._functionalize_has_data_mutation(w.elem)  # type: ignore[attr-defined]
+            ]
             out = torch.utils._pytree.tree_map_only(FunctionalTensor, lambda t: (torch._sync(t), unwrap(t))[1], out)
         for original, new in mutated:  # outside the mode: traced as the graph's write into its input
             original.copy_(new)
@@ -142,13 +152,21 @@ def fakify_like_dynamo(fake_mode: FakeTensorMode, example_inputs: Sequence[Any])
         elif isinstance(x, torch.Tensor):
             sc = ctx.tensor_to_context.get(x) if ctx is not None else None
             # A tensor Dynamo did not see (a DTensor parameter's local shard, engine/trace.localize) is static.
-            out.append(fake_mode.from_tensor(x, symbolic_context=sc, source=sc.tensor_source if sc else None,
-                                             static_shapes=shape_env is None or sc is None))
+            out.append(
+                fake_mode.from_tensor(
+                    x,
+                    symbolic_context=sc,
+                    source=sc.tensor_source if sc else None,
+                    static_shapes=shape_env is None or sc is None,
+                )
+            )
         elif isinstance(x, int) and not isinstance(x, bool) and shape_env is not None:
             from torch._dynamo.source import ConstantSource
+
             src = ConstantSource(f"graphtrain_sym_{i}")
-            out.append(shape_env.create_symintnode(shape_env.create_symbol(x, src, positive=x >= 0), hint=x,
-                                                   source=src))
+            out.append(
+                shape_env.create_symintnode(shape_env.create_symbol(x, src, positive=x >= 0), hint=x, source=src)
+            )
         else:
             out.append(x)
     return out
@@ -163,8 +181,9 @@ def dtensor_inputs(example_inputs: Sequence[Any]) -> list[int]:
     return [i for i, x in enumerate(example_inputs) if isinstance(x, DTensor)]
 
 
-def localize(gm: fx.GraphModule, example_inputs: Sequence[Any],
-             positions: Sequence[int]) -> tuple[fx.GraphModule, list[Any]]:
+def localize(
+    gm: fx.GraphModule, example_inputs: Sequence[Any], positions: Sequence[int]
+) -> tuple[fx.GraphModule, list[Any]]:
     """The Dynamo graph on local shards: each DTensor input at `positions` becomes a plain input (its local
     tensor) and the graph's `.to_local()` calls on it are dropped; returns (graph, example inputs).
 
@@ -178,13 +197,13 @@ def localize(gm: fx.GraphModule, example_inputs: Sequence[Any],
     for i in positions:
         ph = placeholders[i]
         for user in list(ph.users):
-            if not (user.op == "call_method" and user.target == "to_local" and len(user.args) == 1
-                    and not user.kwargs):
+            if not (user.op == "call_method" and user.target == "to_local" and len(user.args) == 1 and not user.kwargs):
                 raise ValueError(
                     f"DTensor input {ph.target} is used by `{user.format_node()}`: graphtrain's passes run on "
                     f"plain local tensors, which needs DTensor parameters read through .to_local() only "
                     f"(graphtrain.distributed.tensor_parallel's layers; torch's ColwiseParallel/RowwiseParallel "
-                    f"keep activations as DTensors)")
+                    f"keep activations as DTensors)"
+                )
             user.replace_all_uses_with(ph)
             gm.graph.erase_node(user)
         inputs[i] = example_inputs[i].to_local()

@@ -15,6 +15,7 @@ compared with the trained model's on a sample batch (``max_abs_diff`` in the res
 
 Here: load a run's checkpoint, write each format, load it back, compare logits.
 """
+
 from __future__ import annotations
 
 import json
@@ -46,14 +47,18 @@ FORMATS = ("safetensors", "hf", "onnx")
 ONNX_ATOL = 1e-4
 
 
-_PACKAGES = {"safetensors": ("safetensors",), "hf": ("safetensors", "transformers"),
-             "onnx": ("onnx", "onnxscript", "onnxruntime")}
+_PACKAGES = {
+    "safetensors": ("safetensors",),
+    "hf": ("safetensors", "transformers"),
+    "onnx": ("onnx", "onnxscript", "onnxruntime"),
+}
 
 
 def _require(fmt: str) -> None:
     """Each package the format's writer and checker import, before anything is read or written: a missing one is
     one line naming it (it was a RuntimeError traceback, after the model was loaded)."""
     import importlib
+
     missing = []
     for module in _PACKAGES[fmt]:
         try:
@@ -61,8 +66,10 @@ def _require(fmt: str) -> None:
         except ImportError:
             missing.append(module)
     if missing:
-        raise ValueError(f"export --format {fmt} needs {', '.join(missing)} (not installed): pip install "
-                         f"'graphtrain[export]' (or {' '.join(missing)})")
+        raise ValueError(
+            f"export --format {fmt} needs {', '.join(missing)} (not installed): pip install "
+            f"'graphtrain[export]' (or {' '.join(missing)})"
+        )
 
 
 def load_run(run_dir: str | Path, checkpoint: str = "latest") -> tuple[Any, torch.nn.Module, Path]:
@@ -71,44 +78,56 @@ def load_run(run_dir: str | Path, checkpoint: str = "latest") -> tuple[Any, torc
     checkpoint path."""
     run = Path(run_dir)
     if not (run / "config.yaml").is_file():
-        raise ValueError(f"{str(run)!r} is not a graphtrain run directory (no config.yaml): pass the train.out_dir "
-                         f"of a `graphtrain train`")
+        raise ValueError(
+            f"{str(run)!r} is not a graphtrain run directory (no config.yaml): pass the train.out_dir "
+            f"of a `graphtrain train`"
+        )
     config = Config.from_yaml(run / "config.yaml")
     if checkpoint == "latest":
         path = latest_valid_checkpoint(run)
         if path is None:
-            raise ValueError(f"{str(run)!r} has no valid checkpoint (ckpt-*): train it first (train.ckpt_every "
-                             f"saves them; a finished run always has one)")
+            raise ValueError(
+                f"{str(run)!r} has no valid checkpoint (ckpt-*): train it first (train.ckpt_every "
+                f"saves them; a finished run always has one)"
+            )
     elif checkpoint == "best":
         path = best_checkpoint(run)
         if path is None:
-            raise ValueError(f"{str(run)!r} has no best checkpoint (ckpt-best.pt): train with train.keep_best=true, "
-                             f"or export --checkpoint latest")
+            raise ValueError(
+                f"{str(run)!r} has no best checkpoint (ckpt-best.pt): train with train.keep_best=true, "
+                f"or export --checkpoint latest"
+            )
     elif checkpoint.isdigit():
         path = next((p for s, p in list_checkpoints(run) if s == int(checkpoint)), None)
         if path is None:
-            raise ValueError(f"{str(run)!r} has no checkpoint of step {checkpoint}; it has steps "
-                             f"{[s for s, _ in list_checkpoints(run)]}")
+            raise ValueError(
+                f"{str(run)!r} has no checkpoint of step {checkpoint}; it has steps "
+                f"{[s for s, _ in list_checkpoints(run)]}"
+            )
     else:
         path = Path(checkpoint)
     if is_sharded(path):
-        raise ValueError(f"{str(path)!r} is a sharded (distributed) checkpoint: resume it in one process to write a "
-                         f"single-file one (graphtrain train --resume with parallel.dp=1), then export that")
+        raise ValueError(
+            f"{str(path)!r} is a sharded (distributed) checkpoint: resume it in one process to write a "
+            f"single-file one (graphtrain train --resume with parallel.dp=1), then export that"
+        )
     state = load_checkpoint(path, config)
     weights = state["model"]
     if config.model.hf is not None:  # its config (with the run's overrides) gives every size
         model = build_model(config.model)
     else:
         emb = next(v for k, v in weights.items() if k.endswith(("wte.weight", "embeddings.word.weight")))
-        model = build_model(ModelConfig(**{**config.model.__dict__, "vocab_size": int(emb.shape[0])}),
-                            vocab_size=int(emb.shape[0]))
+        model = build_model(
+            ModelConfig(**{**config.model.__dict__, "vocab_size": int(emb.shape[0])}), vocab_size=int(emb.shape[0])
+        )
     model.load_state_dict(to_module_keys(weights, model))
     return config, model.eval(), path
 
 
 @quiet_libraries()  # other libraries' progress bars and chatter (trainer/console.py)
-def export_run(run_dir: str | Path, fmt: str, out: str | Path | None = None, *, checkpoint: str = "latest",
-               force: bool = False) -> dict[str, Any]:
+def export_run(
+    run_dir: str | Path, fmt: str, out: str | Path | None = None, *, checkpoint: str = "latest", force: bool = False
+) -> dict[str, Any]:
     """Export the run; returns {format, out, checkpoint, max_abs_diff, ...}.
 
     The export is written into a temporary folder beside `out` and renamed into place once it is complete and
@@ -148,9 +167,11 @@ def export_run(run_dir: str | Path, fmt: str, out: str | Path | None = None, *, 
 
 # What an export writes, and so all that --force may delete: safetensors, Hugging Face (save_pretrained and the
 # tokenizer files) and ONNX (a large graph's external data file) outputs, and export.json.
-_EXPORT_FILE = re.compile(r"^(export\.json|config\.json|generation_config\.json|tokenizer(_config)?\.json|"
-                          r"special_tokens_map\.json|model(-\d{5}-of-\d{5})?\.safetensors|"
-                          r"model\.safetensors\.index\.json|model\.onnx(\.data|_data)?)$")
+_EXPORT_FILE = re.compile(
+    r"^(export\.json|config\.json|generation_config\.json|tokenizer(_config)?\.json|"
+    r"special_tokens_map\.json|model(-\d{5}-of-\d{5})?\.safetensors|"
+    r"model\.safetensors\.index\.json|model\.onnx(\.data|_data)?)$"
+)
 
 
 def _check_out(out: Path, run: Path, force: bool) -> None:
@@ -172,9 +193,11 @@ def _check_out(out: Path, run: Path, force: bool) -> None:
     foreign = [p.name for p in entries if not (_EXPORT_FILE.match(p.name) and p.is_file() and not p.is_symlink())]
     if foreign:
         shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
-        raise ValueError(f"--force replaces only an earlier export, and {str(out)!r} holds {shown}, which an export "
-                         f"does not write (a run, checkpoints or your own files?): {fix}, or move that folder away "
-                         f"yourself")
+        raise ValueError(
+            f"--force replaces only an earlier export, and {str(out)!r} holds {shown}, which an export "
+            f"does not write (a run, checkpoints or your own files?): {fix}, or move that folder away "
+            f"yourself"
+        )
 
 
 def _replace(tmp: Path, out: Path) -> None:
@@ -201,6 +224,7 @@ def _diff(a: Any, b: Any) -> float:
 
 def _safetensors(model: torch.nn.Module, out: Path, sample: torch.Tensor, ref: torch.Tensor) -> dict[str, Any]:
     from safetensors.torch import load_file, save_model
+
     path = out / "model.safetensors"
     if getattr(model.spec, "hf_type", None):  # a model.hf run: the transformers model's own weights and names
         model = _HFLogits(model.hf)
@@ -243,8 +267,9 @@ class _HFLogits(torch.nn.Module):
         return self.hf(input_ids=input_ids).logits
 
 
-def _hf(model: torch.nn.Module, config: Any, out: Path, sample: torch.Tensor, ref: torch.Tensor,
-        ckpt: Path) -> dict[str, Any]:
+def _hf(
+    model: torch.nn.Module, config: Any, out: Path, sample: torch.Tensor, ref: torch.Tensor, ckpt: Path
+) -> dict[str, Any]:
     """The Hugging Face folder (models/hf_export.py): the special-token ids in config.json and
     generation_config.json are the exported tokenizer's."""
     tok, note = _run_tokenizer(config, ckpt)
@@ -270,13 +295,21 @@ def _onnx(model: torch.nn.Module, out: Path, sample: torch.Tensor, ref: torch.Te
     try:
         import onnxruntime as ort
     except ImportError:
-        raise RuntimeError("ONNX export needs onnx, onnxscript and onnxruntime: pip install graphtrain[export]") \
-            from None
+        raise RuntimeError(
+            "ONNX export needs onnx, onnxscript and onnxruntime: pip install graphtrain[export]"
+        ) from None
     path = out / "model.onnx"
     batch, seq = torch.export.Dim("batch", min=1, max=1024), torch.export.Dim("seq", min=2, max=model.max_seq_len)
-    torch.onnx.export(model, (sample,), str(path), dynamo=True, verbose=False, input_names=["input_ids"],
-                      output_names=["logits"],
-                      dynamic_shapes={"input_ids": {0: batch, 1: seq}})
+    torch.onnx.export(
+        model,
+        (sample,),
+        str(path),
+        dynamo=True,
+        verbose=False,
+        input_names=["input_ids"],
+        output_names=["logits"],
+        dynamic_shapes={"input_ids": {0: batch, 1: seq}},
+    )
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     other = _sample(model, batch=3, seq=max(2, min(model.max_seq_len, sample.shape[1] + 7)), seed=1)
     diffs = []
@@ -287,6 +320,8 @@ def _onnx(model: torch.nn.Module, out: Path, sample: torch.Tensor, ref: torch.Te
         diffs.append(_diff(torch.from_numpy(got), want))
     worst = max(diffs)
     if worst > ONNX_ATOL:
-        raise RuntimeError(f"ONNX export of {path}: onnxruntime's logits differ from PyTorch's by {worst:.2e} "
-                           f"(> {ONNX_ATOL:g}); please report it")
+        raise RuntimeError(
+            f"ONNX export of {path}: onnxruntime's logits differ from PyTorch's by {worst:.2e} "
+            f"(> {ONNX_ATOL:g}); please report it"
+        )
     return {"file": str(path), "max_abs_diff": worst, "shapes_checked": [list(sample.shape), list(other.shape)]}

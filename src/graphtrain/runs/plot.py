@@ -14,6 +14,7 @@ Numbers print in units people read (25.0k tok/s, 584.1 MiB, 3 min 05 s). The fig
 ``<script type="application/json" id="graphtrain-figures">`` (each trace's x variants and raw values in ``meta``),
 for tools and tests.
 """
+
 from __future__ import annotations
 
 import base64
@@ -34,19 +35,32 @@ from graphtrain.trainer.runinfo import read_run_info
 # (id, title, y axis title, [(record kind, field, dash, label suffix)], y format (d3), smoothed, steady state)
 # steady state: the run's first logged training window (graph capture and compilation) is left out of the curve.
 CHARTS = (
-    ("loss", "loss", "loss", [("train", "loss", "solid", ""), ("eval", "val_loss", "dash", " (val)")], ".4f",
-     True, False),
+    (
+        "loss",
+        "loss",
+        "loss",
+        [("train", "loss", "solid", ""), ("eval", "val_loss", "dash", " (val)")],
+        ".4f",
+        True,
+        False,
+    ),
     ("throughput", "throughput", "tokens/s", [("train", "tokens_per_s", "solid", "")], ".3s", True, True),
     ("mfu", "MFU (model FLOPs utilization)", "MFU", [("train", "mfu", "solid", "")], ".2%", True, True),
-    ("grad_norm", "gradient norm (before clipping)", "gradient norm", [("train", "grad_norm", "solid", "")], ".3g",
-     True, False),
+    (
+        "grad_norm",
+        "gradient norm (before clipping)",
+        "gradient norm",
+        [("train", "grad_norm", "solid", "")],
+        ".3g",
+        True,
+        False,
+    ),
     ("memory", "peak memory", "bytes", [("train", "peak_mem_bytes", "solid", "")], ".3s", False, False),
     ("lr", "learning rate", "learning rate", [("train", "lr", "solid", "")], ".2e", False, False),
 )
 X_TITLES = {"step": "optimizer step", "tokens": "tokens seen", "time": "wall time since the run started (s)"}
 X_FORMATS = {"step": "", "tokens": ".3s", "time": ".1f"}  # d3 formats; "": Plotly's own
-COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
-          "#17becf")
+COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf")
 
 
 def load_run(folder: str | Path) -> dict[str, Any]:
@@ -54,14 +68,26 @@ def load_run(folder: str | Path) -> dict[str, Any]:
     folder = Path(folder)
     metrics = folder / "metrics.jsonl"
     if not folder.is_dir() or not metrics.is_file():
-        raise ValueError(f"{str(folder)!r} is not a graphtrain run directory: a run directory holds metrics.jsonl "
-                         f"and config.yaml (the train.out_dir of a `graphtrain train`)")
+        raise ValueError(
+            f"{str(folder)!r} is not a graphtrain run directory: a run directory holds metrics.jsonl "
+            f"and config.yaml (the train.out_dir of a `graphtrain train`)"
+        )
     records = read_records(metrics)
     config_file = folder / "config.yaml"
-    config = read_yaml_file(config_file, "the run's config", "fix or delete that file (the run's checkpoints hold "
-                            "their config too)") if config_file.is_file() else {}
-    return {"name": folder.name or str(folder), "path": str(folder), "records": records,
-            "config": config if isinstance(config, dict) else {}, "info": read_run_info(folder)}
+    config = (
+        read_yaml_file(
+            config_file, "the run's config", "fix or delete that file (the run's checkpoints hold their config too)"
+        )
+        if config_file.is_file()
+        else {}
+    )
+    return {
+        "name": folder.name or str(folder),
+        "path": str(folder),
+        "records": records,
+        "config": config if isinstance(config, dict) else {},
+        "info": read_run_info(folder),
+    }
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:
@@ -75,8 +101,10 @@ def read_records(path: Path) -> list[dict[str, Any]]:
         except (json.JSONDecodeError, RecursionError):
             continue
         if not (isinstance(r, dict) and isinstance(r.get("step", 0), int) and isinstance(r.get("kind", ""), str)):
-            raise ValueError(f"{str(path)!r} line {i} is not a metrics record (a JSON object with a string kind and "
-                             f"an integer step, as graphtrain writes them): fix or delete that line")
+            raise ValueError(
+                f"{str(path)!r} line {i} is not a metrics record (a JSON object with a string kind and "
+                f"an integer step, as graphtrain writes them): fix or delete that line"
+            )
         records.append(r)
     return records
 
@@ -129,10 +157,12 @@ def points(run: dict[str, Any], kind: str, field: str, steady: bool = False) -> 
     if steady and len(train) > 1:
         recs = [r for r in recs if r is not train[0]]
     tps, t0 = tokens_per_step(run), run_start(run)
-    return {"step": [r["step"] for r in recs],
-            "tokens": [r["step"] * tps if tps else None for r in recs],
-            "time": [round(r["time"] - t0, 3) if t0 is not None and _finite(r.get("time")) else None for r in recs],
-            "value": [r[field] for r in recs]}
+    return {
+        "step": [r["step"] for r in recs],
+        "tokens": [r["step"] * tps if tps else None for r in recs],
+        "time": [round(r["time"] - t0, 3) if t0 is not None and _finite(r.get("time")) else None for r in recs],
+        "value": [r[field] for r in recs],
+    }
 
 
 def steady_throughput(run: dict[str, Any]) -> tuple[float | None, float | None, str]:
@@ -187,21 +217,40 @@ def run_facts(run: dict[str, Any]) -> dict[str, str]:
     tok_s, first_s, how = steady_throughput(run)
     mfu = [r["mfu"] for r in _train(run)[1:] if _finite(r.get("mfu"))]
     machine = _joined([" / ".join(x for x in (s.get("host"), s.get("gpu") or s.get("cpu")) if x) for s in sessions])
-    device = _joined([f"{s.get('device')}, {s.get('threads')} thread{'' if s.get('threads') == 1 else 's'}"
-                      + (f", {s['world_size']} ranks" if (s.get("world_size") or 1) > 1 else "") for s in sessions])
-    provider = _joined([(s.get("provider") or "?") + (f" (ran {'/'.join(s['providers_used'])})"
-                                                       if s.get("providers_used") else "") for s in sessions])
+    device = _joined(
+        [
+            f"{s.get('device')}, {s.get('threads')} thread{'' if s.get('threads') == 1 else 's'}"
+            + (f", {s['world_size']} ranks" if (s.get("world_size") or 1) > 1 else "")
+            for s in sessions
+        ]
+    )
+    provider = _joined(
+        [
+            (s.get("provider") or "?") + (f" (ran {'/'.join(s['providers_used'])})" if s.get("providers_used") else "")
+            for s in sessions
+        ]
+    )
     mem = summary.get("peak_mem_bytes", last.get("peak_mem_bytes"))
     tps = tokens_per_step(run)
     return {
         "started": _date(run_start(run)),
         "duration": human_seconds(_duration(run)) + (f" ({len(sessions)} sessions)" if len(sessions) > 1 else ""),
-        "commit": _joined([(s.get("commit") or "")[:12] + (" (dirty)" if "(dirty)" in (s.get("commit") or "") else "")
-                           for s in sessions]),
-        "graphtrain": _joined([f"{s.get('graphtrain')}" + (f" @ {s['graphtrain_commit'][:12]}"
-                                                           if s.get("graphtrain_commit") else "") for s in sessions]),
+        "commit": _joined(
+            [
+                (s.get("commit") or "")[:12] + (" (dirty)" if "(dirty)" in (s.get("commit") or "") else "")
+                for s in sessions
+            ]
+        ),
+        "graphtrain": _joined(
+            [
+                f"{s.get('graphtrain')}" + (f" @ {s['graphtrain_commit'][:12]}" if s.get("graphtrain_commit") else "")
+                for s in sessions
+            ]
+        ),
         "torch": _joined([s.get("torch") for s in sessions]),
-        "machine": machine, "device": device, "provider": provider,
+        "machine": machine,
+        "device": device,
+        "provider": provider,
         "steps": str(summary.get("steps", last.get("step", "n/a"))),
         "tokens/step": human(tps) if tps else "n/a",
         "throughput (steady state)": f"{human(tok_s, 'tok/s')} ({how})" if tok_s is not None else "n/a",
@@ -232,8 +281,11 @@ def config_differences(runs: list[dict[str, Any]]) -> list[tuple[str, list[Any]]
     """(key, value per run) for the config keys whose values differ between the runs (the out_dir aside)."""
     flat = [_flatten(r["config"]) for r in runs]
     keys = sorted(set().union(*flat)) if flat else []
-    return [(k, [f.get(k) for f in flat]) for k in keys
-            if k != "train.out_dir" and len({json.dumps(f.get(k), default=str) for f in flat}) > 1]
+    return [
+        (k, [f.get(k) for f in flat])
+        for k in keys
+        if k != "train.out_dir" and len({json.dumps(f.get(k), default=str) for f in flat}) > 1
+    ]
 
 
 def _fmt(v: Any) -> str:
@@ -247,8 +299,10 @@ def _plotly() -> tuple[Any, str]:
         import plotly.graph_objects as go
         from plotly.offline import get_plotlyjs
     except ImportError:
-        raise ValueError("graphtrain plot draws with Plotly, which is not installed: pip install plotly (or "
-                         "pip install 'graphtrain[ops]')") from None
+        raise ValueError(
+            "graphtrain plot draws with Plotly, which is not installed: pip install plotly (or "
+            "pip install 'graphtrain[ops]')"
+        ) from None
     return go, get_plotlyjs()
 
 
@@ -261,18 +315,30 @@ def _chart(go: Any, spec: tuple, runs: list[dict[str, Any]], names: list[str]) -
             p = points(run, kind, field, steady)
             if not p["step"]:
                 continue
-            fig.add_trace(go.Scatter(
-                x=p["step"], y=p["value"], name=name + suffix, mode="lines+markers" if len(p["step"]) < 40 else "lines",
-                line={"color": COLORS[i % len(COLORS)], "dash": dash}, marker={"size": 5},
-                yhoverformat=yfmt, xhoverformat=X_FORMATS["step"],
-                meta={"x": {k: p[k] for k in X_TITLES}, "y": p["value"], "smooth": smooth}))
+            fig.add_trace(
+                go.Scatter(
+                    x=p["step"],
+                    y=p["value"],
+                    name=name + suffix,
+                    mode="lines+markers" if len(p["step"]) < 40 else "lines",
+                    line={"color": COLORS[i % len(COLORS)], "dash": dash},
+                    marker={"size": 5},
+                    yhoverformat=yfmt,
+                    xhoverformat=X_FORMATS["step"],
+                    meta={"x": {k: p[k] for k in X_TITLES}, "y": p["value"], "smooth": smooth},
+                )
+            )
     if not fig.data:
         return None
-    fig.update_layout(template="plotly_white", hovermode="x unified", margin={"l": 70, "r": 20, "t": 10, "b": 45},
-                      legend={"orientation": "h", "y": -0.22}, yaxis={"title": {"text": ytitle}, "tickformat": yfmt},
-                      xaxis={"title": {"text": X_TITLES["step"]}})
-    return {"id": f"chart-{cid}", "title": title, "figure": json.loads(fig.to_json()),
-            "x_formats": X_FORMATS}
+    fig.update_layout(
+        template="plotly_white",
+        hovermode="x unified",
+        margin={"l": 70, "r": 20, "t": 10, "b": 45},
+        legend={"orientation": "h", "y": -0.22},
+        yaxis={"title": {"text": ytitle}, "tickformat": yfmt},
+        xaxis={"title": {"text": X_TITLES["step"]}},
+    )
+    return {"id": f"chart-{cid}", "title": title, "figure": json.loads(fig.to_json()), "x_formats": X_FORMATS}
 
 
 def write_report(run_dirs: list[str | Path], out: str | Path, title: str | None = None) -> Path:
@@ -291,39 +357,55 @@ def write_report(run_dirs: list[str | Path], out: str | Path, title: str | None 
             missing.append(spec[1])
             continue
         if spec[6]:
-            firsts = [f"{n}: the window to step {t[0]['step']}, {human(t[0].get('tokens_per_s'), 'tok/s')}"
-                      for n, t in ((n, _train(r)) for n, r in zip(names, runs)) if len(t) > 1]
+            firsts = [
+                f"{n}: the window to step {t[0]['step']}, {human(t[0].get('tokens_per_s'), 'tok/s')}"
+                for n, t in ((n, _train(r)) for n, r in zip(names, runs))
+                if len(t) > 1
+            ]
             if firsts:
-                chart["note"] = ("Steady state: each run's first logged window, which holds graph capture and "
-                                 "compilation, is left out (" + "; ".join(firsts) + ").")
+                chart["note"] = (
+                    "Steady state: each run's first logged window, which holds graph capture and "
+                    "compilation, is left out (" + "; ".join(firsts) + ")."
+                )
         figures.append(chart)
     notes = []
     if "MFU (model FLOPs utilization)" in missing:
-        notes.append("MFU is not plotted: no run logged it (the trainer logs MFU once this machine's matmul peak "
-                     "was measured: python -m graphtrain.kernels.flops).")
+        notes.append(
+            "MFU is not plotted: no run logged it (the trainer logs MFU once this machine's matmul peak "
+            "was measured: python -m graphtrain.kernels.flops)."
+        )
     if missing:
         notes.append("Not logged by any run, so not drawn: " + ", ".join(missing) + ".")
     facts = [run_facts(r) for r in runs]
     head = "".join(f"<th>{html.escape(n)}</th>" for n in names)
-    fact_rows = "".join(f"<tr><th>{html.escape(k)}</th>{''.join(f'<td>{html.escape(f[k])}</td>' for f in facts)}</tr>"
-                        for k in facts[0])
-    diff_rows = "".join(f"<tr><th>{html.escape(k)}</th>{''.join(f'<td>{_fmt(v)}</td>' for v in vals)}</tr>"
-                        for k, vals in config_differences(runs))
-    tables = (f"<h2>Runs</h2><table><tr><th></th>{head}</tr>{fact_rows}</table><h2>Config differences</h2>"
-              + (f"<table><tr><th>key</th>{head}</tr>{diff_rows}</table>" if diff_rows else
-                 "<p>The runs share one config.</p>" if len(runs) > 1 else
-                 "<p>One run: its full config is config.yaml in its folder.</p>"))
-    x_ok = {"step": True, "tokens": all(tokens_per_step(r) for r in runs),
-            "time": all(run_start(r) is not None for r in runs)}
+    fact_rows = "".join(
+        f"<tr><th>{html.escape(k)}</th>{''.join(f'<td>{html.escape(f[k])}</td>' for f in facts)}</tr>" for k in facts[0]
+    )
+    diff_rows = "".join(
+        f"<tr><th>{html.escape(k)}</th>{''.join(f'<td>{_fmt(v)}</td>' for v in vals)}</tr>"
+        for k, vals in config_differences(runs)
+    )
+    tables = f"<h2>Runs</h2><table><tr><th></th>{head}</tr>{fact_rows}</table><h2>Config differences</h2>" + (
+        f"<table><tr><th>key</th>{head}</tr>{diff_rows}</table>"
+        if diff_rows
+        else "<p>The runs share one config.</p>"
+        if len(runs) > 1
+        else "<p>One run: its full config is config.yaml in its folder.</p>"
+    )
+    x_ok = {
+        "step": True,
+        "tokens": all(tokens_per_step(r) for r in runs),
+        "time": all(run_start(r) is not None for r in runs),
+    }
     choices = [(k, X_TITLES[k] + ("" if x_ok[k] else " (not known for every run)"), x_ok[k]) for k in X_TITLES]
-    page = render(title or f"graphtrain runs: {', '.join(names)}", figures, X_TITLES, choices, tables, notes,
-                  plotly_js)
+    page = render(title or f"graphtrain runs: {', '.join(names)}", figures, X_TITLES, choices, tables, notes, plotly_js)
     return _write(page, out)
 
 
 def _png(fig: Any) -> str:
     """A matplotlib figure as base64 PNG (the figure is closed)."""
     import matplotlib.pyplot as plt
+
     buf = io.BytesIO()
     fig.tight_layout()
     fig.savefig(buf, format="png")
@@ -331,12 +413,18 @@ def _png(fig: Any) -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
-def write_bar_page(title: str, groups: dict[str, list[tuple[str, float, float, float]]], out: str | Path,
-                   intro: str = "", table_html: str = "") -> Path:
+def write_bar_page(
+    title: str,
+    groups: dict[str, list[tuple[str, float, float, float]]],
+    out: str | Path,
+    intro: str = "",
+    table_html: str = "",
+) -> Path:
     """A page of horizontal bars, one figure per group (a benchmark case): (label, ratio, low, high) per bar,
     the ratio with its spread over interleaved repeats as an error bar and a line at 1.0 (no change).
     `graphtrain bench` writes one per suite run; the bars are embedded as JSON too."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -358,10 +446,13 @@ def write_bar_page(title: str, groups: dict[str, list[tuple[str, float, float, f
             ax.text(v, i, f" {v:.2f}x", va="center", fontsize=8)
         images.append((case, _png(fig)))
     data = json.dumps(groups).replace("</", "<\\/")
-    page = _page(title, f"""<p>{html.escape(intro)}</p>
-{''.join(f'<h2>{html.escape(c)}</h2><img alt="{html.escape(c)}" src="data:image/png;base64,{b}">' for c, b in images)}
+    page = _page(
+        title,
+        f"""<p>{html.escape(intro)}</p>
+{"".join(f'<h2>{html.escape(c)}</h2><img alt="{html.escape(c)}" src="data:image/png;base64,{b}">' for c, b in images)}
 {table_html}
-<script type="application/json" id="graphtrain-bars">{data}</script>""")
+<script type="application/json" id="graphtrain-bars">{data}</script>""",
+    )
     return _write(page, out)
 
 

@@ -10,6 +10,7 @@ When the charts are drawn the page sets ``data-traces-drawn`` on ``<body>`` to t
 (a headless browser reads it back in tests/test_ops_plot.py), and writes any script error into
 ``#graphtrain-errors``.
 """
+
 from __future__ import annotations
 
 import html
@@ -79,18 +80,30 @@ z-index:10;font-size:14px}.controls label{margin-right:1.6em}.chart{height:360px
 #graphtrain-errors{display:none;color:#a00;white-space:pre-wrap}"""
 
 
-def render(title: str, figures: list[dict[str, Any]], x_titles: dict[str, str], x_choices: list[tuple[str, str, bool]],
-           tables_html: str, notes: list[str], plotly_js: str) -> str:
+def render(
+    title: str,
+    figures: list[dict[str, Any]],
+    x_titles: dict[str, str],
+    x_choices: list[tuple[str, str, bool]],
+    tables_html: str,
+    notes: list[str],
+    plotly_js: str,
+) -> str:
     """The whole page. `figures`: {id, title, figure (Plotly's JSON), x_formats}; `x_choices`: (value, label,
     available) for the x selector; `plotly_js`: plotly.min.js, inlined."""
+
     def dump(v: Any) -> str:  # JSON inside <script>: no closing tag can appear
         return json.dumps(v, allow_nan=False).replace("</", "<\\/")
 
-    options = "".join(f'<option value="{v}"{"" if ok else " disabled"}>{html.escape(label)}</option>'
-                      for v, label, ok in x_choices)
-    charts = "".join(f'<h2>{html.escape(f["title"])}</h2>' + (f'<p class="note">{html.escape(f["note"])}</p>'
-                                                              if f.get("note") else "")
-                     + f'<div class="chart" id="{f["id"]}"></div>' for f in figures)
+    options = "".join(
+        f'<option value="{v}"{"" if ok else " disabled"}>{html.escape(label)}</option>' for v, label, ok in x_choices
+    )
+    charts = "".join(
+        f"<h2>{html.escape(f['title'])}</h2>"
+        + (f'<p class="note">{html.escape(f["note"])}</p>' if f.get("note") else "")
+        + f'<div class="chart" id="{f["id"]}"></div>'
+        for f in figures
+    )
     note_html = "".join(f'<p class="note">{html.escape(n)}</p>' for n in notes)
     return f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>{html.escape(title)}</title>

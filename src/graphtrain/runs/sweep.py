@@ -28,6 +28,7 @@ override the file's values. When the best trial's value of a numeric parameter l
 three or more numeric choices), the optimum may lie outside the range: the summary says so with one warning per
 parameter (``edge_warnings`` in summary.json) and the range to try next.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -54,15 +55,27 @@ ENV_SWEEP_PID = "GRAPHTRAIN_SWEEP_PID"  # the sweep process: a trial is preempte
 DISTRIBUTIONS = ("log_uniform", "uniform", "int", "choices")
 SAMPLERS = ("tpe", "random")
 PRUNERS = ("median", "asha", "none")
-KEYS = ("job", "config", "space", "trials", "parallel", "sampler", "pruner", "seed", "out", "metric", "direction",
-        "startup_trials")
+KEYS = (
+    "job",
+    "config",
+    "space",
+    "trials",
+    "parallel",
+    "sampler",
+    "pruner",
+    "seed",
+    "out",
+    "metric",
+    "direction",
+    "startup_trials",
+)
 EDGE_FRACTION = 0.05  # a best value this close to an end of its range (a fraction of the width) is at the edge
 
 
 @dataclass
 class Sweep:
     path: Path
-    base: Any                                  # the graphtrain Config every trial starts from
+    base: Any  # the graphtrain Config every trial starts from
     space: dict[str, tuple[str, list[Any]]]
     trials: int = 8
     parallel: int = 1
@@ -70,19 +83,24 @@ class Sweep:
     pruner: str = "median"
     seed: int = 0
     out: Path = Path("runs/sweep")
-    startup_trials: int = 2                    # trials that finish before the pruner may stop one
+    startup_trials: int = 2  # trials that finish before the pruner may stop one
     job_items: list[str] = field(default_factory=list)
 
 
-def load_sweep(path: str | Path, *, trials: int | None = None, parallel: int | None = None,
-               out: str | Path | None = None) -> Sweep:
+def load_sweep(
+    path: str | Path, *, trials: int | None = None, parallel: int | None = None, out: str | Path | None = None
+) -> Sweep:
     """The sweep file, checked completely (every key of the space, every range) before any trial starts; `trials`,
     `parallel` and `out` (the command line's) replace the file's values."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"sweep file {str(path)!r} does not exist")
-    d = read_yaml_file(path, "sweep file", "fix the syntax there (job:, space:, trials:, ... as in "
-                       "configs/sweep-tiny.yaml)") or {}
+    d = (
+        read_yaml_file(
+            path, "sweep file", "fix the syntax there (job:, space:, trials:, ... as in configs/sweep-tiny.yaml)"
+        )
+        or {}
+    )
     if not isinstance(d, dict):
         raise ValueError(f"sweep file {str(path)!r} must hold a mapping (job:, space:, trials:, ...)")
     unknown = sorted(set(d) - set(KEYS))
@@ -97,8 +115,9 @@ def load_sweep(path: str | Path, *, trials: int | None = None, parallel: int | N
     base = base.with_overrides({str(k): v for k, v in overrides.items()})
     space = d.get("space") or {}
     if not isinstance(space, dict) or not space:
-        raise ValueError("sweep space: name at least one config key and its range, e.g. "
-                         "optim.lr: {log_uniform: [1.0e-4, 1.0e-2]}")
+        raise ValueError(
+            "sweep space: name at least one config key and its range, e.g. optim.lr: {log_uniform: [1.0e-4, 1.0e-2]}"
+        )
     parsed = {}
     for key, spec in space.items():
         parsed[str(key)] = _distribution(str(key), spec)
@@ -108,10 +127,18 @@ def load_sweep(path: str | Path, *, trials: int | None = None, parallel: int | N
                 base.with_overrides({str(key): int(probe) if kind == "int" else probe})
             except (ValueError, TypeError) as e:
                 raise ValueError(f"sweep space {key}: {e}") from None
-    sweep = Sweep(path=path, base=base, space=parsed, trials=_positive(d, "trials", 8),
-                  parallel=_positive(d, "parallel", 1), sampler=str(d.get("sampler", "tpe")),
-                  pruner=str(d.get("pruner", "median")), seed=int(d.get("seed", 0)),
-                  out=Path(d.get("out") or f"runs/sweep-{path.stem}"), startup_trials=int(d.get("startup_trials", 2)))
+    sweep = Sweep(
+        path=path,
+        base=base,
+        space=parsed,
+        trials=_positive(d, "trials", 8),
+        parallel=_positive(d, "parallel", 1),
+        sampler=str(d.get("sampler", "tpe")),
+        pruner=str(d.get("pruner", "median")),
+        seed=int(d.get("seed", 0)),
+        out=Path(d.get("out") or f"runs/sweep-{path.stem}"),
+        startup_trials=int(d.get("startup_trials", 2)),
+    )
     if sweep.sampler not in SAMPLERS:
         raise ValueError(f"sweep sampler {sweep.sampler!r} is unknown; choose from {list(SAMPLERS)}")
     if sweep.pruner not in PRUNERS:
@@ -133,15 +160,20 @@ def _positive(d: dict[str, Any], key: str, default: int) -> int:
 
 def _distribution(key: str, spec: Any) -> tuple[str, list[Any]]:
     if not isinstance(spec, dict) or len(spec) != 1 or next(iter(spec)) not in DISTRIBUTIONS:
-        raise ValueError(f"sweep space {key}: give one of {list(DISTRIBUTIONS)}, e.g. {{log_uniform: [1.0e-4, "
-                         f"1.0e-2]}} or {{choices: [2, 4]}}; got {spec!r}")
+        raise ValueError(
+            f"sweep space {key}: give one of {list(DISTRIBUTIONS)}, e.g. {{log_uniform: [1.0e-4, "
+            f"1.0e-2]}} or {{choices: [2, 4]}}; got {spec!r}"
+        )
     kind, args = next(iter(spec.items()))
     if kind == "choices":
         if not isinstance(args, list) or not args:
             raise ValueError(f"sweep space {key}: choices must be a non-empty list")
         return kind, args
-    if not (isinstance(args, list) and len(args) == 2 and all(isinstance(a, (int, float)) and
-                                                              not isinstance(a, bool) for a in args)):
+    if not (
+        isinstance(args, list)
+        and len(args) == 2
+        and all(isinstance(a, (int, float)) and not isinstance(a, bool) for a in args)
+    ):
         raise ValueError(f"sweep space {key}: {kind} takes [low, high], two numbers; got {args!r}")
     low, high = args
     if low > high:
@@ -165,16 +197,26 @@ def _suggest(trial: Any, key: str, kind: str, args: list[Any]) -> Any:
 
 def _study(sweep: Sweep) -> Any:
     import optuna
-    sampler = (optuna.samplers.TPESampler(seed=sweep.seed, n_startup_trials=max(sweep.startup_trials, 1))
-               if sweep.sampler == "tpe" else optuna.samplers.RandomSampler(seed=sweep.seed))
+
+    sampler = (
+        optuna.samplers.TPESampler(seed=sweep.seed, n_startup_trials=max(sweep.startup_trials, 1))
+        if sweep.sampler == "tpe"
+        else optuna.samplers.RandomSampler(seed=sweep.seed)
+    )
     sweep.out.mkdir(parents=True, exist_ok=True)
-    return optuna.create_study(storage=_storage(sweep), study_name="graphtrain", sampler=sampler,
-                               pruner=_pruner(sweep.pruner, sweep.startup_trials), direction="minimize",
-                               load_if_exists=True)
+    return optuna.create_study(
+        storage=_storage(sweep),
+        study_name="graphtrain",
+        sampler=sampler,
+        pruner=_pruner(sweep.pruner, sweep.startup_trials),
+        direction="minimize",
+        load_if_exists=True,
+    )
 
 
 def _pruner(name: str, startup_trials: int) -> Any:
     import optuna
+
     if name == "median":  # stop a trial whose loss is above the median of earlier trials' at the same step
         return optuna.pruners.MedianPruner(n_startup_trials=startup_trials, n_warmup_steps=0)
     if name == "asha":
@@ -186,11 +228,19 @@ def _storage(sweep: Sweep) -> str:
     return f"sqlite:///{(sweep.out / 'study.db').resolve()}"
 
 
-def run_sweep(path: str | Path, *, summary_only: bool = False, trials: int | None = None,
-              parallel: int | None = None, out: str | Path | None = None, log: Any = print) -> dict[str, Any]:
+def run_sweep(
+    path: str | Path,
+    *,
+    summary_only: bool = False,
+    trials: int | None = None,
+    parallel: int | None = None,
+    out: str | Path | None = None,
+    log: Any = print,
+) -> dict[str, Any]:
     """Run (or continue) the sweep, then write and return its summary; `trials`, `parallel`, `out` override the
     file's values (a sweep continued in the same `out` counts the trials it has run: `trials` is the total)."""
     import optuna
+
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     sweep = load_sweep(path, trials=trials, parallel=parallel, out=out)
     study = _study(sweep)
@@ -201,6 +251,7 @@ def run_sweep(path: str | Path, *, summary_only: bool = False, trials: int | Non
 
 def _run_trials(sweep: Sweep, study: Any, log: Any) -> None:
     import optuna
+
     threads = max(1, (os.cpu_count() or 1) // sweep.parallel)
     done = len([t for t in study.trials if t.state.is_finished()])
     for t in study.trials:  # a sweep stopped while trials ran: those trials are lost, count them failed
@@ -211,24 +262,42 @@ def _run_trials(sweep: Sweep, study: Any, log: Any) -> None:
         _trial_loop(sweep, study, log, running, done, threads)
 
 
-def _trial_loop(sweep: Sweep, study: Any, log: Any, running: dict[int, tuple[Any, subprocess.Popen, Path]],
-                done: int, threads: int) -> None:
+def _trial_loop(
+    sweep: Sweep, study: Any, log: Any, running: dict[int, tuple[Any, subprocess.Popen, Path]], done: int, threads: int
+) -> None:
     import optuna
+
     while done + len(running) < sweep.trials or running:
         while len(running) < sweep.parallel and done + len(running) < sweep.trials:
             trial = study.ask()
             params = {k: _suggest(trial, k, kind, args) for k, (kind, args) in sweep.space.items()}
             name = f"trial-{trial.number:03d}"
             run_dir = sweep.out / name
-            job = sweep.base.with_overrides({**params, "train.out_dir": str(run_dir), "train.progress": False,
-                                             "train.threads": threads, "train.sample_tokens": 0})
+            job = sweep.base.with_overrides(
+                {
+                    **params,
+                    "train.out_dir": str(run_dir),
+                    "train.progress": False,
+                    "train.threads": threads,
+                    "train.sample_tokens": 0,
+                }
+            )
             (sweep.out / f"{name}.yaml").write_text(job.to_yaml())
-            env = {**os.environ, ENV_STORAGE: _storage(sweep), ENV_STUDY: study.study_name,
-                   ENV_TRIAL: str(trial._trial_id), ENV_PRUNER: f"{sweep.pruner}:{sweep.startup_trials}",
-                   ENV_SWEEP_PID: str(os.getpid())}
+            env = {
+                **os.environ,
+                ENV_STORAGE: _storage(sweep),
+                ENV_STUDY: study.study_name,
+                ENV_TRIAL: str(trial._trial_id),
+                ENV_PRUNER: f"{sweep.pruner}:{sweep.startup_trials}",
+                ENV_SWEEP_PID: str(os.getpid()),
+            }
             logf = open(sweep.out / f"{name}.log", "w")  # noqa: SIM115 - closed when the trial ends
-            proc = subprocess.Popen([sys.executable, "-m", "graphtrain", "train", str(sweep.out / f"{name}.yaml")],
-                                    stdout=logf, stderr=subprocess.STDOUT, env=env)
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "graphtrain", "train", str(sweep.out / f"{name}.yaml")],
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                env=env,
+            )
             proc.log_file = logf  # type: ignore[attr-defined]
             running[trial.number] = (trial, proc, run_dir)
             log(f"trial {trial.number}: {params}")
@@ -246,8 +315,11 @@ def _trial_loop(sweep: Sweep, study: Any, log: Any, running: dict[int, tuple[Any
                 study.tell(trial, state=optuna.trial.TrialState.PRUNED)
             else:
                 study.tell(trial, state=optuna.trial.TrialState.FAIL)
-            log(f"trial {number}: {state}" + (f", val loss {value:.4f}" if value is not None else "")
-                + ("" if state != "failed" else f" (see {sweep.out / (run_dir.name + '.log')})"))
+            log(
+                f"trial {number}: {state}"
+                + (f", val loss {value:.4f}" if value is not None else "")
+                + ("" if state != "failed" else f" (see {sweep.out / (run_dir.name + '.log')})")
+            )
 
 
 class _SweepPreempted(Exception):
@@ -272,9 +344,12 @@ def _stop_trials_at_exit(running: dict[int, tuple[Any, subprocess.Popen, Path]],
         yield
     except _SweepPreempted:
         _stop(running, sweep)
-        print(f"preempted: the sweep stopped on SIGTERM, and its {len(running)} running trial(s) with it (their "
-              f"checkpoints are kept; they count as failed); run the same command to continue the sweep",
-              file=sys.stderr, flush=True)
+        print(
+            f"preempted: the sweep stopped on SIGTERM, and its {len(running)} running trial(s) with it (their "
+            f"checkpoints are kept; they count as failed); run the same command to continue the sweep",
+            file=sys.stderr,
+            flush=True,
+        )
         raise SystemExit(75) from None
     finally:
         _stop(running, sweep)
@@ -314,40 +389,61 @@ def _outcome(returncode: int, run_dir: Path) -> tuple[str, float | None]:
 
 def write_summary(sweep: Sweep, study: Any, log: Any = print) -> dict[str, Any]:
     import optuna
+
     rows = []
     for t in study.trials:
         run_dir = sweep.out / f"trial-{t.number:03d}"
         recs = _records(run_dir)
         evals = [r["val_loss"] for r in recs if r.get("kind") == "eval" and isinstance(r.get("val_loss"), float)]
         steps = max((r.get("step", 0) for r in recs), default=0)
-        rows.append({"trial": t.number, "state": {"COMPLETE": "complete", "PRUNED": "pruned"}.get(t.state.name,
-                                                                                                 t.state.name.lower()),
-                     "params": t.params, "val_loss": t.value if t.value is not None else (evals[-1] if evals else None),
-                     "steps": steps, "run_dir": str(run_dir)})
+        rows.append(
+            {
+                "trial": t.number,
+                "state": {"COMPLETE": "complete", "PRUNED": "pruned"}.get(t.state.name, t.state.name.lower()),
+                "params": t.params,
+                "val_loss": t.value if t.value is not None else (evals[-1] if evals else None),
+                "steps": steps,
+                "run_dir": str(run_dir),
+            }
+        )
     complete = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
-    summary: dict[str, Any] = {"sweep": str(sweep.path), "trials": rows,
-                               "counts": {s: sum(r["state"] == s for r in rows) for s in ("complete", "pruned",
-                                                                                          "failed")}}
+    summary: dict[str, Any] = {
+        "sweep": str(sweep.path),
+        "trials": rows,
+        "counts": {s: sum(r["state"] == s for r in rows) for s in ("complete", "pruned", "failed")},
+    }
     if complete:
         best = min(complete, key=lambda t: t.value)
         job = sweep.base.with_overrides({**best.params, "train.out_dir": f"runs/best-of-{sweep.out.name}"})
-        (sweep.out / "best.yaml").write_text(f"# best of {sweep.path} (trial {best.number}, val loss "
-                                             f"{best.value:.4f}): graphtrain train {sweep.out / 'best.yaml'}\n"
-                                             + job.to_yaml())
-        summary["best"] = {"trial": best.number, "val_loss": best.value, "params": best.params,
-                           "config": str(sweep.out / "best.yaml")}
+        (sweep.out / "best.yaml").write_text(
+            f"# best of {sweep.path} (trial {best.number}, val loss "
+            f"{best.value:.4f}): graphtrain train {sweep.out / 'best.yaml'}\n" + job.to_yaml()
+        )
+        summary["best"] = {
+            "trial": best.number,
+            "val_loss": best.value,
+            "params": best.params,
+            "config": str(sweep.out / "best.yaml"),
+        }
         summary["edge_warnings"] = edge_warnings(sweep.space, best.params)
         ranked = sorted(complete, key=lambda t: t.value)[:3]
         try:
-            summary["report"] = str(write_report([sweep.out / f"trial-{t.number:03d}" for t in ranked],
-                                                 sweep.out / "report.html", title=f"best trials of {sweep.path}"))
+            summary["report"] = str(
+                write_report(
+                    [sweep.out / f"trial-{t.number:03d}" for t in ranked],
+                    sweep.out / "report.html",
+                    title=f"best trials of {sweep.path}",
+                )
+            )
         except ValueError:  # a best run without metrics (deleted): the summary stands without the page
             pass
     (sweep.out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     log(_table(rows))
     if "best" in summary:
-        log(f"best: trial {summary['best']['trial']}, val loss {summary['best']['val_loss']:.4f}, "
-            f"{summary['best']['params']} -> {summary['best']['config']}")
+        log(
+            f"best: trial {summary['best']['trial']}, val loss {summary['best']['val_loss']:.4f}, "
+            f"{summary['best']['params']} -> {summary['best']['config']}"
+        )
         for line in summary["edge_warnings"]:
             log(f"warning: {line}")
     return summary
@@ -366,8 +462,10 @@ def edge_warnings(space: dict[str, tuple[str, list[Any]]], params: dict[str, Any
             if len(numbers) != len(args) or len(set(numbers)) < 3 or value not in (min(numbers), max(numbers)):
                 continue
             side = "lowest" if value == min(numbers) else "highest"
-            out.append(f"the best {key}={value:g} is the {side} of its choices {args}: the optimum may lie beyond "
-                       f"it; add choices {'below' if side == 'lowest' else 'above'} {value:g}")
+            out.append(
+                f"the best {key}={value:g} is the {side} of its choices {args}: the optimum may lie beyond "
+                f"it; add choices {'below' if side == 'lowest' else 'above'} {value:g}"
+            )
             continue
         low, high = float(args[0]), float(args[1])
         if high <= low:
@@ -386,9 +484,11 @@ def edge_warnings(space: dict[str, tuple[str, list[Any]]], params: dict[str, Any
             new = (low - half, high - half) if at_low else (low + half, high + half)
         if kind == "int":
             new = (math.floor(new[0]), math.ceil(new[1]))
-        out.append(f"the best {key}={value:.3g} is at the {'low' if at_low else 'high'} edge of its range "
-                   f"[{low:g}, {high:g}] ({kind}): the optimum may lie outside it; search e.g. "
-                   f"{{{kind}: [{new[0]:.3g}, {new[1]:.3g}]}} next")
+        out.append(
+            f"the best {key}={value:.3g} is at the {'low' if at_low else 'high'} edge of its range "
+            f"[{low:g}, {high:g}] ({kind}): the optimum may lie outside it; search e.g. "
+            f"{{{kind}: [{new[0]:.3g}, {new[1]:.3g}]}} next"
+        )
     return out
 
 
@@ -410,6 +510,7 @@ def pruning_callback() -> Any:
     if os.environ.get(ENV_SWEEP_PID, "").isdigit():  # preempted (SIGTERM) when the sweep dies, even by SIGKILL
         die_with_parent(int(os.environ[ENV_SWEEP_PID]), signal.SIGTERM)
     import optuna
+
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     name, _, startup = os.environ.get(ENV_PRUNER, "median:2").partition(":")
     study = optuna.load_study(study_name=study_name, storage=storage, pruner=_pruner(name, int(startup or 2)))
@@ -420,4 +521,5 @@ def pruning_callback() -> Any:
             return "validation loss is not finite"
         trial.report(val_loss, step)
         return "pruned by the sweep's pruner" if trial.should_prune() else None
+
     return report

@@ -5,6 +5,7 @@ call on CPU (frontend/accelerate.py, before Dynamo traces) or at the first CPU g
 whichever comes first; a benchmark or measurement harness sets it itself (``set_cpu_allocator``) so that every
 variant it compares runs under one setting.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -40,8 +41,7 @@ def set_cpu_allocator_once(example_inputs: Sequence[Any], config: EngineConfig) 
     if any(isinstance(x, torch.Tensor) and x.device.type != "cpu" for x in example_inputs):
         return
     mode = allocator_mode(config)
-    set_cpu_allocator(mode, huge_pages=config.cpu_huge_pages,
-                      block_cache=mode == "release" and config.cpu_block_cache)
+    set_cpu_allocator(mode, huge_pages=config.cpu_huge_pages, block_cache=mode == "release" and config.cpu_block_cache)
 
 
 def cpu_allocator_set() -> str | None:

@@ -6,6 +6,7 @@ pre-autodiff aten IR (trace.py)  ->  ``pre_autodiff`` passes  ->  AOTAutograd (g
 Each stage that fails falls back to the stage before it (no pre-autodiff passes; aten instead of
 inductor; the Dynamo graph run eagerly) and says so once, or raises under ``fallback: error``.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -23,7 +24,8 @@ from graphtrain.memory.prefault import compiled as first_graph_compiled
 from graphtrain.passes import autograd_functions
 from graphtrain.passes.manager import PassContext, run_pipeline
 from graphtrain.passes.returned_heads import reattach
-from graphtrain.pipeline.blocks import ReuseMisbound, check_bindings, compile_by_blocks, has_block_calls, inline_blocks
+from graphtrain.pipeline.block_regions import ReuseMisbound
+from graphtrain.pipeline.blocks import check_bindings, compile_by_blocks, has_block_calls, inline_blocks
 from graphtrain.pipeline.cache import configure_cache, load_pass_result, save_pass_result
 from graphtrain.pipeline.job import CompileJob
 from graphtrain.pipeline.stages import DYNAMO_RESTARTS, compile_with_fallback, new_record, run_passes, trace
@@ -62,6 +64,7 @@ def _frame_info(gm: fx.GraphModule) -> tuple[str, int]:
     frame = "?"
     try:
         from torch._dynamo.symbolic_convert import InstructionTranslator
+
         co = InstructionTranslator.current_tx().output.co_fields
         frame = f"{co['co_name']} ({co['co_filename'].rsplit('/', 1)[-1]}:{co['co_firstlineno']})"
     except Exception:  # noqa: BLE001 - only a label; called outside Dynamo (tests) there is no tx
@@ -69,8 +72,9 @@ def _frame_info(gm: fx.GraphModule) -> tuple[str, int]:
     return frame, (cid.frame_compile_id or 0) if cid is not None else 0
 
 
-def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: EngineConfig,
-                  state: EngineState) -> Callable[..., Any]:
+def compile_graph(
+    gm: fx.GraphModule, example_inputs: Sequence[Any], config: EngineConfig, state: EngineState
+) -> Callable[..., Any]:
     """Compile one Dynamo graph (the backend body) through the pipeline; records a GraphRecord on `state` per
     graph compiled. A graph with repeated-block calls (pipeline/blocks.py) is compiled piece by piece, each
     distinct block once."""
@@ -80,8 +84,9 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Eng
     # the dynamo stage's passes on the whole Dynamo graph (static and learned masks, the no_grad lift, returned
     # heads); their records join state.passes once the graph compiled (a graph Dynamo restarts never runs)
     n_records = len(state.passes)
-    gm, dynamo = _dynamo_passes(gm, example_inputs, config, state, f"Dynamo graph {_frame_info(gm)[0]}", state.notes,
-                                ("masks", "grad"))
+    gm, dynamo = _dynamo_passes(
+        gm, example_inputs, config, state, f"Dynamo graph {_frame_info(gm)[0]}", state.notes, ("masks", "grad")
+    )
     heads, n_out = dynamo.results.get("detach_returned_heads", ([], 0))
     if has_block_calls(gm) and under_ddp_optimizer():
         # Dynamo's DDPOptimizer compiles a DDP model's graph bucket by bucket and expects one AOTAutograd graph per
@@ -91,8 +96,11 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Eng
         # through it anyway, e.g. torch.compile of a DDP wrapper around blocks accelerate marked.)
         kinds = _input_kinds(gm, example_inputs)
         check_bindings(gm, kinds)  # Dynamo's reuse bound the first block's weights?
-        _note_once(state.notes, "under DDP each bucket's graph is compiled whole, its repeated blocks inlined "
-                                "(Dynamo's DDPOptimizer takes one AOTAutograd graph per bucket)")
+        _note_once(
+            state.notes,
+            "under DDP each bucket's graph is compiled whole, its repeated blocks inlined "
+            "(Dynamo's DDPOptimizer takes one AOTAutograd graph per bucket)",
+        )
         compiled = _compile_one(inline_blocks(gm), example_inputs, config, state, kinds=kinds)
     elif has_block_calls(gm):
         compiled = _compile_by_blocks(gm, example_inputs, config, state)
@@ -103,12 +111,25 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Eng
     return reattach(compiled, heads, n_out) if heads else compiled
 
 
-def _dynamo_passes(gm: fx.GraphModule, example_inputs: Sequence[Any], config: EngineConfig, state: EngineState,
-                   name: str, notes: list[str], phases: tuple[str, ...]) -> tuple[fx.GraphModule, PassContext]:
+def _dynamo_passes(
+    gm: fx.GraphModule,
+    example_inputs: Sequence[Any],
+    config: EngineConfig,
+    state: EngineState,
+    name: str,
+    notes: list[str],
+    phases: tuple[str, ...],
+) -> tuple[fx.GraphModule, PassContext]:
     """The passes of the "dynamo" stage in `phases` on `gm` (passes/manager.py): (the graph, their PassContext,
     whose records the caller adds to state.passes). Their lines for the report go to `notes`."""
-    ctx = PassContext(config=config, stage="dynamo", graph_name=name, example_inputs=list(example_inputs),
-                      fallbacks=state.fallbacks, caller_notes=notes)
+    ctx = PassContext(
+        config=config,
+        stage="dynamo",
+        graph_name=name,
+        example_inputs=list(example_inputs),
+        fallbacks=state.fallbacks,
+        caller_notes=notes,
+    )
     return run_pipeline(gm, ctx, phases), ctx
 
 
@@ -117,8 +138,9 @@ def _note_once(notes: list[str], text: str) -> None:
         notes.append(text)
 
 
-def _compile_by_blocks(gm: fx.GraphModule, example_inputs: Sequence[Any], config: EngineConfig,
-                       state: EngineState) -> Callable[..., Any]:
+def _compile_by_blocks(
+    gm: fx.GraphModule, example_inputs: Sequence[Any], config: EngineConfig, state: EngineState
+) -> Callable[..., Any]:
 
     frame, _ = _frame_info(gm)
 
@@ -132,13 +154,26 @@ def _compile_by_blocks(gm: fx.GraphModule, example_inputs: Sequence[Any], config
     except (GraphtrainCaptureError, ReuseMisbound, *DYNAMO_RESTARTS):
         raise
     except Exception as e:  # noqa: BLE001 - the Dynamo graph still runs, eagerly
-        report_fallback(f"per-block compile of {frame}", f"{type(e).__name__}: {str(e)[:500]}", config,
-                        what="runs eagerly (engine.compile_blocks=false compiles it whole)", sink=state.fallbacks)
+        report_fallback(
+            f"per-block compile of {frame}",
+            f"{type(e).__name__}: {str(e)[:500]}",
+            config,
+            what="runs eagerly (engine.compile_blocks=false compiles it whole)",
+            sink=state.fallbacks,
+        )
         return inline_blocks(gm).forward
 
 
-def _compile_one(gm: fx.GraphModule, example_inputs: Sequence[Any], config: EngineConfig, state: EngineState, *,
-                 kinds: list[str] | None = None, frame: str | None = None, calls: int = 1) -> Callable[..., Any]:
+def _compile_one(
+    gm: fx.GraphModule,
+    example_inputs: Sequence[Any],
+    config: EngineConfig,
+    state: EngineState,
+    *,
+    kinds: list[str] | None = None,
+    frame: str | None = None,
+    calls: int = 1,
+) -> Callable[..., Any]:
     """One graph's CompileJob (the provider and precision resolved for its device), compiled: by provider auto's
     choice, or down the fallback chain from the provider asked for."""
 
@@ -154,8 +189,16 @@ def _compile_one(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Engi
     ids = sorted({g.notes_compile_id for g in state.graphs if g.frame == frame} | {raw_compile_id})
     frame_compile = ids.index(raw_compile_id)
     kinds = kinds or _input_kinds(gm, example_inputs)
-    rec = new_record(f"graph{len(state.graphs)}", frame, example_inputs, kinds, state, frame_compile=frame_compile,
-                     compile_reason=str(getattr(gm, "compile_subgraph_reason", "") or ""), calls_per_step=calls)
+    rec = new_record(
+        f"graph{len(state.graphs)}",
+        frame,
+        example_inputs,
+        kinds,
+        state,
+        frame_compile=frame_compile,
+        compile_reason=str(getattr(gm, "compile_subgraph_reason", "") or ""),
+        calls_per_step=calls,
+    )
     user = [x for x, k in zip(example_inputs, kinds) if k in ("input", "activation") and x.dim() > 0]
     rec.batch = int(user[0].shape[0]) if user and isinstance(user[0].shape[0], int) else None
     rec.precision = config.precision
@@ -173,8 +216,9 @@ def _compile_one(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Engi
             compiled = choose_provider(job, compile_stages, auto_config)
         else:  # falling back inductor -> aten -> eager
             order = [config.provider] + (["aten"] if config.provider != "aten" else [])
-            compiled, rec.provider = compile_with_fallback(order, compile_one, part=f"{rec.name} ({frame})",
-                                                           config=config, state=state, eager=gm.forward)
+            compiled, rec.provider = compile_with_fallback(
+                order, compile_one, part=f"{rec.name} ({frame})", config=config, state=state, eager=gm.forward
+            )
     except DYNAMO_RESTARTS:  # Dynamo traces the frame again and hands over a new graph: this one never runs
         state.graphs.remove(rec)
         del state.passes[n_passes:]
@@ -192,8 +236,14 @@ def compile_stages(job: CompileJob) -> Callable[..., Any]:
 def _pre_autodiff(job: CompileJob) -> fx.GraphModule:
     """Stages 1-2: the job's graph as the optimized pre-autodiff aten graph for its provider (from the pass cache when
     an identical graph was optimized before); the Dynamo graph itself where tracing fails (reported)."""
-    gm, example_inputs, kinds, config, state, rec = (job.gm, job.example_inputs, job.kinds, job.config, job.state,
-                                                     job.rec)
+    gm, example_inputs, kinds, config, state, rec = (
+        job.gm,
+        job.example_inputs,
+        job.kinds,
+        job.config,
+        job.state,
+        job.rec,
+    )
 
     # Tensor-parallel DTensor parameters: trace and optimize the graph on their local shards, then hand the
     # provider a graph that takes the DTensors again (trace.localize / delocalize).
@@ -213,14 +263,20 @@ def _pre_autodiff(job: CompileJob) -> fx.GraphModule:
         state.passes.extend(dynamo.records)
         traced = trace(local, trace_inputs, rec)
     except Exception as e:  # noqa: BLE001 - any tracing failure degrades to the Dynamo graph
-        report_fallback(f"tracing {rec.name} ({rec.frame}) to aten", f"{type(e).__name__}: {e}", config,
-                        what="is compiled without pre-autodiff passes", sink=state.fallbacks)
+        report_fallback(
+            f"tracing {rec.name} ({rec.frame}) to aten",
+            f"{type(e).__name__}: {e}",
+            config,
+            what="is compiled without pre-autodiff passes",
+            sink=state.fallbacks,
+        )
         return gm
     traced = run_passes(traced, "pre_autodiff", config, state, rec, example_inputs=trace_inputs, input_kinds=kinds)
     autograd_functions.restore(traced)  # hide_autograd_functions' other half: always, whatever the passes were
     if not sharded and rec.pass_cache == "miss":
-        traced = save_pass_result(config, rec.pass_cache_key, traced, state.passes[n_records:], rec.ops_captured,
-                                  rec.ops_pre_autodiff)
+        traced = save_pass_result(
+            config, rec.pass_cache_key, traced, state.passes[n_records:], rec.ops_captured, rec.ops_pre_autodiff
+        )
     if sharded:
         rec.notes.append(f"{len(sharded)} DTensor parameters traced on their local shards")
         return delocalize(traced, sharded)
@@ -243,8 +299,13 @@ def _cached_passes(job: CompileJob) -> fx.GraphModule | None:
     state.passes.extend(dataclasses.replace(r, graph=rec.name) for r in records)
     for r in records:  # a cached result must not hide what the passes' run reported: replay each fallback
         if r.error is not None:
-            report_fallback(f"pass {r.name}", r.error, config, what=f"{rec.name} keeps the graph from before the pass",
-                            sink=state.fallbacks)
+            report_fallback(
+                f"pass {r.name}",
+                r.error,
+                config,
+                what=f"{rec.name} keeps the graph from before the pass",
+                sink=state.fallbacks,
+            )
     rec.pass_cache = "hit"
     return graph
 
@@ -252,11 +313,13 @@ def _cached_passes(job: CompileJob) -> fx.GraphModule | None:
 def make_backend(config: EngineConfig, state: EngineState) -> Callable[..., Any]:
     def graphtrain_backend(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         return compile_graph(gm, example_inputs, config, state)
+
     return graphtrain_backend
 
 
-def graphtrain_backend(gm: fx.GraphModule, example_inputs: Sequence[Any],
-                       options: dict[str, Any] | None = None) -> Callable[..., Any]:
+def graphtrain_backend(
+    gm: fx.GraphModule, example_inputs: Sequence[Any], options: dict[str, Any] | None = None
+) -> Callable[..., Any]:
     """The backend registered as "graphtrain" (default EngineConfig; `options` are EngineConfig keys, as in
     ``torch.compile(m, backend="graphtrain", options={"provider": "aten"})``). Records into GLOBAL_STATE."""
     config = resolve_engine_config(None, options) if options else GLOBAL_STATE.config
@@ -269,5 +332,6 @@ def register_backend() -> None:
     """Make ``torch.compile(model, backend="graphtrain")`` work (called by ``import graphtrain``)."""
     from torch._dynamo.backends.registry import _COMPILER_FNS
     from torch._dynamo.backends.registry import register_backend as register
+
     if "graphtrain" not in _COMPILER_FNS:
         register(graphtrain_backend, name="graphtrain")

@@ -26,6 +26,7 @@ its folder when done, and its results land in the caches for the next run (a run
 starts cold every time; measured on the 2-core AVX2 EPYC, HF Llama 4 layers width 256 b16 s128: ~35 s of compile).
 ``graphtrain cache list`` shows such processes (``running()``), ``graphtrain cache stop`` ends them (``stop()``).
 """
+
 from __future__ import annotations
 
 import json
@@ -41,7 +42,7 @@ from pathlib import Path
 
 MODULE = "graphtrain.runtime.background"
 NAME = b"graphtrain-bg"  # the process name (/proc/PID/comm, what `top` and `ps -o comm` show)
-OWNER = "owner.json"     # in the job folder: who started the child, when, and whether it was detached
+OWNER = "owner.json"  # in the job folder: who started the child, when, and whether it was detached
 
 
 def compile_job(data: dict) -> None:
@@ -50,6 +51,7 @@ def compile_job(data: dict) -> None:
     from graphtrain.pipeline.state import EngineState, GraphRecord
     from graphtrain.runtime.backend import compile_stages
     from graphtrain.runtime.tiered import compile_inductor_from, mark_inductor_ready
+
     config = data["config"]
     state = EngineState(config)
     rec = GraphRecord(data["name"], "background compile", 0, [m[1] for m in data["inputs"]], data["kinds"])
@@ -67,6 +69,7 @@ class CompileTimeout(BaseException):
 def _limit(seconds: float) -> None:
     """Interrupt the compile after `seconds` (0: never). SIGALRM's timer: POSIX only; elsewhere there is no limit."""
     import signal
+
     if not hasattr(signal, "setitimer"):
         return
 
@@ -82,6 +85,7 @@ def _prctl(option: int, value: int | bytes) -> None:
     if not sys.platform.startswith("linux"):
         return
     import ctypes
+
     try:
         ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0)
     except (OSError, AttributeError):
@@ -113,6 +117,7 @@ def main(argv: list[str]) -> int:
     import graphtrain.kernels  # noqa: F401 - graphtrain's custom ops, which the graphs call
     from graphtrain.pipeline.cache import cache_root, configure_cache
     from graphtrain.runtime.tiered import mark_inductor_timeout
+
     jobs = sorted(folder.glob("*.job"), key=lambda p: int(p.stem))
     for path in jobs:
         status = path.with_suffix(".status")
@@ -133,8 +138,10 @@ def main(argv: list[str]) -> int:
         except CompileTimeout:
             timed_out = True
             mark_inductor_timeout(cache_root(data["config"]), data["key"], limit)
-            text = (f"timeout\nits background compile took more than {limit:g} s (engine.background_timeout) and was "
-                    f"stopped; raise the limit (0: none) to compile it")
+            text = (
+                f"timeout\nits background compile took more than {limit:g} s (engine.background_timeout) and was "
+                f"stopped; raise the limit (0: none) to compile it"
+            )
         except Exception as e:  # noqa: BLE001 - the training process reports it under its fallback policy
             text = f"{type(e).__name__}\n{' '.join(str(e).split())[:2000]}"
         tmp = status.with_suffix(".tmp")
@@ -146,15 +153,19 @@ def main(argv: list[str]) -> int:
             # which skips the graphs that have a status.
             sys.stdout.flush()
             sys.stderr.flush()
-            os.execv(sys.executable, [sys.executable, "-m", MODULE, str(folder), str(parent),
-                                      *(["--detach"] if detach else [])])
+            os.execv(
+                sys.executable,
+                [sys.executable, "-m", MODULE, str(folder), str(parent), *(["--detach"] if detach else [])],
+            )
     if os.getppid() != parent:  # the training process exited and left us to finish (engine.background_at_exit):
         import shutil  # nobody else will collect the folder
+
         shutil.rmtree(folder, ignore_errors=True)
     return 0
 
 
 # ------------------------------------------------------------------- `graphtrain cache list / stop` --
+
 
 def running() -> list[dict]:
     """This user's background compile processes (Linux: read from /proc): pid, folder, the pid and command of the
@@ -181,10 +192,19 @@ def running() -> list[dict]:
         except (OSError, ValueError):
             owner = {}
         parent = owner.get("parent_pid")
-        out.append({"pid": int(entry.name), "folder": str(folder), "detached": "--detach" in args,
-                    "parent_pid": parent, "parent_alive": parent is not None and Path(f"/proc/{parent}").exists(),
-                    "command": owner.get("command", ""), "seconds": time.time() - owner.get("started", time.time()),
-                    "done": len(list(folder.glob("*.status"))), "jobs": len(list(folder.glob("*.job")))})
+        out.append(
+            {
+                "pid": int(entry.name),
+                "folder": str(folder),
+                "detached": "--detach" in args,
+                "parent_pid": parent,
+                "parent_alive": parent is not None and Path(f"/proc/{parent}").exists(),
+                "command": owner.get("command", ""),
+                "seconds": time.time() - owner.get("started", time.time()),
+                "done": len(list(folder.glob("*.status"))),
+                "jobs": len(list(folder.glob("*.job"))),
+            }
+        )
     return sorted(out, key=lambda r: r["pid"])
 
 
@@ -194,13 +214,16 @@ def stop(pids: list[int] | None = None, grace_s: float = 5.0) -> list[int]:
     stopped. A pid that is not one of them is a ValueError (nothing else is ever signalled)."""
     import shutil
 
-    from graphtrain.runtime.tiered import kill_tree
+    from graphtrain.runtime.workers import kill_tree
+
     procs = {r["pid"]: r for r in running()}
     if pids:
         unknown = [p for p in pids if p not in procs]
         if unknown:
-            raise ValueError(f"no background compile of yours has pid {', '.join(map(str, unknown))}: "
-                             f"`graphtrain cache list` shows the ones running")
+            raise ValueError(
+                f"no background compile of yours has pid {', '.join(map(str, unknown))}: "
+                f"`graphtrain cache list` shows the ones running"
+            )
         procs = {p: procs[p] for p in pids}
     for pid in procs:
         kill_tree(pid, signal.SIGTERM)
@@ -218,8 +241,12 @@ def stop(pids: list[int] | None = None, grace_s: float = 5.0) -> list[int]:
 def _is_job_folder(folder: Path) -> bool:
     """A folder runtime/tiered.py made for a child: tempfile's, named graphtrain-precompile-*, with owner.json."""
     import tempfile
-    return (folder.name.startswith("graphtrain-precompile-") and (folder / OWNER).is_file()
-            and folder.resolve().parent == Path(tempfile.gettempdir()).resolve())
+
+    return (
+        folder.name.startswith("graphtrain-precompile-")
+        and (folder / OWNER).is_file()
+        and folder.resolve().parent == Path(tempfile.gettempdir()).resolve()
+    )
 
 
 def _zombie(pid: int) -> bool:

@@ -8,6 +8,7 @@ forward+backward calls (fewer once ``BUDGET_S`` is spent). The faster one runs t
 runs on copies of the inputs (parameters never receive these gradients) and under a forked RNG (the training run's
 random stream is untouched); a graph with symbolic sizes is timed at the sizes of that call.
 """
+
 from __future__ import annotations
 
 import copy
@@ -38,7 +39,7 @@ class Candidate:
     provider: str
     compiled: Callable[..., Any]
     record: dict[str, Any]  # the graph's GraphRecord fields as this candidate's compile left them
-    passes: list[Any]       # the PassRecords its compile added to the state (a loser's leave the report)
+    passes: list[Any]  # the PassRecords its compile added to the state (a loser's leave the report)
 
 
 def _real(x: Any) -> Any:
@@ -47,6 +48,7 @@ def _real(x: Any) -> Any:
     if not isinstance(x, torch.Tensor):
         return x
     from torch._subclasses.fake_tensor import FakeTensor
+
     if isinstance(x, FakeTensor) or x.is_meta:
         if x.dtype.is_floating_point:
             out = torch.randn(x.shape, dtype=x.dtype, device=x.device)
@@ -59,14 +61,18 @@ def _real(x: Any) -> Any:
     return out.requires_grad_(x.requires_grad) if out.dtype.is_floating_point else out
 
 
-def time_step(fn: Callable[..., Any], example_inputs: Sequence[Any], repeats: int = REPEATS,
-              budget_s: float = BUDGET_S, warmed: bool = False) -> float:
+def time_step(
+    fn: Callable[..., Any],
+    example_inputs: Sequence[Any],
+    repeats: int = REPEATS,
+    budget_s: float = BUDGET_S,
+    warmed: bool = False,
+) -> float:
     """Best of up to `repeats` forward+backward calls of a compiled graph (seconds), after one warm-up call
     (none when it already ran: `warmed`), stopping once the timed calls took `budget_s`; the forward alone where
     nothing requires a gradient."""
     inputs = [_real(x) for x in example_inputs]
-    sync = torch.cuda.synchronize if any(isinstance(x, torch.Tensor) and x.is_cuda for x in inputs) else (
-        lambda: None)
+    sync = torch.cuda.synchronize if any(isinstance(x, torch.Tensor) and x.is_cuda for x in inputs) else (lambda: None)
     best, spent = float("inf"), 0.0
     with torch.random.fork_rng(devices=[]):
         for i in range(int(warmed), repeats + 1):
@@ -96,8 +102,15 @@ class Measured:
     winner: each candidate brings the record as its compile left it, completed by its timed calls (Inductor
     compiles a backward at its first call)."""
 
-    def __init__(self, candidates: Sequence[Candidate], rec: Any, folder: Any, key: str | None, state: Any,
-                 warmed: frozenset[str] = frozenset()) -> None:
+    def __init__(
+        self,
+        candidates: Sequence[Candidate],
+        rec: Any,
+        folder: Any,
+        key: str | None,
+        state: Any,
+        warmed: frozenset[str] = frozenset(),
+    ) -> None:
         self.candidates, self.rec, self.folder, self.key, self.state = list(candidates), rec, folder, key, state
         self.warmed = warmed  # candidates that already ran in this process: timed without a warm-up call
         self.chosen: Callable[..., Any] | None = None
@@ -137,9 +150,11 @@ def decide(times: dict[str, float]) -> str:
 
 def describe(times: dict[str, float], choice: str, cached: bool) -> str:
     measured = ", ".join(f"{p} {1e3 * t:.2f} ms" for p, t in sorted(times.items(), key=lambda kv: kv[1]))
-    return (f"provider auto -> {choice}: per call (forward, and backward in training) {measured} (best of up to "
-            f"{REPEATS}"
-            f"{', decided by an earlier process' if cached else ''})")
+    return (
+        f"provider auto -> {choice}: per call (forward, and backward in training) {measured} (best of up to "
+        f"{REPEATS}"
+        f"{', decided by an earlier process' if cached else ''})"
+    )
 
 
 def _path(folder: Any, key: str) -> Any:

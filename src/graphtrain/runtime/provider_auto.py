@@ -24,6 +24,7 @@ only when its forward went through torch's own AOTAutograd backend wrapper, whic
 (distributed.check_engine_under_ddp). A model compiled block by block under DDP does not go through DDPOptimizer
 (frontend/accelerate.py) and is timed as in one process.
 """
+
 from __future__ import annotations
 
 import copy
@@ -48,9 +49,9 @@ from graphtrain.runtime.tiered import (
     compile_inductor_from,
     inductor_ready,
     inductor_timed_out,
-    prefetch_inductor_setup,
     size_checked,
 )
+from graphtrain.runtime.workers import prefetch_inductor_setup
 
 Compile = Callable[[CompileJob], Callable[..., Any]]
 """Stages 1-5 of a job for its provider (runtime/backend.py compile_stages)."""
@@ -65,6 +66,7 @@ def under_ddp_optimizer() -> bool:
     """Whether the graph being compiled is a piece of a DDP module's graph split at its buckets (Dynamo's
     DDPOptimizer marks the tracing context while it compiles the pieces)."""
     from torch._guards import TracingContext
+
     ctx = TracingContext.try_get()
     return ctx is not None and getattr(ctx, "ddp_optimizer_ctx", None) is not None
 
@@ -92,8 +94,12 @@ def choose_provider(job: CompileJob, compile: Compile, requested: EngineConfig) 
             return deferred
     if stored is not None:
         compiled, rec.provider = compile_with_fallback(
-            [stored["choice"]] + [p for p in CANDIDATES if p != stored["choice"]], compile_one,
-            part=f"{rec.name} ({rec.frame})", config=config, state=state)
+            [stored["choice"]] + [p for p in CANDIDATES if p != stored["choice"]],
+            compile_one,
+            part=f"{rec.name} ({rec.frame})",
+            config=config,
+            state=state,
+        )
         rec.provider_times = stored["times"]
         rec.notes.append(describe(stored["times"], rec.provider, cached=True))
         return compiled
@@ -103,10 +109,16 @@ def choose_provider(job: CompileJob, compile: Compile, requested: EngineConfig) 
         # evaluation, at 0.6-1.2 s against 0.35 s, ~17 s lost on the 2-core AVX2 EPYC) to speed up a few forward
         # passes per evaluation. aten runs it; a decision an earlier process stored (above) still applies.
         compiled, rec.provider = compile_with_fallback(
-            ["aten", *[p for p in CANDIDATES if p != "aten"]], compile_one, part=f"{rec.name} ({rec.frame})",
-            config=config, state=state)
-        rec.notes.append("provider auto: an evaluation (no_grad) graph of a module that trains runs on aten, "
-                         "without a background compile")
+            ["aten", *[p for p in CANDIDATES if p != "aten"]],
+            compile_one,
+            part=f"{rec.name} ({rec.frame})",
+            config=config,
+            state=state,
+        )
+        rec.notes.append(
+            "provider auto: an evaluation (no_grad) graph of a module that trains runs on aten, "
+            "without a background compile"
+        )
         return compiled
     if config.compile_in_background and set(CANDIDATES) == {"aten", "inductor"}:
         tiered = _tiered(job, compile, folder, key)
@@ -123,8 +135,13 @@ def choose_provider(job: CompileJob, compile: Compile, requested: EngineConfig) 
         except DYNAMO_RESTARTS:
             raise
         except Exception as e:  # noqa: BLE001 - the other candidate still runs the graph
-            report_fallback(f"provider {p} on {rec.name} ({rec.frame})", f"{type(e).__name__}: {str(e)[:300]}",
-                            config, what="is not a candidate for provider auto", sink=state.fallbacks)
+            report_fallback(
+                f"provider {p} on {rec.name} ({rec.frame})",
+                f"{type(e).__name__}: {str(e)[:300]}",
+                config,
+                what="is not a candidate for provider auto",
+                sink=state.fallbacks,
+            )
             continue
         # the record as this candidate left it, and its pass records (the loser's are dropped from the report)
         candidates.append(Candidate(p, fn, copy.copy(rec.__dict__), state.passes[n_passes:]))
@@ -149,8 +166,16 @@ def _inductor_loader(job: CompileJob, compile: Compile) -> tuple[bytes, Callable
     if inductor_key is None:
         raise ValueError(f"{job.rec.name}: its inputs have no pass-cache key")
     inductor = dataclasses.replace(inductor, key=inductor_key)
-    payload = pickle.dumps({"graph": _encode_graph(job.gm), "inputs": metas, "kinds": job.kinds,
-                            "config": inductor.config, "key": inductor_key, "name": job.rec.name})
+    payload = pickle.dumps(
+        {
+            "graph": _encode_graph(job.gm),
+            "inputs": metas,
+            "kinds": job.kinds,
+            "config": inductor.config,
+            "key": inductor_key,
+            "name": job.rec.name,
+        }
+    )
     rec, state = job.rec, job.state
 
     def compile_inductor() -> Candidate:
@@ -198,9 +223,11 @@ def _tiered(job: CompileJob, compile: Compile, folder: Any, key: str | None) -> 
     elif (timed_out := inductor_timed_out(folder, inductor_key, config.background_timeout)) is not None:
         # an earlier process's background compile of it outlived the limit: not again
         rec.provider = "aten"
-        rec.notes.append(f"provider auto -> aten: inductor is not a candidate (an earlier background compile of this "
-                         f"graph took more than {timed_out:g} s, engine.background_timeout, and was stopped; raise the "
-                         f"limit (0: none) to compile it again)")
+        rec.notes.append(
+            f"provider auto -> aten: inductor is not a candidate (an earlier background compile of this "
+            f"graph took more than {timed_out:g} s, engine.background_timeout, and was stopped; raise the "
+            f"limit (0: none) to compile it again)"
+        )
         return aten.compiled
     else:
         rec.provider = "aten (provider auto: Inductor compiles in a background process, measured when ready)"
@@ -231,8 +258,9 @@ class Deferred:
     12.8 s warm first step on GPT-2 Medium (2-core Zen 4). Nothing is timed again: the stored decision stands. A
     winner that fails to load leaves aten running the graph, reported under the module's fallback policy."""
 
-    def __init__(self, aten: Candidate, load: Callable[[], Candidate], stored: dict[str, Any], rec: Any, state: Any,
-                 config: Any) -> None:
+    def __init__(
+        self, aten: Candidate, load: Callable[[], Candidate], stored: dict[str, Any], rec: Any, state: Any, config: Any
+    ) -> None:
         self.aten: Candidate | None = aten
         self.load, self.stored = load, stored
         self.rec, self.state, self.config = rec, state, config
@@ -257,9 +285,13 @@ class Deferred:
             inductor = self.load()
         except Exception as e:  # noqa: BLE001 - aten keeps the graph
             self.chosen, rec.provider = aten_fn, "aten"
-            report_fallback(f"provider inductor on {rec.name} ({rec.frame})", f"{type(e).__name__}: {str(e)[:300]}",
-                            self.config, what="runs on aten (the stored winner did not load)",
-                            sink=self.state.fallbacks)
+            report_fallback(
+                f"provider inductor on {rec.name} ({rec.frame})",
+                f"{type(e).__name__}: {str(e)[:300]}",
+                self.config,
+                what="runs on aten (the stored winner did not load)",
+                sink=self.state.fallbacks,
+            )
             return
         load = time.perf_counter() - t0
         compile_seconds = rec.compile_seconds
@@ -267,10 +299,12 @@ class Deferred:
         fn, note = size_checked(inductor.compiled, aten_fn)
         rec.compile_seconds = compile_seconds
         rec.provider, rec.provider_times = "inductor", self.stored["times"]
-        rec.notes = [*rec.notes, *note, describe(self.stored["times"], "inductor", cached=True),
-                     f"warm start: aten ran the first {self.calls - 1} call(s); Inductor loaded from the caches "
-                     f"in {load:.2f} s"]
+        rec.notes = [
+            *rec.notes,
+            *note,
+            describe(self.stored["times"], "inductor", cached=True),
+            f"warm start: aten ran the first {self.calls - 1} call(s); Inductor loaded from the caches in {load:.2f} s",
+        ]
         dropped = {id(r) for r in aten_passes}
         self.state.passes[:] = [r for r in self.state.passes if id(r) not in dropped]
         self.chosen = fn
-

@@ -16,6 +16,7 @@ graphs.
   config, which keeps the compile cache valid. ``fallback_random=True`` keeps eager's RNG for dropout
   (MEASURED.md: Inductor's generated RNG costs ~3x here) and makes dropout masks match eager bitwise.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -85,49 +86,77 @@ def resolve_runtime(config: EngineConfig, example_inputs: Sequence[Any]) -> Engi
         fast, why = capability.bf16_is_fast(device)
         if not fast and device not in _WARNED_SLOW:
             _WARNED_SLOW.add(device)
-            warnings.warn(f"graphtrain: precision=bf16 will be much slower than fp32 here: {why}. Use "
-                          f"engine.precision=fp32, or auto (bf16 only where the hardware has it)",
-                          SlowPrecisionWarning, stacklevel=2)
+            warnings.warn(
+                f"graphtrain: precision=bf16 will be much slower than fp32 here: {why}. Use "
+                f"engine.precision=fp32, or auto (bf16 only where the hardware has it)",
+                SlowPrecisionWarning,
+                stacklevel=2,
+            )
     return dataclasses.replace(config, provider=resolve_provider(config, example_inputs), precision=precision)
 
 
 def predict_memory(fw: fx.GraphModule, bw: fx.GraphModule, layout: StepLayout, rec: GraphRecord) -> None:
     """Store predict_peak's estimate (AdamW, boxed backward) of a step through this graph on `rec`."""
     try:
-        est = predict_peak(fw, bw, layout.n_params_bytes, optimizer="adamw",
-                           num_user_outputs=max(user_outputs(fw, bw), 1), n_param_inputs=layout.n_param_inputs,
-                           batch_inputs=layout.batch_inputs)
+        est = predict_peak(
+            fw,
+            bw,
+            layout.n_params_bytes,
+            optimizer="adamw",
+            num_user_outputs=max(user_outputs(fw, bw), 1),
+            n_param_inputs=layout.n_param_inputs,
+            batch_inputs=layout.batch_inputs,
+        )
     except Exception as e:  # noqa: BLE001 - an estimate only; say why it is missing
         rec.notes.append(f"peak-memory prediction failed: {type(e).__name__}: {str(e)[:200]}")
         return
-    rec.predicted_memory = dict(peak=est.peak, peak_phase=est.peak_phase, params=est.params, grads=est.grads,
-                                optimizer_state=est.optimizer_state, batch_inputs=est.inputs,
-                                saved_activations=est.saved_activations, forward_graph_peak=est.forward_peak,
-                                backward_graph_peak=est.backward_peak, optimizer_temp=est.optimizer_temp,
-                                phase_totals=dict(est.phase_totals), peak_node=dict(est.peak_node),
-                                optimizer="adamw")
+    rec.predicted_memory = dict(
+        peak=est.peak,
+        peak_phase=est.peak_phase,
+        params=est.params,
+        grads=est.grads,
+        optimizer_state=est.optimizer_state,
+        batch_inputs=est.inputs,
+        saved_activations=est.saved_activations,
+        forward_graph_peak=est.forward_peak,
+        backward_graph_peak=est.backward_peak,
+        optimizer_temp=est.optimizer_temp,
+        phase_totals=dict(est.phase_totals),
+        peak_node=dict(est.peak_node),
+        optimizer="adamw",
+    )
 
 
 def compile_aten(job: CompileJob) -> Callable[..., Any]:
     """The pipeline's autodiff stage as is (FX code run op by op) on the job's pre-autodiff graph, with the step's
     peak memory predicted."""
     rec = job.rec
-    return autodiff(job.gm, job.example_inputs, job.config, job.state, rec,
-                    on_graphs=lambda fw, bw, lay: predict_memory(fw, bw, lay, rec))
+    return autodiff(
+        job.gm,
+        job.example_inputs,
+        job.config,
+        job.state,
+        rec,
+        on_graphs=lambda fw, bw, lay: predict_memory(fw, bw, lay, rec),
+    )
 
 
 class StagePasses(CustomGraphPass):
     """graphtrain's forward/backward passes as an Inductor post-grad pass (cache-safe through uuid())."""
 
-    def __init__(self, config: EngineConfig, rec: GraphRecord, state: EngineState,
-                 layout: StepLayout | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, rec: GraphRecord, state: EngineState, layout: StepLayout | None = None
+    ) -> None:
         self.config, self.rec, self.state, self.layout = config, rec, state, layout
         self._forward: fx.GraphModule | None = None
 
     def __call__(self, graph: fx.Graph) -> None:
         gm = graph.owning_module
-        stage = "backward" if any(n.op == "placeholder" and n.name.startswith("tangents_")
-                                  for n in graph.nodes) else "forward"
+        stage = (
+            "backward"
+            if any(n.op == "placeholder" and n.name.startswith("tangents_") for n in graph.nodes)
+            else "forward"
+        )
         out = run_passes(gm, stage, self.config, self.state, self.rec)
         if out is not gm:  # a pass failed and the pipeline handed back its backup: restore it in place
             _replace_graph(graph, out.graph)
@@ -149,6 +178,7 @@ class StagePasses(CustomGraphPass):
         # "double free or corruption", seen after a run under ATEN_CPU_CAPABILITY=avx2 shared the cache folder; a cache
         # shared between machines of different CPUs would do the same, or worse (AVX-512 code on an AVX2 CPU).
         from torch._inductor.cpu_vec_isa import pick_vec_isa
+
         h.update(f"vec isa: {pick_vec_isa()}".encode())
         for stage in ("forward", "backward"):
             for spec in pipeline(stage, self.config):
@@ -174,8 +204,17 @@ def _inductor_partitioner(config: EngineConfig, layout: StepLayout, rec: GraphRe
             for mod in (recompute, rewrites, predict, seeded):
                 h.update(inspect.getsource(mod).encode())
             # auto's choice depends on the budget and the predicted persistent state
-            h.update(repr((config.recompute, config.memory_budget, layout.n_params_bytes, layout.n_param_inputs,
-                           layout.batch_inputs)).encode())
+            h.update(
+                repr(
+                    (
+                        config.recompute,
+                        config.memory_budget,
+                        layout.n_params_bytes,
+                        layout.n_param_inputs,
+                        layout.batch_inputs,
+                    )
+                ).encode()
+            )
             return h.digest()
 
         def __reduce__(self) -> tuple[Any, tuple[bytes]]:
@@ -197,8 +236,10 @@ class _PartitionerIdentity:
         self.uuid = uuid
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError(f"graphtrain's recompute partitioner {self.uuid.hex()[:12]} was restored from a pickle, "
-                           f"which keeps only its cache identity; it cannot partition")
+        raise RuntimeError(
+            f"graphtrain's recompute partitioner {self.uuid.hex()[:12]} was restored from a pickle, "
+            f"which keeps only its cache identity; it cannot partition"
+        )
 
 
 def _replace_graph(graph: fx.Graph, new: fx.Graph) -> None:
@@ -222,17 +263,23 @@ def compile_inductor(job: CompileJob) -> Callable[..., Any]:
     gm, example_inputs, config, rec, state = job.gm, job.example_inputs, job.config, job.rec, job.state
     check_inductor(gm, example_inputs)
     layout = step_layout(gm, example_inputs, rec.input_kinds)
-    patches: dict[str, Any] = {"fallback_random": True,
-                               "post_grad_custom_post_pass": StagePasses(config, rec, state, layout)}
+    patches: dict[str, Any] = {
+        "fallback_random": True,
+        "post_grad_custom_post_pass": StagePasses(config, rec, state, layout),
+    }
     rec.partitioner = "min_cut (inductor)"  # with fusion, recomputing pointwise ops is nearly free
     if config.recompute != "none":
         if hasattr(inductor_config, "custom_partitioner_fn"):
             patches["custom_partitioner_fn"] = _inductor_partitioner(config, layout, rec, state)
             rec.partitioner = f"min_cut (recompute={config.recompute})"
         else:
-            report_fallback(f"recompute={config.recompute} under the inductor provider",
-                            f"torch {torch.__version__} has no inductor config custom_partitioner_fn", config,
-                            what="is not applied (Inductor's min-cut partition runs)", sink=state.fallbacks)
+            report_fallback(
+                f"recompute={config.recompute} under the inductor provider",
+                f"torch {torch.__version__} has no inductor config custom_partitioner_fn",
+                config,
+                what="is not applied (Inductor's min-cut partition runs)",
+                sink=state.fallbacks,
+            )
     return compile_fx(gm, list(example_inputs), config_patches=patches)
 
 
@@ -254,7 +301,8 @@ def check_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
             f"the graph holds ATen random ops ({', '.join(aten_random)}): Inductor on CPU can run the in-place "
             f"bernoulli_ after the kernel that reads its mask (a silently wrong dropout). Keep "
             f"engine.passes.fuse_bias_dropout_add and fuse_attention on (graphtrain's dropout), or use "
-            f"engine.provider=aten")
+            f"engine.provider=aten"
+        )
 
 
 def compile_step_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], provider: str) -> Any:
@@ -264,6 +312,7 @@ def compile_step_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], provid
     gradients are graph values, there is no backward graph to build."""
     if provider == "inductor":
         from torch._inductor.compile_fx import compile_fx
+
         check_inductor(gm, example_inputs)
         with torch._inductor.config.patch(fallback_random=True):
             return compile_fx(gm, list(example_inputs))
@@ -284,8 +333,16 @@ def _aten_random_ops(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> list[
     kernel called with dropout_p 0 samples nothing and is not one, and the functional samplers are safe."""
     if any(isinstance(x, torch.Tensor) and x.device.type != "cpu" for x in example_inputs):
         return []
-    return sorted({str(n.target) for n in gm.graph.nodes if n.op == "call_function" and has_random_tag(n)
-                   and n.target.namespace == "aten" and n.target._opname not in _FUNCTIONAL_SAMPLERS})
+    return sorted(
+        {
+            str(n.target)
+            for n in gm.graph.nodes
+            if n.op == "call_function"
+            and has_random_tag(n)
+            and n.target.namespace == "aten"
+            and n.target._opname not in _FUNCTIONAL_SAMPLERS
+        }
+    )
 
 
 PROVIDERS = {"aten": compile_aten, "inductor": compile_inductor}

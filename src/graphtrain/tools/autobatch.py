@@ -9,6 +9,7 @@ subprocess confirms it (reference presets only: the subprocess rebuilds the mode
 The budget counts what ``predict_peak`` counts: tensor bytes of the step (parameters, gradients,
 optimizer state, batch, activations), not the interpreter and libraries (~240 MiB resident here).
 """
+
 from __future__ import annotations
 
 import math
@@ -52,10 +53,18 @@ class BatchPlan:
         return iter((self.micro_batch, self.grad_accum))
 
 
-def pick_batch_size(model_factory: Callable[[], torch.nn.Module], seq_len: int, budget_bytes: float,
-                    global_batch: int | None = None, engine_cfg: Any = None, *, max_batch: int = 4096,
-                    make_batch: Callable[[torch.nn.Module, int, int], tuple] = lm_batch,
-                    confirm_model: str | None = None, optimizer: str = "adamw") -> BatchPlan:
+def pick_batch_size(
+    model_factory: Callable[[], torch.nn.Module],
+    seq_len: int,
+    budget_bytes: float,
+    global_batch: int | None = None,
+    engine_cfg: Any = None,
+    *,
+    max_batch: int = 4096,
+    make_batch: Callable[[torch.nn.Module, int, int], tuple] = lm_batch,
+    confirm_model: str | None = None,
+    optimizer: str = "adamw",
+) -> BatchPlan:
     """Pick the largest micro-batch whose predicted step peak fits `budget_bytes`.
 
     global_batch: samples per optimizer step; the micro-batch is then the largest divisor of it
@@ -67,14 +76,18 @@ def pick_batch_size(model_factory: Callable[[], torch.nn.Module], seq_len: int, 
 
     def peak(b: int) -> int:
         if b not in probes:
-            est: MemoryEstimate = predict_for_model(model, make_batch(model, b, seq_len), engine_cfg, optimizer=optimizer)
+            est: MemoryEstimate = predict_for_model(
+                model, make_batch(model, b, seq_len), engine_cfg, optimizer=optimizer
+            )
             probes[b] = est.peak
         return probes[b]
 
     p1, p2 = peak(1), peak(2)
     if p1 > budget_bytes:
-        raise ValueError(f"even batch 1 needs {p1 / 2**20:,.0f} MiB, over the budget of {budget_bytes / 2**20:,.0f} MiB: "
-                         f"raise the budget or set engine.recompute (selective/full/auto)")
+        raise ValueError(
+            f"even batch 1 needs {p1 / 2**20:,.0f} MiB, over the budget of {budget_bytes / 2**20:,.0f} MiB: "
+            f"raise the budget or set engine.recompute (selective/full/auto)"
+        )
     per_sample = max(p2 - p1, 1)
     fixed = p1 - per_sample
     b = max(1, min(max_batch, int((budget_bytes - fixed) // per_sample)))
@@ -93,8 +106,16 @@ def pick_batch_size(model_factory: Callable[[], torch.nn.Module], seq_len: int, 
     plan = BatchPlan(micro, accum, peak(micro), budget_bytes, per_sample, fixed, probes)
     if confirm_model is not None:
         cfg = engine_cfg
-        r = measure(model=confirm_model, seq=seq_len, batch=micro, mode="graphtrain", steps=1, warmup=1,
-                    recompute=getattr(cfg, "recompute", "none"), budget=getattr(cfg, "memory_budget", None))
+        r = measure(
+            model=confirm_model,
+            seq=seq_len,
+            batch=micro,
+            mode="graphtrain",
+            steps=1,
+            warmup=1,
+            recompute=getattr(cfg, "recompute", "none"),
+            budget=getattr(cfg, "memory_budget", None),
+        )
         if "error" in r:
             raise RuntimeError(f"confirming batch {micro} failed: {r['error']}")
         plan.measured_peak = r["peak_tensor_bytes"]

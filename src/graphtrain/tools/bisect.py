@@ -23,12 +23,12 @@ times, past Dynamo's recompile limit), so other compiled functions in the proces
 call; the fallback policy (``silent`` meanwhile) and the caller's generator state are restored afterwards; a
 fast path that fails at run time stays off for the process, as in training (its row says so).
 """
+
 from __future__ import annotations
 
 import dataclasses
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -41,7 +41,7 @@ from graphtrain.kernels._common import force_reference, runtime_fallbacks
 from graphtrain.passes.manager import STAGES, pipeline, registered_passes
 from graphtrain.testing import TOLERANCES
 from graphtrain.tools.bisect_report import BisectReport, ConfigResult
-from graphtrain.tools.bisect_run import Step, compare, device_of, rng_state, same_rng, switch_off_dropout, train
+from graphtrain.tools.bisect_run import Run, compare, device_of, rng_state, same_rng, switch_off_dropout, train
 
 PROVIDERS = ("aten", "inductor")
 PRECISIONS = ("fp32", "bf16", "fp16", "auto")
@@ -51,27 +51,34 @@ _DTYPE_NAMES = {torch.float64: "fp64", torch.float32: "fp32", torch.bfloat16: "b
 
 # --------------------------------------------------------------------------------------- the scan ----
 
-@dataclass
-class _Run:
-    """What one engine configuration did: its steps (or error), the passes' rewrites, the fast paths chosen."""
-
-    steps: list[Step] | None
-    error: str | None
-    rewrites: dict[str, int]
-    chosen: set[tuple[str, str]]
-    notes: list[str]
-    seconds: float
-
 
 class _Bisector:
-    def __init__(self, model_factory: Callable[[], torch.nn.Module], batch: Any, *, steps: int, provider: str,
-                 precision: str, seed: int, loss_fn: Any, lr: float, keep_dropout: bool, alone: bool,
-                 engine: EngineConfig) -> None:
-        self.factory, self.batch, self.steps, self.seed, self.loss_fn, self.lr = \
-            model_factory, batch, steps, seed, loss_fn, lr
+    def __init__(
+        self,
+        model_factory: Callable[[], torch.nn.Module],
+        batch: Any,
+        *,
+        steps: int,
+        provider: str,
+        precision: str,
+        seed: int,
+        loss_fn: Any,
+        lr: float,
+        keep_dropout: bool,
+        alone: bool,
+        engine: EngineConfig,
+    ) -> None:
+        self.factory, self.batch, self.steps, self.seed, self.loss_fn, self.lr = (
+            model_factory,
+            batch,
+            steps,
+            seed,
+            loss_fn,
+            lr,
+        )
         self.provider, self.keep_dropout, self.alone, self.base = provider, keep_dropout, alone, engine
         self.rows: list[ConfigResult] = []
-        self.cache: dict[tuple, _Run] = {}
+        self.cache: dict[tuple, Run] = {}
         self.last_model: torch.nn.Module | None = None
 
         self.eager_model = self._new_model()
@@ -101,11 +108,13 @@ class _Bisector:
         if not isinstance(m, torch.nn.Module):
             raise TypeError(f"model_factory must return a torch.nn.Module, got {type(m).__name__}")
         if m is getattr(self, "eager_model", None) or m is self.last_model:
-            raise ValueError("model_factory returned a model it returned before: it must build a new one each call "
-                             "(e.g. lambda: MyModel(), not lambda: model)")
+            raise ValueError(
+                "model_factory returned a model it returned before: it must build a new one each call "
+                "(e.g. lambda: MyModel(), not lambda: model)"
+            )
         return m.train()
 
-    def _run(self, passes: list[str], fast_ops: list[str], provider: str) -> _Run:
+    def _run(self, passes: list[str], fast_ops: list[str], provider: str) -> Run:
         key = (tuple(sorted(passes)), tuple(sorted(fast_ops)), provider)
         if key in self.cache:
             return self.cache[key]
@@ -116,8 +125,13 @@ class _Bisector:
             switch_off_dropout(model)
         model.load_state_dict(self.initial)
         on = set(passes)
-        cfg = dataclasses.replace(self.base, provider=provider, precision=self.precision, fallback="silent",
-                                  passes={n: n in on for n in self.specs})
+        cfg = dataclasses.replace(
+            self.base,
+            provider=provider,
+            precision=self.precision,
+            fallback="silent",
+            passes={n: n in on for n in self.specs},
+        )
         n_fallbacks = len(runtime_fallbacks())
         steps, error, notes = None, None, []
         t0 = time.perf_counter()
@@ -131,7 +145,7 @@ class _Bisector:
         state = getattr(model, "_graphtrain", None)
         if state is None:  # accelerate itself raised
             torch._dynamo.reset()
-            return _Run(steps, error, {}, set(chosen), notes, seconds)
+            return Run(steps, error, {}, set(chosen), notes, seconds)
         rewrites: dict[str, int] = {}
         for r in state.passes:
             if r.left_to is None:
@@ -142,20 +156,42 @@ class _Bisector:
         ran = {g.provider for g in state.graphs}
         if ran and ran != {provider}:
             notes.append(f"graphs ran on {'/'.join(sorted(ran))}, not {provider}")
-        notes += [f"fast path {f.op} ({f.implementation}) failed at run time and runs its reference from now on: "
-                  f"{f.reason[:200]}" for f in runtime_fallbacks()[n_fallbacks:]]
+        notes += [
+            f"fast path {f.op} ({f.implementation}) failed at run time and runs its reference from now on: "
+            f"{f.reason[:200]}"
+            for f in runtime_fallbacks()[n_fallbacks:]
+        ]
         torch._dynamo.reset()
-        run = _Run(steps, error, rewrites, set(chosen), notes, seconds)
+        run = Run(steps, error, rewrites, set(chosen), notes, seconds)
         self.cache[key] = run
         return run
 
-    def _row(self, label: str, kind: str, target: str | None, passes: list[str], fast_ops: list[str],
-             provider: str = "aten", may_be_culprit: bool = True) -> ConfigResult:
+    def _row(
+        self,
+        label: str,
+        kind: str,
+        target: str | None,
+        passes: list[str],
+        fast_ops: list[str],
+        provider: str = "aten",
+        may_be_culprit: bool = True,
+    ) -> ConfigResult:
         run = self._run(passes, fast_ops, provider)
         numerics = any(self.specs[p].changes_numerics and run.rewrites.get(p, 0) for p in passes)
         low = _LOW.get(self.precision) if run.rewrites.get("apply_mixed_precision", 0) else None
-        row = ConfigResult(len(self.rows), label, kind, target, "ok", provider, list(passes), list(fast_ops),
-                           numerics, notes=list(run.notes), seconds=run.seconds)
+        row = ConfigResult(
+            len(self.rows),
+            label,
+            kind,
+            target,
+            "ok",
+            provider,
+            list(passes),
+            list(fast_ops),
+            numerics,
+            notes=list(run.notes),
+            seconds=run.seconds,
+        )
         self.rows.append(row)
         if run.error is not None:
             row.status = "error"
@@ -172,12 +208,13 @@ class _Bisector:
             r, a = max(r, lr_), max(a, la)
         return r, a
 
-    def _judge(self, row: ConfigResult, run: _Run, low: torch.dtype | None) -> None:
+    def _judge(self, row: ConfigResult, run: Run, low: torch.dtype | None) -> None:
         bitwise = True
         assert run.steps is not None
         for s, (got, ref) in enumerate(zip(run.steps, self.eager)):
-            pairs = [("loss", got.loss, ref.loss)] + [(f"grad of {n}", got.grads.get(n), g)
-                                                      for n, g in ref.grads.items()]
+            pairs = [("loss", got.loss, ref.loss)] + [
+                (f"grad of {n}", got.grads.get(n), g) for n, g in ref.grads.items()
+            ]
             errs = []
             for name, a, e in pairs:
                 like = e if e is not None else a
@@ -194,8 +231,10 @@ class _Bisector:
             if self.eager_random and not same_rng(got.rng, ref.rng):
                 row.status = "rng differs"
         if row.status == "rng differs":
-            row.notes.append("the generator's state after a step differs from eager's: this configuration draws "
-                             "random numbers differently (fused dropout's own RNG), so it is reported, not judged")
+            row.notes.append(
+                "the generator's state after a step differs from eager's: this configuration draws "
+                "random numbers differently (fused dropout's own RNG), so it is reported, not judged"
+            )
             return
         row.status = "FAIL" if row.first_failure is not None else ("bitwise" if bitwise else "ok")
 
@@ -211,8 +250,9 @@ class _Bisector:
         on: list[str] = []
         for name in every_pass:
             if full.error is None and not full.rewrites.get(name, 0):
-                self.rows.append(ConfigResult(len(self.rows), f"+ {name}", "pass", name, "no rewrites", "aten",
-                                              [*on, name], []))
+                self.rows.append(
+                    ConfigResult(len(self.rows), f"+ {name}", "pass", name, "no rewrites", "aten", [*on, name], [])
+                )
                 on.append(name)
                 continue
             row = self._row(f"+ {name}", "pass", name, [*on, name], [])
@@ -239,49 +279,76 @@ class _Bisector:
                 break
             ops, impls = groups[0]
             tried.update(ops)
-            label = "fast " + ", ".join(("backward" if op == f"{ops[0]}_backward" else op) + f" ({impls[op]})"
-                                        for op in ops)
+            label = "fast " + ", ".join(
+                ("backward" if op == f"{ops[0]}_backward" else op) + f" ({impls[op]})" for op in ops
+            )
             row = self._row(label, "fused op", ", ".join(ops), on, [*fast, *ops])
             chosen |= self._run(on, [*fast, *ops], "aten").chosen  # a fast path may use another (attention: gemm)
             bad = row.culprit
             forward = [op for op in ops if not op.endswith("_backward")]
             if bad and 0 < len(forward) < len(ops):
-                fwd = self._row("  " + ", ".join(f"{op} ({impls[op]})" for op in forward) + " alone", "fused op",
-                                ", ".join(forward), on, [*fast, *forward], may_be_culprit=False)
+                fwd = self._row(
+                    "  " + ", ".join(f"{op} ({impls[op]})" for op in forward) + " alone",
+                    "fused op",
+                    ", ".join(forward),
+                    on,
+                    [*fast, *forward],
+                    may_be_culprit=False,
+                )
                 if fwd.failed:  # the forward is wrong: name it instead of the pair
                     row.culprit, fwd.culprit = False, True
                 else:
                     backward = [op for op in ops if op not in forward]
                     row.target = ", ".join(backward)
-                    row.notes.append(f"the forward alone is within tolerance (row {fwd.index}): the backward "
-                                     f"({row.target}) is out")
+                    row.notes.append(
+                        f"the forward alone is within tolerance (row {fwd.index}): the backward ({row.target}) is out"
+                    )
             if not bad:  # a wrong fast path runs its reference in the rows after it
                 fast += ops
         return fast
 
     def report(self, model_name: str) -> BisectReport:
-        dtypes = {ref.loss.dtype for ref in self.eager} | {g.dtype for ref in self.eager for g in ref.grads.values()
-                                                            if g is not None}
+        dtypes = {ref.loss.dtype for ref in self.eager} | {
+            g.dtype for ref in self.eager for g in ref.grads.values() if g is not None
+        }
         if self.precision in _LOW:
             dtypes.add(_LOW[self.precision])
         tol = {_DTYPE_NAMES.get(d, str(d)): TOLERANCES[d] for d in sorted(dtypes, key=str) if d in TOLERANCES}
         if self.keep_dropout:
-            drop = ("kept (keep_dropout): configurations that draw random numbers differently from eager are "
-                    "reported, not judged")
+            drop = (
+                "kept (keep_dropout): configurations that draw random numbers differently from eager are "
+                "reported, not judged"
+            )
         elif self.dropout_changes:
-            shown = ", ".join(self.dropout_changes[:4]) + (f", +{len(self.dropout_changes) - 4} more"
-                                                          if len(self.dropout_changes) > 4 else "")
+            shown = ", ".join(self.dropout_changes[:4]) + (
+                f", +{len(self.dropout_changes) - 4} more" if len(self.dropout_changes) > 4 else ""
+            )
             n = len(self.dropout_changes)
-            drop = (f"switched off in {n} place{'s' if n > 1 else ''} ({shown}), so fused dropout's own RNG "
-                    f"cannot differ by design; keep_dropout keeps it")
+            drop = (
+                f"switched off in {n} place{'s' if n > 1 else ''} ({shown}), so fused dropout's own RNG "
+                f"cannot differ by design; keep_dropout keeps it"
+            )
         else:
             drop = "none found"
         notes = []
         if self.eager_random and not self.keep_dropout:
-            notes.append("eager draws random numbers in training even with dropout switched off: a configuration "
-                         "that draws them differently is reported, not judged")
-        return BisectReport(model_name, self.steps, self.lr, self.seed, self.provider, self.precision, tol, drop,
-                            [float(s.loss) for s in self.eager], self.rows, notes)
+            notes.append(
+                "eager draws random numbers in training even with dropout switched off: a configuration "
+                "that draws them differently is reported, not judged"
+            )
+        return BisectReport(
+            model_name,
+            self.steps,
+            self.lr,
+            self.seed,
+            self.provider,
+            self.precision,
+            tol,
+            drop,
+            [float(s.loss) for s in self.eager],
+            self.rows,
+            notes,
+        )
 
 
 def _group(chosen: set[tuple[str, str]], tried: set[str]) -> list[tuple[list[str], dict[str, str]]]:
@@ -299,10 +366,21 @@ def _group(chosen: set[tuple[str, str]], tried: set[str]) -> list[tuple[list[str
     return [(sorted(groups[k], key=lambda op: op.endswith("_backward")), impls) for k in keys]
 
 
-def bisect(model_factory: Callable[[], torch.nn.Module], batch: Any, *, steps: int = 3, provider: str = "aten",
-           precision: str = "fp32", seed: int = 0, loss_fn: Callable[[Any], torch.Tensor] | None = None,
-           lr: float = 1e-2, keep_dropout: bool = False, alone: bool = False,
-           engine: EngineConfig | dict | None = None, name: str | None = None) -> BisectReport:
+def bisect(
+    model_factory: Callable[[], torch.nn.Module],
+    batch: Any,
+    *,
+    steps: int = 3,
+    provider: str = "aten",
+    precision: str = "fp32",
+    seed: int = 0,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    lr: float = 1e-2,
+    keep_dropout: bool = False,
+    alone: bool = False,
+    engine: EngineConfig | dict | None = None,
+    name: str | None = None,
+) -> BisectReport:
     """Find the first pass, fused op or provider whose forward or backward takes training out of tolerance.
 
     `model_factory()` builds the model (called once per configuration; weights are copied from the first one, so
@@ -324,16 +402,30 @@ def bisect(model_factory: Callable[[], torch.nn.Module], batch: Any, *, steps: i
     if not lr > 0:
         raise ValueError(f"lr must be positive, got {lr!r}")
     if not callable(model_factory):
-        raise TypeError("model_factory must be a callable that builds the model (e.g. lambda: MyModel()), got "
-                        f"{type(model_factory).__name__}")
+        raise TypeError(
+            "model_factory must be a callable that builds the model (e.g. lambda: MyModel()), got "
+            f"{type(model_factory).__name__}"
+        )
     base = resolve_engine_config(engine, {})
     policy = fallback_policy.policy()
     # The caller's generator state is theirs: every step here reseeds it.
     cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
     with torch.random.fork_rng(devices=cuda):
         try:
-            return _bisect(model_factory, batch, steps=steps, provider=provider, precision=precision, seed=seed,
-                           loss_fn=loss_fn, lr=lr, keep_dropout=keep_dropout, alone=alone, engine=base, name=name)
+            return _bisect(
+                model_factory,
+                batch,
+                steps=steps,
+                provider=provider,
+                precision=precision,
+                seed=seed,
+                loss_fn=loss_fn,
+                lr=lr,
+                keep_dropout=keep_dropout,
+                alone=alone,
+                engine=base,
+                name=name,
+            )
         finally:
             fallback_policy.set_policy(policy)
             torch._dynamo.reset()

@@ -1,6 +1,7 @@
 """What ``graphtrain.bisect`` runs and compares (tools/bisect.py scans the configurations): a model called on a
 batch, its training loss, a few SGD steps with the generator seeded per step, and one tensor against eager's
 under the tolerance table."""
+
 from __future__ import annotations
 
 import math
@@ -21,8 +22,10 @@ def _call(model: torch.nn.Module, batch: Any) -> Any:
         return model(*batch)
     if isinstance(batch, torch.Tensor):
         return model(batch)
-    raise TypeError(f"batch must be a dict of keyword arguments, a tuple of positional arguments or a tensor, "
-                    f"got {type(batch).__name__}")
+    raise TypeError(
+        f"batch must be a dict of keyword arguments, a tuple of positional arguments or a tensor, "
+        f"got {type(batch).__name__}"
+    )
 
 
 def _training_loss(out: Any, loss_fn: Callable[[Any], torch.Tensor] | None) -> torch.Tensor:
@@ -39,9 +42,11 @@ def _training_loss(out: Any, loss_fn: Callable[[Any], torch.Tensor] | None) -> t
             got = f"a {loss.dtype} tensor of shape {tuple(loss.shape)}"
         else:
             got = type(loss).__name__ if loss_fn is not None else f"{type(out).__name__} without a loss"
-        raise TypeError(f"bisect needs the training loss, but {source} returned {got}, not a scalar floating-point "
-                        f"loss: pass loss_fn=lambda out: ..., or put the labels the model computes its loss from "
-                        f"in the batch")
+        raise TypeError(
+            f"bisect needs the training loss, but {source} returned {got}, not a scalar floating-point "
+            f"loss: pass loss_fn=lambda out: ..., or put the labels the model computes its loss from "
+            f"in the batch"
+        )
     if not loss.requires_grad:
         raise ValueError("the loss does not depend on any trainable parameter: nothing to compare after backward")
     return loss
@@ -60,8 +65,12 @@ def switch_off_dropout(model: torch.nn.Module) -> list[str]:
             changed.append(f"{where} ({type(mod).__name__})")
         holders = [(where, mod)]
         cfg = getattr(mod, "config", None)
-        if cfg is not None and not isinstance(cfg, torch.nn.Module) and hasattr(cfg, "__dict__") \
-                and id(cfg) not in configs_seen:
+        if (
+            cfg is not None
+            and not isinstance(cfg, torch.nn.Module)
+            and hasattr(cfg, "__dict__")
+            and id(cfg) not in configs_seen
+        ):
             configs_seen.add(id(cfg))
             holders.append((f"{where}.config", cfg))
         for prefix, obj in holders:
@@ -92,8 +101,10 @@ def device_of(model: torch.nn.Module, batch: Any) -> torch.device:
 
 # -------------------------------------------------------------------------------------- comparison ----
 
-def compare(name: str, step: int, actual: torch.Tensor | None, expected: torch.Tensor | None,
-            rtol: float, atol: float) -> TensorError:
+
+def compare(
+    name: str, step: int, actual: torch.Tensor | None, expected: torch.Tensor | None, rtol: float, atol: float
+) -> TensorError:
     """`actual` against `expected` elementwise, by torch.testing.assert_close's rule |a - e| <= atol + rtol |e|."""
     if actual is None or expected is None or actual.shape != expected.shape:
         inf = 0.0 if actual is None and expected is None else math.inf
@@ -118,8 +129,9 @@ class Step:
     rng: list[torch.Tensor]
 
 
-def train(model: torch.nn.Module, batch: Any, loss_fn: Any, steps: int, seed: int, lr: float,
-           device: torch.device) -> list[Step]:
+def train(
+    model: torch.nn.Module, batch: Any, loss_fn: Any, steps: int, seed: int, lr: float, device: torch.device
+) -> list[Step]:
     """`steps` SGD steps on `batch`, the generator seeded before each: what eager and every configuration run."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     opt = torch.optim.SGD([p for _, p in named], lr=lr)
@@ -129,9 +141,24 @@ def train(model: torch.nn.Module, batch: Any, loss_fn: Any, steps: int, seed: in
         torch.manual_seed(seed + step)
         loss = _training_loss(_call(model, batch), loss_fn)
         loss.backward()
-        out.append(Step(loss.detach().clone(), {n: None if p.grad is None else p.grad.detach().clone()
-                                                 for n, p in named}, rng_state(device)))
+        out.append(
+            Step(
+                loss.detach().clone(),
+                {n: None if p.grad is None else p.grad.detach().clone() for n, p in named},
+                rng_state(device),
+            )
+        )
         opt.step()
     return out
 
 
+@dataclass
+class Run:
+    """What one engine configuration did: its steps (or error), the passes' rewrites, the fast paths chosen."""
+
+    steps: list[Step] | None
+    error: str | None
+    rewrites: dict[str, int]
+    chosen: set[tuple[str, str]]
+    notes: list[str]
+    seconds: float

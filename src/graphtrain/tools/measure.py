@@ -19,6 +19,7 @@ Every mode runs under one allocator setting (``--allocator``, glibc's default un
 line as ``allocator``: a comparison of eager with graphtrain measures both under the same one, since the setting
 alone moves a peak by 9-31% (docs/design/memory.md).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,6 +55,7 @@ def _trim() -> None:
 def machine() -> str:
     """The CPU these figures come from: /proc/cpuinfo's model name, family and model, the cores, aten's ISA."""
     import torch
+
     info: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
@@ -62,19 +64,21 @@ def machine() -> str:
                 info.setdefault(k.strip(), v.strip())
     except OSError:
         pass
-    return (f"{info.get('model name', 'unknown CPU')} (family {info.get('cpu family', '?')}, model "
-            f"{info.get('model', '?')}), {os.cpu_count()} cores, aten ISA {torch.backends.cpu.get_cpu_capability()}, "
-            f"torch {torch.__version__}")
+    return (
+        f"{info.get('model name', 'unknown CPU')} (family {info.get('cpu family', '?')}, model "
+        f"{info.get('model', '?')}), {os.cpu_count()} cores, aten ISA {torch.backends.cpu.get_cpu_capability()}, "
+        f"torch {torch.__version__}"
+    )
 
 
-def build(model: str, seq: int, batch: int, dropout: float | None = None,
-          attention: str = "sdpa") -> tuple[Any, tuple]:
+def build(model: str, seq: int, batch: int, dropout: float | None = None, attention: str = "sdpa") -> tuple[Any, tuple]:
     """A reference model and a batch; attention `sdpa` (F.scaled_dot_product_attention, what users write: the
     memory claims' baseline) or `explicit` (hand-written matmul-softmax-dropout-matmul)."""
     import torch
 
     from graphtrain.config.sections import ModelConfig
     from graphtrain.models import build_model
+
     if model.startswith("vit:"):  # a Hugging Face image classifier from a config.json: pixels in, the loss out
         return _vision(model[4:], batch, attention)
     if model.startswith("hf-lm:"):  # the Hugging Face language model itself: its output, logits included
@@ -85,8 +89,13 @@ def build(model: str, seq: int, batch: int, dropout: float | None = None,
         m = build_model(ModelConfig(name=model, dropout=dropout, max_seq_len=max(seq, 64), attention=attention))
     m.train()
     g = torch.Generator().manual_seed(0)
-    vocab = m.spec.vocab_size if model.startswith("hf:") else \
-        m.get_input_embeddings().num_embeddings if hasattr(m, "get_input_embeddings") else 512
+    vocab = (
+        m.spec.vocab_size
+        if model.startswith("hf:")
+        else m.get_input_embeddings().num_embeddings
+        if hasattr(m, "get_input_embeddings")
+        else 512
+    )
     ids = torch.randint(0, vocab, (batch, seq), generator=g)
     labels = torch.randint(0, vocab, (batch, seq), generator=g)
     if getattr(m, "family", "gpt2") == "bert" and not model.startswith("hf:"):  # BERT.forward(ids, mask, types, labels)
@@ -162,13 +171,17 @@ def _pinned(a: argparse.Namespace) -> bool:
 
 def _child(a: argparse.Namespace) -> dict[str, Any]:
     import torch
+
     torch.set_num_threads(a.threads)
     from graphtrain.runtime.allocator import set_cpu_allocator
+
     set_cpu_allocator(_allocator(a), block_cache=False if a.no_block_cache else None)  # set here: accelerate keeps it
     base_kib = _rss_kib()
     if a.model.startswith("hf-lm:") and a.mode == "graphtrain":
-        raise SystemExit("--model hf-lm: takes --mode eager, compile or accelerate (graphtrain's own step needs a "
-                         "model that returns its loss: use hf:PATH)")
+        raise SystemExit(
+            "--model hf-lm: takes --mode eager, compile or accelerate (graphtrain's own step needs a "
+            "model that returns its loss: use hf:PATH)"
+        )
     model, batch = build(a.model, a.seq, a.batch, a.dropout, a.attention)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)  # the strongest one-flag setting, every variant
     if a.mode == "eager":
@@ -177,11 +190,13 @@ def _child(a: argparse.Namespace) -> dict[str, Any]:
         step_fn = torch.compile(model)
     elif a.mode == "accelerate":
         from graphtrain.frontend.accelerate import accelerate
+
         step_fn = accelerate(model, provider=a.provider, recompute=a.recompute, memory_budget=a.budget)
     else:
         from graphtrain.config.sections import EngineConfig
         from graphtrain.frontend.capture import compile_train_step
         from graphtrain.passes.memory_inplace import inplace_elementwise_pass
+
         cfg = EngineConfig(recompute=a.recompute, memory_budget=a.budget)
         passes = [inplace_elementwise_pass] if a.inplace else []
         step_fn = compile_train_step(model, cfg, boxed=not a.unboxed, fw_passes=passes, bw_passes=passes)
@@ -209,12 +224,14 @@ def _child(a: argparse.Namespace) -> dict[str, Any]:
         # provider auto's tiered compile: let the background Inductor compile finish and take the switching step
         # (it loads Inductor and times both providers), so the timed steps run on the provider the engine keeps.
         from graphtrain.frontend.accelerate import wait_compiled
+
         if wait_compiled(model):
             step()
     _trim()
     state = sum(t.numel() * t.element_size() for t in model.parameters())
-    state += sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values()
-                 if isinstance(t, torch.Tensor))
+    state += sum(
+        t.numel() * t.element_size() for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)
+    )
     state += sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
     rss0_kib = _rss_kib()
     # The prediction was made when the step compiled; its process peak needs only the baseline, taken here.
@@ -222,8 +239,9 @@ def _child(a: argparse.Namespace) -> dict[str, Any]:
     if a.mode == "accelerate":
         pred = _predicted_memory(model)
         if pred is not None:
-            process = predict_process_peak(pred, model=model, optimizer=opt, batch=tensors,
-                                           baseline_rss=rss0_kib * 1024)
+            process = predict_process_peak(
+                pred, model=model, optimizer=opt, batch=tensors, baseline_rss=rss0_kib * 1024
+            )
     if not reset_peak_rss():
         raise RuntimeError("cannot reset the resident high-water mark (/proc/self/clear_refs)")
     times = []
@@ -236,6 +254,7 @@ def _child(a: argparse.Namespace) -> dict[str, Any]:
     predicted, phases, chose, candidates = None, None, None, None
     if a.mode == "accelerate":
         from graphtrain.tools.report import report
+
         graphs = report(model).graphs
         step = _predicted_memory(model)
         if step is not None:
@@ -244,26 +263,44 @@ def _child(a: argparse.Namespace) -> dict[str, Any]:
             r = graphs[0]["recompute"]
             chose = next((f"{c['name']}: {c['what']}" for c in r["choices"] if c["name"] == r["chosen"]), None)
             candidates = {c["name"]: c.get("predicted_peak") for c in r["choices"]}  # auto's evidence
-    return {"model": a.model, "seq": a.seq, "batch": a.batch, "mode": a.mode, "recompute": a.recompute,
-            "inplace": a.inplace, "boxed": not a.unboxed,
-            "pinned_malloc": _pinned(a), "allocator": _allocator(a), "base_rss": base_kib * 1024,
-            "rss_before_steps": rss0_kib * 1024,
-            "state_bytes": state, "peak_rss": hwm, "peak_tensor_bytes": hwm - (rss0_kib * 1024 - state),
-            "step_s": times[len(times) // 2], "step_s_all": times, "saved_bytes": saved_bytes,
-            "param_bytes": sum(t.numel() * t.element_size() for t in model.parameters()),
-            "provider": a.provider if a.mode == "accelerate" else None, "predicted_peak": predicted,
-            "predicted_phases": phases, "recompute_chose": chose,
-            "recompute_candidates": candidates,
-            "machine": machine(), "threads": a.threads,
-            "predicted_process_peak": process.process_peak if process else None,
-            "predicted_increment": process.increment if process else None,
-            "measured_increment": hwm - rss0_kib * 1024, "block_cache": block_cache_stats(),
-            "process_peak_error": process.relative_error(hwm) if process else None}
+    return {
+        "model": a.model,
+        "seq": a.seq,
+        "batch": a.batch,
+        "mode": a.mode,
+        "recompute": a.recompute,
+        "inplace": a.inplace,
+        "boxed": not a.unboxed,
+        "pinned_malloc": _pinned(a),
+        "allocator": _allocator(a),
+        "base_rss": base_kib * 1024,
+        "rss_before_steps": rss0_kib * 1024,
+        "state_bytes": state,
+        "peak_rss": hwm,
+        "peak_tensor_bytes": hwm - (rss0_kib * 1024 - state),
+        "step_s": times[len(times) // 2],
+        "step_s_all": times,
+        "saved_bytes": saved_bytes,
+        "param_bytes": sum(t.numel() * t.element_size() for t in model.parameters()),
+        "provider": a.provider if a.mode == "accelerate" else None,
+        "predicted_peak": predicted,
+        "predicted_phases": phases,
+        "recompute_chose": chose,
+        "recompute_candidates": candidates,
+        "machine": machine(),
+        "threads": a.threads,
+        "predicted_process_peak": process.process_peak if process else None,
+        "predicted_increment": process.increment if process else None,
+        "measured_increment": hwm - rss0_kib * 1024,
+        "block_cache": block_cache_stats(),
+        "process_peak_error": process.relative_error(hwm) if process else None,
+    }
 
 
 def _predicted_memory(model: Any) -> dict | None:
     """The engine's step prediction for the accelerated model (as graphtrain.report shows it)."""
     from graphtrain.tools.report import step_prediction
+
     graphs = getattr(getattr(model, "_graphtrain", None), "graphs", None) or []
     return step_prediction(graphs, model)[0]
 
@@ -273,6 +310,7 @@ def _saved_bytes(step: Any, model: Any) -> int:
     activations; for a compiled step, what its forward graph returns for the backward), parameters
     and their views (a linear saves weight.t()) excluded."""
     import torch
+
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen: dict[int, int] = {}
 
@@ -282,6 +320,7 @@ def _saved_bytes(step: Any, model: Any) -> int:
             if st.data_ptr() not in params:
                 seen[st.data_ptr()] = max(seen.get(st.data_ptr(), 0), st.nbytes())
         return t
+
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         step()
     return sum(seen.values())
@@ -289,9 +328,12 @@ def _saved_bytes(step: Any, model: Any) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="gpt2-mini",
-                   help="a preset; hf:PATH (graphtrain's model.hf wrapper: the loss alone); hf-lm:PATH (the Hugging "
-                        "Face language model itself, its logits an output); vit:PATH (an image classifier)")
+    p.add_argument(
+        "--model",
+        default="gpt2-mini",
+        help="a preset; hf:PATH (graphtrain's model.hf wrapper: the loss alone); hf-lm:PATH (the Hugging "
+        "Face language model itself, its logits an output); vit:PATH (an image classifier)",
+    )
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--mode", choices=MODES, default="graphtrain")
@@ -300,19 +342,33 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--provider", default="aten", choices=("aten", "inductor", "auto"), help="accelerate mode only")
     p.add_argument("--inplace", action="store_true", help="run the in-place elementwise pass")
     p.add_argument("--unboxed", action="store_true", help="hold backward inputs until it returns")
-    p.add_argument("--allocator", choices=("default", "keep", "release"), default=None,
-                   help="engine.cpu_allocator in this process, whatever the mode (default: glibc's default for every "
-                        "mode; give every mode of a comparison the same value)")
+    p.add_argument(
+        "--allocator",
+        choices=("default", "keep", "release"),
+        default=None,
+        help="engine.cpu_allocator in this process, whatever the mode (default: glibc's default for every "
+        "mode; give every mode of a comparison the same value)",
+    )
     p.add_argument("--pin-malloc", action="store_true", help="the same as --allocator release")
     p.add_argument("--no-pin-malloc", action="store_true", help="the same as --allocator default (the default)")
-    p.add_argument("--keep-malloc", action="store_true",
-                   help="glibc keeps freed blocks for the next step (engine.cpu_allocator keep, what graphtrain sets "
-                        "without recompute) whatever the recompute mode")
-    p.add_argument("--no-block-cache", action="store_true",
-                   help="under release, return every freed block to the OS (engine.cpu_block_cache false)")
+    p.add_argument(
+        "--keep-malloc",
+        action="store_true",
+        help="glibc keeps freed blocks for the next step (engine.cpu_allocator keep, what graphtrain sets "
+        "without recompute) whatever the recompute mode",
+    )
+    p.add_argument(
+        "--no-block-cache",
+        action="store_true",
+        help="under release, return every freed block to the OS (engine.cpu_block_cache false)",
+    )
     p.add_argument("--dropout", type=float, default=None)
-    p.add_argument("--attention", choices=("sdpa", "explicit"), default="sdpa",
-                   help="the reference model's attention: SDPA (what users write) or hand-written")
+    p.add_argument(
+        "--attention",
+        choices=("sdpa", "explicit"),
+        default="sdpa",
+        help="the reference model's attention: SDPA (what users write) or hand-written",
+    )
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)

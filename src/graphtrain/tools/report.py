@@ -11,6 +11,7 @@ parameter they stand for (``transformer.wte.weight``) wherever the engine quoted
 
 This module gathers the facts into a ``Report``; tools/report_text.py writes them as text.
 """
+
 from __future__ import annotations
 
 import collections
@@ -117,8 +118,9 @@ class Report:
         return report_text.text(self)
 
 
-def report(module: torch.nn.Module | None = None, *, optimizer: torch.optim.Optimizer | None = None,
-           batch: Any = ()) -> Report:
+def report(
+    module: torch.nn.Module | None = None, *, optimizer: torch.optim.Optimizer | None = None, batch: Any = ()
+) -> Report:
     """The engine report for an accelerated module (or for the process-wide torch.compile backend).
 
     optimizer, batch: the training step's optimizer and batch tensors, for the predicted peak resident memory
@@ -128,9 +130,21 @@ def report(module: torch.nn.Module | None = None, *, optimizer: torch.optim.Opti
     agg: dict[tuple[str, str], dict[str, Any]] = collections.OrderedDict()
     runs = {g.name: g.calls_per_step for g in state.graphs}  # a block's graph: its rewrites apply to every layer
     for r in state.passes:
-        a = agg.setdefault((r.stage, r.name), dict(stage=r.stage, phase=r.phase, name=r.name, rewrites=0,
-                                                   seconds=0.0, ops_before=0, ops_after=0, error=None,
-                                                   left_to=r.left_to, notes=[]))
+        a = agg.setdefault(
+            (r.stage, r.name),
+            dict(
+                stage=r.stage,
+                phase=r.phase,
+                name=r.name,
+                rewrites=0,
+                seconds=0.0,
+                ops_before=0,
+                ops_after=0,
+                error=None,
+                left_to=r.left_to,
+                notes=[],
+            ),
+        )
         if getattr(r, "note", None):  # records pickled by an older version have no note
             a["notes"].append(f"{r.graph}: {r.note}")
         a["rewrites"] += r.rewrites * runs.get(r.graph, 1)
@@ -153,17 +167,38 @@ def report(module: torch.nn.Module | None = None, *, optimizer: torch.optim.Opti
             pp = None
         process = {**pp.to_dict(), "graph": name, "step": step} if pp is not None else None
     rep = Report(
-        source=source, config=dataclasses.asdict(state.config),
-        graphs=[dataclasses.asdict(g) for g in state.graphs], graph_breaks=list(state.graph_breaks),
-        recompiles=[dict(frame=g.frame, frame_compile=g.frame_compile, input_shapes=[s for s, k in zip(
-            g.input_shapes, g.input_kinds) if k in ("input", "symint")]) for g in state.recompiles],
-        fallbacks=list(state.fallbacks), passes=list(agg.values()), params=_param_stats(module),
-        saved_activation_bytes=saved_total, saved_activation_bytes_per_sample=per_sample,
-        first_step_seconds=state.first_call_seconds, compile_seconds=sum(g.compile_seconds for g in state.graphs),
-        calls=state.calls, eager_only=state.eager_only, machine=capabilities(), process_peak=process,
-        blocks=list(state.blocks), notes=list(state.notes), cache=_cache_stats(state),
-        allocator=_allocator_state(), first_step_memory=dict(state.first_step_memory),
-        fused_ops=_fused_ops(state.passes, runs), step_peak=step, measured_peak=_measured_peak(module))
+        source=source,
+        config=dataclasses.asdict(state.config),
+        graphs=[dataclasses.asdict(g) for g in state.graphs],
+        graph_breaks=list(state.graph_breaks),
+        recompiles=[
+            dict(
+                frame=g.frame,
+                frame_compile=g.frame_compile,
+                input_shapes=[s for s, k in zip(g.input_shapes, g.input_kinds) if k in ("input", "symint")],
+            )
+            for g in state.recompiles
+        ],
+        fallbacks=list(state.fallbacks),
+        passes=list(agg.values()),
+        params=_param_stats(module),
+        saved_activation_bytes=saved_total,
+        saved_activation_bytes_per_sample=per_sample,
+        first_step_seconds=state.first_call_seconds,
+        compile_seconds=sum(g.compile_seconds for g in state.graphs),
+        calls=state.calls,
+        eager_only=state.eager_only,
+        machine=capabilities(),
+        process_peak=process,
+        blocks=list(state.blocks),
+        notes=list(state.notes),
+        cache=_cache_stats(state),
+        allocator=_allocator_state(),
+        first_step_memory=dict(state.first_step_memory),
+        fused_ops=_fused_ops(state.passes, runs),
+        step_peak=step,
+        measured_peak=_measured_peak(module),
+    )
     return _with_user_names(rep, module)
 
 
@@ -182,8 +217,10 @@ def _measured_peak(module: torch.nn.Module | None) -> dict[str, Any] | None:
 
 # Dynamo's names for a module's tensors: placeholders (l_self_modules_h_modules_0_modules_attn_parameters_weight_)
 # and guard sources (L['self']._modules['h']._modules['0']._parameters['weight']).
-_PLACEHOLDER = re.compile(r"\b[lL]_self_((?:modules_[A-Za-z0-9_]+?_)*(?:parameters|buffers)_[A-Za-z0-9_]+?)_?"
-                          r"(?![A-Za-z0-9_])")
+_PLACEHOLDER = re.compile(
+    r"\b[lL]_self_((?:modules_[A-Za-z0-9_]+?_)*(?:parameters|buffers)_[A-Za-z0-9_]+?)_?"
+    r"(?![A-Za-z0-9_])"
+)
 _SOURCE = re.compile(r"L\['self'\]((?:\._modules\['[^']+'\])*)\._(?:parameters|buffers)\['([^']+)'\]")
 
 
@@ -204,6 +241,7 @@ def _rename(text: str, known: set[str]) -> str:
 
     def source(m: re.Match) -> str:
         return ".".join([*re.findall(r"\['([^']+)'\]", m.group(1)), m.group(2)])
+
     return _SOURCE.sub(source, _PLACEHOLDER.sub(placeholder, text))
 
 
@@ -230,8 +268,15 @@ def _with_user_names(rep: Report, module: torch.nn.Module | None) -> Report:
         if isinstance(v, dict):
             return {k: walk(x) for k, x in v.items()}
         return v
-    return dataclasses.replace(rep, **{f.name: walk(getattr(rep, f.name)) for f in dataclasses.fields(rep)
-                                       if f.name not in ("config", "machine", "params")})
+
+    return dataclasses.replace(
+        rep,
+        **{
+            f.name: walk(getattr(rep, f.name))
+            for f in dataclasses.fields(rep)
+            if f.name not in ("config", "machine", "params")
+        },
+    )
 
 
 def _allocator_state() -> dict[str, Any] | None:
@@ -249,24 +294,29 @@ def _allocator_state() -> dict[str, Any] | None:
 def _cache_stats(state: EngineState) -> dict[str, Any]:
     from torch._dynamo.utils import counters
 
-    return dict(folder=str(cache_root(state.config)),
-                passes_hit=sum(g.pass_cache == "hit" for g in state.graphs),
-                passes_miss=sum(g.pass_cache == "miss" for g in state.graphs),
-                fxgraph_hit=counters["inductor"]["fxgraph_cache_hit"],
-                fxgraph_miss=counters["inductor"]["fxgraph_cache_miss"],
-                aot_hit=counters["aot_autograd"]["autograd_cache_hit"],
-                aot_miss=counters["aot_autograd"]["autograd_cache_miss"])
+    return dict(
+        folder=str(cache_root(state.config)),
+        passes_hit=sum(g.pass_cache == "hit" for g in state.graphs),
+        passes_miss=sum(g.pass_cache == "miss" for g in state.graphs),
+        fxgraph_hit=counters["inductor"]["fxgraph_cache_hit"],
+        fxgraph_miss=counters["inductor"]["fxgraph_cache_miss"],
+        aot_hit=counters["aot_autograd"]["autograd_cache_hit"],
+        aot_miss=counters["aot_autograd"]["autograd_cache_miss"],
+    )
 
 
-def step_prediction(graphs: list[GraphRecord], module: torch.nn.Module | None = None,
-                    ) -> tuple[dict[str, Any] | None, str]:
+def step_prediction(
+    graphs: list[GraphRecord],
+    module: torch.nn.Module | None = None,
+) -> tuple[dict[str, Any] | None, str]:
     """(the predicted step peak by component, the graph it comes from) over the latest graphs: composed over the
     pieces of a model compiled block by block, else the graph with the largest prediction."""
     predicted = [g for g in _latest(graphs) if g.predicted_memory]
     if not predicted:
         return None, ""
-    trained = None if module is None else sum(p.numel() * p.element_size() for p in module.parameters()
-                                              if p.requires_grad)
+    trained = (
+        None if module is None else sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+    )
     step = composed_prediction(predicted, trained)
     if step is not None:
         return step, "all pieces"
@@ -300,10 +350,21 @@ def composed_prediction(graphs: list[Any], trained_bytes: int | None = None) -> 
     base = params + opt_state + batch
     totals = {"forward": base + fw_peak, "backward": base + bw_peak, "optimizer": base + params + opt_temp}
     phase = max(totals, key=totals.get)
-    return dict(peak=totals[phase], peak_phase=phase, params=params, grads=params, optimizer_state=opt_state,
-                batch_inputs=batch, saved_activations=saved_total, forward_graph_peak=fw_peak,
-                backward_graph_peak=bw_peak, optimizer_temp=opt_temp, phase_totals=totals, peak_node={},
-                optimizer=seq[0].get("optimizer", "adamw"))
+    return dict(
+        peak=totals[phase],
+        peak_phase=phase,
+        params=params,
+        grads=params,
+        optimizer_state=opt_state,
+        batch_inputs=batch,
+        saved_activations=saved_total,
+        forward_graph_peak=fw_peak,
+        backward_graph_peak=bw_peak,
+        optimizer_temp=opt_temp,
+        phase_totals=totals,
+        peak_node={},
+        optimizer=seq[0].get("optimizer", "adamw"),
+    )
 
 
 def _fused_ops(records: list[Any], runs: dict[str, int] | None = None) -> list[dict[str, Any]]:
@@ -318,6 +379,7 @@ def _fused_ops(records: list[Any], runs: dict[str, int] | None = None) -> list[d
     for name, n in sorted(counts.items()):
         d = op_descriptor(name) if n > 0 else None
         if d is not None:
-            out.append(dict(name=name, count=n, random=d.random, recompute=d.recompute, precision=d.precision,
-                            cpp=list(d.cpp)))
+            out.append(
+                dict(name=name, count=n, random=d.random, recompute=d.recompute, precision=d.precision, cpp=list(d.cpp))
+            )
     return out

@@ -32,6 +32,7 @@ names a file that differs, with the fix; `latest_valid_checkpoint` skips such fi
 Checkpoints written before checksums existed load with one warning (checked against their zip CRC-32s
 only). Pruning runs only after a save succeeded.
 """
+
 from __future__ import annotations
 
 import errno
@@ -70,7 +71,14 @@ _NAME = re.compile(r"^ckpt-(\d{7,})(\.pt)?$")  # .pt: a file; no suffix: a shard
 REQUIRED_KEYS = ("format_version", "step", "model", "optimizer", "rng", "config")
 # Config keys that decide the model's shapes or the meaning of its token ids: resuming across a
 # change to any of them cannot work.
-MODEL_KEYS = (("model", "name"), ("model", "hf"), ("model", "objective"), ("model", "max_seq_len"), ("model", "vocab_size"), ("data", "vocab_size"))
+MODEL_KEYS = (
+    ("model", "name"),
+    ("model", "hf"),
+    ("model", "objective"),
+    ("model", "max_seq_len"),
+    ("model", "vocab_size"),
+    ("data", "vocab_size"),
+)
 
 
 def checkpoint_path(out_dir: str | Path, step: int, sharded: bool = False) -> Path:
@@ -101,6 +109,7 @@ def latest_checkpoint(out_dir: str | Path) -> Path | None:
 
 
 # ------------------------------------------------------------------------------------ save ----
+
 
 def save_checkpoint(path: str | Path, state: dict[str, Any]) -> Path:
     """Write `state` to `path` atomically: temp file in the same folder, fsync, checksum file, rename."""
@@ -171,11 +180,12 @@ def prune_checkpoints(out_dir: str | Path, keep: int = KEEP_LAST, protect: Path 
 
 # ------------------------------------------------------------------------------ model keys ----
 
+
 def plain_state_dict(state: dict[str, Any]) -> dict[str, Any]:
     """A model state dict with the keys of the plain model: a model.hf model's without graphtrain's wrapper prefix
     `hf.` (they load into the transformers class as they are); other state dicts unchanged."""
     if state and all(k.startswith(_WRAPPER) for k in state):
-        return {k[len(_WRAPPER):]: v for k, v in state.items()}
+        return {k[len(_WRAPPER) :]: v for k, v in state.items()}
     return state
 
 
@@ -191,16 +201,20 @@ def to_module_keys(state: dict[str, Any], model: torch.nn.Module) -> dict[str, A
 
 # ------------------------------------------------------------------------------------- RNG ----
 
+
 def rng_state() -> dict[str, Any]:
     """Every RNG the training step may draw from, as tensors and plain values (weights_only-safe)."""
     np_state = np.random.get_state(legacy=False)
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),
         "python": random.getstate(),
-        "numpy": {"bit_generator": np_state["bit_generator"],
-                  "key": torch.from_numpy(np_state["state"]["key"].astype(np.int64)),
-                  "pos": int(np_state["state"]["pos"]),
-                  "has_gauss": int(np_state["has_gauss"]), "gauss": float(np_state["gauss"])},
+        "numpy": {
+            "bit_generator": np_state["bit_generator"],
+            "key": torch.from_numpy(np_state["state"]["key"].astype(np.int64)),
+            "pos": int(np_state["state"]["pos"]),
+            "has_gauss": int(np_state["has_gauss"]),
+            "gauss": float(np_state["gauss"]),
+        },
     }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
@@ -212,9 +226,14 @@ def set_rng_state(state: dict[str, Any]) -> None:
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     n = state["numpy"]
-    np.random.set_state({"bit_generator": n["bit_generator"],
-                         "state": {"key": n["key"].numpy().astype(np.uint32), "pos": n["pos"]},
-                         "has_gauss": n["has_gauss"], "gauss": n["gauss"]})
+    np.random.set_state(
+        {
+            "bit_generator": n["bit_generator"],
+            "state": {"key": n["key"].numpy().astype(np.uint32), "pos": n["pos"]},
+            "has_gauss": n["has_gauss"],
+            "gauss": n["gauss"],
+        }
+    )
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
@@ -265,8 +284,12 @@ def _warn_unverified(path: Path) -> None:
         return
     _warned_unverified.add(key)
     what = f"{path.name}/SHA256SUMS" if is_sharded(path) else sidecar_path(path).name
-    warnings.warn(f"checkpoint {str(path)!r} has no checksum file ({what}): it was written before graphtrain recorded "
-                  f"checksums, or copied without it, so it loads unverified", UserWarning, stacklevel=3)
+    warnings.warn(
+        f"checkpoint {str(path)!r} has no checksum file ({what}): it was written before graphtrain recorded "
+        f"checksums, or copied without it, so it loads unverified",
+        UserWarning,
+        stacklevel=3,
+    )
 
 
 def latest_valid_checkpoint(out_dir: str | Path, log: Callable[[str], None] | None = None) -> Path | None:
@@ -285,8 +308,10 @@ def latest_valid_checkpoint(out_dir: str | Path, log: Callable[[str], None] | No
 
 # ------------------------------------------------------------------------------------ load ----
 
-def load_checkpoint(path: str | Path, config: Any = None, model_spec: dict[str, Any] | None = None,
-                    mmap: bool = False) -> dict[str, Any]:
+
+def load_checkpoint(
+    path: str | Path, config: Any = None, model_spec: dict[str, Any] | None = None, mmap: bool = False
+) -> dict[str, Any]:
     """Verify, read and validate a checkpoint; with `config` (a Config) and/or `model_spec` (the built model's
     spec as a dict), also check the checkpoint was trained for the same model. `mmap`: map the tensors instead
     of reading them (to look at the metadata).
@@ -297,9 +322,11 @@ def load_checkpoint(path: str | Path, config: Any = None, model_spec: dict[str, 
     """
     path = Path(path)
     if is_sharded(path):
-        raise ValueError(f"checkpoint {str(path)!r} is a sharded checkpoint folder written by a distributed run: "
-                         f"resume it with a distributed launch (graphtrain train --nproc N parallel.dp=N ...), or "
-                         f"start from its weights with train.init_from")
+        raise ValueError(
+            f"checkpoint {str(path)!r} is a sharded checkpoint folder written by a distributed run: "
+            f"resume it with a distributed launch (graphtrain train --nproc N parallel.dp=N ...), or "
+            f"start from its weights with train.init_from"
+        )
     if not verify_checkpoint(path):
         _warn_unverified(path)
     try:
@@ -307,30 +334,35 @@ def load_checkpoint(path: str | Path, config: Any = None, model_spec: dict[str, 
     except pickle.UnpicklingError as e:
         if "weights only" not in str(e).lower():
             raise _unreadable(path, e) from None
-        raise ValueError(f"{str(path)!r} holds Python objects other than tensors and plain values "
-                         f"({_first_line(e, 160)}); graphtrain never unpickles those (a pickle can run code), and "
-                         f"its own checkpoints hold none, so this file was not written by graphtrain"
-                         f"{_alternatives(path)}") from None
+        raise ValueError(
+            f"{str(path)!r} holds Python objects other than tensors and plain values "
+            f"({_first_line(e, 160)}); graphtrain never unpickles those (a pickle can run code), and "
+            f"its own checkpoints hold none, so this file was not written by graphtrain"
+            f"{_alternatives(path)}"
+        ) from None
     except Exception as e:  # torch raises RuntimeError, EOFError, zipfile errors...
         raise _unreadable(path, e) from None
     if not isinstance(state, dict) or "format_version" not in state:
         raise ValueError(f"{str(path)!r} is not a graphtrain checkpoint (no format_version){_alternatives(path)}")
     if state["format_version"] != FORMAT_VERSION:
-        raise ValueError(f"checkpoint {str(path)!r} has format version {state['format_version']}, this graphtrain "
-                         f"reads version {FORMAT_VERSION}: use the graphtrain release that wrote it, or start fresh "
-                         f"with a new out_dir")
+        raise ValueError(
+            f"checkpoint {str(path)!r} has format version {state['format_version']}, this graphtrain "
+            f"reads version {FORMAT_VERSION}: use the graphtrain release that wrote it, or start fresh "
+            f"with a new out_dir"
+        )
     missing = [k for k in REQUIRED_KEYS if k not in state]
     if missing:
-        raise ValueError(f"checkpoint {str(path)!r} is incomplete (missing {', '.join(missing)})"
-                         f"{_alternatives(path)}")
+        raise ValueError(f"checkpoint {str(path)!r} is incomplete (missing {', '.join(missing)}){_alternatives(path)}")
     if config is not None or model_spec is not None:
         check_compatible(state, config, model_spec, path)
     return state
 
 
 def _unreadable(path: Path, e: BaseException) -> ValueError:
-    return ValueError(f"checkpoint {str(path)!r} is unreadable or corrupt ({type(e).__name__}: {_first_line(e, 200)})"
-                      f"{_alternatives(path)}")
+    return ValueError(
+        f"checkpoint {str(path)!r} is unreadable or corrupt ({type(e).__name__}: {_first_line(e, 200)})"
+        f"{_alternatives(path)}"
+    )
 
 
 def _first_line(e: BaseException, limit: int) -> str:
@@ -352,11 +384,14 @@ def load_sharded_meta(path: str | Path, config: Any = None, model_spec: dict[str
     except ValueError as e:  # objects other than tensors and plain values
         raise ValueError(f"{e}{_alternatives(path)}") from None
     except Exception as e:
-        raise ValueError(f"checkpoint {str(path)!r}: extra.pt is unreadable ({type(e).__name__})"
-                         f"{_alternatives(path)}") from None
+        raise ValueError(
+            f"checkpoint {str(path)!r}: extra.pt is unreadable ({type(e).__name__}){_alternatives(path)}"
+        ) from None
     if not isinstance(state, dict) or state.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"checkpoint {str(path)!r} is not a graphtrain trainer checkpoint of format version "
-                         f"{FORMAT_VERSION}{_alternatives(path)}")
+        raise ValueError(
+            f"checkpoint {str(path)!r} is not a graphtrain trainer checkpoint of format version "
+            f"{FORMAT_VERSION}{_alternatives(path)}"
+        )
     if config is not None or model_spec is not None:
         check_compatible(state, config, model_spec, path)
     return state
@@ -370,8 +405,13 @@ def checkpoint_meta(path: str | Path, config: Any = None, model_spec: dict[str, 
     return {k: v for k, v in state.items() if k not in ("model", "optimizer")}
 
 
-def load_weights(model: torch.nn.Module, init_from: str, config: Any, model_spec: dict[str, Any],
-                 log: Callable[[str], None] | None = None) -> tuple[Path, int]:
+def load_weights(
+    model: torch.nn.Module,
+    init_from: str,
+    config: Any,
+    model_spec: dict[str, Any],
+    log: Callable[[str], None] | None = None,
+) -> tuple[Path, int]:
     """train.init_from: load only the model weights of a checkpoint file, sharded folder or run folder (its
     latest valid one) into `model` (shapes must match; seq_len may differ). Returns the checkpoint and its step.
     A sharded folder outside train.out_dir needs train.trust_checkpoint (trainer/resume.py, `check_trusted`)."""
@@ -380,12 +420,16 @@ def load_weights(model: torch.nn.Module, init_from: str, config: Any, model_spec
         found = latest_valid_checkpoint(source, log)
         if found is None:
             what = "no valid checkpoint" if list_checkpoints(source) else "no checkpoint (ckpt-*)"
-            raise ValueError(f"train.init_from={init_from!r}: {what} in that folder; point it at a finished run's "
-                             f"out_dir or a checkpoint file")
+            raise ValueError(
+                f"train.init_from={init_from!r}: {what} in that folder; point it at a finished run's "
+                f"out_dir or a checkpoint file"
+            )
         source = found
     elif not source.exists():
-        raise ValueError(f"train.init_from={init_from!r} does not exist: point it at a checkpoint file or a "
-                         f"finished run's out_dir (e.g. the previous phase's train.out_dir)")
+        raise ValueError(
+            f"train.init_from={init_from!r} does not exist: point it at a checkpoint file or a "
+            f"finished run's out_dir (e.g. the previous phase's train.out_dir)"
+        )
     check_trusted(source, config, "train.init_from")
     try:
         with digests_reused():
@@ -397,8 +441,9 @@ def load_weights(model: torch.nn.Module, init_from: str, config: Any, model_spec
                 step = state["step"]
                 model.load_state_dict(to_module_keys(state["model"], model))
     except RuntimeError as e:
-        raise ValueError(f"train.init_from={init_from!r}: the checkpoint's weights do not fit this model "
-                         f"({str(e).splitlines()[0]})") from None
+        raise ValueError(
+            f"train.init_from={init_from!r}: the checkpoint's weights do not fit this model ({str(e).splitlines()[0]})"
+        ) from None
     return source, step
 
 
@@ -413,10 +458,12 @@ def check_trusted(path: str | Path, config: Any, what: str) -> None:
         return
     if path.resolve().is_relative_to(Path(config.train.out_dir).expanduser().resolve()):
         return
-    raise ValueError(f"{what}: {str(path)!r} is a sharded checkpoint folder outside this run's train.out_dir "
-                     f"({config.train.out_dir!r}); its DCP .metadata is a Python pickle, which could run code if "
-                     f"someone crafted it. If you trust the folder (your own run's), set train.trust_checkpoint=true; "
-                     f"otherwise do not load it")
+    raise ValueError(
+        f"{what}: {str(path)!r} is a sharded checkpoint folder outside this run's train.out_dir "
+        f"({config.train.out_dir!r}); its DCP .metadata is a Python pickle, which could run code if "
+        f"someone crafted it. If you trust the folder (your own run's), set train.trust_checkpoint=true; "
+        f"otherwise do not load it"
+    )
 
 
 def checkpoint_tokenizer(path: str | Path) -> Any:
@@ -429,8 +476,9 @@ def checkpoint_tokenizer(path: str | Path) -> Any:
     return CodeTokenizer(Tokenizer.from_str(saved["json"]), saved.get("specials"))
 
 
-def check_compatible(state: dict[str, Any], config: Any = None, model_spec: dict[str, Any] | None = None,
-                     path: str | Path = "checkpoint") -> None:
+def check_compatible(
+    state: dict[str, Any], config: Any = None, model_spec: dict[str, Any] | None = None, path: str | Path = "checkpoint"
+) -> None:
     """Raise ValueError listing every model-defining key that differs between checkpoint and config.
 
     Config keys are compared first (they name the fix); then the built model's spec (family and
@@ -454,8 +502,10 @@ def check_compatible(state: dict[str, Any], config: Any = None, model_spec: dict
         return
     listing = "; ".join(f"{k}: checkpoint {a!r}, current {b!r}" for k, a, b in diffs)
     fix = f"set {' '.join(fixable)}" if fixable else "use the model and data settings it was trained with"
-    raise ValueError(f"checkpoint {str(path)!r} was trained for a different model ({listing}). To resume it, {fix}; "
-                     f"to train the new model instead, use a new out_dir (--out DIR)")
+    raise ValueError(
+        f"checkpoint {str(path)!r} was trained for a different model ({listing}). To resume it, {fix}; "
+        f"to train the new model instead, use a new out_dir (--out DIR)"
+    )
 
 
 def _yaml_scalar(v: Any) -> str:

@@ -6,6 +6,7 @@ writes exports (`quiet_libraries`): one line of graphtrain's own, not transforme
 deprecation warnings from inside those libraries. Errors still surface (logging stays at ERROR, exceptions
 propagate); every setting is restored on the way out.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -70,36 +71,53 @@ def show_bar(progress: bool, is_main: bool, stream: TextIO | None = None) -> boo
     return bool(progress and is_main and tty)
 
 
-def step_line(done: int, steps: int, loss: float, lr: float, tok_s: float, ms: float, mem: int | None,
-              first: bool = False) -> str:
+def step_line(
+    done: int, steps: int, loss: float, lr: float, tok_s: float, ms: float, mem: int | None, first: bool = False
+) -> str:
     """The plain progress line printed every train.log_every steps when there is no bar. `first`: its window holds
     the session's first step (warm-up, graph capture and compilation), so its speed is not the run's."""
-    return (f"step {done:>6}/{steps}  loss {loss:.4f}  lr {lr:.2e}  {human(tok_s, 'tok/s')}  {ms:.0f} ms/step  "
-            f"peak mem {human_bytes(mem)}" + ("  (includes the first step: warm-up, capture, compile)" if first
-                                             else ""))
+    return (
+        f"step {done:>6}/{steps}  loss {loss:.4f}  lr {lr:.2e}  {human(tok_s, 'tok/s')}  {ms:.0f} ms/step  "
+        f"peak mem {human_bytes(mem)}" + ("  (includes the first step: warm-up, capture, compile)" if first else "")
+    )
 
 
-def banner(config: Any, n_params: int, this_rank_only: bool, vocab_size: int, device: torch.device, env: Any,
-           accelerated: bool, out_dir: Path) -> str:
+def banner(
+    config: Any,
+    n_params: int,
+    this_rank_only: bool,
+    vocab_size: int,
+    device: torch.device,
+    env: Any,
+    accelerated: bool,
+    out_dir: Path,
+) -> str:
     """The few lines a run starts with: model, data, device, engine and where everything is written."""
     tc, dc, par, ec = config.train, config.data, config.parallel, config.engine
-    engine = (f"graphtrain engine (provider {ec.provider}, precision {ec.precision}, recompute {ec.recompute})"
-              if accelerated else "eager PyTorch (train.accelerate=false)")
+    engine = (
+        f"graphtrain engine (provider {ec.provider}, precision {ec.precision}, recompute {ec.recompute})"
+        if accelerated
+        else "eager PyTorch (train.accelerate=false)"
+    )
     data = dc.path or "the Python standard library's source (data.path unset)"
     tokens = tc.batch_size * tc.grad_accum * dc.seq_len
     threads = torch.get_num_threads()
     where = f"{device}, {threads} thread{'s' if threads != 1 else ''}"
     if env is not None:
-        where += (f" per rank, {env.world_size} ranks (pp {par.pp} x dp {par.dp} x tp {par.tp}"
-                  f"{', ZeRO-1' if par.zero_stage else ''})")
-    return "\n".join([
-        f"graphtrain: {config.model.label}, {n_params:,} params{' (this rank)' if this_rank_only else ''}; {engine}",
-        f"  data:   {data}; seq_len {dc.seq_len}, vocab {vocab_size:,}",
-        f"  steps:  {tc.steps:,} x {human(tokens)} tokens (batch {tc.batch_size} x grad_accum {tc.grad_accum}); "
-        f"eval every {tc.eval_every or '-'}, checkpoint every {tc.ckpt_every or '-'}",
-        f"  device: {where}",
-        f"  out:    {out_dir} (full config: config.yaml; run info: run.json; metrics: metrics.jsonl)",
-    ])
+        where += (
+            f" per rank, {env.world_size} ranks (pp {par.pp} x dp {par.dp} x tp {par.tp}"
+            f"{', ZeRO-1' if par.zero_stage else ''})"
+        )
+    return "\n".join(
+        [
+            f"graphtrain: {config.model.label}, {n_params:,} params{' (this rank)' if this_rank_only else ''}; {engine}",
+            f"  data:   {data}; seq_len {dc.seq_len}, vocab {vocab_size:,}",
+            f"  steps:  {tc.steps:,} x {human(tokens)} tokens (batch {tc.batch_size} x grad_accum {tc.grad_accum}); "
+            f"eval every {tc.eval_every or '-'}, checkpoint every {tc.ckpt_every or '-'}",
+            f"  device: {where}",
+            f"  out:    {out_dir} (full config: config.yaml; run info: run.json; metrics: metrics.jsonl)",
+        ]
+    )
 
 
 @contextlib.contextmanager
@@ -107,13 +125,16 @@ def quiet_libraries() -> Iterator[None]:
     restore = []
     if importlib.util.find_spec("transformers") is not None:
         from transformers.utils import logging as hf_logging
+
         verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
         hf_logging.set_verbosity_error()
         hf_logging.disable_progress_bar()
-        restore.append(lambda: (hf_logging.set_verbosity(verbosity),
-                                hf_logging.enable_progress_bar() if bars else None))
+        restore.append(
+            lambda: (hf_logging.set_verbosity(verbosity), hf_logging.enable_progress_bar() if bars else None)
+        )
     if importlib.util.find_spec("huggingface_hub") is not None:
         from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+
         if not are_progress_bars_disabled():
             disable_progress_bars()
             restore.append(enable_progress_bars)

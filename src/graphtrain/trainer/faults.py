@@ -18,6 +18,7 @@ skipped by the step strategy before any weight is written. The guard supplies th
 counts bad steps and stops the run with `TrainingFailed` after `train.max_bad_steps` in a row.
 fp16 overflows with a finite loss are the loss scaler's business, not bad steps.
 """
+
 from __future__ import annotations
 
 import math
@@ -45,8 +46,9 @@ class TrainingPreempted(Exception):
     (the latest checkpoint; None when the run has none); `saved_after_s`: seconds from the signal to
     that checkpoint being written (None when no checkpoint was written on the signal)."""
 
-    def __init__(self, message: str, *, signal_name: str, step: int, checkpoint: Any,
-                 saved_after_s: float | None) -> None:
+    def __init__(
+        self, message: str, *, signal_name: str, step: int, checkpoint: Any, saved_after_s: float | None
+    ) -> None:
         super().__init__(message)
         self.signal_name, self.step, self.checkpoint, self.saved_after_s = signal_name, step, checkpoint, saved_after_s
 
@@ -101,8 +103,10 @@ class PreemptionGuard:
             return
         self.signal_name, self.t_signal = signal_name, time.monotonic()
         again = "; Ctrl-C again stops at once" if signal_name == "SIGINT" else ""
-        self.log(f"{signal_name}: finishing the current step and saving a checkpoint (within "
-                 f"train.preempt_grace_s={self.grace_s:g}s){again}")
+        self.log(
+            f"{signal_name}: finishing the current step and saving a checkpoint (within "
+            f"train.preempt_grace_s={self.grace_s:g}s){again}"
+        )
         self._timer = threading.Timer(self.grace_s, self._expire)
         self._timer.daemon = True
         self._timer.start()
@@ -121,8 +125,10 @@ class PreemptionGuard:
         if self.phase == "done":
             return
         if self.phase == "save":
-            self.log(f"{self.signal_name}: train.preempt_grace_s={self.grace_s:g}s is over and the checkpoint is still "
-                     f"being written; letting it finish")
+            self.log(
+                f"{self.signal_name}: train.preempt_grace_s={self.grace_s:g}s is over and the checkpoint is still "
+                f"being written; letting it finish"
+            )
             return
         self.expired = True
         # A real SIGINT to the main thread: it also interrupts a blocking call there (a sleep, a socket wait);
@@ -140,6 +146,7 @@ class PreemptionGuard:
         if env is None:
             return self.requested
         import torch.distributed as dist
+
         stop = False
         if self._work is not None:
             self._work.wait()
@@ -192,7 +199,8 @@ class NumericsGuard:
                 f"training diverged at step {step}: {self.in_a_row} bad steps in a row ({steps}; last: {rejected}); "
                 f"their updates were skipped, so the weights hold no NaN. Lower optim.lr, set optim.grad_clip "
                 f"(e.g. 1.0) or train.loss_spike_factor, then resume from the last checkpoint (--resume auto), "
-                f"or allow more with train.max_bad_steps (now {self.max_bad_steps})")
+                f"or allow more with train.max_bad_steps (now {self.max_bad_steps})"
+            )
 
 
 def rejection(loss: float, grad_norm: float, max_loss: float, overflow_is_scalers: bool) -> str | None:

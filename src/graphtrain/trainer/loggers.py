@@ -12,6 +12,7 @@ runs compare by config) and as YAML text (tag ``config``), and the engine's repo
 Only rank 0 logs. On resume the events after the resumed step are purged, as metrics.jsonl's records
 are (``SummaryWriter(purge_step=)``).
 """
+
 from __future__ import annotations
 
 import json
@@ -37,8 +38,10 @@ class TensorBoardLogger:
         try:
             from torch.utils.tensorboard import SummaryWriter  # noqa: F401
         except ImportError as e:
-            raise ValueError(f"train.loggers asks for tensorboard, which is not installed ({e}): "
-                             f"pip install tensorboard, or set train.loggers=[jsonl]") from None
+            raise ValueError(
+                f"train.loggers asks for tensorboard, which is not installed ({e}): "
+                f"pip install tensorboard, or set train.loggers=[jsonl]"
+            ) from None
         self.folder = folder
         self.config = config or {}
         self.writer: Any = None
@@ -48,6 +51,7 @@ class TensorBoardLogger:
         if self.writer is None:
             from torch.utils.tensorboard import SummaryWriter
             from torch.utils.tensorboard.summary import hparams
+
             self.folder.mkdir(parents=True, exist_ok=True)
             self.writer = SummaryWriter(str(self.folder), purge_step=self.purge_step)
             if self.config:  # into this run's own event file (add_hparams would start another run folder)
@@ -84,8 +88,11 @@ class TensorBoardLogger:
 
 def _scalars(record: dict[str, Any]) -> dict[str, float]:
     kind = record.get("kind")
-    return {f"{kind}/{k}": float(v) for k, v in record.items()
-            if k not in ("kind", "step", "time") and not isinstance(v, bool) and isinstance(v, (int, float))}
+    return {
+        f"{kind}/{k}": float(v)
+        for k, v in record.items()
+        if k not in ("kind", "step", "time") and not isinstance(v, bool) and isinstance(v, (int, float))
+    }
 
 
 def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -97,20 +104,28 @@ def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def _require(module: str, key: str) -> Any:
     import importlib
+
     try:
         return importlib.import_module(module)
     except ImportError:  # a usage error (exit 2), found before the first step: one line, no traceback
-        raise ValueError(f"train.loggers asks for {key}, which is not installed: pip install {key}, or drop it "
-                         f"from train.loggers") from None
+        raise ValueError(
+            f"train.loggers asks for {key}, which is not installed: pip install {key}, or drop it from train.loggers"
+        ) from None
 
 
 class WandbLogger:
     def __init__(self, out_dir: Path, config: dict[str, Any]) -> None:
         import os
+
         self.wandb = _require("wandb", "wandb")
-        self.run = self.wandb.init(project=os.environ.get("WANDB_PROJECT", "graphtrain"), name=Path(out_dir).name,
-                                   dir=str(out_dir), config=_flat(config),
-                                   mode=os.environ.get("WANDB_MODE", "offline"), reinit="finish_previous")
+        self.run = self.wandb.init(
+            project=os.environ.get("WANDB_PROJECT", "graphtrain"),
+            name=Path(out_dir).name,
+            dir=str(out_dir),
+            config=_flat(config),
+            mode=os.environ.get("WANDB_MODE", "offline"),
+            reinit="finish_previous",
+        )
 
     def purge_after(self, step: int) -> None:  # W&B keeps history; a resumed run logs on from `step`
         pass
@@ -130,6 +145,7 @@ class WandbLogger:
 class MLflowLogger:
     def __init__(self, out_dir: Path, config: dict[str, Any]) -> None:
         import os
+
         self.mlflow = _require("mlflow", "mlflow")
         if not os.environ.get("MLFLOW_TRACKING_URI"):
             self.mlflow.set_tracking_uri(f"sqlite:///{(Path(out_dir) / 'mlflow.db').resolve()}")

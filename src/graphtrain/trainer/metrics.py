@@ -8,6 +8,7 @@ Each record in ``out_dir/metrics.jsonl`` is one JSON object per line, e.g.::
 
 Throughput counts only training-step time (evaluation and checkpointing are excluded).
 """
+
 from __future__ import annotations
 
 import json
@@ -129,9 +130,11 @@ class MetricsLog:
 
 def _refuse_link(path: Path) -> None:
     if path.is_symlink():
-        raise ValueError(f"{str(path)!r} is a symbolic link (to {os.readlink(path)!r}): graphtrain writes a run's "
-                         f"metrics only to a file of its own, never through a link (a file elsewhere would be "
-                         f"overwritten); remove the link, or use another --out")
+        raise ValueError(
+            f"{str(path)!r} is a symbolic link (to {os.readlink(path)!r}): graphtrain writes a run's "
+            f"metrics only to a file of its own, never through a link (a file elsewhere would be "
+            f"overwritten); remove the link, or use another --out"
+        )
 
 
 def _open(path: Path, flags: int) -> Any:

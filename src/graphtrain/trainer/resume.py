@@ -21,6 +21,7 @@
 - `supersede_later`: resuming from step s, checkpoints of later steps belong to another history; they
   move into `out_dir/superseded-<s>-<time>/` (never deleted), so the next --resume does not pick them up.
 """
+
 from __future__ import annotations
 
 import errno
@@ -48,13 +49,34 @@ _RUN_TMP_DIRS = (".hf.tmp", ".hf.old")  # run_outputs.write_hf_folder
 
 # Keys a resumed run may change without being named: length and place of the run, logging, evaluation,
 # checkpoint cadence, threads and execution path (eager, engine, whole-step graph), the fault guards.
-FREE_KEYS = frozenset({
-    "train.steps", "train.out_dir", "train.eval_every", "train.eval_batches", "train.log_every", "train.ckpt_every",
-    "train.threads", "train.progress", "train.sample_prompt", "train.sample_tokens", "train.init_from",
-    "train.accelerate", "train.whole_step", "train.deterministic", "train.preempt_grace_s", "train.max_bad_steps",
-    "train.loss_spike_factor", "train.trust_checkpoint", "train.keep_last", "train.keep_best", "train.export_hf",
-    "data.cache_dir", "model.attention", "optim.fused",
-})
+FREE_KEYS = frozenset(
+    {
+        "train.steps",
+        "train.out_dir",
+        "train.eval_every",
+        "train.eval_batches",
+        "train.log_every",
+        "train.ckpt_every",
+        "train.threads",
+        "train.progress",
+        "train.sample_prompt",
+        "train.sample_tokens",
+        "train.init_from",
+        "train.accelerate",
+        "train.whole_step",
+        "train.deterministic",
+        "train.preempt_grace_s",
+        "train.max_bad_steps",
+        "train.loss_spike_factor",
+        "train.trust_checkpoint",
+        "train.keep_last",
+        "train.keep_best",
+        "train.export_hf",
+        "data.cache_dir",
+        "model.attention",
+        "optim.fused",
+    }
+)
 
 
 def is_free(key: str) -> bool:
@@ -62,8 +84,11 @@ def is_free(key: str) -> bool:
     parallel.* key (checkpoints load under any layout; every layout draws the same global batch) and every
     engine.* key but precision and the fp16 loss-scale settings (the engine computes what eager does)."""
     section, _, name = key.partition(".")
-    return (key in FREE_KEYS or section == "parallel"
-            or (section == "engine" and name != "precision" and not name.startswith("loss_scale")))
+    return (
+        key in FREE_KEYS
+        or section == "parallel"
+        or (section == "engine" and name != "precision" and not name.startswith("loss_scale"))
+    )
 
 
 # ------------------------------------------------------------------------------------ lock ----
@@ -84,25 +109,36 @@ def lock_run_folder(out_dir: str | Path) -> Path:
     try:  # O_NOFOLLOW: a symlink planted under the lock's name is not followed (and not truncated below)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     except OSError as e:
-        raise ValueError(f"cannot open the run folder's lock file {str(path)!r} ({e.strerror or e}): choose a folder "
-                         f"you can write with --out DIR") from None
+        raise ValueError(
+            f"cannot open the run folder's lock file {str(path)!r} ({e.strerror or e}): choose a folder "
+            f"you can write with --out DIR"
+        ) from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
         holder = _holder(fd)
         os.close(fd)
         if e.errno in (errno.ENOLCK, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS):  # NFS without lockd, FUSE
-            print(f"warning: the file system of {str(folder)!r} cannot lock files ({e.strerror}): a second run started "
-                  f"on this folder would not be refused", file=sys.stderr)
+            print(
+                f"warning: the file system of {str(folder)!r} cannot lock files ({e.strerror}): a second run started "
+                f"on this folder would not be refused",
+                file=sys.stderr,
+            )
             _held[str(folder)] = -1
             return path
         if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
             raise
-        raise ValueError(f"train.out_dir {str(folder)!r} is in use by another graphtrain run ({holder}); two runs in "
-                         f"one folder would overwrite each other's checkpoints: wait for it to end (or stop it), "
-                         f"or choose another folder with --out DIR") from None
-    record = {"pid": os.getpid(), "host": socket.gethostname(),
-              "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "argv": sys.argv}
+        raise ValueError(
+            f"train.out_dir {str(folder)!r} is in use by another graphtrain run ({holder}); two runs in "
+            f"one folder would overwrite each other's checkpoints: wait for it to end (or stop it), "
+            f"or choose another folder with --out DIR"
+        ) from None
+    record = {
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "argv": sys.argv,
+    }
     os.ftruncate(fd, 0)
     os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
     _held[str(folder)] = fd
@@ -128,6 +164,7 @@ def _holder(fd: int) -> str:
 
 
 # --------------------------------------------------------------------------------- orphans ----
+
 
 def clean_orphans(out_dir: str | Path) -> list[str]:
     """Remove the leftovers of killed saves in `out_dir` (see the module docstring); returns what was done."""
@@ -161,6 +198,7 @@ def clean_orphans(out_dir: str | Path) -> list[str]:
 
 # ---------------------------------------------------------------------------- config changes ----
 
+
 def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[tuple[str, Any, Any]]:
     """(section.key, checkpoint value, current value) for every key that differs, model-defining keys excluded
     (check_compatible reports those) and keys the checkpoint does not know skipped."""
@@ -177,8 +215,9 @@ def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[tuple
     return out
 
 
-def check_config_changes(saved: dict[str, Any], config: Any, allowed: Iterable[str], path: Path,
-                         log: Callable[[str], None] | None = None) -> None:
+def check_config_changes(
+    saved: dict[str, Any], config: Any, allowed: Iterable[str], path: Path, log: Callable[[str], None] | None = None
+) -> None:
     """Refuse a resume whose config differs from the checkpoint's in a key neither free nor `allowed`; log the
     accepted differences (one line)."""
     changes = config_changes(saved, config.to_dict())
@@ -188,13 +227,17 @@ def check_config_changes(saved: dict[str, Any], config: Any, allowed: Iterable[s
         listing = "; ".join(f"{k}: {_show(a)} -> {_show(b)}" for k, a, b in refused)
         keys = ",".join(k for k, _, _ in refused)
         back = " ".join(f"{k}={_show(a)}" for k, a, _ in refused)
-        raise ValueError(f"resume: the config differs from the one checkpoint {str(path)!r} was trained with "
-                         f"({listing}); continuing would mix two runs in one. To accept the change, name it: "
-                         f"--allow-config-change {keys} (Trainer(..., allow_config_change=[...])); to continue the "
-                         f"run as it was, set {back}; or start a new run in a new out_dir (--out DIR)")
+        raise ValueError(
+            f"resume: the config differs from the one checkpoint {str(path)!r} was trained with "
+            f"({listing}); continuing would mix two runs in one. To accept the change, name it: "
+            f"--allow-config-change {keys} (Trainer(..., allow_config_change=[...])); to continue the "
+            f"run as it was, set {back}; or start a new run in a new out_dir (--out DIR)"
+        )
     if changes and log is not None:
-        log("resume: config changes from the checkpoint's: " + "; ".join(
-            f"{k}: {_show(a)} -> {_show(b)}{'' if is_free(k) else ' (allowed)'}" for k, a, b in changes))
+        log(
+            "resume: config changes from the checkpoint's: "
+            + "; ".join(f"{k}: {_show(a)} -> {_show(b)}{'' if is_free(k) else ' (allowed)'}" for k, a, b in changes)
+        )
 
 
 def allowed_keys(keys: str | Iterable[str], config: Any) -> tuple[str, ...]:
@@ -206,8 +249,10 @@ def allowed_keys(keys: str | Iterable[str], config: Any) -> tuple[str, ...]:
     for key in out:
         section, _, name = key.partition(".")
         if section not in known or name not in known[section]:
-            raise ValueError(f"allow_config_change: unknown config key {key!r}; name keys as section.key, e.g. "
-                             f"optim.lr (`graphtrain config` lists them)")
+            raise ValueError(
+                f"allow_config_change: unknown config key {key!r}; name keys as section.key, e.g. "
+                f"optim.lr (`graphtrain config` lists them)"
+            )
     return out
 
 
@@ -220,6 +265,7 @@ def _show(v: Any) -> str:
 
 
 # ------------------------------------------------------------------------------ supersede ----
+
 
 def supersede_later(out_dir: str | Path, step: int) -> tuple[Path | None, list[str]]:
     """Move every checkpoint of `out_dir` past `step` (and its checksum file), the best checkpoint too when it is

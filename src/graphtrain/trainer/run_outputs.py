@@ -9,6 +9,7 @@
   later checkpoints (trainer/resume.py, `supersede_later`).
 - train.export_hf: ``out_dir/hf/``, the final checkpoint as a Hugging Face folder (models/hf_export.py).
 """
+
 from __future__ import annotations
 
 import math
@@ -131,6 +132,7 @@ def _swap_best_folder(out: Path, saved: Path) -> None:
 
 # ------------------------------------------------------------------------------ HF folder ----
 
+
 @quiet_libraries()  # transformers' bars would land in the run's log (trainer/console.py)
 def write_hf_folder(out_dir: str | Path, config: Any, tokenizer: Any, vocab_size: int) -> dict[str, Any]:
     """train.export_hf: the latest checkpoint of `out_dir` as a Hugging Face folder `out_dir/hf` (what
@@ -149,8 +151,9 @@ def write_hf_folder(out_dir: str | Path, config: Any, tokenizer: Any, vocab_size
     else:
         model.load_state_dict(to_module_keys(load_checkpoint(path)["model"], model))
     model.eval()
-    sample = torch.randint(0, model.spec.vocab_size, (2, min(16, model.max_seq_len)),
-                           generator=torch.Generator().manual_seed(0))
+    sample = torch.randint(
+        0, model.spec.vocab_size, (2, min(16, model.max_seq_len)), generator=torch.Generator().manual_seed(0)
+    )
     with torch.no_grad(), torch.compiler.set_stance("force_eager"):
         ref = model(sample)
     tmp, old, final = out / ".hf.tmp", out / ".hf.old", out / "hf"

@@ -14,6 +14,7 @@ completed when it finishes::
 uncommitted changes), ``graphtrain_commit`` that of graphtrain's source when it runs from a checkout; either is
 null outside git. Reading it never fails a caller: a missing or unreadable file reads as no sessions.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -34,12 +35,17 @@ NAME = "run.json"
 def _git(folder: Path) -> str | None:
     """HEAD of the git work tree holding `folder`, '(dirty)' appended with uncommitted changes; None outside git."""
     try:
-        head = subprocess.run(["git", "-C", str(folder), "rev-parse", "HEAD"], capture_output=True, text=True,
-                              timeout=5)
+        head = subprocess.run(
+            ["git", "-C", str(folder), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5
+        )
         if head.returncode != 0:
             return None
-        dirty = subprocess.run(["git", "-C", str(folder), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=5)
+        dirty = subprocess.run(
+            ["git", "-C", str(folder), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+        )
         return head.stdout.strip() + (" (dirty)" if dirty.stdout.strip() else "")
     except (OSError, subprocess.SubprocessError):
         return None
@@ -77,21 +83,36 @@ def _write(out_dir: Path, info: dict[str, Any]) -> None:
     os.replace(tmp, out_dir / NAME)
 
 
-def start_session(out_dir: Path, config: Any, device: torch.device, world_size: int, resumed_at: int,
-                  tokens_per_step: int | None) -> None:
+def start_session(
+    out_dir: Path, config: Any, device: torch.device, world_size: int, resumed_at: int, tokens_per_step: int | None
+) -> None:
     """Append this session to run.json (a fresh run, resumed_at 0, starts a new file)."""
     now = time.time()
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     session = {
         "started": datetime.datetime.fromtimestamp(now, datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "started_unix": now, "finished_unix": None, "resumed_at_step": resumed_at, "steps_done": None,
-        "host": platform.node(), "cpu": cpu_name(), "gpu": gpu, "device": str(device),
-        "threads": torch.get_num_threads(), "world_size": world_size, "accelerate": bool(config.train.accelerate),
-        "provider": config.engine.provider if config.train.accelerate else "eager", "providers_used": None,
-        "precision": config.engine.precision, "commit": _git(Path.cwd()),
-        "graphtrain": _version(), "graphtrain_commit": _git(Path(__file__).resolve().parent),
-        "torch": torch.__version__, "python": platform.python_version(), "command": list(sys.argv),
-        "tokens_per_step": tokens_per_step}
+        "started_unix": now,
+        "finished_unix": None,
+        "resumed_at_step": resumed_at,
+        "steps_done": None,
+        "host": platform.node(),
+        "cpu": cpu_name(),
+        "gpu": gpu,
+        "device": str(device),
+        "threads": torch.get_num_threads(),
+        "world_size": world_size,
+        "accelerate": bool(config.train.accelerate),
+        "provider": config.engine.provider if config.train.accelerate else "eager",
+        "providers_used": None,
+        "precision": config.engine.precision,
+        "commit": _git(Path.cwd()),
+        "graphtrain": _version(),
+        "graphtrain_commit": _git(Path(__file__).resolve().parent),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "command": list(sys.argv),
+        "tokens_per_step": tokens_per_step,
+    }
     info = read_run_info(out_dir) if resumed_at > 0 else {"sessions": []}
     _write(out_dir, {"format": 1, "sessions": [*info["sessions"], session]})
 
@@ -109,6 +130,7 @@ def finish_session(out_dir: Path, steps_done: int, module: torch.nn.Module | Non
 
 def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
+
     try:
         return version("graphtrain")
     except PackageNotFoundError:

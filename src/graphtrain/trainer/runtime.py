@@ -1,4 +1,5 @@
 """Process setup for a training run: what is supported, device, threads, determinism, seeds, data, batch size."""
+
 from __future__ import annotations
 
 import os
@@ -27,39 +28,62 @@ def check_supported(config: Config) -> None:
     """
     par, tc = config.parallel, config.train
     if tc.whole_step:
-        problems = [msg for bad, msg in (
-            (par.world_size > 1, "one process (parallel.dp=tp=pp=1)"),
-            (tc.grad_accum != 1, f"train.grad_accum=1 (got {tc.grad_accum})"),
-            (config.optim.name != "adamw", f"optim.name=adamw (got {config.optim.name!r})"),
-            (not tc.accelerate, "train.accelerate=true")) if bad]
+        problems = [
+            msg
+            for bad, msg in (
+                (par.world_size > 1, "one process (parallel.dp=tp=pp=1)"),
+                (tc.grad_accum != 1, f"train.grad_accum=1 (got {tc.grad_accum})"),
+                (config.optim.name != "adamw", f"optim.name=adamw (got {config.optim.name!r})"),
+                (not tc.accelerate, "train.accelerate=true"),
+            )
+            if bad
+        ]
         if problems:
-            raise ValueError(f"train.whole_step=true needs {', '.join(problems)}; set train.whole_step=false to train "
-                             f"with the graph engine and a separate optimizer step")
+            raise ValueError(
+                f"train.whole_step=true needs {', '.join(problems)}; set train.whole_step=false to train "
+                f"with the graph engine and a separate optimizer step"
+            )
     if config.model.hf is not None and par.pp > 1:
-        raise ValueError(f"parallel.pp={par.pp} has no plan for model.hf models yet (pipeline stages are cut from "
-                         f"graphtrain's own GPT-2 by its layer names): train a model.hf model with parallel.dp and/or "
-                         f"parallel.tp (plans for GPT-2, BERT and Llama-family models), with parallel.pp=1")
+        raise ValueError(
+            f"parallel.pp={par.pp} has no plan for model.hf models yet (pipeline stages are cut from "
+            f"graphtrain's own GPT-2 by its layer names): train a model.hf model with parallel.dp and/or "
+            f"parallel.tp (plans for GPT-2, BERT and Llama-family models), with parallel.pp=1"
+        )
     if par.world_size > 1:
         if par.zero_stage == 1 and par.tp > 1:
-            raise ValueError("parallel.zero_stage=1 with parallel.tp>1 is not supported yet: set "
-                             "parallel.zero_stage=0 or parallel.tp=1")
+            raise ValueError(
+                "parallel.zero_stage=1 with parallel.tp>1 is not supported yet: set "
+                "parallel.zero_stage=0 or parallel.tp=1"
+            )
         if par.zero_stage == 1 and par.dp > 1 and par.pp > 1:
-            raise ValueError("parallel.zero_stage=1 with parallel.dp>1 and parallel.pp>1 is not supported yet (dp "
-                             "composed with pp runs through FSDP2 replicate, whose DTensor parameters "
-                             "ZeroRedundancyOptimizer cannot partition): set parallel.zero_stage=0")
-        if (par.pp > 1 and tc.batch_size != "auto" and tc.batch_size % par.dp == 0
-                and (tc.batch_size // par.dp) % par.microbatches):
-            raise ValueError(f"train.batch_size={tc.batch_size} gives {tc.batch_size // par.dp} samples per "
-                             f"data-parallel rank, which must divide into parallel.microbatches={par.microbatches} "
-                             f"pipeline micro-batches: set train.batch_size={par.dp * par.microbatches} (or a "
-                             f"multiple)")
+            raise ValueError(
+                "parallel.zero_stage=1 with parallel.dp>1 and parallel.pp>1 is not supported yet (dp "
+                "composed with pp runs through FSDP2 replicate, whose DTensor parameters "
+                "ZeroRedundancyOptimizer cannot partition): set parallel.zero_stage=0"
+            )
+        if (
+            par.pp > 1
+            and tc.batch_size != "auto"
+            and tc.batch_size % par.dp == 0
+            and (tc.batch_size // par.dp) % par.microbatches
+        ):
+            raise ValueError(
+                f"train.batch_size={tc.batch_size} gives {tc.batch_size // par.dp} samples per "
+                f"data-parallel rank, which must divide into parallel.microbatches={par.microbatches} "
+                f"pipeline micro-batches: set train.batch_size={par.dp * par.microbatches} (or a "
+                f"multiple)"
+            )
         if config.engine.precision == "fp16":
-            raise ValueError("engine.precision=fp16 (dynamic loss scaling) is not supported in distributed runs "
-                             "yet: use engine.precision=bf16 or fp32")
+            raise ValueError(
+                "engine.precision=fp16 (dynamic loss scaling) is not supported in distributed runs "
+                "yet: use engine.precision=bf16 or fp32"
+            )
         if tc.batch_size != "auto" and tc.batch_size % par.dp:
-            raise ValueError(f"train.batch_size={tc.batch_size} must divide by parallel.dp={par.dp} (each "
-                             f"data-parallel rank takes an equal share): set train.batch_size="
-                             f"{max(par.dp, tc.batch_size // par.dp * par.dp)}")
+            raise ValueError(
+                f"train.batch_size={tc.batch_size} must divide by parallel.dp={par.dp} (each "
+                f"data-parallel rank takes an equal share): set train.batch_size="
+                f"{max(par.dp, tc.batch_size // par.dp * par.dp)}"
+            )
 
 
 def memory_budget_bytes(config: Config, device: torch.device) -> float:
@@ -67,31 +91,39 @@ def memory_budget_bytes(config: Config, device: torch.device) -> float:
     (graphtrain.memory.budget: CUDA, the GPU's total memory; CPU, the machine's physical RAM)."""
     budget = config.engine.memory_budget
     if budget is None:
-        raise ValueError("train.batch_size=auto needs a memory budget: set engine.memory_budget to bytes "
-                         "(e.g. engine.memory_budget=2000000000) or a fraction of device memory (e.g. 0.5), "
-                         "or set a number, e.g. train.batch_size=8")
+        raise ValueError(
+            "train.batch_size=auto needs a memory budget: set engine.memory_budget to bytes "
+            "(e.g. engine.memory_budget=2000000000) or a fraction of device memory (e.g. 0.5), "
+            "or set a number, e.g. train.batch_size=8"
+        )
     return budget_bytes(budget, device)
 
 
-def auto_batch_size(config: Config, model: torch.nn.Module | None, vocab_size: int,
-                    device: torch.device) -> tuple[Config, str]:
+def auto_batch_size(
+    config: Config, model: torch.nn.Module | None, vocab_size: int, device: torch.device
+) -> tuple[Config, str]:
     """train.batch_size=auto -> the config with the largest micro-batch fitting engine.memory_budget (per rank,
     times parallel.dp; grad_accum kept), and the line saying so."""
     budget = memory_budget_bytes(config, device)
     if model is not None:
+
         def factory() -> torch.nn.Module:
             return model
     else:
+
         def factory() -> torch.nn.Module:
             return build_model(config.model, vocab_size=vocab_size)
+
     with torch.random.fork_rng(devices=[]):  # building probe models must not move the weights' seed
         plan = pick_batch_size(factory, config.data.seq_len, budget, engine_cfg=config.engine)
     dp = config.parallel.dp
     chosen = plan.micro_batch * dp
-    line = (f"train.batch_size=auto: micro-batch {plan.micro_batch}"
-            f"{f' per rank x {dp} dp ranks = {chosen}' if dp > 1 else ''} (predicted step peak "
-            f"{format_bytes(plan.predicted_peak)} of the {format_bytes(int(budget))} engine.memory_budget), "
-            f"grad_accum {config.train.grad_accum}: {chosen * config.train.grad_accum} samples per step")
+    line = (
+        f"train.batch_size=auto: micro-batch {plan.micro_batch}"
+        f"{f' per rank x {dp} dp ranks = {chosen}' if dp > 1 else ''} (predicted step peak "
+        f"{format_bytes(plan.predicted_peak)} of the {format_bytes(int(budget))} engine.memory_budget), "
+        f"grad_accum {config.train.grad_accum}: {chosen * config.train.grad_accum} samples per step"
+    )
     return config.with_overrides({"train.batch_size": chosen}), line
 
 
@@ -101,6 +133,7 @@ def load_data(config: Config, family: str, env: Any) -> Any:
     if env is None:
         return build_data(config, family)
     import torch.distributed as dist
+
     data = build_data(config, family) if env.is_main else None
     dist.barrier()
     return data if data is not None else build_data(config, family)

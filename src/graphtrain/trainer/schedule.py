@@ -11,6 +11,7 @@ needs no scheduler state: the checkpoint's step is enough.
     shape    cosine: (1 + cos(pi * p)) / 2    linear: 1 - p    poly: (1 - p) ** poly_power
              constant: the peak lr throughout (min_lr_ratio is ignored)
 """
+
 from __future__ import annotations
 
 import math

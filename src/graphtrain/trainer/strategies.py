@@ -19,6 +19,7 @@ global gradient norm, or a loss above `max_loss` (the loss-spike guard), skips t
 is reported in `StepResult.rejected`; the weights and optimizer moments stay as they were. fp16
 overflows (finite loss) are skipped by the loss scaler as before, without counting as bad steps.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -62,17 +63,17 @@ Batch = dict[str, torch.Tensor]
 class StepResult:
     """What one optimizer step reports (the `train` records of metrics.jsonl)."""
 
-    loss: torch.Tensor          # mean loss over the step's micro-batches (distributed: over dp ranks too)
-    grad_norm: float            # global gradient norm before clipping (nan on a skipped step)
-    skipped: bool = False       # the update was skipped (fp16 overflow, or `rejected`)
+    loss: torch.Tensor  # mean loss over the step's micro-batches (distributed: over dp ranks too)
+    grad_norm: float  # global gradient norm before clipping (nan on a skipped step)
+    skipped: bool = False  # the update was skipped (fp16 overflow, or `rejected`)
     scale: float | None = None  # fp16: the loss scale after the step
     rejected: str | None = None  # why the update was refused: non-finite loss or gradient norm, loss spike
 
 
 class StepStrategy(Protocol):
-    model: nn.Module    # what trains and evaluates: the (accelerated) module, DDP wrapper or pipeline stage
-    module: nn.Module   # the user's module (this rank's part) without wrappers: its parameters, engine state
-    optimizer: Any      # state_dict() / load_state_dict(); under WholeStepGraph the step graph itself
+    model: nn.Module  # what trains and evaluates: the (accelerated) module, DDP wrapper or pipeline stage
+    module: nn.Module  # the user's module (this rank's part) without wrappers: its parameters, engine state
+    optimizer: Any  # state_dict() / load_state_dict(); under WholeStepGraph the step graph itself
 
     def step(self, micro_batches: Iterable[Batch], lr: float, max_loss: float = math.inf) -> StepResult:
         """One optimizer step at learning rate `lr` over train.grad_accum micro-batches; gradients zeroed after.
@@ -91,8 +92,9 @@ class StepStrategy(Protocol):
         """The whole model on this rank, for sampling."""
 
 
-def build_strategy(model: nn.Module, config: Config, device: torch.device, env: Any,
-                   log: Callable[[str], None]) -> StepStrategy:
+def build_strategy(
+    model: nn.Module, config: Config, device: torch.device, env: Any, log: Callable[[str], None]
+) -> StepStrategy:
     """The strategy for `config` (runtime.check_supported has refused the combinations none can run)."""
     if env is not None:
         return DistributedStep(model, config, env, log)
@@ -108,6 +110,7 @@ def engine_config(config: Config) -> Any:
     done, a timing matter; warm: at the second step), so a run resumed at step k would run steps on other
     providers than the uninterrupted run did, whose results differ in the last bits."""
     import dataclasses
+
     if config.train.deterministic and config.engine.compile_in_background:
         return dataclasses.replace(config.engine, compile_in_background=False)
     return config.engine
@@ -121,6 +124,7 @@ class SingleProcessStep:
         model.to(device)
         if config.train.accelerate:
             from graphtrain.frontend.accelerate import accelerate  # loads Dynamo: only when the engine is used
+
             model = accelerate(model, engine_config(config))
         self.model = self.module = model
         self.optimizer = build_optimizer(model, config.optim)
@@ -138,8 +142,13 @@ class SingleProcessStep:
         refused = rejection(loss_value, 0.0, max_loss, overflow_is_scalers=True)  # the loss, before any update
         if refused is not None:
             self.optimizer.zero_grad(set_to_none=True)
-            return StepResult(loss_sum, math.nan, skipped=True, rejected=refused,
-                              scale=None if self.scaler is None else self.scaler.scale_value)
+            return StepResult(
+                loss_sum,
+                math.nan,
+                skipped=True,
+                rejected=refused,
+                scale=None if self.scaler is None else self.scaler.scale_value,
+            )
         # unscale and skip on overflow (fp16) or a non-finite norm, clip to optim.grad_clip, optimizer.step()
         info = optimizer_step(self.optimizer, self.model.parameters(), self.scaler, self.config.optim.grad_clip)
         self.optimizer.zero_grad(set_to_none=True)
@@ -152,8 +161,13 @@ class SingleProcessStep:
 
     def save(self, out_dir: Path, meta: dict[str, Any]) -> Path:
         """ckpt-{step}.pt, written atomically (trainer/checkpoint.py), with the plain model's keys."""
-        state = {**meta, "model": plain_state_dict(self.model.state_dict()), "optimizer": self.optimizer.state_dict(),
-                 "rng": rng_state(), "loss_scaler": None if self.scaler is None else self.scaler.state_dict()}
+        state = {
+            **meta,
+            "model": plain_state_dict(self.model.state_dict()),
+            "optimizer": self.optimizer.state_dict(),
+            "rng": rng_state(),
+            "loss_scaler": None if self.scaler is None else self.scaler.state_dict(),
+        }
         path = save_checkpoint(checkpoint_path(out_dir, meta["step"]), state)
         prune_checkpoints(out_dir, keep=self.config.train.keep_last, protect=path)
         return path
@@ -164,9 +178,11 @@ class SingleProcessStep:
             self.model.load_state_dict(to_module_keys(state["model"], self.model))
             self.optimizer.load_state_dict(state["optimizer"])
         except (RuntimeError, ValueError, KeyError) as e:
-            raise ValueError(f"checkpoint {str(path)!r} does not fit this model/optimizer ({str(e).splitlines()[0]}); "
-                             f"use the config it was trained with (saved in it and in out_dir/config.yaml), "
-                             f"or start fresh with a new out_dir") from None
+            raise ValueError(
+                f"checkpoint {str(path)!r} does not fit this model/optimizer ({str(e).splitlines()[0]}); "
+                f"use the config it was trained with (saved in it and in out_dir/config.yaml), "
+                f"or start fresh with a new out_dir"
+            ) from None
         if self.scaler is not None and state.get("loss_scaler") is not None:
             self.scaler.load_state_dict(state["loss_scaler"])
         set_rng_state(state["rng"])
@@ -190,7 +206,9 @@ class WholeStepGraph(SingleProcessStep):
 
         self.config, self.device = config, device
         self.model = self.module = model.to(device)
-        self.optimizer = self.step_graph = compile_step(model, dataclasses.replace(config, engine=engine_config(config)))
+        self.optimizer = self.step_graph = compile_step(
+            model, dataclasses.replace(config, engine=engine_config(config))
+        )
         self.scaler = None  # fp16 loss scaling runs inside the graph
 
     def step(self, micro_batches: Iterable[Batch], lr: float, max_loss: float = math.inf) -> StepResult:
@@ -258,6 +276,7 @@ class DistributedStep:
     def save(self, out_dir: Path, meta: dict[str, Any]) -> Path:
         """Collective: every rank writes its shards; rank 0 writes the metadata (with every rank's RNG)."""
         import torch.distributed as dist
+
         rngs: list[Any] = [None] * self.env.world_size
         dist.all_gather_object(rngs, rng_state())
         extra = {**meta, "rng": rngs, "parallel": dataclasses.asdict(self.config.parallel)}
@@ -270,15 +289,19 @@ class DistributedStep:
     def load(self, path: Path, model_spec: dict[str, Any]) -> int:
         """A sharded folder saved under any layout; the RNG continues only when the layout is the same."""
         if not is_sharded(path):
-            raise ValueError(f"checkpoint {str(path)!r} is a single-process checkpoint: a distributed run resumes "
-                             f"only sharded checkpoint folders (ckpt-NNNNNNN/); to start from its weights, set "
-                             f"train.init_from={path} with a new out_dir")
+            raise ValueError(
+                f"checkpoint {str(path)!r} is a single-process checkpoint: a distributed run resumes "
+                f"only sharded checkpoint folders (ckpt-NNNNNNN/); to start from its weights, set "
+                f"train.init_from={path} with a new out_dir"
+            )
         extra = load_sharded_meta(path, self.config, model_spec)
         try:
             self.par.load(path)
         except (RuntimeError, ValueError, KeyError) as e:
-            raise ValueError(f"checkpoint {str(path)!r} does not fit this model/optimizer ({str(e).splitlines()[0]}); "
-                             f"use the config it was trained with, or a new out_dir") from None
+            raise ValueError(
+                f"checkpoint {str(path)!r} does not fit this model/optimizer ({str(e).splitlines()[0]}); "
+                f"use the config it was trained with, or a new out_dir"
+            ) from None
         rngs = extra.get("rng") or []
         step = int(extra["step"])
         saved_layout = {k: (extra.get("config") or {}).get("parallel", {}).get(k) for k in ("dp", "tp", "pp")}
@@ -286,8 +309,9 @@ class DistributedStep:
         if len(rngs) == self.env.world_size and saved_layout == layout:
             set_rng_state(rngs[self.env.rank])
         else:  # another layout: every rank reseeds from (seed, step, its replica and stage), tp ranks alike
-            runtime.seed_everything(runtime.rank_seed(self.config.train.seed, self.env.dp_rank, self.env.pp_rank)
-                                    + (1 << 31) * step)
+            runtime.seed_everything(
+                runtime.rank_seed(self.config.train.seed, self.env.dp_rank, self.env.pp_rank) + (1 << 31) * step
+            )
         return step
 
     def whole_model(self, out_dir: Path, vocab_size: int) -> nn.Module:
@@ -300,8 +324,10 @@ class DistributedStep:
             return self.module
         path = latest_checkpoint(out_dir)
         if path is None:
-            raise ValueError("sample() with parallel.pp>1 reads the whole model from the run's latest checkpoint, and "
-                             f"{str(out_dir)!r} has none yet: call it after fit() (which saves at the end)")
+            raise ValueError(
+                "sample() with parallel.pp>1 reads the whole model from the run's latest checkpoint, and "
+                f"{str(out_dir)!r} has none yet: call it after fit() (which saves at the end)"
+            )
         with torch.random.fork_rng(devices=[]):
             model = build_model(self.config.model, vocab_size=vocab_size)
         load_model_weights_local(path, model)
@@ -314,13 +340,14 @@ class DistributedStep:
             return batch
         n = next(iter(batch.values())).size(0) // dp
         r = self.env.dp_rank
-        return {k: v[r * n:(r + 1) * n] for k, v in batch.items()}
+        return {k: v[r * n : (r + 1) * n] for k, v in batch.items()}
 
     def _dp_mean(self, value: torch.Tensor) -> torch.Tensor:
         """The mean of `value` over the data-parallel ranks (in place)."""
         dp = self.config.parallel.dp
         if dp > 1:
             import torch.distributed as dist
+
             dist.all_reduce(value, group=self.env.group("dp"))
             value /= dp
         return value
@@ -331,17 +358,21 @@ class DistributedStep:
         Collective. Returns the line rank 0 logs; a rank that fell back to eager raises under
         engine.fallback=error and warns otherwise."""
         import torch.distributed as dist
+
         rep = report(self.module)
         mine = (len(rep.graphs), bool(rep.eager_only), len(rep.fallbacks))
         every: list = [None] * dist.get_world_size()
         dist.all_gather_object(every, mine)
         graphs = sorted({g for g, _, _ in every})
         bucket = getattr(self.model, "bucket_bytes_cap", None)
-        why = ([f"repeated blocks compiled once: {', '.join(rep.blocks)}"] if rep.blocks else []) + \
-            ([f"Dynamo's DDPOptimizer splits at DDP's {bucket / 2**20:g} MiB gradient buckets"] if bucket else [])
+        why = ([f"repeated blocks compiled once: {', '.join(rep.blocks)}"] if rep.blocks else []) + (
+            [f"Dynamo's DDPOptimizer splits at DDP's {bucket / 2**20:g} MiB gradient buckets"] if bucket else []
+        )
         split = f" ({'; '.join(why)})" if why else ""
-        line = (f"graphtrain engine, distributed: {'/'.join(map(str, graphs))} graph(s) captured per rank{split}"
-                f", eager fallbacks on {sum(1 for _, e, f in every if e or f)} of {len(every)} ranks")
+        line = (
+            f"graphtrain engine, distributed: {'/'.join(map(str, graphs))} graph(s) captured per rank{split}"
+            f", eager fallbacks on {sum(1 for _, e, f in every if e or f)} of {len(every)} ranks"
+        )
         if any(g == 0 or e for g, e, _ in every):
             msg = f"{line}: the distributed model is not running through the graph engine"
             if self.config.engine.fallback == "error":

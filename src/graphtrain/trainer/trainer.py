@@ -31,6 +31,7 @@ number replaces `auto` in the saved config, so a resumed run draws the same batc
 `train.init_from: PATH` loads only the model weights of a checkpoint (file, sharded folder or run
 folder) before training starts at step 0 with a fresh optimizer (BERT phase 2 from phase 1).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -76,9 +77,11 @@ from graphtrain.trainer.run_outputs import best_checkpoint, update_best, write_h
 from graphtrain.trainer.schedule import lr_at
 from graphtrain.trainer.strategies import build_strategy
 
-_INIT_FROM_AND_RESUME = ("train.init_from and --resume cannot be combined: --resume continues a run (weights, "
-                         "optimizer, step), init_from starts a new one from a checkpoint's weights; to continue a "
-                         "run started with init_from, add train.init_from=null")
+_INIT_FROM_AND_RESUME = (
+    "train.init_from and --resume cannot be combined: --resume continues a run (weights, "
+    "optimizer, step), init_from starts a new one from a checkpoint's weights; to continue a "
+    "run started with init_from, add train.init_from=null"
+)
 
 
 def _build_model(cfg: Any, vocab_size: int) -> torch.nn.Module:
@@ -90,9 +93,11 @@ def _build_model(cfg: Any, vocab_size: int) -> torch.nn.Module:
             raise
         with torch.device("meta"):
             n = sum(p.numel() for p in build_model(cfg, vocab_size=vocab_size).parameters())
-        raise TrainingFailed(f"building model {cfg.label!r} ({n:,} parameters, {n * 4 / 2**30:.1f} GiB of fp32 "
-                             f"weights) ran out of memory: choose a smaller model (model.name) or lower "
-                             f"model.vocab_size / model.max_seq_len") from None
+        raise TrainingFailed(
+            f"building model {cfg.label!r} ({n:,} parameters, {n * 4 / 2**30:.1f} GiB of fp32 "
+            f"weights) ran out of memory: choose a smaller model (model.name) or lower "
+            f"model.vocab_size / model.max_seq_len"
+        ) from None
 
 
 class Trainer:
@@ -108,11 +113,19 @@ class Trainer:
     the resumed checkpoint's; any other difference, bar the free keys of `resume.is_free`, refuses the resume.
     """
 
-    def __init__(self, config: Config, model: torch.nn.Module | None = None, data: Any = None,
-                 resume: bool | str | Path = False, allow_config_change: str | tuple[str, ...] | list[str] = ()) -> None:
+    def __init__(
+        self,
+        config: Config,
+        model: torch.nn.Module | None = None,
+        data: Any = None,
+        resume: bool | str | Path = False,
+        allow_config_change: str | tuple[str, ...] | list[str] = (),
+    ) -> None:
         if not isinstance(config, Config):
-            raise TypeError(f"Trainer expects a graphtrain.Config, got {type(config).__name__}; "
-                            f"build one with Config() or Config.from_yaml(path)")
+            raise TypeError(
+                f"Trainer expects a graphtrain.Config, got {type(config).__name__}; "
+                f"build one with Config() or Config.from_yaml(path)"
+            )
         runtime.check_supported(config)
         if config.train.init_from is not None and resume and not _is_auto(resume):
             raise ValueError(_INIT_FROM_AND_RESUME)
@@ -137,18 +150,22 @@ class Trainer:
                 model = _build_model(config.model, self.data.vocab_size)
             self.family, self.spec = model.family, model.spec
             if config.data.seq_len > self.spec.max_seq_len:
-                raise ValueError(f"data.seq_len={config.data.seq_len} is longer than model {config.model.label!r} "
-                                 f"supports (max_seq_len={self.spec.max_seq_len}): lower data.seq_len, or set "
-                                 f"model.max_seq_len={config.data.seq_len}")
+                raise ValueError(
+                    f"data.seq_len={config.data.seq_len} is longer than model {config.model.label!r} "
+                    f"supports (max_seq_len={self.spec.max_seq_len}): lower data.seq_len, or set "
+                    f"model.max_seq_len={config.data.seq_len}"
+                )
             self.init_source = None
             # resume "auto" in a run that has checkpoints continues it (fit() picks and verifies the checkpoint, and
             # refuses when none verifies), so init_from applies only to a fresh start; listing is enough here
-            if config.train.init_from is not None and not (_is_auto(resume)
-                                                           and list_checkpoints(config.train.out_dir)):
-                self.init_source, step = load_weights(model, config.train.init_from, config, self._model_spec(),
-                                                      self._log)
-                self._log(f"initialised weights from {self.init_source} (step {step} of that run); optimizer and step "
-                          f"start fresh")
+            if config.train.init_from is not None and not (_is_auto(resume) and list_checkpoints(config.train.out_dir)):
+                self.init_source, step = load_weights(
+                    model, config.train.init_from, config, self._model_spec(), self._log
+                )
+                self._log(
+                    f"initialised weights from {self.init_source} (step {step} of that run); optimizer and step "
+                    f"start fresh"
+                )
             self._flops_per_token, self._peak = self._mfu_inputs(model)
             self.strategy = build_strategy(model, config, self.device, self.env, self._log)
             # what trains (accelerated module, DDP wrapper, pipeline stage), its optimizer (WholeStepGraph: the graph)
@@ -156,9 +173,10 @@ class Trainer:
             self.out_dir = Path(config.train.out_dir)
             # eval_callbacks: f(step, val_loss) -> a reason to stop training now, or None (graphtrain sweep's pruner)
             self.eval_callbacks: list[Callable[[int, float], str | None]] = []
-            self.metrics = MetricsLog(self.out_dir / "metrics.jsonl",
-                                      make_loggers(config.train.loggers, self.out_dir, config.to_dict())
-                                      if self.is_main else [])
+            self.metrics = MetricsLog(
+                self.out_dir / "metrics.jsonl",
+                make_loggers(config.train.loggers, self.out_dir, config.to_dict()) if self.is_main else [],
+            )
         self.step = 0  # optimizer steps completed
 
     # ------------------------------------------------------------------------------ training ----
@@ -187,9 +205,14 @@ class Trainer:
                 val_step = None  # the step val_loss was measured at (train.keep_best compares only those)
                 saved: Path | None = None
                 self.model.train()
-                bar = tqdm(total=tc.steps, initial=self.step, unit="step",
-                           disable=not console.show_bar(tc.progress, self.is_main),
-                           dynamic_ncols=True, desc=f"train {cfg.model.label}")
+                bar = tqdm(
+                    total=tc.steps,
+                    initial=self.step,
+                    unit="step",
+                    disable=not console.show_bar(tc.progress, self.is_main),
+                    dynamic_ncols=True,
+                    desc=f"train {cfg.model.label}",
+                )
                 for step in range(self.step, tc.steps):
                     preempt.phase = "step"
                     t0 = time.perf_counter()
@@ -202,8 +225,9 @@ class Trainer:
                     if out.rejected is not None:  # no update was made; stop after max_bad_steps in a row
                         self._log(f"step {done}: update skipped, {out.rejected}")
                         if self.is_main:
-                            self.metrics.write("skip", done, reason=out.rejected, loss=step_loss,
-                                               grad_norm=out.grad_norm)
+                            self.metrics.write(
+                                "skip", done, reason=out.rejected, loss=step_loss, grad_norm=out.grad_norm
+                            )
                     numerics.record(done, step_loss, out.rejected)
                     if out.rejected is None:
                         recent.append(step_loss)
@@ -215,14 +239,36 @@ class Trainer:
                         train_loss = sum(recent) / len(recent) if recent else math.nan
                         recent.clear()
                         mfu = self._flops_per_token * tok_s / self._peak if self._peak else None
-                        self.metrics.write("train", done, loss=train_loss, lr=lr, tokens_per_s=tok_s, ms_per_step=ms,
-                                           peak_mem_bytes=mem, grad_norm=out.grad_norm, skipped=skipped,
-                                           bad_steps=numerics.total, loss_scale=out.scale, mfu=mfu)
+                        self.metrics.write(
+                            "train",
+                            done,
+                            loss=train_loss,
+                            lr=lr,
+                            tokens_per_s=tok_s,
+                            ms_per_step=ms,
+                            peak_mem_bytes=mem,
+                            grad_norm=out.grad_norm,
+                            skipped=skipped,
+                            bad_steps=numerics.total,
+                            loss_scale=out.scale,
+                            mfu=mfu,
+                        )
                         skipped = 0
                         bar.set_postfix(loss=f"{train_loss:.3f}", tok_s=console.human(tok_s), mem=format_bytes(mem))
                         if bar.disable:  # no terminal (a log file): plain lines, no carriage-return redraws
-                            print(console.step_line(done, tc.steps, train_loss, lr, tok_s, ms, mem,
-                                                    first=done - tc.log_every <= self._first_step), flush=True)
+                            print(
+                                console.step_line(
+                                    done,
+                                    tc.steps,
+                                    train_loss,
+                                    lr,
+                                    tok_s,
+                                    ms,
+                                    mem,
+                                    first=done - tc.log_every <= self._first_step,
+                                ),
+                                flush=True,
+                            )
                     stop = None
                     if (tc.eval_every and done % tc.eval_every == 0) or done == tc.steps:
                         val_loss, val_step = self.evaluate(), done
@@ -256,15 +302,25 @@ class Trainer:
             val_loss = self.evaluate()
         ms, tok_s = speed.overall()
         first_ms = None if speed.first_step_s is None else 1000 * speed.first_step_s
-        summary = {"steps": self.step, "train_loss": train_loss, "val_loss": val_loss, "tokens_per_s": tok_s,
-                   "ms_per_step": ms, "first_step_ms": first_ms,
-                   "peak_mem_bytes": peak_memory_bytes(self.device), "tokens_per_step": tokens_per_step,
-                   "checkpoint": str(saved or latest_checkpoint(self.out_dir) or ""), "out_dir": str(self.out_dir)}
+        summary = {
+            "steps": self.step,
+            "train_loss": train_loss,
+            "val_loss": val_loss,
+            "tokens_per_s": tok_s,
+            "ms_per_step": ms,
+            "first_step_ms": first_ms,
+            "peak_mem_bytes": peak_memory_bytes(self.device),
+            "tokens_per_step": tokens_per_step,
+            "checkpoint": str(saved or latest_checkpoint(self.out_dir) or ""),
+            "out_dir": str(self.out_dir),
+        }
         if self.is_main and tc.export_hf:  # after the last save: the folder is the final checkpoint
             hf = write_hf_folder(self.out_dir, cfg, self.data.tokenizer, self.data.vocab_size)
             summary["hf_folder"] = hf["out"]
-            self._log(f"train.export_hf: wrote {hf['out']} ({hf['class']}, from {Path(hf['checkpoint']).name}; "
-                      f"reloaded by transformers, max abs logit difference {hf['max_abs_diff']:.2e})")
+            self._log(
+                f"train.export_hf: wrote {hf['out']} ({hf['class']}, from {Path(hf['checkpoint']).name}; "
+                f"reloaded by transformers, max abs logit difference {hf['max_abs_diff']:.2e})"
+            )
         if self.is_main:
             self.metrics.write("summary", self.step, **summary)
             runinfo.finish_session(self.out_dir, self.step, self.strategy.module)
@@ -276,16 +332,19 @@ class Trainer:
         when the peak was measured on this machine before (`graphtrain train` does it once per machine,
         `graphtrain bench` and `python -m graphtrain.kernels.flops` too; the Trainer itself never spends the
         seconds)."""
-        per_token = flops.step_flops(flops.matmul_params(model), self.spec.n_layer, self.config.data.seq_len,
-                                     self.spec.d_model, 1)
+        per_token = flops.step_flops(
+            flops.matmul_params(model), self.spec.n_layer, self.config.data.seq_len, self.spec.d_model, 1
+        )
         peak = capability.peek_probe(f"matmul_peak_{self.device.type}", any_threads=True) or {}
         # the precision the engine runs (auto resolved as the engine resolves it), so bf16 steps meet the bf16 peak
         resolved = capability.resolve_precision(self.config.engine.precision, self.device.type)
         precision = "bf16" if self.config.train.accelerate and resolved in ("bf16", "fp16") else "fp32"
         value = peak.get(precision)
         if not value:
-            self._log(f"MFU not logged: this machine's {precision} matmul peak was never measured (python -m "
-                      f"graphtrain.kernels.flops measures and caches it)")
+            self._log(
+                f"MFU not logged: this machine's {precision} matmul peak was never measured (python -m "
+                f"graphtrain.kernels.flops measures and caches it)"
+            )
         return per_token, value if value else None
 
     def _log_engine_report(self) -> None:
@@ -316,51 +375,66 @@ class Trainer:
         finally:
             self.model.train(was_training)
 
-    def sample(self, prompt: str, n_tokens: int, *, temperature: float = 0.8, top_k: int | None = 20,
-               seed: int | None = None) -> str:
+    def sample(
+        self, prompt: str, n_tokens: int, *, temperature: float = 0.8, top_k: int | None = 20, seed: int | None = None
+    ) -> str:
         """GPT models: `prompt` followed by `n_tokens` sampled tokens (temperature 0: greedy).
 
         Sampling draws from its own generator seeded with `seed` (default `train.seed`), so the
         same weights give the same completion and the global RNG is untouched.
         """
         if self.family != "gpt2":
-            raise ValueError(f"sample() needs a GPT model; {self.config.model.label!r} is a {self.family} "
-                             f"(masked LM) model")
+            raise ValueError(
+                f"sample() needs a GPT model; {self.config.model.label!r} is a {self.family} (masked LM) model"
+            )
         if n_tokens < 0:
             raise ValueError(f"n_tokens must be >= 0, got {n_tokens}")
         if self.data.tokenizer is None:
-            raise ValueError("sample() needs a tokenizer to encode the prompt and decode tokens; this run trains on "
-                             "token arrays without one: set data.tokenizer to the tokenizer that made them")
+            raise ValueError(
+                "sample() needs a tokenizer to encode the prompt and decode tokens; this run trains on "
+                "token arrays without one: set data.tokenizer to the tokenizer that made them"
+            )
         module = self.strategy.whole_model(self.out_dir, self.data.vocab_size)
         tok = self.data.tokenizer
         ids = list(tok.encode(prompt)) or [tok.eos_id]
-        ids = ids[-self.spec.max_seq_len:]
+        ids = ids[-self.spec.max_seq_len :]
         gen = torch.Generator(device=self.device).manual_seed(self.config.train.seed if seed is None else seed)
         x = torch.tensor([ids], dtype=torch.long, device=self.device)
         # Eagerly: every generated token is a new sequence length, i.e. a recompile for the engine.
         with torch.compiler.set_stance("force_eager"):
             out = module.generate(x, n_tokens, temperature=temperature, top_k=top_k, generator=gen)
-        new = out[0, len(ids):].tolist()
+        new = out[0, len(ids) :].tolist()
         eos = getattr(tok, "eos_id", None)
         if eos is not None and eos in new:
-            new = new[:new.index(eos)]
+            new = new[: new.index(eos)]
         return prompt + tok.decode(new)
 
     # ---------------------------------------------------------------------------- checkpoints ----
     def save_checkpoint(self, metrics: dict[str, Any] | None = None) -> Path:
         """Save ckpt-{step}.pt atomically (distributed: the sharded folder ckpt-{step}/), keep the train.keep_last
         newest, and with train.keep_best make it ckpt-best when its step was evaluated and beat the best so far."""
-        meta = {"format_version": FORMAT_VERSION, "step": self.step, "config": self.config.to_dict(),
-                "model_spec": self._model_spec(), "metrics": metrics or {}}
+        meta = {
+            "format_version": FORMAT_VERSION,
+            "step": self.step,
+            "config": self.config.to_dict(),
+            "model_spec": self._model_spec(),
+            "metrics": metrics or {},
+        }
         tok = getattr(self.data, "tokenizer", None)
         if tok is not None and hasattr(tok, "to_str"):  # the tokenizer travels with the weights; resume checks it
             meta["tokenizer"] = {"sha256": tok.digest(), "json": tok.to_str(), "specials": tok.specials}
         path = self.strategy.save(self.out_dir, meta)
         val = (metrics or {}).get("val_loss")
-        if (self.config.train.keep_best and self.is_main and (metrics or {}).get("val_step") == self.step
-                and isinstance(val, float) and update_best(self.out_dir, path, val)):
-            self._log(f"step {self.step}: best validation loss so far ({val:.4f}): kept as "
-                      f"{best_checkpoint(self.out_dir)}")
+        if (
+            self.config.train.keep_best
+            and self.is_main
+            and (metrics or {}).get("val_step") == self.step
+            and isinstance(val, float)
+            and update_best(self.out_dir, path, val)
+        ):
+            self._log(
+                f"step {self.step}: best validation loss so far ({val:.4f}): kept as {best_checkpoint(self.out_dir)}"
+            )
         return path
 
     def load_checkpoint(self, path: str | Path) -> int:
@@ -387,19 +461,37 @@ class Trainer:
         else:
             existing = list_checkpoints(self.out_dir)
             if existing:
-                raise ValueError(f"out_dir {str(self.out_dir)!r} already holds checkpoints (latest "
-                                 f"{existing[-1][1].name}); continue that run with --resume (resume=True), or "
-                                 f"choose a new out_dir (--out DIR / train.out_dir=...)")
+                raise ValueError(
+                    f"out_dir {str(self.out_dir)!r} already holds checkpoints (latest "
+                    f"{existing[-1][1].name}); continue that run with --resume (resume=True), or "
+                    f"choose a new out_dir (--out DIR / train.out_dir=...)"
+                )
             if self.is_main:
                 self.metrics.reset()
         par, module = self.config.parallel, self.strategy.module
         if self.is_main:  # the full config goes to the run folder; the console gets a few lines (trainer/console.py)
             runtime.write_text_atomic(self.out_dir / "config.yaml", self.config.to_yaml())
-            runinfo.start_session(self.out_dir, self.config, self.device, par.world_size, start,
-                                  tc.batch_size * tc.grad_accum * self.config.data.seq_len)
+            runinfo.start_session(
+                self.out_dir,
+                self.config,
+                self.device,
+                par.world_size,
+                start,
+                tc.batch_size * tc.grad_accum * self.config.data.seq_len,
+            )
         n_params = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in module.parameters())
-        self._log(console.banner(self.config, n_params, par.tp > 1 or par.pp > 1, self.data.vocab_size, self.device,
-                                 self.env, runtime.is_accelerated(module), self.out_dir))
+        self._log(
+            console.banner(
+                self.config,
+                n_params,
+                par.tp > 1 or par.pp > 1,
+                self.data.vocab_size,
+                self.device,
+                self.env,
+                runtime.is_accelerated(module),
+                self.out_dir,
+            )
+        )
         return start
 
     def _resume_source(self, resume: bool | str | Path) -> Path | None:
@@ -419,11 +511,15 @@ class Trainer:
             if auto:
                 self._log(f"resume auto: no checkpoint in {self.out_dir}, starting a fresh run")
                 return None
-            raise ValueError(f"resume: no checkpoint (ckpt-*) in {str(where)!r}; train without --resume to start "
-                             f"fresh (or use --resume auto), or point train.out_dir (--out) at the run to continue")
-        raise ValueError(f"resume: none of the {len(found)} checkpoints in {str(where)!r} verifies (each is named "
-                         f"above with the reason): copy intact ones back from a backup, or move the folder away and "
-                         f"start fresh (a new out_dir, --out DIR)")
+            raise ValueError(
+                f"resume: no checkpoint (ckpt-*) in {str(where)!r}; train without --resume to start "
+                f"fresh (or use --resume auto), or point train.out_dir (--out) at the run to continue"
+            )
+        raise ValueError(
+            f"resume: none of the {len(found)} checkpoints in {str(where)!r} verifies (each is named "
+            f"above with the reason): copy intact ones back from a backup, or move the folder away and "
+            f"start fresh (a new out_dir, --out DIR)"
+        )
 
     def _resume_from(self, source: Path) -> int:
         """Check `source` fits this run (model, config, steps), then load it and move later checkpoints aside."""
@@ -432,17 +528,20 @@ class Trainer:
         meta = checkpoint_meta(source, self.config, self._model_spec())  # verified; the model-defining keys match
         step = int(meta["step"])
         if step > tc.steps:
-            raise ValueError(f"checkpoint {str(source)!r} is at step {step}, past train.steps={tc.steps}: "
-                             f"set train.steps above {step} to continue training it")
-        check_config_changes(expand_path_keys(meta["config"]), self.config, self.allow_config_change, source,
-                             self._log)
+            raise ValueError(
+                f"checkpoint {str(source)!r} is at step {step}, past train.steps={tc.steps}: "
+                f"set train.steps above {step} to continue training it"
+            )
+        check_config_changes(expand_path_keys(meta["config"]), self.config, self.allow_config_change, source, self._log)
         self._check_tokenizer(meta, source)
         start = self.load_checkpoint(source)
         moved = self._on_main(lambda: supersede_later(self.out_dir, start))
         if moved and moved[0] is not None:
             folder, names = moved
-            self._log(f"resumed from step {start}, so the {len(names)} later checkpoint(s) of {self.out_dir} "
-                      f"({', '.join(names)}) moved to {folder} (kept, out of --resume's way)")
+            self._log(
+                f"resumed from step {start}, so the {len(names)} later checkpoint(s) of {self.out_dir} "
+                f"({', '.join(names)}) moved to {folder} (kept, out of --resume's way)"
+            )
         if self.is_main:
             self.metrics.truncate_after(start)
         self._log(f"resumed from {source} at step {start}")
@@ -454,19 +553,24 @@ class Trainer:
         tok = getattr(self.data, "tokenizer", None)
         current = tok.digest() if tok is not None and hasattr(tok, "digest") else None
         if saved is not None and current is not None and saved != current:
-            raise ValueError(f"checkpoint {str(source)!r} was trained with another tokenizer than this run builds "
-                             f"(sha256 {saved[:12]}, now {current[:12]}): use the run's data settings (data.path, "
-                             f"data.tokenizer, data.vocab_size, data.max_bytes as in its config.yaml), or start a new "
-                             f"out_dir. The checkpoint holds its tokenizer (graphtrain.trainer.checkpoint.checkpoint_tokenizer)")
+            raise ValueError(
+                f"checkpoint {str(source)!r} was trained with another tokenizer than this run builds "
+                f"(sha256 {saved[:12]}, now {current[:12]}): use the run's data settings (data.path, "
+                f"data.tokenizer, data.vocab_size, data.max_bytes as in its config.yaml), or start a new "
+                f"out_dir. The checkpoint holds its tokenizer (graphtrain.trainer.checkpoint.checkpoint_tokenizer)"
+            )
         if saved is not None and current is None:
-            raise ValueError(f"checkpoint {str(source)!r} was trained with a tokenizer, but this run has none (token "
-                             f"arrays without data.tokenizer): set data.tokenizer to that tokenizer")
+            raise ValueError(
+                f"checkpoint {str(source)!r} was trained with a tokenizer, but this run has none (token "
+                f"arrays without data.tokenizer): set data.tokenizer to that tokenizer"
+            )
 
     def _on_main(self, fn: Any) -> Any:
         """`fn()` on the main rank (None elsewhere), then a barrier: the others see what it changed on disk."""
         result = fn() if self.is_main else None
         if self.env is not None:
             import torch.distributed as dist
+
             dist.barrier()
         return result
 
@@ -495,8 +599,11 @@ class Trainer:
     def _train_step(self, step: int, lr: float, max_loss: float) -> Any:
         """One optimizer step; running out of memory becomes a TrainingFailed naming the fixes."""
         try:
-            return self.strategy.step(self._batches(self.data.train, step * self.config.train.grad_accum,
-                                                    self.config.train.grad_accum), lr, max_loss)
+            return self.strategy.step(
+                self._batches(self.data.train, step * self.config.train.grad_accum, self.config.train.grad_accum),
+                lr,
+                max_loss,
+            )
         except RuntimeError as e:  # torch.OutOfMemoryError (CUDA) is a RuntimeError; the CPU allocator raises one
             if not _is_out_of_memory(e):
                 raise
@@ -507,7 +614,8 @@ class Trainer:
                 f"data.seq_len={self.config.data.seq_len}, engine.recompute={engine.recompute}: set "
                 f"engine.recompute=auto with engine.memory_budget (e.g. 0.8), or train.batch_size=auto with "
                 f"engine.memory_budget, or lower train.batch_size (raise train.grad_accum to keep the samples "
-                f"per step)") from None
+                f"per step)"
+            ) from None
 
     def _save(self, metrics: dict[str, Any]) -> Path:
         """save_checkpoint, a failed write (disk full, I/O error) becoming a TrainingFailed; the checkpoints
@@ -519,9 +627,11 @@ class Trainer:
             where = f" ({e.filename})" if e.filename else ""
             latest = latest_checkpoint(self.out_dir)
             kept = f"the latest complete one, {latest}, is kept" if latest else "no earlier checkpoint exists"
-            raise TrainingFailed(f"could not write the checkpoint of step {self.step}: {reason}{where}; {kept}. Free "
-                                 f"space in (or point --out / train.out_dir at another disk than) {self.out_dir}, "
-                                 f"then continue with --resume auto") from None
+            raise TrainingFailed(
+                f"could not write the checkpoint of step {self.step}: {reason}{where}; {kept}. Free "
+                f"space in (or point --out / train.out_dir at another disk than) {self.out_dir}, "
+                f"then continue with --resume auto"
+            ) from None
 
     def _preempted(self, preempt: PreemptionGuard, step: int | None, saved: Path | None) -> TrainingPreempted:
         """The exception fit() raises on SIGTERM/SIGINT, after the metrics record saying what was saved."""
@@ -530,19 +640,28 @@ class Trainer:
         grace = self.config.train.preempt_grace_s
         if step is not None:
             latest = saved or latest_checkpoint(self.out_dir)
-            message = (f"stopped by {name} at step {step}: checkpoint {latest} holds it, written {after:.1f}s after "
-                       f"the signal (train.preempt_grace_s={grace:g})")
+            message = (
+                f"stopped by {name} at step {step}: checkpoint {latest} holds it, written {after:.1f}s after "
+                f"the signal (train.preempt_grace_s={grace:g})"
+            )
             saved_after: float | None = after
         else:
             step = self.step
             latest = latest_checkpoint(self.out_dir)
             holds = f"{latest} is the latest checkpoint" if latest else "no checkpoint was written yet"
-            message = (f"stopped by {name}: step {self.step + 1} did not finish within train.preempt_grace_s="
-                       f"{grace:g}s and was abandoned; {holds}")
+            message = (
+                f"stopped by {name}: step {self.step + 1} did not finish within train.preempt_grace_s="
+                f"{grace:g}s and was abandoned; {holds}"
+            )
             saved_after = None
         if self.is_main:
-            self.metrics.write("preempted", step, signal=name, checkpoint=str(latest) if latest else None,
-                               seconds_after_signal=saved_after)
+            self.metrics.write(
+                "preempted",
+                step,
+                signal=name,
+                checkpoint=str(latest) if latest else None,
+                seconds_after_signal=saved_after,
+            )
         self._log(message)
         return TrainingPreempted(message, signal_name=name, step=step, checkpoint=latest, saved_after_s=saved_after)
 
