@@ -7,6 +7,7 @@
 the pages cannot drift from the code. `missing_descriptions()` lists every key, verb or argument without a
 description; tests/test_docs.py requires it to be empty.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,8 +22,9 @@ CLI_MARKER = "<!-- graphtrain:cli-reference -->"
 def _cell(text: str) -> str:
     """Text safe inside one Markdown table cell."""
     parts = re.split(r"(`+[^`]*`+)", " ".join(str(text).split()))  # code spans at odd indices
-    return "".join(p if i % 2 else p.replace("[", "\\[").replace("]", "\\]").replace("<", "&lt;")
-                   for i, p in enumerate(parts)).replace("|", "\\|")
+    return "".join(
+        p if i % 2 else p.replace("[", "\\[").replace("]", "\\]").replace("<", "&lt;") for i, p in enumerate(parts)
+    ).replace("|", "\\|")
 
 
 def _code(text: str) -> str:
@@ -33,9 +35,11 @@ def _code(text: str) -> str:
 
 # ------------------------------------------------------------------------------------ config ----
 
+
 def _yaml(value) -> str:
     """A default as a job file writes it (null, true, [0.9, 0.95])."""
     import yaml
+
     if isinstance(value, tuple):
         value = list(value)
     return yaml.safe_dump(value, default_flow_style=True, width=10**6).strip().removesuffix("...").strip()
@@ -45,6 +49,7 @@ def config_sections() -> list[tuple[str, type, list[tuple[str, str, str, str]]]]
     """(section, dataclass, [(key, type, default, description)]) for every section of graphtrain.Config."""
     from graphtrain.config.schema import describe_type, field_docs
     from graphtrain.config.sections import Config
+
     default = Config()
     out = []
     for sec in dataclasses.fields(Config):
@@ -52,8 +57,10 @@ def config_sections() -> list[tuple[str, type, list[tuple[str, str, str, str]]]]
         cls = type(sub)
         docs = field_docs(cls)
         hints = typing.get_type_hints(cls)
-        rows = [(f.name, describe_type(hints[f.name]), _yaml(getattr(sub, f.name)), docs.get(f.name, ""))
-                for f in dataclasses.fields(sub)]
+        rows = [
+            (f.name, describe_type(hints[f.name]), _yaml(getattr(sub, f.name)), docs.get(f.name, ""))
+            for f in dataclasses.fields(sub)
+        ]
         out.append((sec.name, cls, rows))
     return out
 
@@ -61,8 +68,14 @@ def config_sections() -> list[tuple[str, type, list[tuple[str, str, str, str]]]]
 def config_reference() -> str:
     lines = []
     for name, cls, rows in config_sections():
-        lines += [f"## `{name}`", "", _cell(cls.__doc__ or ""), "",
-                  "| key | type | default | description |", "|---|---|---|---|"]
+        lines += [
+            f"## `{name}`",
+            "",
+            _cell(cls.__doc__ or ""),
+            "",
+            "| key | type | default | description |",
+            "|---|---|---|---|",
+        ]
         for key, tp, default, doc in rows:
             lines.append(f"| `{name}.{key}` | {_cell(tp)} | {_code(default)} | {_cell(doc)} |")
         lines.append("")
@@ -70,6 +83,7 @@ def config_reference() -> str:
 
 
 # --------------------------------------------------------------------------------------- cli ----
+
 
 def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
     for action in parser._actions:
@@ -111,6 +125,7 @@ def _arguments(parser: argparse.ArgumentParser) -> list[tuple[str, str, str]]:
 def cli_verbs() -> list[tuple[str, str, argparse.ArgumentParser]]:
     """(verb, help, parser) for every `graphtrain` subcommand, in the parser's order."""
     from graphtrain.cli.main import build_parser
+
     parser = build_parser()
     helps = _verb_help(parser)
     return [(name, helps.get(name, ""), sub) for name, sub in _subparsers(parser).items()]
@@ -118,17 +133,33 @@ def cli_verbs() -> list[tuple[str, str, argparse.ArgumentParser]]:
 
 def cli_reference() -> str:
     from graphtrain.cli.main import build_parser
+
     top = build_parser()
-    lines = ["Global option: `graphtrain --debug COMMAND ...` (or `--debug` after the command) shows full tracebacks "
-             "for errors.", "", "| command | what it does |", "|---|---|"]
+    lines = [
+        "Global option: `graphtrain --debug COMMAND ...` (or `--debug` after the command) shows full tracebacks "
+        "for errors.",
+        "",
+        "| command | what it does |",
+        "|---|---|",
+    ]
     verbs = cli_verbs()
     for name, help_, _ in verbs:
         lines.append(f"| [`{name}`](#graphtrain-{name}) | {_cell(help_)} |")
     lines.append("")
     for name, help_, sub in verbs:
         usage = " ".join(sub.format_usage().replace("usage:", "").split())
-        lines += [f"## graphtrain {name}", "", _cell(help_), "", "```text", usage, "```", "",
-                  "| argument | description | values |", "|---|---|---|"]
+        lines += [
+            f"## graphtrain {name}",
+            "",
+            _cell(help_),
+            "",
+            "```text",
+            usage,
+            "```",
+            "",
+            "| argument | description | values |",
+            "|---|---|---|",
+        ]
         for arg, doc, extra in _arguments(sub):
             lines.append(f"| {_code(arg)} | {_cell(doc)} | {_cell(extra)} |")
         lines.append("")
@@ -139,6 +170,7 @@ def cli_reference() -> str:
 
 
 # ---------------------------------------------------------------------------------- coverage ----
+
 
 def missing_descriptions() -> list[str]:
     """Every config key, CLI verb or CLI argument that has no description (the references must cover 100%)."""
@@ -173,6 +205,7 @@ def on_config(config):
     nav by itself, titled from its file name, so a new note never fails the strict build for want of a nav entry.
     Guides and references (docs/guides/, docs/reference/) must be listed by hand: one missing from the nav fails."""
     from pathlib import Path
+
     docs_dir = Path(config["docs_dir"])
     listed = _nav_paths(config["nav"])
     for item in config["nav"] or []:

@@ -12,6 +12,7 @@ runs past --case-timeout is a failure, and the table says which and why. Exit st
 Timings in the table are wall-clock seconds of this run (first step: compile included; step: the median of the
 steps after it); they come from tiny models and say nothing about throughput.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,31 +44,64 @@ def _models(names: list[str]) -> dict[str, Callable[[], tuple[torch.nn.Module, d
         return {"input_ids": ids, "labels": ids.clone()}
 
     def gpt2():
-        cfg = tf.GPT2Config(n_layer=2, n_embd=128, n_head=4, vocab_size=1000, n_positions=256, resid_pdrop=0.0,
-                            embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
+        cfg = tf.GPT2Config(
+            n_layer=2,
+            n_embd=128,
+            n_head=4,
+            vocab_size=1000,
+            n_positions=256,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            use_cache=False,
+        )
         return tf.GPT2LMHeadModel(cfg), text_batch(1000)
 
     def llama():  # grouped-query attention: 4 query heads share 2 key/value heads
-        cfg = tf.LlamaConfig(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                             use_cache=False)
+        cfg = tf.LlamaConfig(
+            vocab_size=1000,
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+            use_cache=False,
+        )
         return tf.LlamaForCausalLM(cfg), text_batch(1000)
 
     def bert():
-        cfg = tf.BertConfig(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                            num_attention_heads=4, max_position_embeddings=256, hidden_dropout_prob=0.0,
-                            attention_probs_dropout_prob=0.0)
+        cfg = tf.BertConfig(
+            vocab_size=1000,
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=256,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        )
         batch = text_batch(1000)
         masked = torch.rand(batch["labels"].shape, device=DEVICE) < 0.15
         batch["labels"] = torch.where(masked, batch["labels"], torch.full_like(batch["labels"], -100))
         return tf.BertForMaskedLM(cfg), batch
 
     def vit():
-        cfg = tf.ViTConfig(image_size=64, patch_size=8, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                           num_attention_heads=4, num_labels=10, hidden_dropout_prob=0.0,
-                           attention_probs_dropout_prob=0.0)
-        return tf.ViTForImageClassification(cfg), {"pixel_values": torch.randn(4, 3, 64, 64, device=DEVICE),
-                                                   "labels": torch.randint(0, 10, (4,), device=DEVICE)}
+        cfg = tf.ViTConfig(
+            image_size=64,
+            patch_size=8,
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_labels=10,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        )
+        return tf.ViTForImageClassification(cfg), {
+            "pixel_values": torch.randn(4, 3, 64, 64, device=DEVICE),
+            "labels": torch.randint(0, 10, (4,), device=DEVICE),
+        }
 
     table = {"gpt2": gpt2, "llama": llama, "bert": bert, "vit": vit}
     return {n: table[n] for n in names}
@@ -82,8 +116,9 @@ def _eager(model: torch.nn.Module, batch: dict, steps: int, precision: str) -> t
     return _loop(model, model, batch, steps, autocast=precision == "bf16")
 
 
-def _loop(call: Any, model: torch.nn.Module, batch: dict, steps: int,
-          autocast: bool) -> tuple[list[float], list[float]]:
+def _loop(
+    call: Any, model: torch.nn.Module, batch: dict, steps: int, autocast: bool
+) -> tuple[list[float], list[float]]:
     """`steps` training steps of `call` (the model, or its compiled form) with AdamW on `model`'s parameters:
     the losses and the step times."""
     opt = _adamw(model)
@@ -101,13 +136,16 @@ def _loop(call: Any, model: torch.nn.Module, batch: dict, steps: int,
     return losses, times
 
 
-def _graphtrain(entry: str, model: torch.nn.Module, batch: dict, steps: int,
-                precision: str) -> tuple[list[float], list[float]]:
+def _graphtrain(
+    entry: str, model: torch.nn.Module, batch: dict, steps: int, precision: str
+) -> tuple[list[float], list[float]]:
     import graphtrain
     from graphtrain.config.sections import Config
+
     if entry == "compile_step":
-        cfg = Config().with_overrides([f"engine.precision={precision}", "optim.lr=1e-3", "optim.weight_decay=0.0",
-                                       "optim.grad_clip=null"])
+        cfg = Config().with_overrides(
+            [f"engine.precision={precision}", "optim.lr=1e-3", "optim.weight_decay=0.0", "optim.grad_clip=null"]
+        )
         step = graphtrain.compile_step(model, cfg)
         losses, times = [], []
         for _ in range(steps):
@@ -124,9 +162,11 @@ def _graphtrain(entry: str, model: torch.nn.Module, batch: dict, steps: int,
     return _loop(compiled, model, batch, steps, autocast=precision == "bf16" and entry == "torch.compile")
 
 
-def run_case(make: Callable[[], tuple[torch.nn.Module, dict]], entry: str, precision: str,
-             steps: int) -> dict[str, Any]:
+def run_case(
+    make: Callable[[], tuple[torch.nn.Module, dict]], entry: str, precision: str, steps: int
+) -> dict[str, Any]:
     from graphtrain.testing import TOLERANCES
+
     torch.manual_seed(0)
     model, batch = make()
     model = model.to(DEVICE).train()
@@ -136,18 +176,35 @@ def run_case(make: Callable[[], tuple[torch.nn.Module, dict]], entry: str, preci
     rtol, atol = TOLERANCES[torch.bfloat16 if precision == "bf16" else torch.float32]
     worst = max(abs(g - w) / max(abs(w), 1e-12) for g, w in zip(got, want))
     ok = all(abs(g - w) <= atol + rtol * abs(w) for g, w in zip(got, want))
-    return {"ok": ok, "worst_rel": worst, "first_s": gt_t[0], "step_ms": 1e3 * statistics.median(gt_t[1:]),
-            "eager_ms": 1e3 * statistics.median(eager_t[1:]), "losses": (got, want)}
+    return {
+        "ok": ok,
+        "worst_rel": worst,
+        "first_s": gt_t[0],
+        "step_ms": 1e3 * statistics.median(gt_t[1:]),
+        "eager_ms": 1e3 * statistics.median(eager_t[1:]),
+        "losses": (got, want),
+    }
 
 
 # (model, entry, precision), each case a process start and a compile. First a round that covers every model, entry
 # and precision once, so a --budget cut still leaves each of them checked; then every model through accelerate in
 # the other precision and the remaining spread.
-CASES = [("gpt2", "accelerate", "fp32"), ("llama", "accelerate", "bf16"), ("bert", "accelerate", "bf16"),
-         ("vit", "accelerate", "fp32"), ("gpt2", "torch.compile", "bf16"), ("llama", "compile_step", "fp32"),
-         ("gpt2", "accelerate", "bf16"), ("llama", "accelerate", "fp32"), ("bert", "accelerate", "fp32"),
-         ("vit", "accelerate", "bf16"), ("llama", "torch.compile", "fp32"), ("bert", "torch.compile", "bf16"),
-         ("vit", "torch.compile", "fp32"), ("gpt2", "compile_step", "bf16")]
+CASES = [
+    ("gpt2", "accelerate", "fp32"),
+    ("llama", "accelerate", "bf16"),
+    ("bert", "accelerate", "bf16"),
+    ("vit", "accelerate", "fp32"),
+    ("gpt2", "torch.compile", "bf16"),
+    ("llama", "compile_step", "fp32"),
+    ("gpt2", "accelerate", "bf16"),
+    ("llama", "accelerate", "fp32"),
+    ("bert", "accelerate", "fp32"),
+    ("vit", "accelerate", "bf16"),
+    ("llama", "torch.compile", "fp32"),
+    ("bert", "torch.compile", "bf16"),
+    ("vit", "torch.compile", "fp32"),
+    ("gpt2", "compile_step", "bf16"),
+]
 
 
 def _one(case: str, steps: int) -> int:
@@ -157,11 +214,14 @@ def _one(case: str, steps: int) -> int:
     torch.backends.cudnn.allow_tf32 = False
     try:
         r = run_case(_models([name])[name], entry, precision, steps)
-        out = {"status": "ok" if r["ok"] else "MISMATCH",
-               "detail": f"{r['worst_rel']:.1e} | {r['first_s']:.1f} | {r['step_ms']:.1f} | {r['eager_ms']:.1f}"}
+        out = {
+            "status": "ok" if r["ok"] else "MISMATCH",
+            "detail": f"{r['worst_rel']:.1e} | {r['first_s']:.1f} | {r['step_ms']:.1f} | {r['eager_ms']:.1f}",
+        }
         if not r["ok"]:
-            out["detail"] += (f" | losses {[f'{x:.5f}' for x in r['losses'][0]]} vs eager "
-                              f"{[f'{x:.5f}' for x in r['losses'][1]]}")
+            out["detail"] += (
+                f" | losses {[f'{x:.5f}' for x in r['losses'][0]]} vs eager {[f'{x:.5f}' for x in r['losses'][1]]}"
+            )
     except Exception as e:  # noqa: BLE001 - a crash is this case's result
         traceback.print_exc()
         out = {"status": "CRASH", "detail": " ".join(f"{type(e).__name__}: {e}".split())[:300]}
@@ -171,21 +231,30 @@ def _one(case: str, steps: int) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cases", default=",".join(":".join(c) for c in CASES),
-                    help="model:entry:precision,... (models gpt2 llama bert vit; entries accelerate torch.compile "
-                         "compile_step; precisions fp32 bf16)")
+    ap.add_argument(
+        "--cases",
+        default=",".join(":".join(c) for c in CASES),
+        help="model:entry:precision,... (models gpt2 llama bert vit; entries accelerate torch.compile "
+        "compile_step; precisions fp32 bf16)",
+    )
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--case-timeout", type=float, default=120.0, help="seconds one case may take")
-    ap.add_argument("--budget", type=float, default=0.0,
-                    help="seconds for all cases (0: no limit); a case that cannot start in time is NOT RUN")
+    ap.add_argument(
+        "--budget",
+        type=float,
+        default=0.0,
+        help="seconds for all cases (0: no limit); a case that cannot start in time is NOT RUN",
+    )
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: check the script without a GPU")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # the child process: run this case
     a = ap.parse_args(argv)
     global DEVICE
     DEVICE = a.device
     if DEVICE == "cuda" and not torch.cuda.is_available():
-        print("error: no CUDA device: this smoke check needs an NVIDIA GPU (use --device cpu to check the script)",
-              file=sys.stderr)
+        print(
+            "error: no CUDA device: this smoke check needs an NVIDIA GPU (use --device cpu to check the script)",
+            file=sys.stderr,
+        )
         return 2
     if a.one:
         return _one(a.one, a.steps)
@@ -193,9 +262,12 @@ def main(argv: list[str] | None = None) -> int:
     import triton
 
     import graphtrain
-    print(f"torch {torch.__version__} (CUDA {torch.version.cuda}), triton {triton.__version__}, transformers "
-          f"{transformers.__version__}, graphtrain {graphtrain.__version__}, "
-          f"{torch.cuda.get_device_name() if DEVICE == 'cuda' else 'CPU'}; each case in its own process")
+
+    print(
+        f"torch {torch.__version__} (CUDA {torch.version.cuda}), triton {triton.__version__}, transformers "
+        f"{transformers.__version__}, graphtrain {graphtrain.__version__}, "
+        f"{torch.cuda.get_device_name() if DEVICE == 'cuda' else 'CPU'}; each case in its own process"
+    )
     rows, failed = [], 0
     start = time.perf_counter()
     for case in a.cases.split(","):
@@ -210,8 +282,11 @@ def main(argv: list[str] | None = None) -> int:
         try:
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=min(a.case_timeout, left))
             last = (r.stdout.strip().splitlines() or ["{}"])[-1]
-            out = json.loads(last) if last.startswith("{") else {
-                "status": "CRASH", "detail": f"exit {r.returncode}: {' '.join(r.stderr.split()[-40:])[:300]}"}
+            out = (
+                json.loads(last)
+                if last.startswith("{")
+                else {"status": "CRASH", "detail": f"exit {r.returncode}: {' '.join(r.stderr.split()[-40:])[:300]}"}
+            )
             if out["status"] != "ok":
                 sys.stderr.write(f"--- {case}\n{r.stdout[-3000:]}{r.stderr[-3000:]}\n")
         except subprocess.TimeoutExpired:

@@ -106,7 +106,7 @@ class Parallelized:
           recompute full/auto) goes through DDPOptimizer, as `torch.compile(ddp_model)` does: the graph is split
           at DDP's bucket boundaries, each piece compiled whole by Inductor (provider auto does not time aten
           there: runtime/provider_auto.py measurable).
-        * tp: the whole module; its DTensor parameters are traced on their local shards (engine/trace.localize),
+        * tp: the whole module; its DTensor parameters are traced on their local shards (pipeline/trace.localize),
           so every pass sees the rank's local attention, GELU and LayerNorm, with the tp collectives as nodes.
         * pp: this rank's stage module, in place, so the pipeline schedule runs the compiled stage.
         * dp composed with tp or pp (FSDP2 `replicate`): each transformer block's forward, with replicate's

@@ -56,7 +56,7 @@ def autograd_function(key: str, args: list[torch.Tensor]) -> list[torch.Tensor]:
     if key not in _BODIES:
         raise RuntimeError(
             f"graphtrain::autograd_function {key[:12]}: no such function in this process (a graph "
-            f"hidden by engine/autograd_functions.hide runs only after its restore)"
+            f"hidden by passes/autograd_functions.hide runs only after its restore)"
         )
     return _run_forward(key, args)
 

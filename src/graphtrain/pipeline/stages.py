@@ -58,7 +58,7 @@ def new_record(
 
 
 def trace(fn: Callable[..., Any], example_inputs: Sequence[Any], rec: GraphRecord | None = None) -> fx.GraphModule:
-    """`fn(*example_inputs)` (a Dynamo graph, or a function such as engine/functional's module_as_function) as
+    """`fn(*example_inputs)` (a Dynamo graph, or a function such as pipeline/functional's module_as_function) as
     the pre-autodiff IR: a functional aten graph on fake tensors (pipeline/trace.py says what it guarantees)."""
     gm = trace_aten_forward(fn, example_inputs)
     if rec is not None:

@@ -47,7 +47,7 @@ class GraphRecord:
     compile_seconds: float = 0.0
     calls_per_step: int = 1  # a repeated block's graph runs once per layer (pipeline/blocks.py)
     inference: bool = False  # compiled under no_grad (an evaluation graph): no backward
-    provider_times: dict[str, float] | None = None  # provider auto: each candidate's fw+bw seconds (choose.py)
+    provider_times: dict[str, float] | None = None  # provider auto: fw+bw seconds per candidate (measured.py)
     pass_cache: str = ""  # graphtrain's pass-result cache (pipeline/cache.py): hit | miss | off
     pass_cache_key: str = ""
     compile_reason: str = ""  # why Dynamo ended this graph (graph break or end of frame)
@@ -70,7 +70,7 @@ class EngineState:
     first_call_seconds: float | None = None
     first_step_memory: dict[str, Any] = field(default_factory=dict)  # memory/prefault.py: recorded, primed
     eager_only: bool = False  # capture failed; the module runs eagerly from now on
-    background: Any = field(default=None, repr=False, compare=False)  # provider auto's compile worker (choose.py)
+    background: Any = field(default=None, repr=False, compare=False)  # provider auto's worker (workers.py)
 
     @property
     def recompiles(self) -> list[GraphRecord]:

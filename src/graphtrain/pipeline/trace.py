@@ -151,7 +151,7 @@ def fakify_like_dynamo(fake_mode: FakeTensorMode, example_inputs: Sequence[Any])
             out.append(x if x.fake_mode is fake_mode else fake_mode.from_tensor(x))
         elif isinstance(x, torch.Tensor):
             sc = ctx.tensor_to_context.get(x) if ctx is not None else None
-            # A tensor Dynamo did not see (a DTensor parameter's local shard, engine/trace.localize) is static.
+            # A tensor Dynamo did not see (a DTensor parameter's local shard, pipeline/trace.localize) is static.
             out.append(
                 fake_mode.from_tensor(
                     x,
