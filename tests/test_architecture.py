@@ -313,3 +313,19 @@ def test_the_compiler_scan_sees_calls_and_imports(tmp_path):
         (5, "imports make_fx"),
         (6, "calls compile_fx"),
     ], _compiler_uses(src)
+
+
+ENTRY_FLOORS = ("cli", "__main__", "bench")
+
+
+def test_only_the_entry_floors_import_the_facade():
+    """`import graphtrain` / `from graphtrain import NAME` is the users' door; inside the package only the command
+    line and the benchmarks use it, so every other module names what it depends on."""
+    found = []
+    for module, path in MODULES.items():
+        if module == FACADE or _layer(module) in ENTRY_FLOORS:
+            continue
+        for line, target in _imports(module, path):
+            if _resolve(target) == FACADE:
+                found.append(f"{path.relative_to(PACKAGE.parent)}:{line}")
+    assert not found, f"the facade imported outside {ENTRY_FLOORS} (import the module instead): {found}"
