@@ -303,7 +303,7 @@ def test_report_goes_on_when_the_block_cache_counters_fail(monkeypatch):
     def broken():
         raise RuntimeError("simulated failure of block_cache_stats")
 
-    monkeypatch.setattr(policy, "cpu_allocator_set", lambda: "release")
+    monkeypatch.setattr(report, "cpu_allocator_set", lambda: "release")  # where the report looks it up
     monkeypatch.setattr(allocator, "block_cache_on", lambda: True)
     monkeypatch.setattr(allocator, "block_cache_stats", broken)
     state = report._allocator_state()

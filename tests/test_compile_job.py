@@ -11,6 +11,7 @@ import torch.fx as fx
 
 from graphtrain.config.sections import EngineConfig
 from graphtrain.pipeline import cache
+from graphtrain.pipeline import job as job_module
 from graphtrain.pipeline.job import CompileJob
 from graphtrain.pipeline.state import EngineState, GraphRecord
 
@@ -36,7 +37,7 @@ def test_the_pass_cache_key_is_computed_once_per_job_and_per_provider(monkeypatc
         calls.append(args[3].provider)
         return real(*args, **kw)
 
-    monkeypatch.setattr(cache, "pass_cache_key", counted)
+    monkeypatch.setattr(job_module, "pass_cache_key", counted)  # where the job looks it up
     job = _job()
     assert job.pass_key == job.pass_key == real(job.gm, job.example_inputs, job.kinds, job.config)
     assert calls == ["aten"]
@@ -51,5 +52,5 @@ def test_a_job_whose_inputs_the_key_cannot_describe_has_no_key(monkeypatch):
     def undescribable(*args, **kw):
         raise TypeError("an input the key cannot describe")
 
-    monkeypatch.setattr(cache, "pass_cache_key", undescribable)
+    monkeypatch.setattr(job_module, "pass_cache_key", undescribable)
     assert _job().pass_key is None

@@ -328,7 +328,6 @@ def test_at_exit_a_running_compile_finishes_at_low_priority_or_is_stopped(monkey
     import subprocess
     import sys
 
-    import graphtrain.runtime.tiered as tiered
     import graphtrain.runtime.workers as workers
     from graphtrain.config.sections import EngineConfig
 
@@ -353,7 +352,7 @@ def test_at_exit_a_running_compile_finishes_at_low_priority_or_is_stopped(monkey
         proc.graphtrain_folder, proc.graphtrain_finish = tmp_path / name, finish
         proc.graphtrain_folder.mkdir()
         children.append(proc)
-    monkeypatch.setattr(tiered, "_CHILDREN", list(children))
+    monkeypatch.setattr(workers, "_CHILDREN", list(children))
     finishing, stopped = children
     try:
         workers._at_exit()

@@ -277,27 +277,12 @@ def step_update(o: Any, e: Any, decay: list[bool], fp16: bool, fused_kernel: boo
                 [v[i] for i in idx],
                 [steps[i] for i in idx],
             )
+            hyper = dict(lr=lr, betas=o.betas, weight_decay=wd, eps=o.eps, grad_scale=grad_scale, found_inf=found_inf)
             if fused_kernel:
-                adamw_fused_(
-                    *group,
-                    lr=lr,
-                    betas=o.betas,
-                    weight_decay=wd,
-                    eps=o.eps,
-                    grad_scale=grad_scale,
-                    found_inf=found_inf,
-                )
+                adamw_fused_(*group, **hyper)
             else:
                 with torch.no_grad():  # the parameters are leaves that require grad
-                    adamw_(
-                        *group,
-                        lr=lr,
-                        betas=o.betas,
-                        weight_decay=wd,
-                        eps=o.eps,
-                        grad_scale=grad_scale,
-                        found_inf=found_inf,
-                    )
+                    adamw_(*group, **hyper)
         if fp16:  # DynamicLossScaler.update's rule, on tensors
             new_scale, new_tracker, new_hyst = loss_scale_update(
                 scale,
