@@ -26,13 +26,12 @@ import torch
 
 from graphtrain.bench.suites import VARIANTS, Case, Variant
 from graphtrain.config.sections import Config, ModelConfig, OptimConfig
-from graphtrain.frontend.accelerate import accelerate, wait_compiled
-from graphtrain.frontend.compile_step import compile_step
 from graphtrain.kernels import flops
 from graphtrain.models import build_model as build_reference
 from graphtrain.optim import build_optimizer, param_groups
-from graphtrain.passes.manager import registered_passes
-from graphtrain.tools.report import report
+
+# Imports inside functions: the eager and torch.compile variants never load graphtrain's engine, so their time and
+# memory are their own; the suite's parent imports this module for its reply prefix.
 
 SEED = 1337
 MLM_PROBABILITY = 0.15
@@ -177,6 +176,8 @@ def sparse_head_ran(work: Workload) -> bool:
     """Whether the variant's graphs run the sparse LM head (graphtrain's `sparse_lm_head` pass rewrote a head):
     read from the engine's pass records after the first step. Unknown (no record) counts as sparse, so that MFU is
     never counted on FLOPs that may not run."""
+    from graphtrain.tools.report import report
+
     if work.variant.mode not in ("graphtrain", "graphtrain-step") or "sparse_lm_head" in work.variant.passes_off:
         return False
     try:
@@ -203,6 +204,8 @@ def executed_flops(case: Case, work: Workload, info: dict[str, Any]) -> dict[str
 
 
 def wrap_model(model: torch.nn.Module, variant: Variant) -> torch.nn.Module:
+    from graphtrain.frontend.accelerate import accelerate
+
     if variant.mode == "eager":
         return model
     if variant.mode == "compile":
@@ -222,6 +225,8 @@ def wrap_model(model: torch.nn.Module, variant: Variant) -> torch.nn.Module:
 
 def passes_off(variant: Variant) -> dict[str, bool]:
     """The engine.passes switches of an ablation variant (`fuse_*` names every fusion pass)."""
+    from graphtrain.passes.manager import registered_passes
+
     if not variant.passes_off:
         return {}
     names = registered_passes()
@@ -259,6 +264,8 @@ def make_optimizer(model: torch.nn.Module, variant: Variant | None = None) -> to
 
 def build_workload(case: Case, variant: Variant, device: str = "cpu") -> tuple[Workload, dict[str, Any]]:
     """Build everything for one (case, variant); returns the workload and facts about it."""
+    from graphtrain.frontend.compile_step import compile_step
+
     dev = torch.device(device)
     t0 = time.perf_counter()
     if variant.fp32_matmul_bf16:
@@ -362,6 +369,8 @@ class Worker:
             torch.cuda.synchronize(self.device)
 
     def setup(self) -> dict[str, Any]:
+        from graphtrain.frontend.accelerate import wait_compiled
+
         torch.set_num_threads(os.cpu_count() or 1)
         # the same process environment for every variant of a run (runner decides): what graphtrain sets itself
         # (runtime/allocator.py allocator_mode), release under its recompute variants, keep otherwise

@@ -15,32 +15,18 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from graphtrain.config.sections import Config, ParallelConfig, resolve_engine_config
+from graphtrain.config.sections import Config, ParallelConfig
 from graphtrain.distributed import checkpoint as ckpt
-from graphtrain.distributed.data_parallel import (
-    apply_data_parallel,
-    apply_replicate,
-    broadcast_parameters,
-    grad_sync,
-    is_replicated,
-    transformer_blocks,
-)
+from graphtrain.distributed.data_parallel import apply_data_parallel, apply_replicate, broadcast_parameters, grad_sync
 from graphtrain.distributed.mesh import DistEnv, init_distributed
-from graphtrain.distributed.pipeline import (
-    build_schedule,
-    build_stage_module,
-    pipeline_eval,
-    pipeline_step,
-    sync_tied_grads,
-    tied_group,
-)
 from graphtrain.distributed.tensor_parallel import split_mixed_param_groups
 from graphtrain.distributed.tp_plans import apply_tensor_parallel
 from graphtrain.distributed.zero import optimizer_state_bytes, shard_optimizer
-from graphtrain.frontend.accelerate import accelerate, compile_in_place, new_state
 from graphtrain.optim.functional import clip_coefficient
-from graphtrain.pipeline.block_regions import splits_into_blocks
 from graphtrain.pipeline.functional import loss_of
+
+# Imports inside functions: import cost: a layout loads the engine and the other layouts' machinery only when
+# a run asks for them.
 
 __all__ = ["Parallelized", "check_engine_under_ddp", "parallelize"]
 
@@ -81,6 +67,8 @@ class Parallelized:
         schedule over parallel.microbatches; the loss is returned on every rank.
         """
         if self.schedule is not None:
+            from graphtrain.distributed.pipeline import pipeline_step, sync_tied_grads
+
             self.schedule._loss_fn.set_accumulation(micro_steps)
             loss = pipeline_step(self.schedule, self.model, input_ids, labels, self.env.group("pp"))
             if micro_step == micro_steps - 1:  # once per optimizer step: the sum covers every accumulation step
@@ -112,6 +100,10 @@ class Parallelized:
         * dp composed with tp or pp (FSDP2 `replicate`): each transformer block's forward, with replicate's
           hooks (which Dynamo cannot trace) running eagerly between blocks, as torchtitan compiles per block
           under FSDP2; the embeddings, head and loss run eagerly. `graphtrain.report(par.module)` covers all."""
+        from graphtrain.config.sections import resolve_engine_config
+        from graphtrain.distributed.data_parallel import is_replicated, transformer_blocks
+        from graphtrain.frontend.accelerate import accelerate, compile_in_place, new_state
+
         cfg = resolve_engine_config(engine, {})
         module = self.module
         if not is_replicated(module):
@@ -128,6 +120,8 @@ class Parallelized:
 
         With pp > 1 it runs the pipeline schedule's forward-only `eval` over parallel.microbatches."""
         if self.schedule is not None:
+            from graphtrain.distributed.pipeline import pipeline_eval
+
             return pipeline_eval(self.schedule, self.model, input_ids, labels, self.env.group("pp"))
         return loss_of(self.model(input_ids, labels=labels, **model_kwargs)).detach()
 
@@ -186,6 +180,8 @@ def check_engine_under_ddp(engine: Any, module: nn.Module) -> None:
     those pieces (runtime/provider_auto.py measurable)."""
     if getattr(engine, "provider", None) != "aten":
         return
+    from graphtrain.pipeline.block_regions import splits_into_blocks
+
     if splits_into_blocks(engine, module):
         return  # compiled block by block, without DDPOptimizer (frontend/accelerate.py _run_compiled)
     grad_bytes = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
@@ -230,6 +226,8 @@ def parallelize(
     schedule = tied = None
     module = model
     if parallel.pp > 1:
+        from graphtrain.distributed.pipeline import build_stage_module, tied_group
+
         module = build_stage_module(model, env.pp_rank, parallel.pp)
         tied = tied_group(env.mesh)
     module = apply_tensor_parallel(module, env.mesh["tp"])
@@ -244,6 +242,8 @@ def parallelize(
     if parallel.zero_stage == 1:
         optimizer = shard_optimizer(optimizer, env.group("dp"))
     if parallel.pp > 1:
+        from graphtrain.distributed.pipeline import build_schedule
+
         schedule = build_schedule(
             wrapped, env.pp_rank, parallel.pp, env.group("pp"), env.device, parallel.microbatches, parallel.schedule
         )

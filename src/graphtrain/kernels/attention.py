@@ -28,7 +28,6 @@ from torch import Tensor
 from torch.fx.node import Argument
 
 from graphtrain.kernels import _cpu_ext
-from graphtrain.kernels._attention_triton import attention_bwd_triton, attention_fwd_triton
 from graphtrain.kernels._common import (
     HAS_TRITON,
     check_dropout_p,
@@ -353,6 +352,9 @@ def _attention_op(
     seed = sharded_dropout_seed()
 
     def triton_path():
+        # import cost: the Triton kernels (and the torch shims they need) load only where a CUDA path runs
+        from graphtrain.kernels._attention_triton import attention_fwd_triton
+
         groups = _groups(q, k)  # the Triton kernels read one key/value head per query head
         return attention_fwd_triton(
             q, _repeat_kv(k, groups), _repeat_kv(v, groups), _mask4d(mask, q, k), scale, is_causal, p, int(seed.item())
@@ -407,6 +409,9 @@ def _attention_backward_op(
     _check_shapes(q, k, v)
 
     def triton_path():
+        # import cost: as in the forward
+        from graphtrain.kernels._attention_triton import attention_bwd_triton
+
         groups = _groups(q, k)
         dq, dk, dv = attention_bwd_triton(
             dout,

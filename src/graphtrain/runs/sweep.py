@@ -46,7 +46,6 @@ from typing import Any
 
 from graphtrain.config.jobfile import read_yaml_file
 from graphtrain.config.sections import Config, load_job_file
-from graphtrain.runs.plot import read_records, write_report
 from graphtrain.runtime.background import die_with_parent
 
 ENV_STORAGE, ENV_STUDY, ENV_TRIAL = "GRAPHTRAIN_SWEEP_STORAGE", "GRAPHTRAIN_SWEEP_STUDY", "GRAPHTRAIN_SWEEP_TRIAL"
@@ -371,6 +370,9 @@ def _stop(running: dict[int, tuple[Any, subprocess.Popen, Path]], sweep: Sweep) 
 
 
 def _records(run_dir: Path) -> list[dict[str, Any]]:
+    # import cost: the sweep's own process stays free of torch (the trials train in processes of their own)
+    from graphtrain.runs.plot import read_records
+
     path = run_dir / "metrics.jsonl"
     return read_records(path) if path.is_file() else []
 
@@ -427,6 +429,8 @@ def write_summary(sweep: Sweep, study: Any, log: Any = print) -> dict[str, Any]:
         }
         summary["edge_warnings"] = edge_warnings(sweep.space, best.params)
         ranked = sorted(complete, key=lambda t: t.value)[:3]
+        from graphtrain.runs.plot import write_report  # import cost: as in _records
+
         try:
             summary["report"] = str(
                 write_report(

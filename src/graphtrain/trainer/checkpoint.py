@@ -60,9 +60,9 @@ from graphtrain.checksums import (
     verify_file,
     write_sums,
 )
-from graphtrain.data.tokenizer import CodeTokenizer
-from graphtrain.distributed.checkpoint import load_checkpoint as load_sharded
-from graphtrain.distributed.checkpoint import read_extra, verify_folder
+
+# Imports inside functions: import cost: an eager run (train.accelerate=false, one process) never loads the
+# engine (Dynamo, Inductor), torch.distributed or the tools; each is imported where a run needs it.
 
 FORMAT_VERSION = 1
 KEEP_LAST = 3  # train.keep_last's default
@@ -259,6 +259,8 @@ def verify_checkpoint(path: str | Path) -> bool:
 
 def _verify(path: Path) -> bool:
     if is_sharded(path):
+        from graphtrain.distributed.checkpoint import verify_folder
+
         return verify_folder(path)
     if sidecar_path(path).is_file():
         verify_file(sidecar_path(path), path)
@@ -377,6 +379,8 @@ def load_sharded_meta(path: str | Path, config: Any = None, model_spec: dict[str
         raise ValueError(f"{str(path)!r} is not a sharded checkpoint folder (no .metadata){_alternatives(path)}")
     if not verify_checkpoint(path):
         _warn_unverified(path)
+    from graphtrain.distributed.checkpoint import read_extra
+
     if not (path / "extra.pt").is_file():
         raise ValueError(f"checkpoint {str(path)!r}: extra.pt is missing{_alternatives(path)}")
     try:
@@ -434,6 +438,8 @@ def load_weights(
     try:
         with digests_reused():
             if is_sharded(source):
+                from graphtrain.distributed.checkpoint import load_checkpoint as load_sharded
+
                 step = load_sharded_meta(source, config, model_spec)["step"]
                 load_sharded(source, model, None)
             else:
@@ -469,6 +475,8 @@ def check_trusted(path: str | Path, config: Any, what: str) -> None:
 def checkpoint_tokenizer(path: str | Path) -> Any:
     """The tokenizer a checkpoint was trained with (a CodeTokenizer), or None for checkpoints that hold none."""
     from tokenizers import Tokenizer
+
+    from graphtrain.data.tokenizer import CodeTokenizer
 
     saved = checkpoint_meta(path).get("tokenizer")
     if not saved:

@@ -21,9 +21,6 @@ from typing import Any
 import torch
 
 from graphtrain.checksums import fsync_dir, read_sums, sha256_file, sidecar_path, write_sums
-from graphtrain.distributed.checkpoint import load_model_weights_local
-from graphtrain.models import build_model
-from graphtrain.models.hf_export import write_hf_folder as write
 from graphtrain.trainer.checkpoint import (
     checkpoint_meta,
     is_sharded,
@@ -32,6 +29,9 @@ from graphtrain.trainer.checkpoint import (
     to_module_keys,
 )
 from graphtrain.trainer.console import quiet_libraries
+
+# Imports inside functions: import cost: an eager run (train.accelerate=false, one process) never loads the
+# engine (Dynamo, Inductor), torch.distributed or the tools; each is imported where a run needs it.
 
 BEST = "ckpt-best"  # train.keep_best: ckpt-best.pt, or the sharded folder ckpt-best/
 
@@ -140,6 +140,9 @@ def write_hf_folder(out_dir: str | Path, config: Any, tokenizer: Any, vocab_size
     compared with the checkpoint's model. Written in `out_dir/.hf.tmp/` and swapped in, so the folder is always a
     whole export (the previous one until the new one is complete). Returns {out, checkpoint, class, max_abs_diff,
     special_tokens}."""
+    from graphtrain.models import build_model
+    from graphtrain.models.hf_export import write_hf_folder as write
+
     out = Path(out_dir)
     path = latest_valid_checkpoint(out)
     if path is None:
@@ -147,6 +150,8 @@ def write_hf_folder(out_dir: str | Path, config: Any, tokenizer: Any, vocab_size
     with torch.random.fork_rng(devices=[]):
         model = build_model(config.model, vocab_size=vocab_size)
     if is_sharded(path):
+        from graphtrain.distributed.checkpoint import load_model_weights_local
+
         load_model_weights_local(path, model)
     else:
         model.load_state_dict(to_module_keys(load_checkpoint(path)["model"], model))

@@ -14,8 +14,10 @@ from graphtrain.config.sections import Config, TrainConfig
 from graphtrain.data import build_data
 from graphtrain.memory.budget import budget_bytes
 from graphtrain.models import build_model
-from graphtrain.tools.autobatch import pick_batch_size
 from graphtrain.trainer.metrics import format_bytes
+
+# Imports inside functions: import cost: an eager run (train.accelerate=false, one process) never loads the
+# engine (Dynamo, Inductor), torch.distributed or the tools; each is imported where a run needs it.
 
 
 def check_supported(config: Config) -> None:
@@ -104,11 +106,14 @@ def auto_batch_size(
 ) -> tuple[Config, str]:
     """train.batch_size=auto -> the config with the largest micro-batch fitting engine.memory_budget (per rank,
     times parallel.dp; grad_accum kept), and the line saying so."""
+    from graphtrain.tools.autobatch import pick_batch_size
+
     budget = memory_budget_bytes(config, device)
     if model is not None:
 
         def factory() -> torch.nn.Module:
             return model
+
     else:
 
         def factory() -> torch.nn.Module:

@@ -33,12 +33,8 @@ import torch
 from torch import nn
 
 from graphtrain.config.sections import Config
-from graphtrain.distributed import parallelize
-from graphtrain.distributed.checkpoint import load_model_weights_local
-from graphtrain.frontend.compile_step import compile_step
 from graphtrain.models import build_model
 from graphtrain.optim import build_optimizer, make_loss_scaler, optimizer_step
-from graphtrain.tools.report import report
 from graphtrain.trainer import runtime
 from graphtrain.trainer.checkpoint import (
     checkpoint_path,
@@ -55,6 +51,9 @@ from graphtrain.trainer.checkpoint import (
 )
 from graphtrain.trainer.faults import rejection
 from graphtrain.trainer.schedule import set_lr
+
+# Imports inside functions: import cost: an eager run (train.accelerate=false, one process) never loads the
+# engine (Dynamo, Inductor), torch.distributed or the tools; each is imported where a run needs it.
 
 Batch = dict[str, torch.Tensor]
 
@@ -204,6 +203,8 @@ class WholeStepGraph(SingleProcessStep):
     def __init__(self, model: nn.Module, config: Config, device: torch.device) -> None:
         import dataclasses
 
+        from graphtrain.frontend.compile_step import compile_step
+
         self.config, self.device = config, device
         self.model = self.module = model.to(device)
         self.optimizer = self.step_graph = compile_step(
@@ -227,6 +228,8 @@ class DistributedStep:
     (`ckpt-NNNNNNN/`, written atomically by `Parallelized.save`) that load under any layout."""
 
     def __init__(self, model: nn.Module, config: Config, env: Any, log: Callable[[str], None]) -> None:
+        from graphtrain.distributed import parallelize
+
         self.config, self.env, self.log = config, env, log
         self.par = parallelize(model, lambda m: build_optimizer(m, config.optim), config.parallel, env)
         self.model, self.optimizer, self.module = self.par.model, self.par.optimizer, self.par.module
@@ -322,6 +325,8 @@ class DistributedStep:
             raise ValueError("sample() needs the whole model on one rank: not with parallel.tp>1")
         if par.pp == 1:
             return self.module
+        from graphtrain.distributed.checkpoint import load_model_weights_local
+
         path = latest_checkpoint(out_dir)
         if path is None:
             raise ValueError(
@@ -358,6 +363,8 @@ class DistributedStep:
         Collective. Returns the line rank 0 logs; a rank that fell back to eager raises under
         engine.fallback=error and warns otherwise."""
         import torch.distributed as dist
+
+        from graphtrain.tools.report import report
 
         rep = report(self.module)
         mine = (len(rep.graphs), bool(rep.eager_only), len(rep.fallbacks))

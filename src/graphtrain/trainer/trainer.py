@@ -47,11 +47,8 @@ from tqdm.auto import tqdm
 
 from graphtrain.checksums import digests_reused
 from graphtrain.config.sections import Config, expand_path_keys
-from graphtrain.distributed import init_distributed, shutdown
 from graphtrain.early_preempt import before_first_step
-from graphtrain.kernels import capability, flops
 from graphtrain.models import build_model, resolve_spec
-from graphtrain.tools.report import report
 from graphtrain.trainer import console, runinfo, runtime
 from graphtrain.trainer.checkpoint import (
     FORMAT_VERSION,
@@ -76,6 +73,9 @@ from graphtrain.trainer.resume import allowed_keys, check_config_changes, clean_
 from graphtrain.trainer.run_outputs import best_checkpoint, update_best, write_hf_folder
 from graphtrain.trainer.schedule import lr_at
 from graphtrain.trainer.strategies import build_strategy
+
+# Imports inside functions: import cost: an eager run (train.accelerate=false, one process) never loads the
+# engine (Dynamo, Inductor), torch.distributed or the tools; each is imported where a run needs it.
 
 _INIT_FROM_AND_RESUME = (
     "train.init_from and --resume cannot be combined: --resume continues a run (weights, "
@@ -133,6 +133,8 @@ class Trainer:
         self.config, self.resume = config, resume
         self.env = None
         if config.parallel.world_size > 1:
+            from graphtrain.distributed import init_distributed
+
             self.env = init_distributed(config.parallel)  # clear error when not launched under torchrun
         self.is_main = self.env is None or self.env.is_main
         self.device = self.env.device if self.env is not None else runtime.pick_device()
@@ -332,6 +334,8 @@ class Trainer:
         when the peak was measured on this machine before (`graphtrain train` does it once per machine,
         `graphtrain bench` and `python -m graphtrain.kernels.flops` too; the Trainer itself never spends the
         seconds)."""
+        from graphtrain.kernels import capability, flops
+
         per_token = flops.step_flops(
             flops.matmul_params(model), self.spec.n_layer, self.config.data.seq_len, self.spec.d_model, 1
         )
@@ -356,6 +360,8 @@ class Trainer:
             for sink in sinks:
                 sink.close()
             return
+        from graphtrain.tools.report import report
+
         try:
             text = str(report(self.model))
         except Exception as e:  # noqa: BLE001 - a report is a convenience; the run's results are written
@@ -577,6 +583,8 @@ class Trainer:
     def close(self) -> None:
         """Distributed runs: destroy the process group (call once training and sampling are done)."""
         if self.env is not None:
+            from graphtrain.distributed import shutdown
+
             shutdown()
 
     # -------------------------------------------------------------------------------- helpers ----
