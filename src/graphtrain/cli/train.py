@@ -12,11 +12,15 @@ import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from graphtrain.cli.exits import EXIT_FAILURE, EXIT_OK, EXIT_PREEMPTED, EXIT_USAGE
 from graphtrain.cli.jobs import add_config_items, load_config
 from graphtrain.config.sections import Config
 from graphtrain.early_preempt import before_first_step
+
+if TYPE_CHECKING:
+    from graphtrain.trainer import Trainer
 
 # Imports inside functions: import cost: `graphtrain --help` never loads torch; the train verb imports the trainer
 # when it runs.
@@ -223,7 +227,7 @@ def _prepare_train(args: argparse.Namespace) -> int | Callable[[], int]:
                 file=sys.stderr,
             )
         return EXIT_USAGE
-    from graphtrain.trainer import Trainer, TrainingPreempted
+    from graphtrain.trainer import Trainer
     from graphtrain.trainer.resume import allowed_keys
 
     overrides: dict[str, object] = {}
@@ -272,10 +276,12 @@ def _prepare_train(args: argparse.Namespace) -> int | Callable[[], int]:
     prune = pruning_callback()  # a trial of `graphtrain sweep` (its environment says so): report, maybe stop early
     if prune is not None:
         trainer.eval_callbacks.append(prune)
-    return lambda: _fit(trainer, TrainingPreempted)
+    return lambda: _fit(trainer)
 
 
-def _fit(trainer, TrainingPreempted: type) -> int:
+def _fit(trainer: Trainer) -> int:
+    from graphtrain.trainer import TrainingPreempted  # loaded with the trainer by now: no import cost
+
     try:
         s = trainer.fit()
         if trainer.is_main:

@@ -27,6 +27,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from graphtrain.config.sections import EngineConfig, OptimConfig
+
 # --- gradients -------------------------------------------------------------------------------------
 
 
@@ -244,7 +246,7 @@ def loss_scale_update(
     return new_scale, new_tracker, new_hysteresis
 
 
-def step_update(o: Any, e: Any, decay: list[bool], fp16: bool, fused_kernel: bool) -> Any:
+def step_update(o: OptimConfig, e: EngineConfig, decay: list[bool], fp16: bool, fused_kernel: bool) -> Any:
     """compile_step's update, traced into its step graph: global norm and overflow check, clipping, AdamW
     (torch's fused kernel, or the same update as elementwise math for Inductor) and the fp16 loss-scale update, on
     tensors. `o`: the OptimConfig; `e`: the EngineConfig (loss-scale settings); `decay[i]`: parameter i takes
