@@ -26,7 +26,7 @@ from graphtrain.pipeline.cache import cache_root, configure_cache
 from graphtrain.pipeline.state import EngineState, state_of
 from graphtrain.runtime.allocator import set_cpu_allocator_once
 from graphtrain.runtime.backend import make_backend
-from graphtrain.runtime.workers import wait_background
+from graphtrain.runtime.workers import background_pending, wait_background
 
 
 def accelerate(
@@ -56,6 +56,13 @@ def wait_compiled(module: torch.nn.Module, timeout: float | None = None) -> bool
             f"graphtrain.wait_compiled takes a module returned by graphtrain.accelerate, got {type(module).__name__}"
         )
     return wait_background(state, timeout)
+
+
+def compile_pending(module: torch.nn.Module) -> bool:
+    """Whether an accelerated `module` has a background Inductor compile queued or running (provider auto on a
+    cold cache, after its first call); False for any other module."""
+    state, source = state_of(module)
+    return source == "module" and background_pending(state)
 
 
 def new_state(cfg: EngineConfig) -> EngineState:
@@ -236,7 +243,7 @@ class _CallWrapper:
         if p is None or p.device.type != "cpu":
             return
         try:
-            set_cpu_allocator_once([p], cfg)
+            set_cpu_allocator_once([p], cfg, sum(q.numel() * q.element_size() for q in self.module.parameters()))
             self.prefault = prefault.begin(
                 self.module, args, kwargs, cfg, cache_root(cfg), self.state.first_step_memory
             )

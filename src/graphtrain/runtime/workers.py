@@ -262,6 +262,12 @@ def worker(state: Any) -> _Worker:
     return w
 
 
+def background_pending(state: Any) -> bool:
+    """Whether an engine state has background compiles queued or running (a cold cache's Inductor compile)."""
+    w = getattr(state, "background", None)
+    return w is not None and (w.proc is not None or any(r() is not None for r in w.queued))
+
+
 def wait_background(state: Any, timeout: float | None = None) -> bool:
     """Start the background compiles of an engine state now if they have not started, and wait until the child
     finished (True) or `timeout` seconds passed (False). The graphs switch to the winner at their next call."""

@@ -119,16 +119,32 @@ def _machine_lines(m: dict[str, Any]) -> list[str]:
 
 def summary(rep: Any) -> str:
     """Two lines for the end of a run: what the engine ran, and on which machine."""
+    # the latest compile of each frame, training and evaluation apart: an evaluation's graphs are compiled after
+    # the training graphs of the same frame and must not hide them (they run on aten while training ran Inductor)
     latest = [
         g
         for g in rep.graphs
-        if g["frame_compile"] == max(h["frame_compile"] for h in rep.graphs if h["frame"] == g["frame"])
+        if g["frame_compile"]
+        == max(
+            h["frame_compile"]
+            for h in rep.graphs
+            if h["frame"] == g["frame"] and bool(h.get("inference")) == bool(g.get("inference"))
+        )
     ]
-    providers = "/".join(sorted({g["provider"] for g in latest})) or "-"
+
+    def providers(graphs: list[dict[str, Any]]) -> str:
+        return "/".join(sorted({g["provider"] for g in graphs})) or "-"
+
+    train = [g for g in latest if not g.get("inference")]
+    evals = [g for g in latest if g.get("inference")]
+    if train and evals:
+        ran = f"{len(train)} training graph(s) on {providers(train)}, {len(evals)} evaluation graph(s) on {providers(evals)}"
+    else:
+        ran = f"{len(latest)} graph(s), provider {providers(latest)}"
     precisions = "/".join(sorted({g["precision"] for g in latest if g["precision"]})) or "-"
     kernel_fb = len((rep.machine or {}).get("runtime_fallbacks") or [])
     eng = (
-        f"engine: {len(latest)} graph(s), provider {providers}, precision {precisions}, graph breaks "
+        f"engine: {ran}, precision {precisions}, graph breaks "
         f"{len(rep.graph_breaks)}, fallbacks {len(rep.fallbacks)}, fused-op fallbacks {kernel_fb}"
         + (" (CAPTURE FAILED: ran eagerly)" if rep.eager_only else "")
     )

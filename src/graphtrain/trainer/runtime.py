@@ -183,6 +183,17 @@ def is_accelerated(model: torch.nn.Module) -> bool:
     return hasattr(model, "_graphtrain")
 
 
+COMPILE_WAIT_MIN_STEPS = 100  # train.compile_wait auto: below this, the compile would not pay for its wait
+
+
+def wants_compile_wait(tc: TrainConfig, device: torch.device, remaining: int) -> bool:
+    """train.compile_wait: whether the trainer waits for a cold cache's background Inductor compile after the
+    first step (`auto`: a CPU run with at least COMPILE_WAIT_MIN_STEPS steps left)."""
+    if tc.compile_wait == "auto":
+        return device.type == "cpu" and remaining >= COMPILE_WAIT_MIN_STEPS
+    return bool(tc.compile_wait)
+
+
 def write_text_atomic(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")

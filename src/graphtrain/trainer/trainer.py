@@ -197,6 +197,7 @@ class Trainer:
             try:
                 self.step = self._start_run(self.resume if resume is None else resume)
                 self._first_step = self.step
+                self.compile_wait_s: float | None = None  # train.compile_wait: seconds waited after the first step
                 saved_step = self.step if self.step > 0 else None  # the step the latest checkpoint on disk holds
                 accum = tc.grad_accum
                 tokens_per_step = tc.batch_size * accum * cfg.data.seq_len
@@ -223,6 +224,8 @@ class Trainer:
                     step_loss = out.loss.item()  # also waits for the device, so the timing is real
                     speed.add(time.perf_counter() - t0)
                     self.step = done = step + 1
+                    if done == self._first_step + 1 and done < tc.steps:
+                        self.compile_wait_s = self._wait_for_compile(tc.steps - done, preempt, bar)
                     skipped += out.skipped
                     if out.rejected is not None:  # no update was made; stop after max_bad_steps in a row
                         self._log(f"step {done}: update skipped, {out.rejected}")
@@ -311,6 +314,7 @@ class Trainer:
             "tokens_per_s": tok_s,
             "ms_per_step": ms,
             "first_step_ms": first_ms,
+            "compile_wait_s": self.compile_wait_s,
             "peak_mem_bytes": peak_memory_bytes(self.device),
             "tokens_per_step": tokens_per_step,
             "checkpoint": str(saved or latest_checkpoint(self.out_dir) or ""),
@@ -602,6 +606,39 @@ class Trainer:
     def _log(self, text: str) -> None:
         if self.is_main:
             tqdm.write(text)
+
+    def _wait_for_compile(self, remaining: int, preempt: PreemptionGuard, bar: Any) -> float | None:
+        """train.compile_wait: after the first step, wait for the background Inductor compile of a cold cache
+        (the graphs switch to the measured winner at their next call). Returns the seconds waited, None when
+        nothing was waited for. A SIGTERM or Ctrl-C ends the wait; the step loop then saves and stops."""
+        module = self.strategy.module
+        if not (
+            runtime.is_accelerated(module) and runtime.wants_compile_wait(self.config.train, self.device, remaining)
+        ):
+            return None
+        # Imports inside functions: import cost: an eager run never loads the engine (module comment above)
+        from graphtrain.frontend.accelerate import compile_pending, wait_compiled
+
+        if not compile_pending(module):
+            return None
+        self._log(
+            f"step {self.step}: compiling the step with Inductor (cold compile cache) before the next step: on a "
+            f"CPU the compile and the steps would share the cores (train.compile_wait=false trains beside it)"
+        )
+        bar.set_postfix_str("compiling")
+        phase, preempt.phase = preempt.phase, "compile"
+        t0 = time.perf_counter()
+        try:
+            while not preempt.requested and not wait_compiled(module, timeout=0.25):
+                pass
+        finally:
+            preempt.phase = phase
+        waited = time.perf_counter() - t0
+        if not preempt.requested:
+            self._log(f"step {self.step}: Inductor compiled in {waited:.1f} s; training goes on at full speed")
+            if self.is_main:
+                self.metrics.write("compile", self.step, wait_s=waited)
+        return waited
 
     # ----------------------------------------------------------------------------------- faults ----
     def _train_step(self, step: int, lr: float, max_loss: float) -> Any:
