@@ -427,3 +427,44 @@ def test_resume_over_metrics_records_of_the_wrong_types_continues(tmp_path, caps
         f.write('{"kind": "train", "step": "7"}\n' + DEEP_JSON + "\n")
     assert main(["train", *TINY, "--out", str(run), "--resume", "auto", "--steps", "3"]) == 0, capsys.readouterr().err
     assert max(json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()) == 3
+
+
+@pytest.mark.slow  # a real background Inductor compile of gpt2-tiny (~30 s on 2 cores)
+def test_the_wait_for_the_compile_after_step_one_then_sigterm_during_it(tmp_path):
+    """train.compile_wait=true on a cold compile cache: after step 1 the run waits for the background Inductor
+    compile, says so, records it in metrics.jsonl, and the training graphs run the measured winner from step 2.
+    A second run, signalled with a real SIGTERM during its wait, stops waiting, saves step 1 and exits 75."""
+    args = [a for a in TINY if not a.startswith(("train.accelerate", "train.steps", "train.threads"))]
+    base = [sys.executable, "-m", "graphtrain", "train", *args, "train.steps=4", "train.compile_wait=true"]
+    run = subprocess.run(
+        [*base, f"engine.cache_dir={tmp_path / 'c1'}", "--out", str(tmp_path / "a")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = run.stdout + run.stderr
+    assert "step 1: compiling the step with Inductor" in out and "Inductor compiled in" in out, out[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    waits = [r for r in rows if r["kind"] == "compile"]
+    assert len(waits) == 1 and waits[0]["step"] == 1 and waits[0]["wait_s"] > 0
+    assert "training graph(s) on" in out and "inductor" in out.split("training graph(s) on", 1)[1].split(",")[0]
+
+    proc = subprocess.Popen(
+        [*base, f"engine.cache_dir={tmp_path / 'c2'}", "--out", str(tmp_path / "b")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if "compiling the step with Inductor" in line:
+            time.sleep(1.0)
+            proc.send_signal(signal.SIGTERM)
+            break
+    rest, _ = proc.communicate(timeout=300)
+    text = "".join(lines) + rest
+    assert proc.returncode == 75, text[-3000:]
+    assert "Inductor compiled in" not in text and "Traceback" not in text
+    assert [p.name for p in (tmp_path / "b").glob("ckpt-*")] == ["ckpt-0000001.pt"]

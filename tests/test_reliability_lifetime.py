@@ -79,6 +79,7 @@ def _train(out: Path, cache: Path, data_cache: Path, *extra: str, steps: int = 4
             f"train.steps={steps}",
             "train.ckpt_every=0",
             "train.loggers=[jsonl]",
+            "train.compile_wait=false",  # train beside the compile, as these tests' lifetimes assume
             f"data.cache_dir={data_cache}",
             "--out",
             str(out),

@@ -365,3 +365,34 @@ def test_rank_seeds_differ_per_replica_and_stage_and_agree_across_tp():
     assert len(set(seeds.values())) == len(seeds) and seeds[0, 0] == 1337
     with pytest.raises(ValueError, match="stages"):
         rank_seed(1, 0, 5000)
+
+
+def test_compile_wait_policy():
+    """train.compile_wait auto, for a cold cache's background compile: on a CPU wait for it with 100+ steps left and
+    give it up with fewer; on a GPU train beside it."""
+    from graphtrain.trainer.runtime import COMPILE_WAIT_MIN_STEPS, compile_wait_action
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    auto = Config().train
+    assert compile_wait_action(auto, cpu, COMPILE_WAIT_MIN_STEPS) == "wait"
+    assert compile_wait_action(auto, cpu, COMPILE_WAIT_MIN_STEPS - 1) == "skip"  # too short to pay for the compile
+    assert compile_wait_action(auto, cuda, 10_000) == "beside"  # a GPU's steps leave the CPU to the compile
+    on = Config().with_overrides(["train.compile_wait=true"]).train
+    off = Config().with_overrides(["train.compile_wait=false"]).train
+    assert compile_wait_action(on, cuda, 1) == "wait" and compile_wait_action(off, cpu, 10_000) == "beside"
+    with pytest.raises(ValueError, match="train.compile_wait"):
+        Config().with_overrides(["train.compile_wait=sometimes"])
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_eager_runs_under_autocast_for_its_precision(tmp_path, precision):
+    """train.accelerate=false with engine.precision=bf16 trains under torch.autocast (the baseline a user gets
+    with one line), so eager and the engine compare at the same precision; fp32 stays fp32."""
+    trainer = Trainer(tiny(tmp_path, f"engine.precision={precision}", "train.steps=1", "train.eval_every=0"))
+    seen: list[torch.dtype] = []
+    for m in trainer.model.modules():
+        if isinstance(m, torch.nn.Linear):
+            m.register_forward_hook(lambda mod, inp, out: seen.append(out.dtype))
+    trainer.fit()
+    want = torch.bfloat16 if precision == "bf16" else torch.float32
+    assert seen and set(seen) == {want}, set(seen)

@@ -344,9 +344,10 @@ class TrainConfig:
     """engine.provider auto on a cold compile cache: after the first step (run on aten), wait for the background
     Inductor compile instead of training beside it. On a CPU the compile and the steps share the cores: on the
     2-core Zen 5, the default job's steps ran at 0.64-0.77 s beside it against 0.26 s for eager alone, and the
-    compile alone took less time than they lost. `auto`: wait when the model trains on a CPU and at least
-    100 steps remain (a shorter job keeps training beside the compile); true: always; false: never. The wait
-    is printed and kept out of the step times; the run's wall time includes it."""
+    compile alone took less time than they lost. `auto`: on a CPU, wait when at least 100 steps remain and
+    otherwise give the compile up (aten runs the job: the compile would not pay for itself); on a GPU, train
+    beside it (the steps leave the CPU to the compile). true: always wait; false: train beside it. The wait is
+    printed and kept out of the step times; the run's wall time includes it."""
     sample_prompt: str = "def "
     """GPT models: prompt completed at the end of training."""
     sample_tokens: int = 48

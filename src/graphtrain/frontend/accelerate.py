@@ -26,7 +26,7 @@ from graphtrain.pipeline.cache import cache_root, configure_cache
 from graphtrain.pipeline.state import EngineState, state_of
 from graphtrain.runtime.allocator import set_cpu_allocator_once
 from graphtrain.runtime.backend import make_backend
-from graphtrain.runtime.workers import background_pending, wait_background
+from graphtrain.runtime.workers import background_pending, cancel_background, wait_background
 
 
 def accelerate(
@@ -56,6 +56,13 @@ def wait_compiled(module: torch.nn.Module, timeout: float | None = None) -> bool
             f"graphtrain.wait_compiled takes a module returned by graphtrain.accelerate, got {type(module).__name__}"
         )
     return wait_background(state, timeout)
+
+
+def cancel_compile(module: torch.nn.Module, why: str) -> int:
+    """Give up an accelerated `module`'s background Inductor compiles: its graphs keep running on aten, with `why`
+    in the report. Returns how many graphs were waiting for one (0 for a module that is not accelerated)."""
+    state, source = state_of(module)
+    return cancel_background(state, why) if source == "module" else 0
 
 
 def compile_pending(module: torch.nn.Module) -> bool:

@@ -268,6 +268,29 @@ def background_pending(state: Any) -> bool:
     return w is not None and (w.proc is not None or any(r() is not None for r in w.queued))
 
 
+def cancel_background(state: Any, why: str) -> int:
+    """Give up an engine state's background compiles, queued or running: each of their graphs keeps aten, with
+    `why` in its note (the status ``stopped``). Returns how many graphs were waiting for one."""
+    w = getattr(state, "background", None)
+    if w is None:
+        return 0
+    jobs = [j for r in [*w.queued, *w.running] if (j := r()) is not None]
+    if w.proc is not None:
+        w.proc.graphtrain_stopped = True
+        kill_tree(w.proc.pid, signal.SIGKILL)
+        w.proc.wait()
+        if w.proc in _CHILDREN:
+            _CHILDREN.remove(w.proc)
+        import shutil
+
+        shutil.rmtree(w.folder, ignore_errors=True)
+        w.proc = None
+    w.queued, w.running, w.started = [], [], True
+    for job in jobs:
+        job.status = ("stopped", why)
+    return len(jobs)
+
+
 def wait_background(state: Any, timeout: float | None = None) -> bool:
     """Start the background compiles of an engine state now if they have not started, and wait until the child
     finished (True) or `timeout` seconds passed (False). The graphs switch to the winner at their next call."""

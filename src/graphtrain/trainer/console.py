@@ -97,7 +97,9 @@ def banner(
     engine = (
         f"graphtrain engine (provider {ec.provider}, precision {ec.precision}, recompute {ec.recompute})"
         if accelerated
-        else "eager PyTorch (train.accelerate=false)"
+        else "eager PyTorch (train.accelerate=false"
+        + (f", torch.autocast {ec.precision}" if ec.precision in ("bf16", "fp16") else "")
+        + ")"
     )
     data = dc.path or "the Python standard library's source (data.path unset)"
     tokens = tc.batch_size * tc.grad_accum * dc.seq_len

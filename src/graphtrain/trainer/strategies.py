@@ -115,6 +115,17 @@ def engine_config(config: Config) -> Any:
     return config.engine
 
 
+def eager_autocast(precision: str, device: torch.device) -> torch.dtype | None:
+    """The dtype eager PyTorch (train.accelerate=false) trains under for engine.precision: torch.autocast with bf16
+    or fp16, the one line a user adds for mixed precision (the graph engine applies it as a pass instead); None
+    for fp32. `auto` resolves as the engine resolves it (bf16 where the device computes it natively)."""
+    if precision == "auto":
+        from graphtrain.kernels.capability import resolve_precision  # loads the kernels: only for `auto`
+
+        precision = resolve_precision(precision, device.type)
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+
+
 class SingleProcessStep:
     """One process: eager PyTorch, or with train.accelerate the module compiled in place by the graph engine."""
 
@@ -128,13 +139,20 @@ class SingleProcessStep:
         self.model = self.module = model
         self.optimizer = build_optimizer(model, config.optim)
         self.scaler = make_loss_scaler(config.engine)  # fp16 only: dynamic loss scaling
+        self.autocast = None if config.train.accelerate else eager_autocast(config.engine.precision, device)
+
+    def _forward(self, batch: Batch) -> torch.Tensor:
+        if self.autocast is None:
+            return self.model(**batch)
+        with torch.autocast(self.device.type, dtype=self.autocast):
+            return self.model(**batch)
 
     def step(self, micro_batches: Iterable[Batch], lr: float, max_loss: float = math.inf) -> StepResult:
         set_lr(self.optimizer, lr)
         accum = self.config.train.grad_accum
         loss_sum = torch.zeros((), device=self.device)
         for batch in micro_batches:
-            loss = self.model(**batch) / accum
+            loss = self._forward(batch) / accum
             (loss if self.scaler is None else self.scaler.scale(loss)).backward()
             loss_sum += loss.detach()
         loss_value = loss_sum.item()
@@ -155,7 +173,7 @@ class SingleProcessStep:
         return StepResult(loss_sum, **info, rejected=refused)
 
     def eval_loss(self, batches: Iterable[Batch]) -> float:
-        losses = [self.model(**batch).detach().float() for batch in batches]
+        losses = [self._forward(batch).detach().float() for batch in batches]
         return torch.stack(losses).double().mean().item()
 
     def save(self, out_dir: Path, meta: dict[str, Any]) -> Path:
@@ -211,6 +229,7 @@ class WholeStepGraph(SingleProcessStep):
             model, dataclasses.replace(config, engine=engine_config(config))
         )
         self.scaler = None  # fp16 loss scaling runs inside the graph
+        self.autocast = None  # the engine's precision pass, not autocast
 
     def step(self, micro_batches: Iterable[Batch], lr: float, max_loss: float = math.inf) -> StepResult:
         (batch,) = micro_batches  # one micro-batch per step

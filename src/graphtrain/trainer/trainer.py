@@ -608,18 +608,27 @@ class Trainer:
             tqdm.write(text)
 
     def _wait_for_compile(self, remaining: int, preempt: PreemptionGuard, bar: Any) -> float | None:
-        """train.compile_wait: after the first step, wait for the background Inductor compile of a cold cache
-        (the graphs switch to the measured winner at their next call). Returns the seconds waited, None when
-        nothing was waited for. A SIGTERM or Ctrl-C ends the wait; the step loop then saves and stops."""
+        """train.compile_wait, after the first step, for a cold cache's background Inductor compile: wait for it (the
+        graphs switch to the measured winner at their next call), skip it (aten runs the job) or train beside it
+        (runtime.compile_wait_action). Returns the seconds waited, None when nothing was waited for. A SIGTERM or
+        Ctrl-C ends the wait; the step loop then saves and stops."""
         module = self.strategy.module
-        if not (
-            runtime.is_accelerated(module) and runtime.wants_compile_wait(self.config.train, self.device, remaining)
-        ):
+        action = runtime.compile_wait_action(self.config.train, self.device, remaining)
+        if action == "beside" or not runtime.is_accelerated(module):
             return None
         # Imports inside functions: import cost: an eager run never loads the engine (module comment above)
-        from graphtrain.frontend.accelerate import compile_pending, wait_compiled
+        from graphtrain.frontend.accelerate import cancel_compile, compile_pending, wait_compiled
 
         if not compile_pending(module):
+            return None
+        if action == "skip":
+            why = (
+                f"train.compile_wait: {remaining} steps left, fewer than {runtime.COMPILE_WAIT_MIN_STEPS}, too few "
+                f"for a cold cache's Inductor compile to pay for itself on a CPU (true: wait for it; false: compile "
+                f"beside the steps)"
+            )
+            if cancel_compile(module, why):
+                self._log(f"step {self.step}: aten runs the remaining steps; {why}")
             return None
         self._log(
             f"step {self.step}: compiling the step with Inductor (cold compile cache) before the next step: on a "
