@@ -232,15 +232,18 @@ def _at_exit() -> None:
 def stop_background() -> None:
     """Stop every background compile process of this process (at exit; tests call it between tests). A graph
     whose child was stopped keeps running on aten."""
+    while _CHILDREN:
+        _stop_child(_CHILDREN.pop())
+
+
+def _stop_child(proc: Any) -> None:
     import shutil
 
-    while _CHILDREN:
-        proc = _CHILDREN.pop()
-        if proc.poll() is None:
-            proc.graphtrain_stopped = True
-            kill_tree(proc.pid, signal.SIGKILL)  # its group: the child and the Inductor workers it started
-            proc.wait()
-        shutil.rmtree(proc.graphtrain_folder, ignore_errors=True)  # also a finished child's that was not collected
+    if proc.poll() is None:
+        proc.graphtrain_stopped = True
+        kill_tree(proc.pid, signal.SIGKILL)  # its group: the child and the Inductor workers it started
+        proc.wait()
+    shutil.rmtree(proc.graphtrain_folder, ignore_errors=True)  # also a finished child's that was not collected
 
 
 def kill_tree(pid: int, sig: int) -> None:
@@ -276,14 +279,9 @@ def cancel_background(state: Any, why: str) -> int:
         return 0
     jobs = [j for r in [*w.queued, *w.running] if (j := r()) is not None]
     if w.proc is not None:
-        w.proc.graphtrain_stopped = True
-        kill_tree(w.proc.pid, signal.SIGKILL)
-        w.proc.wait()
         if w.proc in _CHILDREN:
             _CHILDREN.remove(w.proc)
-        import shutil
-
-        shutil.rmtree(w.folder, ignore_errors=True)
+        _stop_child(w.proc)
         w.proc = None
     w.queued, w.running, w.started = [], [], True
     for job in jobs:

@@ -225,7 +225,7 @@ class Trainer:
                     speed.add(time.perf_counter() - t0)
                     self.step = done = step + 1
                     if done == self._first_step + 1 and done < tc.steps:
-                        self.compile_wait_s = self._wait_for_compile(tc.steps - done, preempt, bar)
+                        self.compile_wait_s = self._compile_wait(tc.steps - done, preempt, bar)
                     skipped += out.skipped
                     if out.rejected is not None:  # no update was made; stop after max_bad_steps in a row
                         self._log(f"step {done}: update skipped, {out.rejected}")
@@ -607,7 +607,7 @@ class Trainer:
         if self.is_main:
             tqdm.write(text)
 
-    def _wait_for_compile(self, remaining: int, preempt: PreemptionGuard, bar: Any) -> float | None:
+    def _compile_wait(self, remaining: int, preempt: PreemptionGuard, bar: Any) -> float | None:
         """train.compile_wait, after the first step, for a cold cache's background Inductor compile: wait for it (the
         graphs switch to the measured winner at their next call), skip it (aten runs the job) or train beside it
         (runtime.compile_wait_action). Returns the seconds waited, None when nothing was waited for. A SIGTERM or
