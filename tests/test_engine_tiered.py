@@ -48,11 +48,13 @@ def test_aten_first_then_the_measured_winner_loaded_from_the_background_compile(
     rep = graphtrain.report(m)
     assert rep.graphs and all(g["provider"].startswith("aten (provider auto: Inductor compiles") for g in rep.graphs)
     _step(m, 1)  # the second call starts the background process
-    assert graphtrain.wait_compiled(m, timeout=600)
     hits = counters["inductor"]["fxgraph_cache_hit"]
+    assert graphtrain.wait_compiled(m, timeout=600)  # and loads every graph's Inductor code from the caches
+    loaded = counters["inductor"]["fxgraph_cache_hit"] - hits
     for p in m.parameters():
         p.grad = None
-    _step(m, 2)  # every graph loads Inductor from the caches, times both candidates and keeps the faster
+    _step(m, 2)  # every graph times both candidates and keeps the faster
+    assert counters["inductor"]["fxgraph_cache_hit"] - hits == loaded, "the switch loaded Inductor again"
     _step(ref, 2)
     assert_grads_close(m, ref, rtol=1e-4, atol=1e-5)
     rep = graphtrain.report(m)

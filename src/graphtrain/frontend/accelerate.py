@@ -26,7 +26,7 @@ from graphtrain.pipeline.cache import cache_root, configure_cache
 from graphtrain.pipeline.state import EngineState, state_of
 from graphtrain.runtime.allocator import set_cpu_allocator_once
 from graphtrain.runtime.backend import make_backend
-from graphtrain.runtime.workers import background_pending, cancel_background, wait_background
+from graphtrain.runtime.workers import background_pending, cancel_background, preload_background, wait_background
 
 
 def accelerate(
@@ -49,13 +49,17 @@ def wait_compiled(module: torch.nn.Module, timeout: float | None = None) -> bool
     """Wait for the background compiles of an accelerated `module` (``provider: auto`` compiles Inductor in a
     background process from the second call; engine.compile_in_background), starting them now if they have not
     started. True once they finished (each graph switches to its measured winner at its next call); False after
-    `timeout` seconds. Benchmarks call it after the first step so that they time what training settles on."""
+    `timeout` seconds. Benchmarks call it after the first step so that they time what training settles on. Once
+    they finished, each graph's Inductor code is loaded here, so that its next call only times both providers."""
     state, source = state_of(module)
     if source != "module":
         raise TypeError(
             f"graphtrain.wait_compiled takes a module returned by graphtrain.accelerate, got {type(module).__name__}"
         )
-    return wait_background(state, timeout)
+    done = wait_background(state, timeout)
+    if done:
+        preload_background(state)
+    return done
 
 
 def cancel_compile(module: torch.nn.Module, why: str) -> int:

@@ -116,6 +116,7 @@ class Tiered:
         self.calls = 0
         self.status: tuple[str, str] | None = None  # the child's word on this graph: ("done" | <error type>, text)
         self.chosen: Callable[..., Any] | None = None
+        self.loaded: tuple[Candidate, float] | None = None  # Inductor loaded ahead of the switch, and its seconds
         self.cached = not payload  # compiled by an earlier process
         if self.cached:
             prefetch_inductor_setup()  # the switch comes at the next step; a cold start's when its child has spawned
@@ -135,11 +136,25 @@ class Tiered:
             return self.chosen(*args)
         return self.aten.compiled(*args)
 
+    def preload(self) -> None:
+        """Load Inductor's code from the caches now, before the switch (`_decide` then only times both): the trainer
+        does this while it waits for the compile (workers.preload_background). A failure is the switch's to report."""
+        if self.chosen is not None or self.loaded is not None or self.status is None or self.status[0] != "done":
+            return
+        t0 = time.perf_counter()
+        try:
+            self.loaded = (self.compile_inductor(), time.perf_counter() - t0)
+        except Exception as e:  # noqa: BLE001 - reported at the switch, aten keeps the graph
+            self.status = (type(e).__name__, str(e))
+
     def _decide(self, args: Sequence[Any]) -> None:
         rec, aten_fn, (kind, text) = self.rec, self.aten.compiled, self.status
         seconds = worker(self.state).seconds
         result: Candidate | None = None
-        if kind == "done":
+        load = 0.0
+        if self.loaded is not None:
+            (result, load), self.loaded = self.loaded, None
+        elif kind == "done":
             t0 = time.perf_counter()
             try:
                 result = self.compile_inductor()

@@ -64,6 +64,7 @@ class _Worker:
         self.state_ref = weakref.ref(state)
         self.queued: list[weakref.ref[Any]] = []
         self.running: list[weakref.ref[Any]] = []
+        self.collected: list[weakref.ref[Any]] = []  # jobs whose child finished, until they load (preload_background)
         self.started = False
         self.proc: Any = None
         self.folder: Any = None
@@ -166,6 +167,7 @@ class _Worker:
                 kind, text = "ChildProcessError", f"the compile process exited with code {code}: {err}"
             job.status = (kind, text)
         shutil.rmtree(self.folder, ignore_errors=True)
+        self.collected += self.running
         self.proc, self.running = None, []
 
 
@@ -287,6 +289,18 @@ def cancel_background(state: Any, why: str) -> int:
     for job in jobs:
         job.status = ("stopped", why)
     return len(jobs)
+
+
+def preload_background(state: Any) -> None:
+    """Load now, between steps, the Inductor code of each graph whose background compile finished (``Tiered.
+    preload``), so that the graph's next call only times both providers. Part of waiting for the compile."""
+    w = getattr(state, "background", None)
+    if w is None:
+        return
+    jobs, w.collected = w.collected, []
+    for ref in jobs:
+        if (job := ref()) is not None:
+            job.preload()
 
 
 def wait_background(state: Any, timeout: float | None = None) -> bool:
