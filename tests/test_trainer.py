@@ -370,7 +370,7 @@ def test_rank_seeds_differ_per_replica_and_stage_and_agree_across_tp():
 def test_compile_wait_policy():
     """train.compile_wait auto, for a cold cache's background compile: on a CPU wait for it with 100+ steps left and
     give it up with fewer; on a GPU train beside it."""
-    from graphtrain.trainer.runtime import COMPILE_WAIT_MIN_STEPS, compile_wait_action
+    from graphtrain.trainer.compile_wait import COMPILE_WAIT_MIN_STEPS, compile_wait_action
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     auto = Config().train

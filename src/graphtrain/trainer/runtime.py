@@ -183,22 +183,6 @@ def is_accelerated(model: torch.nn.Module) -> bool:
     return hasattr(model, "_graphtrain")
 
 
-COMPILE_WAIT_MIN_STEPS = 100  # train.compile_wait auto: below this, the compile would not pay for its wait
-
-
-def compile_wait_action(tc: TrainConfig, device: torch.device, remaining: int) -> str:
-    """What the trainer does after the first step with a cold cache's background Inductor compile
-    (train.compile_wait): "wait" for it, "skip" it (aten runs the job) or "beside" (train beside it, the graphs
-    switching when it is done). `auto`: on a CPU, wait with at least COMPILE_WAIT_MIN_STEPS steps left and skip
-    with fewer (the default job's compile took 14 s, the time ~100 of its steps save); elsewhere beside (a GPU's
-    steps leave the CPU to the compile)."""
-    if tc.compile_wait == "auto":
-        if device.type != "cpu":
-            return "beside"
-        return "wait" if remaining >= COMPILE_WAIT_MIN_STEPS else "skip"
-    return "wait" if tc.compile_wait else "beside"
-
-
 def write_text_atomic(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")

@@ -60,6 +60,7 @@ from graphtrain.trainer.checkpoint import (
     list_checkpoints,
     load_weights,
 )
+from graphtrain.trainer.compile_wait import compile_wait
 from graphtrain.trainer.faults import (
     NumericsGuard,
     PreemptionGuard,
@@ -225,7 +226,17 @@ class Trainer:
                     speed.add(time.perf_counter() - t0)
                     self.step = done = step + 1
                     if done == self._first_step + 1 and done < tc.steps:
-                        self.compile_wait_s = self._compile_wait(tc.steps - done, preempt, bar)
+                        self.compile_wait_s = compile_wait(
+                            self.strategy.module,
+                            cfg,
+                            self.device,
+                            tc.steps - done,
+                            preempt,
+                            bar,
+                            self._log,
+                            self.metrics if self.is_main else None,
+                            done,
+                        )
                     skipped += out.skipped
                     if out.rejected is not None:  # no update was made; stop after max_bad_steps in a row
                         self._log(f"step {done}: update skipped, {out.rejected}")
@@ -606,48 +617,6 @@ class Trainer:
     def _log(self, text: str) -> None:
         if self.is_main:
             tqdm.write(text)
-
-    def _compile_wait(self, remaining: int, preempt: PreemptionGuard, bar: Any) -> float | None:
-        """train.compile_wait, after the first step, for a cold cache's background Inductor compile: wait for it (the
-        graphs switch to the measured winner at their next call), skip it (aten runs the job) or train beside it
-        (runtime.compile_wait_action). Returns the seconds waited, None when nothing was waited for. A SIGTERM or
-        Ctrl-C ends the wait; the step loop then saves and stops."""
-        module = self.strategy.module
-        action = runtime.compile_wait_action(self.config.train, self.device, remaining)
-        if action == "beside" or not runtime.is_accelerated(module):
-            return None
-        # Imports inside functions: import cost: an eager run never loads the engine (module comment above)
-        from graphtrain.frontend.accelerate import cancel_compile, compile_pending, wait_compiled
-
-        if not compile_pending(module):
-            return None
-        if action == "skip":
-            why = (
-                f"train.compile_wait: {remaining} steps left, fewer than {runtime.COMPILE_WAIT_MIN_STEPS}, too few "
-                f"for a cold cache's Inductor compile to pay for itself on a CPU (true: wait for it; false: compile "
-                f"beside the steps)"
-            )
-            if cancel_compile(module, why):
-                self._log(f"step {self.step}: aten runs the remaining steps; {why}")
-            return None
-        self._log(
-            f"step {self.step}: compiling the step with Inductor (cold compile cache) before the next step: on a "
-            f"CPU the compile and the steps would share the cores (train.compile_wait=false trains beside it)"
-        )
-        bar.set_postfix_str("compiling")
-        phase, preempt.phase = preempt.phase, "compile"
-        t0 = time.perf_counter()
-        try:
-            while not preempt.requested and not wait_compiled(module, timeout=0.25):
-                pass
-        finally:
-            preempt.phase = phase
-        waited = time.perf_counter() - t0
-        if not preempt.requested:
-            self._log(f"step {self.step}: Inductor compiled in {waited:.1f} s; training goes on at full speed")
-            if self.is_main:
-                self.metrics.write("compile", self.step, wait_s=waited)
-        return waited
 
     # ----------------------------------------------------------------------------------- faults ----
     def _train_step(self, step: int, lr: float, max_loss: float) -> Any:
