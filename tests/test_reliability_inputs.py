@@ -433,7 +433,8 @@ def test_resume_over_metrics_records_of_the_wrong_types_continues(tmp_path, caps
 def test_the_wait_for_the_compile_after_step_one_then_sigterm_during_it(tmp_path):
     """train.compile_wait=true on a cold compile cache: after step 1 the run waits for the background Inductor
     compile, says so, records it in metrics.jsonl, and the training graphs run the measured winner from step 2.
-    A second run, signalled with a real SIGTERM during its wait, stops waiting, saves step 1 and exits 75."""
+    A second run, signalled with a real SIGTERM during its wait, stops waiting, saves step 1 and exits 75. A third,
+    under auto with 3 steps left, gives the compile up and trains on aten."""
     args = [
         a for a in TINY if not a.startswith(("--no-accelerate", "train.steps", "train.threads", "train.ckpt_every"))
     ]
@@ -479,3 +480,16 @@ def test_the_wait_for_the_compile_after_step_one_then_sigterm_during_it(tmp_path
     assert proc.returncode == 75, text[-3000:]
     assert "Inductor compiled in" not in text and "Traceback" not in text
     assert sorted(p.name for p in (tmp_path / "b").glob("ckpt-*.pt")) == ["ckpt-0000001.pt"]  # step 1, saved
+
+    # auto with fewer than 100 steps left gives the compile up: aten runs the job, and the run says why
+    auto = [a if a != "train.compile_wait=true" else "train.compile_wait=auto" for a in base]
+    run = subprocess.run(
+        [*auto, f"engine.cache_dir={tmp_path / 'c3'}", "--out", str(tmp_path / "c")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out[-3000:]
+    assert "step 1: aten runs the remaining steps; train.compile_wait: 3 steps left" in out, out[-3000:]
+    assert "Inductor compiled in" not in out and "training graph(s) on aten," in out, out[-3000:]
