@@ -14,8 +14,9 @@ from typing import Any
 
 import torch
 
-from graphtrain.config.sections import Config, TrainConfig
+from graphtrain.config.sections import TrainConfig
 from graphtrain.trainer.faults import PreemptionGuard
+from graphtrain.trainer.runtime import is_accelerated
 
 # Imports inside functions: import cost: an eager run never loads the engine (Dynamo, Inductor).
 
@@ -37,9 +38,8 @@ def compile_wait_action(tc: TrainConfig, device: torch.device, remaining: int) -
 
 def compile_wait(
     module: torch.nn.Module,
-    config: Config,
+    tc: TrainConfig,
     device: torch.device,
-    remaining: int,
     preempt: PreemptionGuard,
     bar: Any,
     log: Any,
@@ -50,8 +50,9 @@ def compile_wait(
     the measured winner at their next call), give it up (aten runs the job) or leave it (train beside it). Returns
     the seconds waited, None when nothing was waited for. A SIGTERM or Ctrl-C ends the wait; the step loop then
     saves and stops. `metrics`: the run's MetricsLog on the main process (a ``compile`` record), else None."""
-    action = compile_wait_action(config.train, device, remaining)
-    if action == "beside" or not hasattr(module, "_graphtrain"):
+    remaining = tc.steps - step
+    action = compile_wait_action(tc, device, remaining)
+    if action == "beside" or not is_accelerated(module):
         return None
     from graphtrain.frontend.accelerate import cancel_compile, compile_pending, wait_compiled  # the engine is loaded
 

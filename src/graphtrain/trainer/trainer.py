@@ -228,9 +228,8 @@ class Trainer:
                     if done == self._first_step + 1 and done < tc.steps:
                         self.compile_wait_s = compile_wait(
                             self.strategy.module,
-                            cfg,
+                            tc,
                             self.device,
-                            tc.steps - done,
                             preempt,
                             bar,
                             self._log,
