@@ -32,6 +32,7 @@ def test_aten_first_then_the_measured_winner_loaded_from_the_background_compile(
 
     import graphtrain.runtime.measured as measured
     import graphtrain.runtime.workers as workers
+    from graphtrain.frontend.accelerate import load_pending
 
     timed = []
     real_time_step = measured.time_step
@@ -49,11 +50,15 @@ def test_aten_first_then_the_measured_winner_loaded_from_the_background_compile(
     assert rep.graphs and all(g["provider"].startswith("aten (provider auto: Inductor compiles") for g in rep.graphs)
     _step(m, 1)  # the second call starts the background process
     hits = counters["inductor"]["fxgraph_cache_hit"]
-    assert graphtrain.wait_compiled(m, timeout=600)  # and loads every graph's Inductor code from the caches
+    # and switches every graph: Inductor's code loaded from the caches, both timed on inputs shaped as the last
+    # call's, the faster kept, before the next step
+    assert graphtrain.wait_compiled(m, timeout=600)
     loaded = counters["inductor"]["fxgraph_cache_hit"] - hits
+    assert timed and all(g["provider"] in ("aten", "inductor") for g in graphtrain.report(m).graphs)
+    assert not load_pending(m)
     for p in m.parameters():
         p.grad = None
-    _step(m, 2)  # every graph times both candidates and keeps the faster
+    _step(m, 2)  # the winners run; nothing is timed or loaded inside the step
     assert counters["inductor"]["fxgraph_cache_hit"] - hits == loaded, "the switch loaded Inductor again"
     _step(ref, 2)
     assert_grads_close(m, ref, rtol=1e-4, atol=1e-5)
@@ -136,6 +141,31 @@ def test_time_step_calls_a_candidate_with_its_inputs_own_layout():
 
     time_step(fn, [mask, fake, w], repeats=1, budget_s=float("inf"))
     assert set(seen) == {(mask.stride(), mask.stride(), w.stride())}
+
+
+def test_time_step_on_a_calls_input_specs_makes_new_tensors_of_its_layout_and_kind():
+    """Tiered.preload times both providers between steps on the last call's InputSpecs: tensors of the call's
+    shapes, strides, dtypes and requires_grad, with new memory (random floats, zero indices); other arguments as
+    they were."""
+    from graphtrain.runtime.measured import InputSpec, input_specs, time_step
+
+    mask = torch.randn(1, 1, 4, 4).expand(3, 1, 4, 4)
+    weight = torch.randn(4, 3).t().requires_grad_()
+    ids = torch.tensor([[5, 7]])
+    specs = input_specs([mask, weight, ids, 3])
+    assert [type(x) for x in specs] == [InputSpec, InputSpec, InputSpec, int] and specs[3] == 3
+    assert all(x.meta.is_meta for x in specs[:3])  # no memory of the call's is held
+    seen = []
+
+    def fn(m, w, ids, n):
+        seen.append((m.stride(), w.stride(), w.requires_grad, ids.dtype, ids.sum().item(), n))
+        assert m.data_ptr() != mask.data_ptr() and w.data_ptr() != weight.data_ptr()
+        return (m.sum() + (w * 2).sum()) * n
+
+    rng = torch.random.get_rng_state()
+    time_step(fn, specs, repeats=1, budget_s=float("inf"))
+    assert set(seen) == {(mask.stride(), weight.stride(), True, torch.int64, 0, 3)}
+    assert torch.equal(rng, torch.random.get_rng_state()), "the random inputs drew from the training run's stream"
 
 
 def test_a_graph_inductor_refuses_stays_on_aten_with_a_note():
@@ -263,12 +293,15 @@ def test_a_graph_with_a_no_grad_region_switches_to_the_measured_winner():
     assert any(n.startswith("tiered compile: aten ran the first") for n in rep.graphs[0]["notes"])
 
 
-def test_warm_start_runs_aten_first_then_loads_the_stored_inductor_winner(monkeypatch):
+@pytest.mark.parametrize("between_steps", [False, True])
+def test_warm_start_runs_aten_first_then_loads_the_stored_inductor_winner(monkeypatch, between_steps):
     """A process that finds Inductor stored as a graph's winner (a warm cache) runs the first step on aten and
-    loads Inductor from the caches at the second call, without timing again; gradients match eager at every step."""
+    loads Inductor from the caches at the second call, or between the steps (wait_compiled), without timing
+    again; gradients match eager at every step."""
     import torch._dynamo
 
     import graphtrain.runtime.measured as measured
+    from graphtrain.frontend.accelerate import load_pending
 
     monkeypatch.setattr(measured, "decide", lambda times: "inductor")  # the stored winner, whatever the timing
     torch.manual_seed(0)
@@ -291,9 +324,13 @@ def test_warm_start_runs_aten_first_then_loads_the_stored_inductor_winner(monkey
     assert_grads_close(warm, ref, rtol=0, atol=0)  # aten: bitwise
     g = graphtrain.report(warm).graphs[0]
     assert g["provider"].startswith("aten (provider auto: the stored winner, Inductor"), g["provider"]
+    assert load_pending(warm)
     for p in [*warm.parameters(), *ref.parameters()]:
         p.grad = None
-    warm(x).sum().backward()  # the second call loads Inductor
+    if between_steps:  # the trainer loads it after the first step (trainer/compile_wait.py)
+        assert graphtrain.wait_compiled(warm, timeout=0)
+        assert graphtrain.report(warm).graphs[0]["provider"] == "inductor" and not load_pending(warm)
+    warm(x).sum().backward()  # else the second call loads Inductor
     ref(x).sum().backward()
     assert_grads_close(warm, ref, rtol=1e-5, atol=1e-6)
     rep = graphtrain.report(warm)

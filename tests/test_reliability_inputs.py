@@ -432,8 +432,8 @@ def test_resume_over_metrics_records_of_the_wrong_types_continues(tmp_path, caps
 @pytest.mark.slow  # a real background Inductor compile of gpt2-tiny (~30 s on 2 cores)
 def test_the_wait_for_the_compile_after_step_one_then_sigterm_during_it(tmp_path):
     """train.compile_wait=true on a cold compile cache: after step 1 the run waits for the background Inductor
-    compile, says so, records it in metrics.jsonl, and the training graphs run the measured winner from step 2.
-    A second run, signalled with a real SIGTERM during its wait, stops waiting, saves step 1 and exits 75. A third,
+    compile, says so, records it in metrics.jsonl, and the training graphs run the measured winner from step 2;
+    a warm run loads its stored winner at the same point. A second run, signalled with a real SIGTERM during its wait, stops waiting, saves step 1 and exits 75. A third,
     under auto with 3 steps left, gives the compile up and trains on aten."""
     args = [
         a for a in TINY if not a.startswith(("--no-accelerate", "train.steps", "train.threads", "train.ckpt_every"))
@@ -456,11 +456,26 @@ def test_the_wait_for_the_compile_after_step_one_then_sigterm_during_it(tmp_path
     )
     assert run.returncode == 0, run.stderr[-3000:]
     out = run.stdout + run.stderr
-    assert "step 1: compiling the step with Inductor" in out and "Inductor compiled in" in out, out[-3000:]
+    assert (
+        "step 1: compiling the step with Inductor" in out
+        and "Inductor compiled, loaded and timed against aten in" in out
+    ), out[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
     waits = [r for r in rows if r["kind"] == "compile"]
-    assert len(waits) == 1 and waits[0]["step"] == 1 and waits[0]["wait_s"] > 0
+    assert len(waits) == 1 and waits[0]["step"] == 1 and waits[0]["wait_s"] > 0 and waits[0]["cached"] is False
     assert "training graph(s) on" in out and "inductor" in out.split("training graph(s) on", 1)[1].split(",")[0]
+
+    # warm: the stored winner loads after step 1, between the steps, and says so
+    run = subprocess.run(
+        [*base, f"engine.cache_dir={tmp_path / 'c1'}", "--out", str(tmp_path / "w")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    out = run.stdout + run.stderr
+    assert run.returncode == 0 and "step 1: loaded the compiled step from the cache in" in out, out[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "w" / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["cached"]) for r in rows if r["kind"] == "compile"] == [(1, True)]
 
     proc = subprocess.Popen(
         [*base, f"engine.cache_dir={tmp_path / 'c2'}", "--out", str(tmp_path / "b")],
@@ -478,7 +493,7 @@ def test_the_wait_for_the_compile_after_step_one_then_sigterm_during_it(tmp_path
     rest, _ = proc.communicate(timeout=300)
     text = "".join(lines) + rest
     assert proc.returncode == 75, text[-3000:]
-    assert "Inductor compiled in" not in text and "Traceback" not in text
+    assert "Inductor compiled, loaded and timed against aten in" not in text and "Traceback" not in text
     assert sorted(p.name for p in (tmp_path / "b").glob("ckpt-*.pt")) == ["ckpt-0000001.pt"]  # step 1, saved
 
     # auto with fewer than 100 steps left gives the compile up: aten runs the job, and the run says why
@@ -492,4 +507,6 @@ def test_the_wait_for_the_compile_after_step_one_then_sigterm_during_it(tmp_path
     out = run.stdout + run.stderr
     assert run.returncode == 0, out[-3000:]
     assert "step 1: aten runs the remaining steps; train.compile_wait: 3 steps left" in out, out[-3000:]
-    assert "Inductor compiled in" not in out and "training graph(s) on aten," in out, out[-3000:]
+    assert "Inductor compiled, loaded and timed against aten in" not in out and "training graph(s) on aten," in out, (
+        out[-3000:]
+    )

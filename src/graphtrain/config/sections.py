@@ -346,8 +346,10 @@ class TrainConfig:
     2-core Zen 5, the default job's steps ran at 0.64-0.77 s beside it against 0.26 s for eager alone, and the
     compile alone took less time than they lost. `auto`: on a CPU, wait when at least 100 steps remain and
     otherwise give the compile up (aten runs the job: the compile would not pay for itself); on a GPU, train
-    beside it (the steps leave the CPU to the compile). true: always wait; false: train beside it. The wait is
-    printed and kept out of the step times; the run's wall time includes it."""
+    beside it (the steps leave the CPU to the compile). true: always wait; false: train beside it. The wait ends
+    with each graph switched (Inductor's code loaded and timed against aten); a warm cache's stored winner is
+    loaded at the same point whatever this says. Both are printed and kept out of the step times; the run's wall
+    time includes them."""
     sample_prompt: str = "def "
     """GPT models: prompt completed at the end of training."""
     sample_tokens: int = 48

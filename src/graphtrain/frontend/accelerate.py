@@ -27,6 +27,7 @@ from graphtrain.pipeline.state import EngineState, state_of
 from graphtrain.runtime.allocator import set_cpu_allocator_once
 from graphtrain.runtime.backend import make_backend
 from graphtrain.runtime.workers import background_pending, cancel_background, preload_background, wait_background
+from graphtrain.runtime.workers import load_pending as _load_pending
 
 
 def accelerate(
@@ -48,9 +49,10 @@ def accelerate(
 def wait_compiled(module: torch.nn.Module, timeout: float | None = None) -> bool:
     """Wait for the background compiles of an accelerated `module` (``provider: auto`` compiles Inductor in a
     background process from the second call; engine.compile_in_background), starting them now if they have not
-    started. True once they finished (each graph switches to its measured winner at its next call); False after
-    `timeout` seconds. Benchmarks call it after the first step so that they time what training settles on. Once
-    they finished, each graph's Inductor code is loaded here, so that its next call only times both providers."""
+    started. True once they finished; False after `timeout` seconds. Benchmarks call it after the first step so
+    that they time what training settles on. Once they finished, each graph switches here to its winner
+    (Inductor's code loaded and timed against aten on inputs shaped as its last call's), and so does a warm
+    start's graph whose stored winner loads from the caches: the next call runs at full speed."""
     state, source = state_of(module)
     if source != "module":
         raise TypeError(
@@ -67,6 +69,13 @@ def cancel_compile(module: torch.nn.Module, why: str) -> int:
     in the report. Returns how many graphs were waiting for one (0 for a module that is not accelerated)."""
     state, source = state_of(module)
     return cancel_background(state, why) if source == "module" else 0
+
+
+def load_pending(module: torch.nn.Module) -> bool:
+    """Whether an accelerated `module` has graphs whose Inductor code is ready to load (wait_compiled switches them
+    at once): a finished background compile's, or a warm start's stored winner; False for any other module."""
+    state, source = state_of(module)
+    return source == "module" and _load_pending(state)
 
 
 def compile_pending(module: torch.nn.Module) -> bool:

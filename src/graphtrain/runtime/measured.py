@@ -42,18 +42,45 @@ class Candidate:
     passes: list[Any]  # the PassRecords its compile added to the state (a loser's leave the report)
 
 
+@dataclass(frozen=True)
+class InputSpec:
+    """A call's tensor input without its memory: its shape, layout and kind (`meta`, on the meta device) and its
+    device. Timing on it makes a tensor of random values (``_real``); a graph's compiled code runs the same kernels
+    whatever the values."""
+
+    meta: torch.Tensor
+    device: torch.device
+
+
+def input_specs(args: Sequence[Any]) -> list[Any]:
+    """`args` with each tensor replaced by its ``InputSpec`` (other arguments, such as sizes, kept): what a graph's
+    call leaves to be timed on later, holding no memory of the call's."""
+    out: list[Any] = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            meta = torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta")
+            out.append(InputSpec(meta.requires_grad_(a.requires_grad), a.device))
+        else:
+            out.append(a)
+    return out
+
+
 def _real(x: Any) -> Any:
-    """A real tensor like `x` (a real input, or a fake one of a piece between blocks) that owns its memory, laid out
-    as `x` (its strides)."""
+    """A real tensor like `x` (a real input; a fake one of a piece between blocks, or an ``InputSpec``: random
+    values) that owns its memory, laid out as `x` (its strides)."""
+    device = None
+    if isinstance(x, InputSpec):
+        x, device = x.meta, x.device
     if not isinstance(x, torch.Tensor):
         return x
     from torch._subclasses.fake_tensor import FakeTensor
 
     if isinstance(x, FakeTensor) or x.is_meta:
+        device = device or x.device
         if x.dtype.is_floating_point:
-            out = torch.randn(x.shape, dtype=x.dtype, device=x.device)
+            out = torch.randn(x.shape, dtype=x.dtype, device=device)
         else:  # indices (embeddings, labels): 0 is valid everywhere
-            out = torch.zeros(x.shape, dtype=x.dtype, device=x.device)
+            out = torch.zeros(x.shape, dtype=x.dtype, device=device)
     else:
         out = x.detach().clone()
     if out.stride() != x.stride():  # in `x`'s layout, which a compiled graph asserts (an expanded mask: stride 0)
@@ -71,10 +98,12 @@ def time_step(
     """Best of up to `repeats` forward+backward calls of a compiled graph (seconds), after one warm-up call
     (none when it already ran: `warmed`), stopping once the timed calls took `budget_s`; the forward alone where
     nothing requires a gradient."""
-    inputs = [_real(x) for x in example_inputs]
-    sync = torch.cuda.synchronize if any(isinstance(x, torch.Tensor) and x.is_cuda for x in inputs) else (lambda: None)
     best, spent = float("inf"), 0.0
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]):  # the random inputs and the graph's dropout draw from a copy
+        inputs = [_real(x) for x in example_inputs]
+        sync = (
+            torch.cuda.synchronize if any(isinstance(x, torch.Tensor) and x.is_cuda for x in inputs) else (lambda: None)
+        )
         for i in range(int(warmed), repeats + 1):
             if spent > budget_s:
                 break

@@ -31,6 +31,7 @@ import copy
 import dataclasses
 import pickle
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -51,7 +52,7 @@ from graphtrain.runtime.tiered import (
     inductor_timed_out,
     size_checked,
 )
-from graphtrain.runtime.workers import prefetch_inductor_setup
+from graphtrain.runtime.workers import prefetch_inductor_setup, worker
 
 Compile = Callable[[CompileJob], Callable[..., Any]]
 """Stages 1-5 of a job for its provider (runtime/backend.py compile_stages)."""
@@ -267,17 +268,24 @@ class Deferred:
         self.calls = 0
         self.chosen: Callable[..., Any] | None = None
         prefetch_inductor_setup()
+        worker(state).collected.append(weakref.ref(self))  # ready to load between steps (preload)
 
     def __call__(self, *args: Any) -> Any:
         if self.chosen is not None:
             return self.chosen(*args)
         self.calls += 1
         if _next_step(self.state, self.calls, self.rec):
-            self._switch()
+            self._switch(ran=self.calls - 1)
             return self.chosen(*args)
         return self.aten.compiled(*args)
 
-    def _switch(self) -> None:
+    def preload(self) -> None:
+        """Load the stored winner now, between steps (workers.preload_background; the trainer does it after the
+        first step), so that the graph's next call runs it: loading is compile work, kept out of the step times."""
+        if self.chosen is None:
+            self._switch(ran=self.calls)
+
+    def _switch(self, ran: int) -> None:
         rec, aten_fn, aten_passes = self.rec, self.aten.compiled, self.aten.passes
         self.aten = None
         t0 = time.perf_counter()
@@ -303,7 +311,7 @@ class Deferred:
             *rec.notes,
             *note,
             describe(self.stored["times"], "inductor", cached=True),
-            f"warm start: aten ran the first {self.calls - 1} call(s); Inductor loaded from the caches in {load:.2f} s",
+            f"warm start: aten ran the first {ran} call(s); Inductor loaded from the caches in {load:.2f} s",
         ]
         dropped = {id(r) for r in aten_passes}
         self.state.passes[:] = [r for r in self.state.passes if id(r) not in dropped]

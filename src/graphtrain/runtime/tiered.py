@@ -31,7 +31,7 @@ import torch
 from graphtrain.config.fallback import report_fallback
 from graphtrain.pipeline.graph_data import GuardsUnreadable, SizeChecked, rebuild_sizes, size_check
 from graphtrain.pipeline.job import CompileJob
-from graphtrain.runtime.measured import Candidate, Measured
+from graphtrain.runtime.measured import Candidate, Measured, input_specs
 from graphtrain.runtime.providers import UnsuitableProvider
 from graphtrain.runtime.workers import prefetch_inductor_setup, worker
 
@@ -118,6 +118,7 @@ class Tiered:
         self.chosen: Callable[..., Any] | None = None
         self.loaded: tuple[Candidate, float] | None = None  # Inductor loaded ahead of the switch, and its seconds
         self.cached = not payload  # compiled by an earlier process
+        self.last: list[Any] | None = None  # the last call's inputs as InputSpecs: what preload times both on
         if self.cached:
             prefetch_inductor_setup()  # the switch comes at the next step; a cold start's when its child has spawned
         else:
@@ -132,14 +133,24 @@ class Tiered:
         elif _next_step(self.state, self.calls, self.rec):
             self.status = ("done", "")
         if self.status is not None:
-            self._decide(args)
+            self._decide(args, ran=self.calls - 1)
             return self.chosen(*args)
+        self.last = input_specs(args)
         return self.aten.compiled(*args)
 
     def preload(self) -> None:
-        """Load Inductor's code from the caches now, before the switch (`_decide` then only times both): the trainer
-        does this while it waits for the compile (workers.preload_background). A failure is the switch's to report."""
-        if self.chosen is not None or self.loaded is not None or self.status is None or self.status[0] != "done":
+        """Switch now, between steps, once the background compile finished: load Inductor's code from the caches
+        and time both providers on inputs shaped as the last call's (random values; runtime/measured.py), so that
+        the graph's next call runs the winner at full speed. The trainer does this while it waits for the compile
+        (workers.preload_background): compile work, kept out of the step times. A graph not called yet only loads;
+        it times both at its first call. A failed load is reported as at the switch, aten keeping the graph."""
+        if self.chosen is not None or self.status is None:
+            return
+        if self.last is not None:
+            self._decide(self.last, ran=self.calls)
+            self.last = None
+            return
+        if self.loaded is not None or self.status[0] != "done":
             return
         t0 = time.perf_counter()
         try:
@@ -147,7 +158,9 @@ class Tiered:
         except Exception as e:  # noqa: BLE001 - reported at the switch, aten keeps the graph
             self.status = (type(e).__name__, str(e))
 
-    def _decide(self, args: Sequence[Any]) -> None:
+    def _decide(self, args: Sequence[Any], ran: int) -> None:
+        """Switch: load Inductor (unless preloaded), time both on `args` (a call's inputs, or InputSpecs) and keep
+        the faster; `ran`: the calls aten ran before."""
         rec, aten_fn, (kind, text) = self.rec, self.aten.compiled, self.status
         seconds = worker(self.state).seconds
         result: Candidate | None = None
@@ -191,8 +204,7 @@ class Tiered:
         )
         rec.notes = [
             *rec.notes,
-            f"tiered compile: aten ran the first {self.calls - 1} call(s); Inductor compiled "
-            f"{where}, loaded here in {load:.2f} s",
+            f"tiered compile: aten ran the first {ran} call(s); Inductor compiled {where}, loaded here in {load:.2f} s",
         ]
         self.chosen = measured.chosen
 

@@ -292,8 +292,9 @@ def cancel_background(state: Any, why: str) -> int:
 
 
 def preload_background(state: Any) -> None:
-    """Load now, between steps, the Inductor code of each graph whose background compile finished (``Tiered.
-    preload``), so that the graph's next call only times both providers. Part of waiting for the compile."""
+    """Switch now, between steps, each graph whose Inductor code is ready to load: a background compile finished
+    (``Tiered.preload``: loaded and timed against aten) or a warm start's stored winner (``Deferred.preload``:
+    loaded), so that the graph's next call runs at full speed. Part of waiting for the compile."""
     w = getattr(state, "background", None)
     if w is None:
         return
@@ -301,6 +302,13 @@ def preload_background(state: Any) -> None:
     for ref in jobs:
         if (job := ref()) is not None:
             job.preload()
+
+
+def load_pending(state: Any) -> bool:
+    """Whether an engine state has graphs whose Inductor code is ready to load (preload_background would switch
+    them): a finished background compile's, or a warm start's stored winner."""
+    w = getattr(state, "background", None)
+    return w is not None and any((j := r()) is not None and j.chosen is None for r in w.collected)
 
 
 def wait_background(state: Any, timeout: float | None = None) -> bool:
