@@ -301,7 +301,7 @@ def test_warm_start_runs_aten_first_then_loads_the_stored_inductor_winner(monkey
     import torch._dynamo
 
     import graphtrain.runtime.measured as measured
-    from graphtrain.frontend.accelerate import load_pending
+    from graphtrain.frontend.accelerate import load_pending, switch_between_steps
 
     monkeypatch.setattr(measured, "decide", lambda times: "inductor")  # the stored winner, whatever the timing
     torch.manual_seed(0)
@@ -319,6 +319,8 @@ def test_warm_start_runs_aten_first_then_loads_the_stored_inductor_winner(monkey
 
     monkeypatch.setattr(measured, "time_step", no_timing)
     warm = graphtrain.accelerate(copy.deepcopy(ref), compile_blocks=False, fallback="error")
+    if between_steps:
+        switch_between_steps(warm)  # as the trainer says before its first step
     warm(x).sum().backward()
     ref(x).sum().backward()
     assert_grads_close(warm, ref, rtol=0, atol=0)  # aten: bitwise

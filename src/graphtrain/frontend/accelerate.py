@@ -71,6 +71,14 @@ def cancel_compile(module: torch.nn.Module, why: str) -> int:
     return cancel_background(state, why) if source == "module" else 0
 
 
+def switch_between_steps(module: torch.nn.Module) -> None:
+    """Say that the caller calls wait_compiled after `module`'s first step (the trainer does): a warm start then
+    does all its loading there, none inside the first step. No effect on a module that is not accelerated."""
+    state, source = state_of(module)
+    if source == "module":
+        state.switch_between_steps = True
+
+
 def load_pending(module: torch.nn.Module) -> bool:
     """Whether an accelerated `module` has graphs whose Inductor code is ready to load (wait_compiled switches them
     at once): a finished background compile's, or a warm start's stored winner; False for any other module."""

@@ -71,6 +71,7 @@ class EngineState:
     first_step_memory: dict[str, Any] = field(default_factory=dict)  # memory/prefault.py: recorded, primed
     eager_only: bool = False  # capture failed; the module runs eagerly from now on
     background: Any = field(default=None, repr=False, compare=False)  # provider auto's worker (workers.py)
+    switch_between_steps: bool = False  # the caller switches graphs after the first step (wait_compiled)
 
     @property
     def recompiles(self) -> list[GraphRecord]:

@@ -41,6 +41,15 @@ def compile_wait_action(tc: TrainConfig, device: torch.device, remaining: int) -
     return "wait" if tc.compile_wait else "beside"
 
 
+def prepare_compile_wait(module: torch.nn.Module, tc: TrainConfig, step: int) -> None:
+    """Before the first step: tell an accelerated `module` that its graphs switch after that step (compile_wait),
+    so that a warm start does its loading there rather than inside the first step."""
+    if step + 1 < tc.steps and is_accelerated(module):
+        from graphtrain.frontend.accelerate import switch_between_steps  # the engine is loaded
+
+        switch_between_steps(module)
+
+
 def compile_wait(
     module: torch.nn.Module,
     tc: TrainConfig,

@@ -60,7 +60,7 @@ from graphtrain.trainer.checkpoint import (
     list_checkpoints,
     load_weights,
 )
-from graphtrain.trainer.compile_wait import compile_wait
+from graphtrain.trainer.compile_wait import compile_wait, prepare_compile_wait
 from graphtrain.trainer.faults import (
     NumericsGuard,
     PreemptionGuard,
@@ -217,6 +217,7 @@ class Trainer:
                     dynamic_ncols=True,
                     desc=f"train {cfg.model.label}",
                 )
+                prepare_compile_wait(self.strategy.module, tc, self.step)
                 for step in range(self.step, tc.steps):
                     preempt.phase = "step"
                     t0 = time.perf_counter()
