@@ -281,3 +281,50 @@ def test_sdpa_without_dropout_runs_head_by_head_where_its_layout_allows(contiguo
     from graphtrain.kernels import _cpu_ext
 
     assert moved == (not contiguous_q and _cpu_ext.load() is not None), notes
+
+
+@pytest.mark.parametrize("kind", ["gpt2-tiny", "bert-tiny"])
+def test_an_evaluation_graph_computes_the_lm_head_loss_alone(kind, tmp_path, monkeypatch):
+    """Under no_grad (an evaluation) the fused LM-head op becomes graphtrain::linear_cross_entropy_loss
+    (loss_only_lm_head: no d hidden or d weight computed for nothing), the training graph keeps the training op,
+    both losses match eager, and the pass cache keeps the two apart: a second process whose cache holds both
+    results runs each graph with its own op."""
+    import torch._dynamo
+
+    from graphtrain.pipeline.cache import configure_cache
+
+    lce = importlib.import_module("graphtrain.kernels.linear_cross_entropy")  # the package re-exports a function
+    calls = []
+    real = lce._chunk_loop
+
+    def spy(*args, **kwargs):
+        calls.append("loss alone" if args[-1] else "with gradients")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(lce, "_chunk_loop", spy)
+    m, kw, _ = _make(kind)
+    ref = copy.deepcopy(m)
+    eng = dict(provider="aten", fallback="error", cache_dir=str(tmp_path), compile_blocks=False)
+
+    def run(model):
+        model.train()
+        out = model(**kw)
+        (out if isinstance(out, torch.Tensor) else out.loss).backward()
+        with torch.no_grad():  # in train mode: the same graph as the step's, but for the grad mode (and the key)
+            out = model(**kw)
+        return out if isinstance(out, torch.Tensor) else out.loss
+
+    want = run(copy.deepcopy(ref))
+    for attempt in ("cold", "warm"):
+        torch._dynamo.reset()
+        acc = graphtrain.accelerate(copy.deepcopy(m), **eng)
+        configure_cache(acc._graphtrain.config)
+        calls.clear()
+        got = run(acc)
+        assert_close(got, want, rtol=1e-5, atol=1e-6, name=f"{attempt} evaluation loss")
+        # the training step's head computes its gradients, the evaluation's the loss alone
+        assert calls == ["with gradients", "loss alone"], (attempt, calls)
+        recs = {r.graph: r.rewrites for r in acc._graphtrain.passes if r.name == "loss_only_lm_head"}
+        inference = {g["name"]: g["inference"] for g in graphtrain.report(acc).graphs}
+        if attempt == "cold":  # the pass ran on both graphs and rewrote the evaluation graph's head only
+            assert recs == {n: int(inf) for n, inf in inference.items()}, (recs, inference)

@@ -3,6 +3,8 @@ odd shapes, dtypes, torch.compile."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -420,6 +422,38 @@ def test_linear_cross_entropy_low_precision_and_bad_targets(dtype):
     t[3] = 53
     with pytest.raises((RuntimeError, IndexError), match="out of (range|bounds)"):
         linear_cross_entropy(h, w, t)
+
+
+@pytest.mark.parametrize("impl", ["default", "torch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_cross_entropy_loss_alone_as_eager(impl, dtype, with_bias):
+    """graphtrain::linear_cross_entropy_loss (an evaluation graph's LM head: passes/fuse_cross_entropy.py
+    loss_only_lm_head): the loss alone, as eager's cross_entropy of hidden @ weight^T (+ bias), chunked or not, with
+    and without skipping the ignored rows, mean and sum; on the C++ row kernel and on the torch math; no
+    gradient is computed (it has no autograd formula)."""
+    from graphtrain.kernels._common import force_reference
+
+    g = torch.Generator().manual_seed(11)
+    h, w = torch.randn(45, 16, generator=g).to(dtype), torch.randn(53, 16, generator=g).to(dtype)
+    b = torch.randn(53, generator=g).to(dtype) if with_bias else None
+    t = torch.randint(0, 53, (45,), generator=g)
+    t[::4] = -100
+    logits = h.float() @ w.float().t() + (b.float() if with_bias else 0)
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    ctx = force_reference(ops=("linear_cross_entropy",)) if impl == "torch" else contextlib.nullcontext()
+    with ctx:
+        for reduction, code in (("mean", 1), ("sum", 2)):
+            want = F.cross_entropy(logits, t, reduction=reduction)
+            for chunk in (0, 7, 45):
+                for skip in (False, True):
+                    got = torch.ops.graphtrain.linear_cross_entropy_loss(h, w, b, t, -100, code, chunk, skip)
+                    assert got.dtype == torch.float32 and got.shape == ()
+                    assert_close(got, want, **tol)
+    with pytest.raises(RuntimeError, match="autograd"):
+        torch.ops.graphtrain.linear_cross_entropy_loss(
+            h.float().requires_grad_(), w.float(), None, t, -100, 1, 0, True
+        ).backward()
 
 
 def test_registry_and_torch_compile():

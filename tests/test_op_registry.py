@@ -142,7 +142,8 @@ def _facts_of_the_kernels_ops():
         "linear_bias_cross_entropy",
         "linear_cross_entropy_logits",
         "linear_bias_cross_entropy_logits",
-    }  # the *_logits ops: a returned head's (passes/returned_heads.py)
+        "linear_cross_entropy_loss",
+    }  # the *_logits ops: a returned head's (passes/returned_heads.py); *_loss: an evaluation graph's
     assert {n for n, d in fwd.items() if d.recompute == "compute-bound" and not d.random} == lce
     assert {n for n, d in fwd.items() if d.recompute == "never"} == {"gemm"}
     assert {n: d.precision for n, d in fwd.items()} == {
@@ -154,6 +155,7 @@ def _facts_of_the_kernels_ops():
         "linear_bias_cross_entropy": "low",
         "linear_cross_entropy_logits": "low",
         "linear_bias_cross_entropy_logits": "low",
+        "linear_cross_entropy_loss": "low",
         "bias_gelu": "follow",
         "bias_dropout_add": "follow",
         "bias_dropout_add_seeded": "follow",

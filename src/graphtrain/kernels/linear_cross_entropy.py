@@ -7,6 +7,9 @@ Forward therefore returns (loss, d_hidden, d_weight) for a unit upstream gradien
 scales them: the same matmul FLOPs as eager (3 per token: logits, d hidden, d weight), peak memory
 O(chunk x V) instead of O(N x V) logits + log-probs + their grads. Reductions: mean (over
 non-ignored rows) or sum. The op computes gradients in forward, so it is meant for training graphs.
+graphtrain::linear_cross_entropy_loss is its evaluation form (the pass loss_only_lm_head puts it in graphs
+compiled under no_grad): the loss alone, one matmul per chunk instead of three, no d hidden or d weight, and
+chunks of ~8 MiB of logits instead of ~32 (no gradient to accumulate, so smaller chunks cost nothing).
 
 With `skip_ignored` (the pass sparse_lm_head sets it; the public functional's default), rows whose target
 is ignore_index are dropped before the loop (their gradient rows are zero): masked-LM heads then run on
@@ -67,18 +70,28 @@ def _default_chunk(hidden: Tensor, weight: Tensor) -> int:
     return default_chunk_rows(hidden.shape[0], weight.shape[0], hidden.element_size())
 
 
-def default_chunk_rows(n: int, v: int, itemsize: int = 4) -> int:
-    """Rows per chunk: ~32 MiB of logits in the compute dtype per chunk (a few L2-sized matmul panels), at least 1."""
-    return max(1, min(n, (32 << 20) // (itemsize * max(v, 1))))
+CHUNK_BYTES = 32 << 20
+LOSS_ONLY_CHUNK_BYTES = 8 << 20
+"""The loss-only op's chunk: its logits buffer is all the memory it needs, and an evaluation between training steps
+under the ``keep`` allocator takes its blocks from the heap the steps left; a 32 MiB block that none of its holes
+fits grows the process (gpt2-mini's default job on a 2-core Zen 5: +19 and +32 MB at an evaluation)."""
+
+
+def default_chunk_rows(n: int, v: int, itemsize: int = 4, budget: int = CHUNK_BYTES) -> int:
+    """Rows per chunk: ~`budget` bytes of logits in the compute dtype per chunk (32 MiB: a few L2-sized matmul
+    panels), at least 1."""
+    return max(1, min(n, budget // (itemsize * max(v, 1))))
 
 
 _CPP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _chunked(hidden, weight, target, ignore_index, reduction, chunk, bias=None, skip_ignored=True, logits=None):
+def _chunked(
+    hidden, weight, target, ignore_index, reduction, chunk, bias=None, skip_ignored=True, logits=None, loss_only=False
+):
     """The op on the fastest row kernel that takes these inputs (Triton, C++), guarded by the torch math. `logits`:
     the head's full logits, already computed (the `_logits` ops): each chunk copies its rows instead of computing
-    them."""
+    them. `loss_only`: the loss alone (linear_cross_entropy_loss), as a 1-tuple."""
     use_triton = _supports_triton(hidden, target)
     # the C++ kernel's contract for each chunk's logits, targets and losses, as the loop makes them
     rows, targets, losses = (
@@ -96,7 +109,7 @@ def _chunked(hidden, weight, target, ignore_index, reduction, chunk, bias=None, 
 
     def run(impl):
         return lambda: _chunk_loop(
-            hidden, weight, target, ignore_index, reduction, chunk, bias, impl, skip_ignored, logits
+            hidden, weight, target, ignore_index, reduction, chunk, bias, impl, skip_ignored, logits, loss_only
         )
 
     return dispatch(
@@ -104,7 +117,9 @@ def _chunked(hidden, weight, target, ignore_index, reduction, chunk, bias=None, 
     )
 
 
-def _chunk_loop(hidden, weight, target, ignore_index, reduction, chunk, bias, impl, skip_ignored, all_logits=None):
+def _chunk_loop(
+    hidden, weight, target, ignore_index, reduction, chunk, bias, impl, skip_ignored, all_logits=None, loss_only=False
+):
     n = hidden.shape[0]
     valid = target != ignore_index
     n_valid = int(valid.sum())
@@ -119,6 +134,10 @@ def _chunk_loop(hidden, weight, target, ignore_index, reduction, chunk, bias, im
         hidden, target = hidden.index_select(0, rows), target.index_select(0, rows)
     if all_logits is not None:  # each chunk's rows: the C++ pass reads them, the others work on a copy in place
         picked = rows if rows is not None else torch.arange(n, device=hidden.device)
+    if loss_only:
+        return (
+            (_chunk_losses(hidden, weight, target, ignore_index, chunk, bias, impl) / denom).to(_loss_dtype(hidden)),
+        )
     dh = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device)
     single = hidden.shape[0] <= chunk
     # one chunk: d weight is that chunk's product, in the weight's dtype; several: accumulated (fp32 for fp32/bf16),
@@ -187,6 +206,63 @@ def _chunk_loop(hidden, weight, target, ignore_index, reduction, chunk, bias, im
         dw = torch.zeros(weight.shape, dtype=weight.dtype, device=weight.device)
     out = ((total / denom).to(_loss_dtype(hidden)), dh, dw.to(weight.dtype).contiguous())
     return out if db is None else out + (db.to(bias.dtype),)
+
+
+def _chunk_losses(hidden, weight, target, ignore_index, chunk, bias, impl) -> Tensor:
+    """The summed loss of every row (rows already selected), a chunk of logits at a time in one buffer; no gradient.
+    The C++ row kernel writes each row's gradient over its logits as it goes: a pass over a buffer that is dropped,
+    cheaper than a second kernel."""
+    total = torch.zeros((), dtype=_acc(hidden), device=hidden.device)
+    buf = None
+    for s in range(0, hidden.shape[0], chunk):
+        h, t = hidden[s : s + chunk], target[s : s + chunk]
+        if bias is None:
+            if buf is None:
+                buf = torch.empty((h.shape[0], weight.shape[0]), dtype=hidden.dtype, device=hidden.device)
+            logits = buf[: h.shape[0]]
+            mm_into(h, weight.t(), logits, accumulate=False)
+        else:
+            logits = matmul(h, weight.t(), bias)
+        if impl == "triton":
+            losses, _ = ce_fwd_triton(logits, t, ignore_index)
+        elif impl == "c++":
+            losses = torch.empty(h.shape[0], dtype=torch.float32)
+            logits = logits.contiguous()
+            _cpu_ext.load().ce_fwd_bwd_inplace(logits, t.contiguous(), ignore_index, 1.0, losses)
+        else:
+            x = logits.to(_acc(hidden))
+            v = t != ignore_index
+            tt = torch.where(v, t, 0)[:, None]
+            losses = torch.where(v, torch.logsumexp(x, -1) - x.gather(1, tt)[:, 0], 0.0)
+        total += losses.sum(dtype=total.dtype)
+    return total
+
+
+@torch.library.custom_op("graphtrain::linear_cross_entropy_loss", mutates_args=())
+def _linear_cross_entropy_loss_op(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    target: Tensor,
+    ignore_index: int,
+    reduction: int,
+    chunk_rows: int,
+    skip_ignored: bool = True,
+) -> Tensor:
+    """cross_entropy(hidden @ weight^T (+ bias), target) alone, chunked: linear_cross_entropy's evaluation form (a
+    graph compiled under no_grad: passes/fuse_cross_entropy.py loss_only_lm_head). No autograd formula: a graph
+    that needs the gradient keeps linear_cross_entropy."""
+    chunk = chunk_rows if chunk_rows > 0 else _default_loss_chunk(hidden, weight)
+    return _chunked(hidden, weight, target, ignore_index, reduction, chunk, bias, skip_ignored, loss_only=True)[0]
+
+
+@_linear_cross_entropy_loss_op.register_fake
+def _(hidden, weight, bias, target, ignore_index, reduction, chunk_rows, skip_ignored=True):
+    return hidden.new_empty((), dtype=_loss_dtype(hidden))
+
+
+def _default_loss_chunk(hidden: Tensor, weight: Tensor) -> int:
+    return default_chunk_rows(hidden.shape[0], weight.shape[0], hidden.element_size(), LOSS_ONLY_CHUNK_BYTES)
 
 
 @torch.library.custom_op("graphtrain::linear_cross_entropy", mutates_args=())
@@ -412,6 +488,21 @@ def _workspace_logits(n: torch.fx.Node, bias: bool) -> int:
     return (1 + (input_value(n, 0).device.type != "cpu")) * _chunk_bytes(n, bias)[0]
 
 
+def _workspace_loss(n: torch.fx.Node) -> int:
+    """One chunk of logits (~8 MiB) in one buffer; with a bias each chunk's product is new (and on aten's path
+    the product before ``+ bias`` too)."""
+    h, w = input_value(n, 0), input_value(n, 1)
+    rows, vocab, item = hint_int(h.shape[0]), hint_int(w.shape[0]), h.element_size()
+    given = n.args[6] if len(n.args) > 6 else n.kwargs.get("chunk_rows", 0)
+    chunk = (
+        hint_int(given)
+        if given and hint_int(given) > 0
+        else default_chunk_rows(rows, vocab, item, LOSS_ONLY_CHUNK_BYTES)
+    )
+    has_bias = (n.args[2] if len(n.args) > 2 else n.kwargs.get("bias")) is not None
+    return (1 + 2 * has_bias) * min(rows, chunk) * vocab * item
+
+
 SPEC = register_kernel_spec(
     KernelSpec(
         "linear_cross_entropy",
@@ -438,6 +529,16 @@ SPEC = register_kernel_spec(
                 recompute=COMPUTE_BOUND,
                 precision=LOW,
                 workspace_bytes=lambda n: _workspace(n, bias=True),
+                cpp=("ce_fwd_bwd_inplace", "onednn_matmul"),
+            ),
+            # The evaluation form: the loss alone (graphs compiled under no_grad), no gradient in the forward.
+            OpDescriptor(
+                "linear_cross_entropy_loss",
+                role=FORWARD,
+                random=False,
+                recompute=COMPUTE_BOUND,
+                precision=LOW,
+                workspace_bytes=_workspace_loss,
                 cpp=("ce_fwd_bwd_inplace", "onednn_matmul"),
             ),
             # The logits are an output; a chunk of their rows' gradient at a time is the scratch (C++: read from the

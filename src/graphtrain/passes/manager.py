@@ -108,6 +108,8 @@ class PassContext:
     # Set by the engine for pre_autodiff graphs: which placeholder indices are trainable parameters,
     # frozen parameters or buffers, and user inputs. Constant folding reads this.
     input_kinds: list[str] | None = None
+    inference: bool = False
+    """Whether the graph is compiled under no_grad (an evaluation graph: it has no backward)."""
     fallbacks: list[tuple[str, str]] | None = None
     """Where a failed pass's fallback is recorded (the module's EngineState.fallbacks: the report reads it)."""
     rewrites: int = 0

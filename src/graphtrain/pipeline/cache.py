@@ -130,9 +130,15 @@ def source_digest() -> str:
 
 
 def pass_cache_key(
-    gm: fx.GraphModule, example_inputs: Sequence[Any], kinds: Sequence[str], config: EngineConfig
+    gm: fx.GraphModule,
+    example_inputs: Sequence[Any],
+    kinds: Sequence[str],
+    config: EngineConfig,
+    inference: bool = False,
 ) -> str:
-    """The key of `gm`'s pre-autodiff result under `config` (a hex digest)."""
+    """The key of `gm`'s pre-autodiff result under `config` (a hex digest). `inference`: the graph is compiled under
+    no_grad (GraphRecord.inference), where passes may differ (loss_only_lm_head); a training graph's key is as
+    before."""
     import dataclasses
     import hashlib
     import platform
@@ -150,6 +156,8 @@ def pass_cache_key(
     # after an fp32 one on one cache crashed on mixed dtypes; the reverse order silently trained the bf16 graph)
     for device in ("cpu", "cuda"):
         h.update(f"autocast {device} {torch.is_autocast_enabled(device)} {torch.get_autocast_dtype(device)}\n".encode())
+    if inference:
+        h.update(b"inference\n")
     digest_graph_into(h, gm)
     for x, kind in zip(symbolic_inputs(gm, example_inputs), kinds):  # sizes as Dynamo traced them: s27, not 128
         if isinstance(x, torch.Tensor):

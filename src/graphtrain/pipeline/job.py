@@ -52,7 +52,7 @@ class CompileJob:
         if self.key is not None:
             return self.key
         try:
-            return pass_cache_key(self.gm, self.example_inputs, self.kinds, self.config)
+            return pass_cache_key(self.gm, self.example_inputs, self.kinds, self.config, self.rec.inference)
         except Exception:  # noqa: BLE001 - an input the key cannot describe
             return None
 

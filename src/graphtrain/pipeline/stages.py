@@ -92,6 +92,7 @@ def run_passes(
         example_inputs=list(example_inputs),
         input_kinds=input_kinds,
         fallbacks=state.fallbacks,
+        inference=rec is not None and rec.inference,
     )
     gm = run_pipeline(gm, ctx)
     materialize_symints(gm)  # a size a pass wrote as a raw SymInt (dynamic shapes) becomes graph nodes

@@ -55,6 +55,7 @@ def compile_job(data: dict) -> None:
     config = data["config"]
     state = EngineState(config)
     rec = GraphRecord(data["name"], "background compile", 0, [m[1] for m in data["inputs"]], data["kinds"])
+    rec.inference = bool(data.get("inference", False))  # its passes as the training process's (loss_only_lm_head)
     job = CompileJob(_decode_graph(data["graph"]), (), data["kinds"], config, state, rec, key=data["key"])
     compile_inductor_from(job, data["inputs"], compile_stages)  # its example inputs: fake ones, from the shapes
     mark_inductor_ready(cache_root(config), data["key"])  # for a later process, if this one's parent is gone

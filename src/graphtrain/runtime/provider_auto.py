@@ -81,7 +81,7 @@ def choose_provider(job: CompileJob, compile: Compile, requested: EngineConfig) 
     config, state, rec = job.config, job.state, job.rec
     folder = cache_root(config)
     try:
-        key = pass_cache_key(job.gm, job.example_inputs, job.kinds, requested)
+        key = pass_cache_key(job.gm, job.example_inputs, job.kinds, requested, rec.inference)
     except Exception:  # noqa: BLE001 - inputs the key cannot describe: decide anew each process
         key = None
     stored = load_decision(folder, key) if key else None
@@ -175,6 +175,7 @@ def _inductor_loader(job: CompileJob, compile: Compile) -> tuple[bytes, Callable
             "config": inductor.config,
             "key": inductor_key,
             "name": job.rec.name,
+            "inference": job.rec.inference,
         }
     )
     rec, state = job.rec, job.state

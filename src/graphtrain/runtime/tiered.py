@@ -147,7 +147,8 @@ class Tiered:
         if self.chosen is not None or self.status is None:
             return
         if self.last is not None:
-            self._decide(self.last, ran=self.calls)
+            with torch.set_grad_enabled(not self.rec.inference):  # as its calls run (an evaluation's: no_grad)
+                self._decide(self.last, ran=self.calls)
             self.last = None
             return
         if self.loaded is not None or self.status[0] != "done":
@@ -248,7 +249,12 @@ def compile_inductor_from(
                 inputs.append(size(m[1]))
             else:
                 inputs.append(m[1])
-    with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
+    # in the grad mode the graph was captured in: an evaluation graph (no_grad) has no backward to compile, and its
+    # passes may use forward-only ops (loss_only_lm_head)
+    with (
+        torch._functorch.config.patch(force_non_lazy_backward_lowering=True),
+        torch.set_grad_enabled(not job.rec.inference),
+    ):
         fn = compile(dataclasses.replace(job, example_inputs=inputs))
     try:
         check = size_check(env, metas, size)
