@@ -375,6 +375,47 @@ def test_a_returned_head_fuses_into_the_op_that_returns_its_logits():
     assert not any("logits" in str(n.target) for n in after.graph.nodes), counts
 
 
+def test_a_no_grad_graph_gets_the_loss_alone_and_keeps_a_returned_heads_logits_unfused():
+    """In a graph compiled under no_grad (PassContext.inference: an evaluation), a head whose logits only feed the
+    loss becomes linear_cross_entropy then linear_cross_entropy_loss (loss_only_lm_head), with or without a bias; a
+    head whose logits are also returned is not fused into the *_logits op (it would compute the loss's gradient for
+    nothing). The outputs equal the unfused graph's; a training graph (inference False) is left as before."""
+    import graphtrain.kernels  # noqa: F401 - registers the ops named below
+    from graphtrain.passes.fuse_cross_entropy import fuse_linear_cross_entropy_pass, loss_only_lm_head_pass
+
+    def head(h, w, b, t):
+        return F.cross_entropy(F.linear(h, w).view(-1, 17), t.view(-1))
+
+    def head_bias(h, w, b, t):
+        return F.cross_entropy(F.linear(h, w, b).view(-1, 17), t.view(-1), reduction="sum")
+
+    def returned(h, w, b, t):
+        logits = F.linear(h, w)
+        return F.cross_entropy(logits.view(-1, 17), t.view(-1)), logits.detach()
+
+    t = torch.randint(0, 17, (2, 5))
+    t[0, 1] = -100
+    inputs = [torch.randn(2, 5, 9), torch.randn(17, 9), torch.randn(17), t]
+    g = torch.ops.graphtrain
+    for fn, inference, want in (
+        (head, True, {g.linear_cross_entropy_loss.default}),
+        (head_bias, True, {g.linear_cross_entropy_loss.default}),
+        (returned, True, set()),
+        (head, False, {g.linear_cross_entropy.default}),
+        (returned, False, {g.linear_cross_entropy_logits.default}),
+    ):
+        with torch.no_grad():
+            gm = trace_aten_forward(fn, inputs)
+        ctx = PassContext(config=EngineConfig(provider="aten"), stage="pre_autodiff", inference=inference)
+        gm = loss_only_lm_head_pass(fuse_linear_cross_entropy_pass(gm, ctx), ctx)
+        ops = {n.target for n in gm.graph.nodes if str(n.target).startswith("graphtrain.")}
+        assert ops == want, (fn.__name__, inference, ops)
+        with torch.no_grad():
+            got, ref = gm(*inputs), trace_aten_forward(fn, inputs)(*inputs)
+        for a, e in zip(got if isinstance(got, tuple) else [got], ref if isinstance(ref, tuple) else [ref]):
+            assert_close(a, e, rtol=1e-5, atol=1e-6, name=f"{fn.__name__} inference={inference}")
+
+
 def test_linear_bias_cross_entropy_kernel_matches_reference():
     from graphtrain.kernels import linear_cross_entropy
     from graphtrain.kernels.linear_cross_entropy import linear_cross_entropy_reference

@@ -14,7 +14,8 @@
 - loss_only_lm_head: in a graph compiled under no_grad (an evaluation), the LM-head op above becomes
   graphtrain::linear_cross_entropy_loss: the loss alone, one matmul instead of three, smaller chunks. On gpt2-mini
   the head's d hidden and d weight were two 2.1 GFLOP matmuls per evaluation batch, more than the rest of its
-  forward, for gradients nothing read.
+  forward, for gradients nothing read. A returned head (the *_logits ops) is not fused in such a graph: its op
+  computes the loss's gradient beside the logits; the logits and a cross-entropy over them are all it needs.
 - fuse_cross_entropy: log_softmax + nll_loss on any other logits -> graphtrain::cross_entropy. Under
   Inductor it is left to Inductor's generated reduction kernels (on by default under aten only); it
   also takes the LM-head form when fuse_linear_cross_entropy is switched off.
@@ -196,7 +197,9 @@ def _fuse(gm: fx.GraphModule, ctx: PassContext, linear_only: bool) -> fx.GraphMo
         if any(not (is_op(u, operator.getitem) and u.args[1] == 0) for u in node.users):
             continue
         head = _lm_head(x) if reduction in (1, 2) and len(x.users) == 1 else None
-        if head is None and _fuse_returned(g, node, ls, x, target, reduction, ignore):
+        # a returned head's op computes the loss's gradient beside the logits: not in a no_grad graph, where the
+        # logits (computed anyway) and a cross-entropy over them are all there is to do
+        if head is None and not ctx.inference and _fuse_returned(g, node, ls, x, target, reduction, ignore):
             n += 1
             continue
         if linear_only and head is None:
