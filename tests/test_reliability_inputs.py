@@ -448,14 +448,19 @@ def test_the_wait_for_the_compile_after_step_one_then_sigterm_during_it(tmp_path
         "train.ckpt_every=0",
         "train.compile_wait=true",
     ]
-    run = subprocess.run(
-        [*base, f"engine.cache_dir={tmp_path / 'c1'}", "--out", str(tmp_path / "a")],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    out = run.stdout + run.stderr
+
+    def train(command: list[str], cache: str, out_dir: str) -> str:
+        run = subprocess.run(
+            [*command, f"engine.cache_dir={tmp_path / cache}", "--out", str(tmp_path / out_dir)],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        out = run.stdout + run.stderr
+        assert run.returncode == 0, out[-3000:]
+        return out
+
+    out = train(base, "c1", "a")
     assert (
         "step 1: compiling the step with Inductor" in out
         and "Inductor compiled, loaded and timed against aten in" in out
@@ -466,14 +471,8 @@ def test_the_wait_for_the_compile_after_step_one_then_sigterm_during_it(tmp_path
     assert "training graph(s) on" in out and "inductor" in out.split("training graph(s) on", 1)[1].split(",")[0]
 
     # warm: the stored winner loads after step 1, between the steps, and says so
-    run = subprocess.run(
-        [*base, f"engine.cache_dir={tmp_path / 'c1'}", "--out", str(tmp_path / "w")],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    out = run.stdout + run.stderr
-    assert run.returncode == 0 and "step 1: loaded the compiled step from the cache in" in out, out[-3000:]
+    out = train(base, "c1", "w")
+    assert "step 1: loaded the compiled step from the cache in" in out, out[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "w" / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], r["cached"]) for r in rows if r["kind"] == "compile"] == [(1, True)]
 
@@ -498,14 +497,7 @@ def test_the_wait_for_the_compile_after_step_one_then_sigterm_during_it(tmp_path
 
     # auto with fewer than 100 steps left gives the compile up: aten runs the job, and the run says why
     auto = [a if a != "train.compile_wait=true" else "train.compile_wait=auto" for a in base]
-    run = subprocess.run(
-        [*auto, f"engine.cache_dir={tmp_path / 'c3'}", "--out", str(tmp_path / "c")],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    out = run.stdout + run.stderr
-    assert run.returncode == 0, out[-3000:]
+    out = train(auto, "c3", "c")
     assert "step 1: aten runs the remaining steps; train.compile_wait: 3 steps left" in out, out[-3000:]
     assert "Inductor compiled, loaded and timed against aten in" not in out and "training graph(s) on aten," in out, (
         out[-3000:]
