@@ -51,7 +51,7 @@ def wait_compiled(module: torch.nn.Module, timeout: float | None = None) -> bool
     background process from the second call; engine.compile_in_background), starting them now if they have not
     started. True once they finished; False after `timeout` seconds. Benchmarks call it after the first step so
     that they time what training settles on. Once they finished, each graph switches here to its winner
-    (Inductor's code loaded and timed against aten on inputs shaped as its last call's), and so does a warm
+    (Inductor's code loaded and timed against aten on inputs shaped as its first call's), and so does a warm
     start's graph whose stored winner loads from the caches: the next call runs at full speed."""
     state, source = state_of(module)
     if source != "module":

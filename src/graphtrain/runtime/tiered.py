@@ -118,7 +118,7 @@ class Tiered:
         self.chosen: Callable[..., Any] | None = None
         self.loaded: tuple[Candidate, float] | None = None  # Inductor loaded ahead of the switch, and its seconds
         self.cached = not payload  # compiled by an earlier process
-        self.last: list[Any] | None = None  # the last call's inputs as InputSpecs: what preload times both on
+        self.first: list[Any] | None = None  # the first call's inputs as InputSpecs: what preload times both on
         if self.cached:
             prefetch_inductor_setup()  # the switch comes at the next step; a cold start's when its child has spawned
         else:
@@ -135,21 +135,22 @@ class Tiered:
         if self.status is not None:
             self._decide(args, ran=self.calls - 1)
             return self.chosen(*args)
-        self.last = input_specs(args)
+        if self.first is None:  # once: not a cost on every call before the switch
+            self.first = input_specs(args)
         return self.aten.compiled(*args)
 
     def preload(self) -> None:
         """Switch now, between steps, once the background compile finished: load Inductor's code from the caches
-        and time both providers on inputs shaped as the last call's (random values; runtime/measured.py), so that
+        and time both providers on inputs shaped as the first call's (random values; runtime/measured.py), so that
         the graph's next call runs the winner at full speed. The trainer does this while it waits for the compile
         (workers.preload_background): compile work, kept out of the step times. A graph not called yet only loads;
         it times both at its first call. A failed load is reported as at the switch, aten keeping the graph."""
         if self.chosen is not None or self.status is None:
             return
-        if self.last is not None:
+        if self.first is not None:
             with torch.set_grad_enabled(not self.rec.inference):  # as its calls run (an evaluation's: no_grad)
-                self._decide(self.last, ran=self.calls)
-            self.last = None
+                self._decide(self.first, ran=self.calls)
+            self.first = None
             return
         if self.loaded is not None or self.status[0] != "done":
             return

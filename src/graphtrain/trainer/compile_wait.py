@@ -63,8 +63,8 @@ def compile_wait(
     """Apply compile_wait_action to `module` after step `step`: wait for the background compile (the graphs then
     switch to the measured winner before the next step), give it up (aten runs the job) or leave it (train beside
     it). A warm start's stored winner is loaded now whatever the action: in-process work that would otherwise
-    fall inside the next step. Returns the seconds waited or loaded, None when nothing was. A SIGTERM or Ctrl-C ends the wait; the step loop then
-    saves and stops. `metrics`: the run's MetricsLog on the main process (a ``compile`` record), else None."""
+    fall inside the next step. Returns the seconds waited or loaded, None when nothing was. A SIGTERM or Ctrl-C
+    ends the wait; the step loop then saves and stops. `metrics`: the run's MetricsLog on the main process (a ``compile`` record), else None."""
     remaining = tc.steps - step
     action = compile_wait_action(tc, device, remaining)
     if not is_accelerated(module):
