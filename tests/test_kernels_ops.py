@@ -276,6 +276,34 @@ def test_attention_cpu_dropout_path_vs_reference(dtype, mask_kind, sq, sk):
         assert_close(a, e, name=f"d{name}", **tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("sk,path", [(33, "c++"), (512, "c++"), (513, "cpu flash")])
+def test_half_attention_without_dropout_takes_the_batched_path_over_few_keys(dtype, causal, sk, path):
+    # bf16/fp16 without dropout: batched matmuls around the C++ softmax pass up to PROBS_MAX_KEYS_WITHOUT_DROPOUT
+    # keys (faster than aten's flash kernel there), flash beyond; fp16 has no flash kernel on CPU, so the reference
+    # runs past the bound. Grouped-query heads in Hugging Face's [B, S, H, D] layout, checked forward and backward.
+    from graphtrain.kernels._common import force_reference
+    from graphtrain.kernels.attention import attention_backward_reference, attention_reference
+
+    B, H, Hkv, D = 1, 4, 2, 16
+    q = torch.randn(B, sk, H, D, dtype=dtype).transpose(1, 2)
+    k, v = (torch.randn(B, sk, Hkv, D, dtype=dtype).transpose(1, 2) for _ in range(2))
+    with force_reference(ops=()) as chosen:
+        out, lse, seed = torch.ops.graphtrain.attention(q, k, v, None, 0.25, causal, 0.0)
+        do = torch.randn_like(out)
+        got = torch.ops.graphtrain.attention_backward(do, q, k, v, None, out, lse, seed, 0.25, causal, 0.0)
+    want = path if dtype == torch.bfloat16 or path == "c++" else None
+    assert chosen == ({("attention", want), ("attention_backward", want)} if want else set()), chosen
+    ro, rl = attention_reference(q, k, v, None, 0.25, causal, 0.0, seed)
+    tol = dict(atol=3e-2, rtol=3e-2)
+    assert_close(out, ro, name="out", **tol)
+    assert_close(lse, rl, name="lse", **tol)
+    ref = attention_backward_reference(do, q, k, v, None, ro, rl, 0.25, causal, 0.0, seed)
+    for name, a, e in zip("qkv", got, ref):
+        assert_close(a, e, name=f"d{name}", **tol)
+
+
 def test_attention_bool_mask_and_errors():
     q = torch.randn(1, 2, 5, 4)
     keep = torch.rand(5, 5) > 0.3

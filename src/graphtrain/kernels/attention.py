@@ -11,7 +11,8 @@ CPU, fp32 without a mask (with dropout, or causal without): graphtrain's head-by
 attn_heads_*: each thread takes whole heads and runs single-threaded BLAS GEMMs on blocks of HEADS_QB query rows,
 skipping the blocks above a causal diagonal; q, k, v read through their strides); otherwise, CPU, dropout 0:
 aten's flash kernel for CPU (what SDPA itself uses; never materializes [Sq, Sk]
-for all heads); CPU, dropout > 0 (fp32, bf16, fp16): batched matmuls (gemm.matmul: oneDNN for fp32 where it beats aten's
+for all heads), except bf16/fp16 over at most PROBS_MAX_KEYS_WITHOUT_DROPOUT keys, which take the next path (faster
+there); CPU, dropout > 0 (fp32, bf16, fp16): batched matmuls (gemm.matmul: oneDNN for fp32 where it beats aten's
 MKL path) around one C++ pass
 (csrc/attention.cpp) that does scale, mask, softmax and hash-RNG dropout in place on the scores; the
 [B, H, Sq, Sk] scores exist only transiently (forward: until P @ V; backward: recomputed from q
@@ -182,18 +183,36 @@ def _cpu_flash_ok(q, k, v, mask, p) -> bool:
     )
 
 
+PROBS_MAX_KEYS_WITHOUT_DROPOUT = 512
+"""bf16 and fp16 attention without dropout takes the batched-matmul path up to this many keys, aten's flash kernel
+beyond. Forward + backward in bf16 on the 2-core Zen 4 (family 25 model 17), [B, H, S, 64] read through HF's
+[B, S, H, D] strides, flash against batched matmuls: Llama mini's [16, 4 (2 kv), 128] 13.9 against 9.0 ms causal
+and 14.8 against 5.9 non-causal; [8, 12, 128] 25.9 against 17.3 and 25.7 against 12.0; [4, 8, 512] 59.5 against
+31.4 and 55.4 against 39.8; [2, 8, 1024] 66.0 against 90.2 and 86.4 against 96.5. aten's flash kernel runs bf16 GEMMs
+on small tiles; the batched path runs three batched GEMMs a direction on whole [Sq, Sk] blocks, whose scores it
+materializes (`_cpu_scores_bytes`: 2 MiB at Llama mini's shape, 16 MiB at [4, 8, 512]). In fp32 the batched path
+is no faster than flash (8.8 against 8.9 ms at Llama mini's shape) and the head-by-head kernel is faster than both,
+so fp32 keeps its paths."""
+
+
+def _probs_without_dropout(dtype: torch.dtype, keys: int) -> bool:
+    """Whether attention without dropout in `dtype` over `keys` keys runs the batched-matmul path (no flash)."""
+    return dtype in (torch.bfloat16, torch.float16) and keys <= PROBS_MAX_KEYS_WITHOUT_DROPOUT
+
+
 def _cpu_cpp_ok(q, k, v, mask, p) -> bool:
-    """The batched-matmul path with dropout: its C++ pass must take the scores and mask `_cpu_fwd` gives it
-    (_cpu_attention.py PROBS_FWD; PROBS_BWD adds only what `_cpu_bwd` derives from them)."""
+    """The batched-matmul path: with dropout, and bf16/fp16 without it up to PROBS_MAX_KEYS_WITHOUT_DROPOUT keys. Its
+    C++ pass must take the scores and mask `_cpu_fwd` gives it (_cpu_attention.py PROBS_FWD; PROBS_BWD adds only
+    what `_cpu_bwd` derives from them)."""
     if not (
-        p > 0
-        and q.device.type == "cpu"
+        q.device.type == "cpu"
         and q.dtype in (torch.float32, torch.bfloat16, torch.float16)
         and k.dtype == q.dtype
         and v.dtype == q.dtype
         and (mask is None or mask.dtype == q.dtype)
         and q.dim() == 4
         and k.dim() == 4
+        and (p > 0 or _probs_without_dropout(q.dtype, k.shape[2]))
     ):
         return False
     B, H, Sq = q.shape[:3]
@@ -376,8 +395,9 @@ def _attention_op(
         [
             ("triton", _supports_triton(q, k, v, mask), triton_path),
             ("c++ heads", _cpu_heads_ok(q, k, v, mask, p, is_causal), heads),
-            ("cpu flash", _cpu_flash_ok(q, k, v, mask, p), flash),
+            # before flash: it takes p = 0 only in bf16/fp16 over few keys, where it beats flash
             ("c++", _cpu_cpp_ok(q, k, v, mask, p), lambda: _cpu_fwd(q, k, v, mask, scale, is_causal, p, seed)),
+            ("cpu flash", _cpu_flash_ok(q, k, v, mask, p), flash),
         ],
         lambda: attention_reference(q, k, v, mask, scale, is_causal, p, seed),
     )
@@ -465,12 +485,12 @@ def _attention_backward_op(
         [
             ("triton", _supports_triton(q, k, v, mask), triton_path),
             ("c++ heads", _cpu_heads_ok(q, k, v, mask, p, is_causal), heads),
-            ("cpu flash", _cpu_flash_ok(q, k, v, mask, p), flash),
             (
                 "c++",
                 _cpu_cpp_ok(q, k, v, mask, p),
                 lambda: _cpu_bwd(dout, q, k, v, mask, out, lse, scale, is_causal, p, seed),
             ),
+            ("cpu flash", _cpu_flash_ok(q, k, v, mask, p), flash),
         ],
         lambda: attention_backward_reference(dout, q, k, v, mask, out, lse, scale, is_causal, p, seed),
     )
@@ -530,15 +550,16 @@ def attention(
 
 def _cpu_scores_bytes(qv: Tensor, kv: Tensor, mask: Argument, p: Argument, causal: Argument, copies: int) -> int:
     """What the CPU paths allocate inside the op, invisible to the graph: the head-by-head kernel (fp32, no mask, with
-    dropout or causal: `_cpu_heads_ok`) `copies` [HEADS_QB, Sk] blocks per thread; the path with dropout [B*H,
-    Sq, Sk] scores (forward: one buffer the probabilities overwrite; backward: scores and d-probabilities). The
-    CPU flash kernel (no dropout, a mask) and the Triton kernels work in tiles."""
+    dropout or causal: `_cpu_heads_ok`) `copies` [HEADS_QB, Sk] blocks per thread; the batched-matmul path (dropout,
+    or bf16/fp16 over few keys: `_cpu_cpp_ok`) [B*H, Sq, Sk] scores (forward: one buffer the probabilities
+    overwrite; backward: scores and d-probabilities). The CPU flash kernel (no dropout, a mask) and the Triton
+    kernels work in tiles."""
     if qv.device.type != "cpu":
         return 0
     sk = hint_int(kv.shape[2])
     if mask is None and qv.dtype == torch.float32 and (p or causal):
         return copies * torch.get_num_threads() * HEADS_QB * sk * 4
-    if not p:
+    if not p and not _probs_without_dropout(qv.dtype, sk):
         return 0
     b, h, sq = (hint_int(d) for d in qv.shape[:3])
     return copies * b * h * sq * sk * qv.element_size()
@@ -576,7 +597,8 @@ SPEC = register_kernel_spec(
         attention,
         attention_reference,
         {
-            "cpu": "c++ head by head (fp32, no mask) / aten flash (p=0) / aten bmm + c++ softmax-dropout (p>0)",
+            "cpu": "c++ head by head (fp32, no mask) / aten bmm + c++ softmax-dropout (p>0; bf16/fp16 up to 512 keys) / "
+            "aten flash (p=0)",
             "cuda": "triton flash",
         },
         {"cpu": _supports_cpu, "cuda": _supports_triton},
