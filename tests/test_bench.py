@@ -410,10 +410,48 @@ def test_a_bert_workload_counts_its_labelled_rows_as_the_sparse_heads_flops():
         assert 0 < rows < 64
         if name == "eager-fp32":
             assert got == {"executed_flops_per_step": info["flops_per_step"], "flops_shortcut": None}
-        else:
+        else:  # graphtrain's BERT returns no logits: its head skips the unlabelled rows' forward too
             skipped = 6 * info["vocab"] * info["d_model"] * (64 - rows)
             assert got["executed_flops_per_step"] == info["flops_per_step"] - skipped
             assert got["flops_shortcut"] == f"sparse LM head: {rows} of 64 rows"
+
+
+def test_a_head_that_returns_its_logits_counts_only_the_skipped_gradients():
+    """A Hugging Face masked LM returns every row's logits, so graphtrain's head (the *_logits op) runs its forward
+    dense and skips only the unlabelled rows' gradients: 4 x vocab x d_model per such row, not 6."""
+    transformers = pytest.importorskip("transformers")
+    from graphtrain.bench.case import Workload, executed_flops, head_returns_logits, labelled_rows, make_batch
+    from graphtrain.frontend.accelerate import accelerate
+
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(
+        num_hidden_layers=1,
+        hidden_size=32,
+        num_attention_heads=2,
+        intermediate_size=64,
+        vocab_size=101,
+        max_position_embeddings=32,
+        attn_implementation="sdpa",
+    )
+    model = transformers.BertForMaskedLM(cfg)
+    case = suites.Case("hf-bert-mini", 2, 16)
+    batch = make_batch(case, 101, True, torch.device("cpu"))
+    work = Workload(
+        accelerate(model),
+        torch.optim.AdamW(model.parameters()),
+        batch,
+        suites.VARIANTS["graphtrain-fp32"],
+        torch.device("cpu"),
+        True,
+    )
+    work.step()
+    assert head_returns_logits(work)
+    rows = labelled_rows(case, batch, True)
+    assert 0 < rows < 32
+    info = {"flops_per_step": 10**9, "vocab": 101, "d_model": 32}
+    got = executed_flops(case, work, info)
+    assert got["executed_flops_per_step"] == 10**9 - 4 * 101 * 32 * (32 - rows)
+    assert got["flops_shortcut"].startswith(f"sparse LM head: {rows} of 32 rows in the backward")
 
 
 def test_the_fp32_matmul_in_bf16_baseline_sets_torchs_flag_and_no_autocast():
