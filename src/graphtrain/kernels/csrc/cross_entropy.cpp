@@ -42,15 +42,22 @@ static void ce_rows(torch::Tensor x, torch::Tensor src, torch::Tensor rows, torc
         float m = -INFINITY;
 _Pragma("omp simd reduction(max:m)")
         for (int64_t j = 0; j < v; ++j) m = f[j] > m ? f[j] : m;
+        const float ft = f[t];  // read before g overwrites it (g may be f)
+        // exp(f - m) goes to the gradient's row as it is summed, then is scaled: one exp per entry, not two
+        // (bf16 [2032, 8192] rows on the 2-core Zen 4: 8.5 ms a call with two). g: in place (x is the source),
+        // x's row (fp32 gathered from the returned logits) or the fp32 scratch (bf16/fp16)
+        float* g = gather && std::is_same_v<scalar_t, float> ? reinterpret_cast<float*>(row) : const_cast<float*>(f);
         float s = 0.f;
 _Pragma("omp simd reduction(+:s)")
-        for (int64_t j = 0; j < v; ++j) s += gt_exp(f[j] - m);
-        const float lse = m + std::log(s);
-        lp[r] = lse - f[t];
-        // the gradient over the source row: in place (x is the source), into x's row (fp32) or the fp32 scratch
-        float* g = gather && std::is_same_v<scalar_t, float> ? reinterpret_cast<float*>(row) : const_cast<float*>(f);
+        for (int64_t j = 0; j < v; ++j) {
+          const float e = gt_exp(f[j] - m);
+          g[j] = e;
+          s += e;
+        }
+        lp[r] = m + std::log(s) - ft;
+        const float k = sc / s;
 _Pragma("omp simd")
-        for (int64_t j = 0; j < v; ++j) g[j] = gt_exp(f[j] - lse) * sc;
+        for (int64_t j = 0; j < v; ++j) g[j] *= k;
         g[t] -= sc;
         store_f32(g, row, v);
       }
