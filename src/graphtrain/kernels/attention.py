@@ -316,24 +316,32 @@ def _flat(t: Tensor) -> Tensor:
     return t.reshape(-1, t.shape[-2], t.shape[-1])
 
 
+def _by_kv_head(t: Tensor, kv_heads: int) -> Tensor:
+    """q (or d out) [B, H, S, D] as [B * Hkv, groups * S, D]: the query heads that read one key/value head stacked
+    into one matrix. The batched path multiplies them by that head's k and v once, with no repeated copy of k and v
+    under grouped-query attention, and their scores are [B * H, S, Sk] in memory as without groups, which the C++
+    pass takes as they are. The products with the stacked rows' transposes (d k, d v) sum over the groups inside the
+    GEMM."""
+    return t.reshape(t.shape[0] * kv_heads, -1, t.shape[-1])
+
+
 def _cpu_fwd(q, k, v, mask, scale, is_causal, p, seed):
     B, H, Sq, _ = q.shape
+    Sk, Hkv = k.shape[2], k.shape[1]
     m = _mask4d(mask, q, k)
-    k, v = _repeat_kv(k, _groups(q, k)), _repeat_kv(v, _groups(q, k))
-    s = matmul(_flat(q), _flat(k).transpose(1, 2)).contiguous()
+    s = matmul(_by_kv_head(q, Hkv), _flat(k).transpose(1, 2)).contiguous()
     probs, lse = _cpu_ext.load().attn_probs_fwd(
-        s, m if m is not None else q.new_empty(0), H, scale, is_causal, p, int(seed.item())
+        s.view(B * H, Sq, Sk), m if m is not None else q.new_empty(0), H, scale, is_causal, p, int(seed.item())
     )
-    out = matmul(probs, _flat(v))
+    out = matmul(probs.view(B * Hkv, -1, Sk), _flat(v))
     return out.reshape(B, H, Sq, v.shape[-1]), lse.reshape(B, H, Sq)
 
 
 def _cpu_bwd(dout, q, k, v, mask, out, lse, scale, is_causal, p, seed):
-    H, Sq, groups = q.shape[1], q.shape[2], _groups(q, k)
+    B, H, Sq = q.shape[:3]
+    Sk, Hkv = k.shape[2], k.shape[1]
     m = _mask4d(mask, q, k)
-    k_shape, v_shape = k.shape, v.shape
-    k, v = _repeat_kv(k, groups), _repeat_kv(v, groups)
-    qf, kf, vf, dof = _flat(q), _flat(k), _flat(v), _flat(dout)
+    qf, kf, vf, dof = _by_kv_head(q, Hkv), _flat(k), _flat(v), _by_kv_head(dout, Hkv)
     s = matmul(qf, kf.transpose(1, 2)).contiguous()
     dp = matmul(dof, vf.transpose(1, 2)).contiguous()
     # rowsum(dO * O) = rowsum(P * dP); bf16/fp16: the kernel computes it from each rounded row (csrc/attention.cpp)
@@ -343,8 +351,8 @@ def _cpu_bwd(dout, q, k, v, mask, out, lse, scale, is_causal, p, seed):
         else q.new_empty(0, dtype=torch.float32)
     )
     _cpu_ext.load().attn_probs_bwd(
-        s,
-        dp,
+        s.view(B * H, Sq, Sk),
+        dp.view(B * H, Sq, Sk),
         m if m is not None else q.new_empty(0),
         lse.reshape(-1, Sq).contiguous(),
         delta,
@@ -357,8 +365,7 @@ def _cpu_bwd(dout, q, k, v, mask, out, lse, scale, is_causal, p, seed):
     dv = matmul(s.transpose(1, 2), dof)  # s now holds the dropped probabilities, dp holds dS * scale
     dq = matmul(dp, kf)
     dk = matmul(dp.transpose(1, 2), qf)
-    dk, dv = _sum_groups(dk.reshape(k.shape), groups), _sum_groups(dv.reshape(v.shape), groups)
-    return dq.reshape(q.shape), dk.reshape(k_shape), dv.reshape(v_shape)
+    return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape)
 
 
 @torch.library.custom_op("graphtrain::attention", mutates_args=())
