@@ -164,6 +164,30 @@ def test_hf_gpt2_tanh_gelu_runs_in_cpp_under_inductor():
     assert passes["fuse_bias_gelu"]["rewrites"] == (0 if wins else 2)  # the rest is left to Inductor's GELU
 
 
+@pytest.mark.skipif(not HAS_HF, reason="transformers is not installed")
+def test_hf_gpt2_tanh_gelu_runs_in_cpp_under_inductor_in_bf16():
+    """In a bf16 graph the mixed-precision pass has cast the GELU formula's pieces (its cube and tanh read x in fp32,
+    its 0.5 x in bf16): lower_gelu_tanh still finds it, one a layer, and the op reads the bf16 x. Loss and gradients
+    within bf16 tolerances of fp32 eager."""
+    from graphtrain.kernels import _cpu_ext
+    from graphtrain.kernels.bias_gelu import gelu_tanh_probe
+
+    if _cpu_ext.load() is None:
+        pytest.skip(f"no C++ compiler: {_cpu_ext.build_error()}")
+    ref, kw, fallback = _make("hf-gpt2")
+    m = graphtrain.accelerate(copy.deepcopy(ref), provider="inductor", fallback=fallback, precision="bf16")
+    lf, le = _step(m, kw, 0), _step(ref, kw, 0)
+    torch.testing.assert_close(lf, le, rtol=2e-2, atol=2e-2)
+    for (n, p), q in zip(m.named_parameters(), ref.parameters()):
+        assert p.grad.dtype == torch.float32
+        rel = float((p.grad - q.grad).norm() / q.grad.norm().clamp_min(1e-12))
+        assert rel < 5e-2, (n, rel)
+    wins = gelu_tanh_probe()["cpp_wins"]
+    assert _rewrites(m)["lower_gelu_tanh"] == (2 if wins else 0)
+    gelus = [o for o in graphtrain.report(m).fused_ops if o["name"] == "bias_gelu"]
+    assert [o["count"] for o in gelus] == ([2] if wins else [])
+
+
 @pytest.mark.parametrize("kind", ["gpt2-tiny", "bert-tiny"])
 def test_fused_dropout_trains_like_eager(kind):
     """With dropout the fused ops draw masks from their own counter-based hash, not torch's Bernoulli, so
