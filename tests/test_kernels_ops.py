@@ -382,6 +382,25 @@ def test_linear_cross_entropy_skips_ignored_rows(reduction, with_bias):
         )
 
 
+def test_a_sparse_head_skips_rows_only_where_an_eighth_or_more_are_ignored():
+    """skips_rows: a masked-LM batch (85% ignored) runs sparse; a causal LM's, one position a sequence ignored (16 of
+    2048), runs dense, and so does a batch with no label or no ignored row. Both ways match eager."""
+    from graphtrain.kernels.linear_cross_entropy import SPARSE_MIN_SKIPPED, skips_rows
+
+    assert skips_rows(328, 2048) and skips_rows(int(2048 * (1 - SPARSE_MIN_SKIPPED)), 2048)
+    assert not skips_rows(2032, 2048) and not skips_rows(2048, 2048) and not skips_rows(0, 2048)
+    g = torch.Generator().manual_seed(6)
+    h, w = torch.randn(4, 16, 24, generator=g), torch.randn(97, 24, generator=g)
+    t = torch.randint(0, 97, (4, 16), generator=g)
+    t[:, -1] = -100  # a causal LM's shifted labels: the last position of each sequence has none
+    check_vs_eager(
+        lambda h, w: linear_cross_entropy(h, w, t, chunk_rows=5),
+        lambda h, w: F.cross_entropy((h @ w.t()).view(-1, 97), t.view(-1)),
+        h,
+        w,
+    )
+
+
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("skip_ignored", [False, True])
 @pytest.mark.parametrize("chunk", [0, 3])

@@ -117,6 +117,21 @@ def _chunked(
     )
 
 
+SPARSE_MIN_SKIPPED = 0.125
+"""A sparse head skips the ignored rows of a batch only where they are at least this share of its rows
+(`skips_rows`). A causal LM's labels leave out one position per sequence (16 of 2048 rows at b16 s128): skipping
+them saves 0.8% of the head's FLOPs for a gather of the other rows, a scatter of their gradients and a host sync.
+Measured on HF GPT-2 and Llama mini in bf16 (2-core Zen 4, 3 alternating runs each): within noise, 230.0-235.7
+against 234.7-237.0 ms and 211.7-218.8 against 212.3-240.1 ms. What it buys is a plain count: such a head runs
+every row, as eager's, so those models' figures include no shortcut. Masked-LM batches (85% ignored) skip."""
+
+
+def skips_rows(n_valid: int, n: int) -> bool:
+    """Whether a sparse head (skip_ignored) runs only the `n_valid` labelled rows of `n`: some, and at least
+    SPARSE_MIN_SKIPPED of them ignored. The benchmark's executed-FLOP count asks it too."""
+    return 0 < n_valid and n - n_valid >= SPARSE_MIN_SKIPPED * n
+
+
 def _chunk_loop(
     hidden, weight, target, ignore_index, reduction, chunk, bias, impl, skip_ignored, all_logits=None, loss_only=False
 ):
@@ -126,7 +141,7 @@ def _chunk_loop(
     denom = torch.tensor(float(n_valid), dtype=_acc(hidden)) if reduction == 1 else torch.ones((), dtype=_acc(hidden))
     use_triton, use_cpp = impl == "triton", impl == "c++"
     rows = None
-    if skip_ignored and 0 < n_valid < n:
+    if skip_ignored and skips_rows(n_valid, n):
         # A row whose target is ignored adds nothing to the loss or to any gradient (its d logits row is 0), so
         # its logits are never computed: for masked-LM labels (15% of rows valid) this skips ~85% of the LM
         # head's three matmuls. Same function, same values up to rounding.
