@@ -202,9 +202,10 @@ def head_returns_logits(work: Workload) -> bool:
 
 def executed_flops(case: Case, work: Workload, info: dict[str, Any]) -> dict[str, Any]:
     """The FLOPs each step runs (`executed_flops_per_step`), from the dense formula less what a sparse head skips
-    for each unlabelled row, where it skips them (`skips_rows`: not a causal LM's one position a sequence): 6 FLOPs per weight (forward, and backward for the input and the weight), or 4 where the
-    head returns every row's logits (`head_returns_logits`: the forward runs dense); what it skips is named in
-    `flops_shortcut`, which the report prints beside the variant's MFU."""
+    for each unlabelled row where it skips them (`skips_rows`: not a causal LM's one position a sequence): 6 FLOPs
+    per weight (forward, and backward for the input and the weight), or 4 where the head returns every row's
+    logits (`head_returns_logits`: the forward runs dense). What it skips is named in `flops_shortcut`, which the
+    report prints beside the variant's MFU."""
     from graphtrain.kernels.linear_cross_entropy import skips_rows
 
     dense = info["flops_per_step"]
