@@ -31,6 +31,7 @@ from graphtrain.passes.fuse_utils import (
     scalar_operand,
     split_linear_bias,
 )
+from graphtrain.passes.graph_utils import is_cast
 from graphtrain.passes.manager import PassContext, register_pass
 
 
@@ -39,8 +40,8 @@ def _close(a: float | None, b: float) -> bool:
 
 
 def _uncast(n: Argument) -> Argument:
-    """n without the dtype casts around it (aten._to_copy with a dtype alone: what the mixed-precision pass puts in)."""
-    while is_op(n, aten._to_copy) and set(n.kwargs) <= {"dtype"} and len(n.args) == 1:
+    """n without the dtype casts around it (`is_cast`: what the mixed-precision pass puts in)."""
+    while is_cast(n):
         n = n.args[0]
     return n
 
@@ -153,7 +154,7 @@ def _replace_in_dtype(g: fx.Graph, out: fx.Node, fused: fx.Node) -> None:
     want, got = out.meta["val"].dtype, fused.meta["val"].dtype
     if want != got:
         for u in list(out.users):
-            if is_op(u, aten._to_copy) and set(u.kwargs) == {"dtype"} and u.kwargs["dtype"] == got:
+            if is_cast(u) and u.meta["val"].dtype == got:
                 u.replace_all_uses_with(fused)
         if out.users:
             with g.inserting_after(fused):

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import hashlib
 import operator
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 import torch.fx as fx
+from torch.fx.node import Argument
 
 from graphtrain.kernels.registry import is_random_op
 
@@ -70,6 +71,20 @@ _SDPA = tuple(
     )
     if f is not None
 )
+
+
+def is_cast(node: Argument) -> TypeGuard[fx.Node]:
+    """A node that only changes dtype: ``_to_copy(x, dtype=...)`` or ``prims.convert_element_type``."""
+    if not isinstance(node, fx.Node) or node.op != "call_function":
+        return False
+    if node.target is torch.ops.prims.convert_element_type.default:
+        return True
+    return (
+        node.target is torch.ops.aten._to_copy.default
+        and "dtype" in node.kwargs
+        and set(node.kwargs) <= {"dtype", "layout", "memory_format"}
+        and node.kwargs.get("memory_format") in (None, torch.preserve_format)
+    )
 
 
 def is_sdpa_call(n: fx.Node) -> bool:

@@ -26,16 +26,15 @@ Ops of other libraries get a policy with ``set_precision_policy(name, policy)``.
 from __future__ import annotations
 
 import operator
-from typing import Any, TypeGuard
+from typing import Any
 
 import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
-from torch.fx.node import Argument
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from graphtrain.kernels.registry import FOLLOW, FP32, LOW, op_descriptor
-from graphtrain.passes.graph_utils import arg_node
+from graphtrain.passes.graph_utils import arg_node, is_cast
 from graphtrain.passes.manager import PassContext, register_pass
 
 PRECISION_POLICY: dict[str, str] = {
@@ -180,20 +179,6 @@ def policy_of(node: fx.Node) -> str:
         d = op_descriptor(node.target)
         return d.precision if d is not None else PRECISION_POLICY.get(node.target._schema.name, FOLLOW)
     return FOLLOW
-
-
-def is_cast(node: Argument) -> TypeGuard[fx.Node]:
-    """A node that only changes dtype: ``_to_copy(x, dtype=...)`` or ``prims.convert_element_type``."""
-    if not isinstance(node, fx.Node) or node.op != "call_function":
-        return False
-    if node.target is torch.ops.prims.convert_element_type.default:
-        return True
-    return (
-        node.target is torch.ops.aten._to_copy.default
-        and "dtype" in node.kwargs
-        and set(node.kwargs) <= {"dtype", "layout", "memory_format"}
-        and node.kwargs.get("memory_format") in (None, torch.preserve_format)
-    )
 
 
 def count_casts(gm: fx.GraphModule) -> int:
