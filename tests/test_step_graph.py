@@ -305,3 +305,40 @@ def test_a_step_that_cannot_be_traced_whole_runs_uncompiled_and_says_why(recwarn
     strict = graphtrain.compile_step(copy.deepcopy(ref), cfg, fallback="error")
     with pytest.raises(GraphtrainCaptureError, match="DataDependentOutputException"):
         strict(**batch)
+
+
+def test_a_view_traced_against_eagers_strides_compiles_on_inductor():
+    """Regression (HF T5 under compile_step, provider inductor): the step graph is traced to aten with eager's
+    strides, and a reshape that was a view there is recorded as aten.view. Inductor's decompositions then gave the
+    concatenation of keys to an empty cache the new keys' strides (cat of one non-empty input becomes its clone),
+    the view no longer applied ("Cannot view a tensor with shape ..."), and the whole step fell back to aten. Views
+    reach Inductor as reshapes now: it compiles, and it trains as eager does."""
+
+    class EmptyCache(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(64, 64)
+            self.register_buffer("cache", torch.empty(2, 4, 0, 16), persistent=False)
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            k = self.proj(x).view(2, 32, 4, 16).transpose(1, 2)  # [B, H, S, D] over a [B, S, H, D] buffer
+            k = torch.cat([self.cache, k], -2)  # eager: a contiguous [B, H, S, D]
+            scores = torch.matmul(k, k.transpose(2, 3))  # matmul views k^T as [B * H, D, S]
+            return nn.functional.mse_loss(scores.mean(-1), y)
+
+    torch.manual_seed(0)
+    model, x, y = EmptyCache(), torch.randn(2, 32, 64), torch.randn(2, 4, 32)
+    ref = copy.deepcopy(model)
+    cfg = Config(optim=OptimConfig(lr=1e-2))
+    step = graphtrain.compile_step(model, cfg, provider="inductor", fallback="error")
+    opt = build_optimizer(ref, cfg.optim)
+    for _ in range(2):
+        got = step(x=x, y=y)
+        loss = ref(x, y)
+        loss.backward()
+        optimizer_step(opt, ref.parameters(), grad_clip=cfg.optim.grad_clip)
+        opt.zero_grad(set_to_none=True)
+        assert_close(got["loss"], loss.detach(), name="loss", atol=1e-6, rtol=1e-5)
+    assert step.provider == "inductor"
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert_close(p, q, name=f"weight {n}", atol=1e-6, rtol=1e-5)

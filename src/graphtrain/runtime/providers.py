@@ -250,6 +250,28 @@ def _replace_graph(graph: fx.Graph, new: fx.Graph) -> None:
     graph.output(out)
 
 
+def views_as_reshapes(gm: fx.GraphModule) -> fx.GraphModule:
+    """`gm` with every ``aten.view`` / ``aten._unsafe_view`` given as ``aten.reshape``, on a copy of its graph (the
+    module's attributes are shared; `gm` itself is left as the other providers and passes see it).
+
+    A graph traced to aten before Inductor holds views that were valid for the strides eager produced when it was
+    traced. compile_fx traces it again through Inductor's decompositions, which may give an intermediate other
+    strides: ``cat`` with an empty input becomes a clone of the other input, which keeps that input's strides
+    where eager's cat returned a contiguous tensor. A view recorded against the contiguous layout then fails
+    ("Cannot view a tensor with shape ... and strides ...") and the graph fell back to aten: HF T5 under
+    compile_step, whose decoder concatenates its keys to an empty cache. ``reshape`` is the same view wherever the
+    strides allow one and copies where they do not."""
+    graph = fx.Graph()
+    graph._codegen = gm.graph._codegen  # the calling convention (pytree in/out specs) stays the module's
+    out = graph.graph_copy(gm.graph, {})
+    graph.output(out)
+    aten = torch.ops.aten
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target in (aten.view.default, aten._unsafe_view.default):
+            node.target = aten.reshape.default
+    return fx.GraphModule(gm, graph)
+
+
 def compile_inductor(job: CompileJob) -> Callable[..., Any]:
     """``compile_fx`` on the job's pre-autodiff graph. recompute=none keeps Inductor's own min-cut partition: it
     recomputes only ops it fuses into backward kernels, which costs no extra kernel and saves memory, so there is nothing for `none` to switch off.
@@ -280,7 +302,7 @@ def compile_inductor(job: CompileJob) -> Callable[..., Any]:
                 what="is not applied (Inductor's min-cut partition runs)",
                 sink=state.fallbacks,
             )
-    return compile_fx(gm, list(example_inputs), config_patches=patches)
+    return compile_fx(views_as_reshapes(gm), list(example_inputs), config_patches=patches)
 
 
 class UnsuitableProvider(RuntimeError):
@@ -315,7 +337,7 @@ def compile_step_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], provid
 
         check_inductor(gm, example_inputs)
         with torch._inductor.config.patch(fallback_random=True):
-            return compile_fx(gm, list(example_inputs))
+            return compile_fx(views_as_reshapes(gm), list(example_inputs))
     if provider != "aten":
         raise ValueError(f"compile_step_graph: provider {provider!r} is not one of inductor, aten; pass one of them")
     return gm
