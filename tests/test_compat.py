@@ -113,3 +113,14 @@ def test_tf32_setting_is_read_from_either_api():
         [True, False] if hasattr(torch.backends.cuda.matmul, "fp32_precision") else []
     )
     assert seen == expected
+
+
+def test_compiling_flag_is_seen_inside_and_restored_after_an_error():
+    """The shim flips the flag torch.compiler.is_compiling() reads in this torch (what torch.export sets while it
+    traces), and puts the old value back however the block ends."""
+    assert not torch.compiler.is_compiling()
+    with pytest.raises(RuntimeError, match="inside"):
+        with compat.compiling_flag():
+            assert torch.compiler.is_compiling()
+            raise RuntimeError("inside")
+    assert not torch.compiler.is_compiling()

@@ -275,23 +275,59 @@ def test_a_second_compile_of_the_same_step_loads_it_from_inductors_cache(tmp_pat
     assert seen[0] == seen[1]
 
 
-def test_a_step_that_cannot_be_traced_whole_runs_uncompiled_and_says_why(recwarn):
-    """HF BART reads a tensor's value in its mask helpers: the whole step cannot be traced on fake tensors
-    (DataDependentOutputException). compile_step then runs the same step op by op, matching eager AdamW, with the
-    fallback named in the report and one warning; under fallback=error it is one GraphtrainCaptureError line."""
+def test_hf_bart_step_compiles_whole_and_trains_as_eager():
+    """Regression: HF BART's mask helper (masking_utils._ignore_causal_mask_sdpa) read the padding mask's values to
+    decide whether SDPA's is_causal could stand in for the mask; on the trace's fake tensors that raised
+    DataDependentOutputException and the whole step ran uncompiled (GPT-2 under recompute too). The trace now runs
+    with torch.compiler.is_compiling() true, as torch.export's does, and the helper builds the mask: one step graph,
+    matching eager AdamW."""
     pytest.importorskip("transformers")
     from graphtrain.bench.families import build_family
-    from graphtrain.config.fallback import GraphtrainCaptureError
 
     torch.manual_seed(0)
     model, batch = build_family("bart", hidden=32, layers=1, vocab=101, batch=2, seq=16, dropout=False)
     ref = copy.deepcopy(model)
     cfg = Config(optim=OptimConfig(lr=1e-3, grad_clip=1.0))
-    step = graphtrain.compile_step(model, cfg, fallback="warn")
+    step = graphtrain.compile_step(model, cfg, provider="aten", fallback="error")
     opt = build_optimizer(ref, cfg.optim)
     for _ in range(2):
         got = step(**batch)
         loss = ref(**batch).loss
+        loss.backward()
+        optimizer_step(opt, ref.parameters(), grad_clip=cfg.optim.grad_clip)
+        opt.zero_grad(set_to_none=True)
+        assert_close(got["loss"], loss.detach(), name="loss")
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert_close(p, q, name=f"weight {n}", atol=1e-6, rtol=1e-5)
+    assert step.provider == "aten" and not graphtrain.report(model).fallbacks
+
+
+def test_a_step_that_cannot_be_traced_whole_runs_uncompiled_and_says_why(recwarn):
+    """A forward whose control flow reads a tensor's value cannot be traced whole on fake tensors
+    (DataDependentOutputException). compile_step then runs the same step op by op, matching eager AdamW, with the
+    fallback named in the report and one warning; under fallback=error it is one GraphtrainCaptureError line."""
+    from graphtrain.config.fallback import GraphtrainCaptureError
+
+    class ReadsAValue(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 1)
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            h = self.a(x)
+            if h.sum() > 0:  # a branch on a value: no graph holds both sides
+                h = torch.relu(h)
+            return nn.functional.mse_loss(self.b(h), y)
+
+    torch.manual_seed(0)
+    model, x, y = ReadsAValue(), torch.randn(6, 8), torch.randn(6, 1)
+    ref = copy.deepcopy(model)
+    cfg = Config(optim=OptimConfig(lr=1e-2, grad_clip=1.0))
+    step = graphtrain.compile_step(model, cfg, fallback="warn")
+    opt = build_optimizer(ref, cfg.optim)
+    for _ in range(2):
+        got = step(x=x, y=y)
+        loss = ref(x, y)
         loss.backward()
         optimizer_step(opt, ref.parameters(), grad_clip=cfg.optim.grad_clip)
         opt.zero_grad(set_to_none=True)
@@ -304,7 +340,7 @@ def test_a_step_that_cannot_be_traced_whole_runs_uncompiled_and_says_why(recwarn
     assert sum("runs uncompiled" in str(w.message) for w in recwarn) == 1
     strict = graphtrain.compile_step(copy.deepcopy(ref), cfg, fallback="error")
     with pytest.raises(GraphtrainCaptureError, match="DataDependentOutputException"):
-        strict(**batch)
+        strict(x=x, y=y)
 
 
 def test_a_view_traced_against_eagers_strides_compiles_on_inductor():

@@ -11,7 +11,8 @@ release means reading one file. Each shim names the versions on both sides of th
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -81,3 +82,24 @@ def cuda_matmul_allows_tf32() -> bool:
         return bool(matmul.allow_tf32) or torch.get_float32_matmul_precision() != "highest"
     except RuntimeError:  # a mix of the two APIs that torch refuses to read: fp32 stays exact
         return False
+
+
+# --- is_compiling while graphtrain traces a user's code -----------------------------------------------------------
+# torch.compiler.is_compiling() reads the module flag _is_compiling_flag in every torch of the range (2.11 to 2.14);
+# torch.export's non-strict tracing sets it while make_fx runs the user's code (torch/_export/utils.py
+# _compiling_state_context), so that library code takes its traceable branches. Without the flag (a torch that moved
+# it) tracing goes on as before: the data-dependent reads it avoids fall back, named, as they did.
+@contextlib.contextmanager
+def compiling_flag() -> Iterator[None]:
+    """torch.compiler.is_compiling() is True inside: Hugging Face's mask helpers then build the mask instead of
+    reading the padding mask's values to decide whether it can be skipped (which a fake tensor cannot answer)."""
+    compiler = torch.compiler
+    if not isinstance(getattr(compiler, "_is_compiling_flag", None), bool):
+        yield
+        return
+    old = compiler._is_compiling_flag
+    compiler._is_compiling_flag = True
+    try:
+        yield
+    finally:
+        compiler._is_compiling_flag = old

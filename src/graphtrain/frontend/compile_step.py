@@ -215,10 +215,10 @@ class CompiledStep:
         except GraphtrainCaptureError:
             raise
         except Exception as e:  # noqa: BLE001 - the step runs, uncompiled, and says why (or raises under error)
-            # A forward that reads a tensor's value (Hugging Face's mask helpers on BART, GPT-2 under recompute)
-            # cannot be traced whole on fake tensors (DataDependentOutputException); accelerate's Dynamo capture
-            # breaks the graph there, a whole-step graph cannot. The same step runs op by op on the real tensors:
-            # the model, autograd and the AdamW update, nothing skipped.
+            # A forward that reads a tensor's value (a branch on it; HF BART's mask helper before trace.py set
+            # is_compiling) cannot be traced whole on fake tensors (DataDependentOutputException); accelerate's
+            # Dynamo capture breaks the graph there, a whole-step graph cannot. The same step runs op by op on the
+            # real tensors: the model, autograd and the AdamW update, nothing skipped.
             what = "runs uncompiled (the model, autograd and AdamW op by op" + (
                 ", in fp32)" if cfg.precision != "fp32" else ")"
             )  # precision is one of the passes it skips

@@ -20,6 +20,7 @@ from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from graphtrain.config.torch_compat import compiling_flag
 from graphtrain.passes.graph_utils import is_symbolic
 
 
@@ -47,7 +48,9 @@ def trace_aten_forward(fn: Callable[..., Any], example_inputs: Sequence[Any]) ->
         functional, dispatcher = _dispatch_functionalize(fn), enable_python_dispatcher()
     else:
         functional, dispatcher = torch.func.functionalize(fn, remove="mutations"), contextlib.nullcontext()
-    with fake_mode, torch.no_grad(), fx.traceback.preserve_node_meta(), dispatcher:
+    # compiling_flag: as under torch.export, library code sees a trace and takes its traceable branches (HF BART's
+    # mask helper read the padding mask's values, which a fake tensor has not: the step fell back uncompiled)
+    with fake_mode, torch.no_grad(), fx.traceback.preserve_node_meta(), dispatcher, compiling_flag():
         gm = make_fx(functional, tracing_mode="real", pre_dispatch=False)(*inputs)
     if needs_grad:
         keep_attention_logsumexp(gm, fake_mode)
