@@ -378,3 +378,41 @@ def test_a_view_traced_against_eagers_strides_compiles_on_inductor():
     assert step.provider == "inductor"
     for (n, p), q in zip(model.named_parameters(), ref.parameters()):
         assert_close(p, q, name=f"weight {n}", atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("blocks", [False, True])
+def test_a_channels_last_gradient_updates_its_weight_as_eager(blocks):
+    """Regression (HF ViT under compile_step, provider inductor): a convolution's weight gradient comes out
+    channels-last when its input is (a channels-last batch here; Inductor's layout optimization in ViT's case), and
+    torch._fused_adamw_ walked it as if it had the weight's layout: the weight moved along its gradient permuted,
+    silently. Eager's AccumulateGrad gives p.grad the parameter's layout; the step's update now does the same."""
+
+    class Patches(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv, self.head = nn.Conv2d(3, 8, 4, stride=4), nn.Linear(8 * 16, 1)
+            self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8 * 16, 8 * 16), nn.Tanh()) for _ in range(2))
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            h = self.conv(x).flatten(1)
+            for block in self.blocks:
+                h = block(h)
+            return nn.functional.mse_loss(self.head(h), y)
+
+    torch.manual_seed(0)
+    model, y = Patches(), torch.randn(2, 1)
+    x = torch.randn(2, 3, 16, 16).to(memory_format=torch.channels_last)
+    ref = copy.deepcopy(model)
+    cfg = Config(optim=OptimConfig(lr=1e-2))
+    step = graphtrain.compile_step(model, cfg, provider="aten", fallback="error", compile_blocks=blocks)
+    opt = build_optimizer(ref, cfg.optim)
+    for _ in range(2):
+        got = step(x=x, y=y)
+        loss = ref(x, y)
+        loss.backward()
+        optimizer_step(opt, ref.parameters(), grad_clip=cfg.optim.grad_clip)
+        opt.zero_grad(set_to_none=True)
+        assert_close(got["loss"], loss.detach(), name="loss", atol=1e-6, rtol=1e-5)
+    assert step.by_blocks == blocks
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert_close(p, q, name=f"weight {n}", atol=1e-6, rtol=1e-5)

@@ -55,7 +55,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from graphtrain.config.fallback import GraphtrainCaptureError, report_fallback, set_policy
 from graphtrain.config.sections import Config, EngineConfig, OptimConfig
 from graphtrain.frontend.accelerate import compile_in_place, new_state
-from graphtrain.optim.functional import step_update
+from graphtrain.optim.functional import like_param, step_update
 from graphtrain.pipeline.block_regions import splits_into_blocks
 from graphtrain.pipeline.functional import loss_of, module_as_function
 from graphtrain.pipeline.stages import compile_with_fallback, new_record, run_passes, trace
@@ -174,7 +174,8 @@ class CompiledStep:
         with torch.enable_grad():
             loss = loss_of(self.model(**batch))
             grads = torch.autograd.grad(loss * self.scale if self.fp16 else loss, params, allow_unused=True)
-        grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
+        # in each parameter's layout here, at run time: the update graph was traced with stand-ins that had it
+        grads = [torch.zeros_like(p) if g is None else like_param(g, p) for p, g in zip(params, grads)]
         args = [
             params,
             grads,

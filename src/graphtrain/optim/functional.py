@@ -246,6 +246,18 @@ def loss_scale_update(
     return new_scale, new_tracker, new_hysteresis
 
 
+def like_param(grad: Tensor, param: Tensor) -> Tensor:
+    """`grad` in `param`'s memory layout (a copy only where their strides differ).
+
+    torch._fused_adamw_ walks each parameter, its gradient and its moments as flat buffers of one layout. Eager's
+    AccumulateGrad gives ``p.grad`` the parameter's layout; a gradient from ``torch.autograd.grad`` keeps the layout
+    of the kernel that made it: a convolution's weight gradient comes out channels-last when its input was
+    (Inductor's layout optimization makes it so). compile_step passed those to the fused kernel as they were, and HF
+    ViT's patch-embedding weight was updated with its gradient permuted (silently: the loss drifted from eager's by
+    step 2)."""
+    return grad if grad.stride() == param.stride() else torch.empty_like(param).copy_(grad)
+
+
 def step_update(o: OptimConfig, e: EngineConfig, decay: list[bool], fp16: bool, fused_kernel: bool) -> Any:
     """compile_step's update, traced into its step graph: global norm and overflow check, clipping, AdamW
     (torch's fused kernel, or the same update as elementwise math for Inductor) and the fp16 loss-scale update, on
@@ -256,7 +268,7 @@ def step_update(o: OptimConfig, e: EngineConfig, decay: list[bool], fp16: bool, 
     max_norm = o.grad_clip
 
     def update(params, grads, m, v, steps, lr, max_loss, scale, tracker, hyst, loss):
-        grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
+        grads = [torch.zeros_like(p) if g is None else like_param(g, p) for p, g in zip(params, grads)]
         # one reduction: global norm (for clipping) and the overflow check (non-finite norm)
         norm = global_grad_norm(grads)
         true_norm = norm / scale if fp16 else norm
