@@ -416,3 +416,23 @@ def test_a_channels_last_gradient_updates_its_weight_as_eager(blocks):
     assert step.by_blocks == blocks
     for (n, p), q in zip(model.named_parameters(), ref.parameters()):
         assert_close(p, q, name=f"weight {n}", atol=1e-6, rtol=1e-5)
+
+
+def test_views_written_through_stay_views_for_inductor():
+    """views_as_reshapes (what Inductor is handed) turns a view into a reshape only where nothing writes through it:
+    compile_step's graph holds in-place updates, and a reshape that copied would take such a write away from its
+    base. A view written directly, or through a view of it, stays aten.view."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from graphtrain.runtime.providers import views_as_reshapes
+
+    def f(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        p.view(-1).add_(1.0)
+        x.view(4, 4).t().mul_(2.0)
+        return (x.view(16) * 2).sum()
+
+    gm = make_fx(f)(torch.randn(16), torch.randn(4, 4))
+    targets = [n.target for n in views_as_reshapes(gm).graph.nodes if n.op == "call_function"]
+    aten = torch.ops.aten
+    assert targets.count(aten.view.default) == 2 and targets.count(aten.reshape.default) == 1, targets
+    assert sum(n.target == aten.view.default for n in gm.graph.nodes) == 3  # the module's own graph is unchanged

@@ -260,7 +260,9 @@ def views_as_reshapes(gm: fx.GraphModule) -> fx.GraphModule:
     where eager's cat returned a contiguous tensor. A view recorded against the contiguous layout then fails
     ("Cannot view a tensor with shape ... and strides ...") and the graph fell back to aten: HF T5 under
     compile_step, whose decoder concatenates its keys to an empty cache. ``reshape`` is the same view wherever the
-    strides allow one and copies where they do not."""
+    strides allow one and copies where they do not. A view written through (an in-place op on it or on a view of
+    it: compile_step's graph is not functionalized) stays a view: a copy would take the write away from its base,
+    where a failed view falls back, named."""
     graph = fx.Graph()
     graph._codegen = gm.graph._codegen  # the calling convention (pytree in/out specs) stays the module's
     out = graph.graph_copy(gm.graph, {})
@@ -268,8 +270,24 @@ def views_as_reshapes(gm: fx.GraphModule) -> fx.GraphModule:
     aten = torch.ops.aten
     for node in graph.nodes:
         if node.op == "call_function" and node.target in (aten.view.default, aten._unsafe_view.default):
-            node.target = aten.reshape.default
+            if not _written_through(node):
+                node.target = aten.reshape.default
     return fx.GraphModule(gm, graph)
+
+
+def _written_through(node: fx.Node) -> bool:
+    """Whether an op writes `node`'s value in place, directly or through a view of it (schema alias annotations)."""
+    for user in node.users:
+        schema = getattr(user.target, "_schema", None) if user.op == "call_function" else None
+        if schema is None:
+            continue
+        named = dict(zip((a.name for a in schema.arguments), user.args)) | dict(user.kwargs)
+        for arg in schema.arguments:
+            if named.get(arg.name) is node and arg.alias_info is not None and arg.alias_info.is_write:
+                return True
+        if any(r.alias_info is not None for r in schema.returns) and _written_through(user):
+            return True
+    return False
 
 
 def compile_inductor(job: CompileJob) -> Callable[..., Any]:
