@@ -49,6 +49,22 @@ def _eager_steps(model, batches, cfg, lrs):
     return out
 
 
+def _trains_like_eager(step, model, ref, cfg, batch, steps=2, **loss_tol):
+    """`steps` steps of `step` (compile_step of `model`) against eager AdamW on `ref` (a copy of `model` taken before
+    the first step), one batch: the loss of every step (dtype tolerance unless `loss_tol`), then every weight."""
+    opt = build_optimizer(ref, cfg.optim)
+    for i in range(steps):
+        got = step(**batch)
+        out = ref(**batch)
+        loss = out if isinstance(out, torch.Tensor) else out.loss
+        loss.backward()
+        optimizer_step(opt, ref.parameters(), grad_clip=cfg.optim.grad_clip)
+        opt.zero_grad(set_to_none=True)
+        assert_close(got["loss"], loss.detach(), name=f"loss of step {i}", **loss_tol)
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert_close(p, q, name=f"weight {n}", atol=1e-6, rtol=1e-5)
+
+
 # inductor: slow (56 s on the 2-core AVX2 EPYC, the default suite's slowest test): the aten case checks the whole-step
 # graph itself; Inductor compiling graphs is checked by the default suite elsewhere (fusion, tiered compile tests).
 # blocks: the model's graphs compiled block by block, then the update graph (a model with repeated blocks, the
@@ -289,16 +305,7 @@ def test_hf_bart_step_compiles_whole_and_trains_as_eager():
     ref = copy.deepcopy(model)
     cfg = Config(optim=OptimConfig(lr=1e-3, grad_clip=1.0))
     step = graphtrain.compile_step(model, cfg, provider="aten", fallback="error")
-    opt = build_optimizer(ref, cfg.optim)
-    for _ in range(2):
-        got = step(**batch)
-        loss = ref(**batch).loss
-        loss.backward()
-        optimizer_step(opt, ref.parameters(), grad_clip=cfg.optim.grad_clip)
-        opt.zero_grad(set_to_none=True)
-        assert_close(got["loss"], loss.detach(), name="loss")
-    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
-        assert_close(p, q, name=f"weight {n}", atol=1e-6, rtol=1e-5)
+    _trains_like_eager(step, model, ref, cfg, batch)
     assert step.provider == "aten" and not graphtrain.report(model).fallbacks
 
 
@@ -324,16 +331,7 @@ def test_a_step_that_cannot_be_traced_whole_runs_uncompiled_and_says_why(recwarn
     ref = copy.deepcopy(model)
     cfg = Config(optim=OptimConfig(lr=1e-2, grad_clip=1.0))
     step = graphtrain.compile_step(model, cfg, fallback="warn")
-    opt = build_optimizer(ref, cfg.optim)
-    for _ in range(2):
-        got = step(x=x, y=y)
-        loss = ref(x, y)
-        loss.backward()
-        optimizer_step(opt, ref.parameters(), grad_clip=cfg.optim.grad_clip)
-        opt.zero_grad(set_to_none=True)
-        assert_close(got["loss"], loss.detach(), name="loss")
-    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
-        assert_close(p, q, name=f"weight {n}", atol=1e-6, rtol=1e-5)
+    _trains_like_eager(step, model, ref, cfg, {"x": x, "y": y})
     assert step.provider == "eager"
     ((part, reason),) = graphtrain.report(model).fallbacks
     assert "step graph" in part and "DataDependentOutputException" in reason
@@ -367,17 +365,8 @@ def test_a_view_traced_against_eagers_strides_compiles_on_inductor():
     ref = copy.deepcopy(model)
     cfg = Config(optim=OptimConfig(lr=1e-2))
     step = graphtrain.compile_step(model, cfg, provider="inductor", fallback="error")
-    opt = build_optimizer(ref, cfg.optim)
-    for _ in range(2):
-        got = step(x=x, y=y)
-        loss = ref(x, y)
-        loss.backward()
-        optimizer_step(opt, ref.parameters(), grad_clip=cfg.optim.grad_clip)
-        opt.zero_grad(set_to_none=True)
-        assert_close(got["loss"], loss.detach(), name="loss", atol=1e-6, rtol=1e-5)
+    _trains_like_eager(step, model, ref, cfg, {"x": x, "y": y}, atol=1e-6, rtol=1e-5)
     assert step.provider == "inductor"
-    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
-        assert_close(p, q, name=f"weight {n}", atol=1e-6, rtol=1e-5)
 
 
 @pytest.mark.parametrize("blocks", [False, True])
@@ -405,17 +394,8 @@ def test_a_channels_last_gradient_updates_its_weight_as_eager(blocks):
     ref = copy.deepcopy(model)
     cfg = Config(optim=OptimConfig(lr=1e-2))
     step = graphtrain.compile_step(model, cfg, provider="aten", fallback="error", compile_blocks=blocks)
-    opt = build_optimizer(ref, cfg.optim)
-    for _ in range(2):
-        got = step(x=x, y=y)
-        loss = ref(x, y)
-        loss.backward()
-        optimizer_step(opt, ref.parameters(), grad_clip=cfg.optim.grad_clip)
-        opt.zero_grad(set_to_none=True)
-        assert_close(got["loss"], loss.detach(), name="loss", atol=1e-6, rtol=1e-5)
+    _trains_like_eager(step, model, ref, cfg, {"x": x, "y": y}, atol=1e-6, rtol=1e-5)
     assert step.by_blocks == blocks
-    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
-        assert_close(p, q, name=f"weight {n}", atol=1e-6, rtol=1e-5)
 
 
 def test_views_written_through_stay_views_for_inductor():
