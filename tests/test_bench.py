@@ -247,6 +247,7 @@ def test_tiny_suite_end_to_end(tmp_path):
             "--no-progress",
             "--docs",
             str(docs),
+            "--gemm-floor",
         ]
     )
     assert rc == 0
@@ -263,6 +264,7 @@ def test_tiny_suite_end_to_end(tmp_path):
             assert len(rec["step_s"]) == tiny.repeats and all(t > 0 for t in rec["step_s"])
             assert rec["steps_done"] == 1 + tiny.warmup + tiny.repeats * tiny.steps
             assert rec["peak_mem_mib"] > 50 and math.isfinite(rec["final_loss"])
+        assert fp32["gemm_floor"]["floor_ms"] > 0 and fp32["gemm_floor"]["matmul_calls"] > 0
         assert fp32["setup"]["optimizer"] == "AdamW" and abs(fp32["final_loss"] - loop["final_loss"]) < 1e-3
         if bf16_runs:  # same seed, same batch, same number of steps: bf16 autocast lands near fp32
             assert abs(fp32["final_loss"] - bf16["final_loss"]) < 0.1
@@ -273,6 +275,7 @@ def test_tiny_suite_end_to_end(tmp_path):
     assert all(r["best_baseline"] == "eager-fp32" for r in rows if r["variant"].endswith("fp32"))
     text = docs.read_text()
     assert "# Benchmarks" in text and "--device cuda" in text and "gpt2-tiny b2 s32" in text
+    assert "GEMM floor (fp32): eager's" in text
     # the hand-written section is carried over, once, and the old generated text is not
     assert text.count(kept) == 1 and "old generated text" not in text
     assert bench_main(["--docs", str(docs), "--out", str(tmp_path)]) == 0
@@ -471,3 +474,80 @@ def test_the_fp32_matmul_in_bf16_baseline_sets_torchs_flag_and_no_autocast():
         assert not torch.is_autocast_enabled("cpu") and math.isfinite(float(work.step()))
     finally:
         torch.backends.mkldnn.matmul.fp32_precision = before
+
+
+# ------------------------------------------------------------------------------ GEMM floor ----
+
+
+def test_the_gemm_floor_records_every_matmul_eager_runs_and_times_each_alone():
+    """The floor's recorder against torch's own FLOP counter on a step of linears and bmms (forward and backward),
+    then the fused attention op counted by its formula, causal halved; each distinct call timed once."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from graphtrain.bench import gemm_floor
+
+    torch.manual_seed(0)
+    lin = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.GELU(), torch.nn.Linear(40, 8, bias=False))
+    x, w = torch.randn(6, 5, 24), torch.randn(6, 8, 3, requires_grad=True)
+
+    def step():
+        h = lin(x)
+        (h @ w).square().sum().backward()
+
+    recorded = gemm_floor.record(step)
+    with FlopCounterMode(display=False) as counter:
+        step()
+    floor = gemm_floor.measure(recorded, peak_flops=1e11, min_s=0.001)
+    assert floor["matmul_flops"] == counter.get_total_flops() > 0
+    assert floor["matmul_calls"] == sum(n for _, _, n in recorded["matmuls"]) >= 7
+    assert floor["attention_flops"] == 0 and floor["floor_ms"] == floor["matmul_ms"] > 0
+    assert all(r["ms_each"] > 0 and r["gflops_s"] > 0 for r in floor["top"])
+    transposed = [r for r in floor["top"] if r["op"] == "mm" and r["strides"][0][0] == 1]
+    assert transposed, "a weight gradient's transposed operand keeps its layout"
+
+    q, k, v = (torch.randn(2, 3, 16, 8, requires_grad=True) for _ in range(3))
+    for causal in (False, True):
+        if q.grad is not None:
+            q.grad = k.grad = v.grad = None
+        rec = gemm_floor.record(
+            lambda c=causal: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=c).sum().backward()
+        )
+        # torch's CPU flash kernel (what SDPA picks here; its GEMMs run inside it): 4 B H S S D forward, 10 backward
+        assert rec["attention_flops"] == (4 + 10) * 2 * 3 * 16 * 16 * 8 // (2 if causal else 1)
+        assert not rec["matmuls"]
+
+
+def test_the_gemm_floor_in_the_report_bounds_the_speed_up_over_eager():
+    run = _fake_run()
+    eager = run["cases"][0]["variants"]["eager-fp32"]
+    eager["gemm_floor"] = {
+        "floor_ms": 55.0,
+        "matmul_ms": 50.0,
+        "matmul_flops": 4e9,
+        "matmul_calls": 12,
+        "attention_flops": 5e8,
+        "attention_ms_at_peak": 5.0,
+        "top": [
+            {
+                "op": "mm",
+                "shapes": [[256, 2048], [2048, 1024]],
+                "strides": [[1, 256], [1024, 1]],
+                "dtype": "float32",
+                "count": 4,
+                "ms_each": 5.0,
+                "gflops_s": 214.7,
+                "library": "onednn",
+                "flops": 4 * 1073741824,
+            }
+        ],
+    }
+    md = report.markdown(run)
+    # eager's median 110 ms over the 55 ms floor: 2.00x at most; 1e9 FLOPs in 55 ms at the 1e11 peak: 18% MFU
+    assert (
+        "GEMM floor (fp32): eager's 12 matmuls (4.00 GFLOP), each timed alone at its own shape and layout, take "
+        "50.0 ms (80 GFLOP/s, 80% of the peak), plus 0.50 GFLOP of fused attention counted at the peak (5.0 ms): "
+        "a floor of 55.0 ms. A variant that runs the same matmuls cannot beat eager's 110.0 ms by more than 2.00x, "
+        "nor reach more than 18% MFU here."
+    ) in md
+    assert "| mm | [256, 2048]T x [2048, 1024]N | float32 | 4 | 5.00 | 215 | onednn |" in md
+    assert "GEMM floor (bf16)" not in md  # eager bf16 measured no floor

@@ -443,15 +443,29 @@ class Worker:
         opt = None if self.work.step_graph is not None else self.work.opt_seconds - opt0  # inside the graph
         return {"seconds": seconds, "steps": n, "loss": self.loss, "opt_seconds": opt}
 
-    def finish(self) -> dict[str, Any]:
+    def finish(self, gemm_floor: bool = False, peak_flops: float | None = None) -> dict[str, Any]:
+        """The memory figures; then, with `gemm_floor`, one more step with its matmuls recorded and each timed alone
+        (bench/gemm_floor.py), after the memory was read and the timed rounds ran, so it costs neither anything."""
         now = peak_memory_mib(self.device)
-        return {
+        out: dict[str, Any] = {
             "peak_mem_mib": max(now, self.peak_before_reset),
             "step_peak_mem_mib": now if self.was_reset else None,
             "children_peak_mem_mib": children_peak_mib(),
             "steps_done": self.steps_done,
             "final_loss": self.loss,
         }
+        if gemm_floor:
+            from graphtrain.bench import gemm_floor as floor
+
+            assert self.work is not None, "setup must come first"
+            try:
+                out["gemm_floor"] = floor.measure(floor.record(self.work.step), peak_flops, str(self.device))
+            except Exception as e:  # noqa: BLE001 - an extra figure: its failure is reported, the timed ones kept
+                import traceback
+
+                traceback.print_exc()
+                out["gemm_floor"] = {"error": f"{type(e).__name__}: {e}"}
+        return out
 
 
 def serve(case: Case, variant: Variant, device: str, stdin: Any, channel: Any, pin_mmap: bool = False) -> None:
@@ -467,7 +481,7 @@ def serve(case: Case, variant: Variant, device: str, stdin: Any, channel: Any, p
             elif op == "peak":
                 reply = {"ok": True, "peak_mem_mib": peak_memory_mib(worker.device)}
             elif op == "finish":
-                reply = {"ok": True, **worker.finish()}
+                reply = {"ok": True, **worker.finish(bool(cmd.get("gemm_floor")), cmd.get("peak_flops"))}
             else:
                 reply = {"ok": False, "error": f"unknown op {op!r}"}
         except Skip as e:

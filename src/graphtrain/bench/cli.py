@@ -80,6 +80,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="run bf16 variants on a CPU without native bf16 too (emulated: ~30x slower than fp32 on "
         "an AVX2 EPYC; skipped by default with the reason)",
     )
+    parser.add_argument(
+        "--gemm-floor",
+        action="store_true",
+        help="after the timed rounds, time each matmul of eager's step alone at its own shape and layout: the "
+        "report's roofline then says how fast these matmuls can go here (adds ~10-60 s per eager variant)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--list", action="store_true", help="list suites, cases and variants, then exit")
 
@@ -146,6 +152,7 @@ def run(args: argparse.Namespace) -> int:
         command=command,
         on_case=lambda partial: report.save_partial(partial, out),
         allow_slow_bf16=args.allow_slow_bf16,
+        gemm_floor=args.gemm_floor,
     )
     paths = report.save(result, out)
     print(report.terminal_table(result))

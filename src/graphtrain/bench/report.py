@@ -85,6 +85,7 @@ def summarize(run: dict[str, Any]) -> list[dict[str, Any]]:
                     steps_done=rec.get("steps_done"),
                     opt_ms=statistics.median(rec["opt_s"]) * 1e3 if rec.get("opt_s") else None,
                     optimizer=setup.get("optimizer"),
+                    gemm_floor=rec.get("gemm_floor"),
                 )
                 for key, ref_name in (
                     ("vs_eager", REFERENCE),
@@ -353,7 +354,7 @@ def markdown(run: dict[str, Any], heading: str = "##") -> str:
 def roofline(rows: list[dict[str, Any]], case: str, peak: dict[str, Any]) -> list[str]:
     """How much faster than eager any variant of the same precision could be: the step's FLOPs at the measured GEMM
     peak against eager's step (1 / eager's MFU). A ratio such as 1.05x reads differently against a ceiling of 1.3x
-    than of 3x."""
+    than of 3x. With `--gemm-floor`, the sharper bound too: eager's matmuls, each timed alone (gemm_floor_lines)."""
     lines = []
     for prec in ("fp32", "bf16"):
         ref = next((r for r in rows if r["case"] == case and r["variant"] == f"eager-{prec}" and r.get("mfu")), None)
@@ -366,7 +367,61 @@ def roofline(rows: list[dict[str, Any]], case: str, peak: dict[str, Any]) -> lis
             f"more than {1 / ref['mfu']:.2f}x here.",
             "",
         ]
+        lines += gemm_floor_lines(rows, case, prec, ref, peak[prec])
     return lines
+
+
+def _layout(shape: list[int], stride: list[int]) -> str:
+    """N or T for a matrix operand (the last two dims): T when its rows are the contiguous dimension."""
+    if len(shape) < 2 or len(stride) < 2:
+        return ""
+    return "T" if stride[-2] == 1 and shape[-1] > 1 and stride[-1] != 1 else "N"
+
+
+def gemm_floor_lines(
+    rows: list[dict[str, Any]], case: str, prec: str, ref: dict[str, Any], peak_flops: float
+) -> list[str]:
+    """The GEMM floor (bench/gemm_floor.py) of eager's step: a sentence, and the matmuls that weigh most."""
+    floor = ref.get("gemm_floor")
+    if not floor or not floor.get("floor_ms") or not floor.get("matmul_ms"):
+        return []
+    f_ms, mm_ms, eager_ms = floor["floor_ms"], floor["matmul_ms"], ref["median_s"] * 1e3
+    rate = floor["matmul_flops"] / mm_ms / 1e6
+    attn = (
+        f", plus {floor['attention_flops'] / 1e9:.2f} GFLOP of fused attention counted at the peak "
+        f"({floor['attention_ms_at_peak']:.1f} ms)"
+        if floor.get("attention_flops")
+        else ""
+    )
+    best_mfu = ref["flops_per_step"] / (f_ms / 1e3) / peak_flops
+    text = (
+        f"GEMM floor ({prec}): eager's {floor['matmul_calls']} matmuls ({floor['matmul_flops'] / 1e9:.2f} GFLOP), "
+        f"each timed alone at its own shape and layout, take {mm_ms:.1f} ms ({rate:.0f} GFLOP/s, "
+        f"{100 * rate * 1e9 / peak_flops:.0f}% of the peak){attn}: a floor of {f_ms:.1f} ms. A variant that runs the "
+        f"same matmuls cannot beat eager's {eager_ms:.1f} ms by more than {eager_ms / f_ms:.2f}x, nor reach more "
+        f"than {100 * best_mfu:.0f}% MFU here."
+    )
+    mine = next(
+        (r for r in rows if r["case"] == case and r["variant"] == f"graphtrain-{prec}" and r.get("median_s")), None
+    )
+    if mine is not None:
+        text += f" graphtrain {prec}: {mine['median_s'] * 1e3:.1f} ms, {mine['median_s'] * 1e3 / f_ms:.2f}x the floor"
+        text += " (it runs fewer matmuls: the sparse head)." if mine.get("shortcut") else "."
+    lines = [
+        text,
+        "",
+        "| matmul | operands (layout) | dtype | calls | ms each | GFLOP/s | library |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for t in floor.get("top", [])[:5]:
+        ops = " x ".join(
+            f"{list(sh)}{_layout(sh, st)}" for sh, st in zip(t["shapes"][-2:], t["strides"][-2:], strict=True)
+        )
+        lines.append(
+            f"| {t['op']} | {ops} | {t['dtype']} | {t['count']} | {t['ms_each']:.2f} | {t['gflops_s']:.0f} | "
+            f"{t['library']} |"
+        )
+    return lines + [""]
 
 
 def ablation_table(rows: list[dict[str, Any]], case: str) -> list[str]:

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from graphtrain.bench.suites import Case, Suite, Variant
-from graphtrain.bench.worker import SETUP_TIMEOUT_S, STEP_TIMEOUT_S, WorkerProc
+from graphtrain.bench.worker import FLOOR_TIMEOUT_S, SETUP_TIMEOUT_S, STEP_TIMEOUT_S, WorkerProc
 from graphtrain.trainer.runinfo import cpu_name
 
 # Imports inside functions: import cost: the suite's parent process schedules workers and writes tables; the engine
@@ -62,8 +62,11 @@ def run_case(
     tick: Callable[[str], None],
     pin_mmap: bool = False,
     allow_slow_bf16: bool = False,
+    floor_peak: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Set up, warm up and time every variant of one case, interleaved; returns per-variant records."""
+    """Set up, warm up and time every variant of one case, interleaved; returns per-variant records. With
+    `floor_peak` (the run's measured peak) each eager variant also measures its step's GEMM floor (gemm_floor.py)
+    after the timed rounds."""
     records: dict[str, dict[str, Any]] = {v.name: {"variant": v.name} for v in variants}
     for v in variants:
         why = skip_reason(v, device, allow_slow_bf16)
@@ -88,7 +91,9 @@ def run_case(
         _interleave(case, live, records, suite, tick)
         for v, w in live:
             if records[v.name]["status"] == "ok":
-                reply = w.call("finish", 120.0)
+                floor = floor_peak is not None and v.mode == "eager"
+                args = {"gemm_floor": True, "peak_flops": floor_peak.get(v.precision)} if floor else {}
+                reply = w.call("finish", FLOOR_TIMEOUT_S if floor else 120.0, **args)
                 if reply.get("ok"):
                     records[v.name].update({k: x for k, x in reply.items() if k != "ok"})
             w.close()
@@ -258,6 +263,7 @@ def run_suite(
     progress: bool = True,
     command: str = "",
     measure_peak: bool = True,
+    gemm_floor: bool = False,
     on_case: Callable[[dict[str, Any]], None] | None = None,
     allow_slow_bf16: bool = False,
 ) -> dict[str, Any]:
@@ -320,6 +326,7 @@ def run_suite(
                 step_tick,
                 pin_mmap=pins_mmap(variants),
                 allow_slow_bf16=allow_slow_bf16,
+                floor_peak=run.get("peak", {}) if gemm_floor else None,
             )
             bar.n = done_before + len(variants) * (suite.repeats + 2)  # skipped variants tick less
             bar.refresh()

@@ -18,6 +18,7 @@ from graphtrain.bench.suites import Case, Variant
 
 SETUP_TIMEOUT_S = 3600.0  # a cold compile of a large model on 2 cores is slow; a hung worker is not
 STEP_TIMEOUT_S = 600.0  # per step, on top of a fixed minute
+FLOOR_TIMEOUT_S = 1800.0  # the GEMM floor: one step, then each distinct matmul timed alone (~0.2 s each)
 
 
 def worker_env() -> dict[str, str]:
