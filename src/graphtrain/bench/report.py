@@ -542,6 +542,7 @@ graphtrain bench small                         # all variants; 4 compiled varian
 graphtrain bench hf                            # Hugging Face models graphtrain did not write
 graphtrain bench seed --cap-gib 12             # BERT-Large / GPT-2 Medium + largest batch under 12 GiB
 graphtrain bench small --cases gpt2-small --variants eager-fp32 graphtrain-fp32 --repeats 7
+graphtrain bench hf --gemm-floor                # also time each matmul of eager's step alone: a floor per case
 graphtrain bench small --docs docs/design/benchmarks.md   # run, then regenerate this page
 ```
 
