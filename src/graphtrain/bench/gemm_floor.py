@@ -25,6 +25,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from graphtrain.kernels.gemm import _contract_ok, gemm_onednn, onednn_available
+
 aten = torch.ops.aten
 MATMULS = (aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default)
 # SDPA's fused CPU kernels: (phase, index of q, index of is_causal); q, k, v are [B, H, S, D]. The backward's
@@ -121,8 +123,6 @@ def measure(
     recorded: dict[str, Any], peak_flops: float | None, device: str = "cpu", min_s: float = 0.05
 ) -> dict[str, Any]:
     """Time every recorded matmul alone; the floor in ms with the few calls that weigh most."""
-    from graphtrain.kernels.gemm import _contract_ok, gemm_onednn, onednn_available
-
     onednn = device == "cpu" and onednn_available()
     rows = []
     for op, specs, n in recorded["matmuls"]:
