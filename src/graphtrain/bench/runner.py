@@ -65,8 +65,8 @@ def run_case(
     floor_peak: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Set up, warm up and time every variant of one case, interleaved; returns per-variant records. With
-    `floor_peak` (the run's measured peak) each eager variant also measures its step's GEMM floor (gemm_floor.py)
-    after the timed rounds."""
+    `floor_peak` (the run's measured peak) eager-fp32 and eager-bf16 also measure their step's GEMM floor
+    (gemm_floor.py) after the timed rounds."""
     records: dict[str, dict[str, Any]] = {v.name: {"variant": v.name} for v in variants}
     for v in variants:
         why = skip_reason(v, device, allow_slow_bf16)
@@ -91,7 +91,7 @@ def run_case(
         _interleave(case, live, records, suite, tick)
         for v, w in live:
             if records[v.name]["status"] == "ok":
-                floor = floor_peak is not None and v.mode == "eager"
+                floor = floor_peak is not None and v.name == f"eager-{v.precision}"  # what the roofline reads
                 args = {"gemm_floor": True, "peak_flops": floor_peak.get(v.precision)} if floor else {}
                 reply = w.call("finish", FLOOR_TIMEOUT_S if floor else 120.0, **args)
                 if reply.get("ok"):
