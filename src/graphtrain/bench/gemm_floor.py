@@ -26,6 +26,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from graphtrain.kernels.gemm import _contract_ok, gemm_onednn, onednn_available
+from graphtrain.runtime.measured import InputSpec, real_input
 
 aten = torch.ops.aten
 MATMULS = (aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default)
@@ -85,13 +86,11 @@ def _flops(op: Any, specs: tuple[Spec, ...]) -> int:
 
 
 def _operands(specs: tuple[Spec, ...], device: str) -> list[torch.Tensor]:
-    g = torch.Generator(device="cpu").manual_seed(0)
-    out = []
-    for shape, stride, dtype in specs:
-        size = 1 + sum((n - 1) * s for n, s in zip(shape, stride, strict=True)) if all(shape) else 0
-        flat = torch.randn(max(size, 1), generator=g).to(device=device, dtype=dtype)
-        out.append(flat.as_strided(shape, stride))
-    return out
+    """Random operands laid out as recorded (transposed, expanded): what provider auto times its candidates on."""
+    return [
+        real_input(InputSpec(torch.empty_strided(shape, stride, dtype=dtype, device="meta"), torch.device(device)))
+        for shape, stride, dtype in specs
+    ]
 
 
 def _time(fn: Callable[..., Any], args: tuple[Any, ...], device: str, min_s: float) -> float:

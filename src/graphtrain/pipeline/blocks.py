@@ -119,7 +119,7 @@ def _conforming(
 
 def laid_out_as(x: torch.Tensor, like: Any) -> torch.Tensor:
     """`x` with `like`'s strides (same shape): a piece's inputs (_conforming) and the copies provider auto times a
-    candidate on (choose._real). A stride-0 dimension of `like` is an expand in the traced program, so every
+    candidate on (runtime/measured.py real_input). A stride-0 dimension of `like` is an expand in the traced program, so every
     slice of `x` along it holds the same values: the first is kept and expanded again. Other dimensions are
     copied into `like`'s layout. `x` itself when that layout cannot be built (the piece then raises as before)."""
     shape, stride = tuple(like.shape), tuple(like.stride())

@@ -45,7 +45,7 @@ class Candidate:
 @dataclass(frozen=True)
 class InputSpec:
     """A call's tensor input without its memory: its shape, layout and kind (`meta`, on the meta device) and its
-    device. Timing on it makes a tensor of random values (``_real``); a graph's compiled code runs the same kernels
+    device. Timing on it makes a tensor of random values (``real_input``); a graph's compiled code runs the same kernels
     whatever the values."""
 
     meta: torch.Tensor
@@ -65,7 +65,7 @@ def input_specs(args: Sequence[Any]) -> list[Any]:
     return out
 
 
-def _real(x: Any) -> Any:
+def real_input(x: Any) -> Any:
     """A real tensor like `x` (a real input; a fake one of a piece between blocks, or an ``InputSpec``: random
     values) that owns its memory, laid out as `x` (its strides)."""
     device = None
@@ -100,7 +100,7 @@ def time_step(
     nothing requires a gradient."""
     best, spent = float("inf"), 0.0
     with torch.random.fork_rng(devices=[]):  # the random inputs and the graph's dropout draw from a copy
-        inputs = [_real(x) for x in example_inputs]
+        inputs = [real_input(x) for x in example_inputs]
         sync = (
             torch.cuda.synchronize if any(isinstance(x, torch.Tensor) and x.is_cuda for x in inputs) else (lambda: None)
         )
