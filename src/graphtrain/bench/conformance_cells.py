@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 import graphtrain
-from graphtrain.bench.families import build_family
+from graphtrain.bench.families import FAMILIES, build_family
 from graphtrain.config.sections import Config, DataConfig, EngineConfig, ModelConfig, OptimConfig, TrainConfig
 from graphtrain.kernels._common import runtime_fallbacks
 from graphtrain.models import build_model
@@ -155,6 +155,20 @@ def _crash(how: str) -> Callable[[], tuple[nn.Module, dict[str, torch.Tensor]]]:
     return lambda: (_Crash(how), {"x": torch.ones(2, 4)})
 
 
+# The rows above pick their families' hard cases (grouped-query heads, a sliding window shorter than the sequence);
+# every other family of bench/families.py is a row too, built as tests/test_hf_families.py builds it, so that each
+# architecture graphtrain takes runs through every entry point, precision and provider, not only accelerate on aten.
+_PICKED = set("gpt2 neox llama mistral qwen2 phi gemma bert roberta distilbert vit t5 bart".split())
+
+
+def _other_families() -> list[Row]:
+    return [
+        Row(name, f"HF {fam.model}", _hf(name), fam.task if fam.task in ("clm", "mlm") else None)
+        for name, fam in FAMILIES.items()
+        if name not in _PICKED
+    ]
+
+
 ROWS: dict[str, Row] = {
     r.name: r
     for r in [
@@ -173,6 +187,7 @@ ROWS: dict[str, Row] = {
         Row("vit", "HF ViTForImageClassification (224 px)", _hf("vit"), None),
         Row("t5", "HF T5ForConditionalGeneration", _hf("t5"), None),
         Row("bart", "HF BartForConditionalGeneration", _hf("bart"), None),
+        *_other_families(),
         Row("gpt2-tiny", "graphtrain preset", _preset("gpt2-tiny"), "clm"),
         Row("bert-tiny", "graphtrain preset", _preset("bert-tiny"), "mlm"),
         Row("_abort", "test only: forward calls os.abort()", _crash("abort"), None, hidden=True),
