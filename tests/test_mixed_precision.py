@@ -220,3 +220,40 @@ def test_end_to_end_through_accelerate():
         assert p.grad.dtype == torch.float32
         rel = float((p.grad - q.grad).norm() / q.grad.norm().clamp_min(1e-12))
         assert rel < 5e-2, (n, rel)
+
+
+class _MaskedScores(torch.nn.Module):
+    """Attention scores masked the way Hugging Face DeBERTa-v2 masks them: with the most negative value of the
+    scores' own dtype, which a graph traced in fp32 holds as fp32's -3.4e38."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+
+    def forward(self, x, keep):
+        q, k = self.q(x), self.k(x)
+        scores = q @ k.transpose(-1, -2)
+        scores = scores.masked_fill(~keep, torch.finfo(q.dtype).min)
+        return (scores.softmax(-1) @ x).square().mean()
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_a_mask_value_beyond_the_low_dtypes_range_fits_it_as_under_autocast(precision):
+    """Regression (HF DeBERTa-v2 in bf16): the masked_fill ran in bf16 with fp32's minimum and its kernel raised
+    "value cannot be converted to type c10::BFloat16 without overflow"; under fallback=error that was the user's
+    error. The fill value is now the low dtype's own minimum, what the model computes under eager autocast."""
+    import graphtrain
+
+    torch.manual_seed(0)
+    model = _MaskedScores()
+    ref = copy.deepcopy(model)
+    x, keep = torch.randn(2, 8, 16), torch.rand(2, 8, 8) > 0.3
+    graphtrain.accelerate(model, precision=precision, provider="aten", fallback="error")
+    loss = model(x, keep)
+    loss.backward()
+    with torch.autocast("cpu", dtype=LOW_DTYPES[("bf16", "fp16").index(precision)]):
+        ref_loss = ref(x, keep)
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss.float(), rtol=2e-2, atol=2e-2)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=5e-2, atol=5e-2)

@@ -25,6 +25,7 @@ Ops of other libraries get a policy with ``set_precision_policy(name, policy)``.
 
 from __future__ import annotations
 
+import math
 import operator
 from typing import Any
 
@@ -146,6 +147,13 @@ _HOISTABLE = {
     )
 }
 _LOW_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+# Ops whose scalar argument becomes an element of their result, through a checked conversion to the result's dtype.
+# A model that masks with `torch.finfo(x.dtype).min` was traced in fp32, so the graph holds fp32's -3.4e38; once the
+# op runs in bf16 or fp16 that value no longer fits and the kernel raises ("value cannot be converted to type
+# c10::BFloat16 without overflow": HF DeBERTa-v2's attention mask). `_fit_fill_values` puts such a value at the low
+# dtype's own extreme, the value the model computes under autocast, where x is already low.
+_FILLS = {f"aten::{n}" for n in ("masked_fill", "fill", "index_fill", "scatter", "where", "constant_pad_nd")}
 
 
 def set_precision_policy(op: str | torch._ops.OpOverload | torch._ops.OpOverloadPacket, policy: str) -> None:
@@ -295,6 +303,8 @@ class _Rewriter:
                     node.replace_input_with(a, self._cast(a, target, node))
         if target == self.low and torch.float32 in out_dtypes:
             self.low_ops += 1
+            if isinstance(node.target, torch._ops.OpOverload) and node.target._schema.name in _FILLS:
+                _fit_fill_values(node, self.low)
         self.compute[node] = target
         self.dtype[node] = target if orig == torch.float32 else orig
 
@@ -348,6 +358,17 @@ class _Rewriter:
             if isinstance(a, fx.Node) and want is not None and self.dtype.get(a) != want:
                 leaves[i] = self._cast(a, want, node)
         node.args = (torch.utils._pytree.tree_unflatten(leaves, spec),)
+
+
+def _fit_fill_values(node: fx.Node, low: torch.dtype) -> None:
+    """A finite float argument of a fill op (`_FILLS`) beyond `low`'s range, set to `low`'s extreme of its sign."""
+    big = torch.finfo(low).max
+
+    def fit(a: Any) -> Any:
+        return math.copysign(big, a) if isinstance(a, float) and math.isfinite(a) and abs(a) > big else a
+
+    node.args = tuple(fit(a) for a in node.args)
+    node.kwargs = {k: fit(v) for k, v in node.kwargs.items()}
 
 
 def _refresh_meta(gm: fx.GraphModule) -> None:
