@@ -66,3 +66,44 @@ def test_time_step_on_a_calls_input_specs_makes_new_tensors_of_its_layout_and_ki
     time_step(fn, specs, repeats=1, budget_s=float("inf"))
     assert set(seen) == {(mask.stride(), weight.stride(), True, torch.int64, 0, 3)}
     assert torch.equal(rng, torch.random.get_rng_state()), "the random inputs drew from the training run's stream"
+
+
+def _measured(candidates, policy):
+    from graphtrain.config.sections import EngineConfig
+    from graphtrain.pipeline.stages import new_record
+    from graphtrain.pipeline.state import EngineState
+    from graphtrain.runtime.measured import Candidate, Measured
+
+    config = EngineConfig(fallback=policy)
+    state = EngineState(config)
+    x = torch.randn(4, requires_grad=True)
+    rec = new_record("graph0", "forward", [x], ["input"], state, frame_compile=0)
+    cands = [Candidate(p, fn, dict(rec.__dict__), []) for p, fn in candidates]
+    return Measured(cands, rec, None, None, state, config), rec, state, x
+
+
+def test_a_candidate_that_raises_when_timed_is_not_chosen_and_is_reported():
+    """Regression (HF DeBERTa-v2 in bf16 under provider auto): the timing at the switch ran a candidate that raised
+    and the error reached the user from graphtrain.wait_compiled. A candidate that raises is now left out, said as
+    a fallback, and the other runs the graph; under engine.fallback=error that is the error."""
+    import pytest
+
+    from graphtrain.config.fallback import GraphtrainCaptureError
+
+    def runs(x):
+        return x * 2
+
+    def raises(x):
+        raise RuntimeError("value cannot be converted to type c10::BFloat16 without overflow")
+
+    m, rec, state, x = _measured([("inductor", raises), ("aten", runs)], "warn")
+    with pytest.warns(UserWarning, match="raised when timed"):
+        out = m(x)
+    assert torch.equal(out, x * 2) and rec.provider == "aten" and list(rec.provider_times) == ["aten"]
+    assert state.fallbacks and "without overflow" in state.fallbacks[0][1]
+    m, *_ = _measured([("inductor", raises), ("aten", runs)], "error")
+    with pytest.raises(GraphtrainCaptureError, match="raised when timed"):
+        m(x)
+    m, *_ = _measured([("inductor", raises), ("aten", raises)], "warn")
+    with pytest.raises(RuntimeError, match="without overflow"):  # the graph's own error: accelerate falls back on it
+        m(x)

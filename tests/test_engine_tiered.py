@@ -582,3 +582,35 @@ def test_a_background_compile_past_its_time_limit_leaves_aten_and_is_not_retried
     )
     with pytest.raises(ValueError, match="engine.background_timeout must be seconds >= 0"):
         graphtrain.accelerate(_Tiny(), background_timeout=-1)
+
+
+class _Erfcx(nn.Module):
+    """erfcx after a linear: under bf16 the linear runs in bf16 and erfcx follows its input's dtype, as under
+    autocast, but aten has no bf16 CPU kernel for it ("erfcx_cpu" not implemented for 'BFloat16'): graphtrain's graph
+    raises where eager fp32 runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.special.erfcx(self.lin(x)).sum()
+
+
+def test_a_module_that_fell_back_starts_no_background_compile():
+    """Regression (HF DeBERTa-v2 in bf16 on a cold cache): the first call raised under graphtrain, eager ran it and
+    the module fell back; graphtrain.wait_compiled then compiled, loaded and timed its graphs' Inductor code anyway,
+    and the error they raised reached the user. A module that runs eagerly has nothing to compile: wait_compiled
+    gives its background compile up at once."""
+    torch.manual_seed(0)
+    ref = _Erfcx()
+    model = graphtrain.accelerate(copy.deepcopy(ref), precision="bf16", provider="auto", fallback="warn")
+    x = torch.randn(4, 8)
+    with pytest.warns(UserWarning, match="compiled graph raised where eager runs"):
+        loss = model(x)
+    assert graphtrain.wait_compiled(model, timeout=600)
+    loss.backward()
+    ref(x).backward()
+    assert_grads_close(model, ref, bitwise=True)
+    assert graphtrain.report(model).eager_only
+    model(x).backward()  # and it goes on eagerly

@@ -58,6 +58,9 @@ def wait_compiled(module: torch.nn.Module, timeout: float | None = None) -> bool
         raise TypeError(
             f"graphtrain.wait_compiled takes a module returned by graphtrain.accelerate, got {type(module).__name__}"
         )
+    if state.eager_only:  # its capture fell back: the graphs never run again, so nothing is worth compiling for them
+        cancel_background(state, "the module runs eagerly (its capture fell back)")
+        return True
     done = wait_background(state, timeout)
     if done:
         preload_background(state)

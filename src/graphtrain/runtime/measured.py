@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from graphtrain.config.fallback import report_fallback
 from graphtrain.pipeline.blocks import laid_out_as
 
 REPEATS = 3
@@ -138,9 +139,11 @@ class Measured:
         folder: Any,
         key: str | None,
         state: Any,
+        config: Any,
         warmed: frozenset[str] = frozenset(),
     ) -> None:
         self.candidates, self.rec, self.folder, self.key, self.state = list(candidates), rec, folder, key, state
+        self.config = config
         self.warmed = warmed  # candidates that already ran in this process: timed without a warm-up call
         self.chosen: Callable[..., Any] | None = None
 
@@ -151,11 +154,25 @@ class Measured:
 
     def _choose(self, args: Sequence[Any]) -> None:
         compile_seconds = self.rec.compile_seconds  # set once both candidates compiled: not a candidate's field
-        times, records = {}, {}
+        times, records, failed = {}, {}, {}
         for c in self.candidates:
             self.rec.__dict__.update(c.record)
-            times[c.provider] = time_step(c.compiled, args, warmed=c.provider in self.warmed)
+            try:
+                times[c.provider] = time_step(c.compiled, args, warmed=c.provider in self.warmed)
+            except Exception as e:  # noqa: BLE001 - a candidate that raises is not one; reported below
+                failed[c.provider] = e
+                continue
             records[c.provider] = copy.copy(self.rec.__dict__)
+        if not times:  # every candidate raised: the graph's own error, for the caller (accelerate falls back on it)
+            raise next(iter(failed.values()))
+        for provider, e in failed.items():
+            report_fallback(
+                f"provider {provider} on {self.rec.name} ({self.rec.frame})",
+                f"raised when timed: {type(e).__name__}: {str(e)[:300]}",
+                self.config,
+                what="is not a candidate for provider auto",
+                sink=self.state.fallbacks,
+            )
         choice = decide(times)
         self.rec.__dict__.update(records[choice])
         self.rec.compile_seconds = compile_seconds

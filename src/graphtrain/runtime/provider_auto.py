@@ -152,7 +152,7 @@ def choose_provider(job: CompileJob, compile: Compile, requested: EngineConfig) 
         rec.provider = candidates[0].provider
         return candidates[0].compiled
     rec.provider = "auto (measured at the first call)"
-    return Measured(candidates, rec, folder, key, state)
+    return Measured(candidates, rec, folder, key, state, config)
 
 
 def _inductor_loader(job: CompileJob, compile: Compile) -> tuple[bytes, Callable[[], Candidate], str]:

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from graphtrain.config.fallback import report_fallback
+from graphtrain.config.fallback import GraphtrainCaptureError, report_fallback
 from graphtrain.pipeline.graph_data import GuardsUnreadable, SizeChecked, rebuild_sizes, size_check
 from graphtrain.pipeline.job import CompileJob
 from graphtrain.runtime.measured import Candidate, Measured, input_specs
@@ -197,8 +197,17 @@ class Tiered:
         aten = dataclasses.replace(self.aten, record=copy.copy(rec.__dict__))
         self.aten = None
         # aten ran this graph's earlier calls: timed without the warm-up call (at the switch, one step's worth less)
-        measured = Measured([aten, result], rec, self.folder, self.key, self.state, warmed=frozenset({"aten"}))
-        measured._choose(args)
+        measured = Measured(
+            [aten, result], rec, self.folder, self.key, self.state, self.config, warmed=frozenset({"aten"})
+        )
+        try:
+            measured._choose(args)
+        except GraphtrainCaptureError:  # engine.fallback=error on a candidate that raised
+            raise
+        except Exception as e:  # noqa: BLE001 - both raised on these inputs: aten keeps the graph; its call says why
+            self.chosen, rec.provider = aten_fn, "aten"
+            rec.notes = [*rec.notes, f"provider auto -> aten: both providers raised when timed ({type(e).__name__})"]
+            return
         where = (
             "by an earlier process's background compile"
             if self.cached
