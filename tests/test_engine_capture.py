@@ -302,6 +302,42 @@ def test_torch_compile_backend_name_and_entry_point():
     assert any(ep.name == "graphtrain" and ep.value == "graphtrain.runtime.backend:graphtrain_backend" for ep in eps)
 
 
+class _Erfcx(nn.Module):
+    """erfcx after a linear: in bf16 the linear runs in bf16 and erfcx follows its input's dtype (as under
+    autocast), but aten has no bf16 CPU kernel for it: graphtrain's graph raises where eager fp32 runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.special.erfcx(self.lin(x)).sum()
+
+
+@pytest.mark.parametrize("policy", ["warn", "error"])
+def test_the_backend_runs_a_graph_that_raises_where_eager_runs_eagerly(policy):
+    """torch.compile(backend="graphtrain") had no fallback at run time: a graph graphtrain got wrong raised at the
+    user ("erfcx_cpu" not implemented for 'BFloat16'; HF DeBERTa-v2's mask fill in bf16 did the same). Its first
+    call now runs the Dynamo graph eagerly instead, with a warning (or the `error` policy's error), as accelerate
+    does for a module; the calls after it run eagerly too."""
+    torch.manual_seed(0)
+    ref = _Erfcx()
+    m = copy.deepcopy(ref)
+    cm = torch.compile(m, backend="graphtrain", options={"precision": "bf16", "provider": "aten", "fallback": policy})
+    x = torch.randn(4, 8)
+    if policy == "error":
+        with pytest.raises(GraphtrainCaptureError, match="raised where eager runs"):
+            cm(x)
+        return
+    with pytest.warns(GraphtrainFallbackWarning, match="erfcx_cpu"):
+        cm(x).backward()
+    ref(x).backward()
+    assert_grads_close(m, ref, bitwise=True)
+    cm(x).backward()
+    ref(x).backward()
+    assert_grads_close(m, ref, bitwise=True)
+
+
 def test_import_is_light_and_the_backend_name_still_resolves():
     """`import graphtrain` leaves Dynamo unloaded (it cost 1.4 s and 140 MB); a fresh process still finds the
     "graphtrain" backend by name, and `accelerate` works, both in the same process."""

@@ -9,6 +9,7 @@ inductor; the Dynamo graph run eagerly) and says so once, or raises under ``fall
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import time
@@ -324,7 +325,43 @@ def graphtrain_backend(
     ``torch.compile(m, backend="graphtrain", options={"provider": "aten"})``). Records into GLOBAL_STATE."""
     config = resolve_engine_config(None, options) if options else GLOBAL_STATE.config
     configure_cache(config)
-    return compile_graph(gm, example_inputs, config, GLOBAL_STATE)
+    part = f"Dynamo graph {_frame_info(gm)[0]}"
+    eager = fx.GraphModule(gm, copy.deepcopy(gm.graph))  # as Dynamo gave it: the dynamo-stage passes rewrite gm
+    return _first_call_checked(compile_graph(gm, example_inputs, config, GLOBAL_STATE), eager, part, config)
+
+
+def _first_call_checked(
+    compiled: Callable[..., Any], eager: fx.GraphModule, part: str, config: EngineConfig
+) -> Callable[..., Any]:
+    """`compiled`, except that when its first call raises and the Dynamo graph run eagerly on the same inputs does
+    not, the graph runs eagerly from then on, said as a fallback (raised under engine.fallback=error). What
+    accelerate's call wrapper does for a module (frontend/accelerate.py), for ``torch.compile(backend="graphtrain")``,
+    which has no wrapper of its own: a graph graphtrain got wrong (an op put in bf16 that has no bf16 kernel) no
+    longer raises at the user. When eager raises too, the error is the user's, raised as eager raises it. Only the
+    first call is checked (where a graph's own error shows); the later ones go to what it settled on."""
+    current: Callable[..., Any] | None = None
+
+    def run(*args: Any) -> Any:
+        nonlocal current
+        if current is not None:
+            return current(*args)
+        try:
+            out = compiled(*args)
+        except GraphtrainCaptureError:
+            raise
+        except Exception as e:  # noqa: BLE001 - eager's run of the same inputs tells graphtrain's error from the user's
+            try:
+                out = eager(*args)
+            except Exception as user_error:  # noqa: BLE001
+                raise user_error from None
+            reason = " ".join(f"its compiled graph raised where eager runs ({type(e).__name__}: {e})".split())
+            report_fallback(part, reason[:600], config, what="runs eagerly from now on", sink=GLOBAL_STATE.fallbacks)
+            current = eager
+            return out
+        current = compiled
+        return out
+
+    return run
 
 
 @functools.cache
