@@ -20,7 +20,7 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from graphtrain.passes.graph_utils import is_random
+from graphtrain.passes.graph_utils import constant_value, is_random
 from graphtrain.passes.manager import PassContext, register_pass
 
 aten = torch.ops.aten
@@ -235,16 +235,6 @@ def remove_noop_ops_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
     return gm
 
 
-def _constant_tensor(gm: fx.GraphModule, arg: Any) -> torch.Tensor | None:
-    """The real tensor behind a constant of the graph (a get_attr, or make_fx's lift_fresh_copy of one), else None."""
-    if isinstance(arg, fx.Node) and arg.target is aten.lift_fresh_copy.default:
-        arg = arg.args[0]
-    if not (isinstance(arg, fx.Node) and arg.op == "get_attr"):
-        return None
-    v = getattr(gm, arg.target, None)
-    return v if isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter) else None
-
-
 def _as_slice(gm: fx.GraphModule, n: fx.Node) -> tuple[int, int, int] | None:
     """(dim, start, end) when `n` is aten.index.Tensor with one index, a constant 1-D run of consecutive integers,
     and None before it (``x[..., [-2], :]``, ``x[:, [3, 4, 5]]``): the same elements as ``x.narrow``."""
@@ -257,7 +247,7 @@ def _as_slice(gm: fx.GraphModule, n: fx.Node) -> tuple[int, int, int] | None:
         return None
     dim = given[0]
     size = val.shape[dim]
-    t = _constant_tensor(gm, indices[dim])
+    t = constant_value(gm, indices[dim]) if isinstance(indices[dim], fx.Node) else None
     if (
         t is None
         or t.dim() != 1
