@@ -241,13 +241,16 @@ def _as_slice(gm: fx.GraphModule, n: fx.Node) -> tuple[int, int, int] | None:
     if n.target is not aten.index.Tensor or len(n.args) != 2 or n.kwargs:
         return None
     x, indices = n.args
+    if not isinstance(indices, (list, tuple)):
+        return None
     given = [i for i, t in enumerate(indices) if t is not None]
     val = x.meta.get("val") if isinstance(x, fx.Node) else None
     if len(given) != 1 or not isinstance(val, torch.Tensor):
         return None
     dim = given[0]
     size = val.shape[dim]
-    t = constant_value(gm, indices[dim]) if isinstance(indices[dim], fx.Node) else None
+    arg = indices[dim]
+    t = constant_value(gm, arg) if isinstance(arg, fx.Node) else None
     if (
         t is None
         or t.dim() != 1
