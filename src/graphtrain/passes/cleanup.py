@@ -266,7 +266,6 @@ def _as_slice(gm: fx.GraphModule, n: fx.Node) -> tuple[int, int, int] | None:
     return dim, idx[0], idx[0] + len(idx)
 
 
-# after the views are simplified (as the numbered pipeline ran them)
 @register_pass("pre_autodiff", phase="simplify", after="fold_view_chains")
 def index_as_slice_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Indexing with a constant list of consecutive integers (``x[..., [-2], :]``, HF Falcon's multi-query key and
