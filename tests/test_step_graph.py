@@ -309,6 +309,103 @@ def test_hf_bart_step_compiles_whole_and_trains_as_eager():
     assert step.provider == "aten" and not graphtrain.report(model).fallbacks
 
 
+class _NoGradScale(nn.Module):
+    """A scale computed from a weight under no_grad: eager gives that weight no gradient through the scale."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            scale = self.a(x).abs().mean()
+        return (self.b(x) * scale + self.a(x)).square().mean()
+
+
+class _TwiceSiLU(torch.autograd.Function):
+    """Old-style (ctx in forward, no setup_context, as Hugging Face Bloom's GELU): SiLU forward, twice its
+    derivative backward, so that a gradient through the forward's ops would differ from eager's."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * torch.sigmoid(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        s = torch.sigmoid(x)
+        return g * (s + x * s * (1 - s)) * 2.0
+
+
+class _OwnBackward(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(_TwiceSiLU.apply(self.a(x))).square().mean()
+
+
+class _LearnedBias(nn.Module):
+    """Swin's pattern: a learned bias added to a fixed window mask, as SDPA's mask; eager's SDPA gives the bias a
+    gradient (the math kernel), CPU flash attention cannot."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(8, 48)
+        self.bias = nn.Parameter(torch.randn(1, 2, 6, 6) * 0.1)
+        self.register_buffer("window", torch.zeros(3, 1, 6, 6).masked_fill(torch.rand(3, 1, 6, 6) < 0.3, -100.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).view(3, 6, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        o = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=self.bias + self.window)
+        return o.square().mean()
+
+
+@pytest.mark.parametrize("make", [_NoGradScale, _OwnBackward, _LearnedBias], ids=["no_grad", "function", "mask"])
+def test_the_one_step_graph_sees_the_forward_as_dynamo_records_it(make):
+    """Regression: compile_step's one-graph path traced the forward directly, under no_grad, where accelerate
+    captures it with Dynamo first. (1) A no_grad block inside the forward was invisible, and the step differentiated
+    through it: silently wrong weights. (2) An old-style autograd.Function (HF Bloom's GELU) raised in functorch's
+    functionalize, and (3) a learned SDPA mask (HF Swin) reached CPU flash attention, whose backward refuses it: the
+    step ran eagerly. The forward is now captured with Dynamo and the dynamo stage's passes run on it."""
+    torch.manual_seed(0)
+    model = make()
+    ref = copy.deepcopy(model)
+    cfg = Config(optim=OptimConfig(lr=1e-2, grad_clip=1.0))
+    step = graphtrain.compile_step(model, cfg, provider="aten", compile_blocks=False, fallback="error")
+    x = torch.randn(3, 6, 8, generator=torch.Generator().manual_seed(1))
+    _trains_like_eager(step, model, ref, cfg, {"x": x}, steps=3)
+    assert step.provider == "aten" and not graphtrain.report(model).fallbacks
+
+
+@pytest.mark.slow  # an Inductor compile of the step: 10 s on a 2-core Zen 4
+def test_a_broadcast_baddbmm_and_an_autograd_function_compile_on_inductor():
+    """Regression (HF Bloom under compile_step, provider inductor): the step graph was traced for Inductor on fake
+    tensors with symbolic sizes, and torch 2.13's fake baddbmm cannot expand a broadcast input to symbolic sizes
+    (Bloom adds its alibi bias that way): the step ran eagerly. The step graph's sizes are static now, as its
+    rebuild on every new shape already assumed."""
+
+    class Alibi(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.qk, self.bias = nn.Linear(8, 16), nn.Parameter(torch.randn(3, 1, 6) * 0.1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            q, k = _TwiceSiLU.apply(self.qk(x)).chunk(2, -1)
+            return torch.baddbmm(self.bias, q, k.transpose(1, 2), alpha=0.25).softmax(-1).square().mean()
+
+    torch.manual_seed(0)
+    model = Alibi()
+    ref = copy.deepcopy(model)
+    cfg = Config(optim=OptimConfig(lr=1e-2, grad_clip=1.0))
+    step = graphtrain.compile_step(model, cfg, provider="inductor", compile_blocks=False, fallback="error")
+    x = torch.randn(3, 6, 8, generator=torch.Generator().manual_seed(1))
+    _trains_like_eager(step, model, ref, cfg, {"x": x}, steps=2, atol=1e-6, rtol=1e-5)
+    assert step.provider == "inductor" and not graphtrain.report(model).fallbacks
+
+
 def test_a_step_that_cannot_be_traced_whole_runs_uncompiled_and_says_why(recwarn):
     """A forward whose control flow reads a tensor's value cannot be traced whole on fake tensors
     (DataDependentOutputException). compile_step then runs the same step op by op, matching eager AdamW, with the

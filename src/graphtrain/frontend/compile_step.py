@@ -56,10 +56,12 @@ from graphtrain.config.fallback import GraphtrainCaptureError, report_fallback, 
 from graphtrain.config.sections import Config, EngineConfig, OptimConfig
 from graphtrain.frontend.accelerate import compile_in_place, new_state
 from graphtrain.optim.functional import like_param, step_update
+from graphtrain.passes import autograd_functions
 from graphtrain.pipeline.block_regions import splits_into_blocks
 from graphtrain.pipeline.functional import loss_of, module_as_function
 from graphtrain.pipeline.stages import compile_with_fallback, new_record, run_passes, trace
-from graphtrain.pipeline.trace import trace_step
+from graphtrain.pipeline.trace import capture_whole, trace_step
+from graphtrain.runtime.backend import dynamo_passes, has_grad_mode_changes
 from graphtrain.runtime.providers import compile_step_graph, resolve_runtime
 
 
@@ -212,7 +214,7 @@ class CompiledStep:
         )
         fn, _, _ = module_as_function(self.model, input_names=names, loss=True)
         try:
-            graph, fake_args = self._trace_step(fn, example, kinds, inputs, cfg, rec, provider)
+            graph, fake_args = self._trace_step(fn, names, example, kinds, inputs, cfg, rec, provider)
         except GraphtrainCaptureError:
             raise
         except Exception as e:  # noqa: BLE001 - the step runs, uncompiled, and says why (or raises under error)
@@ -251,6 +253,7 @@ class CompiledStep:
     def _trace_step(
         self,
         fn: Any,
+        names: list[str],
         example: list[Tensor],
         kinds: list[str],
         inputs: list[Tensor],
@@ -260,9 +263,10 @@ class CompiledStep:
     ) -> tuple[torch.fx.GraphModule, list[Tensor]]:
         """The whole step as one graph: the forward traced and optimized by the pre-autodiff passes, then forward,
         autograd and the update traced together on fake tensors. Returns the graph and its fake arguments."""
-        fwd = trace(fn, example, rec)
         n_records = len(self.state.passes)
+        fwd = self._trace_forward(fn, names, example, cfg, rec)
         fwd = run_passes(fwd, "pre_autodiff", cfg, self.state, rec, example_inputs=example, input_kinds=kinds)
+        autograd_functions.restore(fwd)  # hide_autograd_functions' other half, as in the backend
         self.pass_records = self.state.passes[n_records:]
         # aten runs torch's fused AdamW kernel in the graph; Inductor cannot trace that kernel's
         # tensor-lr overload (no fake implementation in torch 2.13), so it gets the same update as
@@ -277,8 +281,42 @@ class CompiledStep:
         # step took 22 s against 38 s cold, 2-core Zen 4). The aten graph goes without: its fused AdamW kernel has no
         # fake implementation, which a fake mode runs (on meta tensors) only without a shape environment.
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv() if provider == "inductor" else None)
-        fake_args = [fake_mode.from_tensor(a) for a in args]
+        fake_args = [fake_mode.from_tensor(a, static_shapes=True) for a in args]
         return trace_step(step_fn, fake_args, fake_mode), fake_args
+
+    def _trace_forward(
+        self, fn: Any, names: list[str], example: list[Tensor], cfg: EngineConfig, rec: Any
+    ) -> torch.fx.GraphModule:
+        """The forward with its loss as the pre-autodiff IR, captured through Dynamo as ``accelerate`` captures it:
+        the dynamo stage's passes see the graph first (a no_grad region lifted, a user's autograd.Function held
+        whole until autodiff, an SDPA mask that needs a gradient sent to aten's math kernel). A forward Dynamo
+        cannot capture whole (a graph break) is traced directly, as before, and the record says so."""
+        plain, _, _ = module_as_function(self.model, input_names=names, loss=True, annotate=False)
+        try:
+            dynamo_graph = capture_whole(plain, example)
+        except Exception as e:  # noqa: BLE001 - the direct trace below is the step graph's older route
+            rec.notes.append(
+                f"the forward is traced without Dynamo ({type(e).__name__}: {str(e).splitlines()[0][:160]}): "
+                f"a no_grad region, an autograd.Function or a learned SDPA mask inside is not seen"
+            )
+            return trace(fn, example, rec)
+        out = next(n for n in dynamo_graph.graph.nodes if n.op == "output")
+        if not (isinstance(out.args[0], (tuple, list)) and len(out.args[0]) == 1):
+            raise RuntimeError("the Dynamo graph of the forward does not return the loss alone")
+        out.args = (out.args[0][0],)
+        dynamo_graph.recompile()
+        with torch.enable_grad():  # the passes of the grad phase act on a graph that trains
+            dynamo_graph, ctx = dynamo_passes(
+                dynamo_graph, example, cfg, self.state, rec.name, rec.notes, ("masks", "grad", "opaque")
+            )
+        self.state.passes.extend(ctx.records)
+        if "detach_returned_heads" in ctx.results or has_grad_mode_changes(dynamo_graph):
+            # a region the lift refused (it mutates, nests, calls a module) would be differentiated through
+            raise RuntimeError(
+                "the forward switches grad mode in a way graphtrain cannot lift (a no_grad region that writes in "
+                "place, nests or calls a module): the step graph would differentiate through it"
+            )
+        return trace(dynamo_graph, example, rec)
 
     def _args(self, inputs: list[Tensor]) -> list[Tensor]:
         return [

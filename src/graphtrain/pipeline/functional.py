@@ -22,14 +22,15 @@ layer_regions reads it for recompute=full, as it reads Dynamo's nn_module_stack 
 
 
 def module_as_function(
-    module: torch.nn.Module, *, input_names: Sequence[str] | None = None, loss: bool = False
+    module: torch.nn.Module, *, input_names: Sequence[str] | None = None, loss: bool = False, annotate: bool = True
 ) -> tuple[Callable[..., Any], list[torch.Tensor], list[str]]:
     """`module` as f(*params, *buffers, *inputs); returns (f, the parameter and buffer tensors in order, kinds).
 
     kinds[i] is "param" (trainable), "frozen" (parameter without requires_grad) or "buffer". Tied weights count
     once. `input_names`: pass the inputs as these keyword arguments (else positionally). `loss`: f returns the
     model's loss (`loss_of`) instead of its output. While f runs, each op a layer performs is annotated with
-    the layer's name (`annotate_layers`; visible when traced under ``fx.traceback.preserve_node_meta``)."""
+    the layer's name (`annotate_layers`; visible when traced under ``fx.traceback.preserve_node_meta``), unless
+    `annotate` is false (Dynamo cannot trace the hooks that annotate; its graph has the layers in nn_module_stack)."""
     named_params = list(dict(module.named_parameters()).items())
     named_buffers = list(dict(module.named_buffers()).items())
     names = [n for n, _ in named_params] + [n for n, _ in named_buffers]
@@ -41,7 +42,7 @@ def module_as_function(
     def f(*args: Any) -> Any:
         state = dict(zip(names, args[:n]))
         inputs = args[n:]
-        with annotate_layers(module):
+        with annotate_layers(module) if annotate else contextlib.nullcontext():
             if keys is None:
                 out = torch.func.functional_call(module, state, tuple(inputs), tie_weights=True)
             else:

@@ -230,3 +230,61 @@ def delocalize(local: fx.GraphModule, positions: Sequence[int]) -> fx.GraphModul
             env[node] = ph
     graph.output(graph.graph_copy(local.graph, env))
     return fx.GraphModule(local, graph)
+
+
+class _Captured(Exception):
+    """Raised instead of running the graph `capture_whole` captured: the capture must not run the model."""
+
+
+def capture_whole(fn: Callable[..., Any], example_inputs: Sequence[torch.Tensor]) -> fx.GraphModule:
+    """`fn(*example_inputs)` captured by Dynamo as one graph, without running it; its placeholders are
+    `example_inputs` in order (one for each, used or not).
+
+    Captured with grad enabled, as a training step runs the forward: Dynamo then records a user's
+    ``autograd.Function`` as one ``autograd_function_apply`` node (its forward and backward bodies) and a
+    ``with torch.no_grad():`` block as grad-mode nodes, which the dynamo-stage passes handle
+    (passes/autograd_functions.py, passes/no_grad_regions.py). graphtrain's trace of a plain function
+    (``trace_aten_forward``) sees neither: it runs under no_grad and functorch's functionalize, which refuses an
+    old-style autograd.Function and cannot tell a no_grad block from the code around it.
+
+    Raises where Dynamo cannot capture the whole function (a graph break: ``fullgraph``), or where the graph's
+    inputs are not `example_inputs` (a constant tensor Dynamo lifted). The Dynamo cache entry is removed: a
+    capture leaves nothing behind that a later one would count against Dynamo's recompile limit."""
+    graphs: list[tuple[fx.GraphModule, list[Any]]] = []
+
+    def grab(gm: fx.GraphModule, inputs: list[Any]) -> Callable[..., Any]:
+        graphs.append((gm, list(inputs)))
+
+        def not_run(*_: Any) -> Any:
+            raise _Captured
+
+        return not_run
+
+    def entry(*args: Any) -> Any:
+        return fn(*args)
+
+    compiled = torch.compile(entry, backend=grab, fullgraph=True, dynamic=False)
+    try:
+        with torch.enable_grad():
+            compiled(*example_inputs)
+    except _Captured:
+        pass
+    finally:
+        torch._dynamo.eval_frame.remove_from_cache(entry)
+    if len(graphs) != 1:
+        raise RuntimeError(f"Dynamo captured {len(graphs)} graphs of the forward, not one")
+    gm, inputs = graphs[0]
+    position = {id(x): i for i, x in enumerate(example_inputs)}
+    old = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    missing = [n.name for n, x in zip(old, inputs) if id(x) not in position]
+    if len(old) != len(inputs) or missing:
+        raise RuntimeError(f"the Dynamo graph of the forward takes inputs that are not the model's: {missing[:3]}")
+    graph = fx.Graph()
+    new = [graph.placeholder(f"arg{i}") for i in range(len(example_inputs))]
+    val_map: dict[fx.Node, fx.Node] = {}
+    for node, x in zip(old, inputs):
+        val_map[node] = new[position[id(x)]]
+        val_map[node].meta = dict(node.meta)
+    out = graph.graph_copy(gm.graph, val_map)
+    graph.output(out)
+    return fx.GraphModule(gm, graph)

@@ -55,7 +55,7 @@ def _input_kinds(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> list[str]
     return kinds
 
 
-def _has_grad_mode_changes(gm: fx.GraphModule) -> bool:
+def has_grad_mode_changes(gm: fx.GraphModule) -> bool:
     return any(n.op == "call_function" and n.target is torch._C._set_grad_enabled for n in gm.graph.nodes)
 
 
@@ -85,7 +85,7 @@ def compile_graph(
     # the dynamo stage's passes on the whole Dynamo graph (static and learned masks, the no_grad lift, returned
     # heads); their records join state.passes once the graph compiled (a graph Dynamo restarts never runs)
     n_records = len(state.passes)
-    gm, dynamo = _dynamo_passes(
+    gm, dynamo = dynamo_passes(
         gm, example_inputs, config, state, f"Dynamo graph {_frame_info(gm)[0]}", state.notes, ("masks", "grad")
     )
     heads, n_out = dynamo.results.get("detach_returned_heads", ([], 0))
@@ -112,7 +112,7 @@ def compile_graph(
     return reattach(compiled, heads, n_out) if heads else compiled
 
 
-def _dynamo_passes(
+def dynamo_passes(
     gm: fx.GraphModule,
     example_inputs: Sequence[Any],
     config: EngineConfig,
@@ -250,7 +250,7 @@ def _pre_autodiff(job: CompileJob) -> fx.GraphModule:
     # provider a graph that takes the DTensors again (trace.localize / delocalize).
     sharded = dtensor_inputs(example_inputs)
     rec.dtensor_inputs = len(sharded)
-    if _has_grad_mode_changes(gm):
+    if has_grad_mode_changes(gm):
         _note_once(rec.notes, "graph switches grad mode inside (no_grad region): pre-autodiff passes skipped")
         return gm
     if not sharded and (cached := _cached_passes(job)) is not None:
@@ -260,7 +260,7 @@ def _pre_autodiff(job: CompileJob) -> fx.GraphModule:
         local, trace_inputs = localize(gm, example_inputs, sharded) if sharded else (gm, list(example_inputs))
         # the dynamo stage's passes on the graph traced (hide_autograd_functions: on a copy; gm, which the eager
         # fallback runs, keeps its autograd.Function calls)
-        local, dynamo = _dynamo_passes(local, trace_inputs, config, state, rec.name, rec.notes, ("opaque",))
+        local, dynamo = dynamo_passes(local, trace_inputs, config, state, rec.name, rec.notes, ("opaque",))
         state.passes.extend(dynamo.records)
         traced = trace(local, trace_inputs, rec)
     except Exception as e:  # noqa: BLE001 - any tracing failure degrades to the Dynamo graph
