@@ -380,6 +380,28 @@ def test_the_one_step_graph_sees_the_forward_as_dynamo_records_it(make):
     assert step.provider == "aten" and not graphtrain.report(model).fallbacks
 
 
+def test_a_no_grad_block_dynamo_cannot_capture_runs_eagerly_not_wrong(recwarn):
+    """A forward with a graph break cannot be captured whole by Dynamo; compile_step then traces it directly, which
+    cannot see a no_grad block. With such a block the step runs eagerly (reported) instead of differentiating
+    through it."""
+
+    class Breaks(_NoGradScale):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            torch._dynamo.graph_break()
+            return super().forward(x)
+
+    torch.manual_seed(0)
+    model = Breaks()
+    ref = copy.deepcopy(model)
+    cfg = Config(optim=OptimConfig(lr=1e-2, grad_clip=1.0))
+    step = graphtrain.compile_step(model, cfg, provider="aten", compile_blocks=False, fallback="warn")
+    x = torch.randn(3, 6, 8, generator=torch.Generator().manual_seed(1))
+    _trains_like_eager(step, model, ref, cfg, {"x": x}, steps=3)
+    assert step.provider == "eager"
+    ((part, reason),) = graphtrain.report(model).fallbacks
+    assert "step graph" in part and "no_grad block" in reason, reason
+
+
 @pytest.mark.slow  # an Inductor compile of the step: 10 s on a 2-core Zen 4
 def test_a_broadcast_baddbmm_and_an_autograd_function_compile_on_inductor():
     """Regression (HF Bloom under compile_step, provider inductor): the step graph was traced for Inductor on fake

@@ -60,7 +60,7 @@ from graphtrain.passes import autograd_functions
 from graphtrain.pipeline.block_regions import splits_into_blocks
 from graphtrain.pipeline.functional import loss_of, module_as_function
 from graphtrain.pipeline.stages import compile_with_fallback, new_record, run_passes, trace
-from graphtrain.pipeline.trace import capture_whole, trace_step
+from graphtrain.pipeline.trace import capture_whole, switches_grad_mode, trace_step
 from graphtrain.runtime.backend import dynamo_passes, has_grad_mode_changes
 from graphtrain.runtime.providers import compile_step_graph, resolve_runtime
 
@@ -290,15 +290,19 @@ class CompiledStep:
         """The forward with its loss as the pre-autodiff IR, captured through Dynamo as ``accelerate`` captures it:
         the dynamo stage's passes see the graph first (a no_grad region lifted, a user's autograd.Function held
         whole until autodiff, an SDPA mask that needs a gradient sent to aten's math kernel). A forward Dynamo
-        cannot capture whole (a graph break) is traced directly, as before, and the record says so."""
+        cannot capture whole (a graph break) is traced directly, as before, and the record says so; unless it has a
+        no_grad block, which the direct trace cannot see: that raises (the step runs eagerly, reported)."""
         plain, _, _ = module_as_function(self.model, input_names=names, loss=True, annotate=False)
         try:
             dynamo_graph = capture_whole(plain, example)
         except Exception as e:  # noqa: BLE001 - the direct trace below is the step graph's older route
-            rec.notes.append(
-                f"the forward is traced without Dynamo ({type(e).__name__}: {str(e).splitlines()[0][:160]}): "
-                f"a no_grad region, an autograd.Function or a learned SDPA mask inside is not seen"
-            )
+            why = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:160]}"
+            if switches_grad_mode(plain, example):  # the direct trace would differentiate through the block
+                raise RuntimeError(
+                    f"the forward has a no_grad block and Dynamo could not capture it whole ({why}); traced "
+                    f"directly, the step graph would differentiate through the block"
+                ) from e
+            rec.notes.append(f"the forward is traced without Dynamo ({why})")
             return trace(fn, example, rec)
         out = next(n for n in dynamo_graph.graph.nodes if n.op == "output")
         if not (isinstance(out.args[0], (tuple, list)) and len(out.args[0]) == 1):

@@ -232,6 +232,27 @@ def delocalize(local: fx.GraphModule, positions: Sequence[int]) -> fx.GraphModul
     return fx.GraphModule(local, graph)
 
 
+def switches_grad_mode(fn: Callable[..., Any], example_inputs: Sequence[torch.Tensor]) -> bool:
+    """Whether `fn(*example_inputs)`, run on fake tensors with grad enabled, runs any op with grad disabled (a
+    ``with torch.no_grad():`` block inside). ``trace_aten_forward`` traces under no_grad and cannot see such a block:
+    a caller that differentiates the traced graph asks this first. Reads the grad mode at each op below autograd,
+    where a no_grad block has switched it off and the code around it has not."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Probe(TorchDispatchMode):
+        seen = False
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            Probe.seen = Probe.seen or not torch.is_grad_enabled()
+            return func(*args, **(kwargs or {}))
+
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    inputs = [fake_mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in example_inputs]
+    with fake_mode, torch.enable_grad(), compiling_flag(), Probe():
+        fn(*inputs)
+    return Probe.seen
+
+
 class _Captured(Exception):
     """Raised instead of running the graph `capture_whole` captured: the capture must not run the model."""
 
