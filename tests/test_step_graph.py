@@ -402,6 +402,30 @@ def test_a_no_grad_block_dynamo_cannot_capture_runs_eagerly_not_wrong(recwarn):
     assert "step graph" in part and "no_grad block" in reason, reason
 
 
+def test_a_log_call_in_the_forward_does_not_stop_the_capture():
+    """A library's log line in the forward (HF GPT-2's warning_once about its loss type) was a graph break, so the
+    forward was traced directly; with a no_grad block as well, the step then ran eagerly. The capture skips log calls,
+    as torch.export does: one step graph, trained as eager."""
+    import logging
+
+    log = logging.getLogger("graphtrain.tests.a_model")
+
+    class Logs(_NoGradScale):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            log.warning("a model's own warning")
+            return super().forward(x)
+
+    torch.manual_seed(0)
+    model = Logs()
+    ref = copy.deepcopy(model)
+    cfg = Config(optim=OptimConfig(lr=1e-2, grad_clip=1.0))
+    step = graphtrain.compile_step(model, cfg, provider="aten", compile_blocks=False, fallback="error")
+    x = torch.randn(3, 6, 8, generator=torch.Generator().manual_seed(1))
+    _trains_like_eager(step, model, ref, cfg, {"x": x}, steps=2)
+    assert step.provider == "aten" and not graphtrain.report(model).fallbacks
+    assert not getattr(torch._dynamo.config, "ignore_logging_functions", set())  # the setting is the user's again
+
+
 @pytest.mark.slow  # an Inductor compile of the step: 10 s on a 2-core Zen 4
 def test_a_broadcast_baddbmm_and_an_autograd_function_compile_on_inductor():
     """Regression (HF Bloom under compile_step, provider inductor): the step graph was traced for Inductor on fake

@@ -253,6 +253,21 @@ def switches_grad_mode(fn: Callable[..., Any], example_inputs: Sequence[torch.Te
     return Probe.seen
 
 
+def _logging_ignored() -> contextlib.AbstractContextManager[Any]:
+    """Dynamo told to skip `logging.Logger` calls, as torch.export does: a library's log line (Hugging Face's
+    ``warning_once`` about the loss type, in GPT-2) is otherwise a graph break, and a capture that must be whole
+    fails on it. The capture never runs the model, so nothing would have been logged from it anyway."""
+    import logging
+
+    config = torch._dynamo.config
+    name = next((n for n in ("ignore_logging_functions", "ignore_logger_methods") if hasattr(config, n)), None)
+    if name is None:  # a torch without the setting: a log call breaks the graph, the caller's fallback runs
+        return contextlib.nullcontext()
+    methods = ("debug", "info", "warning", "warn", "error", "critical", "exception", "log", "warning_once", "info_once")
+    ignored = {getattr(logging.Logger, m) for m in methods if hasattr(logging.Logger, m)}
+    return config.patch(**{name: set(getattr(config, name)) | ignored})
+
+
 class _Captured(Exception):
     """Raised instead of running the graph `capture_whole` captured: the capture must not run the model."""
 
@@ -286,7 +301,7 @@ def capture_whole(fn: Callable[..., Any], example_inputs: Sequence[torch.Tensor]
 
     compiled = torch.compile(entry, backend=grab, fullgraph=True, dynamic=False)
     try:
-        with torch.enable_grad():
+        with torch.enable_grad(), _logging_ignored():
             compiled(*example_inputs)
     except _Captured:
         pass
