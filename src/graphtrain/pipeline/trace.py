@@ -265,7 +265,7 @@ def _logging_ignored() -> contextlib.AbstractContextManager[Any]:
         return contextlib.nullcontext()
     methods = ("debug", "info", "warning", "warn", "error", "critical", "exception", "log", "warning_once", "info_once")
     ignored = {getattr(logging.Logger, m) for m in methods if hasattr(logging.Logger, m)}
-    return config.patch(**{name: set(getattr(config, name)) | ignored})
+    return config.patch({name: set(getattr(config, name)) | ignored})
 
 
 class _Captured(Exception):
