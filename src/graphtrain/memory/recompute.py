@@ -180,6 +180,16 @@ def attention_cores(joint: fx.GraphModule, bw: set[fx.Node] | None = None) -> li
 
 
 _LAYER = re.compile(r"^(.*)\.(\d+)$")
+_GETATTR = re.compile(r"getattr\(([^()]*), '(\w+)'\)")
+
+
+def _module_path(path: str) -> str:
+    """A Dynamo module path in dotted form. Dynamo writes a child it reached through ``getattr`` (the model called
+    through ``torch.func.functional_call``, as compile_step's one graph is: ``getattr(L['fn'].....layers, '1')``)
+    where a model compiled as itself gives ``L['self'].model.layers.1``."""
+    while (m := _GETATTR.search(path)) is not None:
+        path = f"{path[: m.start()]}{m.group(1)}.{m.group(2)}{path[m.end() :]}"
+    return path
 
 
 def _layer_key(n: fx.Node) -> tuple[bool, str | None]:
@@ -192,8 +202,8 @@ def _layer_key(n: fx.Node) -> tuple[bool, str | None]:
     if not stack:
         return False, None
     for path, _ in stack.values():
-        if _LAYER.match(str(path)):
-            return True, str(path)
+        if _LAYER.match(dotted := _module_path(str(path))):
+            return True, dotted
     return True, None
 
 
