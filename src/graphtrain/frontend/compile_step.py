@@ -5,14 +5,16 @@ update.
     for batch in batches:
         out = step(lr=schedule(i), **batch)                # {"loss", "grad_norm", "skipped", "scale"}
 
-A model with repeated blocks (engine.compile_blocks, the default) is compiled block by block
-(``CompiledStep._build_by_blocks``): the model in place as ``accelerate`` compiles it, then one update graph on the
-gradients (items 2-4 below, on aten with torch's fused AdamW kernel). Any other model, or compile_blocks false, gets
-the whole step as one graph, built (``CompiledStep._build``) on the stages of pipeline/stages.py:
+A model with repeated blocks (engine.compile_blocks, the default), and any model under engine.recompute (its
+partitioner splits a forward from its backward, which one step graph does not have), trains through its own graphs
+(``CompiledStep._build_through_model``): the model in place as ``accelerate`` compiles it, then one update graph on
+the gradients (items 2-4 below, on aten with torch's fused AdamW kernel). Any other model, or compile_blocks false,
+gets the whole step as one graph, built (``CompiledStep._build``) on the stages of pipeline/stages.py:
 
-1. The model's forward (``module_as_function(model, loss=True)``) is traced to graphtrain's pre-autodiff
-   IR and optimized by the same pass pipeline as ``accelerate`` (fusions, mixed precision), so the
-   gradient graph is built from the fused ops.
+1. The model's forward (``module_as_function(model, loss=True)``) is captured by Dynamo as one graph and goes
+   through the dynamo stage's passes, as in ``accelerate`` (no_grad blocks, autograd.Functions, learned masks),
+   then is traced to graphtrain's pre-autodiff IR and optimized by the same pass pipeline (fusions, mixed
+   precision), so the gradient graph is built from the fused ops.
 2. A step function is traced (pipeline/trace.py ``trace_step``) on fake tensors into one FX graph: that forward,
    ``torch.autograd.grad`` of the (fp16: scaled) loss w.r.t. the trainable parameters, one
    ``_foreach_norm`` reduction over all gradients (it is both the global norm for clipping and the
@@ -37,8 +39,9 @@ reduce-scatter after the gradients and an all-gather after the update (not built
 Limits ("where the model allows"; clear errors otherwise): AdamW; one micro-batch per step (no
 gradient accumulation); as one graph, fixed input shapes per compile (a new shape traces again; by blocks,
 ``engine.dynamic`` compiles the model's graphs once for every length, as ``accelerate`` does); the forward
-returns the loss (a tensor, or an object with ``.loss`` such as Hugging Face outputs); one graph: no graph
-breaks in the forward (the step is traced whole, not through Dynamo); by blocks, breaks run as in ``accelerate``.
+returns the loss (a tensor, or an object with ``.loss`` such as Hugging Face outputs); one graph: a forward with a
+graph break is traced directly, without Dynamo (and runs eagerly if it has a no_grad block, which that trace cannot
+see); by blocks, breaks run as in ``accelerate``.
 """
 
 from __future__ import annotations
@@ -112,20 +115,23 @@ class CompiledStep:
         self.steps = 0
         self.skipped_steps = 0
         # A model with repeated blocks trains through its own graphs, compiled block by block (pipeline/blocks.py);
-        # the update after the backward is then a graph of its own (see _build_by_blocks). Under engine.dynamic the
+        # the update after the backward is then a graph of its own (see _build_through_model). Under engine.dynamic the
         # model's graphs are symbolic in the batch's sizes (one compile for every length); the update graph does not
-        # depend on them.
+        # depend on them. So does any model under engine.recompute: recompute is a partition of the gradient graph
+        # into a forward and a backward (memory/recompute.py), which a step graph holding both never has (its
+        # setting was ignored there: HF GPT-2 mini, recompute full or auto, peaked as recompute none).
         self.by_blocks = splits_into_blocks(self.engine, model)
+        self.through_model = self.by_blocks or self.engine.recompute != "none"
 
     # ----------------------------------------------------------------------------------- build --
-    def _build_by_blocks(self, batch: dict[str, Tensor]) -> None:
-        """The step of a model with repeated blocks, block by block: its forward and backward are the model's own
-        graphs as ``accelerate`` compiles them (the model is compiled in place: each distinct block once, the
-        embeddings and the head and loss in graphs of their own, with provider auto's tiered compile), and the
-        step after the backward (global norm, clipping, the skip decision, torch's fused AdamW, the fp16 loss-scale
-        update) one aten graph on the gradients. One graph of the whole step is what Inductor compiled before:
-        its compile grew with the depth (HF GPT-2 width 256: 38 s cold at 4 layers, 80-91 s at 12 on a 2-core Zen
-        4), and ``engine.compile_blocks: false`` still builds it."""
+    def _build_through_model(self, batch: dict[str, Tensor]) -> None:
+        """The step through the model's own graphs: its forward and backward as ``accelerate`` compiles them (the
+        model is compiled in place: with repeated blocks, each distinct block once, the embeddings and the head and
+        loss in graphs of their own, with provider auto's tiered compile; under recompute, with its partitioner),
+        and the step after the backward (global norm, clipping, the skip decision, torch's fused AdamW, the fp16
+        loss-scale update) one aten graph on the gradients. One graph of the whole step is what Inductor compiled
+        before: its compile grew with the depth (HF GPT-2 width 256: 38 s cold at 4 layers, 80-91 s at 12 on a
+        2-core Zen 4), and ``engine.compile_blocks: false`` still builds it."""
         t0 = time.perf_counter()
         set_policy(self.engine.fallback)
         if self._compiled is None:
@@ -153,9 +159,14 @@ class CompiledStep:
             fake_mode = FakeTensorMode(allow_non_fake_inputs=True)  # no shape env: the fused kernel has no fake impl
             graph = trace_step(flat_update, [fake_mode.from_tensor(x) for x in flat], fake_mode)
             ops = sum(n.op == "call_function" for n in graph.graph.nodes)
+            how = (
+                "compiled block by block"
+                if self.by_blocks
+                else f"compiled with engine.recompute={self.engine.recompute}"
+            )
             self.state.notes.append(
                 f"compile_step({type(self.model).__name__}): forward and backward through the "
-                f"model's graphs (compiled block by block, below); then the update graph on aten "
+                f"model's graphs ({how}, below); then the update graph on aten "
                 f"({ops} ops: gradient norm, clipping, the skip decision, torch's fused AdamW"
                 f"{', loss scaling' if self.fp16 else ''})"
             )
@@ -167,11 +178,11 @@ class CompiledStep:
     def provider(self) -> str | None:
         """What runs the step: the single graph's provider; by blocks, those of the model's graphs (the update graph
         runs on aten)."""
-        if self.by_blocks:
+        if self.through_model:
             return ", ".join(sorted({g.provider.split(" ")[0] for g in self.state.graphs})) or None
         return self._provider
 
-    def _step_by_blocks(self, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    def _step_through_model(self, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
         params = [self._tensors[i] for i in self._train_idx]
         with torch.enable_grad():
             loss = loss_of(self.model(**batch))
@@ -377,12 +388,12 @@ class CompiledStep:
             raise TypeError(f"compile_step: batch values must be tensors; {bad} are not")
         key = tuple((k, tuple(v.shape), v.dtype, v.device) for k, v in batch.items())
         if key != self._key:
-            (self._build_by_blocks if self.by_blocks else self._build)(batch)
+            (self._build_through_model if self.through_model else self._build)(batch)
             self._key = key
         self.lr.fill_(self.optim.lr if lr is None else float(lr))
         self.max_loss.fill_(float("inf") if max_loss is None else float(max_loss))
-        if self.by_blocks:
-            loss, norm, found_inf = self._step_by_blocks(batch)
+        if self.through_model:
+            loss, norm, found_inf = self._step_through_model(batch)
         else:
             with torch.no_grad():
                 loss, norm, found_inf = self._compiled(*self._args([batch[k] for k in self._batch_names]))
