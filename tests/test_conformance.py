@@ -94,6 +94,10 @@ def test_selection_patterns_and_full_names():
         "trainer/bf16/auto/recompute/frozen-emb",
     ]
     assert parse_column("trainer/bf16/auto/recompute/frozen-emb") == Column("trainer", "bf16", "auto", "auto", True)
+    one = parse_column("compile_step/bf16/auto/one-graph")
+    assert one == Column("compile_step", "bf16", "auto", one_graph=True) and one.name.endswith("/one-graph")
+    assert "compile_step/fp32/aten/one-graph" in COLUMNS
+    assert one.engine()["compile_blocks"] is False
     rows, cols = select(None, "all")
     assert not any(r.startswith("_") for r in rows) and len(rows) >= 12 and len(cols) == len(COLUMNS)
 
@@ -125,6 +129,7 @@ def test_language_models_through_compile_step_and_the_trainer(row):
         "accelerate/fp32/aten/recompute",
         "accelerate/fp32/aten/frozen-emb",
         "accelerate/fp32/inductor",
+        "compile_step/fp32/aten/one-graph",
     ],
 )
 def test_other_columns_on_gpt2_and_llama(col):

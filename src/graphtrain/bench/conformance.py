@@ -272,7 +272,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--cols",
         metavar="NAMES",
         help=f"comma-separated columns ENTRY/PRECISION/PROVIDER[/recompute]"
-        f"[/frozen-emb] or patterns, `all` for the whole matrix (default: {DEFAULT_COLS!r})",
+        f"[/frozen-emb][/one-graph] or patterns, `all` for the whole matrix (default: {DEFAULT_COLS!r})",
     )
     p.add_argument(
         "--steps", type=int, default=DEFAULT_STEPS, help=f"training steps per cell (default {DEFAULT_STEPS})"

@@ -3,7 +3,7 @@ steps through one graphtrain entry point in one configuration (column), against 
 
 Rows are tiny models built from config, nothing downloaded: Hugging Face families (bench/families.py, width 64, 2
 layers, vocabulary 256, dropout off so that both runs compute the same function) and graphtrain's own presets.
-Columns are ``entry/precision/provider[/recompute][/frozen-emb]``:
+Columns are ``entry/precision/provider[/recompute][/frozen-emb][/one-graph]``:
 
 - entry ``accelerate`` (``graphtrain.accelerate(model)``), ``backend`` (``torch.compile(model, backend="graphtrain",
   options=...)``), ``compile_step`` (``graphtrain.compile_step(model, config)``) or ``trainer``
@@ -13,7 +13,9 @@ Columns are ``entry/precision/provider[/recompute][/frozen-emb]``:
 - provider aten, inductor or auto (``engine.provider``; auto waits for its background compile after the first
   step, so that the later steps run on the measured winner);
 - ``recompute``: ``engine.recompute=auto`` under a 1 MiB ``memory_budget`` (nothing fits, so recompute goes as far
-  as it can); ``frozen-emb``: the input embedding's weight does not require grad (tied heads freeze with it).
+  as it can); ``frozen-emb``: the input embedding's weight does not require grad (tied heads freeze with it);
+  ``one-graph``: ``engine.compile_blocks=false``, the model (compile_step: the whole step) as one graph instead of
+  block by block.
 
 What is compared, under `graphtrain.testing`'s tolerance table for the column's precision: the loss of every step
 (AdamW between steps, grad_clip off) and every trained parameter's gradient of the first step (compile_step: its
@@ -220,6 +222,7 @@ class Column:
     provider: str = "aten"
     recompute: str = "none"
     frozen: bool = False
+    one_graph: bool = False
 
     @property
     def name(self) -> str:
@@ -227,6 +230,7 @@ class Column:
             [self.entry, self.precision, self.provider]
             + (["recompute"] * (self.recompute != "none"))
             + (["frozen-emb"] * self.frozen)
+            + (["one-graph"] * self.one_graph)
         )
 
     def engine(self) -> dict[str, Any]:
@@ -235,13 +239,17 @@ class Column:
         )
         if self.recompute != "none":
             kw["memory_budget"] = float(2**20)  # 1 MiB, the least it takes: nothing fits, auto recomputes all it can
+        if self.one_graph:
+            kw["compile_blocks"] = False
         return kw
 
 
 def all_columns() -> list[Column]:
-    """The matrix's columns: every entry x precision x provider, then recompute and frozen embeddings per entry."""
+    """The matrix's columns: every entry x precision x provider, then recompute, frozen embeddings and one graph per
+    entry."""
     cols = [Column(e, p, v) for e in ENTRIES for p in PRECISIONS for v in PROVIDERS]
     cols += [Column(e, recompute="auto") for e in ENTRIES] + [Column(e, frozen=True) for e in ENTRIES]
+    cols += [Column(e, one_graph=True) for e in ENTRIES]
     return cols
 
 
@@ -249,7 +257,8 @@ COLUMNS: dict[str, Column] = {c.name: c for c in all_columns()}
 
 
 def parse_column(name: str) -> Column:
-    """A column by name, also one outside the default list (``trainer/bf16/auto/recompute/frozen-emb``)."""
+    """A column by name, also one outside the default list (``trainer/bf16/auto/recompute/frozen-emb``,
+    ``compile_step/bf16/auto/one-graph``)."""
     parts = name.split("/")
     flags = set(parts[3:])
     if (
@@ -257,13 +266,14 @@ def parse_column(name: str) -> Column:
         or parts[0] not in ENTRIES
         or parts[1] not in PRECISIONS
         or parts[2] not in PROVIDERS
-        or not flags <= {"recompute", "frozen-emb"}
+        or not flags <= {"recompute", "frozen-emb", "one-graph"}
     ):
         raise ValueError(
-            f"column {name!r} is not ENTRY/PRECISION/PROVIDER[/recompute][/frozen-emb] with ENTRY in "
+            f"column {name!r} is not ENTRY/PRECISION/PROVIDER[/recompute][/frozen-emb][/one-graph] with ENTRY in "
             f"{'|'.join(ENTRIES)}, PRECISION in {'|'.join(PRECISIONS)}, PROVIDER in {'|'.join(PROVIDERS)}"
         )
-    return Column(parts[0], parts[1], parts[2], "auto" if "recompute" in flags else "none", "frozen-emb" in flags)
+    recompute = "auto" if "recompute" in flags else "none"
+    return Column(parts[0], parts[1], parts[2], recompute, "frozen-emb" in flags, "one-graph" in flags)
 
 
 # ---------------------------------------------------------------------------------------------- cell ----
