@@ -257,6 +257,32 @@ def test_layer_regions_from_module_annotations(tiny):
     assert sorted(regions[n] for n in mms) == [0] * (len(mms) // 2) + [1] * (len(mms) // 2)
 
 
+def test_layers_are_found_in_a_model_called_through_functional_call(tiny):
+    """Dynamo names a layer reached through ``torch.func.functional_call`` ``getattr(G['m'].blocks, '0')``, where a
+    model compiled as itself gives ``L['self'].blocks.0``; recompute full found no layers in such a graph (a user's
+    functional loop under ``torch.compile(backend="graphtrain")``) and checkpointed nothing."""
+    from graphtrain.memory.recompute import _layer_key
+
+    m, batch = tiny
+    names = [n for n, _ in m.named_parameters()]
+    graphs = []
+
+    def grab(gm, _inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def step(params, *batch):
+        return torch.func.functional_call(m, dict(zip(names, params)), batch)
+
+    torch._dynamo.reset()
+    torch.compile(step, backend=grab)([p for _, p in m.named_parameters()], *batch)
+    (gm,) = graphs
+    stacks = [str(p) for n in gm.graph.nodes for p, _ in n.meta.get("nn_module_stack", {}).values()]
+    assert any(p.startswith("getattr(") for p in stacks)  # the spelling this reads
+    layers = {_layer_key(n)[1] for n in gm.graph.nodes if n.op == "call_function"} - {None}
+    assert len(layers) == 2 and all(k.endswith((".0", ".1")) for k in layers), layers
+
+
 def test_auto_checkpoints_only_the_layers_the_budget_needs():
     """When `full` is the first mode to fit, auto bisects for the fewest layers to checkpoint (the earliest): a
     budget just under selective's peak needs one layer of 4, not 3 (each costs a re-run of its forward)."""
