@@ -14,6 +14,7 @@ from graphtrain.config.sections import Config, ModelConfig, OptimConfig
 from graphtrain.models import build_model
 from graphtrain.optim import build_optimizer, optimizer_step
 from graphtrain.testing import assert_close
+from test_engine_autograd_functions import ScaledSiLU  # old-style (ctx in forward), twice SiLU's derivative
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 NO_FUSIONS = {
@@ -338,29 +339,13 @@ class _NoGradScale(nn.Module):
         return (self.b(x) * scale + self.a(x)).square().mean()
 
 
-class _TwiceSiLU(torch.autograd.Function):
-    """Old-style (ctx in forward, no setup_context, as Hugging Face Bloom's GELU): SiLU forward, twice its
-    derivative backward, so that a gradient through the forward's ops would differ from eager's."""
-
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return x * torch.sigmoid(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        (x,) = ctx.saved_tensors
-        s = torch.sigmoid(x)
-        return g * (s + x * s * (1 - s)) * 2.0
-
-
 class _OwnBackward(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(_TwiceSiLU.apply(self.a(x))).square().mean()
+        return self.b(ScaledSiLU.apply(self.a(x))).square().mean()
 
 
 class _LearnedBias(nn.Module):
@@ -379,6 +364,18 @@ class _LearnedBias(nn.Module):
         return o.square().mean()
 
 
+def _one_graph_trains_like_eager(model: nn.Module, fallback: str, steps: int = 3):
+    """compile_step of `model` as one step graph on aten against eager AdamW on a copy (`_trains_like_eager`), on
+    the [3, 6, 8] input `x` the models above take; returns the step."""
+    torch.manual_seed(0)
+    ref = copy.deepcopy(model)
+    cfg = Config(optim=OptimConfig(lr=1e-2, grad_clip=1.0))
+    step = graphtrain.compile_step(model, cfg, provider="aten", compile_blocks=False, fallback=fallback)
+    x = torch.randn(3, 6, 8, generator=torch.Generator().manual_seed(1))
+    _trains_like_eager(step, model, ref, cfg, {"x": x}, steps=steps)
+    return step
+
+
 @pytest.mark.parametrize("make", [_NoGradScale, _OwnBackward, _LearnedBias], ids=["no_grad", "function", "mask"])
 def test_the_one_step_graph_sees_the_forward_as_dynamo_records_it(make):
     """Regression: compile_step's one-graph path traced the forward directly, under no_grad, where accelerate
@@ -388,11 +385,7 @@ def test_the_one_step_graph_sees_the_forward_as_dynamo_records_it(make):
     step ran eagerly. The forward is now captured with Dynamo and the dynamo stage's passes run on it."""
     torch.manual_seed(0)
     model = make()
-    ref = copy.deepcopy(model)
-    cfg = Config(optim=OptimConfig(lr=1e-2, grad_clip=1.0))
-    step = graphtrain.compile_step(model, cfg, provider="aten", compile_blocks=False, fallback="error")
-    x = torch.randn(3, 6, 8, generator=torch.Generator().manual_seed(1))
-    _trains_like_eager(step, model, ref, cfg, {"x": x}, steps=3)
+    step = _one_graph_trains_like_eager(model, fallback="error")
     assert step.provider == "aten" and not graphtrain.report(model).fallbacks
 
 
@@ -408,11 +401,7 @@ def test_a_no_grad_block_dynamo_cannot_capture_runs_eagerly_not_wrong(recwarn):
 
     torch.manual_seed(0)
     model = Breaks()
-    ref = copy.deepcopy(model)
-    cfg = Config(optim=OptimConfig(lr=1e-2, grad_clip=1.0))
-    step = graphtrain.compile_step(model, cfg, provider="aten", compile_blocks=False, fallback="warn")
-    x = torch.randn(3, 6, 8, generator=torch.Generator().manual_seed(1))
-    _trains_like_eager(step, model, ref, cfg, {"x": x}, steps=3)
+    step = _one_graph_trains_like_eager(model, fallback="warn")
     assert step.provider == "eager"
     ((part, reason),) = graphtrain.report(model).fallbacks
     assert "step graph" in part and "no_grad block" in reason, reason
@@ -434,11 +423,7 @@ def test_a_log_call_in_the_forward_does_not_stop_the_capture():
     before = set(getattr(torch._dynamo.config, "ignore_logging_functions", set()))  # transformers adds its own
     torch.manual_seed(0)
     model = Logs()
-    ref = copy.deepcopy(model)
-    cfg = Config(optim=OptimConfig(lr=1e-2, grad_clip=1.0))
-    step = graphtrain.compile_step(model, cfg, provider="aten", compile_blocks=False, fallback="error")
-    x = torch.randn(3, 6, 8, generator=torch.Generator().manual_seed(1))
-    _trains_like_eager(step, model, ref, cfg, {"x": x}, steps=2)
+    step = _one_graph_trains_like_eager(model, fallback="error", steps=2)
     assert step.provider == "aten" and not graphtrain.report(model).fallbacks
     assert getattr(torch._dynamo.config, "ignore_logging_functions", set()) == before  # the user's setting again
 
@@ -456,7 +441,7 @@ def test_a_broadcast_baddbmm_and_an_autograd_function_compile_on_inductor():
             self.qk, self.bias = nn.Linear(8, 16), nn.Parameter(torch.randn(3, 1, 6) * 0.1)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            q, k = _TwiceSiLU.apply(self.qk(x)).chunk(2, -1)
+            q, k = ScaledSiLU.apply(self.qk(x)).chunk(2, -1)
             return torch.baddbmm(self.bias, q, k.transpose(1, 2), alpha=0.25).softmax(-1).square().mean()
 
     torch.manual_seed(0)
