@@ -119,7 +119,7 @@ class CompiledStep:
         # model's graphs are symbolic in the batch's sizes (one compile for every length); the update graph does not
         # depend on them. So does any model under engine.recompute: recompute is a partition of the gradient graph
         # into a forward and a backward (memory/recompute.py), which a step graph holding both never has (its
-        # setting was ignored there: HF GPT-2 mini, recompute full or auto, peaked as recompute none).
+        # setting was ignored there: graphtrain's gpt2-mini, recompute full or auto, peaked as recompute none).
         self.by_blocks = splits_into_blocks(self.engine, model)
         self.through_model = self.by_blocks or self.engine.recompute != "none"
 
@@ -176,8 +176,8 @@ class CompiledStep:
 
     @property
     def provider(self) -> str | None:
-        """What runs the step: the single graph's provider; by blocks, those of the model's graphs (the update graph
-        runs on aten)."""
+        """What runs the step: the single graph's provider; through the model, those of the model's graphs (the
+        update graph runs on aten)."""
         if self.through_model:
             return ", ".join(sorted({g.provider.split(" ")[0] for g in self.state.graphs})) or None
         return self._provider
@@ -325,7 +325,7 @@ class CompiledStep:
                 dynamo_graph, example, cfg, self.state, rec.name, rec.notes, ("masks", "grad", "opaque")
             )
         self.state.passes.extend(ctx.records)
-        if "detach_returned_heads" in ctx.results or has_grad_mode_changes(dynamo_graph):
+        if has_grad_mode_changes(dynamo_graph):
             # a region the lift refused (it mutates, nests, calls a module) would be differentiated through
             raise RuntimeError(
                 "the forward switches grad mode in a way graphtrain cannot lift (a no_grad region that writes in "

@@ -184,9 +184,9 @@ _GETATTR = re.compile(r"getattr\(([^()]*), '(\w+)'\)")
 
 
 def _module_path(path: str) -> str:
-    """A Dynamo module path in dotted form. Dynamo writes a child it reached through ``getattr`` (the model called
-    through ``torch.func.functional_call``, as compile_step's one graph is: ``getattr(L['fn'].....layers, '1')``)
-    where a model compiled as itself gives ``L['self'].model.layers.1``."""
+    """A Dynamo module path in dotted form. Dynamo writes a child it reached through ``getattr`` (a model called
+    through ``torch.func.functional_call`` inside a compiled function: ``getattr(G['m'].blocks, '0')``) where a
+    model compiled as itself gives ``L['self'].blocks.0``."""
     while (m := _GETATTR.search(path)) is not None:
         path = f"{path[: m.start()]}{m.group(1)}.{m.group(2)}{path[m.end() :]}"
     return path
