@@ -17,6 +17,7 @@ import torch
 
 from graphtrain.config.fallback import GraphtrainCaptureError, report_fallback
 from graphtrain.config.sections import Config, EngineConfig, resolve_engine_config
+from graphtrain.config.torch_compat import user_dispatch_mode
 from graphtrain.kernels._common import KernelFallbackError
 from graphtrain.memory import prefault
 from graphtrain.models.hf_calls import call_adapter, trace_through_log_once
@@ -230,6 +231,9 @@ class _CallWrapper:
             self.adapter.before_call(kwargs)
         if state.eager_only:
             return self.eager(*args, **kwargs)
+        mode = user_dispatch_mode()
+        if mode is not None:
+            return self._eager_under_mode(mode, args, kwargs)
         if self.adapter is not None:
             self.adapter.before_compiled_call(kwargs, state.notes)
         if self.prefault is not None:
@@ -262,6 +266,20 @@ class _CallWrapper:
                     sink=state.fallbacks,
                 )
         return out
+
+    def _eager_under_mode(self, mode: str, args: tuple, kwargs: dict) -> Any:
+        """A call under a user's TorchDispatchMode (FlopCounterMode, a debug mode) runs the module's eager code, so
+        the mode sees its ops, as Dynamo would run it. Not through Dynamo: torch up to 2.13 would then skip the
+        model's code for every later call too (config/torch_compat.py user_dispatch_mode). Eager as the fallbacks
+        run it (the model's own precision); the compiled graphs run again at the next call outside the mode."""
+        state = self.state
+        state.calls_under_mode += 1
+        if state.calls_under_mode == 1:
+            state.notes.append(
+                f"calls under a TorchDispatchMode ({mode.lstrip('_')}) ran the module eagerly, in its own precision "
+                f"(Dynamo compiles nothing under a dispatch mode); the calls after it run the compiled graphs"
+            )
+        return self.eager(*args, **kwargs)
 
     def _begin_prefault(self, args: tuple, kwargs: dict) -> None:
         """A training module's first call on CPU: install the process's CPU allocator now (not at the first compile,

@@ -57,14 +57,15 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from graphtrain.config.fallback import GraphtrainCaptureError, report_fallback, set_policy
 from graphtrain.config.sections import Config, EngineConfig, OptimConfig
+from graphtrain.config.torch_compat import user_dispatch_mode
 from graphtrain.frontend.accelerate import compile_in_place, new_state
+from graphtrain.frontend.step_forward import trace_forward
 from graphtrain.optim.functional import like_param, step_update
 from graphtrain.passes import autograd_functions
 from graphtrain.pipeline.block_regions import splits_into_blocks
 from graphtrain.pipeline.functional import loss_of, module_as_function
-from graphtrain.pipeline.stages import compile_with_fallback, new_record, run_passes, trace
-from graphtrain.pipeline.trace import capture_whole, switches_grad_mode, trace_step
-from graphtrain.runtime.backend import dynamo_passes, has_grad_mode_changes
+from graphtrain.pipeline.stages import compile_with_fallback, new_record, run_passes
+from graphtrain.pipeline.trace import trace_step
 from graphtrain.runtime.providers import compile_step_graph, resolve_runtime
 
 
@@ -104,6 +105,7 @@ class CompiledStep:
         self.hysteresis_left = torch.full((), self.engine.loss_scale_hysteresis, dtype=torch.int64, device=dev)
         self._compiled: Any = None
         self._key: Any = None
+        self._under_mode: tuple[list[str], Any] | None = None  # (batch names, the uncompiled step) under a mode
         self._batch_names: list[str] = []
         self._provider: str | None = None
         # What graphtrain.report(model) shows: the step graph's passes, fallbacks and compiles; the compile
@@ -205,6 +207,23 @@ class CompiledStep:
         with torch.no_grad():
             return self._compiled(*torch.utils._pytree.tree_flatten(args)[0])
 
+    def _step_under_mode(self, mode: str, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+        """A step under a user's TorchDispatchMode (FlopCounterMode, a debug mode): the step uncompiled, as its
+        fallback runs it (the model, autograd and AdamW op by op, in the model's own precision), so the mode sees
+        every op of it, as it would in eager PyTorch. Nothing is built or traced under the mode (a trace would show
+        the mode its own ops; Dynamo captures nothing under one); the next call outside it builds or runs the
+        compiled step, with the same optimizer state."""
+        names = list(batch)
+        if self._under_mode is None or self._under_mode[0] != names:
+            fn, _, _ = module_as_function(self.model, input_names=names, loss=True)
+            self._under_mode = (names, self._step_fn(fn, len(names), fused_kernel=True))
+            self.state.notes.append(
+                f"steps under a TorchDispatchMode ({mode.lstrip('_')}) ran uncompiled, op by op in the model's own "
+                f"precision (the mode sees every op, as in eager); the steps after it run compiled"
+            )
+        with torch.no_grad():
+            return self._under_mode[1](*self._args([batch[k] for k in names]))
+
     def _build(self, batch: dict[str, Tensor]) -> None:
         t0 = time.perf_counter()
         names = list(batch)
@@ -275,7 +294,7 @@ class CompiledStep:
         """The whole step as one graph: the forward traced and optimized by the pre-autodiff passes, then forward,
         autograd and the update traced together on fake tensors. Returns the graph and its fake arguments."""
         n_records = len(self.state.passes)
-        fwd = self._trace_forward(fn, names, example, cfg, rec)
+        fwd = trace_forward(self.model, self.state, fn, names, example, cfg, rec)
         fwd = run_passes(fwd, "pre_autodiff", cfg, self.state, rec, example_inputs=example, input_kinds=kinds)
         autograd_functions.restore(fwd)  # hide_autograd_functions' other half, as in the backend
         self.pass_records = self.state.passes[n_records:]
@@ -294,44 +313,6 @@ class CompiledStep:
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv() if provider == "inductor" else None)
         fake_args = [fake_mode.from_tensor(a, static_shapes=True) for a in args]
         return trace_step(step_fn, fake_args, fake_mode), fake_args
-
-    def _trace_forward(
-        self, fn: Any, names: list[str], example: list[Tensor], cfg: EngineConfig, rec: Any
-    ) -> torch.fx.GraphModule:
-        """The forward with its loss as the pre-autodiff IR, captured through Dynamo as ``accelerate`` captures it:
-        the dynamo stage's passes see the graph first (a no_grad region lifted, a user's autograd.Function held
-        whole until autodiff, an SDPA mask that needs a gradient sent to aten's math kernel). A forward Dynamo
-        cannot capture whole (a graph break) is traced directly, as before, and the record says so; unless it has a
-        no_grad block, which the direct trace cannot see: that raises (the step runs eagerly, reported)."""
-        plain, _, _ = module_as_function(self.model, input_names=names, loss=True, annotate=False)
-        try:
-            dynamo_graph = capture_whole(plain, example)
-        except Exception as e:  # noqa: BLE001 - the direct trace below is the step graph's older route
-            why = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:160]}"
-            if switches_grad_mode(plain, example):  # the direct trace would differentiate through the block
-                raise RuntimeError(
-                    f"the forward has a no_grad block and Dynamo could not capture it whole ({why}); traced "
-                    f"directly, the step graph would differentiate through the block"
-                ) from e
-            rec.notes.append(f"the forward is traced without Dynamo ({why})")
-            return trace(fn, example, rec)
-        out = next(n for n in dynamo_graph.graph.nodes if n.op == "output")
-        if not (isinstance(out.args[0], (tuple, list)) and len(out.args[0]) == 1):
-            raise RuntimeError("the Dynamo graph of the forward does not return the loss alone")
-        out.args = (out.args[0][0],)
-        dynamo_graph.recompile()
-        with torch.enable_grad():  # the passes of the grad phase act on a graph that trains
-            dynamo_graph, ctx = dynamo_passes(
-                dynamo_graph, example, cfg, self.state, rec.name, rec.notes, ("masks", "grad", "opaque")
-            )
-        self.state.passes.extend(ctx.records)
-        if has_grad_mode_changes(dynamo_graph):
-            # a region the lift refused (it mutates, nests, calls a module) would be differentiated through
-            raise RuntimeError(
-                "the forward switches grad mode in a way graphtrain cannot lift (a no_grad region that writes in "
-                "place, nests or calls a module): the step graph would differentiate through it"
-            )
-        return trace(dynamo_graph, example, rec)
 
     def _args(self, inputs: list[Tensor]) -> list[Tensor]:
         return [
@@ -386,13 +367,16 @@ class CompiledStep:
         bad = [k for k, v in batch.items() if not isinstance(v, Tensor)]
         if bad:
             raise TypeError(f"compile_step: batch values must be tensors; {bad} are not")
+        mode = user_dispatch_mode()
         key = tuple((k, tuple(v.shape), v.dtype, v.device) for k, v in batch.items())
-        if key != self._key:
+        if key != self._key and mode is None:
             (self._build_through_model if self.through_model else self._build)(batch)
             self._key = key
         self.lr.fill_(self.optim.lr if lr is None else float(lr))
         self.max_loss.fill_(float("inf") if max_loss is None else float(max_loss))
-        if self.through_model:
+        if mode is not None:
+            loss, norm, found_inf = self._step_under_mode(mode, batch)
+        elif self.through_model:
             loss, norm, found_inf = self._step_through_model(batch)
         else:
             with torch.no_grad():

@@ -67,6 +67,7 @@ class EngineState:
     block_reuse: bool = True  # Dynamo may stamp out a traced block (false once it bound the wrong weights)
     notes: list[str] = field(default_factory=list)
     calls: int = 0
+    calls_under_mode: int = 0  # calls under a user's TorchDispatchMode: run eagerly, not counted in `calls`
     first_call_seconds: float | None = None
     first_step_memory: dict[str, Any] = field(default_factory=dict)  # memory/prefault.py: recorded, primed
     eager_only: bool = False  # capture failed; the module runs eagerly from now on

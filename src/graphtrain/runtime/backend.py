@@ -21,6 +21,7 @@ import torch.fx as fx
 
 from graphtrain.config.fallback import GraphtrainCaptureError, report_fallback, set_policy
 from graphtrain.config.sections import EngineConfig, resolve_engine_config
+from graphtrain.config.torch_compat import parse_version, skip_dispatch_mode_calls_only
 from graphtrain.memory.prefault import compiled as first_graph_compiled
 from graphtrain.passes import autograd_functions
 from graphtrain.passes.manager import PassContext, run_pipeline
@@ -372,3 +373,16 @@ def register_backend() -> None:
 
     if "graphtrain" not in _COMPILER_FNS:
         register(graphtrain_backend, name="graphtrain")
+
+
+def _is_graphtrain_backend(backend: Any) -> bool:
+    return getattr(backend, "__module__", None) == __name__  # graphtrain_backend, or make_backend's for accelerate
+
+
+# On torch 2.11 to 2.13, a call under a user's TorchDispatchMode (FlopCounterMode) made Dynamo run the model eagerly
+# for every later call too, without a word; done when this module loads, which Dynamo's lookup of the backend's name
+# does before the first call (config/torch_compat.py skip_dispatch_mode_calls_only). False only on a torch before
+# 2.14 whose Dynamo lacks the pieces changed: there such a call leaves the model eager, as under torch.compile.
+DISPATCH_MODE_SKIPS_ONE_CALL = skip_dispatch_mode_calls_only(_is_graphtrain_backend) or parse_version(
+    torch.__version__
+) >= (2, 14)
