@@ -249,6 +249,30 @@ def test_layouts_and_tensors_read_the_same_through_a_contract():
     assert c.holds(torch.empty(3, 1, 4)[:, :, :2].expand(3, 1, 2).contiguous())
 
 
+def test_a_contract_remembers_its_verdicts_by_everything_a_rule_reads():
+    """The gates run at every call of a fused op, so a contract keeps its verdicts (Contract._verdicts); a verdict
+    is reused only for arguments alike in shape, strides, dtype, device and integers."""
+    c = Contract(
+        "probe_memo",
+        ("x",),
+        rules=(
+            Rule("x.is_contiguous()", "contiguous"),
+            Rule("f32(x)", "fp32"),
+            Rule("cpu(x)", "on the CPU"),
+            Rule("x.size(0) <= n", "rows"),
+        ),
+        ints=("n",),
+    )
+    t = torch.randn(3, 4)
+    assert c.holds(t, 3) and c.holds(t, 3)  # the second from memory
+    assert c.violation(t.t(), 4) == "probe_memo: contiguous"  # same shape class, other strides
+    assert c.violation(torch.randn(4, 3).t().contiguous(), 3) is None  # t's layout again: its verdict
+    assert c.violation(t.bfloat16(), 3) == "probe_memo: fp32"
+    assert c.violation(Layout.of(t)._replace(device="cuda"), 3) == "probe_memo: on the CPU"
+    assert c.violation(t, 2) == "probe_memo: rows"  # same tensor, another integer
+    assert c.holds(t, 3) and len(c._verdicts) == 5
+
+
 def test_triton_paths_refuse_tensors_whose_offsets_pass_int32(monkeypatch):
     """The Triton kernels' offsets are int32 (row * stride + column): a tensor with 2^32 elements (an expanded view,
     no memory behind it) is not given to them; a small one is."""
