@@ -176,6 +176,31 @@ def test_past_the_recompile_limit_new_shapes_run_eagerly_and_say_so():
             m(torch.randn(5, 8))
 
 
+def test_models_of_one_class_each_get_their_own_recompile_budget():
+    """Regression: Dynamo's recompile limit counted the compiled code of every accelerated model of one class in the
+    process (each has a backend of its own), so the 9th (an in-process sweep, a notebook cell run again) ran
+    eagerly. Each accelerate call now has its own budget (torch.compile's isolate_recompiles, torch 2.13 and later);
+    a model's own new shapes still count against it."""
+    from graphtrain.config.torch_compat import isolated_compile_options
+
+    if not isolated_compile_options():
+        pytest.skip(f"torch {torch.__version__}: torch.compile has no isolate_recompiles")
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(recompile_limit=2):
+        for i in range(4):  # twice the limit
+            torch.manual_seed(i)
+            ref, m = MLP(), MLP()
+            m.load_state_dict(ref.state_dict())
+            graphtrain.accelerate(m, provider="aten")
+            _step_both(ref, m, torch.randn(4, 8))
+            assert m(torch.randn(4, 8)).grad_fn.name() == "CompiledFunctionBackward", i
+            assert not graphtrain.report(m).fallbacks, (i, graphtrain.report(m).fallbacks)
+        _step_both(ref, m, torch.randn(5, 8))
+        with pytest.warns(GraphtrainFallbackWarning, match="engine.dynamic=true"):
+            _step_both(ref, m, torch.randn(6, 8))  # its own third shape
+    torch._dynamo.reset()
+
+
 @pytest.mark.skipif(not importlib.util.find_spec("transformers"), reason="transformers not installed")
 def test_dynamic_shapes_on_a_hugging_face_model_compile_once():
     """Regression: under engine.dynamic=true AOTAutograd asks Dynamo to trace a Hugging Face GPT-2 again

@@ -172,3 +172,19 @@ def skip_dispatch_mode_calls_only(is_ours: Callable[[Any], bool]) -> bool:
     _handle_skip._graphtrain_transient = True  # type: ignore[attr-defined]
     wrapper_cls._handle_skip = _handle_skip  # type: ignore[union-attr]
     return True
+
+
+# --- one recompile budget per accelerated model -------------------------------------------------------------------
+# Dynamo keeps compiled code on the code object, and its recompile limit (8) counts every entry of that code: each
+# `graphtrain.accelerate(model)` compiles with a backend of its own, so the 9th model of one class in a process (an
+# in-process sweep, a notebook cell run again) found the limit reached and ran eagerly. torch 2.13 and 2.14 have
+# `torch.compile(..., isolate_recompiles=True)`: each compile call counts its own entries (still capped in all by
+# torch._dynamo.config.accumulated_recompile_limit, 256). torch 2.11 and 2.12: not known to have it (not checked
+# here), so nothing is passed there and the shared limit stays.
+
+
+def isolated_compile_options() -> dict[str, Any]:
+    """torch.compile keyword arguments that give one compile call a recompile budget of its own, where supported."""
+    import inspect
+
+    return {"isolate_recompiles": True} if "isolate_recompiles" in inspect.signature(torch.compile).parameters else {}

@@ -17,7 +17,7 @@ import torch
 
 from graphtrain.config.fallback import GraphtrainCaptureError, report_fallback
 from graphtrain.config.sections import Config, EngineConfig, resolve_engine_config
-from graphtrain.config.torch_compat import user_dispatch_mode
+from graphtrain.config.torch_compat import isolated_compile_options, user_dispatch_mode
 from graphtrain.kernels._common import KernelFallbackError
 from graphtrain.memory import prefault
 from graphtrain.models.hf_calls import call_adapter, trace_through_log_once
@@ -125,7 +125,12 @@ def compile_in_place(
     # HF GPT-2 (4 layers, vocabulary 50257, batch 16 x 256) was above no recompute's (2623 against 2378 MiB).
     trace_through_log_once()
     _source_names_only_when_logged()
-    options = {"backend": make_backend(cfg, state), "dynamic": cfg.dynamic, "fullgraph": cfg.fallback == "error"}
+    options = {
+        "backend": make_backend(cfg, state),
+        "dynamic": cfg.dynamic,
+        "fullgraph": cfg.fallback == "error",
+        **isolated_compile_options(),  # the 9th model of a class in one process no longer runs eagerly
+    }
     shared: dict[Any, Any] = {}
     for module in modules if isinstance(modules, list) else [modules]:
         if cfg.compile_blocks and not hooks_outside:
@@ -362,15 +367,16 @@ class _CallWrapper:
             # The module keeps its compiled variants; each new one runs eagerly, reported once (raised under `error`)
             limit = torch._dynamo.config.recompile_limit
             self.recompile_limit_hit = True
+            shared = not isolated_compile_options()  # torch 2.11/2.12: one budget for every model of the class
             report_fallback(
                 f"recompile limit of {type(self.module).__name__}",
                 f"Dynamo compiled this code for {limit} variants and compiles no more (torch._dynamo."
-                f"config.recompile_limit: with engine.dynamic=false each new input shape is a variant, "
-                f"and so is each other accelerated module of this process that runs the same code). "
-                f"For changing shapes, pad batches to a few fixed lengths (each compiled once, the "
+                f"config.recompile_limit: with engine.dynamic=false each new input shape is a variant"
+                f"{', and so is each other accelerated module of this process that runs the same code' if shared else ''}"
+                f"). For changing shapes, pad batches to a few fixed lengths (each compiled once, the "
                 f"fastest) or pass engine.dynamic=true (one compile for every length, done before "
-                f"its first step); "
-                f"for many models in one process, call torch._dynamo.reset() between them",
+                f"its first step)"
+                f"{'; for many models in one process, call torch._dynamo.reset() between them' if shared else ''}",
                 self.state.config,
                 what="runs each new input shape eagerly (the shapes compiled so far stay compiled)",
                 sink=self.state.fallbacks,
