@@ -201,6 +201,50 @@ def test_models_of_one_class_each_get_their_own_recompile_budget():
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("where", ["block", "head-norm"])
+def test_hooks_registered_after_the_first_step_run_and_removed_ones_stop(where):
+    """Regression: Dynamo's default guards no module hooks, so a forward hook registered after the first step was
+    ignored without a word (and a removed one would have kept running): graphtrain's loss came out as without it.
+    Forward, forward-pre and full backward hooks, on a repeated block (compiled once for all blocks) and on another
+    submodule: each addition and removal compiles the call again and trains as eager."""
+    from graphtrain.config.sections import ModelConfig
+    from graphtrain.models import build_model
+
+    def model():
+        torch.manual_seed(0)
+        return build_model(ModelConfig(name="gpt2-tiny", dropout=0.0))
+
+    def batch(seed):
+        ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(seed))
+        return {"input_ids": ids, "labels": torch.roll(ids, -1, 1)}
+
+    m, ref = model(), model()
+    graphtrain.accelerate(m, provider="aten")
+    calls = {"m": 0, "ref": 0}
+
+    def step(i):
+        for mod in (m, ref):
+            mod.zero_grad(set_to_none=True)
+            mod(**batch(i)).backward()
+        assert_grads_close(m, ref, atol=1e-6, rtol=1e-5)
+
+    step(0)
+    handles = []
+    for mod, key in ((m, "m"), (ref, "ref")):
+        sub = mod.blocks[1] if where == "block" else mod.ln_f
+        handles += [
+            sub.register_forward_hook(lambda _m, _a, out: out * 2),
+            sub.register_forward_pre_hook(lambda _m, args: (args[0] * 3, *args[1:])),
+            sub.register_full_backward_hook(lambda _m, gi, go, k=key: calls.__setitem__(k, calls[k] + 1)),
+        ]
+    step(1)
+    assert calls["m"] == calls["ref"] == 1, calls
+    for h in handles:
+        h.remove()
+    step(2)
+    assert calls["m"] == 1 and not graphtrain.report(m).fallbacks
+
+
 @pytest.mark.skipif(not importlib.util.find_spec("transformers"), reason="transformers not installed")
 def test_dynamic_shapes_on_a_hugging_face_model_compile_once():
     """Regression: under engine.dynamic=true AOTAutograd asks Dynamo to trace a Hugging Face GPT-2 again

@@ -307,7 +307,11 @@ class _CallWrapper:
     def _run_compiled(self, args: tuple, kwargs: dict) -> Any:
         # Past its recompile limit Dynamo runs a frame's new variants eagerly without a word to the caller; told to
         # fail instead, it lets the call wrapper say so (_capture_failed) and still run the variants it compiled.
-        patch: dict[str, Any] = {}
+        # Dynamo's default guards no module hooks: a forward hook registered after the first call (an activation
+        # probe, a feature extractor) was ignored without a word, and one removed kept running (torch 2.13: HF
+        # GPT-2's loss with a hook that doubles a block's output came out as without it). With the guards, adding
+        # or removing a hook compiles the call again; checking them costs microseconds a call.
+        patch: dict[str, Any] = {"skip_nnmodule_hook_guards": False}
         if not self.recompile_limit_hit:  # reported once: Dynamo's own path from then on
             patch["fail_on_recompile_limit_hit"] = True
         if self.state.blocks:
