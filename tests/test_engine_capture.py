@@ -132,6 +132,28 @@ def test_a_call_that_compiles_no_graph_is_reported():
     assert [part for part, _ in graphtrain.report(m).fallbacks] == ["capture of _Identity"]
 
 
+def test_a_model_with_an_lstm_says_why_it_runs_eagerly():
+    """Dynamo skips a frame that calls nn.LSTM/GRU/RNN, so such a model compiles nothing: the report named no cause
+    ("every frame skipped or empty"); it now names the recurrent modules. Training is eager's."""
+
+    class Tagger(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rnn, self.head = nn.LSTM(8, 16, batch_first=True), nn.Linear(16, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.rnn(x)[0])
+
+    torch.manual_seed(0)
+    ref = Tagger()
+    m = graphtrain.accelerate(copy.deepcopy(ref), provider="aten")
+    x = torch.randn(2, 5, 8)
+    with pytest.warns(GraphtrainFallbackWarning, match="compiled no graph"):
+        _step_both(ref, m, x)
+    ((_, reason),) = graphtrain.report(m).fallbacks
+    assert "recurrent modules (LSTM at rnn)" in reason, reason
+
+
 def test_shape_change_recompiles_and_is_reported():
     ref, m = _pair("plain", fallback="error")
     for batch in (4, 6):

@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 import torch
+from torch import nn
 
 from graphtrain.config.fallback import GraphtrainCaptureError, report_fallback
 from graphtrain.config.sections import Config, EngineConfig, resolve_engine_config
@@ -207,6 +208,16 @@ def _source_names_only_when_logged() -> None:
     sc.get_funcname = get_funcname
 
 
+def _why_no_graph(module: torch.nn.Module) -> str:
+    """What in `module` Dynamo is known to skip, for the report of a call that compiled nothing ("" if nothing)."""
+    rnns = [
+        f"{type(m).__name__} at {n or '(the module)'}" for n, m in module.named_modules() if isinstance(m, nn.RNNBase)
+    ]
+    if rnns:  # graph-broken at each call (torch._dynamo.config.allow_rnn is off; on, torch 2.13's AOTAutograd raised)
+        return f": Dynamo does not trace torch's recurrent modules ({', '.join(rnns[:3])}), so they run eagerly"
+    return ""
+
+
 def _caused_by(e: BaseException, kind: type) -> bool:
     while e is not None:
         if isinstance(e, kind):
@@ -265,7 +276,7 @@ class _CallWrapper:
             if not state.graphs and not state.fallbacks and not state.eager_only:
                 report_fallback(
                     f"capture of {type(self.module).__name__}",
-                    "Dynamo compiled no graph of its call (every frame skipped or empty)",
+                    f"Dynamo compiled no graph of its call (every frame skipped or empty){_why_no_graph(self.module)}",
                     state.config,
                     what="runs eagerly",
                     sink=state.fallbacks,
