@@ -12,10 +12,13 @@ release means reading one file. Each shim names the versions on both sides of th
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch.utils import _python_dispatch
 
 # the range itself lives in config/torch_range.py, which `import graphtrain` reads without importing torch; named here too
 from graphtrain.config.torch_range import MIN_TORCH, NEWEST_TESTED, SUPPORTED, check_torch_version, parse_version  # noqa: F401
@@ -115,11 +118,10 @@ def compiling_flag() -> Iterator[None]:
 
 
 def user_dispatch_mode() -> str | None:
-    """The class name of a TorchDispatchMode on the stack for which Dynamo would skip the call, None if none."""
-    from torch.utils import _python_dispatch as pd
-
+    """The class name of a TorchDispatchMode on the stack for which Dynamo would skip the call, None if none (every
+    accelerated call asks: an empty stack is one C call)."""
     for i in range(torch._C._len_torch_dispatch_stack()):
-        mode = pd._get_dispatch_stack_at(i)
+        mode = _python_dispatch._get_dispatch_stack_at(i)
         if getattr(mode, "is_infra_mode", lambda: False)():
             continue
         if getattr(mode, "ignore_compile_internals", lambda: False)():
@@ -183,8 +185,7 @@ def skip_dispatch_mode_calls_only(is_ours: Callable[[Any], bool]) -> bool:
 # here), so nothing is passed there and the shared limit stays.
 
 
+@functools.cache
 def isolated_compile_options() -> dict[str, Any]:
     """torch.compile keyword arguments that give one compile call a recompile budget of its own, where supported."""
-    import inspect
-
     return {"isolate_recompiles": True} if "isolate_recompiles" in inspect.signature(torch.compile).parameters else {}
