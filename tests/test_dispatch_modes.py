@@ -22,7 +22,6 @@ from graphtrain.optim import build_optimizer, optimizer_step
 from graphtrain.testing import assert_close
 
 CFG = Config(optim=OptimConfig(lr=3e-3, grad_clip=1.0))
-MODE_STEP = 1  # of steps 0, 1, 2: the one under the mode
 
 
 def _batch(seed: int) -> dict[str, torch.Tensor]:
@@ -35,12 +34,12 @@ def _model() -> torch.nn.Module:
     return build_model(ModelConfig(name="gpt2-tiny", dropout=0.0))
 
 
-def _loop(run_step, steps: int = 3) -> tuple[list[torch.Tensor], int, list[str]]:
-    """`steps` steps of `run_step(batch) -> loss tensor (with its graph, or detached)`, the MODE_STEP-th under
+def _loop(run_step, mode_step: int = 1, steps: int = 3) -> tuple[list[torch.Tensor], int, list[str]]:
+    """`steps` steps of `run_step(batch) -> loss tensor (with its graph, or detached)`, the `mode_step`-th under
     FlopCounterMode; returns the losses, the FLOPs the mode counted and each step's loss grad_fn name."""
     losses, flops, grad_fns = [], 0, []
     for i in range(steps):
-        if i == MODE_STEP:
+        if i == mode_step:
             with FlopCounterMode(display=False) as counter:
                 assert user_dispatch_mode() is not None
                 loss = run_step(_batch(i))
@@ -63,8 +62,9 @@ def _module_step(module: torch.nn.Module, opt: torch.optim.Optimizer, params) ->
     return run
 
 
-def _eager(model: torch.nn.Module) -> tuple[list[torch.Tensor], int]:
-    losses, flops, _ = _loop(_module_step(model, build_optimizer(model, CFG.optim), list(model.parameters())))
+def _eager(model: torch.nn.Module, mode_step: int = 1) -> tuple[list[torch.Tensor], int]:
+    run = _module_step(model, build_optimizer(model, CFG.optim), list(model.parameters()))
+    losses, flops, _ = _loop(run, mode_step)
     return losses, flops
 
 
@@ -95,7 +95,7 @@ def test_a_step_under_a_dispatch_mode_runs_eagerly_and_the_next_runs_compiled(en
     ref_losses, ref_flops = _eager(ref)
     assert flops == ref_flops > 0
     assert grad_fns[0] == grad_fns[2] == "CompiledFunctionBackward", grad_fns
-    assert grad_fns[MODE_STEP] != "CompiledFunctionBackward"  # eager's own autograd graph, which the mode saw
+    assert grad_fns[1] != "CompiledFunctionBackward"  # eager's own autograd graph, which the mode saw
     _same_training(model, ref, losses, ref_losses)
     if entry == "accelerate":
         rep = graphtrain.report(model)
@@ -109,16 +109,12 @@ def test_compile_step_under_a_dispatch_mode_runs_uncompiled_for_that_step(blocks
     counts every FLOP eager's step has; the optimizer state is the compiled step's, and the next step runs compiled.
     Its first call under the mode built nothing: the build had traced under the mode, failed, and left the step
     uncompiled for good ("A leaf node was passed to _will_engine_execute_node")."""
-    global MODE_STEP
     model = _model()
     ref = copy.deepcopy(model)
     step = graphtrain.compile_step(model, CFG, provider="aten", compile_blocks=blocks)
-    old, MODE_STEP = MODE_STEP, 0 if first else 1
-    try:
-        losses, flops, _ = _loop(lambda batch: step(**batch)["loss"])
-        ref_losses, ref_flops = _eager(ref)
-    finally:
-        MODE_STEP = old
+    mode_step = 0 if first else 1
+    losses, flops, _ = _loop(lambda batch: step(**batch)["loss"], mode_step)
+    ref_losses, ref_flops = _eager(ref, mode_step)
     assert flops == ref_flops > 0
     assert step.provider == "aten" and not graphtrain.report(model).fallbacks
     assert any("TorchDispatchMode (FlopCounterMode)" in n for n in step.state.notes)
