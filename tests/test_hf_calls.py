@@ -65,3 +65,64 @@ def test_a_classifier_settles_its_problem_type_by_hugging_faces_rule():
         notes: list[str] = []
         call_adapter(model, EngineConfig()).before_compiled_call({"labels": labels}, notes)
         assert model.config.problem_type == expect and expect in notes[0]
+
+
+def test_only_calls_given_a_key_value_cache_run_eagerly():
+    adapter = call_adapter(_gpt2(), EngineConfig())
+    assert adapter.eager_call({"input_ids": torch.zeros(1, 4, dtype=torch.long)}) is None
+    assert adapter.eager_call({"past_key_values": None}) is None
+    why = adapter.eager_call({"past_key_values": transformers.DynamicCache()})
+    assert why is not None and "generate" in why
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama-gqa"])
+def test_generate_between_training_steps_runs_eagerly_and_training_stays_compiled(family, recwarn):
+    """Hugging Face's generate between steps (sampling text during training): its prefill and decoding calls carry
+    a key/value cache and run eagerly. Before, each decoding step compiled a graph (a new cache length each), until
+    Dynamo's recompile limit warned of a fallback and left later training shapes uncompiled. The generated tokens
+    are eager's, no graph is compiled for them, and a new training shape after it still compiles and trains as
+    eager does."""
+    import copy
+
+    import graphtrain
+    from graphtrain.testing import assert_close, assert_grads_close
+
+    torch.manual_seed(0)
+    if family == "gpt2":
+        cfg = transformers.GPT2Config(
+            n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=64, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0
+        )  # fmt: skip
+        base = transformers.GPT2LMHeadModel(cfg)
+    else:
+        cfg = transformers.LlamaConfig(
+            num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=64, vocab_size=64, max_position_embeddings=64,
+        )  # fmt: skip
+        base = transformers.LlamaForCausalLM(cfg)
+    ref = copy.deepcopy(base)
+    model = graphtrain.accelerate(copy.deepcopy(base), provider="aten", fallback="error")
+    ids = torch.randint(0, 64, (2, 16))
+
+    def losses(batch):
+        out = []
+        for m in (model, ref):
+            m.zero_grad(set_to_none=True)
+            out.append(m(input_ids=batch, labels=batch).loss)
+            out[-1].backward()
+        assert_grads_close(model, ref, rtol=1e-4, atol=1e-6)
+        return out
+
+    assert_close(*losses(ids), rtol=1e-5, atol=1e-6, name="loss before generate")
+    graphs = len(model._graphtrain.graphs)
+    with torch.no_grad():
+        out = [m.eval().generate(ids[:, :4], max_new_tokens=12, do_sample=False, pad_token_id=0) for m in (model, ref)]
+    assert torch.equal(out[0], out[1])
+    model.train(), ref.train()
+    assert len(model._graphtrain.graphs) == graphs  # no graph compiled for generation
+    rep = graphtrain.report(model)
+    assert not rep.fallbacks and any("key/value cache" in n for n in model._graphtrain.notes)
+    new = torch.randint(0, 64, (3, 16))  # a new training shape after generate: compiled, like eager
+    got, want = losses(new)
+    assert len(model._graphtrain.graphs) > graphs
+    assert_close(got, want, rtol=1e-5, atol=1e-6, name="loss of a new shape after generate")
+    assert not [w for w in recwarn if "graphtrain" in str(w.message)]

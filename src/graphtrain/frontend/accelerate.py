@@ -251,6 +251,11 @@ class _CallWrapper:
         if mode is not None:
             return self._eager_under_mode(mode, args, kwargs)
         if self.adapter is not None:
+            why = self.adapter.eager_call(kwargs)
+            if why is not None:
+                if why not in state.notes:
+                    state.notes.append(why)
+                return self.eager(*args, **kwargs)
             self.adapter.before_compiled_call(kwargs, state.notes)
         if self.prefault is not None:
             self.prefault.on_call()
