@@ -267,6 +267,34 @@ def test_hooks_registered_after_the_first_step_run_and_removed_ones_stop(where):
     assert calls["m"] == 1 and not graphtrain.report(m).fallbacks
 
 
+@pytest.mark.parametrize("provider", ["aten", pytest.param("inductor", marks=pytest.mark.slow)])  # inductor: 20 s
+def test_a_backward_that_retains_the_graph_after_plain_ones_trains_as_eager(provider):
+    """Regression: a backward with ``retain_graph=True`` (two losses backpropagated one after the other, a gradient
+    penalty) through a graph whose backward had already run without it raised "compiled with non-empty donated
+    buffers" (AOTAutograd's donated buffers; under provider auto at the second step of such a loop, since the
+    background compile builds the backward ahead). Eager and plain torch.compile run it."""
+    from graphtrain.config.sections import ModelConfig
+    from graphtrain.models import build_model
+
+    def model():
+        torch.manual_seed(0)
+        return build_model(ModelConfig(name="gpt2-tiny", dropout=0.0))
+
+    ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": torch.roll(ids, -1, 1)}
+    m, ref = model(), model()
+    graphtrain.accelerate(m, provider=provider)
+    for retain in (False, True, True):
+        for mod in (m, ref):
+            mod.zero_grad(set_to_none=True)
+            loss = mod(**batch)
+            loss.backward(retain_graph=retain)
+            if retain:
+                (loss * 0.5).backward()  # the second backward through the same graph
+        assert_grads_close(m, ref, atol=1e-6, rtol=1e-5)
+    assert not graphtrain.report(m).fallbacks
+
+
 @pytest.mark.skipif(not importlib.util.find_spec("transformers"), reason="transformers not installed")
 def test_dynamic_shapes_on_a_hugging_face_model_compile_once():
     """Regression: under engine.dynamic=true AOTAutograd asks Dynamo to trace a Hugging Face GPT-2 again

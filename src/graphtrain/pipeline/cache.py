@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from graphtrain.config.sections import EngineConfig
+from graphtrain.config.torch_compat import allow_retained_backward
 from graphtrain.kernels import capabilities
 from graphtrain.passes.graph_utils import digest_graph_into
 from graphtrain.passes.manager import STAGES, pipeline
@@ -41,9 +42,14 @@ def cache_root(config: EngineConfig) -> Path:
 
 
 def configure_cache(config: EngineConfig) -> Path:
-    """Point Inductor's on-disk caches at graphtrain's cache folder and switch them on; returns the folder."""
+    """Point Inductor's on-disk caches at graphtrain's cache folder and switch them on; returns the folder. Every
+    entry point calls it before its first compile, so it also sets the other process-wide compile setting
+    graphtrain needs: no donated buffers (config/torch_compat.py allow_retained_backward), which AOTAutograd's cache
+    keys include."""
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
+
+    allow_retained_backward()
 
     root = cache_root(config)
     if not user_set_inductor_cache() or os.environ.get("_GRAPHTRAIN_SET_CACHE") == "1":
