@@ -97,6 +97,53 @@ FAMILIES: dict[str, Family] = {
         "GemmaForCausalLM",
         lambda h, n, a, v: _dec(h, n, a, v, num_key_value_heads=max(1, a // 2), head_dim=h // a),
     ),
+    # q and k normalized after the heads move in front ([B, S, H, D] seen as [B, H, S, D]), every other layer on a
+    # sliding window: passes/fuse_layer_norm.py keeps such a norm's layout
+    "gemma3": Family(
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        lambda h, n, a, v: _dec(h, n, a, v, num_key_value_heads=max(1, a // 2), head_dim=h // a, sliding_window=16),
+    ),
+    # a mixture of experts: a router picks 2 of 4 expert MLPs per token
+    "mixtral": Family(
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        lambda h, n, a, v: _dec(
+            h,
+            n,
+            a,
+            v,
+            num_key_value_heads=max(1, a // 2),
+            intermediate_size=2 * h,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+        ),  # fmt: skip
+    ),
+    # multi-head latent attention (keys built by copies into a new tensor: pipeline/trace.py differentiable_copies)
+    # and a routed mixture of experts after one dense layer
+    "deepseek3": Family(
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        lambda h, n, a, v: _dec(
+            h,
+            n,
+            a,
+            v,
+            num_key_value_heads=a,
+            intermediate_size=2 * h,
+            moe_intermediate_size=h,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_group=1,
+            topk_group=1,
+            first_k_dense_replace=1,
+            q_lora_rank=h // 2,
+            kv_lora_rank=h // 2,
+            qk_nope_head_dim=h // a // 2,
+            qk_rope_head_dim=h // a // 2,
+            v_head_dim=h // a,
+        ),  # fmt: skip
+    ),
     "phi3": Family("Phi3Config", "Phi3ForCausalLM", lambda h, n, a, v: _dec(h, n, a, v, num_key_value_heads=a)),
     "phi": Family("PhiConfig", "PhiForCausalLM", _dec),
     "neox": Family("GPTNeoXConfig", "GPTNeoXForCausalLM", _dec),
