@@ -3,8 +3,8 @@ init): each trains under `accelerate` with fallback=error (no fallback, no crash
 gradient. Dropout and stochastic depth are set to 0 so that both runs compute the same function.
 
 The default suite runs the architectures that once broke (DeBERTa-v2's attention fusion, Swin's learned mask,
-Bloom's autograd.Function GELU, once a fallback: passes/autograd_functions.py) and T5 (encoder-decoder); the rest
-are marked slow."""
+Bloom's autograd.Function GELU, once a fallback: passes/autograd_functions.py; Gemma 3's norms of permuted q and k,
+once a fallback: passes/fuse_layer_norm.py) and T5 (encoder-decoder); the rest are marked slow."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ pytest.importorskip("transformers")
 
 from graphtrain.bench.families import FAMILIES, build_family  # noqa: E402
 
-DEFAULT = {"deberta2", "swin", "bloom", "t5"}  # GPT-2, BERT and Llama are checked by the other HF tests
+DEFAULT = {"deberta2", "swin", "bloom", "t5", "gemma3"}  # GPT-2, BERT and Llama are checked by the other HF tests
 
 
 def _step_like_eager(ref, m, batch) -> None:

@@ -17,7 +17,7 @@ import torch.fx as fx
 from torch.fx.node import Argument
 
 import graphtrain.kernels  # noqa: F401
-from graphtrain.passes.fuse_utils import aten, call, finish, getitem, is_op, number, only_user, shape
+from graphtrain.passes.fuse_utils import aten, call, finish, getitem, is_op, number, only_user, shape, val
 from graphtrain.passes.manager import PassContext, register_pass
 
 
@@ -69,10 +69,19 @@ def _affine(g: fx.Graph, y: fx.Node, n_last: int) -> tuple[fx.Node | None, fx.No
     return w, b, last
 
 
-def _replace(g: fx.Graph, last: fx.Node, target: Any, *args: Any) -> None:
+def _replace(g: fx.Graph, last: fx.Node, target: Any, *args: Any) -> bool:
+    """`last` (a hand-written norm's final node) replaced by `target(*args)[0]`, unless the norm's result is not
+    contiguous: the fused ops return contiguous rows, and the graph after a norm was traced for eager's layout, which
+    elementwise ops keep from their input. Gemma 3 normalizes q and k after moving the heads in front (a [B, S, H, D]
+    tensor seen as [B, H, S, D]); fused, its attention's output came out in another layout, and a view of its merged
+    heads failed the aten provider's trace ("Cannot view a tensor ..."): the block ran eagerly."""
+    v = val(last)
+    if isinstance(v, torch.Tensor) and not v.is_contiguous():
+        return False
     with g.inserting_before(last):
         out = getitem(g, call(g, target, *args), 0)
     last.replace_all_uses_with(out)
+    return True
 
 
 # Under inductor, norm/GELU/cross-entropy fusions stay off by default: Inductor fuses these itself and an
@@ -133,8 +142,7 @@ def fuse_layer_norm_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
         if not ok or xs is None:
             continue
         w, b, last = _affine(g, u, xs[-1])
-        _replace(g, last, torch.ops.graphtrain.layer_norm.default, x, w, b, eps)
-        n += 1
+        n += _replace(g, last, torch.ops.graphtrain.layer_norm.default, x, w, b, eps)
     g.eliminate_dead_code()
     ctx.count(n)
     return finish(gm)
@@ -186,8 +194,7 @@ def fuse_rms_norm_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             if not isinstance(pre_bias, fx.Node):
                 continue
             last = pre_bias
-        _replace(g, last, torch.ops.graphtrain.rms_norm.default, x, w, m[1])
-        n += 1
+        n += _replace(g, last, torch.ops.graphtrain.rms_norm.default, x, w, m[1])
     g.eliminate_dead_code()
     ctx.count(n)
     return finish(gm)
