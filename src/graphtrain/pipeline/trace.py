@@ -54,6 +54,7 @@ def trace_aten_forward(fn: Callable[..., Any], example_inputs: Sequence[Any]) ->
         gm = make_fx(functional, tracing_mode="real", pre_dispatch=False)(*inputs)
     if needs_grad:
         keep_attention_logsumexp(gm, fake_mode)
+        differentiable_copies(gm, fake_mode)
     gm.graph.eliminate_dead_code()
     gm.recompile()
     return gm
@@ -65,6 +66,59 @@ def trace_step(fn: Callable[..., Any], fake_args: Sequence[Any], fake_mode: Fake
     ``torch.autograd.grad``, the optimizer's update) becomes one FX graph that writes its state inputs in place."""
     with fake_mode:
         return make_fx(fn, tracing_mode="real")(*fake_args)
+
+
+_SCATTERS = frozenset(
+    getattr(torch.ops.aten, name).default
+    for name in ("slice_scatter", "select_scatter", "diagonal_scatter", "as_strided_scatter")
+)
+
+
+def differentiable_copies(gm: fx.GraphModule, fake_mode: FakeTensorMode) -> int:
+    """Give each functional ``aten.copy(self, src)`` as the ops it stands for: `src` cast to self's dtype, broadcast
+    to self's shape, cloned; returns how many nodes changed.
+
+    Functionalization turns an in-place copy into a view (``x[..., :n].copy_(y)``, HF DeepSeek-V3's keys built in a
+    new tensor) into ``aten.copy`` and a scatter. Autograd has no formula for the functional ``aten.copy``, so
+    AOTAutograd's trace of this IR raised "derivative for aten::copy is not implemented" and the graph ran eagerly.
+    The ops below compute the same values and have formulas: the gradient reaches `src` (summed over the broadcast
+    dims, cast back) and not `self`, whose values the copy overwrote, as eager's ``copy_`` gives. A copy whose
+    result would be laid out otherwise than the copy's (unless only a scatter reads it), or that moves between
+    devices, is left as it is."""
+    aten, changed = torch.ops.aten, 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not aten.copy.default:
+            continue
+        dst, src = node.args[0], node.args[1]
+        dv, sv, out = dst.meta.get("val"), getattr(src, "meta", {}).get("val"), node.meta.get("val")
+        if not (isinstance(dv, torch.Tensor) and isinstance(sv, torch.Tensor) and isinstance(out, torch.Tensor)):
+            continue
+        if sv.device != dv.device:
+            continue
+        made: list[fx.Node] = []
+        with gm.graph.inserting_before(node):
+            x = src
+            if sv.dtype != dv.dtype:
+                made.append(x := gm.graph.call_function(aten._to_copy.default, (x,), {"dtype": dv.dtype}))
+            if tuple(sv.shape) != tuple(dv.shape):
+                made.append(x := gm.graph.call_function(aten.expand.default, (x, list(dv.shape))))
+            made.append(x := gm.graph.call_function(aten.clone.default, (x,)))
+        with fake_mode:
+            for n in made:
+                args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: a.meta.get("val"))
+                op: Any = n.target
+                n.meta["val"] = op(*args, **kwargs)
+        # functionalization writes the copy back with a scatter, which reads its values, not their layout
+        scattered = all(u.op == "call_function" and u.target in _SCATTERS for u in node.users)
+        if x.meta["val"].stride() != out.stride() and not scattered:
+            for n in reversed(made):
+                gm.graph.erase_node(n)
+            continue
+        x.meta.update({k: v for k, v in node.meta.items() if k != "val"})
+        node.replace_all_uses_with(x)
+        gm.graph.erase_node(node)
+        changed += 1
+    return changed
 
 
 def keep_attention_logsumexp(gm: fx.GraphModule, fake_mode: FakeTensorMode) -> int:
