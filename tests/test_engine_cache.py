@@ -113,6 +113,42 @@ def test_stored_graph_keeps_a_size_node_inside_a_slice():
     assert torch.equal(loaded(x, 4), x[:, :4])
 
 
+def test_a_stored_graph_registers_a_libraries_custom_op_in_a_fresh_process(tmp_path, monkeypatch):
+    """Regression: a graph that calls a library's custom op (HF Mixtral's experts: ``transformers::grouped_mm_fallback``)
+    failed to load in the background compile's process, which had not imported the module that registers the op, so
+    Inductor's candidate fell back. The stored graph names that module; a fresh interpreter loads and runs it."""
+    import pickle
+
+    import torch
+    import torch.fx as fx
+
+    from graphtrain.pipeline.cache import _encode_graph
+
+    (tmp_path / "gt_user_ops.py").write_text(
+        "import torch\n"
+        "@torch.library.custom_op('gt_user_ops::twice', mutates_args=())\n"
+        "def twice(x: torch.Tensor) -> torch.Tensor:\n"
+        "    return x * 2\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import gt_user_ops  # noqa: F401  (registers the op in this process only)
+
+    g = fx.Graph()
+    g.output(g.call_function(torch.ops.gt_user_ops.twice.default, (g.placeholder("x"),)))
+    (tmp_path / "graph.pkl").write_bytes(pickle.dumps(_encode_graph(fx.GraphModule({}, g))))
+    code = (
+        "import pickle, sys, torch\n"
+        "from graphtrain.pipeline.cache import _decode_graph\n"
+        "assert 'gt_user_ops' not in sys.modules\n"
+        f"gm = _decode_graph(pickle.loads(open({str(tmp_path / 'graph.pkl')!r}, 'rb').read()))\n"
+        "print(gm(torch.arange(3.0)).tolist())\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "[0.0, 2.0, 4.0]"
+
+
 def test_cached_pass_failure_still_warns_and_reports(tmp_path, monkeypatch):
     """Regression (a CI failure): a pass that fell back on the first compile is stored with its error; a later
     compile that hits the cache must warn and report the same fallback, not run the stored graph silently."""

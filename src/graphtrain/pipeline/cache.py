@@ -312,7 +312,7 @@ def _encode_target(target: Any) -> Any:
     if isinstance(target, str):
         return target
     if isinstance(target, torch._ops.OpOverload):
-        return _Ref("op", (target.namespace, target._opname, target._overloadname))
+        return _Ref("op", (target.namespace, target._opname, target._overloadname, _defining_module(target)))
     if isinstance(target, torch._ops.OpOverloadPacket):
         return _Ref("packet", (target._qualified_op_name.split("::")[0], target.__name__.split(".")[-1]))
     if isinstance(target, torch._ops.HigherOrderOperator):
@@ -331,6 +331,18 @@ def _encode_target(target: Any) -> Any:
     raise TypeError(f"cannot name {target!r}: {module}.{name} is not where it is found")
 
 
+def _defining_module(op: Any) -> str | None:
+    """The module whose import registers custom op `op` (``torch.library.custom_op``), or None (torch's own ops, and
+    ops defined otherwise). A graph decoded in a fresh process, the background compile's, imports it first: HF
+    Mixtral's experts call ``transformers::grouped_mm_fallback``, which transformers registers in a module the
+    compile process had not imported, so Inductor's candidate failed there ("no attribute 'grouped_mm_fallback'")."""
+    from torch._library.custom_ops import OPDEFS
+
+    opdef = OPDEFS.get(f"{op.namespace}::{op._opname}")
+    module = getattr(getattr(opdef, "_init_fn", None), "__module__", None)
+    return module if isinstance(module, str) and module != "__main__" else None
+
+
 def _decode_target(ref: Any) -> Any:
     import importlib
 
@@ -339,7 +351,9 @@ def _decode_target(ref: Any) -> Any:
     if not isinstance(ref, _Ref):
         return ref
     if ref.kind == "op":
-        ns, op, overload = ref.value
+        ns, op, overload, *where = ref.value
+        if where and where[0] and not hasattr(getattr(torch.ops, ns), op):
+            importlib.import_module(where[0])  # registers the op, as in the process that encoded it
         return getattr(getattr(getattr(torch.ops, ns), op), overload)
     if ref.kind == "packet":
         ns, op = ref.value
