@@ -312,9 +312,11 @@ def _encode_target(target: Any) -> Any:
     if isinstance(target, str):
         return target
     if isinstance(target, torch._ops.OpOverload):
-        return _Ref("op", (target.namespace, target._opname, target._overloadname, _defining_module(target)))
+        where = _defining_module(target.namespace, target._opname)
+        return _Ref("op", (target.namespace, target._opname, target._overloadname, where))
     if isinstance(target, torch._ops.OpOverloadPacket):
-        return _Ref("packet", (target._qualified_op_name.split("::")[0], target.__name__.split(".")[-1]))
+        ns, op = target._qualified_op_name.split("::")[0], target.__name__.split(".")[-1]
+        return _Ref("packet", (ns, op, _defining_module(ns, op)))
     if isinstance(target, torch._ops.HigherOrderOperator):
         hop = target.name()
         if getattr(torch.ops.higher_order, hop, None) is target:
@@ -331,14 +333,14 @@ def _encode_target(target: Any) -> Any:
     raise TypeError(f"cannot name {target!r}: {module}.{name} is not where it is found")
 
 
-def _defining_module(op: Any) -> str | None:
-    """The module whose import registers custom op `op` (``torch.library.custom_op``), or None (torch's own ops, and
-    ops defined otherwise). A graph decoded in a fresh process, the background compile's, imports it first: HF
+def _defining_module(namespace: str, name: str) -> str | None:
+    """The module whose import registers custom op `namespace::name` (``torch.library.custom_op``), or None (torch's
+    own ops, and ops defined otherwise). A graph decoded in a fresh process, the background compile's, imports it first: HF
     Mixtral's experts call ``transformers::grouped_mm_fallback``, which transformers registers in a module the
     compile process had not imported, so Inductor's candidate failed there ("no attribute 'grouped_mm_fallback'")."""
     from torch._library.custom_ops import OPDEFS
 
-    opdef = OPDEFS.get(f"{op.namespace}::{op._opname}")
+    opdef = OPDEFS.get(f"{namespace}::{name}")
     module = getattr(getattr(opdef, "_init_fn", None), "__module__", None)
     return module if isinstance(module, str) and module != "__main__" else None
 
@@ -350,14 +352,13 @@ def _decode_target(ref: Any) -> Any:
 
     if not isinstance(ref, _Ref):
         return ref
-    if ref.kind == "op":
-        ns, op, overload, *where = ref.value
-        if where and where[0] and not hasattr(getattr(torch.ops, ns), op):
-            importlib.import_module(where[0])  # registers the op, as in the process that encoded it
-        return getattr(getattr(getattr(torch.ops, ns), op), overload)
-    if ref.kind == "packet":
-        ns, op = ref.value
-        return getattr(getattr(torch.ops, ns), op)
+    if ref.kind in ("op", "packet"):
+        ns, op, *rest = ref.value
+        where = rest[-1] if len(rest) == (2 if ref.kind == "op" else 1) else None
+        if where and not hasattr(getattr(torch.ops, ns), op):
+            importlib.import_module(where)  # registers the op, as in the process that encoded it
+        packet = getattr(getattr(torch.ops, ns), op)
+        return getattr(packet, rest[0]) if ref.kind == "op" else packet
     if ref.kind == "hop":
         return getattr(torch.ops.higher_order, ref.value)
     module, name = ref.value
