@@ -19,6 +19,7 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true as known
 
 from graphtrain.config.torch_compat import compiling_flag
 from graphtrain.passes.graph_utils import is_symbolic
@@ -74,6 +75,14 @@ _SCATTERS = frozenset(
 )
 
 
+def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same shape and the same strides on every dim of size over 1 (a size-1 dim's stride is never read); known
+    without a guard (under dynamic shapes a comparison that needs one counts as different)."""
+    if a.dim() != b.dim() or not all(known(x == y) for x, y in zip(a.shape, b.shape)):
+        return False
+    return all(known(n <= 1) or known(sa == sb) for n, sa, sb in zip(a.shape, a.stride(), b.stride()))
+
+
 def differentiable_copies(gm: fx.GraphModule, fake_mode: FakeTensorMode) -> int:
     """Give each functional ``aten.copy(self, src)`` as the ops it stands for: `src` cast to self's dtype, broadcast
     to self's shape, cloned; returns how many nodes changed.
@@ -82,9 +91,9 @@ def differentiable_copies(gm: fx.GraphModule, fake_mode: FakeTensorMode) -> int:
     new tensor) into ``aten.copy`` and a scatter. Autograd has no formula for the functional ``aten.copy``, so
     AOTAutograd's trace of this IR raised "derivative for aten::copy is not implemented" and the graph ran eagerly.
     The ops below compute the same values and have formulas: the gradient reaches `src` (summed over the broadcast
-    dims, cast back) and not `self`, whose values the copy overwrote, as eager's ``copy_`` gives. A copy whose
-    result would be laid out otherwise than the copy's (unless only a scatter reads it), or that moves between
-    devices, is left as it is."""
+    dims, cast back) and not `self`, whose values the copy overwrote, as eager's ``copy_`` gives; the clone is laid
+    out as the copy's result (in the order of its strides). A copy whose result would still be laid out otherwise
+    (unless only a scatter reads it), or that moves between devices, is left as it is."""
     aten, changed = torch.ops.aten, 0
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target is not aten.copy.default:
@@ -102,7 +111,20 @@ def differentiable_copies(gm: fx.GraphModule, fake_mode: FakeTensorMode) -> int:
                 made.append(x := gm.graph.call_function(aten._to_copy.default, (x,), {"dtype": dv.dtype}))
             if tuple(sv.shape) != tuple(dv.shape):
                 made.append(x := gm.graph.call_function(aten.expand.default, (x, list(dv.shape))))
-            made.append(x := gm.graph.call_function(aten.clone.default, (x,)))
+            # the copy's result is laid out as `self` (a transposed view: HF Qwen3-Next's chunked attention writes
+            # its output by chunks into one): the clone in that dims order, seen back in the copy's
+            # (on concrete strides only: ordering symbolic ones would guard on them, a recompile at each new length)
+            strides = out.stride()
+            concrete = all(isinstance(st, int) for st in strides)
+            order = sorted(range(out.dim()), key=lambda d: -int(strides[d])) if concrete else list(range(out.dim()))
+            if order != sorted(order):
+                made.append(x := gm.graph.call_function(aten.permute.default, (x, order)))
+            made.append(
+                x := gm.graph.call_function(aten.clone.default, (x,), {"memory_format": torch.contiguous_format})
+            )
+            if order != sorted(order):
+                back = sorted(range(out.dim()), key=order.__getitem__)
+                made.append(x := gm.graph.call_function(aten.permute.default, (x, back)))
         with fake_mode:
             for n in made:
                 args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: a.meta.get("val"))
@@ -110,7 +132,7 @@ def differentiable_copies(gm: fx.GraphModule, fake_mode: FakeTensorMode) -> int:
                 n.meta["val"] = op(*args, **kwargs)
         # functionalization writes the copy back with a scatter, which reads its values, not their layout
         scattered = all(u.op == "call_function" and u.target in _SCATTERS for u in node.users)
-        if x.meta["val"].stride() != out.stride() and not scattered:
+        if not _same_layout(x.meta["val"], out) and not scattered:
             for n in reversed(made):
                 gm.graph.erase_node(n)
             continue
