@@ -4,7 +4,8 @@ gradient. Dropout and stochastic depth are set to 0 so that both runs compute th
 
 The default suite runs the architectures that once broke (DeBERTa-v2's attention fusion, Swin's learned mask,
 Bloom's autograd.Function GELU, once a fallback: passes/autograd_functions.py; Gemma 3's norms of permuted q and k,
-once a fallback: passes/fuse_layer_norm.py) and T5 (encoder-decoder); the rest are marked slow."""
+once a fallback: passes/fuse_layer_norm.py; Qwen3-Next's backward, once a crash: passes/graph_utils.py
+views_as_reshapes) and T5 (encoder-decoder); the rest are marked slow."""
 
 from __future__ import annotations
 
@@ -19,7 +20,14 @@ pytest.importorskip("transformers")
 
 from graphtrain.bench.families import FAMILIES, build_family  # noqa: E402
 
-DEFAULT = {"deberta2", "swin", "bloom", "t5", "gemma3"}  # GPT-2, BERT and Llama are checked by the other HF tests
+DEFAULT = {
+    "deberta2",
+    "swin",
+    "bloom",
+    "t5",
+    "gemma3",
+    "qwen3next",
+}  # GPT-2, BERT and Llama are checked by the other HF tests
 
 
 def _step_like_eager(ref, m, batch) -> None:

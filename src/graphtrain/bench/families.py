@@ -144,6 +144,29 @@ FAMILIES: dict[str, Family] = {
             v_head_dim=h // a,
         ),  # fmt: skip
     ),
+    # linear attention (gated delta rule, chunked) in every other layer, a routed mixture of experts with a shared
+    # expert in each: its backward views a cat of gate gradients (passes/graph_utils.py views_as_reshapes)
+    "qwen3next": Family(
+        "Qwen3NextConfig",
+        "Qwen3NextForCausalLM",
+        lambda h, n, a, v: _dec(
+            h,
+            n,
+            a,
+            v,
+            num_key_value_heads=max(1, a // 2),
+            head_dim=h // a,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=h,
+            shared_expert_intermediate_size=h,
+            linear_num_key_heads=max(1, a // 2),
+            linear_num_value_heads=a,
+            linear_key_head_dim=h // a,
+            linear_value_head_dim=h // a,
+            layer_types=["linear_attention" if i % 2 == 0 else "full_attention" for i in range(n)],
+        ),  # fmt: skip
+    ),
     "phi3": Family("Phi3Config", "Phi3ForCausalLM", lambda h, n, a, v: _dec(h, n, a, v, num_key_value_heads=a)),
     "phi": Family("PhiConfig", "PhiForCausalLM", _dec),
     "neox": Family("GPTNeoXConfig", "GPTNeoXForCausalLM", _dec),

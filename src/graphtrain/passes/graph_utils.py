@@ -275,3 +275,48 @@ def graph_digest(gm: fx.GraphModule) -> str:
     h = hashlib.sha256()
     digest_graph_into(h, gm)
     return h.hexdigest()
+
+
+def views_as_reshapes(gm: fx.GraphModule) -> fx.GraphModule:
+    """`gm` with every ``aten.view`` / ``aten._unsafe_view`` given as ``aten.reshape``, on a copy of its graph (the
+    module's attributes are shared; `gm` itself is left as the other providers and passes see it).
+
+    A graph traced to aten before Inductor holds views that were valid for the strides eager produced when it was
+    traced. compile_fx traces it again through Inductor's decompositions, which may give an intermediate other
+    strides: ``cat`` with an empty input becomes a clone of the other input, which keeps that input's strides
+    where eager's cat returned a contiguous tensor. A view recorded against the contiguous layout then fails
+    ("Cannot view a tensor with shape ... and strides ...") and the graph fell back to aten: HF T5 under
+    compile_step, whose decoder concatenates its keys to an empty cache. ``reshape`` is the same view wherever the
+    strides allow one and copies where they do not. A view written through (an in-place op on it or on a view of
+    it: compile_step's graph is not functionalized) stays a view: a copy would take the write away from its base,
+    where a failed view falls back, named.
+
+    The aten provider runs its forward and backward graphs through it as well (pipeline/stages.py autodiff): a view
+    AOTAutograd recorded against a fake tensor's strides failed on the real tensor when a kernel laid its output out
+    otherwise than its fake did. HF Qwen3-Next's backward (a cat of gate gradients viewed as rows) raised "view size
+    is not compatible" in ``loss.backward()``, where no fallback can run."""
+    graph = fx.Graph()
+    graph._codegen = gm.graph._codegen  # the calling convention (pytree in/out specs) stays the module's
+    out = graph.graph_copy(gm.graph, {})
+    graph.output(out)
+    aten = torch.ops.aten
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target in (aten.view.default, aten._unsafe_view.default):
+            if not _written_through(node):
+                node.target = aten.reshape.default
+    return fx.GraphModule(gm, graph)
+
+
+def _written_through(node: fx.Node) -> bool:
+    """Whether an op writes `node`'s value in place, directly or through a view of it (schema alias annotations)."""
+    for user in node.users:
+        schema = getattr(user.target, "_schema", None) if user.op == "call_function" else None
+        if schema is None:
+            continue
+        named = dict(zip((a.name for a in schema.arguments), user.args)) | dict(user.kwargs)
+        for arg in schema.arguments:
+            if named.get(arg.name) is node and arg.alias_info is not None and arg.alias_info.is_write:
+                return True
+        if any(r.alias_info is not None for r in schema.returns) and _written_through(user):
+            return True
+    return False

@@ -34,7 +34,7 @@ from graphtrain.config.fallback import GraphtrainCaptureError, report_fallback
 from graphtrain.config.sections import EngineConfig
 from graphtrain.memory.predict import param_bytes
 from graphtrain.memory.recompute import make_partition_fn
-from graphtrain.passes.graph_utils import materialize_symints
+from graphtrain.passes.graph_utils import materialize_symints, views_as_reshapes
 from graphtrain.passes.manager import PassContext, PassFn, op_counts, registered_passes, run_pipeline
 from graphtrain.pipeline.state import EngineState, GraphRecord
 from graphtrain.pipeline.trace import trace_aten_forward
@@ -279,6 +279,9 @@ def autodiff(
         def compile_fn(g: fx.GraphModule, ins: Sequence[Any]) -> Any:
             if stage == "forward" or not backward_passes_at_partition:
                 g = passes(stage, g, ins)
+            # A view recorded against a fake's strides, as a reshape: the same view wherever the real strides allow
+            # one (passes/graph_utils.py views_as_reshapes: a backward that raised there could not fall back)
+            g = views_as_reshapes(g)
             # Boxed: the backward takes its argument list and clears it, so each saved activation is freed after
             # its last use instead of when the backward returns (FX code drops intermediates the same way).
             return to_boxed(g) if boxed else make_boxed_func(g.forward)

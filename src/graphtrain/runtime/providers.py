@@ -38,7 +38,7 @@ from graphtrain.config.fallback import report_fallback
 from graphtrain.config.sections import EngineConfig
 from graphtrain.kernels import capability
 from graphtrain.memory.predict import predict_peak
-from graphtrain.passes.graph_utils import has_random_tag
+from graphtrain.passes.graph_utils import has_random_tag, views_as_reshapes
 from graphtrain.passes.manager import pipeline
 from graphtrain.pipeline.cache import source_digest
 from graphtrain.pipeline.job import CompileJob
@@ -250,46 +250,6 @@ def _replace_graph(graph: fx.Graph, new: fx.Graph) -> None:
     graph.output(out)
 
 
-def views_as_reshapes(gm: fx.GraphModule) -> fx.GraphModule:
-    """`gm` with every ``aten.view`` / ``aten._unsafe_view`` given as ``aten.reshape``, on a copy of its graph (the
-    module's attributes are shared; `gm` itself is left as the other providers and passes see it).
-
-    A graph traced to aten before Inductor holds views that were valid for the strides eager produced when it was
-    traced. compile_fx traces it again through Inductor's decompositions, which may give an intermediate other
-    strides: ``cat`` with an empty input becomes a clone of the other input, which keeps that input's strides
-    where eager's cat returned a contiguous tensor. A view recorded against the contiguous layout then fails
-    ("Cannot view a tensor with shape ... and strides ...") and the graph fell back to aten: HF T5 under
-    compile_step, whose decoder concatenates its keys to an empty cache. ``reshape`` is the same view wherever the
-    strides allow one and copies where they do not. A view written through (an in-place op on it or on a view of
-    it: compile_step's graph is not functionalized) stays a view: a copy would take the write away from its base,
-    where a failed view falls back, named."""
-    graph = fx.Graph()
-    graph._codegen = gm.graph._codegen  # the calling convention (pytree in/out specs) stays the module's
-    out = graph.graph_copy(gm.graph, {})
-    graph.output(out)
-    aten = torch.ops.aten
-    for node in graph.nodes:
-        if node.op == "call_function" and node.target in (aten.view.default, aten._unsafe_view.default):
-            if not _written_through(node):
-                node.target = aten.reshape.default
-    return fx.GraphModule(gm, graph)
-
-
-def _written_through(node: fx.Node) -> bool:
-    """Whether an op writes `node`'s value in place, directly or through a view of it (schema alias annotations)."""
-    for user in node.users:
-        schema = getattr(user.target, "_schema", None) if user.op == "call_function" else None
-        if schema is None:
-            continue
-        named = dict(zip((a.name for a in schema.arguments), user.args)) | dict(user.kwargs)
-        for arg in schema.arguments:
-            if named.get(arg.name) is node and arg.alias_info is not None and arg.alias_info.is_write:
-                return True
-        if any(r.alias_info is not None for r in schema.returns) and _written_through(user):
-            return True
-    return False
-
-
 def compile_inductor(job: CompileJob) -> Callable[..., Any]:
     """``compile_fx`` on the job's pre-autodiff graph. recompute=none keeps Inductor's own min-cut partition: it
     recomputes only ops it fuses into backward kernels, which costs no extra kernel and saves memory, so there is nothing for `none` to switch off.
@@ -358,7 +318,7 @@ def compile_step_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], provid
             return compile_fx(views_as_reshapes(gm), list(example_inputs))
     if provider != "aten":
         raise ValueError(f"compile_step_graph: provider {provider!r} is not one of inductor, aten; pass one of them")
-    return gm
+    return views_as_reshapes(gm)  # a view recorded against a fake's strides (HF Qwen3-Next's backward)
 
 
 # Functional samplers that return a fresh tensor: under fallback_random Inductor calls them as they are, one extern
