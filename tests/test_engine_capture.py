@@ -439,6 +439,31 @@ def test_provider_failure_falls_back_to_aten(monkeypatch):
     assert rep.graphs[0]["provider"] == "aten" and rep.fallbacks
 
 
+def test_the_backend_under_provider_auto_runs_a_graph_no_candidate_compiles_eagerly(monkeypatch):
+    """Regression: under torch.compile(backend="graphtrain") with provider auto, a graph that neither aten nor
+    Inductor compiled raised BackendCompilerFailed (HF Qwen3-Next in bf16, before its in-place copies were made
+    differentiable), where a named provider falls back to the Dynamo graph run eagerly. Now auto does too, said as
+    a fallback."""
+    from graphtrain.runtime import backend, providers
+
+    def broken(*a, **k):
+        raise RuntimeError("no compiler here")
+
+    for name in ("aten", "inductor"):
+        monkeypatch.setitem(providers.PROVIDERS, name, broken)
+    monkeypatch.setattr(backend, "GLOBAL_STATE", backend.EngineState(backend.GLOBAL_STATE.config))
+    torch.manual_seed(0)
+    ref, m = MLP(), MLP()
+    m.load_state_dict(ref.state_dict())
+    compiled = torch.compile(m, backend="graphtrain", options={"provider": "auto", "compile_in_background": False})
+    x = torch.randn(4, 8)
+    with pytest.warns(UserWarning, match="no candidate compiled"):
+        compiled(x).square().mean().backward()
+    ref(x).square().mean().backward()
+    assert_grads_close(m, ref, bitwise=True)
+    assert any("no candidate compiled" in str(f) for f in backend.GLOBAL_STATE.fallbacks)
+
+
 def test_torch_compile_backend_name_and_entry_point():
     import importlib.metadata as md
 

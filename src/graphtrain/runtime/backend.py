@@ -215,7 +215,7 @@ def _compile_one(
     n_passes = len(state.passes)
     try:
         if measure:
-            compiled = choose_provider(job, compile_stages, auto_config)
+            compiled = choose_provider(job, compile_stages, auto_config, eager=gm.forward)
         else:  # falling back inductor -> aten -> eager
             order = [config.provider] + (["aten"] if config.provider != "aten" else [])
             compiled, rec.provider = compile_with_fallback(

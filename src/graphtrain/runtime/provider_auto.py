@@ -72,11 +72,14 @@ def under_ddp_optimizer() -> bool:
     return ctx is not None and getattr(ctx, "ddp_optimizer_ctx", None) is not None
 
 
-def choose_provider(job: CompileJob, compile: Compile, requested: EngineConfig) -> Callable[..., Any]:
+def choose_provider(
+    job: CompileJob, compile: Compile, requested: EngineConfig, eager: Callable[..., Any] | None = None
+) -> Callable[..., Any]:
     """provider auto for `job`'s graph: compile each candidate now; the first call times them and keeps the faster
     (or an earlier process's decision for this graph is reused and only its winner compiled). A candidate that
     fails to compile is reported and left out. `requested`: the config as the user gave it (provider auto), which
-    keys the stored decision."""
+    keys the stored decision. `eager`: what runs the graph when no candidate compiles (reported as a fallback), as
+    the named providers fall back; without it that raises."""
 
     config, state, rec = job.config, job.state, job.rec
     folder = cache_root(config)
@@ -100,6 +103,7 @@ def choose_provider(job: CompileJob, compile: Compile, requested: EngineConfig) 
             part=f"{rec.name} ({rec.frame})",
             config=config,
             state=state,
+            eager=eager,
         )
         rec.provider_times = stored["times"]
         rec.notes.append(describe(stored["times"], rec.provider, cached=True))
@@ -115,6 +119,7 @@ def choose_provider(job: CompileJob, compile: Compile, requested: EngineConfig) 
             part=f"{rec.name} ({rec.frame})",
             config=config,
             state=state,
+            eager=eager,
         )
         rec.notes.append(
             "provider auto: an evaluation (no_grad) graph of a module that trains runs on aten, "
@@ -147,7 +152,19 @@ def choose_provider(job: CompileJob, compile: Compile, requested: EngineConfig) 
         # the record as this candidate left it, and its pass records (the loser's are dropped from the report)
         candidates.append(Candidate(p, fn, copy.copy(rec.__dict__), state.passes[n_passes:]))
     if not candidates:
-        raise RuntimeError(f"no provider compiled {rec.name}: see the fallbacks")
+        if eager is None:
+            raise RuntimeError(f"no provider compiled {rec.name}: see the fallbacks")
+        # torch.compile(backend="graphtrain") has no call wrapper to run the module eagerly: without this the
+        # Dynamo graph raised BackendCompilerFailed where each named provider would have fallen back to it
+        report_fallback(
+            f"provider auto on {rec.name} ({rec.frame})",
+            "no candidate compiled (see the fallbacks before this one)",
+            config,
+            what="runs eagerly",
+            sink=state.fallbacks,
+        )
+        rec.provider = "eager"
+        return eager
     if len(candidates) == 1:
         rec.provider = candidates[0].provider
         return candidates[0].compiled
