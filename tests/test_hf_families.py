@@ -5,7 +5,8 @@ gradient. Dropout and stochastic depth are set to 0 so that both runs compute th
 The default suite runs the architectures that once broke (DeBERTa-v2's attention fusion, Swin's learned mask,
 Bloom's autograd.Function GELU, once a fallback: passes/autograd_functions.py; Gemma 3's norms of permuted q and k,
 once a fallback: passes/fuse_layer_norm.py; Qwen3-Next's backward, once a crash: passes/graph_utils.py
-views_as_reshapes) and T5 (encoder-decoder); the rest are marked slow."""
+views_as_reshapes; Mamba's vmap, once a fallback: pipeline/trace.py) and T5 (encoder-decoder); the rest are
+marked slow."""
 
 from __future__ import annotations
 

@@ -167,6 +167,14 @@ FAMILIES: dict[str, Family] = {
             layer_types=["linear_attention" if i % 2 == 0 else "full_attention" for i in range(n)],
         ),  # fmt: skip
     ),
+    # a state-space model, no attention: its selective scan runs torch.vmap, which Dynamo inlines as functorch
+    # transforms (pipeline/trace.py _runs_functorch_transforms)
+    "mamba": Family(
+        "MambaConfig",
+        "MambaForCausalLM",
+        lambda h, n, a, v: dict(hidden_size=h, num_hidden_layers=n, vocab_size=v, state_size=8, **_IDS),
+        attention="eager",  # no attention at all; transformers refuses the sdpa setting
+    ),
     "phi3": Family("Phi3Config", "Phi3ForCausalLM", lambda h, n, a, v: _dec(h, n, a, v, num_key_value_heads=a)),
     "phi": Family("PhiConfig", "PhiForCausalLM", _dec),
     "neox": Family("GPTNeoXConfig", "GPTNeoXForCausalLM", _dec),

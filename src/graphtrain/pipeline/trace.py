@@ -32,6 +32,7 @@ def trace_aten_forward(fn: Callable[..., Any], example_inputs: Sequence[Any]) ->
     needs_grad = any(isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs) or (
         isinstance(fn, torch.nn.Module) and any(p.requires_grad for p in fn.parameters())
     )
+    gm_in = None
     if isinstance(fn, fx.GraphModule):
         # Run the Dynamo graph node by node with node meta preserved, so each aten node keeps the
         # nn_module_stack of the node it came from (recompute=full finds the model's layers by it).
@@ -43,7 +44,7 @@ def trace_aten_forward(fn: Callable[..., Any], example_inputs: Sequence[Any]) ->
     else:  # inside a Dynamo backend: reuse its fake mode (and shape env), as AOTAutograd does
         inputs = fakify_like_dynamo(fake_mode, example_inputs)
     dispatcher: contextlib.AbstractContextManager[Any]
-    if any(is_symbolic(x) for x in inputs):
+    if any(is_symbolic(x) for x in inputs) or _runs_functorch_transforms(gm_in):
         from torch._dispatch.python import enable_python_dispatcher
 
         functional, dispatcher = _dispatch_functionalize(fn), enable_python_dispatcher()
@@ -177,8 +178,22 @@ def keep_attention_logsumexp(gm: fx.GraphModule, fake_mode: FakeTensorMode) -> i
     return changed
 
 
+def _runs_functorch_transforms(gm: fx.GraphModule | None) -> bool:
+    """Whether Dynamo's graph `gm` runs a functorch transform itself: ``torch.vmap`` inlined as the batch-dim ops of
+    ``torch._functorch.predispatch`` (HF Mamba's and Jamba's layers). torch.func.functionalize, a functorch
+    transform too, cannot wrap those levels ("layer.key() == TransformType::Functionalize INTERNAL ASSERT FAILED")
+    and the model ran eagerly; the dispatch-level functionalization below, AOTAutograd's own, traces them."""
+    if gm is None:
+        return False
+    return any(
+        n.op == "call_function" and getattr(n.target, "__module__", None) == "torch._functorch.predispatch"
+        for n in gm.graph.nodes
+    )
+
+
 def _dispatch_functionalize(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """`fn` functionalized the way AOTAutograd does it (torch's FunctionalTensorMode), for symbolic sizes.
+    """`fn` functionalized the way AOTAutograd does it (torch's FunctionalTensorMode), for symbolic sizes and for
+    graphs that run functorch transforms (_runs_functorch_transforms).
 
     torch.func.functionalize (the static path above) wraps tensors at the functorch layer, whose wrappers
     cannot give a symbolic element count: aten's C++ dropout (alone, or inside SDPA's math path) asks for one and
