@@ -216,6 +216,10 @@ def test_model_hf_errors_name_the_fix(hf_dirs, tmp_path):
         resolve_spec(ModelConfig(hf=str(tmp_path / "t5")))
     with pytest.raises(ValueError, match="applies to model.hf models only"):
         ModelConfig(objective="clm")
+    (tmp_path / "mamba").mkdir()  # attention-free: the Trainer cannot size it, and says where it trains
+    transformers.MambaConfig(hidden_size=32, num_hidden_layers=1, vocab_size=300).save_pretrained(tmp_path / "mamba")
+    with pytest.raises(ValueError, match=r"attention-free.*graphtrain.accelerate in your own loop"):
+        resolve_spec(ModelConfig(hf=str(tmp_path / "mamba"), objective="clm"))
     # an objective the architecture has no head for
     with pytest.raises(ValueError, match="cannot build a mlm model"):
         build_model(ModelConfig(hf=str(hf_dirs / "llama"), objective="mlm"))

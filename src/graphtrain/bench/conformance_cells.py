@@ -550,12 +550,10 @@ def run_cell(row: Row, col: Column, steps: int = STEPS) -> Result:
 
     t0 = time.perf_counter()
     if col.entry == "trainer" and row.objective is None:
-        return Result(
-            row.name,
-            col.name,
-            "n/a",
-            "the Trainer trains language models (graphtrain's, Hugging Face causal or masked LMs); this row is not one",
+        why = (
+            "the Trainer trains language models (graphtrain's, Hugging Face causal or masked LMs); this row is not one"
         )
+        return Result(row.name, col.name, "n/a", why)
     torch._dynamo.reset()
     start = {"kernels": len(runtime_fallbacks())}
     if col.entry == "backend":  # the process-wide record: this cell's part is what it adds
@@ -567,7 +565,10 @@ def run_cell(row: Row, col: Column, steps: int = STEPS) -> Result:
     try:
         model, batch = row.build()
         if col.entry == "trainer":
-            model = as_language_model(model, row.objective or "clm")
+            try:
+                model = as_language_model(model, row.objective or "clm")
+            except ValueError as e:  # a model the Trainer cannot size (no attention heads: Mamba), said as such
+                return Result(row.name, col.name, "n/a", str(e))
         if col.frozen:
             _freeze_embedding(model)
         ref_model = copy.deepcopy(model)

@@ -170,7 +170,8 @@ def spec_of(hf_config: Any, objective: str) -> ModelSpec:
     if not all(isinstance(v, int) for v in (d_model, n_head, n_layer)):
         raise ValueError(
             f"model.hf: model_type {hf_config.model_type!r} does not name hidden_size, "
-            f"num_attention_heads and num_hidden_layers in its config: graphtrain cannot size it"
+            f"num_attention_heads and num_hidden_layers in its config (an attention-free model such as Mamba): the "
+            f"Trainer cannot size it; train it with graphtrain.accelerate in your own loop (docs/guides/own-loop.md)"
         )
     return ModelSpec(
         family="gpt2" if objective == "clm" else "bert",
