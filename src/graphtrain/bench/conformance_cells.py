@@ -550,9 +550,7 @@ def run_cell(row: Row, col: Column, steps: int = STEPS) -> Result:
 
     t0 = time.perf_counter()
     if col.entry == "trainer" and row.objective is None:
-        why = (
-            "the Trainer trains language models (graphtrain's, Hugging Face causal or masked LMs); this row is not one"
-        )
+        why = "the Trainer trains only language models (graphtrain's, Hugging Face causal or masked LMs): not this row"
         return Result(row.name, col.name, "n/a", why)
     torch._dynamo.reset()
     start = {"kernels": len(runtime_fallbacks())}
