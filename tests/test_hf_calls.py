@@ -117,7 +117,8 @@ def test_generate_between_training_steps_runs_eagerly_and_training_stays_compile
     with torch.no_grad():
         out = [m.eval().generate(ids[:, :4], max_new_tokens=12, do_sample=False, pad_token_id=0) for m in (model, ref)]
     assert torch.equal(out[0], out[1])
-    model.train(), ref.train()
+    model.train()
+    ref.train()
     assert len(model._graphtrain.graphs) == graphs  # no graph compiled for generation
     rep = graphtrain.report(model)
     assert not rep.fallbacks and any("key/value cache" in n for n in model._graphtrain.notes)

@@ -118,12 +118,13 @@ def differentiable_copies(gm: fx.GraphModule, fake_mode: FakeTensorMode) -> int:
             strides = out.stride()
             concrete = all(isinstance(st, int) for st in strides)
             order = sorted(range(out.dim()), key=lambda d: -int(strides[d])) if concrete else list(range(out.dim()))
-            if order != sorted(order):
+            permuted = order != sorted(order)
+            if permuted:
                 made.append(x := gm.graph.call_function(aten.permute.default, (x, order)))
             made.append(
                 x := gm.graph.call_function(aten.clone.default, (x,), {"memory_format": torch.contiguous_format})
             )
-            if order != sorted(order):
+            if permuted:
                 back = sorted(range(out.dim()), key=order.__getitem__)
                 made.append(x := gm.graph.call_function(aten.permute.default, (x, back)))
         with fake_mode:
