@@ -147,6 +147,30 @@ def test_failed_block_split_runs_eagerly_with_one_warning(monkeypatch):
     assert any("split failed on purpose" in why for _, why in graphtrain.report(m).fallbacks)
 
 
+class BranchingBlock(Block):
+    """A block whose code Dynamo cannot trace as one graph: a branch on a tensor's value."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(self.ln(x))
+        if h.sum() > 0:
+            h = 2 * h
+        return x + self.drop(self.out(F.gelu(h)))
+
+
+def test_a_graph_break_inside_a_block_compiles_the_model_split_at_it_like_eager():
+    """Dynamo traces a marked block's region whole or fails the whole call; a data-dependent branch inside a
+    layer (HF Wav2Vec2's output-capturing hooks did the same) sent the model to eager for good. The blocks are
+    now inlined and the model compiles in graphs split at the break, as under torch.compile."""
+    torch.manual_seed(0)
+    ref = Stack().train()
+    ref.blocks = nn.ModuleList(BranchingBlock() for _ in range(3))
+    m = graphtrain.accelerate(copy.deepcopy(ref), provider="aten", passes=ENGINE_ONLY)
+    _steps(ref, m, steps=3)
+    rep = graphtrain.report(m)
+    assert not rep.fallbacks and not rep.blocks and len(rep.graphs) >= 2, str(rep)
+    assert any("not block by block" in n and "Data-dependent" in n for n in rep.notes), rep.notes
+
+
 @pytest.mark.skipif(not HAS_HF, reason="transformers not installed")
 def test_hugging_face_gpt2_blocks_match_eager_and_build_no_kv_cache():
     import transformers

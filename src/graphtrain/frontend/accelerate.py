@@ -23,7 +23,14 @@ from graphtrain.kernels._common import KernelFallbackError
 from graphtrain.memory import prefault
 from graphtrain.models.hf_calls import call_adapter, trace_through_log_once
 from graphtrain.passes.manager import pipeline
-from graphtrain.pipeline.block_regions import ReuseMisbound, mark_repeated_blocks, no_subgraph_reuse, whole_model_reason
+from graphtrain.pipeline.block_regions import (
+    ReuseMisbound,
+    mark_repeated_blocks,
+    no_subgraph_reuse,
+    region_refused,
+    unmark_repeated_blocks,
+    whole_model_reason,
+)
 from graphtrain.pipeline.cache import cache_root, configure_cache
 from graphtrain.pipeline.state import EngineState, state_of
 from graphtrain.runtime.allocator import set_cpu_allocator_once
@@ -346,6 +353,26 @@ class _CallWrapper:
             return self._run_compiled_reusing(args, kwargs)
 
     def _run_compiled_reusing(self, args: tuple, kwargs: dict) -> Any:
+        try:
+            return self._run_compiled_blocks(args, kwargs)
+        except Exception as e:  # noqa: BLE001
+            why = region_refused(e) if self.state.blocks else None
+            if why is None:
+                raise
+        # A graph break inside a repeated block: Dynamo fails the whole call where plain torch.compile splits its
+        # graph (HF Wav2Vec2's output-capturing hooks, a data-dependent branch in a user's layer). The blocks are
+        # then inlined, the model is compiled in graphs split at its breaks, and the call runs again: the failure
+        # came while tracing, so no graph after the last break ran; the graphs before it ran once already (their
+        # only lasting effect can be a buffer update, such as BatchNorm's running statistics, counted twice).
+        unmark_repeated_blocks(self.module)
+        self.state.notes.append(
+            f"compiled as whole graphs, not block by block ({', '.join(self.state.blocks)}): Dynamo cannot trace a "
+            f"block's code as one region ({why})"
+        )
+        self.state.blocks.clear()
+        return self._run_compiled_blocks(args, kwargs)
+
+    def _run_compiled_blocks(self, args: tuple, kwargs: dict) -> Any:
         if not self.state.block_reuse:
             with no_subgraph_reuse():
                 return self.compiled(*args, **kwargs)

@@ -91,6 +91,35 @@ def mark_repeated_blocks(module: torch.nn.Module) -> list[str]:
     return marked
 
 
+def unmark_repeated_blocks(module: torch.nn.Module) -> int:
+    """Undo ``mark_repeated_blocks``: every marked block of `module` runs its class's forward again (inlined into
+    the graphs around it by Dynamo). Returns how many blocks were unmarked."""
+    n = 0
+    for block in module.modules():
+        if block.__dict__.pop(_MARK, False):
+            block.__dict__.pop("forward", None)
+            n += 1
+    return n
+
+
+def region_refused(e: BaseException) -> str | None:
+    """Why Dynamo refused a marked block's region, if that is what `e` (a failed call) comes from, else None.
+
+    Dynamo traces a region's body whole or not at all: a graph break inside a block (a data-dependent branch, a
+    ``.item()``, a print, a hook whose code Dynamo cannot trace) fails the capture of the whole call with
+    ``UncapturedHigherOrderOpError``, where plain torch.compile splits the graph at the break and goes on. Other
+    higher-order operators (cond, map, scan) fail the same way without regions, so a chain that names one of
+    them is not ours."""
+    while e is not None:
+        if type(e).__name__ == "UncapturedHigherOrderOpError":
+            hop = str(getattr(e, "_hop_name", ""))  # torch 2.13: "torch.ops.higher_order.invoke_subgraph"
+            if hop and not hop.endswith("invoke_subgraph"):  # (absent on older torches)
+                return None
+            return " ".join(str(e).split()).partition("Got graph break/error: ")[2][:240] or type(e).__name__
+        e = getattr(e, "inner_exception", None) or e.__cause__  # type: ignore[assignment]
+    return None
+
+
 def _region(forward: Callable[..., Any], n_blocks: int) -> Callable[..., Any]:
     """The block's forward for Dynamo: its arguments flattened to leaves, then ``nested_compile_region`` with room
     for one reuse entry per block (under ``no_subgraph_reuse`` Dynamo traces every block call and records an entry
