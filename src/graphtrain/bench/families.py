@@ -7,7 +7,8 @@ Each family is built at a given width, depth and vocabulary with the library's d
 stochastic depth as the config sets them, unless ``dropout=False``), SDPA attention where the family has it and
 its eager attention where it has not (Bloom, GPT-J, DeBERTa-v2, T5). Language models get token ids and labels
 (masked-LM families: 15% of tokens masked, the rest ignored; seq2seq: the labels double as decoder inputs, which
-the model shifts itself); vision models 224 px images (32 px when narrower than 64) and class labels.
+the model shifts itself); vision models 224 px images (32 px when narrower than 64) and class labels; speech models
+a random waveform and character targets (CTC), or log-mel features and target tokens (Whisper).
 """
 
 from __future__ import annotations
@@ -27,7 +28,10 @@ class Family:
     """(hidden, layers, heads, vocab) -> config kwargs."""
     attention: str = "sdpa"
     task: str = "clm"
-    """clm (causal LM), mlm (masked LM), seq2seq or image."""
+    """clm (causal LM), mlm (masked LM), seq2seq, image, ctc (speech to characters) or speech2seq."""
+    graph_breaks: bool = False
+    """The library's code breaks Dynamo's graph in training (Wav2Vec2: a lock taken on the first call, setting
+    requires_grad on an activation, a branch on the labels' values in its CTC loss): a full-graph capture fails."""
 
 
 _IDS = dict(bos_token_id=0, eos_token_id=0, pad_token_id=0)
@@ -307,6 +311,50 @@ FAMILIES: dict[str, Family] = {
         ),
         task="image",
     ),
+    "wav2vec2": Family(
+        "Wav2Vec2Config",
+        "Wav2Vec2ForCTC",
+        lambda h, n, a, v: dict(
+            hidden_size=h,
+            num_hidden_layers=n,
+            num_attention_heads=a,
+            intermediate_size=4 * h,
+            vocab_size=v,
+            conv_dim=(h, h),
+            conv_stride=(5, 2),
+            conv_kernel=(10, 3),
+            num_conv_pos_embeddings=16,
+            num_conv_pos_embedding_groups=4,
+            mask_time_prob=0.0,  # SpecAugment draws its masks with NumPy: eager and graphtrain would differ
+            ctc_loss_reduction="mean",
+            **_IDS,
+        ),
+        attention="sdpa",
+        task="ctc",
+        graph_breaks=True,
+    ),
+    "whisper": Family(
+        "WhisperConfig",
+        "WhisperForConditionalGeneration",
+        lambda h, n, a, v: dict(
+            d_model=h,
+            encoder_layers=max(1, n // 2),
+            decoder_layers=max(1, n // 2),
+            encoder_attention_heads=a,
+            decoder_attention_heads=a,
+            encoder_ffn_dim=4 * h,
+            decoder_ffn_dim=4 * h,
+            num_mel_bins=16,
+            max_source_positions=64,
+            max_target_positions=1024,
+            vocab_size=v,
+            decoder_start_token_id=0,
+            suppress_tokens=[],
+            begin_suppress_tokens=[],
+            **_IDS,
+        ),
+        task="speech2seq",
+    ),
 }
 
 
@@ -316,7 +364,7 @@ def _image(hidden: int) -> int:
 
 def _no_dropout(cfg: Any) -> None:
     for k, v in list(vars(cfg).items()):
-        if isinstance(v, float) and any(s in k for s in ("dropout", "pdrop", "drop_path", "drop_rate")):
+        if isinstance(v, float) and any(s in k for s in ("dropout", "pdrop", "drop_path", "drop_rate", "layerdrop")):
             setattr(cfg, k, 0.0)
 
 
@@ -352,6 +400,16 @@ def build_family(
         return model, {
             "pixel_values": torch.randn(batch, 3, size, size, generator=g),
             "labels": torch.randint(0, cfg.num_labels, (batch,), generator=g),
+        }
+    if fam.task == "ctc":  # a waveform of `seq` frames (the feature encoder's stride is 10), targets a quarter as long
+        return model, {
+            "input_values": torch.randn(batch, 10 * seq, generator=g),
+            "labels": torch.randint(1, vocab, (batch, max(1, seq // 4)), generator=g),
+        }
+    if fam.task == "speech2seq":  # log-mel features (two frames per encoder position), `seq` target tokens
+        return model, {
+            "input_features": torch.randn(batch, cfg.num_mel_bins, 2 * cfg.max_source_positions, generator=g),
+            "labels": torch.randint(5, vocab, (batch, seq), generator=g),
         }
     ids = torch.randint(5, vocab, (batch, seq), generator=g)
     labels = ids.clone()
