@@ -257,3 +257,45 @@ def test_a_mask_value_beyond_the_low_dtypes_range_fits_it_as_under_autocast(prec
     torch.testing.assert_close(loss, ref_loss.float(), rtol=2e-2, atol=2e-2)
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=5e-2, atol=5e-2)
+
+
+class _ComplexRotary(torch.nn.Module):
+    """Rotary position embedding in complex numbers, as Meta's Llama and torchtitan write it
+    (`torch.view_as_complex(x.float()...)`), then a spectral mix (an FFT) of a matmul's output."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.out = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+        angles = torch.outer(torch.arange(8).float(), torch.rand(8))
+        self.register_buffer("freqs", torch.polar(torch.ones_like(angles), angles), persistent=False)
+
+    def forward(self, x):
+        q = self.q(x)
+        qc = torch.view_as_complex(q.float().reshape(*q.shape[:-1], -1, 2))
+        q = torch.view_as_real(qc * self.freqs).flatten(-2).type_as(q)
+        mixed = torch.fft.rfft(self.out(q), dim=-1).abs()
+        return mixed.square().mean()
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_complex_numbers_and_ffts_stay_in_fp32_as_under_autocast(precision):
+    """Regression: the rotary's `.float()` leaves no cast in a graph traced in fp32, so the pass fed the matmul's
+    low-precision output to view_as_complex ("only supported for half, float and double", in bf16) and the whole
+    mixed-precision pass fell back. Complex and FFT ops now compute in fp32."""
+    import graphtrain
+
+    torch.manual_seed(0)
+    model = _ComplexRotary()
+    ref = copy.deepcopy(model)
+    x = torch.randn(2, 8, 16)
+    graphtrain.accelerate(model, precision=precision, provider="aten", fallback="error")
+    loss = model(x)
+    loss.backward()
+    with torch.autocast("cpu", dtype=LOW_DTYPES[("bf16", "fp16").index(precision)]):
+        ref_loss = ref(x)
+    ref_loss.backward()
+    records = [r for r in model._graphtrain.passes if r.name == "apply_mixed_precision"]
+    assert records and all(r.error is None for r in records) and sum(r.rewrites for r in records) > 0
+    torch.testing.assert_close(loss, ref_loss.float(), rtol=2e-2, atol=2e-2)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=5e-2, atol=5e-2)

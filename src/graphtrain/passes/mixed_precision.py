@@ -124,6 +124,15 @@ PRECISION_POLICY: dict[str, str] = {
             "pow",
             "rsqrt",
             "erfinv",
+            # complex numbers and FFTs: no bf16 complex dtype exists, and the CPU FFTs take no bf16 either. A model
+            # that writes `torch.view_as_complex(xq.float()...)` (Meta's Llama rotary, torchtitan's) was traced in
+            # fp32, where `.float()` leaves no cast in the graph, so its input must be made fp32 here.
+            "view_as_complex",
+            "complex",
+            "polar",
+            "_fft_r2c",
+            "_fft_c2r",
+            "_fft_c2c",
         )
     },
 }
