@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from graphtrain.config.sections import ParallelConfig
+from graphtrain.config.torch_compat import regions_take_dtensors
 from graphtrain.distributed import parallelize
 from graphtrain.distributed.spawn import run_ranks
 from graphtrain.distributed.tp_plans import check_tp
@@ -44,7 +45,9 @@ def _worker(layout: dict, name: str, engine: dict | None = None) -> dict:
 
         rep = report(par.module)
         out["passes"] = {f"{p['stage']}/{p['name']}": p["rewrites"] for p in rep.passes}
-        out["graphs"], out["fallbacks"] = len(rep.graphs), len(rep.fallbacks)
+        # training graphs: torch 2.11's Dynamo also compiles a pipeline stage's first, gradient-free call apart
+        out["graphs"], out["fallbacks"] = sum(not g["inference"] for g in rep.graphs), len(rep.fallbacks)
+        out["inference_graphs"] = len(rep.graphs) - out["graphs"]
         out["notes"] = [n for g in rep.graphs for n in g["notes"]]
     return out
 
@@ -77,8 +80,9 @@ def test_tensor_parallel_composes_with_the_engine(name):
     _check(results, name)
     n_layer = tiny(name).spec.n_layer
     for out in results:
-        # embeddings, one block compiled once for every layer (its rewrites count once per layer), head and loss
-        assert out["graphs"] == 3 and out["fallbacks"] == 0
+        # embeddings, one block compiled once for every layer (its rewrites count once per layer), head and loss;
+        # one graph where Dynamo cannot trace a block of DTensors as a region of its own (torch 2.11)
+        assert out["graphs"] == (3 if regions_take_dtensors() else 1) and out["fallbacks"] == 0
         assert any("DTensor parameters traced on their local shards" in n for n in out["notes"]), out["notes"]
         assert out["passes"]["pre_autodiff/fuse_attention"] == n_layer, out["passes"]
         assert out["passes"]["pre_autodiff/fuse_bias_gelu"] >= n_layer, out["passes"]
@@ -91,7 +95,8 @@ def test_pipeline_parallel_composes_with_the_engine():
     _check(results)
     for out in results:
         assert out["graphs"] == 1 and out["fallbacks"] == 0
-        assert out["passes"]["pre_autodiff/fuse_attention"] == 1, out["passes"]  # one of gpt2-tiny's 2 blocks
+        # one of gpt2-tiny's 2 blocks, in each graph of the stage
+        assert out["passes"]["pre_autodiff/fuse_attention"] == 1 + out["inference_graphs"], out["passes"]
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
@@ -132,7 +137,9 @@ def _dp_composed_worker(layout: dict, name: str, n: int, accum: int, engine: dic
         from graphtrain.tools.report import report
 
         rep = report(par.module)
-        out["graphs"], out["fallbacks"], out["recompiles"] = len(rep.graphs), len(rep.fallbacks), len(rep.recompiles)
+        out["graphs"] = sum(not g["inference"] for g in rep.graphs)  # (see _worker)
+        out["inference_graphs"] = len(rep.graphs) - out["graphs"]
+        out["fallbacks"], out["recompiles"] = len(rep.fallbacks), len(rep.recompiles)
     return out
 
 
@@ -189,7 +196,8 @@ def test_dp_composed_with_tp_or_pp_through_the_engine(layout):
     gradients after 2 accumulation steps and 3-step losses still equal the single process."""
     results = _run_composed(layout, "gpt2-tiny", 2, ENGINE)
     for out in results:
-        assert (out["graphs"], out["fallbacks"], out["recompiles"]) == (1, 0, 0), out
+        # (the one recompile torch 2.11 makes is for the stage's gradient-free first call: see _worker)
+        assert (out["graphs"], out["fallbacks"], out["recompiles"]) == (1, 0, out["inference_graphs"]), out
 
 
 @pytest.mark.parametrize("engine", [None, ENGINE], ids=["eager", "engine"])

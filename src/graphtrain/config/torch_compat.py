@@ -209,3 +209,10 @@ def allow_retained_backward() -> None:
 
     if hasattr(functorch_config, "donated_buffer"):
         functorch_config.donated_buffer = False
+
+
+def regions_take_dtensors() -> bool:
+    """Whether Dynamo traces a ``nested_compile_region`` whose inputs are DTensors (tensor-parallel blocks). torch
+    2.11.0 fails the capture ("Expected FakeTensor, got DTensor" while collecting the region's inputs); 2.13.0 and
+    2.14.1 trace it. 2.12 was not tried, so it counts as failing: its blocks compile inside the model's graph."""
+    return parse_version(torch.__version__) >= (2, 13)

@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from graphtrain.config.torch_compat import regions_take_dtensors
+
 _MARK = "_graphtrain_block_forward"
 
 
@@ -64,15 +66,22 @@ def splits_into_blocks(config: Any, module: torch.nn.Module) -> bool:
 
 
 def markable_blocks(module: torch.nn.Module) -> list[tuple[str, list[torch.nn.Module]]]:
-    """The repeated stacks ``mark_repeated_blocks`` marks: those whose blocks carry no forward (pre-)hook; none on a
-    torch without ``nested_compile_region``."""
+    """The repeated stacks ``mark_repeated_blocks`` marks: those whose blocks carry no forward (pre-)hook, and no
+    DTensor parameter where Dynamo cannot trace a region of them (config/torch_compat.py); none on a torch without
+    ``nested_compile_region``."""
     if not hasattr(torch.compiler, "nested_compile_region"):
         return []
+    dtensors_ok = regions_take_dtensors()
     return [
         (name, blocks)
         for name, blocks in repeated_blocks(module)
         if not any(b._forward_hooks or b._forward_pre_hooks for b in blocks)
+        and (dtensors_ok or not any(_is_dtensor(p) for b in blocks for p in b.parameters()))
     ]
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    return type(t).__name__ == "DTensor"  # (a DTensor parameter keeps its type; torch.distributed may be absent)
 
 
 def mark_repeated_blocks(module: torch.nn.Module) -> list[str]:

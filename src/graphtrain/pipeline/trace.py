@@ -292,7 +292,7 @@ def localize(
     for i in positions:
         ph = placeholders[i]
         for user in list(ph.users):
-            if not (user.op == "call_method" and user.target == "to_local" and len(user.args) == 1 and not user.kwargs):
+            if not _plain_to_local(user):
                 raise ValueError(
                     f"DTensor input {ph.target} is used by `{user.format_node()}`: graphtrain's passes run on "
                     f"plain local tensors, which needs DTensor parameters read through .to_local() only "
@@ -304,6 +304,17 @@ def localize(
         inputs[i] = example_inputs[i].to_local()
     gm.recompile()
     return gm, inputs
+
+
+def _plain_to_local(node: fx.Node) -> bool:
+    """Whether `node` is `x.to_local()` with no arguments: a ``to_local`` method call (torch 2.13, 2.14), or the
+    function torch 2.11's Dynamo records in its place, ``prim_to_local``, closing over the call's (empty) arguments."""
+    if node.op == "call_method":
+        return node.target == "to_local" and len(node.args) == 1 and not node.kwargs
+    if node.op != "call_function" or getattr(node.target, "__name__", "") != "prim_to_local":
+        return False
+    bound = [c.cell_contents for c in getattr(node.target, "__closure__", None) or ()]
+    return len(node.args) == 1 and not node.kwargs and not any(v for v in bound if isinstance(v, (list, dict)))
 
 
 def delocalize(local: fx.GraphModule, positions: Sequence[int]) -> fx.GraphModule:
