@@ -67,16 +67,22 @@ def test_a_classifier_settles_its_problem_type_by_hugging_faces_rule():
         assert model.config.problem_type == expect and expect in notes[0]
 
 
-def test_only_calls_given_a_key_value_cache_run_eagerly():
+def test_only_generation_calls_run_eagerly():
     adapter = call_adapter(_gpt2(), EngineConfig())
     assert adapter.eager_call({"input_ids": torch.zeros(1, 4, dtype=torch.long)}) is None
     assert adapter.eager_call({"past_key_values": None}) is None
     why = adapter.eager_call({"past_key_values": transformers.DynamicCache()})
     assert why is not None and "generate" in why
+    uncached = {"input_ids": torch.zeros(1, 4, dtype=torch.long), "use_cache": False, "return_dict": True}
+    assert adapter.eager_call(uncached) is None  # with gradients on: a training call
+    with torch.no_grad():
+        assert "generate without a cache" in (adapter.eager_call(uncached) or "")
+        assert adapter.eager_call({"input_ids": uncached["input_ids"]}) is None  # an evaluation call
 
 
+@pytest.mark.parametrize("use_cache", [True, False], ids=["cache", "no-cache"])
 @pytest.mark.parametrize("family", ["gpt2", "llama-gqa"])
-def test_generate_between_training_steps_runs_eagerly_and_training_stays_compiled(family, recwarn):
+def test_generate_between_training_steps_runs_eagerly_and_training_stays_compiled(family, use_cache, recwarn):
     """Hugging Face's generate between steps (sampling text during training): its prefill and decoding calls carry
     a key/value cache and run eagerly. Before, each decoding step compiled a graph (a new cache length each), until
     Dynamo's recompile limit warned of a fallback and left later training shapes uncompiled. The generated tokens
@@ -115,13 +121,17 @@ def test_generate_between_training_steps_runs_eagerly_and_training_stays_compile
     assert_close(*losses(ids), rtol=1e-5, atol=1e-6, name="loss before generate")
     graphs = len(model._graphtrain.graphs)
     with torch.no_grad():
-        out = [m.eval().generate(ids[:, :4], max_new_tokens=12, do_sample=False, pad_token_id=0) for m in (model, ref)]
+        out = [
+            m.eval().generate(ids[:, :4], max_new_tokens=12, do_sample=False, pad_token_id=0, use_cache=use_cache)
+            for m in (model, ref)
+        ]
     assert torch.equal(out[0], out[1])
     model.train()
     ref.train()
     assert len(model._graphtrain.graphs) == graphs  # no graph compiled for generation
     rep = graphtrain.report(model)
-    assert not rep.fallbacks and any("key/value cache" in n for n in model._graphtrain.notes)
+    why = "key/value cache" if use_cache else "generate without a cache"
+    assert not rep.fallbacks and any(why in n for n in model._graphtrain.notes), model._graphtrain.notes
     new = torch.randint(0, 64, (3, 16))  # a new training shape after generate: compiled, like eager
     got, want = losses(new)
     assert len(model._graphtrain.graphs) > graphs

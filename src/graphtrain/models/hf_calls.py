@@ -111,11 +111,24 @@ class CallAdapter:
         (takes_kv_cache): each decoding step has a new cache length, so compiling them cost a compile per token
         (HF GPT-2, 2 layers, 20 new tokens: 7.1 s against eager's 0.02 s, 20 graphs) until Dynamo's recompile
         limit, which then also stopped the training calls of any new shape from compiling. graphtrain compiles
-        training steps; generation runs as eager Hugging Face runs it, and the compiled graphs stay for training."""
-        if self.generates and kwargs.get("past_key_values") is not None:
+        training steps; generation runs as eager Hugging Face runs it, and the compiled graphs stay for training.
+
+        ``generate(use_cache=False)`` passes no cache: each step is the whole sequence so far, one token longer, so
+        it compiled a graph per token the same way. Its calls are the gradient-free ones that pass both
+        ``use_cache=False`` and ``return_dict=True`` (transformers 5's generate passes both; a training or
+        evaluation call rarely passes both, and if it does it only runs eagerly)."""
+        if not self.generates:
+            return None
+        if kwargs.get("past_key_values") is not None:
             return (
                 "calls given a key/value cache (past_key_values: Hugging Face's generate) ran the model eagerly: "
                 "each decoding step has a new shape, and the compiled graphs are kept for training"
+            )
+        if kwargs.get("use_cache") is False and kwargs.get("return_dict") is True and not torch.is_grad_enabled():
+            return (
+                "gradient-free calls with use_cache=False and return_dict=True (Hugging Face's generate without a "
+                "cache) ran the model eagerly: each decoding step is one token longer, and the compiled graphs are "
+                "kept for training"
             )
         return None
 
