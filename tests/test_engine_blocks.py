@@ -374,7 +374,10 @@ def test_keyword_and_tuple_arguments_reach_the_block_flat(monkeypatch):
     reuses its traced body without flattening the arguments through pytree; same numbers as eager, one body."""
     import importlib
 
-    sub = importlib.import_module("torch._dynamo.variables.invoke_subgraph")
+    try:
+        sub = importlib.import_module("torch._dynamo.variables.invoke_subgraph")
+    except ImportError:  # torch 2.11: Dynamo traces every block call (no reuse, no fingerprint)
+        sub = None
     structured = []
     if hasattr(sub, "build_fingerprint_with_pytree"):
         original = sub.build_fingerprint_with_pytree

@@ -233,8 +233,48 @@ def symints_as_nodes(graph: fx.Graph, args: Any) -> Any:
     raw = [a for a in pytree.tree_leaves(args) if isinstance(a, torch.SymInt)]
     if not raw:
         return args
-    made = dict(zip(map(id, raw), graph.materialize_symints(raw)))
+    nodes = graph.materialize_symints(raw) if hasattr(graph, "materialize_symints") else _materialize(graph, raw)
+    made = dict(zip(map(id, raw), nodes))
     return pytree.tree_map(lambda a: made.get(id(a), a) if isinstance(a, torch.SymInt) else a, args)
+
+
+def _materialize(graph: fx.Graph, raw: list[torch.SymInt]) -> list[Any]:
+    """``fx.Graph.materialize_symints`` for torch 2.11, which lacks it (2.13 has it): each size's sympy expression
+    computed from the graph's inputs, its symbols read off a SymInt placeholder or a tensor placeholder's size
+    (``aten.sym_size.int``), its operations interpreted by torch's own Python reference analysis. Only what a
+    dynamic-shape graph of graphtrain's passes holds (sizes of its inputs and arithmetic on them); anything else
+    raises, and the pass that asked falls back as any failing pass does."""
+    import sympy
+    from torch.utils._sympy.interp import sympy_interp
+    from torch.utils._sympy.reference import PythonReferenceAnalysis
+
+    tracer = fx.proxy.GraphAppendingTracer(graph)
+    env: dict[Any, Any] = {}
+    for node in graph.nodes:
+        if node.op != "placeholder":
+            continue
+        val = example_value(node)
+        if isinstance(val, torch.SymInt) and isinstance(val.node.expr, sympy.Symbol):
+            env.setdefault(val.node.expr, fx.Proxy(node, tracer))
+        elif isinstance(val, torch.Tensor):
+            for dim, size in enumerate(val.shape):
+                if isinstance(size, torch.SymInt) and isinstance(size.node.expr, sympy.Symbol):
+                    if size.node.expr not in env:
+                        read = graph.call_function(torch.ops.aten.sym_size.int, (node, dim))
+                        read.meta["val"] = size
+                        env[size.node.expr] = fx.Proxy(read, tracer)
+    out: list[Any] = []
+    for s in raw:
+        expr = s.node.expr
+        missing = expr.free_symbols - set(env)
+        if missing:
+            raise ValueError(f"size {expr} names symbols no graph input carries: {sorted(map(str, missing))}")
+        before = set(graph.nodes)
+        value = sympy_interp(PythonReferenceAnalysis, env, expr)
+        for new in [n for n in graph.nodes if n not in before]:  # the arithmetic's nodes, in order: their values
+            new.meta["val"] = new.target(*(example_value(a) if isinstance(a, fx.Node) else a for a in new.args))
+        out.append(value.node if isinstance(value, fx.Proxy) else int(value))
+    return out
 
 
 def materialize_symints(gm: fx.GraphModule) -> int:

@@ -21,6 +21,7 @@ import torch
 from graphtrain.config.torch_compat import regions_take_dtensors
 
 _MARK = "_graphtrain_block_forward"
+_REGION_FRAME = "block_forward"  # _region's wrapper as Dynamo's "from user code" stacks name it (its code's name)
 
 
 def repeated_blocks(module: torch.nn.Module) -> list[tuple[str, list[torch.nn.Module]]]:
@@ -118,13 +119,18 @@ def region_refused(e: BaseException) -> str | None:
     ``.item()``, a print, a hook whose code Dynamo cannot trace) fails the capture of the whole call with
     ``UncapturedHigherOrderOpError``, where plain torch.compile splits the graph at the break and goes on. Other
     higher-order operators (cond, map, scan) fail the same way without regions, so a chain that names one of
-    them is not ours."""
+    them is not ours. Also any other Dynamo error raised while tracing a region (its user stack passes through
+    the region's wrapper): torch 2.11's region tracing fails on an autograd.Function inside a block ("KeyError:
+    example_value"), which it traces inline."""
     while e is not None:
         if type(e).__name__ == "UncapturedHigherOrderOpError":
             hop = str(getattr(e, "_hop_name", ""))  # torch 2.13: "torch.ops.higher_order.invoke_subgraph"
             if hop and not hop.endswith("invoke_subgraph"):  # (absent on older torches)
                 return None
             return " ".join(str(e).split()).partition("Got graph break/error: ")[2][:240] or type(e).__name__
+        dynamo_error = any(c.__name__ == "TorchDynamoException" for c in type(e).__mro__)
+        if dynamo_error and f"in {_REGION_FRAME}" in str(e):
+            return " ".join(f"{type(e).__name__}: {e}".split())[:240]
         e = getattr(e, "inner_exception", None) or e.__cause__  # type: ignore[assignment]
     return None
 
@@ -225,7 +231,11 @@ def no_subgraph_reuse() -> Any:
     tracing cheap (0.08 s instead of 0.26 s per GPT-2 block, 2-core AVX2 EPYC), but on a block called from a
     plain ``for block in self.blocks`` loop it binds every call to the first block's parameters; compile_by_blocks
     detects that (ReuseMisbound) and the capture is redone under this context."""
-    mod = importlib.import_module("torch._dynamo.variables.invoke_subgraph")
+    try:
+        mod = importlib.import_module("torch._dynamo.variables.invoke_subgraph")
+    except ImportError:  # torch 2.11: no reuse of traced blocks to switch off
+        yield
+        return
     original = getattr(mod, "has_reuse_entries", None)
     if original is None:
         yield
