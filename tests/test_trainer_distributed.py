@@ -16,6 +16,7 @@ import sys
 
 import pytest
 
+from graphtrain.config.torch_compat import regions_take_dtensors
 from graphtrain.trainer import list_checkpoints
 
 pytestmark = pytest.mark.dist
@@ -156,10 +157,12 @@ def test_nproc_2_tensor_or_pipeline_parallel_with_the_engine_matches_single_eage
         "--nproc",
         "2",
     )
-    # tp: embeddings, the block (once for both layers), head and loss; pp: each stage holds one block
-    assert re.search(r"graphtrain engine, distributed: [13] graph\(s\) captured per rank", proc.stdout), proc.stdout[
-        -2000:
-    ]
+    # tp: embeddings, the block (once for both layers), head and loss; pp: each stage holds one block. torch 2.11:
+    # tp's blocks compile inside one graph, and pp's stage also compiles its gradient-free first call (2 graphs)
+    counts = "[13]" if regions_take_dtensors() else "[12]"
+    assert re.search(rf"graphtrain engine, distributed: {counts} graph\(s\) captured per rank", proc.stdout), (
+        proc.stdout[-2000:]
+    )
     assert "eager fallbacks on 0 of 2 ranks" in proc.stdout
     _assert_same_run(ref, dist)
 

@@ -216,3 +216,13 @@ def regions_take_dtensors() -> bool:
     2.11.0 fails the capture ("Expected FakeTensor, got DTensor" while collecting the region's inputs); 2.13.0 and
     2.14.1 trace it. 2.12 was not tried, so it counts as failing: its blocks compile inside the model's graph."""
     return parse_version(torch.__version__) >= (2, 13)
+
+
+@functools.cache
+def torchrun_shutdown_timeout_flag() -> str | None:
+    """torchrun's option for how long its agent waits for signalled workers before SIGKILL, or None where it has
+    none: torch 2.11's torchrun rejects ``--shutdown-timeout`` ("unrecognized arguments") and waits its fixed 30 s."""
+    from torch.distributed.run import get_args_parser
+
+    known = get_args_parser()._option_string_actions
+    return "--shutdown-timeout" if "--shutdown-timeout" in known else None

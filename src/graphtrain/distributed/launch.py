@@ -35,7 +35,10 @@ import tempfile
 import threading
 from pathlib import Path
 
+from graphtrain.config.torch_compat import torchrun_shutdown_timeout_flag
+
 STATE_ENV = "GRAPHTRAIN_LAUNCH_STATE"  # the folder the attempts of one launch share (set by `launch`)
+_TORCHRUN_FIXED_SHUTDOWN_S = 30  # torch 2.11's agent: SIGKILL this long after forwarding a stop signal
 _CKPT = re.compile(r"^ckpt-\d{7,}(\.pt)?$")  # trainer/checkpoint.py's names: a file or a sharded folder
 
 
@@ -57,8 +60,16 @@ def torchrun_command(
     if "--nproc" in argv or any(a.startswith("--nproc=") for a in argv):
         raise ValueError("remove --nproc from the arguments passed on to the workers (launch adds the torchrun flags)")
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}"]
-    if shutdown_timeout_s is not None:
-        cmd.append(f"--shutdown-timeout={int(shutdown_timeout_s)}")
+    flag = torchrun_shutdown_timeout_flag() if shutdown_timeout_s is not None else None
+    if flag is not None:
+        cmd.append(f"{flag}={int(shutdown_timeout_s)}")
+    elif shutdown_timeout_s is not None and shutdown_timeout_s > _TORCHRUN_FIXED_SHUTDOWN_S:
+        print(
+            f"graphtrain: this torch's torchrun waits {_TORCHRUN_FIXED_SHUTDOWN_S} s for stopping workers, not "
+            f"{int(shutdown_timeout_s)} s (train.preempt_grace_s + 15): a worker still saving then is killed; "
+            f"lower train.preempt_grace_s, or use a torch whose torchrun takes --shutdown-timeout (2.13 does)",
+            file=sys.stderr,
+        )
     if nnodes == 1 and rdzv_endpoint is None:
         cmd.append("--standalone")  # local c10d rendezvous on a free port
     else:
