@@ -356,7 +356,8 @@ class _CallWrapper:
         try:
             return self._run_compiled_blocks(args, kwargs)
         except Exception as e:  # noqa: BLE001
-            why = region_refused(e) if self.state.blocks else None
+            # (the `error` policy's own errors are raised as they are: _capture_failed)
+            why = region_refused(e) if self.state.blocks and not _caused_by(e, GraphtrainCaptureError) else None
             if why is None:
                 raise
         # A graph break inside a repeated block: Dynamo fails the whole call where plain torch.compile splits its
