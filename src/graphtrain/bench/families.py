@@ -52,6 +52,25 @@ def _dec(h: int, n: int, a: int, v: int, **kw: Any) -> dict[str, Any]:
     )
 
 
+def _enc_dec(h: int, n: int, a: int, v: int, **kw: Any) -> dict[str, Any]:
+    """An encoder-decoder's config (BART's names, which Whisper shares): half the layers on each side."""
+    return (
+        dict(
+            d_model=h,
+            encoder_layers=max(1, n // 2),
+            decoder_layers=max(1, n // 2),
+            encoder_attention_heads=a,
+            decoder_attention_heads=a,
+            encoder_ffn_dim=4 * h,
+            decoder_ffn_dim=4 * h,
+            vocab_size=v,
+            decoder_start_token_id=0,
+            **_IDS,
+        )
+        | kw
+    )
+
+
 FAMILIES: dict[str, Family] = {
     "bert": Family("BertConfig", "BertForMaskedLM", _dec, task="mlm"),
     "roberta": Family(
@@ -269,19 +288,7 @@ FAMILIES: dict[str, Family] = {
     "bart": Family(
         "BartConfig",
         "BartForConditionalGeneration",
-        lambda h, n, a, v: dict(
-            d_model=h,
-            encoder_layers=max(1, n // 2),
-            decoder_layers=max(1, n // 2),
-            encoder_attention_heads=a,
-            decoder_attention_heads=a,
-            encoder_ffn_dim=4 * h,
-            decoder_ffn_dim=4 * h,
-            max_position_embeddings=1024,
-            vocab_size=v,
-            decoder_start_token_id=0,
-            **_IDS,
-        ),
+        lambda h, n, a, v: _enc_dec(h, n, a, v, max_position_embeddings=1024),
         task="seq2seq",
     ),
     "vit": Family(
@@ -336,22 +343,16 @@ FAMILIES: dict[str, Family] = {
     "whisper": Family(
         "WhisperConfig",
         "WhisperForConditionalGeneration",
-        lambda h, n, a, v: dict(
-            d_model=h,
-            encoder_layers=max(1, n // 2),
-            decoder_layers=max(1, n // 2),
-            encoder_attention_heads=a,
-            decoder_attention_heads=a,
-            encoder_ffn_dim=4 * h,
-            decoder_ffn_dim=4 * h,
+        lambda h, n, a, v: _enc_dec(
+            h,
+            n,
+            a,
+            v,
             num_mel_bins=16,
             max_source_positions=64,
             max_target_positions=1024,
-            vocab_size=v,
-            decoder_start_token_id=0,
             suppress_tokens=[],
             begin_suppress_tokens=[],
-            **_IDS,
         ),
         task="speech2seq",
     ),
