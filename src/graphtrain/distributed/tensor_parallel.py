@@ -145,6 +145,9 @@ def _save_group(ctx, inputs, output) -> None:
 
 tp_reduce.register_autograd(lambda ctx, g: (g, None), setup_context=_save_group)
 tp_copy.register_autograd(lambda ctx, g: (tp_reduce(g, ctx.group), None), setup_context=_save_group)
+# The softmax shift is a constant: no gradient. Its input is detached, but torch 2.14's AOTAutograd traces a backward
+# through every op of a graph that has inputs needing gradients, and raised "no autograd formula was registered".
+tp_max.register_autograd(lambda ctx, g: (None, None), setup_context=_save_group)
 
 
 def _gather_backward(ctx, g):
