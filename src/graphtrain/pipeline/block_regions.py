@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from graphtrain.config.torch_compat import regions_take_dtensors
+from graphtrain.pipeline.trace import dtensor_inputs
 
 _MARK = "_graphtrain_block_forward"
 _REGION_FRAME = "block_forward"  # _region's wrapper as Dynamo's "from user code" stacks name it (its code's name)
@@ -77,12 +78,8 @@ def markable_blocks(module: torch.nn.Module) -> list[tuple[str, list[torch.nn.Mo
         (name, blocks)
         for name, blocks in repeated_blocks(module)
         if not any(b._forward_hooks or b._forward_pre_hooks for b in blocks)
-        and (dtensors_ok or not any(_is_dtensor(p) for b in blocks for p in b.parameters()))
+        and (dtensors_ok or not dtensor_inputs([p for b in blocks for p in b.parameters()]))
     ]
-
-
-def _is_dtensor(t: torch.Tensor) -> bool:
-    return type(t).__name__ == "DTensor"  # (a DTensor parameter keeps its type; torch.distributed may be absent)
 
 
 def mark_repeated_blocks(module: torch.nn.Module) -> list[str]:
@@ -101,15 +98,12 @@ def mark_repeated_blocks(module: torch.nn.Module) -> list[str]:
     return marked
 
 
-def unmark_repeated_blocks(module: torch.nn.Module) -> int:
+def unmark_repeated_blocks(module: torch.nn.Module) -> None:
     """Undo ``mark_repeated_blocks``: every marked block of `module` runs its class's forward again (inlined into
-    the graphs around it by Dynamo). Returns how many blocks were unmarked."""
-    n = 0
+    the graphs around it by Dynamo)."""
     for block in module.modules():
         if block.__dict__.pop(_MARK, False):
             block.__dict__.pop("forward", None)
-            n += 1
-    return n
 
 
 def region_refused(e: BaseException) -> str | None:
