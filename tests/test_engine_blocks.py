@@ -171,6 +171,37 @@ def test_a_graph_break_inside_a_block_compiles_the_model_split_at_it_like_eager(
     assert any("not block by block" in n and "Data-dependent" in n for n in rep.notes), rep.notes
 
 
+class NormedStack(Stack):
+    """A BatchNorm and a dropout in the stem, a graph break after them, then blocks that break inside."""
+
+    def __init__(self, d: int = 32) -> None:
+        super().__init__(3, d)
+        self.norm, self.drop = nn.BatchNorm1d(d), nn.Dropout(0.5)
+        self.blocks = nn.ModuleList(BranchingBlock(d) for _ in range(3))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.drop(self.norm(self.emb(idx).flatten(0, 1)).view(*idx.shape, -1))
+        torch._dynamo.graph_break()
+        for block in self.blocks:
+            x = block(x)
+        return F.cross_entropy(self.head(x).flatten(0, 1), idx.flatten())
+
+
+def test_the_call_a_block_break_retries_updates_buffers_and_draws_dropout_once():
+    """The retry above runs the call again, and the graph before the stem's break had run once already: the
+    BatchNorm counted the batch twice and the dropout drew its mask twice (the second one unlike eager's). The
+    call now starts again from the buffers and random state it began with."""
+    torch.manual_seed(0)
+    ref = NormedStack().train()
+    m = graphtrain.accelerate(copy.deepcopy(ref), provider="aten", passes=ENGINE_ONLY)
+    _steps(ref, m, steps=2)
+    rep = graphtrain.report(m)
+    assert any("not block by block" in n for n in rep.notes) and not rep.fallbacks, str(rep)
+    assert int(m.norm.num_batches_tracked) == int(ref.norm.num_batches_tracked) == 2
+    assert_close(m.norm.running_mean, ref.norm.running_mean, name="running mean", bitwise=True)
+    assert_close(m.norm.running_var, ref.norm.running_var, name="running var", bitwise=True)
+
+
 @pytest.mark.skipif(not HAS_HF, reason="transformers not installed")
 def test_hugging_face_gpt2_blocks_match_eager_and_build_no_kv_cache():
     import transformers

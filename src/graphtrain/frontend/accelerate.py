@@ -239,6 +239,30 @@ def _graph_break_reasons() -> list[Any]:
     return graph_break_reasons
 
 
+class _Rewind:
+    """A module's buffers and the random streams as they were before a call, to run the call again from there:
+    BatchNorm's running statistics and step count, dropout's draws. Parameters are left alone (a forward does not
+    change them). Costs a copy of the buffers, taken on the first call only."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.buffers = [(n, b, b.detach().clone()) for n, b in module.named_buffers()]
+        self.rng = torch.get_rng_state()
+        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for name, buf, saved in self.buffers:
+                owner_name, _, attr = name.rpartition(".")
+                owner = self.module.get_submodule(owner_name)
+                if owner._buffers.get(attr) is not buf:  # a forward that assigned a new tensor to the buffer
+                    owner._buffers[attr] = buf
+                buf.copy_(saved)
+        torch.set_rng_state(self.rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self.cuda_rng)
+
+
 class _CallWrapper:
     """Runs the compiled call; records breaks and first-step time; falls back to eager if capture fails."""
 
@@ -247,6 +271,7 @@ class _CallWrapper:
         self.adapter = call_adapter(module, state.config)  # a Hugging Face model's call adjustments, or None
         self.recompile_limit_hit = False
         self.prefault: Any = None  # memory/prefault.py's Session while the first step is recorded
+        self.rewind: _Rewind | None = None  # the module's state before the call in flight, on its first call
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         state = self.state
@@ -270,11 +295,15 @@ class _CallWrapper:
             self._begin_prefault(args, kwargs)
         reasons = _graph_break_reasons()
         n_before = len(reasons)
+        # The first call is where a capture fails, and the calls that retry it (blocks inlined, or eager) run it
+        # again from the start: its graphs before the failure already ran once. They go back to where they began.
+        self.rewind = _Rewind(self.module) if state.calls == 0 else None
         t0 = time.perf_counter()
         try:
             out = self._run_compiled(args, kwargs)
         except Exception as e:  # noqa: BLE001
             out = self._capture_failed(e, args, kwargs)
+        self.rewind = None
         for r in reasons[n_before:]:
             where = (
                 f" at {r.user_stack[-1].filename.rsplit('/', 1)[-1]}:{r.user_stack[-1].lineno}" if r.user_stack else ""
@@ -363,8 +392,10 @@ class _CallWrapper:
         # A graph break inside a repeated block: Dynamo fails the whole call where plain torch.compile splits its
         # graph (HF Wav2Vec2's output-capturing hooks, a data-dependent branch in a user's layer). The blocks are
         # then inlined, the model is compiled in graphs split at its breaks, and the call runs again: the failure
-        # came while tracing, so no graph after the last break ran; the graphs before it ran once already (their
-        # only lasting effect can be a buffer update, such as BatchNorm's running statistics, counted twice).
+        # came while tracing, so no graph after the last break ran; the graphs before it ran once already, so
+        # their buffer updates (BatchNorm's running statistics) and random draws (dropout) are undone first.
+        if self.rewind is not None:
+            self.rewind.restore()
         unmark_repeated_blocks(self.module)
         self.state.notes.append(
             f"compiled as whole graphs, not block by block ({', '.join(self.state.blocks)}): Dynamo cannot trace a "
@@ -405,6 +436,8 @@ class _CallWrapper:
         # raises too, or graphtrain's (Dynamo could not trace it, or a pass built a graph eager's code does not
         # compute): the same call, run eagerly, tells them apart. Its error, if any, is the one to show, and the
         # module stays compiled for the next call; if it runs, the module falls back.
+        if self.rewind is not None:
+            self.rewind.restore()
         try:
             out = self.eager(*args, **kwargs)
         except Exception as user_error:  # noqa: BLE001

@@ -162,7 +162,7 @@ class CompiledStep:
             graph = trace_step(flat_update, [fake_mode.from_tensor(x) for x in flat], fake_mode)
             ops = sum(n.op == "call_function" for n in graph.graph.nodes)
             how = (
-                "compiled block by block"
+                "compiled block by block where Dynamo can trace a block whole"
                 if self.by_blocks
                 else f"compiled with engine.recompute={self.engine.recompute}"
             )
