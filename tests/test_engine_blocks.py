@@ -458,7 +458,7 @@ def test_flat_call_spec_round_trips():
 
 
 def test_dynamo_source_names_are_not_built_for_logs_that_are_off():
-    """frontend/accelerate.py _source_names_only_when_logged: Dynamo tokenizes no source file for its debug-log names."""
+    """config/torch_compat.py source_names_only_when_logged: Dynamo tokenizes no source file for its debug-log names."""
     import importlib
     import logging
 

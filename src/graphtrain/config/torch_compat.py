@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import inspect
+import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -226,3 +228,38 @@ def torchrun_shutdown_timeout_flag() -> str | None:
 
     known = get_args_parser()._option_string_actions
     return "--shutdown-timeout" if "--shutdown-timeout" in known else None
+
+
+def source_names_only_when_logged() -> None:
+    """Dynamo names the function of every source line it records a graph node from, for its ``trace_call`` and
+    ``trace_source`` debug logs, and builds that name whether the logs are on or not: the first line it sees in a
+    file has the whole file tokenized (``torch._dynamo.funcname_cache``). Measured with torch 2.13 on a warm first
+    step of a 24-layer Hugging Face GPT-2 (2-core Zen 4): 0.65 s of its 2.7 s trace, 0.30 s of it for
+    torch/nn/functional.py alone. The name reaches nothing but those two logs, so while both are off it is left
+    out (the log line reads ``file:line in function`` without the qualified name); with either on, Dynamo's own
+    lookup runs. Process-wide and idempotent, as models/hf_calls.py ``trace_through_log_once``."""
+    try:
+        sc = importlib.import_module("torch._dynamo.symbolic_convert")
+        og = importlib.import_module("torch._dynamo.output_graph")
+    except ImportError:
+        return
+    original = getattr(sc, "get_funcname", None)
+    if original is None or getattr(original, "_graphtrain_lazy", False):
+        return
+    loggers = [
+        lg
+        for lg in (
+            getattr(sc, "trace_call_log", None),
+            getattr(sc, "trace_source_log", None),
+            getattr(og, "trace_call_log", None),
+        )
+        if lg is not None
+    ]
+
+    def get_funcname(filename: str, lineno: int) -> str | None:
+        if any(lg.isEnabledFor(logging.DEBUG) for lg in loggers):
+            return original(filename, lineno)
+        return None
+
+    get_funcname._graphtrain_lazy = True  # type: ignore[attr-defined]
+    sc.get_funcname = get_funcname

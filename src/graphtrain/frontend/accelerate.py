@@ -18,7 +18,8 @@ from torch import nn
 
 from graphtrain.config.fallback import GraphtrainCaptureError, report_fallback
 from graphtrain.config.sections import Config, EngineConfig, resolve_engine_config
-from graphtrain.config.torch_compat import isolated_compile_options, user_dispatch_mode
+from graphtrain.config.torch_compat import isolated_compile_options, source_names_only_when_logged, user_dispatch_mode
+from graphtrain.frontend.rewind import Rewind
 from graphtrain.kernels._common import KernelFallbackError
 from graphtrain.memory import prefault
 from graphtrain.models.hf_calls import call_adapter, trace_through_log_once
@@ -132,7 +133,7 @@ def compile_in_place(
     # fusion: the logits crossed into a graph of their own with an [N, V] gradient, and recompute auto's peak on
     # HF GPT-2 (4 layers, vocabulary 50257, batch 16 x 256) was above no recompute's (2623 against 2378 MiB).
     trace_through_log_once()
-    _source_names_only_when_logged()
+    source_names_only_when_logged()
     options = {
         "backend": make_backend(cfg, state),
         "dynamic": cfg.dynamic,
@@ -177,44 +178,6 @@ def _call_module(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     return module._call_impl(*args, **kwargs)
 
 
-def _source_names_only_when_logged() -> None:
-    """Dynamo names the function of every source line it records a graph node from, for its ``trace_call`` and
-    ``trace_source`` debug logs, and builds that name whether the logs are on or not: the first line it sees in a
-    file has the whole file tokenized (``torch._dynamo.funcname_cache``). Measured with torch 2.13 on a warm first
-    step of a 24-layer Hugging Face GPT-2 (2-core Zen 4): 0.65 s of its 2.7 s trace, 0.30 s of it for
-    torch/nn/functional.py alone. The name reaches nothing but those two logs, so while both are off it is left
-    out (the log line reads ``file:line in function`` without the qualified name); with either on, Dynamo's own
-    lookup runs. Process-wide and idempotent, as models/hf_calls.py ``trace_through_log_once``."""
-    import importlib
-    import logging
-
-    try:
-        sc = importlib.import_module("torch._dynamo.symbolic_convert")
-        og = importlib.import_module("torch._dynamo.output_graph")
-    except ImportError:
-        return
-    original = getattr(sc, "get_funcname", None)
-    if original is None or getattr(original, "_graphtrain_lazy", False):
-        return
-    loggers = [
-        lg
-        for lg in (
-            getattr(sc, "trace_call_log", None),
-            getattr(sc, "trace_source_log", None),
-            getattr(og, "trace_call_log", None),
-        )
-        if lg is not None
-    ]
-
-    def get_funcname(filename: str, lineno: int) -> str | None:
-        if any(lg.isEnabledFor(logging.DEBUG) for lg in loggers):
-            return original(filename, lineno)
-        return None
-
-    get_funcname._graphtrain_lazy = True  # type: ignore[attr-defined]
-    sc.get_funcname = get_funcname
-
-
 def _why_no_graph(module: torch.nn.Module) -> str:
     """What in `module` Dynamo is known to skip, for the report of a call that compiled nothing ("" if nothing)."""
     rnns = [
@@ -239,30 +202,6 @@ def _graph_break_reasons() -> list[Any]:
     return graph_break_reasons
 
 
-class _Rewind:
-    """A module's buffers and the random streams as they were before a call, to run the call again from there:
-    BatchNorm's running statistics and step count, dropout's draws. Parameters are left alone (a forward does not
-    change them). Costs a copy of the buffers, taken on the first call only."""
-
-    def __init__(self, module: nn.Module) -> None:
-        self.module = module
-        self.buffers = [(n, b, b.detach().clone()) for n, b in module.named_buffers()]
-        self.rng = torch.get_rng_state()
-        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-
-    def restore(self) -> None:
-        with torch.no_grad():
-            for name, buf, saved in self.buffers:
-                owner_name, _, attr = name.rpartition(".")
-                owner = self.module.get_submodule(owner_name)
-                if owner._buffers.get(attr) is not buf:  # a forward that assigned a new tensor to the buffer
-                    owner._buffers[attr] = buf
-                buf.copy_(saved)
-        torch.set_rng_state(self.rng)
-        if self.cuda_rng is not None:
-            torch.cuda.set_rng_state_all(self.cuda_rng)
-
-
 class _CallWrapper:
     """Runs the compiled call; records breaks and first-step time; falls back to eager if capture fails."""
 
@@ -271,7 +210,7 @@ class _CallWrapper:
         self.adapter = call_adapter(module, state.config)  # a Hugging Face model's call adjustments, or None
         self.recompile_limit_hit = False
         self.prefault: Any = None  # memory/prefault.py's Session while the first step is recorded
-        self.rewind: _Rewind | None = None  # the module's state before the call in flight, on its first call
+        self.rewind: Rewind | None = None  # the module's state before the call in flight, on its first call
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         state = self.state
@@ -297,7 +236,7 @@ class _CallWrapper:
         n_before = len(reasons)
         # The first call is where a capture fails, and the calls that retry it (blocks inlined, or eager) run it
         # again from the start: its graphs before the failure already ran once. They go back to where they began.
-        self.rewind = _Rewind(self.module) if state.calls == 0 else None
+        self.rewind = Rewind(self.module) if state.calls == 0 else None
         t0 = time.perf_counter()
         try:
             out = self._run_compiled(args, kwargs)
