@@ -411,6 +411,39 @@ print(len(rep.graphs), counters["inductor"]["fxgraph_cache_hit"], counters["indu
     assert len(list((tmp_path / "cache" / "compile" / "providers").glob("*.json"))) == graphs
 
 
+_LOWERED_RUN = """
+import os, threading, torch, graphtrain
+import graphtrain.runtime.workers as workers
+from graphtrain.config.sections import ModelConfig
+from graphtrain.models import build_model
+torch.manual_seed(0)
+m = graphtrain.accelerate(build_model(ModelConfig(name="gpt2-tiny", dropout=0.0)), fallback="error")
+x = torch.randint(0, 512, (2, 32))
+for _ in range(2):  # the second call starts the background compile
+    m(x, x).backward()
+(proc,) = workers._CHILDREN
+setup = [t for t in threading.enumerate() if t.name == "graphtrain-inductor-setup"]
+print(os.getpriority(os.PRIO_PROCESS, 0), os.getpriority(os.PRIO_PROCESS, proc.pid),
+      [os.getpriority(os.PRIO_PROCESS, t.native_id) for t in setup if t.is_alive()])
+"""
+
+
+def test_the_background_compile_runs_at_the_priority_asked_for_from_its_start(tmp_path):
+    """GRAPHTRAIN_BACKGROUND_NICE lowers the background compile from its start (the training process renices it as
+    it spawns it, before its interpreter imports torch) and the training process's Inductor setup thread with it;
+    the training process itself keeps its priority. A real child process, its priority read from the kernel."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "GRAPHTRAIN_CACHE": str(tmp_path / "cache"), "GRAPHTRAIN_BACKGROUND_NICE": "7"}
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    run = subprocess.run([sys.executable, "-c", _LOWERED_RUN], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    own, child, setup = run.stdout.strip().splitlines()[-1].split(" ", 2)
+    assert int(child) == min(19, int(own) + 7), run.stdout
+    assert all(n == min(19, int(own) + 7) for n in eval(setup)), run.stdout  # (the thread may have finished)
+
+
 def test_pieces_of_a_ddp_bucket_split_are_not_timed_on_aten():
     """Under Dynamo's DDPOptimizer (which marks the tracing context while it compiles a DDP model's buckets) provider
     auto keeps Inductor alone: the aten provider's pieces have no backward torch can compile there (the 2-rank run

@@ -4,11 +4,20 @@
 shapes, its input kinds, the engine config and the pass-cache key the training process computed), compile the
 graph with Inductor into graphtrain's pass cache and Inductor's own caches, then write ``<i>.status``: ``done``,
 or the error's type name and message on two lines. The training process keeps training on aten meanwhile and
-loads the result from the caches when this process exited. It runs at the training's own CPU priority unless
-GRAPHTRAIN_BACKGROUND_NICE says otherwise: at nice 10 on the 2-core Zen 5, a training step that kept both cores
-busy starved it, and the default 400-step job (2 min 20 s) ended before its first graph switched; at nice 0 the
-same job switched to Inductor (its last 100 steps at 250-313 ms against 306-343 ms on aten) and took 2 min 30 s:
-at 400 small steps the compile about pays for itself; longer jobs gain.
+loads the result from the caches when this process exited. It runs at the training process's CPU priority unless
+``GRAPHTRAIN_BACKGROUND_NICE`` gives a nice increment; the training process then lowers it from the child's start
+(before its interpreter imports torch) and lowers its own Inductor setup thread the same (workers.py,
+``prefetch_inductor_setup``). Measured on a 2-core AMX Xeon (HF GPT-2, BERT and Llama mini, bf16, a plain
+``accelerate`` loop, cold cache, 2026-11-30):
+- at the steps' priority (the default), the steps beside the compile took 0.35-3.0 s against eager + autocast's
+  0.21-0.27 s, for the 30 s the compile took, then ran at Inductor's speed (0.14 s for GPT-2);
+- at +19, steps 2 to 60 took 0.14-0.47 s (medians 0.15-0.17 s; eager + autocast's 0.21-0.26 s). But a loop that
+  keeps both cores busy leaves the compile almost no CPU: after 300 steps (55 s) GPT-2 still ran on aten
+  (0.17 s a step against Inductor's 0.14 s).
+So +19 suits short runs and runs that must never step slower than eager; the default suits long runs, whose total
+time the early switch shortens. The trainer waits for the compile after its first step (``train.compile_wait``),
+where the priority does not matter. At +10 on the 2-core Zen 5, a 400-step job that trained beside the compile ended
+before its first graph switched.
 
 Each graph's compile has a time limit (``engine.background_timeout``): one that outlives it gets the status
 ``timeout``, its graph stays on aten in the training process, and a mark in the cache (``providers/<key>.
@@ -36,6 +45,8 @@ import signal
 import sys
 import time
 from pathlib import Path
+
+from graphtrain.runtime.priority import lower_priority
 
 # Imports inside functions: order: the child process renices itself and arms its parent-death signal before torch and
 # the engine load, and `graphtrain cache list/stop` read its folders without loading them.
@@ -111,10 +122,7 @@ def main(argv: list[str]) -> int:
     _prctl(15, NAME)  # PR_SET_NAME
     if not detach:
         die_with_parent(parent)
-    try:
-        os.nice(int(os.environ.get("GRAPHTRAIN_BACKGROUND_NICE", "0")))
-    except OSError:
-        pass
+    lower_priority(os.getpid(), parent)  # (the parent did it already as it started this process, unless it raced)
     import graphtrain.kernels  # noqa: F401 - graphtrain's custom ops, which the graphs call
     from graphtrain.pipeline.cache import cache_root, configure_cache
     from graphtrain.runtime.tiered import mark_inductor_timeout

@@ -13,18 +13,22 @@ import weakref
 from typing import Any
 
 from graphtrain.config.torch_compat import inductor_cache_key_functions
+from graphtrain.runtime.priority import background_nice, lower_priority
 
 _PREFETCHED = False
 
 
 def prefetch_inductor_setup() -> None:
-    """Start, in background threads, the once-per-process work of the first Inductor compile or cache load, so that
+    """Start, in a background thread, the once-per-process work of the first Inductor compile or cache load, so that
     it overlaps the steps aten runs before the switch: the hashes of torch's and Triton's sources that key Inductor's
-    caches (torch's own ``prefetchable_cache.prefetch``) and the CPU vector-ISA probe (a compile and a child Python
-    that loads it). Measured on the 4-layer HF Llama warm start (2-core AVX2 EPYC), the switching step went from
-    3.1-3.7 s to 2.4-2.6 s; the first step did not change beyond noise. Imports happen here, in the calling thread:
-    a thread that imports while the user's program forks (DataLoader workers) could leave the child the import
-    lock."""
+    caches (the key functions torch wraps in ``prefetchable_cache``) and the CPU vector-ISA probe (a compile and a
+    child Python that loads it). Measured on the 4-layer HF Llama warm start (2-core AVX2 EPYC), the switching step
+    went from 3.1-3.7 s to 2.4-2.6 s; the first step did not change beyond noise. The thread runs at the background
+    compile's priority (runtime/background.py, ``GRAPHTRAIN_BACKGROUND_NICE``), and so do the compiler and Python it
+    starts (they inherit a thread's nice value on Linux): with the compile alone lowered to +19, these still slowed
+    the steps beside them 2-5x on a 2-core AMX Xeon (HF GPT-2 bf16: steps 2 to 13 at 0.6-1.5 s, then 0.17 s).
+    Imports happen here, in the calling thread: a thread that imports while the user's program forks (DataLoader
+    workers) could leave the child the import lock."""
     global _PREFETCHED
     if _PREFETCHED:
         return
@@ -34,18 +38,24 @@ def prefetch_inductor_setup() -> None:
     from torch._inductor import cpu_vec_isa
     from torch._inductor.runtime import triton_compat  # noqa: F401 - imported here, not in the thread (above)
 
-    for key in inductor_cache_key_functions():
-        prefetch = getattr(key, "prefetch", None)  # torch.utils._functools.prefetchable_cache, where this torch has it
-        if prefetch is not None:
-            prefetch()
+    # where this torch caches them (torch.utils._functools.prefetchable_cache): in torch's own threads, or in the
+    # lowered thread below when the background compile runs lowered (torch's threads run at the steps' priority)
+    keys = [key for key in inductor_cache_key_functions() if hasattr(key, "prefetch")]
+    if not background_nice():
+        for key in keys:
+            key.prefetch()  # type: ignore[attr-defined]
+        keys = []
 
     def probe() -> None:
+        lower_priority(threading.get_native_id(), os.getpid())
         try:
+            for key in keys:
+                key()
             cpu_vec_isa.pick_vec_isa()
         except Exception:  # noqa: BLE001 - only a head start: Inductor runs (and reports) the probe itself
             pass
 
-    thread = threading.Thread(target=probe, name="graphtrain-vec-isa-probe", daemon=True)
+    thread = threading.Thread(target=probe, name="graphtrain-inductor-setup", daemon=True)
     thread.start()
     import atexit
 
@@ -138,6 +148,9 @@ class _Worker:
                 start_new_session=finish,
                 **_own_group(finish),
             )
+        # At once, before its interpreter imports torch (seconds of CPU), if GRAPHTRAIN_BACKGROUND_NICE asks for a lower
+        # priority (runtime/background.py)
+        lower_priority(self.proc.pid, os.getpid())
         self.proc.graphtrain_folder = self.folder
         self.proc.graphtrain_finish = finish
         _CHILDREN.append(self.proc)
