@@ -9,8 +9,8 @@ loads the result from the caches when this process exited. It runs at the traini
 (before its interpreter imports torch) and lowers its own Inductor setup thread the same (workers.py,
 ``prefetch_inductor_setup``). Measured on a 2-core AMX Xeon (HF GPT-2, BERT and Llama mini, bf16, a plain
 ``accelerate`` loop, cold cache, 2026-11-30):
-- at the steps' priority (the default), the steps beside the compile took 0.35-3.0 s against eager + autocast's
-  0.21-0.27 s, for the 30 s the compile took, then ran at Inductor's speed (0.14 s for GPT-2);
+- at the steps' priority (the default), GPT-2's steps beside the compile took 0.36-3.05 s against eager +
+  autocast's 0.25-0.29 s, for the 30 s the compile took, then ran at Inductor's speed (0.14 s);
 - at +19, steps 2 to 60 took 0.14-0.47 s (medians 0.15-0.17 s; eager + autocast's 0.21-0.26 s). But a loop that
   keeps both cores busy leaves the compile almost no CPU: after 300 steps (55 s) GPT-2 still ran on aten
   (0.17 s a step against Inductor's 0.14 s).
