@@ -432,6 +432,7 @@ def test_the_background_compile_runs_at_the_priority_asked_for_from_its_start(tm
     """GRAPHTRAIN_BACKGROUND_NICE lowers the background compile from its start (the training process renices it as
     it spawns it, before its interpreter imports torch) and the training process's Inductor setup thread with it;
     the training process itself keeps its priority. A real child process, its priority read from the kernel."""
+    import ast
     import subprocess
     import sys
 
@@ -440,8 +441,9 @@ def test_the_background_compile_runs_at_the_priority_asked_for_from_its_start(tm
     run = subprocess.run([sys.executable, "-c", _LOWERED_RUN], env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     own, child, setup = run.stdout.strip().splitlines()[-1].split(" ", 2)
+    assert int(own) == os.getpriority(os.PRIO_PROCESS, 0), run.stdout  # the training process: as started
     assert int(child) == min(19, int(own) + 7), run.stdout
-    assert all(n == min(19, int(own) + 7) for n in eval(setup)), run.stdout  # (the thread may have finished)
+    assert all(n == min(19, int(own) + 7) for n in ast.literal_eval(setup)), run.stdout  # (it may have finished)
 
 
 def test_pieces_of_a_ddp_bucket_split_are_not_timed_on_aten():
