@@ -228,6 +228,7 @@ def test_alone_runs_one_variant_process_at_a_time(monkeypatch, tmp_path):
     assert seen == [suites.get_suite("tiny").max_workers, 1] and seen[0] > 1
 
 
+@pytest.mark.slow  # 37 s on the 2-core AMX Xeon; the harness's pieces have their own default tests above and below
 def test_tiny_suite_end_to_end(tmp_path):
     pytest.importorskip("graphtrain.models")
     docs = tmp_path / "benchmarks.md"

@@ -428,6 +428,7 @@ print(os.getpriority(os.PRIO_PROCESS, 0), os.getpriority(os.PRIO_PROCESS, proc.p
 """
 
 
+@pytest.mark.slow  # 16 s: a real background compile for an opt-in setting (the default changes nothing)
 def test_the_background_compile_runs_at_the_priority_asked_for_from_its_start(tmp_path):
     """GRAPHTRAIN_BACKGROUND_NICE lowers the background compile from its start (the training process renices it as
     it spawns it, before its interpreter imports torch) and the training process's Inductor setup thread with it;

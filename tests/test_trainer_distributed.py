@@ -94,6 +94,7 @@ def _assert_same_run(single: list[dict], dist: list[dict]) -> None:
         assert dval[step] == pytest.approx(val[step], rel=1e-4), f"val loss at step {step}"
 
 
+@pytest.mark.slow  # 18 s; the same launch with the engine (next test) stays in the default suite
 def test_nproc_2_data_parallel_matches_single_process(tmp_path, cache, single):
     _, ref = single("train.threads=1")
     proc, dist = _train(tmp_path, cache, "dp2", "parallel.dp=2", "--nproc", "2")
@@ -167,6 +168,7 @@ def test_nproc_2_tensor_or_pipeline_parallel_with_the_engine_matches_single_eage
     _assert_same_run(ref, dist)
 
 
+@pytest.mark.slow  # 19 s; pp=2 through the engine (the layouts test above) stays in the default suite
 def test_nproc_2_pipeline_parallel_matches_single_process(tmp_path, cache):
     """pp=2 with 4 micro-batches (1F1B) and 2 accumulation steps through the Trainer: losses logged on rank 0, evaluation through the
     pipeline between training steps (the schedule switches eval <-> train), a sharded DCP checkpoint resumed
