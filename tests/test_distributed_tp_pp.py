@@ -146,7 +146,8 @@ def _dp_composed_worker(layout: dict, name: str, n: int, accum: int, engine: dic
 @pytest.mark.parametrize(
     "layout,name,accum",
     [
-        ({"dp": 2, "tp": 2}, "gpt2-tiny", 2),
+        # slow-marked: through_the_engine[layout0] below runs this layout, model and accumulation in the default suite
+        pytest.param({"dp": 2, "tp": 2}, "gpt2-tiny", 2, marks=pytest.mark.slow),
         pytest.param({"dp": 2, "tp": 2}, "bert-tiny", 1, marks=pytest.mark.slow),  # 4 ranks on 2 cores: ~20 s each
         ({"dp": 2, "pp": 2, "microbatches": 2}, "gpt2-tiny", 2),
         pytest.param(
@@ -200,7 +201,10 @@ def test_dp_composed_with_tp_or_pp_through_the_engine(layout):
         assert (out["graphs"], out["fallbacks"], out["recompiles"]) == (1, 0, out["inference_graphs"]), out
 
 
-@pytest.mark.parametrize("engine", [None, ENGINE], ids=["eager", "engine"])
+# eagerly: slow-marked, the engine case runs the same 4 ranks and layout in the default suite
+@pytest.mark.parametrize(
+    "engine", [pytest.param(None, marks=pytest.mark.slow, id="eager"), pytest.param(ENGINE, id="engine")]
+)
 def test_tp_x_pp_matches_single_process(engine):
     """tp=2 x pp=2 on 4 ranks: each pipeline stage is tensor-parallel (the first stage's vocab-parallel
     embedding, the last stage's column-parallel head copy and vocab-parallel loss, the tied gradients summed
@@ -279,7 +283,10 @@ def _hf_worker(engine: dict | None) -> dict:
     return out
 
 
-@pytest.mark.parametrize("engine", [None, ENGINE], ids=["eager", "engine"])
+# eagerly: slow-marked, the engine case checks the same plan against the same single process in the default suite
+@pytest.mark.parametrize(
+    "engine", [pytest.param(None, marks=pytest.mark.slow, id="eager"), pytest.param(ENGINE, id="engine")]
+)
 def test_tensor_parallel_plan_on_hugging_face_bert(engine):
     """Hugging Face BertForMaskedLM built from config gets the same Megatron plan (query/key/value and the
     intermediate dense column-parallel, the two output denses row-parallel, vocab-parallel word embedding, tied
@@ -501,8 +508,11 @@ def _hf_lm_worker(kind: str, engine: dict | None, ckpt: str | None) -> dict:
 
 @pytest.mark.parametrize(
     "kind,engine",
-    [("gpt2", None), ("llama", None), ("llama", ENGINE)],
-    ids=["gpt2-eager", "llama-eager", "llama-engine"],
+    [  # Llama eagerly: slow-marked, llama-engine checks the same plan and checkpoint in the default suite
+        pytest.param("gpt2", None, id="gpt2-eager"),
+        pytest.param("llama", None, marks=pytest.mark.slow, id="llama-eager"),
+        pytest.param("llama", ENGINE, id="llama-engine"),
+    ],
 )
 def test_tensor_parallel_plans_on_hugging_face_gpt2_and_llama(kind, engine, tmp_path):
     """model.hf GPT-2 (Conv1D layout: c_attn split into column-parallel q/k/v along dim 1) and Llama (GQA, SwiGLU)

@@ -80,8 +80,15 @@ def test_only_generation_calls_run_eagerly():
         assert adapter.eager_call({"input_ids": uncached["input_ids"]}) is None  # an evaluation call
 
 
-@pytest.mark.parametrize("use_cache", [True, False], ids=["cache", "no-cache"])
-@pytest.mark.parametrize("family", ["gpt2", "llama-gqa"])
+@pytest.mark.parametrize(
+    "family,use_cache",
+    [  # each family and each cache setting once in the default suite; the other two pairs slow-marked
+        pytest.param("gpt2", True, marks=pytest.mark.slow, id="gpt2-cache"),
+        pytest.param("gpt2", False, id="gpt2-no-cache"),
+        pytest.param("llama-gqa", True, id="llama-gqa-cache"),
+        pytest.param("llama-gqa", False, marks=pytest.mark.slow, id="llama-gqa-no-cache"),
+    ],
+)
 def test_generate_between_training_steps_runs_eagerly_and_training_stays_compiled(family, use_cache, recwarn):
     """Hugging Face's generate between steps (sampling text during training): its prefill and decoding calls carry
     a key/value cache and run eagerly. Before, each decoding step compiled a graph (a new cache length each), until
