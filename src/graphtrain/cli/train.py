@@ -355,6 +355,11 @@ def _report(trainer, s: dict) -> None:
         f"{_num(s['tokens_per_s'], ',.0f')} tok/s, {_num(s['ms_per_step'], '.0f')} ms/step, "
         f"peak mem {_mb(s['peak_mem_bytes'])}"
     )
+    if s.get("data_peak_mem_bytes"):
+        print(
+            f"data preparation (tokenizer trained, corpus tokenized; cached for later runs): peak mem "
+            f"{_mb(s['data_peak_mem_bytes'])}, before the first step and not counted above"
+        )
     print(f"checkpoint: {s['checkpoint']}\nmetrics: {Path(s['out_dir']) / 'metrics.jsonl'}")
     if hasattr(trainer.model, "_graphtrain"):
         from graphtrain.tools.report import report

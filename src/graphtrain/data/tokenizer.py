@@ -346,6 +346,13 @@ def load_or_build(cfg: DataConfig) -> TokenizedCorpus:
     _atomic_write(folder / "train.npy", lambda f: np.save(f, train_ids))
     _atomic_write(folder / "val.npy", lambda f: np.save(f, val_ids))
     _atomic_write(meta_path, lambda f: f.write(json.dumps(stats, indent=1).encode()))
+    # the token ids as a warm start maps them, from the files just written (the arrays above die with this call):
+    # pages of the page cache, read as the batches need them, not a copy of every id on the heap for the whole run
     return TokenizedCorpus(
-        tokenizer=tokenizer, train=train_ids, val=val_ids, cache_dir=folder, from_cache=False, stats=stats
+        tokenizer=tokenizer,
+        train=np.load(folder / "train.npy", mmap_mode="r"),
+        val=np.load(folder / "val.npy", mmap_mode="r"),
+        cache_dir=folder,
+        from_cache=False,
+        stats=stats,
     )

@@ -113,7 +113,7 @@ def trim() -> None:
             mod.block_cache_drain()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except OSError:
+    except (OSError, AttributeError):  # no glibc, or a libc without malloc_trim
         pass
 
 

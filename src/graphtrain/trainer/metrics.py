@@ -21,11 +21,17 @@ from typing import Any
 
 import torch
 
+from graphtrain.memory.process import rss_bytes
+
 
 def peak_memory_bytes(device: torch.device) -> int | None:
-    """CUDA: the allocator's peak since start; CPU: the process's peak resident set size."""
+    """CUDA: the allocator's peak since start; CPU: the process's peak resident set size (Linux: ``VmHWM``, which
+    the trainer restarts after a cold data preparation, runtime.data_preparation_peak; elsewhere ru_maxrss)."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
+    hwm = rss_bytes("VmHWM")
+    if hwm is not None:
+        return hwm
     try:
         import resource
     except ImportError:  # Windows

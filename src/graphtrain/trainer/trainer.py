@@ -144,6 +144,7 @@ class Trainer:
 
             family = model.family if model is not None else resolve_spec(config.model).family
             self.data = data if data is not None else runtime.load_data(config, family, self.env)
+            self.data_peak_bytes = runtime.data_preparation_peak(self.device, self.data)
             if config.train.batch_size == "auto":
                 config, line = runtime.auto_batch_size(config, model, self.data.vocab_size, self.device)
                 self.config = config
@@ -327,6 +328,7 @@ class Trainer:
             "first_step_ms": first_ms,
             "compile_wait_s": self.compile_wait_s,
             "peak_mem_bytes": peak_memory_bytes(self.device),
+            "data_peak_mem_bytes": self.data_peak_bytes,
             "tokens_per_step": tokens_per_step,
             "checkpoint": str(saved or latest_checkpoint(self.out_dir) or ""),
             "out_dir": str(self.out_dir),
