@@ -385,10 +385,58 @@ def shape_probe(m: int, k: int, n: int, b_transposed: bool, budget_s: float = 0.
     return dict(r, speedup=speedup, wins=speedup >= WIN_MARGIN)
 
 
+ROW_BLOCK = 256
+"""Rows per block where a low-precision GEMM runs faster in blocks of rows (`row_blocks_win`)."""
+
+ROW_BLOCKS_MARGIN = 1.15
+"""The blocks must beat the whole GEMM by this factor: a near tie keeps one call."""
+
+
+def row_blocks_win(a: Tensor, b: Tensor, out: Tensor) -> bool:
+    """Whether out = a @ b (bf16/fp16, CPU, `out` contiguous) runs faster as GEMMs of ROW_BLOCK rows of `a` than as
+    one, measured once per machine and shape on these operands and cached with the other probes.
+
+    Why: oneDNN's choice of blocking for a long inner dimension depends on the row count, and some counts land on
+    a slow one. The LM head's d hidden (d logits [rows, vocab] @ weight [vocab, d]) in bf16 on the 2-core AMX Xeon:
+    1024 x 16384 x 512 took 20.5 ms whole and 13.1 ms in blocks of 256 rows, 1024 x 32000 x 512 47.0 against 26.2,
+    but 2048 x 16384 x 512 21.9 against 29.0 and 2048 x 8192 x 256 5.0 against 7.4. So it is measured, not assumed.
+    The probe writes `out` (each variant computes the same product); the caller computes it again after."""
+    m, k, n = a.shape[0], a.shape[1], b.shape[1]
+    name = f"gemm_row_blocks_v1 {m}x{k}x{n} {str(a.dtype).removeprefix('torch.')}"
+    key = (capability.machine_key(), name)
+    if key not in _ROW_BLOCKS:
+        r = capability.cached_probe(name, lambda: _measure_row_blocks(a, b, out))
+        _ROW_BLOCKS[key] = r["blocks_s"] > 0 and r["whole_s"] >= ROW_BLOCKS_MARGIN * r["blocks_s"]
+    return _ROW_BLOCKS[key]
+
+
+def mm_row_blocks(a: Tensor, b: Tensor, out: Tensor) -> None:
+    """out = a @ b as GEMMs of ROW_BLOCK rows (each block's rows are its own GEMM's: `out` is written, not read)."""
+    for r in range(0, a.shape[0], ROW_BLOCK):
+        torch.mm(a[r : r + ROW_BLOCK], b, out=out[r : r + ROW_BLOCK])
+
+
+def _measure_row_blocks(a: Tensor, b: Tensor, out: Tensor) -> dict:
+    """Seconds of the whole GEMM and of its row blocks: a warm-up of each, then PROBE_ROUNDS alternating timed calls,
+    best of each."""
+    whole = functools.partial(torch.mm, a, b, out=out)
+    blocks = functools.partial(mm_row_blocks, a, b, out)
+    with torch.no_grad():
+        best = [_once(whole), _once(blocks)]
+        for _ in range(PROBE_ROUNDS):
+            for i, fn in enumerate((whole, blocks)):
+                best[i] = min(best[i], _once(fn))
+    return {"whole_s": best[0], "blocks_s": best[1]}
+
+
+_ROW_BLOCKS: dict[tuple[str, str], bool] = {}
+
+
 @capability.on_change
 def _forget() -> None:
     onednn_fp32.cache_clear()
     _PROBES.clear()
+    _ROW_BLOCKS.clear()
 
 
 SPEC = register_kernel_spec(
