@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import warnings
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import graphtrain
+from graphtrain.config.fallback import GraphtrainFallbackWarning
 from graphtrain.testing import assert_close, assert_grads_close
 
 HAS_HF = importlib.util.find_spec("transformers") is not None
@@ -200,6 +202,48 @@ def test_the_call_a_block_break_retries_updates_buffers_and_draws_dropout_once()
     assert int(m.norm.num_batches_tracked) == int(ref.norm.num_batches_tracked) == 2
     assert_close(m.norm.running_mean, ref.norm.running_mean, name="running mean", bitwise=True)
     assert_close(m.norm.running_var, ref.norm.running_var, name="running var", bitwise=True)
+
+
+class BrokenStem(nn.Module):
+    """A BatchNorm and a dropout before a graph break; after it, an input whose shape changes from call to call."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.emb, self.norm, self.drop, self.head = (
+            nn.Embedding(50, d),
+            nn.BatchNorm1d(d),
+            nn.Dropout(0.5),
+            nn.Linear(d, 50),
+        )
+
+    def forward(self, idx: torch.Tensor, extra: torch.Tensor) -> torch.Tensor:
+        x = self.drop(self.norm(self.emb(idx).flatten(0, 1)))
+        torch._dynamo.graph_break()
+        return F.cross_entropy(self.head(x), idx.flatten()) + 0.0 * extra.sum()
+
+
+def test_a_later_call_whose_capture_fails_after_a_graph_ran_updates_buffers_and_draws_dropout_once():
+    """A later call with a new input shape captures again: here the resume function after the break, refused past
+    Dynamo's recompile limit once the graph before the break had run. The eager re-run then counted the batch twice
+    in the BatchNorm and drew the dropout mask twice, when only the first call went back to where it began."""
+    torch.manual_seed(0)
+    ref = BrokenStem().train()
+    m = graphtrain.accelerate(copy.deepcopy(ref), provider="aten", passes=ENGINE_ONLY)
+    idx = torch.randint(0, 50, (4, 8), generator=torch.Generator().manual_seed(1))
+    with torch._dynamo.config.patch(recompile_limit=1), warnings.catch_warnings():
+        warnings.simplefilter("ignore", GraphtrainFallbackWarning)  # the limit's report, checked below
+        for step, n in enumerate([3, 5, 7]):
+            losses = []
+            for mod in (ref, m):
+                torch.manual_seed(step)
+                losses.append(mod(idx, torch.ones(n)))
+                losses[-1].backward()
+            assert_close(losses[1], losses[0], name=f"loss (step {step})", bitwise=True)
+    assert any("recompile limit" in what for what, _ in graphtrain.report(m).fallbacks)
+    assert int(m.norm.num_batches_tracked) == int(ref.norm.num_batches_tracked) == 3
+    assert_close(m.norm.running_mean, ref.norm.running_mean, name="running mean", bitwise=True)
+    assert_close(m.norm.running_var, ref.norm.running_var, name="running var", bitwise=True)
+    assert_grads_close(m, ref, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.skipif(not HAS_HF, reason="transformers not installed")

@@ -19,7 +19,7 @@ from torch import nn
 from graphtrain.config.fallback import GraphtrainCaptureError, report_fallback
 from graphtrain.config.sections import Config, EngineConfig, resolve_engine_config
 from graphtrain.config.torch_compat import isolated_compile_options, source_names_only_when_logged, user_dispatch_mode
-from graphtrain.frontend.rewind import Rewind
+from graphtrain.frontend.rewind import Rewind, Signatures
 from graphtrain.kernels._common import KernelFallbackError
 from graphtrain.memory import prefault
 from graphtrain.models.hf_calls import call_adapter, trace_through_log_once
@@ -210,7 +210,8 @@ class _CallWrapper:
         self.adapter = call_adapter(module, state.config)  # a Hugging Face model's call adjustments, or None
         self.recompile_limit_hit = False
         self.prefault: Any = None  # memory/prefault.py's Session while the first step is recorded
-        self.rewind: Rewind | None = None  # the module's state before the call in flight, on its first call
+        self.rewind: Rewind | None = None  # the module's state before the call in flight, where it may capture
+        self.signatures = Signatures()  # the input signatures of the calls that ran compiled
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         state = self.state
@@ -234,12 +235,15 @@ class _CallWrapper:
             self._begin_prefault(args, kwargs)
         reasons = _graph_break_reasons()
         n_before = len(reasons)
-        # The first call is where a capture fails, and the calls that retry it (blocks inlined, or eager) run it
-        # again from the start: its graphs before the failure already ran once. They go back to where they began.
-        self.rewind = Rewind(self.module) if state.calls == 0 else None
+        # A call that captures something (the first, or one with new inputs) is where a capture fails, and the
+        # calls that retry it (blocks inlined, or eager) run it again from the start: its graphs before the failure
+        # already ran once. They go back to where they began.
+        sig = Signatures.of(self.module, args, kwargs)
+        self.rewind = Rewind(self.module) if state.calls == 0 or self.signatures.new(sig) else None
         t0 = time.perf_counter()
         try:
             out = self._run_compiled(args, kwargs)
+            self.signatures.add(sig)
         except Exception as e:  # noqa: BLE001
             out = self._capture_failed(e, args, kwargs)
         self.rewind = None
