@@ -416,6 +416,22 @@ def mm_row_blocks(a: Tensor, b: Tensor, out: Tensor) -> None:
         torch.mm(a[r : r + ROW_BLOCK], b, out=out[r : r + ROW_BLOCK])
 
 
+def mm_low_rows(a: Tensor, b: Tensor, out: Tensor) -> None:
+    """out = a @ b (`out` written, not read); bf16/fp16 CPU operands whole or in row blocks, whichever
+    `row_blocks_win` measured faster for their shape here; other operands through `mm_into`."""
+    if (
+        a.device.type == "cpu"
+        and a.dtype in (torch.bfloat16, torch.float16)
+        and b.dtype == a.dtype == out.dtype
+        and out.is_contiguous()
+        and a.shape[0] > ROW_BLOCK
+        and row_blocks_win(a, b, out)
+    ):
+        mm_row_blocks(a, b, out)
+    else:
+        mm_into(a, b, out, accumulate=False)
+
+
 def _measure_row_blocks(a: Tensor, b: Tensor, out: Tensor) -> dict:
     """Seconds of the whole GEMM and of its row blocks: a warm-up of each, then PROBE_ROUNDS alternating timed calls,
     best of each."""

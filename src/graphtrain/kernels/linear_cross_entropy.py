@@ -33,15 +33,7 @@ from graphtrain.kernels._common import dense_empty, dispatch
 from graphtrain.kernels._cpu_ext import CE_INPLACE
 from graphtrain.kernels.contract import Layout
 from graphtrain.kernels.cross_entropy import REDUCTIONS, _supports_triton, ce_bwd_triton, ce_fwd_triton
-from graphtrain.kernels.gemm import (
-    ROW_BLOCK,
-    gemm_probe_ran,
-    matmul,
-    mm_into,
-    mm_row_blocks,
-    onednn_gemm_wins,
-    row_blocks_win,
-)
+from graphtrain.kernels.gemm import gemm_probe_ran, matmul, mm_into, mm_low_rows, onednn_gemm_wins
 from graphtrain.kernels.registry import (
     COMPUTE_BOUND,
     FORWARD,
@@ -216,7 +208,8 @@ def _chunk_loop(
             x.scatter_add_(1, tt, -torch.ones_like(lse[:, None]))
             dlogits = x.mul_((torch.where(v, 1.0, 0.0) / denom)[:, None]).to(hidden.dtype)
         total += losses.sum()
-        _d_hidden(dlogits, weight, dh[s : s + chunk])
+        # d hidden: a GEMM whose inner dimension is the vocabulary, faster in row blocks at some shapes (bf16, CPU)
+        mm_low_rows(dlogits, weight, dh[s : s + chunk])
         if dw is None:  # single: the one chunk's product is d weight
             dw = matmul(dlogits.t(), h)
         else:
@@ -229,22 +222,6 @@ def _chunk_loop(
         dw = torch.zeros(weight.shape, dtype=weight.dtype, device=weight.device)
     out = ((total / denom).to(_loss_dtype(hidden)), dh, dw.to(weight.dtype).contiguous())
     return out if db is None else out + (db.to(bias.dtype),)
-
-
-def _d_hidden(dlogits: Tensor, weight: Tensor, out: Tensor) -> None:
-    """out = dlogits @ weight, a chunk's d hidden: a GEMM whose inner dimension is the vocabulary. In bf16/fp16 on CPU
-    some of its shapes run much faster in blocks of rows (gemm.row_blocks_win, probed per machine and shape)."""
-    if (
-        dlogits.device.type == "cpu"
-        and dlogits.dtype in (torch.bfloat16, torch.float16)
-        and weight.dtype == dlogits.dtype == out.dtype
-        and out.is_contiguous()
-        and dlogits.shape[0] > ROW_BLOCK
-        and row_blocks_win(dlogits, weight, out)
-    ):
-        mm_row_blocks(dlogits, weight, out)
-    else:
-        mm_into(dlogits, weight, out, accumulate=False)
 
 
 def _chunk_losses(hidden, weight, target, ignore_index, chunk, bias, impl) -> Tensor:
