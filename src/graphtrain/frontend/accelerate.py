@@ -239,7 +239,7 @@ class _CallWrapper:
         # calls that retry it (blocks inlined, or eager) run it again from the start: its graphs before the failure
         # already ran once. They go back to where they began.
         sig = Signatures.of(self.module, args, kwargs)
-        self.rewind = Rewind(self.module) if state.calls == 0 or self.signatures.new(sig) else None
+        self.rewind = Rewind(self.module) if self.signatures.new(sig) else None  # (the first call's is new)
         t0 = time.perf_counter()
         try:
             out = self._run_compiled(args, kwargs)
