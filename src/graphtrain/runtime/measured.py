@@ -7,14 +7,26 @@ forward+backward calls (fewer once ``BUDGET_S`` is spent). The faster one runs t
 ``TIE_MARGIN``: it fuses, and its own cache makes it cheap to load again); the times go to the report. The timing
 runs on copies of the inputs (parameters never receive these gradients) and under a forked RNG (the training run's
 random stream is untouched); a graph with symbolic sizes is timed at the sizes of that call.
+
+Timing between steps (``Tiered.preload``) has no call's inputs at hand, only what the first call left
+(``InputSpec``), and the values matter, not only the shapes. Measured on the 2-core AMX Xeon (HF BERT small, bf16,
+b8 s128), with the standard-normal weights and zero labels this timing used before: the sparse LM head's backward
+ran every row (labels 0 where the batch has -100 on 85% of them: 75-80 ms a call against 38-39 ms on the real
+inputs, both providers), and the encoder block's Inductor code 40.5 ms against 28.5 ms (aten 35 ms either way),
+so provider auto kept aten for the blocks and the whole step ran at 266 ms instead of 240 ms. So an InputSpec
+keeps what it takes to time on inputs like the call's: a parameter's own values (a weak reference; copied when
+timed), a small input the graph does not differentiate (ids, labels, masks: a copy), and the mean and spread of
+any other float input (an activation: random values of that scale).
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -43,47 +55,81 @@ class Candidate:
     passes: list[Any]  # the PassRecords its compile added to the state (a loser's leave the report)
 
 
+VALUES_MAX_BYTES = 1 << 22
+"""An input the graph does not differentiate (ids, labels, an attention mask) up to this size is kept by value for
+the timing between steps: a sparse head's cost depends on which labels are ignored, a mask's on its -inf."""
+
+
 @dataclass(frozen=True)
 class InputSpec:
     """A call's tensor input without its memory: its shape, layout and kind (`meta`, on the meta device) and its
-    device. Timing on it makes a tensor of random values (``real_input``); a graph's compiled code runs the same kernels
-    whatever the values."""
+    device. Timing on it makes a new tensor (``real_input``) as like the call's as the spec can say: `param`'s
+    values (a weak reference to a leaf the graph differentiates: a parameter), else `values` (a copy of a small
+    input the graph does not differentiate), else random values of `scale` (mean, standard deviation: the call's
+    float input's), else standard-normal floats and zero indices. A graph's compiled code runs the same kernels
+    whatever the values, but not always at the same speed (the module's docstring)."""
 
     meta: torch.Tensor
     device: torch.device
+    param: Any = None  # weakref.ref to the call's tensor, or None
+    values: torch.Tensor | None = None
+    scale: tuple[float, float] | None = None
+
+
+def _spec(a: torch.Tensor) -> InputSpec:
+    meta = torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta").requires_grad_(a.requires_grad)
+    if a.requires_grad and a.is_leaf:
+        return InputSpec(meta, a.device, param=weakref.ref(a))
+    if not a.requires_grad and a.numel() * a.element_size() <= VALUES_MAX_BYTES:
+        return InputSpec(meta, a.device, values=a.detach().clone())
+    scale = None
+    if a.dtype.is_floating_point and a.numel() > 1:
+        std, mean = (float(v) for v in torch.std_mean(a.detach().float()))
+        scale = (mean, std) if math.isfinite(mean) and math.isfinite(std) else None
+    return InputSpec(meta, a.device, scale=scale)
 
 
 def input_specs(args: Sequence[Any]) -> list[Any]:
     """`args` with each tensor replaced by its ``InputSpec`` (other arguments, such as sizes, kept): what a graph's
-    call leaves to be timed on later, holding no memory of the call's."""
-    out: list[Any] = []
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            meta = torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta")
-            out.append(InputSpec(meta.requires_grad_(a.requires_grad), a.device))
-        else:
-            out.append(a)
+    call leaves to be timed on later, holding none of the call's activations (the small inputs it does not
+    differentiate are copied; parameters are referenced weakly)."""
+    return [_spec(a) if isinstance(a, torch.Tensor) else a for a in args]
+
+
+def _from_spec(spec: InputSpec) -> torch.Tensor:
+    x, device = spec.meta, spec.device
+    src = spec.param() if spec.param is not None else None
+    if src is not None and src.shape == x.shape and src.dtype == x.dtype:
+        return src.detach().clone()
+    if spec.values is not None:
+        return spec.values.clone()
+    if not x.dtype.is_floating_point:  # indices (embeddings, labels): 0 is valid everywhere
+        return torch.zeros(x.shape, dtype=x.dtype, device=device)
+    out = torch.randn(x.shape, dtype=x.dtype, device=device)
+    if spec.scale is not None:
+        mean, std = spec.scale
+        out.mul_(std).add_(mean)
     return out
 
 
 def real_input(x: Any) -> Any:
-    """A real tensor like `x` (a real input; a fake one of a piece between blocks, or an ``InputSpec``: random
-    values) that owns its memory, laid out as `x` (its strides)."""
-    device = None
+    """A real tensor like `x` (a real input: a copy; an ``InputSpec``: ``_from_spec``; a fake one of a piece between
+    blocks: random values) that owns its memory, laid out as `x` (its strides)."""
     if isinstance(x, InputSpec):
-        x, device = x.meta, x.device
-    if not isinstance(x, torch.Tensor):
+        out = _from_spec(x)
+        x = x.meta
+    elif not isinstance(x, torch.Tensor):
         return x
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    if isinstance(x, FakeTensor) or x.is_meta:
-        device = device or x.device
-        if x.dtype.is_floating_point:
-            out = torch.randn(x.shape, dtype=x.dtype, device=device)
-        else:  # indices (embeddings, labels): 0 is valid everywhere
-            out = torch.zeros(x.shape, dtype=x.dtype, device=device)
     else:
-        out = x.detach().clone()
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        if isinstance(x, FakeTensor) or x.is_meta:
+            if x.dtype.is_floating_point:
+                out = torch.randn(x.shape, dtype=x.dtype, device=x.device)
+            else:  # indices (embeddings, labels): 0 is valid everywhere
+                out = torch.zeros(x.shape, dtype=x.dtype, device=x.device)
+        else:
+            out = x.detach().clone()
     if out.stride() != x.stride():  # in `x`'s layout, which a compiled graph asserts (an expanded mask: stride 0)
         out = laid_out_as(out, x)
     return out.requires_grad_(x.requires_grad) if out.dtype.is_floating_point else out
