@@ -83,11 +83,17 @@ def test_input_specs_time_on_values_like_the_calls_and_hold_no_activation():
     labels[2] = 7
     mask = torch.zeros(1, 1, 8, 8).masked_fill(torch.ones(8, 8, dtype=torch.bool).triu(1), float("-inf"))
     big_ids = torch.zeros(VALUES_MAX_BYTES // 8 + 1, dtype=torch.int64)  # over the size kept by value
-    specs = input_specs([weight, hidden, labels, mask, big_ids])
+    # an expanded mask: logically over that size, 64 KiB in memory; kept in its own layout
+    wide = torch.zeros(8, 1, 64, 64).masked_fill(torch.ones(64, 64, dtype=torch.bool).triu(1), float("-inf"))
+    wide = wide.expand(8, 512, 64, 64)
+    specs = input_specs([weight, hidden, labels, mask, big_ids, wide])
     assert all(isinstance(s, InputSpec) for s in specs)
     assert specs[1].values is None and specs[1].param is None and specs[4].values is None
+    assert specs[5].values is not None and specs[5].values.stride() == wide.stride()
+    assert specs[5].values.untyped_storage().nbytes() < 2 * 8 * 64 * 64 * 4  # not materialised
 
-    w, h, y, m, b = (real_input(s) for s in specs)
+    w, h, y, m, b, e = (real_input(s) for s in specs)
+    assert torch.equal(e, wide) and e.stride() == wide.stride()
     assert torch.equal(w, weight) and w.data_ptr() != weight.data_ptr() and w.requires_grad
     assert torch.equal(y, labels) and torch.equal(m, mask) and y.data_ptr() != labels.data_ptr()
     assert h.requires_grad and abs(h.mean().item() - 1.5) < 0.6 and 2.0 < h.std().item() < 4.0
@@ -95,7 +101,7 @@ def test_input_specs_time_on_values_like_the_calls_and_hold_no_activation():
     assert b.shape == big_ids.shape and not b.any()
 
     hidden_ref = __import__("weakref").ref(hidden)
-    del hidden, w, h
+    del hidden, w, h, e
     gc.collect()
     assert hidden_ref() is None, "a spec kept the call's activation alive"
     del weight

@@ -56,8 +56,9 @@ class Candidate:
 
 
 VALUES_MAX_BYTES = 1 << 22
-"""An input the graph does not differentiate (ids, labels, an attention mask) up to this size is kept by value for
-the timing between steps: a sparse head's cost depends on which labels are ignored, a mask's on its -inf."""
+"""An input the graph does not differentiate (ids, labels, an attention mask) whose memory is up to this size is kept
+by value for the timing between steps: a sparse head's cost depends on which labels are ignored, a mask's on its
+-inf."""
 
 
 @dataclass(frozen=True)
@@ -76,12 +77,26 @@ class InputSpec:
     scale: tuple[float, float] | None = None
 
 
+def _footprint(a: torch.Tensor) -> int:
+    """The bytes a tensor's elements span in memory (an expanded dimension adds none)."""
+    if a.numel() == 0:
+        return 0
+    return (1 + sum((n - 1) * abs(st) for n, st in zip(a.shape, a.stride()))) * a.element_size()
+
+
+def _copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of `t`; an expanded one (a [B, 1, S, S] mask seen as [B, H, S, S]) in its own layout, in the memory
+    it spans rather than its logical size."""
+    expanded = any(st == 0 and n > 1 for n, st in zip(t.shape, t.stride()))
+    return laid_out_as(t, t) if expanded else t.clone()
+
+
 def _spec(a: torch.Tensor) -> InputSpec:
     meta = torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta").requires_grad_(a.requires_grad)
     if a.requires_grad and a.is_leaf:
         return InputSpec(meta, a.device, param=weakref.ref(a))
-    if not a.requires_grad and a.numel() * a.element_size() <= VALUES_MAX_BYTES:
-        return InputSpec(meta, a.device, values=a.detach().clone())
+    if not a.requires_grad and _footprint(a) <= VALUES_MAX_BYTES:
+        return InputSpec(meta, a.device, values=_copy(a.detach()))
     scale = None
     if a.dtype.is_floating_point and a.numel() > 1:
         std, mean = (float(v) for v in torch.std_mean(a.detach().float()))
@@ -102,7 +117,7 @@ def _from_spec(spec: InputSpec) -> torch.Tensor:
     if src is not None and src.shape == x.shape and src.dtype == x.dtype:
         return src.detach().clone()
     if spec.values is not None:
-        return spec.values.clone()
+        return _copy(spec.values)
     if not x.dtype.is_floating_point:  # indices (embeddings, labels): 0 is valid everywhere
         return torch.zeros(x.shape, dtype=x.dtype, device=device)
     out = torch.randn(x.shape, dtype=x.dtype, device=device)
