@@ -74,6 +74,7 @@ def test_input_specs_time_on_values_like_the_calls_and_hold_no_activation():
     instead of 240. A spec now gives a parameter's own values, a small undifferentiated input's values (labels with
     their -100s, a mask's -inf) and random values of an activation's mean and spread; it holds no activation."""
     import gc
+    import weakref
 
     from graphtrain.runtime.measured import VALUES_MAX_BYTES, InputSpec, input_specs, real_input
 
@@ -100,7 +101,7 @@ def test_input_specs_time_on_values_like_the_calls_and_hold_no_activation():
     assert not torch.equal(h, hidden)
     assert b.shape == big_ids.shape and not b.any()
 
-    hidden_ref = __import__("weakref").ref(hidden)
+    hidden_ref = weakref.ref(hidden)
     del hidden, w, h, e
     gc.collect()
     assert hidden_ref() is None, "a spec kept the call's activation alive"

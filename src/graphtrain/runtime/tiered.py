@@ -142,9 +142,10 @@ class Tiered:
     def preload(self) -> None:
         """Switch now, between steps, once the background compile finished: load Inductor's code from the caches
         and time both providers on inputs like the first call's (measured.InputSpec: its parameters, labels,
-        masks), so that the graph's next call runs the winner at full speed. The trainer does this while it waits for the compile
-        (workers.preload_background): compile work, kept out of the step times. A graph not called yet only loads;
-        it times both at its first call. A failed load is reported as at the switch, aten keeping the graph."""
+        masks), so that the graph's next call runs the winner at full speed. The trainer does this while it waits
+        for the compile (workers.preload_background): compile work, kept out of the step times. A graph not called
+        yet only loads; it times both at its first call. A failed load is reported as at the switch, aten keeping
+        the graph."""
         if self.chosen is not None or self.status is None:
             return
         if self.first is not None:
