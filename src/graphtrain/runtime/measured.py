@@ -130,21 +130,16 @@ def _from_spec(spec: InputSpec) -> torch.Tensor:
 def real_input(x: Any) -> Any:
     """A real tensor like `x` (a real input: a copy; an ``InputSpec``: ``_from_spec``; a fake one of a piece between
     blocks: random values) that owns its memory, laid out as `x` (its strides)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
     if isinstance(x, InputSpec):
-        out = _from_spec(x)
-        x = x.meta
+        out, x = _from_spec(x), x.meta
     elif not isinstance(x, torch.Tensor):
         return x
+    elif isinstance(x, FakeTensor) or x.is_meta:  # only its shape: standard-normal floats, zero indices
+        out = _from_spec(InputSpec(x, x.device))
     else:
-        from torch._subclasses.fake_tensor import FakeTensor
-
-        if isinstance(x, FakeTensor) or x.is_meta:
-            if x.dtype.is_floating_point:
-                out = torch.randn(x.shape, dtype=x.dtype, device=x.device)
-            else:  # indices (embeddings, labels): 0 is valid everywhere
-                out = torch.zeros(x.shape, dtype=x.dtype, device=x.device)
-        else:
-            out = x.detach().clone()
+        out = x.detach().clone()
     if out.stride() != x.stride():  # in `x`'s layout, which a compiled graph asserts (an expanded mask: stride 0)
         out = laid_out_as(out, x)
     return out.requires_grad_(x.requires_grad) if out.dtype.is_floating_point else out
