@@ -227,6 +227,10 @@ def test_avx2_build_of_the_cpp_kernels_matches_the_references():
         torch.nn.functional.cross_entropy(he @ we.t(), t).backward()
         assert_close(hc.grad, he.grad, name="d hidden")
         assert_close(wc.grad, we.grad, name="d weight")
+        src = torch.randn(70, 45).bfloat16().t()  # the transpose, ATen's generic (scalar) tiles below AVX-512
+        dst = torch.empty(45, 70, dtype=torch.bfloat16)
+        mod.transpose_bf16(src, dst)
+        assert torch.equal(dst, src.contiguous())
     assert not _common.runtime_fallbacks()
 
 

@@ -336,42 +336,28 @@ def test_linear_cross_entropy_vs_eager(chunk):
     )
 
 
-@pytest.mark.parametrize("row_blocks", [False, True], ids=["whole", "row-blocks"])
-def test_bf16_linear_cross_entropy_d_hidden_in_row_blocks_or_whole_matches_eager(row_blocks):
-    """bf16 on CPU, d hidden (d logits @ weight, the vocabulary its inner dimension) runs whole or in row blocks as
-    the per-machine probe decided (gemm.row_blocks_win): both choices, forced, against eager's fp32 math. The probe
-    itself is measured once per shape and machine, then read."""
+@pytest.mark.parametrize("plan", ["whole", "blocks", "threads", "transpose"])
+def test_bf16_linear_cross_entropy_head_gemms_by_each_plan_match_eager(plan, monkeypatch):
+    """bf16 on CPU, d hidden (d logits @ weight, the vocabulary its inner dimension) and d weight (d logits read
+    transposed) run by the plan the per-machine probe decided for their shapes (gemm.low_plan): each plan, forced,
+    against eager's fp32 math. A plan that cannot run here (threads or transpose without the C++ kernels) is
+    measured as unavailable by the probe and never chosen; forced, it falls back to aten."""
     import importlib
-
-    from graphtrain.kernels import capability
 
     gemm_mod = importlib.import_module("graphtrain.kernels.gemm")
     g = torch.Generator().manual_seed(0)
     h = torch.randn(gemm_mod.ROW_BLOCK * 2 + 37, 64, generator=g).bfloat16()
     w = (torch.randn(1000, 64, generator=g) * 0.1).bfloat16()
     t = torch.randint(0, 1000, (h.shape[0],), generator=g)
-    out = torch.empty(h.shape[0], 64, dtype=torch.bfloat16)
-    logits = torch.randn(h.shape[0], 1000, generator=g).bfloat16()
-    first = gemm_mod.row_blocks_win(logits, w, out)
-    name = f"gemm_row_blocks_v1 {h.shape[0]}x1000x64 bfloat16"
-    assert capability.cached_probe(name, lambda: pytest.fail("measured twice"))["cached"]
-    assert gemm_mod.row_blocks_win(logits, w, out) == first
-    gemm_mod.mm_row_blocks(logits, w, out)
-    assert_close(out.float(), logits.float() @ w.float(), atol=5e-2, rtol=2e-2)
-    key = (capability.machine_key(), name)
-    decided = gemm_mod._ROW_BLOCKS[key]
-    try:
-        gemm_mod._ROW_BLOCKS[key] = row_blocks
-        check_vs_eager(
-            lambda h, w: linear_cross_entropy(h, w, t, chunk_rows=h.shape[0]),
-            lambda h, w: F.cross_entropy(h.float() @ w.float().t(), t),
-            h,
-            w,
-            atol=3e-2,
-            rtol=3e-2,
-        )
-    finally:
-        gemm_mod._ROW_BLOCKS[key] = decided
+    monkeypatch.setattr(gemm_mod, "low_plan", lambda a, b: plan if plan != "transpose" or a.stride(0) == 1 else "whole")
+    check_vs_eager(
+        lambda h, w: linear_cross_entropy(h, w, t, chunk_rows=h.shape[0]),
+        lambda h, w: F.cross_entropy(h.float() @ w.float().t(), t),
+        h,
+        w,
+        atol=3e-2,
+        rtol=3e-2,
+    )
 
 
 @pytest.mark.parametrize("gemm", ["default", "aten"])

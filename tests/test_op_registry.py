@@ -164,6 +164,7 @@ def _facts_of_the_kernels_ops():
     assert {n for n, d in OPS.items() if d.workspace_bytes is not no_workspace} == {
         "attention",
         "attention_backward",
+        "gemm",  # the bf16 "transpose" plan's row-major copy of its first operand
         *lce,
     }
     from graphtrain.memory.seeded import seeded_variants

@@ -44,8 +44,8 @@ EVERY_PASS = {
         "lower_gelu_tanh",
         "lower_gemm_onednn",
     ],
-    "forward": CLEANUPS,
-    "backward": CLEANUPS,
+    "forward": CLEANUPS[:-1] + ["lower_gemm_plans", CLEANUPS[-1]],
+    "backward": CLEANUPS[:-1] + ["lower_gemm_plans", CLEANUPS[-1]],
 }
 DEFAULT_PRE_AUTODIFF = {
     "aten": [n for n in EVERY_PASS["pre_autodiff"] if not n.startswith("lower_")],
@@ -83,8 +83,8 @@ def test_every_pass_runs_in_the_pinned_order(stage):
 def test_default_pipelines_per_provider(provider):
     assert names("pre_autodiff", provider=provider) == DEFAULT_PRE_AUTODIFF[provider]
     assert names("dynamo", provider=provider) == DYNAMO  # every provider gets the Dynamo graph's rewrites
-    for stage in ("forward", "backward"):
-        assert names(stage, provider=provider) == CLEANUPS
+    for stage in ("forward", "backward"):  # the bf16 GEMM plans under Inductor (and auto, until it resolves)
+        assert names(stage, provider=provider) == (CLEANUPS if provider == "aten" else EVERY_PASS[stage])
 
 
 def test_switching_passes_off_keeps_the_others_order():

@@ -98,7 +98,7 @@ def summarize(run: dict[str, Any]) -> list[dict[str, Any]]:
                         if key == "vs_best":
                             row["best_baseline"] = ref_name
                 ab = VARIANTS[name].ablates if name in VARIANTS else None
-                base = recs.get("graphtrain-fp32", {})
+                base = recs.get(f"graphtrain-{prec}", {})  # the same precision with every lever on
                 if ab and base.get("status") == "ok" and base.get("step_s"):
                     # < 1: graphtrain is that much slower without the lever
                     row["ablates"] = ab
@@ -425,29 +425,39 @@ def gemm_floor_lines(
 
 
 def ablation_table(rows: list[dict[str, Any]], case: str) -> list[str]:
-    """Where the speed comes from: graphtrain fp32 with one lever switched off at a time (empty without ablations)."""
-    abl = [r for r in rows if r["case"] == case and r.get("ablates")]
-    base = next((r for r in rows if r["case"] == case and r["variant"] == "graphtrain-fp32" and "median_s" in r), None)
-    if not abl or base is None:
-        return []
-    lines = [
-        "Ablation (graphtrain fp32, one lever off at a time; speed relative to graphtrain with every lever on, "
-        "< 1 = slower without it):",
-        "",
-        "| lever switched off | variant | ms/step | vs graphtrain (all on) | vs eager fp32 | vs best baseline | "
-        "peak MiB |",
-        "|---|---|---|---|---|---|---|",
-        f"| (none) | graphtrain-fp32 | {base['median_s'] * 1e3:.1f} | 1.00x | {_ratio(base, 'vs_eager')} | "
-        f"{_ratio(base, 'vs_best')} | {_f(base.get('peak_mem_mib'), '.0f')} |",
-    ]
-    for r in abl:
-        if "median_s" not in r:
-            continue
-        lines.append(
-            f"| {r['ablates']} | {r['variant']} | {r['median_s'] * 1e3:.1f} | {_ratio(r, 'vs_graphtrain')} | "
-            f"{_ratio(r, 'vs_eager')} | {_ratio(r, 'vs_best')} | {_f(r.get('peak_mem_mib'), '.0f')} |"
+    """Where the speed comes from: graphtrain with one lever switched off at a time, against graphtrain in the same
+    precision with every lever on (empty without ablations)."""
+    lines: list[str] = []
+    for prec in ("fp32", "bf16"):
+        abl = [r for r in rows if r["case"] == case and r.get("ablates") and _precision(r["variant"]) == prec]
+        base = next(
+            (r for r in rows if r["case"] == case and r["variant"] == f"graphtrain-{prec}" and "median_s" in r), None
         )
-    return lines + [""]
+        if not abl or base is None:
+            continue
+        lines += [
+            f"Ablation (graphtrain {prec}, one lever off at a time; speed relative to graphtrain with every lever on, "
+            "< 1 = slower without it):",
+            "",
+            "| lever switched off | variant | ms/step | vs graphtrain (all on) | vs eager fp32 | vs best baseline | "
+            "peak MiB |",
+            "|---|---|---|---|---|---|---|",
+            f"| (none) | graphtrain-{prec} | {base['median_s'] * 1e3:.1f} | 1.00x | {_ratio(base, 'vs_eager')} | "
+            f"{_ratio(base, 'vs_best')} | {_f(base.get('peak_mem_mib'), '.0f')} |",
+        ]
+        for r in abl:
+            if "median_s" not in r:
+                continue
+            lines.append(
+                f"| {r['ablates']} | {r['variant']} | {r['median_s'] * 1e3:.1f} | {_ratio(r, 'vs_graphtrain')} | "
+                f"{_ratio(r, 'vs_eager')} | {_ratio(r, 'vs_best')} | {_f(r.get('peak_mem_mib'), '.0f')} |"
+            )
+        lines.append("")
+    return lines
+
+
+def _precision(variant: str) -> str:
+    return VARIANTS[variant].precision if variant in VARIANTS else "fp32"
 
 
 def _stem(run: dict[str, Any]) -> str:

@@ -120,6 +120,14 @@ VARIANTS: dict[str, Variant] = {
             for name, what, kw in _LEVERS
         ),
         Variant(
+            "graphtrain-bf16-no-gemm-plans",
+            "graphtrain",
+            "bf16",
+            'graphtrain.accelerate(model, precision="bf16") without the bf16 GEMM plans of its blocks',
+            passes_off=("lower_gemm_plans",),
+            ablates="bf16 GEMM plans (lower_gemm_plans; the LM head's op keeps its own)",
+        ),
+        Variant(
             "graphtrain-step-fp32",
             "graphtrain-step",
             "fp32",

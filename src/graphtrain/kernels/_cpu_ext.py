@@ -131,6 +131,34 @@ ONEDNN_MATMUL = register_contract(
     )
 )
 
+ONEDNN_MATMUL_ROWS = register_contract(
+    Contract(
+        "onednn_matmul_rows",
+        ("a", "b", "out"),
+        rules=(
+            Rule("a.dim() == 2 && b.dim() == 2 && out.dim() == 2", "a, b and out must be 2-D"),
+            *ONEDNN_MATMUL.rules[1:],
+        ),
+    )
+)
+
+TRANSPOSE_BF16 = register_contract(
+    Contract(
+        "transpose_bf16",
+        ("src", "dst"),
+        rules=(
+            Rule(
+                "src.dim() == 2 && same_shape(src, dst) && dst.is_contiguous()", "dst must be contiguous, shaped as src"
+            ),
+            Rule("bf16(src) && bf16(dst) && cpu(src) && cpu(dst)", "src and dst must be bf16 CPU tensors"),
+            Rule(
+                "(src.size(0) < 2 || src.stride(0) == 1) && (src.size(1) < 2 || src.stride(1) >= src.size(0))",
+                "src must be a transposed view (stride(0) 1, stride(1) at least size(0))",
+            ),
+        ),
+    )
+)
+
 CSRC = Path(__file__).with_name("csrc")
 """The hand-written C++ (shipped with the package): one .cpp per kernel family, headers they share."""
 
@@ -191,6 +219,8 @@ _DECLS = [
     "attn_heads_fwd",
     "attn_heads_bwd",
     "onednn_matmul",
+    "onednn_matmul_rows",
+    "transpose_bf16",
     "ce_fwd_bwd_inplace",
     "ce_fwd_bwd_rows",
     "block_allocator",
@@ -216,9 +246,11 @@ _ISA_FLAGS: dict[str, list[str]] = {
         "-mavx512dq",
         "-mavx512cd",
         "-mprefer-vector-width=512",
+        "-DCPU_CAPABILITY_AVX512",
+        "-DCPU_CAPABILITY=AVX512",
     ],
-    "avx2": ["-mavx2", "-mfma", "-mf16c", "-mbmi", "-mbmi2"],
-    "baseline": [],
+    "avx2": ["-mavx2", "-mfma", "-mf16c", "-mbmi", "-mbmi2", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"],
+    "baseline": ["-DCPU_CAPABILITY=DEFAULT"],
 }
 
 # No floating-point traps: we never read FP exception flags, and with -ftrapping-math (gcc's default) gcc keeps a

@@ -102,6 +102,7 @@ _HELPERS_PY = {
     "floating": lambda t: t.dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64),
     "same_dtype": lambda a, b: a.dtype == b.dtype,
     "same_shape": lambda a, b: a.shape == b.shape,
+    "bf16": lambda t: t.dtype == torch.bfloat16,
     "int64": lambda t: t.dtype == torch.int64,
     "cpu": lambda t: t.device == "cpu",
 }

@@ -1,4 +1,4 @@
-"""graphtrain::gemm: a @ b (+ bias) on 2-D tensors, with the CPU provider's own fp32 GEMM.
+"""graphtrain::gemm: a @ b (+ bias) on 2-D tensors, with the CPU provider's own fp32 GEMM and bf16 GEMM plans.
 
 Why this op exists: for fp32 on CPU, ``aten.mm`` calls MKL's sgemm. On AMD CPUs MKL runs its AVX2
 code path, whatever the CPU supports; on this machine (2-core AMD EPYC, Zen 5, AVX-512) that is
@@ -20,24 +20,29 @@ for fp32. It reads contiguous and transposed operands in place (no copies for th
 product dY^T @ X), writes into a given output (chunked callers fill slices of one buffer) and can
 accumulate into it (beta = 1: addmm's bias, and += without a temporary).
 
-Other dtypes and devices use aten.mm/addmm: bf16/fp16 CPU matmuls already go through oneDNN there,
-and CUDA uses cuBLAS. CPUs where oneDNN's fp32 matmul does not run (it needs AVX-512 BW/VL/DQ or
-AVX-NE-CONVERT: an AVX2-only EPYC raises) or does not win use aten as well: `onednn_fp32()` checks
-the capability and makes a trial call before the probe times anything, and a oneDNN call that still
-fails at run time falls back to aten (`_common.guarded`).
+bf16 on CPU: aten's matmul already goes through oneDNN, but oneDNN's own choice of blocking and threads is slow at
+some shapes (a long inner dimension on 2 threads, a transposed first operand). There graphtrain::gemm runs the GEMM
+by a plan measured per machine and shape (`low_plan`: whole, in row blocks, one single-threaded oneDNN call per
+thread, or the first operand copied row-major first), and the pass ``lower_gemm_plans`` routes only the GEMMs whose
+plan is not the whole call to it. Other dtypes and devices use aten.mm/addmm, and CUDA uses cuBLAS. CPUs where
+oneDNN's matmul does not run (it needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT: an AVX2-only EPYC raises) or does not win
+use aten as well: `onednn_fp32()` checks the capability and makes a trial call before the probe times anything, and
+a oneDNN call that still fails at run time falls back to aten (`_common.guarded`).
 """
 
 from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Callable
 
 import torch
+import torch.fx as fx
 from torch import Tensor
 
 from graphtrain.kernels import _cpu_ext, capability
 from graphtrain.kernels._common import guarded
-from graphtrain.kernels._cpu_ext import ONEDNN_MATMUL
+from graphtrain.kernels._cpu_ext import ONEDNN_MATMUL, ONEDNN_MATMUL_ROWS, TRANSPOSE_BF16
 from graphtrain.kernels.contract import Layout
 from graphtrain.kernels.registry import (
     FOLLOW,
@@ -45,7 +50,7 @@ from graphtrain.kernels.registry import (
     NEVER,
     KernelSpec,
     OpDescriptor,
-    no_workspace,
+    input_value,
     register_kernel_spec,
 )
 
@@ -181,6 +186,41 @@ def mm_into(a: Tensor, b: Tensor, out: Tensor, accumulate: bool) -> None:
         aten()
 
 
+def _takes_low(a: Tensor, b: Tensor, bias: Tensor | None) -> bool:
+    """Whether a low-precision GEMM has a plan to choose (`low_plan`): 2-D bf16/fp16 CPU operands of one dtype and
+    more than 32 rows, a bias (if any) of that dtype broadcastable to the output."""
+    return (
+        a.dim() == b.dim() == 2
+        and a.device.type == b.device.type == "cpu"
+        and a.dtype in (torch.bfloat16, torch.float16)
+        and b.dtype == a.dtype
+        and a.shape[1] == b.shape[0]
+        and a.shape[0] > 32
+        and b.shape[1] > 0
+        and (bias is None or (bias.dtype == a.dtype and bias.dim() <= 2 and bias.device.type == "cpu"))
+    )
+
+
+def _gemm_low(a: Tensor, b: Tensor, bias: Tensor | None) -> Tensor:
+    """a @ b (+ bias) in bf16/fp16 by the shape's measured plan (`low_plan`); a bias is written first and the
+    product added to it by the threads plan (beta = 1), as aten's addmm adds it otherwise."""
+    plan = low_plan(a, b)
+    if plan == "whole":
+        return (torch.mm(a, b) if bias is None else torch.addmm(bias, a, b)).contiguous()
+    out = a.new_empty((a.shape[0], b.shape[1]))
+    if bias is not None and plan == "threads" and thread_rows_available(a, b, out):
+        out.copy_(bias.expand(out.shape))
+        guarded(
+            "gemm",
+            "onednn_rows",
+            lambda: mm_thread_rows(a, b, out, accumulate=True),
+            lambda: torch.addmm(bias, a, b, out=out),
+        )
+        return out
+    mm_plan(a, b, out, plan)
+    return out if bias is None else out.add_(bias)
+
+
 @torch.library.custom_op("graphtrain::gemm", mutates_args=())
 def _gemm_op(a: Tensor, b: Tensor, bias: Tensor | None) -> Tensor:
     def aten() -> Tensor:
@@ -188,6 +228,8 @@ def _gemm_op(a: Tensor, b: Tensor, bias: Tensor | None) -> Tensor:
 
     if _takes(a, b, bias):
         return guarded("gemm", "onednn", lambda: gemm_onednn(a, b, bias), aten)
+    if _takes_low(a, b, bias):
+        return _gemm_low(a, b, bias)
     return aten()
 
 
@@ -386,28 +428,63 @@ def shape_probe(m: int, k: int, n: int, b_transposed: bool, budget_s: float = 0.
 
 
 ROW_BLOCK = 256
-"""Rows per block where a low-precision GEMM runs faster in blocks of rows (`row_blocks_win`)."""
+"""Rows per block of the "blocks" plan (`low_plan`)."""
 
-ROW_BLOCKS_MARGIN = 1.15
-"""The blocks must beat the whole GEMM by this factor: a near tie keeps one call."""
+PLAN_MARGIN = 1.15
+"""A plan other than one whole GEMM must beat it by this factor: a near tie keeps one call."""
+
+LOW_PLANS = ("whole", "blocks", "threads", "transpose")
+"""How a bf16/fp16 CPU GEMM out = a @ b can run (`low_plan`): one aten call (oneDNN, every thread on the whole
+product), aten calls on blocks of ROW_BLOCK rows one after the other, one single-threaded oneDNN call per thread on
+its block of rows (C++ `onednn_matmul_rows`, bf16 only), or, where a is stored transposed (a weight gradient dY^T @ X),
+a copied row-major first (C++ `transpose_bf16`) and the product then run by its own plan."""
 
 
-def row_blocks_win(a: Tensor, b: Tensor, out: Tensor) -> bool:
-    """Whether out = a @ b (bf16/fp16, CPU, `out` contiguous) runs faster as GEMMs of ROW_BLOCK rows of `a` than as
-    one, measured once per machine and shape on these operands and cached with the other probes.
+def low_plan(a: Tensor, b: Tensor) -> str:
+    """The fastest of LOW_PLANS for out = a @ b (bf16/fp16 CPU, 2-D, `out` contiguous) on this machine, measured once
+    per machine, shape, operand layouts and dtype on random operands like these (a few to a few hundred ms) and cached
+    with the other probes; "whole" unless another plan beats it by PLAN_MARGIN.
 
-    Why: oneDNN's choice of blocking for a long inner dimension depends on the row count, and some counts land on
-    a slow one. The LM head's d hidden (d logits [rows, vocab] @ weight [vocab, d]) in bf16 on the 2-core AMX Xeon:
-    1024 x 16384 x 512 took 20.5 ms whole and 13.1 ms in blocks of 256 rows, 1024 x 32000 x 512 47.0 against 26.2,
-    but 2048 x 16384 x 512 21.9 against 29.0 and 2048 x 8192 x 256 5.0 against 7.4. So it is measured, not assumed.
-    The probe writes `out` (each variant computes the same product); the caller computes it again after."""
-    m, k, n = a.shape[0], a.shape[1], b.shape[1]
-    name = f"gemm_row_blocks_v1 {m}x{k}x{n} {str(a.dtype).removeprefix('torch.')}"
+    Why: oneDNN's choice of blocking and threads for a long inner dimension depends on the shape, and some shapes
+    land on a slow one. On the 2-core AMX Xeon (bf16), 1024 x 1408 x 512 (a Llama MLP's down projection, small size)
+    ran 1.29 ms whole on 2 threads, no faster than on 1, and 0.69 ms as one 512-row GEMM per thread; the LM head's
+    d hidden 1024 x 16384 x 512 took 20.5 ms whole, 13.1 in blocks of 256 rows and 10.1 as threads. A weight
+    gradient reads its a transposed, which oneDNN ran 1.7-2.4x slower than the same product row-major: 1408 x 1024 x
+    512 1.09 ms, against 0.15 ms to copy a row-major and 0.64 ms for the product. But 2048 x 704 x 256 and most
+    forward GEMMs ran fastest whole, and a weight gradient 5x slower as threads. So it is measured, not assumed."""
+    return plan_for(a.shape[0], a.shape[1], b.shape[1], _column_major(a), _column_major(b), a.dtype)
+
+
+def plan_for(m: int, k: int, n: int, a_transposed: bool, b_transposed: bool, dtype: torch.dtype) -> str:
+    """`low_plan` of an (m, k) @ (k, n) product by its sizes, each operand's layout (read transposed or not) and
+    dtype."""
+    name = f"gemm_low_plan_v2 {m}x{k}x{n} {'tn'[not a_transposed]}{'tn'[not b_transposed]} {str(dtype)[6:]}"
     key = (capability.machine_key(), name)
-    if key not in _ROW_BLOCKS:
-        r = capability.cached_probe(name, lambda: _measure_row_blocks(a, b, out))
-        _ROW_BLOCKS[key] = r["blocks_s"] > 0 and r["whole_s"] >= ROW_BLOCKS_MARGIN * r["blocks_s"]
-    return _ROW_BLOCKS[key]
+    if key not in _LOW_PLANS:
+        if a_transposed:  # the "transpose" plan runs the row-major product by its own plan: decided first, outside
+            plan_for(m, k, n, False, b_transposed, dtype)  # this probe (the probe cache's lock is not reentrant)
+        r = capability.cached_probe(name, lambda: _measure_low_plans(m, k, n, a_transposed, b_transposed, dtype))
+        times = {p: r.get(f"{p}_s", 0.0) for p in LOW_PLANS}
+        best = min((p for p in LOW_PLANS if times[p] > 0), key=times.__getitem__, default="whole")
+        _LOW_PLANS[key] = best if times["whole"] >= PLAN_MARGIN * times[best] else "whole"
+    return _LOW_PLANS[key]
+
+
+def thread_rows_available(a: Tensor, b: Tensor, out: Tensor) -> bool:
+    """The C++ `onednn_matmul_rows` serves out = a @ b here: bf16 CPU operands that meet its contract, oneDNN's matmul
+    usable on this CPU (`onednn_fp32`: the same ISA check guards its bf16 path) and more than one thread."""
+    return (
+        a.dtype == torch.bfloat16
+        and torch.get_num_threads() > 1
+        and ONEDNN_MATMUL_ROWS.holds(a, b, out)
+        and onednn_available()
+    )
+
+
+def mm_thread_rows(a: Tensor, b: Tensor, out: Tensor, accumulate: bool = False) -> None:
+    """out (+)= a @ b as one single-threaded oneDNN call per thread on its block of rows; the caller checked
+    `thread_rows_available`."""
+    _cpu_ext.load().onednn_matmul_rows(a, b, out, 1.0 if accumulate else 0.0)
 
 
 def mm_row_blocks(a: Tensor, b: Tensor, out: Tensor) -> None:
@@ -416,43 +493,100 @@ def mm_row_blocks(a: Tensor, b: Tensor, out: Tensor) -> None:
         torch.mm(a[r : r + ROW_BLOCK], b, out=out[r : r + ROW_BLOCK])
 
 
-def mm_low_rows(a: Tensor, b: Tensor, out: Tensor) -> None:
-    """out = a @ b (`out` written, not read); bf16/fp16 CPU operands whole or in row blocks, whichever
-    `row_blocks_win` measured faster for their shape here; other operands through `mm_into`."""
-    if (
+def transpose_available(a: Tensor) -> bool:
+    """The C++ `transpose_bf16` copies a (bf16, stored transposed) row-major here."""
+    return (
+        _column_major(a)
+        and a.dtype == torch.bfloat16
+        and TRANSPOSE_BF16.holds(a, Layout.contiguous(a.shape, a.dtype, a.device.type))
+        and _cpu_ext.load() is not None
+    )
+
+
+def row_major(a: Tensor) -> Tensor:
+    """a copied row-major by the C++ transpose; the caller checked `transpose_available`."""
+    out = torch.empty(a.shape, dtype=a.dtype)
+    _cpu_ext.load().transpose_bf16(a, out)
+    return out
+
+
+def mm_plan(a: Tensor, b: Tensor, out: Tensor, plan: str) -> None:
+    """out = a @ b (`out` written, not read) by `plan` (one of LOW_PLANS); a failing C++ call reruns through aten."""
+    if plan == "transpose":  # a already row-major (or not bf16): nothing to copy, the product's own plan
+        ac = guarded("transpose", "c++", lambda: row_major(a), a.contiguous) if transpose_available(a) else a
+        inner = low_plan(ac, b) if _low_cpu(ac, b, out) and ac.shape[0] > 32 else "whole"
+        mm_plan(ac, b, out, "whole" if inner == "transpose" else inner)
+    elif plan == "threads":
+        guarded("gemm", "onednn_rows", lambda: mm_thread_rows(a, b, out), lambda: torch.mm(a, b, out=out))
+    elif plan == "blocks":
+        mm_row_blocks(a, b, out)
+    else:
+        torch.mm(a, b, out=out)
+
+
+def _low_cpu(a: Tensor, b: Tensor, out: Tensor) -> bool:
+    return (
         a.device.type == "cpu"
         and a.dtype in (torch.bfloat16, torch.float16)
         and b.dtype == a.dtype == out.dtype
+        and a.dim() == b.dim() == out.dim() == 2
         and out.is_contiguous()
-        and a.shape[0] > ROW_BLOCK
-        and row_blocks_win(a, b, out)
-    ):
-        mm_row_blocks(a, b, out)
+    )
+
+
+def mm_low(a: Tensor, b: Tensor, out: Tensor) -> None:
+    """out = a @ b (`out` written, not read); bf16/fp16 CPU operands by their measured plan (`low_plan`), other
+    operands through `mm_into`."""
+    if _low_cpu(a, b, out) and a.shape[0] > 32:
+        mm_plan(a, b, out, low_plan(a, b))
     else:
         mm_into(a, b, out, accumulate=False)
 
 
-def _measure_row_blocks(a: Tensor, b: Tensor, out: Tensor) -> dict:
-    """Seconds of the whole GEMM and of its row blocks: a warm-up of each, then PROBE_ROUNDS alternating timed calls,
-    best of each."""
-    whole = functools.partial(torch.mm, a, b, out=out)
-    blocks = functools.partial(mm_row_blocks, a, b, out)
+def _measure_low_plans(m: int, k: int, n: int, a_t: bool, b_t: bool, dtype: torch.dtype) -> dict:
+    """Seconds of each plan that applies (blocks: over ROW_BLOCK rows; threads: `thread_rows_available`; transpose:
+    `transpose_available`) on random operands of these layouts: a warm-up of each, then PROBE_ROUNDS alternating timed
+    calls, best of each. A plan whose first timed call took over twice the whole GEMM's best leaves the rounds (threads
+    on a 16384-row weight gradient: 63 against 16 ms a call): its time stays an upper bound. 0 for a plan that does
+    not apply."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(k, m, generator=g).to(dtype).t() if a_t else torch.randn(m, k, generator=g).to(dtype)
+    b = torch.randn(n, k, generator=g).to(dtype).t() if b_t else torch.randn(k, n, generator=g).to(dtype)
+    out = torch.empty(m, n, dtype=dtype)
+    plans: dict[str, Callable[[], object]] = {"whole": functools.partial(torch.mm, a, b, out=out)}
+    if m > ROW_BLOCK:
+        plans["blocks"] = functools.partial(mm_row_blocks, a, b, out)
+    if thread_rows_available(a, b, out):
+        plans["threads"] = functools.partial(mm_thread_rows, a, b, out)
+    if transpose_available(a):
+        plans["transpose"] = functools.partial(mm_plan, a, b, out, "transpose")  # plan_for decided the product's first
     with torch.no_grad():
-        best = [_once(whole), _once(blocks)]
-        for _ in range(PROBE_ROUNDS):
-            for i, fn in enumerate((whole, blocks)):
-                best[i] = min(best[i], _once(fn))
-    return {"whole_s": best[0], "blocks_s": best[1]}
+        best = {p: _once(fn) for p, fn in plans.items()}  # the warm-ups: oneDNN creates its primitives
+        for r in range(PROBE_ROUNDS):
+            for p, fn in plans.items():
+                best[p] = min(best[p], _once(fn))
+            if r == 0:
+                plans = {p: fn for p, fn in plans.items() if p == "whole" or best[p] <= 2 * best["whole"]}
+    return {f"{p}_s": best.get(p, 0.0) for p in LOW_PLANS}
 
 
-_ROW_BLOCKS: dict[tuple[str, str], bool] = {}
+_LOW_PLANS: dict[tuple[str, str], str] = {}
+
+
+def _workspace(node: fx.Node) -> int:
+    """The "transpose" plan's row-major copy of a bf16 a stored transposed (a weight gradient's d Y^T): at most a's
+    bytes, whatever plan the shape then measures."""
+    a = input_value(node, 0)
+    if isinstance(a, Tensor) and a.dtype == torch.bfloat16 and a.device.type == "cpu" and _column_major(a):
+        return a.numel() * a.element_size()
+    return 0
 
 
 @capability.on_change
 def _forget() -> None:
     onednn_fp32.cache_clear()
     _PROBES.clear()
-    _ROW_BLOCKS.clear()
+    _LOW_PLANS.clear()
 
 
 SPEC = register_kernel_spec(
@@ -460,21 +594,21 @@ SPEC = register_kernel_spec(
         "gemm",
         gemm,
         gemm_reference,
-        {"cpu": "oneDNN fp32 GEMM (at::native::mkldnn_matmul)", "cuda": "aten (cuBLAS)"},
+        {"cpu": "oneDNN fp32 GEMM (at::native::mkldnn_matmul); bf16 by measured plan", "cuda": "aten (cuBLAS)"},
         {"cpu": lambda a, b, bias=None: _takes(a, b, bias)},
         ops=(
             # Its backward is graphtrain::gemm again. recompute=never keeps what the partitioner did before the
             # registry (gemm was not among recompute's deterministic ops, so it was always saved); compute-bound, like
-            # aten.mm, would let recompute=full re-run it inside checkpointed layers. precision=follow: the pass that
-            # inserts it (lower_gemm_onednn) runs after mixed precision, on fp32 matmuls only.
+            # aten.mm, would let recompute=full re-run it inside checkpointed layers. precision=follow: the passes that
+            # insert it run after mixed precision (lower_gemm_onednn on fp32 matmuls, lower_gemm_plans on bf16 ones).
             OpDescriptor(
                 "gemm",
                 role=FORWARD,
                 random=False,
                 recompute=NEVER,
                 precision=FOLLOW,
-                workspace_bytes=no_workspace,
-                cpp=("onednn_matmul",),
+                workspace_bytes=_workspace,
+                cpp=("onednn_matmul", "onednn_matmul_rows", "transpose_bf16"),
             ),
         ),
     )

@@ -33,7 +33,7 @@ from graphtrain.kernels._common import dense_empty, dispatch
 from graphtrain.kernels._cpu_ext import CE_INPLACE
 from graphtrain.kernels.contract import Layout
 from graphtrain.kernels.cross_entropy import REDUCTIONS, _supports_triton, ce_bwd_triton, ce_fwd_triton
-from graphtrain.kernels.gemm import gemm_probe_ran, matmul, mm_into, mm_low_rows, onednn_gemm_wins
+from graphtrain.kernels.gemm import gemm_probe_ran, matmul, mm_into, mm_low, onednn_gemm_wins
 from graphtrain.kernels.registry import (
     COMPUTE_BOUND,
     FORWARD,
@@ -208,9 +208,13 @@ def _chunk_loop(
             x.scatter_add_(1, tt, -torch.ones_like(lse[:, None]))
             dlogits = x.mul_((torch.where(v, 1.0, 0.0) / denom)[:, None]).to(hidden.dtype)
         total += losses.sum()
-        # d hidden: a GEMM whose inner dimension is the vocabulary, faster in row blocks at some shapes (bf16, CPU)
-        mm_low_rows(dlogits, weight, dh[s : s + chunk])
-        if dw is None:  # single: the one chunk's product is d weight
+        # d hidden: a GEMM whose inner dimension is the vocabulary, by its shape's measured plan (bf16 CPU: gemm.low_plan)
+        mm_low(dlogits, weight, dh[s : s + chunk])
+        if dw is None and dlogits.dtype in (torch.bfloat16, torch.float16) and dlogits.device.type == "cpu":
+            # single, low precision: d weight by its shape's measured plan (gemm.low_plan: d logits read transposed)
+            dw = torch.empty(weight.shape, dtype=dlogits.dtype)
+            mm_low(dlogits.t(), h, dw)
+        elif dw is None:  # single: the one chunk's product is d weight
             dw = matmul(dlogits.t(), h)
         else:
             mm_into(dlogits.t(), h, dw, accumulate=s > 0)

@@ -1,4 +1,5 @@
-"""lower_gemm_onednn: fp32 CPU mm/addmm -> graphtrain::gemm (oneDNN), before autodiff.
+"""lower_gemm_onednn: fp32 CPU mm/addmm -> graphtrain::gemm (oneDNN), before autodiff; lower_gemm_plans: bf16 CPU
+mm/addmm -> graphtrain::gemm where another plan beats aten's one call, after autodiff (its docstring, below).
 
 Rewriting the forward graph reaches every GEMM of the step: AOTAutograd builds the backward's input-
 and weight-gradient products from graphtrain::gemm's own backward, which is graphtrain::gemm again.
@@ -9,7 +10,7 @@ ways; the summation order differs, so the pass is registered as changing numeric
 
 It runs after apply_mixed_precision (phase ``lower`` follows phase ``precision``), so under bf16/fp16 it sees
 the matmuls that pass left in fp32 and leaves the low-precision ones to aten (which sends them to oneDNN
-already).
+already) and to lower_gemm_plans.
 
 Graphs with Inductor-lowered random ops (dropout left as aten.bernoulli / native_dropout, i.e. with
 fuse_bias_dropout_add switched off) are left unchanged: with ``fallback_random`` (eager's RNG stream)
@@ -39,31 +40,31 @@ import torch.fx as fx
 
 import graphtrain.kernels  # noqa: F401  (registers torch.ops.graphtrain.gemm)
 from graphtrain.config.torch_compat import optimization_hint
-from graphtrain.kernels.gemm import onednn_available, onednn_fp32, shape_probe
+from graphtrain.kernels.gemm import onednn_available, onednn_fp32, plan_for, shape_probe
 from graphtrain.passes.fuse_utils import aten, call, finish, is_op, val
 from graphtrain.passes.graph_utils import has_random_tag
 from graphtrain.passes.manager import PassContext, register_pass
 
 
-def _fp32_cpu(n: object) -> TypeGuard[fx.Node]:
-    """An fp32 CPU tensor of at most 2 dimensions (by the node's fake value)."""
+def _cpu_of(n: object, dtype: torch.dtype) -> TypeGuard[fx.Node]:
+    """A CPU tensor of `dtype` and at most 2 dimensions (by the node's fake value)."""
     v = val(n)
-    return isinstance(v, torch.Tensor) and v.dim() <= 2 and v.dtype == torch.float32 and v.device.type == "cpu"
+    return isinstance(v, torch.Tensor) and v.dim() <= 2 and v.dtype == dtype and v.device.type == "cpu"
 
 
-def gemm_operands(node: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node | None] | None:
-    """(a, b, bias) if `node` is an mm/addmm this pass rewrites, else None."""
+def gemm_operands(node: fx.Node, dtype: torch.dtype = torch.float32) -> tuple[fx.Node, fx.Node, fx.Node | None] | None:
+    """(a, b, bias) if `node` is an mm/addmm of `dtype` operands that these passes rewrite, else None."""
     bias: fx.Node | None = None
     if is_op(node, aten.mm) and len(node.args) == 2 and not node.kwargs:
         a, b = node.args
     elif is_op(node, aten.addmm) and len(node.args) == 3 and all(node.kwargs.get(k, 1) == 1 for k in ("alpha", "beta")):
         c, a, b = node.args
-        if not _fp32_cpu(c):
+        if not _cpu_of(c, dtype):
             return None
         bias = c
     else:
         return None
-    if not (_fp32_cpu(a) and _fp32_cpu(b) and _fp32_cpu(node)):
+    if not (_cpu_of(a, dtype) and _cpu_of(b, dtype) and _cpu_of(node, dtype)):
         return None
     if not val(a).dim() == val(b).dim() == val(node).dim() == 2:
         return None
@@ -121,3 +122,57 @@ def _shape(a: fx.Node, b: fx.Node) -> tuple[int, int, int, bool]:
     m, k, n, rows = (optimization_hint(x) for x in (va.shape[0], va.shape[1], vb.shape[1], vb.shape[0]))
     transposed = vb.dim() == 2 and optimization_hint(vb.stride(0)) == 1 and rows > 1
     return m, k, n, bool(transposed)
+
+
+@register_pass(("forward", "backward"), phase="lower", changes_numerics=True, providers=("inductor",))
+def lower_gemm_plans_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """Rewrite each bf16 CPU mm/addmm of the forward and backward graphs that runs faster by another plan than aten's
+    one call on this machine (gemm.low_plan: in blocks of rows, one single-threaded oneDNN call per thread, or a
+    transposed first operand copied row-major first) to graphtrain::gemm, which runs it by that plan. After autodiff,
+    so each GEMM is decided on its own shape and layout (a layer's forward product, its input gradient and its weight
+    gradient are three decisions), and every GEMM that no plan speeds up stays with aten, which Inductor calls without
+    the custom op's dispatch (about 60 us a call). Measured on the 2-core AMX Xeon, b8 s128 (bench ablation
+    ``graphtrain-bf16-no-gemm-plans``): HF Llama small 2% and GPT-2 small 4-5% a step, every round. The plans are
+    measured where the pass runs, under provider auto in the background compile's process: a loop that trains
+    beside it times them on a busy CPU. ``engine.passes.lower_gemm_plans: false`` leaves every bf16 GEMM to aten.
+    Not in graphs with aten random ops (the module docstring says why)."""
+    if not onednn_available():
+        return gm
+    if any(has_random_tag(n) for n in gm.graph.nodes):
+        return gm
+    g, n = gm.graph, 0
+    decided: dict[str, str] = {}
+    for node in list(g.nodes):
+        ops = gemm_operands(node, torch.bfloat16)
+        if ops is None:
+            continue
+        a, b, bias = ops
+        m, k, nn, a_t, b_t = _dims(a, b)
+        if m <= 32:
+            continue
+        plan = plan_for(m, k, nn, a_t, b_t, torch.bfloat16)
+        decided[f"{m}x{k}x{nn}{'tn'[not a_t]}{'tn'[not b_t]}"] = plan
+        if plan == "whole":
+            continue
+        with g.inserting_before(node):
+            new = call(g, torch.ops.graphtrain.gemm.default, a, b, bias)
+        node.replace_all_uses_with(new)
+        g.erase_node(node)
+        n += 1
+    ctx.count(n)
+    if decided:
+        ctx.note("bf16 GEMM plans measured here: " + ", ".join(f"{k} {p}" for k, p in decided.items()))
+    return finish(gm) if n else gm
+
+
+def _dims(a: fx.Node, b: fx.Node) -> tuple[int, int, int, bool, bool]:
+    """(m, k, n, a read transposed, b read transposed) of a @ b from the fake values, sizes and strides as this call
+    has them (optimization_hint, as `_shape`)."""
+
+    def transposed(v: torch.Tensor) -> bool:  # gemm._column_major, on the hints
+        rows, cols, s0, s1 = (optimization_hint(x) for x in (*v.shape, *v.stride()))
+        return rows > 1 and cols > 1 and s0 == 1 and s1 == rows
+
+    va, vb = val(a), val(b)
+    m, k, n = (optimization_hint(x) for x in (va.shape[0], va.shape[1], vb.shape[1]))
+    return m, k, n, transposed(va), transposed(vb)

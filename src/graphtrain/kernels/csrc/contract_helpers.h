@@ -12,5 +12,6 @@ static inline bool same_dtype(const torch::Tensor& a, const torch::Tensor& b) {
   return a.scalar_type() == b.scalar_type();
 }
 static inline bool same_shape(const torch::Tensor& a, const torch::Tensor& b) { return a.sizes() == b.sizes(); }
+static inline bool bf16(const torch::Tensor& t) { return t.scalar_type() == at::kBFloat16; }
 static inline bool int64(const torch::Tensor& t) { return t.scalar_type() == at::kLong; }
 static inline bool cpu(const torch::Tensor& t) { return t.device().is_cpu(); }
