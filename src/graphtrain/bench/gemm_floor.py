@@ -8,7 +8,8 @@ bounds from below any variant that runs them, and so bounds from above its speed
 How it is measured (`record` then `measure`): one eager step runs under a dispatch mode that notes every
 aten.mm/addmm/bmm/baddbmm with its operands' shapes, strides and dtype (after autocast: the dtype that ran). Each
 distinct call is then timed alone on fresh operands of the same layout (median of 3 batches); fp32 takes the faster of
-aten's and graphtrain's oneDNN GEMM where that applies. Fused attention ops (SDPA's CPU kernels), whose inner GEMMs no
+aten's and graphtrain's oneDNN GEMM where that applies, a bf16 mm the faster of aten's call and the plan graphtrain
+measured for its shape (kernels/gemm.py `low_plan`). Fused attention ops (SDPA's CPU kernels), whose inner GEMMs no
 dispatch mode sees, are counted by their FLOPs at the machine's peak: optimistic, so the floor stays a lower bound.
 
 Written here, not taken from torch.utils.flop_counter: that counts FLOPs, and the floor needs the calls' layouts and
@@ -25,7 +26,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from graphtrain.kernels.gemm import _contract_ok, gemm_onednn, onednn_available
+from graphtrain.kernels.gemm import _contract_ok, gemm_onednn, low_plan, mm_plan, onednn_available
 from graphtrain.runtime.measured import InputSpec, real_input
 
 aten = torch.ops.aten
@@ -136,6 +137,13 @@ def measure(
                 t = _time(gemm_onednn, (a, b, bias), device, min_s)
                 if t < seconds:
                     seconds, lib = t, "onednn"
+        if device == "cpu" and op is aten.mm.default and a.dim() == 2 and a.dtype == torch.bfloat16 and a.shape[0] > 32:
+            plan = low_plan(a, b)  # graphtrain's bf16 GEMM plans (kernels/gemm.py): the floor holds for its GEMMs too
+            if plan != "whole":
+                out = torch.empty(a.shape[0], b.shape[1], dtype=a.dtype)
+                t = _time(mm_plan, (a, b, out, plan), device, min_s)
+                if t < seconds:
+                    seconds, lib = t, f"graphtrain {plan}"
         rows.append(
             {
                 "op": str(op).split(".")[1],
