@@ -132,7 +132,7 @@ def lower_gemm_plans_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModul
     so each GEMM is decided on its own shape and layout (a layer's forward product, its input gradient and its weight
     gradient are three decisions), and every GEMM that no plan speeds up stays with aten, which Inductor calls without
     the custom op's dispatch (about 60 us a call). Measured on the 2-core AMX Xeon, b8 s128 (bench ablation
-    ``graphtrain-bf16-no-gemm-plans``): HF Llama small 2% and GPT-2 small 4-5% a step, every round. The plans are
+    ``graphtrain-bf16-no-gemm-plans``, two runs): 2-14% a step for HF Llama, GPT-2 and BERT small. The plans are
     measured where the pass runs, under provider auto in the background compile's process: a loop that trains
     beside it times them on a busy CPU. ``engine.passes.lower_gemm_plans: false`` leaves every bf16 GEMM to aten.
     Not in graphs with aten random ops (the module docstring says why)."""

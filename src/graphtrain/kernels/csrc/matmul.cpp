@@ -23,7 +23,7 @@ void onednn_matmul(const at::Tensor& a, const at::Tensor& b, const at::Tensor& o
 }
 
 // out = beta * out + a @ b with the rows of a / out split into one block per thread, each block one oneDNN call run
-// by that thread alone (kernels/gemm.py `thread_rows_win` chooses it per shape, by measurement). Why: on the 2-core
+// by that thread alone (kernels/gemm.py `low_plan` chooses it per shape, by measurement). Why: on the 2-core
 // AMX Xeon, oneDNN's bf16 matmul ran 1024 x 1408 x 512 (a Llama MLP's down projection) no faster on 2 threads than on
 // 1; the same GEMM as two single-threaded 512-row halves, one per thread, took 0.69 against 1.29 ms.
 // Raw OpenMP, not at::parallel_for: each thread must set its own team size to 1 before it calls oneDNN, which sizes
@@ -61,7 +61,7 @@ void onednn_matmul_rows(const at::Tensor& a, const at::Tensor& b, const at::Tens
 // row-major (kernels/gemm.py, the "transpose" plan). Why C++: oneDNN's bf16 matmul ran the weight gradient dY^T @ X,
 // which reads A transposed, 1.7-2.4x slower than the same product with A contiguous (2-core AMX Xeon), and aten's
 // transposed copy runs element by element: 0.93 ms for a [1408, 1024] matrix, 22 ms for [16384, 1024], against 0.15
-// and 3.8 ms in 32 x 32 tiles of at::vec::transpose_mxn (ATen's own AVX-512 transpose, which Inductor's generated
+// and 3.6-8 ms in 32 x 32 tiles of at::vec::transpose_mxn (ATen's own AVX-512 transpose, which Inductor's generated
 // code calls too; a scalar loop in builds below AVX-512).
 void transpose_bf16(const at::Tensor& src, const at::Tensor& dst) {
   gt_check_transpose_bf16(src, dst);
