@@ -95,10 +95,7 @@ def lower_gemm_onednn_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModu
                 probed[shape] = shape_probe(*shape)
             if not probed[shape]["wins"]:
                 continue
-        with g.inserting_before(node):
-            new = call(g, torch.ops.graphtrain.gemm.default, a, b, bias)
-        node.replace_all_uses_with(new)
-        g.erase_node(node)
+        _to_gemm(g, node, a, b, bias)
         n += 1
     ctx.count(n)
     if probed:
@@ -111,6 +108,14 @@ def lower_gemm_onednn_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModu
             )
         )
     return finish(gm) if n else gm
+
+
+def _to_gemm(g: fx.Graph, node: fx.Node, a: fx.Node, b: fx.Node, bias: fx.Node | None) -> None:
+    """`node` (an mm/addmm of a, b and bias) replaced by graphtrain::gemm of the same operands."""
+    with g.inserting_before(node):
+        new = call(g, torch.ops.graphtrain.gemm.default, a, b, bias)
+    node.replace_all_uses_with(new)
+    g.erase_node(node)
 
 
 def _shape(a: fx.Node, b: fx.Node) -> tuple[int, int, int, bool]:
@@ -154,10 +159,7 @@ def lower_gemm_plans_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModul
         decided[f"{m}x{k}x{nn}{'tn'[not a_t]}{'tn'[not b_t]}"] = plan
         if plan == "whole":
             continue
-        with g.inserting_before(node):
-            new = call(g, torch.ops.graphtrain.gemm.default, a, b, bias)
-        node.replace_all_uses_with(new)
-        g.erase_node(node)
+        _to_gemm(g, node, a, b, bias)
         n += 1
     ctx.count(n)
     if decided:
