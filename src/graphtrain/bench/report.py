@@ -57,7 +57,7 @@ def summarize(run: dict[str, Any]) -> list[dict[str, Any]]:
                 med = statistics.median(times)
                 q1, q3 = quartiles(times)
                 setup = rec.get("setup", {})
-                prec = VARIANTS[name].precision if name in VARIANTS else "fp32"
+                prec = _precision(name)
                 row.update(
                     median_s=med,
                     min_s=min(times),
