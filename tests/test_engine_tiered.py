@@ -573,6 +573,7 @@ class _TwoBlocks(nn.Module):
         return self.head(h)
 
 
+@pytest.mark.slow  # ~30 s: the child restarts once per graph (an import of Inductor each); an opt-in setting
 def test_a_background_compile_past_its_time_limit_leaves_aten_and_is_not_retried():
     from graphtrain.config.sections import EngineConfig
     from graphtrain.pipeline.cache import cache_root
