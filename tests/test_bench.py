@@ -6,6 +6,7 @@ recorded and derived correctly, whatever they are.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 
@@ -553,3 +554,22 @@ def test_the_gemm_floor_in_the_report_bounds_the_speed_up_over_eager():
     ) in md
     assert "| mm | [256, 2048]T x [2048, 1024]N | float32 | 4 | 5.00 | 215 | onednn |" in md
     assert "GEMM floor (bf16)" not in md  # eager bf16 measured no floor
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers not installed")
+def test_every_hugging_face_case_builds_at_its_sizes_width():
+    """hf-<family>-<size> builds the family's model at case.HF_SIZES[size] (on the meta device: shapes only), and
+    a size that does not exist is one line naming the sizes that do."""
+    from graphtrain.bench import case as case_mod
+
+    for suite in ("hf", "hf-wide"):
+        for c in suites.get_suite(suite).cases:
+            dims = case_mod.HF_SIZES[c.model.split("-")[2]]
+            with torch.device("meta"):
+                model, vocab = case_mod._build_hf(c)
+            cfg = model.config
+            assert vocab == dims["vocab"] == cfg.vocab_size, c
+            assert cfg.hidden_size == dims["hidden"] and cfg.num_hidden_layers == dims["layers"], (c, cfg)
+    assert {c.model for c in suites.get_suite("hf-wide").cases} == {"hf-gpt2-wide", "hf-bert-wide", "hf-llama-wide"}
+    with pytest.raises(ValueError, match=r"hf-<gpt2\|bert\|llama>-<mini\|small\|wide>"):
+        case_mod._build_hf(suites.Case("hf-gpt2-huge", 1, 8))

@@ -39,6 +39,8 @@ MLM_PROBABILITY = 0.15
 HF_SIZES = {
     "mini": dict(layers=4, hidden=256, heads=4, vocab=8192),
     "small": dict(layers=6, hidden=512, heads=8, vocab=16384),
+    # BERT-Large's and GPT-2 Medium's width in 8 layers: GEMMs wide enough to near a CPU's bf16 peak (suite hf-wide)
+    "wide": dict(layers=8, hidden=1024, heads=16, vocab=32768),
 }
 REPLY = "@@bench "
 

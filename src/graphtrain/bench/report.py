@@ -534,7 +534,7 @@ def latest_runs(out_dir: Path, include_partial: bool = False) -> dict[str, dict[
 
 # ------------------------------------------------------------------ docs/design/benchmarks.md ----
 
-SUITE_ORDER = ("small", "hf", "ablation", "seed", "seed-ablation", "tiny")
+SUITE_ORDER = ("small", "hf", "hf-wide", "ablation", "seed", "seed-ablation", "tiny")
 
 INTRO = """# Benchmarks
 

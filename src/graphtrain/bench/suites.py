@@ -242,6 +242,22 @@ SUITES: dict[str, Suite] = {
             variants=DEFAULT_VARIANTS + AUTOTUNE_VARIANTS,
         ),
         Suite(
+            "hf-wide",
+            "the Hugging Face models at width 1024 (BERT-Large's, GPT-2 Medium's) in 8 layers, in bf16: GEMMs wide "
+            "enough to near the machine's bf16 peak, for the MFU that the mini and small sizes cannot show",
+            (
+                Case("hf-gpt2-wide", 8, 128),
+                Case("hf-bert-wide", 8, 128),
+                Case("hf-llama-wide", 8, 128),
+            ),
+            steps=3,
+            repeats=3,
+            warmup=2,
+            cap_gib=12.0,
+            max_workers=3,
+            variants=("eager-bf16", "compile-bf16", "graphtrain-bf16"),
+        ),
+        Suite(
             "ablation",
             "what each of graphtrain's levers is worth: graphtrain fp32 with one lever switched off at a "
             "time, beside eager and torch.compile, on the headline small and Hugging Face cases",
