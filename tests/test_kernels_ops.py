@@ -4,6 +4,7 @@ odd shapes, dtypes, torch.compile."""
 from __future__ import annotations
 
 import contextlib
+import importlib
 
 import pytest
 import torch
@@ -342,7 +343,6 @@ def test_bf16_linear_cross_entropy_head_gemms_by_each_plan_match_eager(plan, mon
     transposed) run by the plan the per-machine probe decided for their shapes (gemm.low_plan): each plan, forced,
     against eager's fp32 math. A plan that cannot run here (threads or transpose without the C++ kernels) is
     measured as unavailable by the probe and never chosen; forced, it falls back to aten."""
-    import importlib
 
     gemm_mod = importlib.import_module("graphtrain.kernels.gemm")
     g = torch.Generator().manual_seed(0)
@@ -367,8 +367,6 @@ def test_linear_cross_entropy_chunks_overwrite_stale_memory(gemm, monkeypatch):
     them out again: nothing stale may reach the gradient. `aten`: the GEMMs that oneDNN would take go to aten's
     mm / addmm_ with `out` (what machines where oneDNN does not win run)."""
     if gemm == "aten":
-        import importlib
-
         monkeypatch.setattr(importlib.import_module("graphtrain.kernels.gemm"), "onednn_gemm_wins", lambda: False)
     h, w, t = torch.randn(24, 32), torch.randn(96, 32), torch.randint(0, 96, (24,))
     want = torch.autograd.grad(F.cross_entropy(h.requires_grad_() @ w.requires_grad_().t(), t), (h, w))
@@ -472,6 +470,46 @@ def test_linear_cross_entropy_that_returns_its_logits_low_precision(dtype):
         return loss.float()
 
     check_vs_eager(fused, lambda h, w: F.cross_entropy(h.float() @ w.float().t(), t), h, w, atol=5e-2, rtol=5e-2)
+
+
+@pytest.mark.parametrize("op", ["linear_cross_entropy", "linear_cross_entropy_logits"])
+def test_a_low_precision_cpu_head_runs_as_one_chunk_where_that_is_the_smaller_buffer(op, monkeypatch):
+    """train_chunk_rows: a bf16 head on CPU whose n x v chunk is no larger than the fp32 d weight accumulator of
+    several chunks (2n <= 4k) runs as one chunk (d weight is one GEMM, bitwise the op given chunk_rows=n); a wider
+    batch, and an fp32 head, keep their ~32 MiB chunks (bitwise the op given that chunk). The byte budget is made
+    small here so that the small shapes have several default chunks."""
+    lce = importlib.import_module("graphtrain.kernels.linear_cross_entropy")
+    monkeypatch.setattr(lce, "default_chunk_rows", lambda n, v, itemsize=4, budget=0: min(n, 8))
+    assert lce.train_chunk_rows(32, 50, 16, 2, cpu=True) == 32  # 64 <= 64: one chunk
+    assert lce.train_chunk_rows(33, 50, 16, 2, cpu=True) == 8  # 66 > 64: chunked
+    assert lce.train_chunk_rows(32, 50, 16, 4, cpu=True) == 8  # fp32 accumulates in place: chunked
+    assert lce.train_chunk_rows(32, 50, 16, 2, cpu=False) == 8  # CUDA: unchanged
+    g = torch.Generator().manual_seed(3)
+    fn = getattr(torch.ops.graphtrain, op)
+    for n, dtype, expect in ((32, torch.bfloat16, 32), (40, torch.bfloat16, 8), (32, torch.float32, 8)):
+        h, w = torch.randn(n, 16, generator=g).to(dtype), torch.randn(50, 16, generator=g).to(dtype)
+        t = torch.randint(0, 50, (n,), generator=g)
+        default, given = fn(h, w, t, -100, 1, 0, True), fn(h, w, t, -100, 1, expect, True)
+        for name, a, b in zip(("loss", "d hidden", "d weight"), default[:3], given[:3]):
+            assert torch.equal(a, b), f"{op} n={n} {dtype}: {name} differs from chunk_rows={expect}"
+    # one chunk against several differ in d weight's rounding, so the comparison above tells them apart
+    h, w = torch.randn(32, 16, generator=g).bfloat16(), torch.randn(50, 16, generator=g).bfloat16()
+    t = torch.randint(0, 50, (32,), generator=g)
+    assert not torch.equal(fn(h, w, t, -100, 1, 32, True)[2], fn(h, w, t, -100, 1, 8, True)[2])
+    # the memory plan's workspace: one chunk's logits, and for several bf16 chunks d weight's fp32 accumulator with
+    # a chunk's product and its fp32 copy (4 + 2 + 4 bytes per weight element)
+    spec = next(d for d in lce.SPEC.ops if d.name == op)
+    for n, dtype, rows, extra in (
+        (32, torch.bfloat16, 32, 0),
+        (40, torch.bfloat16, 8, 10 * 50 * 16),
+        (32, torch.float32, 8, 0),
+    ):
+        graph = torch.fx.Graph()
+        args = [graph.placeholder(x) for x in ("h", "w", "t")]
+        for a, v in zip(args, (torch.empty(n, 16, dtype=dtype), torch.empty(50, 16, dtype=dtype), torch.empty(n))):
+            a.meta["val"] = v
+        node = graph.call_function(fn, (*args, -100, 1, 0, True))
+        assert spec.workspace_bytes(node) == rows * 50 * torch.empty((), dtype=dtype).element_size() + extra
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

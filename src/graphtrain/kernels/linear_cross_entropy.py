@@ -5,8 +5,9 @@ their logsumexp and loss, and at once the gradient of the loss w.r.t. the chunk'
 turns into d hidden (chunk) and accumulates into d weight (Liger's fused-linear-CE scheme).
 Forward therefore returns (loss, d_hidden, d_weight) for a unit upstream gradient and backward only
 scales them: the same matmul FLOPs as eager (3 per token: logits, d hidden, d weight), peak memory
-O(chunk x V) instead of O(N x V) logits + log-probs + their grads. Reductions: mean (over
-non-ignored rows) or sum. The op computes gradients in forward, so it is meant for training graphs.
+O(chunk x V) instead of O(N x V) logits + log-probs + their grads (a bf16/fp16 head on CPU that would need an
+fp32 d weight accumulator larger than its whole N x V logits runs as one chunk instead: train_chunk_rows).
+Reductions: mean (over non-ignored rows) or sum. The op computes gradients in forward, so it is meant for training graphs.
 graphtrain::linear_cross_entropy_loss is its evaluation form (the pass loss_only_lm_head puts it in graphs
 compiled under no_grad): the loss alone, one matmul per chunk instead of three, no d hidden or d weight, and
 chunks of ~8 MiB of logits instead of ~32 (no gradient to accumulate, so smaller chunks cost nothing).
@@ -67,7 +68,9 @@ def linear_cross_entropy_reference(
 
 
 def _default_chunk(hidden: Tensor, weight: Tensor) -> int:
-    return default_chunk_rows(hidden.shape[0], weight.shape[0], hidden.element_size())
+    return train_chunk_rows(
+        hidden.shape[0], weight.shape[0], weight.shape[1], hidden.element_size(), hidden.device.type == "cpu"
+    )
 
 
 CHUNK_BYTES = 32 << 20
@@ -81,6 +84,22 @@ def default_chunk_rows(n: int, v: int, itemsize: int = 4, budget: int = CHUNK_BY
     """Rows per chunk: ~`budget` bytes of logits in the compute dtype per chunk (32 MiB: a few L2-sized matmul
     panels), at least 1."""
     return max(1, min(n, budget // (itemsize * max(v, 1))))
+
+
+def train_chunk_rows(n: int, v: int, k: int, itemsize: int, cpu: bool) -> int:
+    """Rows per chunk of a training head (the ops that return d weight) with `n` rows, vocabulary `v`, width `k`.
+
+    ~CHUNK_BYTES of logits per chunk (default_chunk_rows), except for a low-precision (2-byte) head on CPU that fits
+    in one chunk no larger than the fp32 d weight accumulator several chunks need: such heads run as one chunk.
+    Several bf16 chunks accumulate d weight in an fp32 [v, k] buffer (4vk bytes), and each chunk's bf16 product is
+    a [v, k] temporary cast to fp32 and added (mm_into); one chunk writes d weight with one GEMM in the compute dtype,
+    as eager's autocast does, with no accumulator, so its n x v buffer is the smaller when 2n <= 4k. Measured on HF
+    Llama's wide head (1024 rows, vocabulary 32768, width 1024, bf16, 2-core AMX Xeon, op + its casts, 7 timed
+    calls twice): 284-300 ms in two chunks, 217-221 ms in one."""
+    chunk = default_chunk_rows(n, v, itemsize)
+    if cpu and itemsize == 2 and chunk < n and n * itemsize <= 4 * k:
+        return n
+    return chunk
 
 
 _CPP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -489,7 +508,16 @@ def _workspace(n: torch.fx.Node, bias: bool) -> int:
         return 2 * min(rows * vocab * 4, max(1, (32 << 20) // (4 * max(vocab, 1))) * vocab * 4)
     chunk_bytes, chunked = _chunk_bytes(n, bias)
     buffers = 1 if not bias else 1 + chunked + (not (gemm_probe_ran() and onednn_gemm_wins()))
-    return buffers * chunk_bytes
+    return buffers * chunk_bytes + _low_accumulator_bytes(n, chunked)
+
+
+def _low_accumulator_bytes(n: torch.fx.Node, chunked: bool) -> int:
+    """A low-precision CPU head in several chunks (train_chunk_rows): d weight's fp32 accumulator, and while a chunk
+    adds its product, that product and its fp32 copy (mm_into): 4 + 2 + 4 bytes per weight element. 0 otherwise."""
+    h, w = input_value(n, 0), input_value(n, 1)
+    if not chunked or h.device.type != "cpu" or h.element_size() != 2:
+        return 0
+    return (8 + h.element_size()) * hint_int(w.shape[0]) * hint_int(w.shape[1])
 
 
 def _chunk_bytes(n: torch.fx.Node, bias: bool) -> tuple[int, bool]:
@@ -498,14 +526,19 @@ def _chunk_bytes(n: torch.fx.Node, bias: bool) -> tuple[int, bool]:
     rows, vocab, item = hint_int(h.shape[0]), hint_int(w.shape[0]), h.element_size()
     i_chunk = 6 if bias else 5
     given = n.args[i_chunk] if len(n.args) > i_chunk else n.kwargs.get("chunk_rows", 0)
-    chunk = hint_int(given) if given and hint_int(given) > 0 else default_chunk_rows(rows, vocab, item)
+    chunk = (
+        hint_int(given)
+        if given and hint_int(given) > 0
+        else train_chunk_rows(rows, vocab, hint_int(w.shape[1]), item, h.device.type == "cpu")
+    )
     return min(rows, chunk) * vocab * item, rows > chunk
 
 
 def _workspace_logits(n: torch.fx.Node, bias: bool) -> int:
     """One chunk of the logits' rows, copied into one buffer (and turned into their gradient in place there) at a
     time; on CUDA Triton's gradient of the chunk is a second buffer."""
-    return (1 + (input_value(n, 0).device.type != "cpu")) * _chunk_bytes(n, bias)[0]
+    chunk_bytes, chunked = _chunk_bytes(n, bias)
+    return (1 + (input_value(n, 0).device.type != "cpu")) * chunk_bytes + _low_accumulator_bytes(n, chunked)
 
 
 def _workspace_loss(n: torch.fx.Node) -> int:
