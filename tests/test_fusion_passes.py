@@ -155,6 +155,33 @@ def test_hf_models_every_op_fused(kind, impl):
     ), ops
 
 
+def test_grouped_query_sdpa_takes_the_key_value_heads_as_they_are():
+    """Hugging Face's repeat_kv before a causal SDPA call (what HF Llama's SDPA attention traces to under Dynamo:
+    x[:, :, None].expand(B, Hkv, n, S, D).reshape(B, Hkv * n, S, D)), fp32: the call moves to graphtrain::attention
+    with k and v as they were before the repeat ([2, 2, 7, 8], not the [2, 4, 7, 8] copies), and the result matches
+    the unfused graph forward and backward."""
+    from graphtrain.kernels import _cpu_ext
+
+    if _cpu_ext.load() is None or not _cpu_ext.load().attn_heads_available() or torch.get_num_threads() > 4:
+        pytest.skip("the head-by-head attention kernel does not take this attention here")
+
+    def repeat_kv(x, n):
+        b, h, s, d = x.shape
+        return x[:, :, None, :, :].expand(b, h, n, s, d).reshape(b, h * n, s, d)
+
+    def f(q, k, v):  # [B, S, H, D] in, heads second for SDPA (as the model's view + transpose)
+        q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+        return F.scaled_dot_product_attention(q, repeat_kv(k, 2), repeat_kv(v, 2), is_causal=True)
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 7, h, 8, generator=g) for h in (4, 2, 2))
+    after, _ = check_parity(f, [q, k, v], {"fuse_attention": 1})
+    att = [n for n in after.graph.nodes if n.target is torch.ops.graphtrain.attention.default]
+    assert len(att) == 1
+    assert [tuple(x.meta["val"].shape) for x in att[0].args[:3]] == [(2, 4, 7, 8), (2, 2, 7, 8), (2, 2, 7, 8)]
+    assert not any(n.target is torch.ops.aten.expand.default for n in after.graph.nodes)
+
+
 @pytest.mark.parametrize("kind", ["gpt2", "bert"])
 def test_hf_models_with_dropout_fused(kind):
     f, inputs = hf_model(kind, "eager", dropout=0.1)

@@ -15,7 +15,9 @@ fused kernel. Those graphtrain::attention would run head by head (fp32, no mask,
 rewritten to it; the others are kept, and the pass's note counts both. The rewrite once cost more than it gained
 (HF Llama, 6 layers, width 512, batch 8 x 128, fp32, 2-core AVX2 EPYC, aten provider: 0.90x eager's step with it,
 0.95x without) because the op's outputs were contiguous [B, H, S, D] where the flash kernel's keep the model's
-[B, S, H, D] layout, a transpose copy each way; they now keep q's (and k's, v's) layout.
+[B, S, H, D] layout, a transpose copy each way; they now keep q's (and k's, v's) layout. Under grouped-query
+attention the rewrite passes k and v from before Hugging Face's repeat_kv (`_unrepeated_kv`): the op reads each
+key/value head for its group of query heads, so the expanded copies of k and v and their gradients' sum are gone.
 
 Safe: the fused op computes the same function (fully masked rows give zeros, as _safe_softmax;
 with a plain _softmax they would be NaN); dropout keeps probability 1 - p and scales by 1/(1 - p)
@@ -224,6 +226,33 @@ def _try_fuse(gm: fx.GraphModule, sm: fx.Node, ctx: PassContext) -> bool:
     return True
 
 
+def _unrepeated_kv(n: Argument) -> fx.Node | None:
+    """The key/value heads under a grouped-query repeat: Hugging Face's ``repeat_kv``, x[:, :, None] expanded to
+    [B, Hkv, n, S, D] and reshaped to [B, Hkv * n, S, D] (traced unsqueeze -> expand -> clone -> _unsafe_view), gives
+    x. graphtrain::attention takes it as it is: key/value heads that divide the query heads, query head h reading
+    key/value head h // n, as the repeat lays them out. Its gradient is the repeat's (the n query heads' products
+    summed, inside the op's GEMMs) without the [B, H, S, D] copies of k and v and their sum in the backward. None
+    where `n` is not that pattern."""
+    if not is_op(n, aten._unsafe_view, aten.view, aten.reshape):
+        return None
+    cur = n.args[0]
+    if is_op(cur, aten.clone):
+        cur = cur.args[0]
+    if not is_op(cur, aten.expand):
+        return None
+    un = cur.args[0]
+    if not (is_op(un, aten.unsqueeze) and un.args[1] in (2, -3) and isinstance(un.args[0], fx.Node)):
+        return None
+    x = un.args[0]
+    xs, es, ns = shape(x), shape(cur), shape(n)
+    if xs is None or es is None or ns is None or len(xs) != 4 or len(es) != 5:
+        return None
+    b, kv_heads, s, d = xs
+    if es[:2] != (b, kv_heads) or es[3:] != (s, d) or ns != (b, kv_heads * es[2], s, d):
+        return None
+    return x
+
+
 def _flash_to_heads(g: fx.Graph, node: fx.Node) -> bool:
     """Rewrite one aten CPU flash-attention call (SDPA without dropout) to graphtrain::attention where the op would
     run it head by head (kernels/attention.py `_cpu_heads_ok`: fp32, causal, no mask, static shapes), which was 1.2-1.5x
@@ -248,6 +277,10 @@ def _flash_to_heads(g: fx.Graph, node: fx.Node) -> bool:
         return False
     if not _cpu_heads_ok(qv, kv, vv, None, 0.0, causal):
         return False
+    ku, vu = _unrepeated_kv(k), _unrepeated_kv(v)
+    if ku is not None and vu is not None and val(ku).shape[1] == val(vu).shape[1]:
+        if _cpu_heads_ok(qv, val(ku), val(vu), None, 0.0, causal):  # grouped-query: k and v as they were before
+            k, v = ku, vu
     # the flash kernel's output is [B, S, H, D]-strided whatever q's layout, and the graph after it was traced so;
     # the op's is laid out as q is (with a contiguous q, a Hugging Face DDP test's view of the merged heads failed)
     if not _heads_last(qv):
