@@ -562,14 +562,93 @@ def test_every_hugging_face_case_builds_at_its_sizes_width():
     a size that does not exist is one line naming the sizes that do."""
     from graphtrain.bench import case as case_mod
 
-    for suite in ("hf", "hf-wide"):
+    params = {}
+    for suite in ("hf", "hf-wide", "gpu"):
         for c in suites.get_suite(suite).cases:
-            dims = case_mod.HF_SIZES[c.model.split("-")[2]]
+            family, size = c.model.split("-")[1:]
+            dims = case_mod.HF_SIZES[size]
             with torch.device("meta"):
                 model, vocab = case_mod._build_hf(c)
             cfg = model.config
-            assert vocab == dims["vocab"] == cfg.vocab_size, c
+            want = dims["vocab"] if isinstance(dims["vocab"], int) else dims["vocab"][family]
+            assert vocab == want == cfg.vocab_size, c
             assert cfg.hidden_size == dims["hidden"] and cfg.num_hidden_layers == dims["layers"], (c, cfg)
+            params[c.model] = sum(p.numel() for p in model.parameters())
     assert {c.model for c in suites.get_suite("hf-wide").cases} == {"hf-gpt2-wide", "hf-bert-wide", "hf-llama-wide"}
-    with pytest.raises(ValueError, match=r"hf-<gpt2\|bert\|llama>-<mini\|small\|wide>"):
+    # suite gpu's models are the ones issue #48 names: GPT-2 124M as released (tied head), BERT-base's 110M encoder
+    # (with its MLM head's transform), a Llama of about 160M with grouped-query attention
+    assert params["hf-gpt2-base"] == 124_439_808
+    assert 109e6 < params["hf-bert-base"] < 111e6, params
+    assert 150e6 < params["hf-llama-base"] < 165e6, params
+    with pytest.raises(ValueError, match=r"hf-<gpt2\|bert\|llama>-<mini\|small\|wide\|base>"):
         case_mod._build_hf(suites.Case("hf-gpt2-huge", 1, 8))
+
+
+def test_the_gpu_suite_runs_on_cuda_unless_told_and_says_so_without_a_gpu(monkeypatch, tmp_path, capsys):
+    """`graphtrain bench gpu` is issue #48's GPU comparison: it runs on CUDA by default; on a machine without one it
+    is one line naming the fix, and `--device cpu` runs its cases here."""
+    from graphtrain.bench import runner
+
+    gpu = suites.get_suite("gpu")
+    assert gpu.device == "cuda" and [c.name for c in gpu.cases] == [
+        "hf-gpt2-base b16 s512",
+        "hf-llama-base b8 s1024",
+        "hf-bert-base b32 s512",
+    ]
+    assert [v.name for v in suites.resolve_variants(None, gpu)] == [
+        "eager-bf16",
+        "compile-bf16",
+        "compile-max-autotune-bf16",
+        "graphtrain-bf16",
+    ]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert bench_main(["gpu", "--out", str(tmp_path), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "suite gpu runs on CUDA" in err and "--device cpu" in err, err
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def fake_run_suite(suite, variants, cases, device="cpu", **kwargs):
+        seen.append((suite.name, device))
+        raise Stop
+
+    monkeypatch.setattr(runner, "run_suite", fake_run_suite)
+    for argv in (["gpu", "--device", "cpu"], ["tiny"]):
+        with pytest.raises(Stop):
+            bench_main([*argv, "--out", str(tmp_path), "--no-progress"])
+    assert seen == [("gpu", "cpu"), ("tiny", "cpu")]
+
+
+def test_gpu_mfu_is_against_the_datasheet_peak_where_the_gpu_is_known():
+    """A GPU's bf16 MFU is quoted against its datasheet's dense bf16 peak (as the field quotes it); a GPU not in the
+    table, and every CPU, keep the measured matmul peak; the report says which it used."""
+    assert flops.datasheet_bf16("NVIDIA H200") == flops.datasheet_bf16("NVIDIA H100 80GB HBM3") == 989.4e12
+    assert flops.datasheet_bf16("NVIDIA H100 PCIe") == 756e12  # the specific name wins over "H100"
+    assert flops.datasheet_bf16("NVIDIA A100-SXM4-80GB") == 312e12 and flops.datasheet_bf16("NVIDIA A10") == 125e12
+    assert flops.datasheet_bf16("NVIDIA L40S") == 362e12 and flops.datasheet_bf16("NVIDIA L4") == 121e12
+    assert flops.datasheet_bf16("NVIDIA GeForce RTX 4090") is None
+    measured = {"fp32": 4e14, "bf16": 7.5e14}
+    gpu = {**measured, "device_name": "NVIDIA H200", "bf16_datasheet": 989.4e12}
+    assert flops.mfu_peak(gpu, "bf16") == 989.4e12 and flops.mfu_peak(gpu, "fp32") == 4e14
+    assert flops.mfu_peak(measured, "bf16") == 7.5e14
+    run = {
+        "suite": "gpu",
+        "env": {"device": "cuda"},
+        "settings": {},
+        "peak": gpu,
+        "cases": [
+            {
+                "name": "c b2 s4",
+                "case": {"model": "c", "batch": 2, "seq": 4},
+                "variants": {
+                    "eager-bf16": {"status": "ok", "step_s": [0.5], "setup": {"flops_per_step": 989.4e12 / 4}}
+                },
+            }
+        ],
+    }
+    (row,) = report.summarize(run)
+    assert row["mfu"] == pytest.approx(0.5)  # 247 TFLOP in 0.5 s against 989.4 TFLOP/s, not against 750
+    assert "against the NVIDIA H200's datasheet dense bf16 peak, 9.894e+14 FLOP/s" in report.markdown(run)

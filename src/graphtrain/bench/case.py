@@ -41,6 +41,17 @@ HF_SIZES = {
     "small": dict(layers=6, hidden=512, heads=8, vocab=16384),
     # BERT-Large's and GPT-2 Medium's width in 8 layers: GEMMs wide enough to near a CPU's bf16 peak (suite hf-wide)
     "wide": dict(layers=8, hidden=1024, heads=16, vocab=32768),
+    # The published base models (suite gpu, issue #48): GPT-2 124M and BERT-base as released (their vocabularies,
+    # 1024 and 512 positions); the Llama at the same width and depth with Llama 2's vocabulary, 4 x width SwiGLU and
+    # 6 key/value heads for 12 query heads: 155M parameters
+    "base": dict(
+        layers=12,
+        hidden=768,
+        heads=12,
+        vocab=dict(gpt2=50257, bert=30522, llama=32000),
+        positions=dict(gpt2=1024, bert=512, llama=1024),
+        intermediate=3072,
+    ),
 }
 REPLY = "@@bench "
 
@@ -98,6 +109,8 @@ def _build_hf(case: Case) -> tuple[torch.nn.Module, int]:
         dims = HF_SIZES[size]
     except (ValueError, KeyError):
         raise ValueError(f"hf case {case.model!r} must be hf-<gpt2|bert|llama>-<{'|'.join(HF_SIZES)}>") from None
+    dims = {k: v.get(family, v) if isinstance(v, dict) else v for k, v in dims.items()}  # per-family entries
+    positions = max(dims.get("positions", 512), case.seq)
     try:
         import transformers
     except ImportError as e:
@@ -106,7 +119,7 @@ def _build_hf(case: Case) -> tuple[torch.nn.Module, int]:
     if family == "gpt2":
         cfg = transformers.GPT2Config(
             vocab_size=dims["vocab"],
-            n_positions=max(512, case.seq),
+            n_positions=positions,
             n_embd=dims["hidden"],
             n_layer=dims["layers"],
             n_head=dims["heads"],
@@ -123,7 +136,7 @@ def _build_hf(case: Case) -> tuple[torch.nn.Module, int]:
             num_hidden_layers=dims["layers"],
             num_attention_heads=dims["heads"],
             intermediate_size=4 * dims["hidden"],
-            max_position_embeddings=max(512, case.seq),
+            max_position_embeddings=positions,
             hidden_dropout_prob=0.1,
             attention_probs_dropout_prob=0.1,
             **common,
@@ -133,11 +146,11 @@ def _build_hf(case: Case) -> tuple[torch.nn.Module, int]:
         cfg = transformers.LlamaConfig(
             vocab_size=dims["vocab"],
             hidden_size=dims["hidden"],
-            intermediate_size=int(2.75 * dims["hidden"]),
+            intermediate_size=dims.get("intermediate", int(2.75 * dims["hidden"])),
             num_hidden_layers=dims["layers"],
             num_attention_heads=dims["heads"],
             num_key_value_heads=dims["heads"] // 2,
-            max_position_embeddings=max(512, case.seq),
+            max_position_embeddings=positions,
             attention_dropout=0.0,
             use_cache=False,
             **common,
@@ -399,6 +412,10 @@ class Worker:
         from graphtrain.runtime.allocator import set_cpu_allocator
 
         set_cpu_allocator("release" if self.pin_mmap else "keep")
+        if self.device.type == "cuda":
+            # TF32 allowed for every variant, the one line torch.compile itself suggests on these GPUs (issue #48's
+            # baselines): fp32 matmuls outside autocast run on tensor cores
+            torch.set_float32_matmul_precision("high")
         t0 = time.perf_counter()
         self.work, info = build_workload(self.case, self.variant, str(self.device))
         info["setup_mem_mib"] = current_memory_mib(self.device)
@@ -417,6 +434,7 @@ class Worker:
         info["time_to_full_speed_s"] = time.perf_counter() - t0
         info.update(executed_flops(self.case, self.work, info))
         info["threads"] = torch.get_num_threads()
+        info["fp32_matmul_precision"] = torch.get_float32_matmul_precision()
         info["optimizer"] = (
             "AdamW in the step graph" if self.work.step_graph is not None else type(self.work.optimizer).__name__
         )

@@ -62,7 +62,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="search the largest batch under --cap-gib for every case (suite `seed` does by default)",
     )
     mb.add_argument("--no-maxbatch", dest="maxbatch", action="store_false", help="skip the largest-batch search")
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where to run the steps")
+    parser.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        help="where to run the steps (default: the suite's: cuda for gpu, else cpu)",
+    )
     parser.add_argument(
         "--docs",
         metavar="PATH",
@@ -113,13 +117,15 @@ def run(args: argparse.Namespace) -> int:
     if args.warmup is not None and args.warmup < 0:
         print(f"graphtrain bench: --warmup must be >= 0, got {args.warmup}", file=sys.stderr)
         return 2
-    if args.device == "cuda":
+    device = args.device or SUITES[args.suite].device
+    if device == "cuda":
         import torch
 
         if not torch.cuda.is_available():
+            flag = "--device cuda" if args.device else f"suite {args.suite} runs on CUDA"
             print(
-                "graphtrain bench: --device cuda, but torch.cuda.is_available() is False; install a CUDA build "
-                "of torch or use --device cpu",
+                f"graphtrain bench: {flag}, but torch.cuda.is_available() is False; run it on a machine with an "
+                "NVIDIA GPU and a CUDA build of torch, or pass --device cpu",
                 file=sys.stderr,
             )
             return 2
@@ -145,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
         suite,
         variants,
         cases,
-        device=args.device,
+        device=device,
         out_dir=out,
         maxbatch=args.maxbatch,
         progress=not args.no_progress,

@@ -69,9 +69,11 @@ def summarize(run: dict[str, Any]) -> list[dict[str, Any]]:
                     tokens_s=c["batch"] * c["seq"] / med,
                     # MFU on the FLOPs the variant runs; the dense formula's figure beside it when they differ
                     mfu=flops.mfu(
-                        setup.get("executed_flops_per_step", setup.get("flops_per_step", 0)), med, peak.get(prec)
+                        setup.get("executed_flops_per_step", setup.get("flops_per_step", 0)),
+                        med,
+                        flops.mfu_peak(peak, prec),
                     ),
-                    mfu_dense=flops.mfu(setup.get("flops_per_step", 0), med, peak.get(prec))
+                    mfu_dense=flops.mfu(setup.get("flops_per_step", 0), med, flops.mfu_peak(peak, prec))
                     if setup.get("flops_shortcut")
                     else None,
                     shortcut=setup.get("flops_shortcut"),
@@ -317,7 +319,13 @@ def markdown(run: dict[str, Any], heading: str = "##") -> str:
             else ""
         )
         + f", bf16 {_f(peak.get('bf16'), '.3g')} FLOP/s (`{peak.get('command', flops.PEAK_COMMAND)}`); "
-        f"FLOPs per step = `{FLOP_FORMULA}`, N = parameters minus position/token-type embeddings.",
+        f"FLOPs per step = `{FLOP_FORMULA}`, N = parameters minus position/token-type embeddings."
+        + (
+            f" bf16 MFU on this GPU is against the {peak.get('device_name')}'s datasheet dense bf16 peak, "
+            f"{_f(peak['bf16_datasheet'], '.4g')} FLOP/s, not the measured one."
+            if peak.get("bf16_datasheet")
+            else ""
+        ),
         "",
     ]
     rows = summarize(run)
@@ -534,7 +542,7 @@ def latest_runs(out_dir: Path, include_partial: bool = False) -> dict[str, dict[
 
 # ------------------------------------------------------------------ docs/design/benchmarks.md ----
 
-SUITE_ORDER = ("small", "hf", "hf-wide", "ablation", "seed", "seed-ablation", "tiny")
+SUITE_ORDER = ("small", "hf", "hf-wide", "gpu", "ablation", "seed", "seed-ablation", "tiny")
 
 INTRO = """# Benchmarks
 

@@ -141,6 +141,8 @@ VARIANTS: dict[str, Variant] = {
 DEFAULT_VARIANTS = ("eager-fp32", "eager-bf16", "compile-fp32", "compile-bf16", "graphtrain-fp32", "graphtrain-bf16")
 BF16_BASELINES = ("eager-bf16", "eager-fp32-matmul-bf16", "compile-bf16", "compile-max-autotune-bf16")
 """Every one-flag bf16 baseline a CPU user has (`graphtrain bench hf --variants ...` with graphtrain-bf16)."""
+GPU_VARIANTS = ("eager-bf16", "compile-bf16", "compile-max-autotune-bf16", "graphtrain-bf16")
+"""Suite gpu's variants: what a GPU user runs in bf16 with one flag (autocast; torch.compile's two modes)."""
 AUTOTUNE_VARIANTS = ("compile-max-autotune-fp32", "compile-max-autotune-bf16")
 ABLATION_VARIANTS = (
     "eager-fp32",
@@ -191,6 +193,8 @@ class Suite:
     """Variants of one case alive (and interleaved) at once; lower it for models whose copies do not fit."""
     variants: tuple[str, ...] = DEFAULT_VARIANTS
     """What runs when `--variants` is not given."""
+    device: Literal["cpu", "cuda"] = "cpu"
+    """Where it runs when `--device` is not given."""
 
 
 SUITES: dict[str, Suite] = {
@@ -256,6 +260,24 @@ SUITES: dict[str, Suite] = {
             cap_gib=12.0,
             max_workers=3,
             variants=("eager-bf16", "compile-bf16", "graphtrain-bf16"),
+        ),
+        Suite(
+            "gpu",
+            "one CUDA GPU, bf16 (issue #48): Hugging Face GPT-2 124M, a 155M Llama with grouped-query attention "
+            "and BERT-base MLM, from config, against eager and torch.compile (default and max-autotune) under "
+            "autocast, each with fused AdamW and TF32 allowed",
+            (
+                Case("hf-gpt2-base", 16, 512),
+                Case("hf-llama-base", 8, 1024),
+                Case("hf-bert-base", 32, 512),
+            ),
+            steps=10,
+            repeats=5,
+            warmup=3,
+            cap_gib=40.0,
+            max_workers=4,
+            variants=GPU_VARIANTS,
+            device="cuda",
         ),
         Suite(
             "ablation",

@@ -42,6 +42,31 @@ DEFAULT_SIZES = (512, 1024, 2048, 4096)
 DEFAULT_BUDGET_S = 4.0
 """Seconds per dtype and library. Sizes grow while the next one is predicted to fit: on the AVX2 EPYC a bf16
 matmul runs at ~1.4 GFLOP/s (emulated), so bf16 stops at 1024 there, where 4096^3 x 7 would take ~11 min."""
+# NVIDIA's datasheet dense bf16 tensor-core peaks (FLOP/s, without 2:4 sparsity), by a piece of
+# torch.cuda.get_device_name(), most specific first ("H100 PCIe" before "H100", "A100" before "A10", "L40S" before
+# "L4"): the denominator of a GPU's MFU as the field quotes it (issue #48). A GPU not listed gets the measured peak.
+DATASHEET_BF16 = (
+    ("H200 NVL", 835e12),
+    ("H200", 989.4e12),
+    ("H100 PCIe", 756e12),
+    ("H100 NVL", 835e12),
+    ("H100", 989.4e12),
+    ("A100", 312e12),
+    ("L40S", 362e12),
+    ("L4", 121e12),
+    ("A10", 125e12),
+)
+
+
+def datasheet_bf16(device_name: str) -> float | None:
+    """The datasheet's dense bf16 peak of the GPU named `device_name`, or None when it is not in DATASHEET_BF16."""
+    return next((flop for key, flop in DATASHEET_BF16 if key in device_name), None)
+
+
+def mfu_peak(peak: dict[str, Any], precision: str) -> float | None:
+    """The MFU denominator for `precision` in a measure_peak() result: a GPU's datasheet bf16 peak where known,
+    else the measured matmul peak."""
+    return peak.get(f"{precision}_datasheet") or peak.get(precision)
 
 
 def step_flops(n_params: int, n_layer: int, seq: int, d_model: int, tokens: int) -> int:
@@ -165,6 +190,9 @@ def measure_peak(
         torch.mm(a, b, out=c)
 
     out["bf16"] = best_rate("bf16", torch.bfloat16, aten_mm)
+    if device.startswith("cuda"):
+        out["device_name"] = torch.cuda.get_device_name(torch.device(device))
+        out["bf16_datasheet"] = datasheet_bf16(out["device_name"])
     out["fp32_aten"] = out["fp32"] = best_rate("fp32_aten", torch.float32, aten_mm)
     if device == "cpu":
         ok, why = onednn_fp32()
