@@ -16,6 +16,7 @@ steps after it); they come from tiny models and say nothing about throughput.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import copy
 import json
 import statistics
@@ -162,6 +163,22 @@ def _graphtrain(
     return _loop(compiled, model, batch, steps, autocast=precision == "bf16" and entry == "torch.compile")
 
 
+def _fallbacks(entry: str, model: torch.nn.Module) -> list[str]:
+    """What ran other than compiled: the engine's fallbacks (a graph, or the whole capture, run eagerly) and the fused
+    ops whose fast path failed at run time. A case whose losses match eager because it quietly ran eagerly is not a
+    pass."""
+    from graphtrain.kernels import runtime_fallbacks
+    from graphtrain.pipeline.state import GLOBAL_STATE
+
+    state = GLOBAL_STATE if entry == "torch.compile" else getattr(model, "_graphtrain", None)
+    if state is None:
+        return [f"{entry} left no engine state on the model: nothing was compiled"]
+    out = [f"{part}: {' '.join(str(why).split())[:200]}" for part, why in state.fallbacks]
+    out += ["capture failed: the model ran eagerly"] if state.eager_only else []
+    out += [f"fused op {f.op} ({f.implementation}) fell back: {f.reason[:200]}" for f in runtime_fallbacks()]
+    return out
+
+
 def run_case(
     make: Callable[[], tuple[torch.nn.Module, dict]], entry: str, precision: str, steps: int
 ) -> dict[str, Any]:
@@ -173,6 +190,7 @@ def run_case(
     ref = copy.deepcopy(model)
     want, eager_t = _eager(ref, batch, steps, precision)
     got, gt_t = _graphtrain(entry, model, batch, steps, precision)
+    fell_back = _fallbacks(entry, model)
     rtol, atol = TOLERANCES[torch.bfloat16 if precision == "bf16" else torch.float32]
     worst = max(abs(g - w) / max(abs(w), 1e-12) for g, w in zip(got, want))
     ok = all(abs(g - w) <= atol + rtol * abs(w) for g, w in zip(got, want))
@@ -183,6 +201,7 @@ def run_case(
         "step_ms": 1e3 * statistics.median(gt_t[1:]),
         "eager_ms": 1e3 * statistics.median(eager_t[1:]),
         "losses": (got, want),
+        "fallbacks": fell_back,
     }
 
 
@@ -215,9 +234,11 @@ def _one(case: str, steps: int) -> int:
     try:
         r = run_case(_models([name])[name], entry, precision, steps)
         out = {
-            "status": "ok" if r["ok"] else "MISMATCH",
+            "status": "MISMATCH" if not r["ok"] else "FALLBACK" if r["fallbacks"] else "ok",
             "detail": f"{r['worst_rel']:.1e} | {r['first_s']:.1f} | {r['step_ms']:.1f} | {r['eager_ms']:.1f}",
         }
+        if r["fallbacks"]:
+            out["detail"] += " | " + "; ".join(r["fallbacks"])
         if not r["ok"]:
             out["detail"] += (
                 f" | losses {[f'{x:.5f}' for x in r['losses'][0]]} vs eager {[f'{x:.5f}' for x in r['losses'][1]]}"
@@ -238,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         "compile_step; precisions fp32 bf16)",
     )
     ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--jobs", type=int, default=1, help="cases run at once, each in its own process")
     ap.add_argument("--case-timeout", type=float, default=120.0, help="seconds one case may take")
     ap.add_argument(
         "--budget",
@@ -268,16 +290,16 @@ def main(argv: list[str] | None = None) -> int:
         f"{transformers.__version__}, graphtrain {graphtrain.__version__}, "
         f"{torch.cuda.get_device_name() if DEVICE == 'cuda' else 'CPU'}; each case in its own process"
     )
-    rows, failed = [], 0
     start = time.perf_counter()
-    for case in a.cases.split(","):
+
+    def run_one(case: str) -> tuple[str, bool]:
+        """One case in its own process: its table row, and whether it passed."""
         t0 = time.perf_counter()
         left = a.budget - (t0 - start) if a.budget else a.case_timeout
         if left < 20:  # not enough for a process start and a compile
-            failed += 1
-            rows.append(f"| {' | '.join(case.split(':'))} | NOT RUN | the --budget of {a.budget:.0f} s was spent |")
-            print(rows[-1], flush=True)
-            continue
+            row = f"| {' | '.join(case.split(':'))} | NOT RUN | the --budget of {a.budget:.0f} s was spent |"
+            print(row, flush=True)
+            return row, False
         cmd = [sys.executable, __file__, "--one", case, "--steps", str(a.steps), "--device", DEVICE]
         try:
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=min(a.case_timeout, left))
@@ -291,9 +313,16 @@ def main(argv: list[str] | None = None) -> int:
                 sys.stderr.write(f"--- {case}\n{r.stdout[-3000:]}{r.stderr[-3000:]}\n")
         except subprocess.TimeoutExpired:
             out = {"status": "TIMEOUT", "detail": f"over {min(a.case_timeout, left):.0f} s"}
-        failed += out["status"] != "ok"
-        rows.append(f"| {' | '.join(case.split(':'))} | {out['status']} | {out['detail']} |")
-        print(rows[-1] + f"  ({time.perf_counter() - t0:.0f} s)", flush=True)
+        row = f"| {' | '.join(case.split(':'))} | {out['status']} | {out['detail']} |"
+        print(row + f"  ({time.perf_counter() - t0:.0f} s)", flush=True)
+        return row, out["status"] == "ok"
+
+    # --jobs cases at once: each is a process with its own compile on the CPU cores and small models on the GPU, so
+    # several share one GPU (their step times then say less; the table is about correctness)
+    with concurrent.futures.ThreadPoolExecutor(max(1, a.jobs)) as pool:
+        results = list(pool.map(run_one, a.cases.split(",")))
+    rows = [row for row, _ in results]
+    failed = sum(not ok for _, ok in results)
     print("\n| model | entry | precision | status | worst rel loss diff | first step s | step ms | eager step ms |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     print("\n".join(rows))
