@@ -572,16 +572,24 @@ line per run appended to `results.jsonl`. Each worker's stderr is kept under `lo
 
 ```bash
 pip install -e '.[dev]'                        # with a CUDA build of torch already installed
-graphtrain bench small --device cuda
+graphtrain bench gpu                           # issue #48's comparison, on cuda:0 by default
+graphtrain bench gpu --maxbatch                # also the largest batch under --cap-gib (default 40)
 graphtrain bench seed --device cuda --cap-gib 30   # e.g. a 32 GB V100/A100: the blog's setting
+PYTHONPATH=src bash scripts/gpu-check.sh bench # from a source checkout with nothing installed
 ```
 
-With `--device cuda` the model and batch live on `cuda:0`, each timed block ends with
-`torch.cuda.synchronize()`, autocast uses `device_type="cuda"`, memory is
-`torch.cuda.max_memory_allocated()` (the largest-batch search compares that with the cap), and the
-MFU peak is a bf16/fp32 matmul measured on the GPU. The CPU-sized batches of the `seed` suite are
-small for a GPU: raise them with a larger cap and read the max-batch column, which is what the ORT
-blog compared (batch 64 vs 128 for BERT-Large phase 1 on a 32 GB V100).
+Suite `gpu` is Hugging Face GPT-2 124M (batch 16, seq 512), a 155M Llama with grouped-query attention
+(batch 8, seq 1024) and BERT-base MLM (batch 32, seq 512), built from config, in bf16: eager and
+torch.compile (default and `max-autotune`) under autocast against `graphtrain.accelerate(precision="bf16")`,
+every variant with fused AdamW and `torch.set_float32_matmul_precision("high")` (TF32 allowed).
+With `--device cuda` (suite `gpu`'s default) the model and batch live on `cuda:0`, each timed block
+ends with `torch.cuda.synchronize()`, autocast uses `device_type="cuda"`, memory is
+`torch.cuda.max_memory_allocated()` (the largest-batch search compares that with the cap), and bf16
+MFU is against the GPU's datasheet dense bf16 peak where `graphtrain.kernels.flops.DATASHEET_BF16`
+knows the GPU (989 TFLOP/s for an H100 SXM or H200), else against a bf16 matmul measured on it. The
+CPU-sized batches of the `seed` suite are small for a GPU: raise them with a larger cap and read the
+max-batch column, which is what the ORT blog compared (batch 64 vs 128 for BERT-Large phase 1 on a
+32 GB V100).
 
 ## Method
 
