@@ -125,10 +125,10 @@ def test_a_plan_is_measured_once_per_shape_and_every_plan_computes_the_product()
     a, b = _operand(300, 64, False, g), _operand(64, 48, True, g)
     plan = low_plan(a, b)
     assert plan in LOW_PLANS
-    assert capability.cached_probe("gemm_low_plan_v2 300x64x48 nt bfloat16", lambda: pytest.fail("measured twice"))[
+    assert capability.cached_probe("gemm_low_plan_v3 300x64x48 nt bfloat16", lambda: pytest.fail("measured twice"))[
         "cached"
     ]
-    r = capability.peek_probe("gemm_low_plan_v2 300x64x48 nt bfloat16")
+    r = capability.peek_probe("gemm_low_plan_v3 300x64x48 nt bfloat16")
     out = torch.empty(300, 48, dtype=torch.bfloat16)
     assert r["whole_s"] > 0 and r["blocks_s"] > 0 and (r["threads_s"] > 0) == thread_rows_available(a, b, out)
     assert r["transpose_s"] == 0  # a is row-major: nothing to copy

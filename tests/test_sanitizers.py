@@ -27,6 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KERNEL_TESTS = [
     "tests/test_kernels_ops.py",
     "tests/test_kernels_gemm.py",
+    "tests/test_kernels_gemm_plans.py",
     "tests/test_kernels_fake_strides.py",
     "tests/test_kernel_contracts.py",
     "tests/test_fuzz_kernels.py",
