@@ -106,10 +106,10 @@ def build_model(case: Case) -> tuple[torch.nn.Module, int, bool]:
 def _build_hf(case: Case) -> tuple[torch.nn.Module, int]:
     try:
         family, size = case.model.split("-")[1:]
-        dims = HF_SIZES[size]
+        # per-family entries (the base size's vocabularies and positions) taken for this family
+        dims = {k: v[family] if isinstance(v, dict) else v for k, v in HF_SIZES[size].items()}
     except (ValueError, KeyError):
         raise ValueError(f"hf case {case.model!r} must be hf-<gpt2|bert|llama>-<{'|'.join(HF_SIZES)}>") from None
-    dims = {k: v.get(family, v) if isinstance(v, dict) else v for k, v in dims.items()}  # per-family entries
     positions = max(dims.get("positions", 512), case.seq)
     try:
         import transformers
