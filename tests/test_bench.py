@@ -652,3 +652,40 @@ def test_gpu_mfu_is_against_the_datasheet_peak_where_the_gpu_is_known():
     (row,) = report.summarize(run)
     assert row["mfu"] == pytest.approx(0.5)  # 247 TFLOP in 0.5 s against 989.4 TFLOP/s, not against 750
     assert "against the NVIDIA H200's datasheet dense bf16 peak, 9.894e+14 FLOP/s" in report.markdown(run)
+
+
+@pytest.mark.slow  # ~30 s on the 2-core AMX Xeon: a real SIGINT once the first case is saved
+def test_ctrl_c_names_the_file_with_the_cases_that_finished(tmp_path):
+    """Ctrl-C in the middle of a suite (a real SIGINT to the process): one line naming the partial results file, and
+    exit 130; it used to print the training command's line about checkpoints and --resume."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    pytest.importorskip("graphtrain.models")
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "graphtrain", "bench", "tiny", "--variants", "eager-fp32", "--no-progress"]
+        + ["--steps", "1", "--repeats", "60", "--out", str(tmp_path)],
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root / "src")},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 300
+    while not list(tmp_path.glob("tiny-*.partial.json")) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    (partial,) = tmp_path.glob("tiny-*.partial.json")  # the first case is saved; the second is running
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    from graphtrain.bench import cli as bench_cli
+    from graphtrain.cli.exits import EXIT_INTERRUPTED
+
+    assert proc.returncode == EXIT_INTERRUPTED == bench_cli.EXIT_INTERRUPTED, (out, err)
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"interrupted: the cases finished so far are in {partial}"), err[-2000:]
+    assert "--resume" not in err and json.loads(partial.read_text())["cases"][0]["name"] == "gpt2-tiny b2 s32"

@@ -13,6 +13,9 @@ from pathlib import Path
 
 from graphtrain.bench.suites import DEFAULT_VARIANTS, SUITES, VARIANTS
 
+EXIT_INTERRUPTED = 130
+"""Ctrl-C's exit status: the command line's (cli/exits.py, a layer above bench; tests/test_bench.py holds them equal)."""
+
 # Imports inside functions: import cost: `graphtrain bench --help` and the suite listing stay free of torch.
 
 
@@ -147,19 +150,30 @@ def run(args: argparse.Namespace) -> int:
     argv = list(getattr(args, "argv", None) or sys.argv[1:])
     argv = argv[1:] if argv[:1] == ["bench"] else argv  # as a subcommand of `graphtrain`
     command = "graphtrain bench " + " ".join(shlex.quote(a) for a in argv)
-    result = runner.run_suite(
-        suite,
-        variants,
-        cases,
-        device=device,
-        out_dir=out,
-        maxbatch=args.maxbatch,
-        progress=not args.no_progress,
-        command=command,
-        on_case=lambda partial: report.save_partial(partial, out),
-        allow_slow_bf16=args.allow_slow_bf16,
-        gemm_floor=args.gemm_floor,
-    )
+    saved: list[Path] = []
+    try:
+        result = runner.run_suite(
+            suite,
+            variants,
+            cases,
+            device=device,
+            out_dir=out,
+            maxbatch=args.maxbatch,
+            progress=not args.no_progress,
+            command=command,
+            on_case=lambda partial: saved.append(report.save_partial(partial, out)),
+            allow_slow_bf16=args.allow_slow_bf16,
+            gemm_floor=args.gemm_floor,
+        )
+    except KeyboardInterrupt:
+        print(
+            f"interrupted: the cases finished so far are in {saved[-1]} (`graphtrain bench --out {out} --docs PAGE "
+            "--partial` renders them)"
+            if saved
+            else "interrupted before the first case finished: nothing was saved",
+            file=sys.stderr,
+        )
+        return EXIT_INTERRUPTED
     paths = report.save(result, out)
     print(report.terminal_table(result))
     print(f"results: {paths['json']}\nreport:  {paths['md']}\nlogs:    {result['log_dir']}")

@@ -200,6 +200,8 @@ SUBCOMMANDS: dict[str, Subcommand] = {
     ),
 }
 EPILOGS = {"train": TRAIN_EPILOG, "bisect": BISECT_EPILOG}
+INTERRUPTED = {"train": "interrupted: checkpoints already saved are kept; continue with --resume auto"}
+"""What Ctrl-C prints, by command (others: `interrupted`; `bench` says where its finished cases are itself)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -250,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.run(args)
     except KeyboardInterrupt:
-        print("interrupted: checkpoints already saved are kept; continue with --resume auto", file=sys.stderr)
+        print(INTERRUPTED.get(args.command, "interrupted"), file=sys.stderr)
         return EXIT_INTERRUPTED
     except Exception as e:
         code = exit_status(e)
