@@ -259,3 +259,29 @@ def test_resume_takes_auto_and_leaves_other_arguments_alone(tmp_path, capsys):
     assert code == 2 and "no checkpoint" in err  # --resume alone: the latest checkpoint
     code, _, err = run(capsys, "train", "--resume", str(tmp_path / "job.yaml"), *TINY, "--out", out)
     assert code == 2 and "job.yaml' does not exist" in err  # the YAML path stayed the job file
+
+
+def test_train_measures_the_matmul_peak_of_the_device_it_trains_on(monkeypatch, tmp_path):
+    """MFU's denominator is measured once per machine for the device the Trainer picks: on a GPU machine the GPU's
+    (the Trainer then looks up matmul_peak_cuda), not the CPU's. A run with only the jsonl logger measures none."""
+    from graphtrain.kernels import flops
+    from graphtrain.trainer import runtime
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def measured(device="cpu", log=print):
+        seen.append(device)
+        raise Stop
+
+    monkeypatch.setattr(flops, "ensure_machine_peak", measured)
+    monkeypatch.setattr(runtime, "pick_device", lambda: torch.device("cuda"))
+    with pytest.raises(Stop):
+        main(["train", *TINY, "train.loggers=[jsonl,tensorboard]", "--out", str(tmp_path / "a"), "--debug"])
+    assert seen == ["cuda"]
+    monkeypatch.setattr(runtime, "pick_device", lambda: torch.device("cpu"))
+    with pytest.raises(Stop):
+        main(["train", *TINY, "train.loggers=[jsonl,tensorboard]", "--out", str(tmp_path / "b"), "--debug"])
+    assert seen == ["cuda", "cpu"]

@@ -258,6 +258,14 @@ def test_mfu_is_against_the_peak_of_the_precision_that_runs(
         tiny(tmp_path, f"engine.precision={precision}", f"train.accelerate={accelerate}", "engine.provider=aten")
     )
     assert trainer._peak == peaks[peak]
+    # a GPU's cached peak carries its datasheet bf16 figure (kernels/flops.py): bf16 runs are held to it, as in the bench
+    peaks["bf16_datasheet"] = 9e11
+    again = Trainer(
+        tiny(
+            tmp_path / "gpu", f"engine.precision={precision}", f"train.accelerate={accelerate}", "engine.provider=aten"
+        )
+    )
+    assert again._peak == (9e11 if peak == "bf16" else peaks["fp32"])
 
 
 def test_init_from_loads_weights_only(tmp_path):

@@ -266,10 +266,12 @@ def _prepare_train(args: argparse.Namespace) -> int | Callable[[], int]:
     _check_out_dir(config.train.out_dir)
     _lock_out_dir(config.train.out_dir)
     launch.record_checkpoints(config.train.out_dir)  # under torchrun: what a restart must not mistake for its own
-    if config.train.loggers != ["jsonl"]:  # the MFU curve's denominator, measured once per machine
+    if config.train.loggers != ["jsonl"]:  # the MFU curve's denominator, measured once per machine and device
         from graphtrain.kernels.flops import ensure_machine_peak
+        from graphtrain.trainer.runtime import pick_device
 
-        ensure_machine_peak(log=lambda m: print(m, file=sys.stderr, flush=True))
+        # the device the Trainer picks (a GPU where there is one): the CPU's peak never divides a GPU run's FLOPs
+        ensure_machine_peak(pick_device().type, log=lambda m: print(m, file=sys.stderr, flush=True))
     trainer = Trainer(config, resume=resume, allow_config_change=allowed)
     from graphtrain.runs.sweep import pruning_callback
 

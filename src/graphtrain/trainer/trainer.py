@@ -347,7 +347,7 @@ class Trainer:
         return summary
 
     def _mfu_inputs(self, model: torch.nn.Module) -> tuple[int, float | None]:
-        """(model FLOPs per trained token, this machine's measured matmul peak in FLOP/s or None): MFU is logged
+        """(model FLOPs per trained token, this machine's matmul peak in FLOP/s or None): MFU is logged
         when the peak was measured on this machine before (`graphtrain train` does it once per machine,
         `graphtrain bench` and `python -m graphtrain.kernels.flops` too; the Trainer itself never spends the
         seconds)."""
@@ -360,7 +360,7 @@ class Trainer:
         # the precision the engine runs (auto resolved as the engine resolves it), so bf16 steps meet the bf16 peak
         resolved = capability.resolve_precision(self.config.engine.precision, self.device.type)
         precision = "bf16" if self.config.train.accelerate and resolved in ("bf16", "fp16") else "fp32"
-        value = peak.get(precision)
+        value = flops.mfu_peak(peak, precision)  # a GPU's datasheet bf16 peak where known, as `graphtrain bench`'s
         if not value:
             self._log(
                 f"MFU not logged: this machine's {precision} matmul peak was never measured (python -m "
