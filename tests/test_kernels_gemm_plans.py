@@ -125,10 +125,10 @@ def test_a_plan_is_measured_once_per_shape_and_every_plan_computes_the_product()
     a, b = _operand(300, 64, False, g), _operand(64, 48, True, g)
     plan = low_plan(a, b)
     assert plan in LOW_PLANS
-    assert capability.cached_probe("gemm_low_plan_v3 300x64x48 nt bfloat16", lambda: pytest.fail("measured twice"))[
+    assert capability.cached_probe("gemm_low_plan_v4 300x64x48 nt bfloat16", lambda: pytest.fail("measured twice"))[
         "cached"
     ]
-    r = capability.peek_probe("gemm_low_plan_v3 300x64x48 nt bfloat16")
+    r = capability.peek_probe("gemm_low_plan_v4 300x64x48 nt bfloat16")
     out = torch.empty(300, 48, dtype=torch.bfloat16)
     assert r["whole_s"] > 0 and r["blocks_s"] > 0 and (r["threads_s"] > 0) == thread_rows_available(a, b, out)
     assert r["transpose_s"] == 0  # a is row-major: nothing to copy
@@ -136,6 +136,29 @@ def test_a_plan_is_measured_once_per_shape_and_every_plan_computes_the_product()
         out = torch.full((300, 48), float("nan"), dtype=torch.bfloat16)
         mm_plan(a, b, out, p)
         assert_close(out, torch.mm(a, b), name=p, rtol=2**-7, atol=2**-7)
+
+
+@pytest.mark.skipif(_cpu_ext.load() is None, reason="graphtrain's C++ kernels are not built here")
+def test_the_probe_times_the_transpose_plan_into_one_block_as_a_step_runs_it():
+    """A step reuses the copy's block (kept by glibc under keep, by the block cache under release); a probe that
+    allocated it on every timed call timed its page faults and picked "whole" for the LM head's d weight, 20 ms a
+    step slower. The probe's allocations of the copy's size: the operand's own and the one block, whatever the
+    number of rounds."""
+    m, k, n = 256, 192, 64
+    gemm_mod.plan_for(m, k, n, False, False, torch.bfloat16)  # the product's own plan, measured outside the count
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        r = gemm_mod._measure_low_plans(m, k, n, True, False, torch.bfloat16)
+    assert r["transpose_s"] > 0
+    sized = [
+        e.name for e in prof.events() if e.self_cpu_memory_usage == m * k * 2
+    ]  # allocations, by the op that made them
+    assert len(sized) == 2, f"{len(sized)} blocks of the copy's size over {gemm_mod.PROBE_ROUNDS} rounds"
+    g = torch.Generator().manual_seed(3)
+    a, b = _operand(m, k, True, g), _operand(k, n, False, g)
+    block, out = torch.full((m, k), float("nan"), dtype=torch.bfloat16), torch.empty(m, n, dtype=torch.bfloat16)
+    mm_plan(a, b, out, "transpose", block)
+    assert torch.equal(block, a.contiguous())  # the copy went into the block given
+    assert_close(out, torch.mm(a, b), name="transpose into a block", rtol=2**-7, atol=2**-7)
 
 
 @needs_rows

@@ -458,9 +458,9 @@ def low_plan(a: Tensor, b: Tensor) -> str:
 def plan_for(m: int, k: int, n: int, a_transposed: bool, b_transposed: bool, dtype: torch.dtype) -> str:
     """`low_plan` of an (m, k) @ (k, n) product by its sizes, each operand's layout (read transposed or not) and
     dtype."""
-    # "v3": the transpose plan's copy 1.3-3x faster on large matrices (csrc/matmul.cpp transpose_bf16): plans measured
-    # with the slower copy are not reused
-    name = f"gemm_low_plan_v3 {m}x{k}x{n} {'tn'[not a_transposed]}{'tn'[not b_transposed]} {str(dtype)[6:]}"
+    # "v3": the transpose plan's copy 1.3-3x faster on large matrices (csrc/matmul.cpp transpose_bf16); "v4": the probe
+    # times that copy into a block allocated once (_measure_low_plans). Plans measured before are not reused
+    name = f"gemm_low_plan_v4 {m}x{k}x{n} {'tn'[not a_transposed]}{'tn'[not b_transposed]} {str(dtype)[6:]}"
     key = (capability.machine_key(), name)
     if key not in _LOW_PLANS:
         if a_transposed:  # the "transpose" plan runs the row-major product by its own plan: decided first, outside
@@ -505,17 +505,20 @@ def transpose_available(a: Tensor) -> bool:
     )
 
 
-def row_major(a: Tensor) -> Tensor:
-    """a copied row-major by the C++ transpose; the caller checked `transpose_available`."""
-    out = torch.empty(a.shape, dtype=a.dtype)
+def row_major(a: Tensor, scratch: Tensor | None = None) -> Tensor:
+    """a copied row-major by the C++ transpose, into `scratch` where it is a contiguous tensor of a's shape and dtype
+    (else a new one); the caller checked `transpose_available`."""
+    fits = scratch is not None and scratch.shape == a.shape and scratch.dtype == a.dtype and scratch.is_contiguous()
+    out = scratch if fits and scratch is not None else torch.empty(a.shape, dtype=a.dtype)
     _cpu_ext.load().transpose_bf16(a, out)
     return out
 
 
-def mm_plan(a: Tensor, b: Tensor, out: Tensor, plan: str) -> None:
-    """out = a @ b (`out` written, not read) by `plan` (one of LOW_PLANS); a failing C++ call reruns through aten."""
+def mm_plan(a: Tensor, b: Tensor, out: Tensor, plan: str, scratch: Tensor | None = None) -> None:
+    """out = a @ b (`out` written, not read) by `plan` (one of LOW_PLANS); a failing C++ call reruns through aten.
+    `scratch`: where the transpose plan copies a (`row_major`), else a block of its own."""
     if plan == "transpose":  # a already row-major (or not bf16): nothing to copy, the product's own plan
-        ac = guarded("transpose", "c++", lambda: row_major(a), a.contiguous) if transpose_available(a) else a
+        ac = guarded("transpose", "c++", lambda: row_major(a, scratch), a.contiguous) if transpose_available(a) else a
         inner = low_plan(ac, b) if _low_cpu(ac, b, out) and ac.shape[0] > 32 else "whole"
         mm_plan(ac, b, out, "whole" if inner == "transpose" else inner)
     elif plan == "threads":
@@ -561,7 +564,13 @@ def _measure_low_plans(m: int, k: int, n: int, a_t: bool, b_t: bool, dtype: torc
     if thread_rows_available(a, b, out):
         plans["threads"] = functools.partial(mm_thread_rows, a, b, out)
     if transpose_available(a):
-        plans["transpose"] = functools.partial(mm_plan, a, b, out, "transpose")  # plan_for decided the product's first
+        # the copy's block is allocated once, as `out` is: in a step it comes from the blocks the allocator keeps
+        # (glibc's heap under keep, the block cache under release). Allocated per call, the probe timed its page
+        # faults: the LM head's d weight (32768 x 1024 x 1024) took 67.5 ms by this plan against 69.9 whole and
+        # stayed whole; into one block 38.7 against 52.7 (docs/design/benchmarks.md, "The transpose plan's probe").
+        # The product's own plan was decided first (plan_for).
+        copy = torch.empty(a.shape, dtype=dtype)
+        plans["transpose"] = functools.partial(mm_plan, a, b, out, "transpose", copy)
     with torch.no_grad():
         best = {p: _once(fn) for p, fn in plans.items()}  # the warm-ups: oneDNN creates its primitives
         for r in range(PROBE_ROUNDS):
