@@ -508,10 +508,10 @@ def transpose_available(a: Tensor) -> bool:
 def row_major(a: Tensor, scratch: Tensor | None = None) -> Tensor:
     """a copied row-major by the C++ transpose, into `scratch` where it is a contiguous tensor of a's shape and dtype
     (else a new one); the caller checked `transpose_available`."""
-    fits = scratch is not None and scratch.shape == a.shape and scratch.dtype == a.dtype and scratch.is_contiguous()
-    out = scratch if fits and scratch is not None else torch.empty(a.shape, dtype=a.dtype)
-    _cpu_ext.load().transpose_bf16(a, out)
-    return out
+    if scratch is None or scratch.shape != a.shape or scratch.dtype != a.dtype or not scratch.is_contiguous():
+        scratch = torch.empty(a.shape, dtype=a.dtype)
+    _cpu_ext.load().transpose_bf16(a, scratch)
+    return scratch
 
 
 def mm_plan(a: Tensor, b: Tensor, out: Tensor, plan: str, scratch: Tensor | None = None) -> None:
