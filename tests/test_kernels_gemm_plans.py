@@ -149,9 +149,8 @@ def test_the_probe_times_the_transpose_plan_into_one_block_as_a_step_runs_it():
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
         r = gemm_mod._measure_low_plans(m, k, n, True, False, torch.bfloat16)
     assert r["transpose_s"] > 0
-    sized = [
-        e.name for e in prof.events() if e.self_cpu_memory_usage == m * k * 2
-    ]  # allocations, by the op that made them
+    # allocations of the copy's size, by the op that made them
+    sized = [e.name for e in prof.events() if e.self_cpu_memory_usage == m * k * 2]
     assert len(sized) == 2, f"{len(sized)} blocks of the copy's size over {gemm_mod.PROBE_ROUNDS} rounds"
     g = torch.Generator().manual_seed(3)
     a, b = _operand(m, k, True, g), _operand(k, n, False, g)

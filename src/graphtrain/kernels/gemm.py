@@ -529,6 +529,16 @@ def mm_plan(a: Tensor, b: Tensor, out: Tensor, plan: str, scratch: Tensor | None
         torch.mm(a, b, out=out)
 
 
+def plan_runner(a: Tensor, b: Tensor, out: Tensor, plan: str) -> Callable[[], None]:
+    """out = a @ b by `plan` as a call to time (the plan probe, the bench's GEMM floor). The transpose plan's copy goes
+    into one block allocated here, as `out` is: in a step it comes from the blocks the allocator keeps (glibc's heap
+    under keep, the block cache under release). Allocated per call, the probe timed its page faults: the LM head's d
+    weight (32768 x 1024 x 1024) took 67.5 ms by this plan against 69.9 whole and stayed whole; into one block 38.7
+    against 52.7 (docs/design/benchmarks.md, "The transpose plan's probe")."""
+    block = torch.empty(a.shape, dtype=a.dtype) if plan == "transpose" and transpose_available(a) else None
+    return functools.partial(mm_plan, a, b, out, plan, block)
+
+
 def _low_cpu(a: Tensor, b: Tensor, out: Tensor) -> bool:
     return (
         a.device.type == "cpu"
@@ -564,13 +574,7 @@ def _measure_low_plans(m: int, k: int, n: int, a_t: bool, b_t: bool, dtype: torc
     if thread_rows_available(a, b, out):
         plans["threads"] = functools.partial(mm_thread_rows, a, b, out)
     if transpose_available(a):
-        # the copy's block is allocated once, as `out` is: in a step it comes from the blocks the allocator keeps
-        # (glibc's heap under keep, the block cache under release). Allocated per call, the probe timed its page
-        # faults: the LM head's d weight (32768 x 1024 x 1024) took 67.5 ms by this plan against 69.9 whole and
-        # stayed whole; into one block 38.7 against 52.7 (docs/design/benchmarks.md, "The transpose plan's probe").
-        # The product's own plan was decided first (plan_for).
-        copy = torch.empty(a.shape, dtype=dtype)
-        plans["transpose"] = functools.partial(mm_plan, a, b, out, "transpose", copy)
+        plans["transpose"] = plan_runner(a, b, out, "transpose")  # the product's own plan was decided first (plan_for)
     with torch.no_grad():
         best = {p: _once(fn) for p, fn in plans.items()}  # the warm-ups: oneDNN creates its primitives
         for r in range(PROBE_ROUNDS):
