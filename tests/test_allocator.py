@@ -180,8 +180,13 @@ _CACHE = textwrap.dedent("""
     total = float(a.sum() + b.sum())
     del a, b
     both = allocator.block_cache_stats()
-    c = torch.ones(MIB // 4)                         # 1 MiB: not cached, but counted; the 8 MiB block makes room
+    c = torch.ones(MIB // 4)                         # 1 MiB: counted; the 8 MiB block makes room
     mid = allocator.block_cache_stats()
+    del c                                            # kept too: from 128 KiB up, what release would unmap
+    f1, h1 = faults(), allocator.block_cache_stats()["hits"]
+    for _ in range(6):                               # the same 1 MiB request again: its pages are reused
+        torch.empty(MIB // 4).fill_(1.0)
+    small = {"faults": faults() - f1, "hits": allocator.block_cache_stats()["hits"] - h1}
     pid = os.fork()                                  # a forked child allocates through the cache it inherited
     if pid == 0:                                     # one thread, as DataLoader workers: OpenMP's pool does not
         torch.set_num_threads(1)                     # survive a fork (torch alone hangs there too)
@@ -189,14 +194,15 @@ _CACHE = textwrap.dedent("""
     child_ok = os.waitpid(pid, 0)[1] == 0
     allocator.trim()
     print(json.dumps({"reuse_faults": reuse_faults, "warm": warm, "evicted": evicted, "both": both, "total": total,
-                      "mid": mid, "child_ok": child_ok, "trimmed": allocator.block_cache_stats()}))
+                      "mid": mid, "small": small, "child_ok": child_ok, "trimmed": allocator.block_cache_stats()}))
 """)
 
 
 def test_block_cache_reuses_freed_blocks_within_the_most_ever_in_use():
     """Fresh process: under release, a freed 16 MiB block serves the next request of its size without page faults;
     a request of another size evicts it rather than pass the most bytes ever in use, and so does a smaller block
-    (1 MiB: not cached but counted); a forked child allocates through it; trim() empties the cache."""
+    (1 MiB), which is kept in turn and serves its size without faults; a forked child allocates through it; trim()
+    empties the cache."""
     from graphtrain.kernels import _cpu_ext
 
     if _cpu_ext.load() is None:
@@ -214,6 +220,8 @@ def test_block_cache_reuses_freed_blocks_within_the_most_ever_in_use():
     assert out["total"] == 2.0 * 2 * mib  # the reused and fresh blocks hold what was written
     # blocks from 128 KiB count towards the bound (release would give them back too): 1 + 16 cached <= 24
     assert out["mid"]["in_use_bytes"] == mib and out["mid"]["cached_bytes"] == 16 * mib, out["mid"]
+    # and kept (release maps each such block afresh: 256 faults a time with 4 KiB pages, 1536 for the six)
+    assert out["small"]["hits"] == 6 and out["small"]["faults"] < 256, out["small"]
     assert out["child_ok"], out
     assert out["trimmed"]["cached_bytes"] == 0, out
 

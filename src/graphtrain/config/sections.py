@@ -73,7 +73,7 @@ class EngineConfig:
     anyway and the rounding only adds memory (the default job, gpt2-mini: peak 770-776 MB with them, 725-739
     without, same step time, 2-core Zen 5)."""
     cpu_block_cache: bool = True
-    """Under `cpu_allocator: release`, keep freed CPU blocks of 2 MiB and more for the next request of their size
+    """Under `cpu_allocator: release`, keep freed CPU blocks of 128 KiB and more for the next request of their size
     instead of returning them to the OS, bounded so that blocks in use plus kept never pass the most ever in use
     at once: the same peak as returning them, without faulting each step's fresh activations in again
     (memory/allocator.py use_block_cache)."""

@@ -33,14 +33,17 @@ only replaceable from C++).
 
 The block cache (``use_block_cache``, on under ``release``): huge pages make a fresh block's faults cheaper, but
 under ``release`` every step still faults its fresh activations in (measured: Hugging Face GPT-2 with
-``recompute="full"``, 640k minor faults a step with 4 KiB pages). The same allocator keeps a freed block of 2 MiB
-or more for the next request of its size, bounded so that the bytes in use plus the bytes kept never pass the most
-ever in use at once: a request that would pass it evicts kept blocks first. Blocks from 128 KiB up count as in use
-(release would give them back too): counting only the cached sizes let the backward's smaller blocks (gradients of
-small weights) come on top of the kept ones, 9 MiB over release's peak on gpt2-mini. A step's requests repeat
-every step, so most are served from the cache; the ones that are not are the sizes the backward frees in place of
-the forward's (ViT, batch 32, ``full``: 176 hits and 58 misses a step). Measured in docs/design/memory.md ("The block
-cache under release").
+``recompute="full"``, 640k minor faults a step with 4 KiB pages). The same allocator keeps a freed block of 128 KiB
+or more (what ``release`` gives back to the OS) for the next request of its size, bounded so that the bytes in use
+plus the bytes kept never pass the most ever in use at once: a request that would pass it evicts kept blocks first.
+Counting only the cached sizes as in use let the backward's smaller blocks (gradients of small weights) come on top
+of the kept ones, 9 MiB over release's peak on gpt2-mini; keeping only blocks of 2 MiB and more left the smaller
+ones to fault in every step (HF Llama small bf16: 91k minor faults a step against 0.5-6k kept). A step's requests repeat every
+step, so most are served from the cache; the ones that are not are the sizes the backward frees in place of the
+forward's (ViT, batch 32, ``full``: 176 hits and 58 misses a step). No eviction order fixes that under the bound:
+on a recorded HF Llama wide step, replayed, evicting the block whose size is asked for last (the best any order
+can do) missed 97-100% of the bytes the order used misses. Measured in docs/design/memory.md ("The block cache under
+release").
 """
 
 from __future__ import annotations
@@ -165,7 +168,7 @@ def huge_pages_on() -> bool | None:
 
 
 def use_block_cache(on: bool = True) -> bool:
-    """Keep freed blocks of 2 MiB and more for the next request of their size (on), bounded so that the bytes in use
+    """Keep freed blocks of 128 KiB and more for the next request of their size (on), bounded so that the bytes in use
     (blocks from 128 KiB up) plus the bytes kept never pass the most ever in use at once; off gives every kept
     block back. Under ``release`` this keeps its peak and saves the page faults of re-touching each step's fresh
     activations: the step's allocations repeat every step. Returns whether it is on (False where the C++ kernels

@@ -2,13 +2,16 @@
 // allocator is only replaceable from C++ (c10::SetCPUAllocator); the rest of the reasons follow.
 #include <torch/extension.h>
 
-// graphtrain's CPU allocator for blocks of 2 MiB and more (memory/allocator.py). Smaller blocks go to the
-// allocator this one replaced. Two independent settings:
+// graphtrain's CPU allocator for blocks of 2 MiB and more, and from 128 KiB while the block cache is on
+// (memory/allocator.py). Smaller blocks go to the allocator this one replaced. Two independent settings:
 // - huge pages: a block is madvise(MADV_HUGEPAGE)d before its first touch, so it faults in 2 MiB at a time
 //   instead of 4 KiB (what c10 does under THP_MEM_ALLOC_ENABLE=1, which torch reads once, at its first
 //   allocation: too early for a library to set);
-// - the block cache: a freed block is kept for the next request of its size (to 4 KiB), as a
-//   step's allocations repeat every step, so its pages are not faulted in again. Bounded: the bytes in use plus
+// - the block cache: a freed block of 128 KiB or more is kept for the next request of its size (to 4 KiB), as a
+//   step's allocations repeat every step, so its pages are not faulted in again. Blocks below 2 MiB were not kept
+//   at first: under release glibc maps each of them afresh, and on HF Llama small bf16 (b8 s128, 2-core AMX Xeon)
+//   the step faulted 91k pages of 4 KiB; kept, 0.5-6k, and the step took 0.27-0.35 s instead of 0.39-0.45 s, the
+//   process peak unchanged (docs/design/memory.md). Bounded: the bytes in use plus
 //   the bytes cached never exceed the most ever in use at once (a request that would pass that first evicts
 //   the smallest cached block that makes room, else the largest), counting every block from 128 KiB up (what
 //   release would give back to the OS), so the process peak stays what returning every freed block gives
@@ -106,7 +109,7 @@ void gt_huge_delete(void* p) {
       gt_blocks.in_use.erase(it);
       gt_blocks.in_use_bytes -= r;
       if (gt_blocks.recording && r >= kHugePage) ++gt_blocks.freed_while_recording[r];
-      if ((gt_blocks.cache || gt_blocks.sticky.count(p) != 0) && r >= kHugePage) {
+      if ((gt_blocks.cache && r >= kTracked) || (gt_blocks.sticky.count(p) != 0 && r >= kHugePage)) {
         gt_blocks.idle.emplace(r, p);
         gt_blocks.cached_bytes += r;
         return;
@@ -130,7 +133,7 @@ struct HugePageCPUAllocator final : c10::Allocator {
     {
       std::lock_guard<std::mutex> g(gt_blocks.mu);
       huge = gt_blocks.huge && !small;
-      auto it = small ? gt_blocks.idle.end() : gt_blocks.idle.find(r);
+      auto it = gt_blocks.idle.find(r);
       if (it != gt_blocks.idle.end()) {
         p = it->second;
         gt_blocks.idle.erase(it);
@@ -285,7 +288,7 @@ int64_t block_cache_drain() {
 }
 
 // [bytes in use, bytes cached, most bytes ever in use, hits, misses, evictions, bytes missed, bytes primed and
-// not yet asked for], blocks of 2 MiB+.
+// not yet asked for]: blocks of 2 MiB+, and from 128 KiB while the cache is on.
 std::vector<int64_t> block_cache_stats() {
   std::lock_guard<std::mutex> g(gt_blocks.mu);
   return {(int64_t)gt_blocks.in_use_bytes, (int64_t)gt_blocks.cached_bytes, (int64_t)gt_blocks.high_water,
