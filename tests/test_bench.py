@@ -391,6 +391,23 @@ def test_tables_print_time_to_full_speed_and_the_compile_childs_peak():
     assert "whole job peaked at no more than the sum" in md
 
 
+def test_the_machine_line_gives_the_idle_read_probe_at_start_and_end():
+    """A run records how much slower the machine read memory left alone than memory just read (the AMX Xeon VM's slow
+    periods), at its start and end, and its machine line says so; a run without the probe says nothing of it."""
+    from graphtrain.bench.runner import idle_read_penalty
+
+    probe = idle_read_penalty(idle_s=0.05, rounds=2)
+    assert probe["idle_s"] == 0.05 and probe["hot_ms"] > 0 and probe["idle_ms"] > 0, probe
+    assert abs(probe["ratio"] - probe["idle_ms"] / probe["hot_ms"]) < 0.05, probe
+    run = _fake_run()
+    machine = next(ln for ln in report.markdown(run).splitlines() if ln.startswith("Machine:"))
+    assert "left alone" not in machine
+    run["env"]["idle_read_start"] = {"idle_s": 0.5, "hot_ms": 10.0, "idle_ms": 31.0, "ratio": 3.1}
+    run["env"]["idle_read_end"] = {"idle_s": 0.5, "hot_ms": 10.0, "idle_ms": 11.0, "ratio": 1.1}
+    machine = next(ln for ln in report.markdown(run).splitlines() if ln.startswith("Machine:"))
+    assert "memory left alone 0.5 s read 3.1x slower than memory just read at start, 1.1x at end" in machine, machine
+
+
 def test_a_simulated_cpu_is_named_in_the_machine_line(monkeypatch):
     run = _fake_run()
     run["env"].update(simulated="avx2", isa_env={"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"})

@@ -248,6 +248,18 @@ def terminal_table(run: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+def _idle_read(env: dict[str, Any]) -> str:
+    """The machine line's note of the idle-read probe (runner.idle_read_penalty), where the run recorded it."""
+    start, end = env.get("idle_read_start"), env.get("idle_read_end")
+    if not start:
+        return ""
+    return (
+        f"; memory left alone {start['idle_s']:g} s read {start['ratio']:.1f}x slower than memory just read at start"
+        + (f", {end['ratio']:.1f}x at end" if end else "")
+        + " (1.0x: no slow period; docs/design/benchmarks.md)"
+    )
+
+
 def markdown(run: dict[str, Any], heading: str = "##") -> str:
     env, peak, s = run.get("env", {}), run.get("peak") or {}, run.get("settings", {})
     lines = [
@@ -275,6 +287,7 @@ def markdown(run: dict[str, Any], heading: str = "##") -> str:
             if env.get("loadavg_start")
             else ""
         )
+        + _idle_read(env)
         + ".",
         "",
         f"Versions: python {env.get('python')}, torch {env.get('torch')}, graphtrain {env.get('graphtrain')}"

@@ -15,8 +15,10 @@ import datetime as _dt
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -188,6 +190,37 @@ def environment(device: str) -> dict[str, Any]:
     return env
 
 
+IDLE_READ_MIB = 64
+"""The block the idle-read probe copies: larger than the caches of the CPUs seen so far, so it reads memory."""
+
+
+def idle_read_penalty(idle_s: float = 0.5, rounds: int = 3) -> dict[str, float]:
+    """How much slower this machine reads memory left alone for `idle_s` seconds than memory it just read: a 64 MiB
+    fp32 block copied to bf16 on torch's threads, the fastest of 3 copies back to back against the median of `rounds`
+    copies each after `idle_s` asleep. On the 2-core AMX Xeon VM the second was 3-8x the first in some hours and near
+    it in others, and a training step's large blocks (gradients, optimizer state) cost what that state makes them
+    cost: docs/design/benchmarks.md, "Why this machine has slow periods". Recorded at a run's start and end, so that
+    two runs' figures can be read against the machine's state. About 2 s."""
+    import torch
+
+    src = torch.ones(IDLE_READ_MIB << 18)
+    dst = torch.empty(src.shape, dtype=torch.bfloat16)
+
+    def copy_ms() -> float:
+        t = time.perf_counter()
+        dst.copy_(src)
+        return (time.perf_counter() - t) * 1e3
+
+    copy_ms()  # faults the destination in
+    hot = min(copy_ms() for _ in range(3))
+    idle = []
+    for _ in range(rounds):
+        time.sleep(idle_s)
+        idle.append(copy_ms())
+    after = statistics.median(idle)
+    return {"idle_s": idle_s, "hot_ms": round(hot, 2), "idle_ms": round(after, 2), "ratio": round(after / hot, 2)}
+
+
 def _loadavg() -> list[float] | None:
     """1/5/15-minute load averages: other work on the machine is the first suspect for noise."""
     try:
@@ -283,7 +316,7 @@ def run_suite(
         "suite": suite.name,
         "started": started,
         "command": command,
-        "env": environment(device),
+        "env": {**environment(device), "idle_read_start": idle_read_penalty()},
         "settings": {
             "steps": suite.steps,
             "repeats": suite.repeats,
@@ -346,4 +379,5 @@ def run_suite(
         bar.close()
     run["finished"] = now_iso()
     run["env"]["loadavg_end"] = _loadavg()
+    run["env"]["idle_read_end"] = idle_read_penalty()
     return run
