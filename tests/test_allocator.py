@@ -187,6 +187,10 @@ _CACHE = textwrap.dedent("""
     for _ in range(6):                               # the same 1 MiB request again: its pages are reused
         torch.empty(MIB // 4).fill_(1.0)
     small = {"faults": faults() - f1, "hits": allocator.block_cache_stats()["hits"] - h1}
+    m1 = allocator.block_cache_stats()["misses"]
+    d = torch.ones(MIB // 8)                         # 512 KiB, a size never asked for: a miss, counted as one
+    small["misses"] = allocator.block_cache_stats()["misses"] - m1
+    del d
     pid = os.fork()                                  # a forked child allocates through the cache it inherited
     if pid == 0:                                     # one thread, as DataLoader workers: OpenMP's pool does not
         torch.set_num_threads(1)                     # survive a fork (torch alone hangs there too)
@@ -221,7 +225,7 @@ def test_block_cache_reuses_freed_blocks_within_the_most_ever_in_use():
     # blocks from 128 KiB count towards the bound (release would give them back too): 1 + 16 cached <= 24
     assert out["mid"]["in_use_bytes"] == mib and out["mid"]["cached_bytes"] == 16 * mib, out["mid"]
     # and kept (release maps each such block afresh: 256 faults a time with 4 KiB pages, 1536 for the six)
-    assert out["small"]["hits"] == 6 and out["small"]["faults"] < 256, out["small"]
+    assert out["small"]["hits"] == 6 and out["small"]["faults"] < 256 and out["small"]["misses"] == 1, out["small"]
     assert out["child_ok"], out
     assert out["trimmed"]["cached_bytes"] == 0, out
 

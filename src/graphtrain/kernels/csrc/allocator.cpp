@@ -146,7 +146,7 @@ struct HugePageCPUAllocator final : c10::Allocator {
         gt_blocks.sticky.insert(p);
         ++gt_blocks.primed_hits;
       } else {
-        if (gt_blocks.cache && !small) {
+        if (gt_blocks.cache) {  // a small block reaches here only with the cache on: every block here is cacheable
           ++gt_blocks.misses;
           gt_blocks.missed_bytes += r;
         }
