@@ -197,10 +197,11 @@ IDLE_READ_MIB = 64
 def idle_read_penalty(idle_s: float = 0.5, rounds: int = 3) -> dict[str, float]:
     """How much slower this machine reads memory left alone for `idle_s` seconds than memory it just read: a 64 MiB
     fp32 block copied to bf16 on torch's threads, the fastest of 3 copies back to back against the median of `rounds`
-    copies each after `idle_s` asleep. On the 2-core AMX Xeon VM the second was 3-8x the first in some hours and near
-    it in others, and a training step's large blocks (gradients, optimizer state) cost what that state makes them
-    cost: docs/design/benchmarks.md, "Why this machine has slow periods". Recorded at a run's start and end, so that
-    two runs' figures can be read against the machine's state. About 2 s."""
+    copies each after `idle_s` asleep. On the 2-core AMX Xeon VM (2026-11-30) a 128 MiB copy after 0.5 s asleep took
+    3-4x the copy back to back at 21:30 UTC, and this probe read 1.3x at 22:00; a training step's large blocks
+    (gradients, optimizer state) cost what that state makes them cost: docs/design/benchmarks.md, "Why this machine
+    has slow periods". Recorded at a run's start and end, so that two runs' figures can be read against the
+    machine's state. About 2 s."""
     import torch
 
     src = torch.ones(IDLE_READ_MIB << 18)
