@@ -38,12 +38,12 @@ or more (what ``release`` gives back to the OS) for the next request of its size
 plus the bytes kept never pass the most ever in use at once: a request that would pass it evicts kept blocks first.
 Counting only the cached sizes as in use let the backward's smaller blocks (gradients of small weights) come on top
 of the kept ones, 9 MiB over release's peak on gpt2-mini; keeping only blocks of 2 MiB and more left the smaller
-ones to fault in every step (HF Llama small bf16: 91k minor faults a step against 0.5-6k kept). A step's requests repeat every
-step, so most are served from the cache; the ones that are not are the sizes the backward frees in place of the
-forward's (ViT, batch 32, ``full``: 176 hits and 58 misses a step). No eviction order fixes that under the bound:
-on a recorded HF Llama wide step, replayed, evicting the block whose size is asked for last (the best any order
-can do) missed 97-100% of the bytes the order used misses. Measured in docs/design/memory.md ("The block cache under
-release").
+ones to fault in every step (HF Llama small bf16: 91k minor faults a step against 0.5-6k kept). A step's requests
+repeat every step, so most are served from the cache; the ones that are not are the sizes the backward frees in
+place of the forward's (ViT, batch 32, ``full``: 176 hits and 58 misses a step). No eviction order fixes that under
+the bound: on a recorded HF Llama wide step, replayed, evicting the block whose size is asked for last (the best any
+order can do) missed 97-100% of the bytes the order used misses. Measured in docs/design/memory.md ("The block cache
+under release").
 """
 
 from __future__ import annotations
