@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import statistics
 
 import pytest
 import torch
@@ -706,3 +707,61 @@ def test_ctrl_c_names_the_file_with_the_cases_that_finished(tmp_path):
     last = err.strip().splitlines()[-1]
     assert last.startswith(f"interrupted: the cases finished so far are in {partial}"), err[-2000:]
     assert "--resume" not in err and json.loads(partial.read_text())["cases"][0]["name"] == "gpt2-tiny b2 s32"
+
+
+def test_paired_timing_pairs_each_step_with_the_same_step_of_the_other_variants_turn(tmp_path, capsys):
+    """`python -m graphtrain.bench.paired`: every variant in one process, taking turns; the ratio of each pair is the
+    first variant's step over the other's at the same round and position, and the JSON keeps every step."""
+    from graphtrain.bench import paired
+
+    out = tmp_path / "paired.json"
+    assert (
+        paired.main(
+            [
+                "gpt2-tiny",
+                "--variants",
+                "eager-fp32",
+                "eager-bf16",
+                "--rounds",
+                "3",
+                "--steps",
+                "2",
+                "--warmup",
+                "0",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    rec = json.loads(out.read_text())
+    a, b = rec["times_ms"]["eager-fp32"], rec["times_ms"]["eager-bf16"]
+    assert len(a) == len(b) == 6 and min(a + b) > 0
+    ratios = [x / y for x, y in zip(a, b)]
+    r = rec["ratios"]["eager-bf16"]
+    assert r["pairs"] == 6 and r["median"] == pytest.approx(statistics.median(ratios))
+    assert r["min"] == pytest.approx(min(ratios)) and r["max"] == pytest.approx(max(ratios))
+    assert rec["case"] == "gpt2-tiny b2 s32" and rec["idle_read_start"]["ratio"] > 0
+    text = capsys.readouterr().out
+    assert "eager-fp32 / eager-bf16:" in text and "median of 6 paired steps" in text and "idle-read probe" in text
+
+
+def test_paired_timing_builds_graphtrain_last_and_refuses_a_process_wide_setting(capsys):
+    """torch's variants are built before graphtrain's (its first compile changes process-wide compile settings); a
+    variant that sets a process-wide math flag is refused with one line naming it, before anything is built."""
+    from graphtrain.bench import paired
+
+    assert paired.build_order(["graphtrain-bf16", "eager-bf16", "graphtrain-step-bf16", "compile-bf16"]) == [
+        "eager-bf16",
+        "compile-bf16",
+        "graphtrain-bf16",
+        "graphtrain-step-bf16",
+    ]
+    flagged = next(v.name for v in suites.VARIANTS.values() if v.fp32_matmul_bf16)
+    with pytest.raises(SystemExit) as e:
+        paired.main(["gpt2-tiny", "--variants", "eager-bf16", flagged])
+    assert e.value.code == 2
+    assert "fp32_precision for the whole process" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        paired.main(["no-such-model", "--variants", "eager-fp32", "eager-bf16"])
+    assert "no bench suite has the model 'no-such-model'" in capsys.readouterr().err
