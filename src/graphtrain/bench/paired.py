@@ -129,7 +129,7 @@ def render(rec: dict[str, Any]) -> str:
     base = rec["variants"][0]
     lines = [
         f"{rec['case']}, {rec['rounds']} rounds of {rec['steps_per_turn']} steps a turn, one process "
-        f"({rec['machine']}, torch {rec['torch']}, {rec['threads']} threads); idle-read probe "
+        f"({rec['machine']}); idle-read probe "
         f"{rec['idle_read_start']['ratio']:.2f}x at start, {rec['idle_read_end']['ratio']:.2f}x at end",
     ]
     for name in rec["variants"]:
