@@ -342,7 +342,8 @@ def test_bf16_linear_cross_entropy_head_gemms_by_each_plan_match_eager(plan, mon
     """bf16 on CPU, d hidden (d logits @ weight, the vocabulary its inner dimension) and d weight (d logits read
     transposed) run by the plan the per-machine probe decided for their shapes (gemm.low_plan): each plan, forced,
     against eager's fp32 math. A plan that cannot run here (threads or transpose without the C++ kernels) is
-    measured as unavailable by the probe and never chosen; forced, it falls back to aten."""
+    measured as unavailable by the probe and never chosen; forced, it runs the whole product through aten (threads on
+    an AVX2-only CPU, where oneDNN's bf16 matmul refuses to run, raised here before mm_plan checked its contract)."""
 
     gemm_mod = importlib.import_module("graphtrain.kernels.gemm")
     g = torch.Generator().manual_seed(0)

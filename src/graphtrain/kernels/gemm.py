@@ -515,13 +515,15 @@ def row_major(a: Tensor, scratch: Tensor | None = None) -> Tensor:
 
 
 def mm_plan(a: Tensor, b: Tensor, out: Tensor, plan: str, scratch: Tensor | None = None) -> None:
-    """out = a @ b (`out` written, not read) by `plan` (one of LOW_PLANS); a failing C++ call reruns through aten.
+    """out = a @ b (`out` written, not read) by `plan` (one of LOW_PLANS); a failing C++ call reruns through aten. A
+    plan whose kernel cannot serve these operands here (threads where oneDNN's bf16 matmul is not usable: an AVX2-only
+    CPU) runs the whole product instead: a plan read from a cache or forced never runs on a guess.
     `scratch`: where the transpose plan copies a (`row_major`), else a block of its own."""
     if plan == "transpose":  # a already row-major (or not bf16): nothing to copy, the product's own plan
         ac = guarded("transpose", "c++", lambda: row_major(a, scratch), a.contiguous) if transpose_available(a) else a
         inner = low_plan(ac, b) if _low_cpu(ac, b, out) and ac.shape[0] > 32 else "whole"
         mm_plan(ac, b, out, "whole" if inner == "transpose" else inner)
-    elif plan == "threads":
+    elif plan == "threads" and thread_rows_available(a, b, out):  # its contract met here, else the whole product
         guarded("gemm", "onednn_rows", lambda: mm_thread_rows(a, b, out), lambda: torch.mm(a, b, out=out))
     elif plan == "blocks":
         mm_row_blocks(a, b, out)
