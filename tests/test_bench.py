@@ -133,6 +133,23 @@ def test_terminal_and_markdown_formatting():
     assert len(table) == 1 and table[0].count("|") == len(report.COLUMNS) + 1
 
 
+def test_a_ratio_range_that_straddles_one_shows_it_after_rounding():
+    """The AVX2 run of 2026-12-01 had Llama's per-round ratios against max-autotune at 0.999-1.071, which 2 decimals
+    printed as 1.00-1.07: a straddle hidden. An end that rounding would move across 1.00x keeps 3 decimals, rounded
+    away from 1.00; every other end prints as before."""
+    run = _fake_run()
+    rows = report.summarize(run)
+    c = next(r for r in rows if r["variant"] == "compile-fp32")
+    c.update(vs_eager=1.04, vs_eager_min=0.9991, vs_eager_max=1.071)
+    assert report._ratio(c, "vs_eager") == "1.04x (0.999-1.07)"
+    c.update(vs_eager=0.97, vs_eager_min=0.95, vs_eager_max=1.0004)
+    assert report._ratio(c, "vs_eager") == "0.97x (0.95-1.001)"
+    c.update(vs_eager=1.5, vs_eager_min=1.006, vs_eager_max=1.594)
+    assert report._ratio(c, "vs_eager") == "1.50x (1.01-1.59)"
+    assert report.ratio_range(0.9949, 0.9996) == "0.99-0.999"  # both below 1.00x: the upper end says so
+    assert report.ratio_range(1.0, 1.0) == "1.00-1.00"
+
+
 def test_save_and_latest_runs(tmp_path):
     run = _fake_run()
     paths = report.save(run, tmp_path)

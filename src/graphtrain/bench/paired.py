@@ -126,6 +126,8 @@ def run(case: Any, names: list[str], rounds: int, steps: int, warmup: int, threa
 
 
 def render(rec: dict[str, Any]) -> str:
+    from graphtrain.bench.report import ratio_range
+
     base = rec["variants"][0]
     lines = [
         f"{rec['case']}, {rec['rounds']} rounds of {rec['steps_per_turn']} steps a turn, one process "
@@ -138,7 +140,7 @@ def render(rec: dict[str, Any]) -> str:
     for name, r in rec["ratios"].items():
         lines.append(
             f"  {base} / {name}: {r['median']:.2f}x, median of {r['pairs']} paired steps "
-            f"(range {r['min']:.2f}-{r['max']:.2f})"
+            f"(range {ratio_range(r['min'], r['max'])})"
         )
     return "\n".join(lines)
 

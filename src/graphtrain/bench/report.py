@@ -13,6 +13,7 @@ over to the end of the regenerated page.
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from pathlib import Path
 from typing import Any
@@ -144,10 +145,25 @@ def _f(x: Any, fmt: str, dash: str = "-") -> str:
     return dash if x is None else format(x, fmt)
 
 
+def ratio_bound(x: float) -> str:
+    """One end of a ratio's range, to 2 decimals unless that would hide which side of 1.00x it lies on: then to 3,
+    rounded away from 1.00 (0.9991 prints 0.999, 1.0004 prints 1.001), so a range that straddles 1.00x always shows
+    it (an AVX2 run printed Llama's 0.999-1.071 against max-autotune as 1.00-1.07)."""
+    text = f"{x:.2f}"
+    if (x < 1.0) == (float(text) < 1.0) and (x > 1.0) == (float(text) > 1.0):
+        return text
+    return f"{(math.floor if x < 1.0 else math.ceil)(x * 1000) / 1000:.3f}"
+
+
+def ratio_range(lo: float, hi: float) -> str:
+    """ "lo-hi", each end by `ratio_bound`."""
+    return f"{ratio_bound(lo)}-{ratio_bound(hi)}"
+
+
 def _ratio(row: dict[str, Any], key: str) -> str:
     if key not in row:
         return "-"
-    return f"{row[key]:.2f}x ({row[key + '_min']:.2f}-{row[key + '_max']:.2f})"
+    return f"{row[key]:.2f}x ({ratio_range(row[key + '_min'], row[key + '_max'])})"
 
 
 def _maxbatch(row: dict[str, Any]) -> str:
