@@ -156,7 +156,7 @@ def ratio_bound(x: float) -> str:
 
 
 def ratio_range(lo: float, hi: float) -> str:
-    """ "lo-hi", each end by `ratio_bound`."""
+    """The range as "lo-hi", each end by `ratio_bound`."""
     return f"{ratio_bound(lo)}-{ratio_bound(hi)}"
 
 
