@@ -216,6 +216,12 @@ def test_the_heads_kernel_copies_an_expanded_sequence_before_blas_reads_it(mod):
         ("attn_probs_fwd", (torch.randn(3, 8, 8), torch.empty(0), 2, 0.5, False, 0.1, 1)),
         ("attn_probs_fwd", (torch.randn(4, 8, 8), torch.randn(2, 2, 8, 7), 2, 0.5, False, 0.1, 1)),
         ("ce_fwd_bwd_inplace", (torch.randn(4, 8), torch.zeros(3, dtype=torch.long), -100, 1.0, torch.empty(4))),
+        # columns apart (a transposed buffer), rows overlapping (a row stride under the width)
+        ("ce_fwd_bwd_inplace", (torch.randn(8, 4).t(), torch.zeros(4, dtype=torch.long), -100, 1.0, torch.empty(4))),
+        (
+            "ce_fwd_bwd_inplace",
+            (torch.randn(40).as_strided((4, 8), (4, 1)), torch.zeros(4, dtype=torch.long), -100, 1.0, torch.empty(4)),
+        ),
         (
             "ce_fwd_bwd_rows",
             (

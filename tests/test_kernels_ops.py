@@ -379,6 +379,55 @@ def test_linear_cross_entropy_chunks_overwrite_stale_memory(gemm, monkeypatch):
             assert_close(g, e, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("returns_logits", [False, True])
+def test_a_power_of_two_vocabulary_head_runs_on_padded_rows_as_eager(returns_logits, monkeypatch):
+    """An fp32 CPU head of vocabulary 128 (512-byte rows: an even number of cache lines), GEMMs on aten (machines
+    where oneDNN does not win): its logits buffer's rows lie one cache line further apart than their width
+    (logits_row_stride), the C++ pass and aten's GEMMs read and write them in place, and the loss and gradients are
+    eager's, over three chunks of a buffer of stale memory. Both ops: the loss alone and the one that also returns
+    its logits (the C++ pass reads each chunk's rows from them)."""
+    lce = importlib.import_module("graphtrain.kernels.linear_cross_entropy")
+    ext = lce._cpu_ext.load()
+    if ext is None:
+        pytest.skip(f"no C++ compiler: {lce._cpu_ext.build_error()}")
+    for mod in (lce, importlib.import_module("graphtrain.kernels.gemm")):
+        monkeypatch.setattr(mod, "onednn_gemm_wins", lambda: False)
+    strides = []
+
+    class Seen:  # the extension, recording the layout of each buffer the C++ pass is given
+        def __getattr__(self, name):
+            return getattr(ext, name)
+
+        def ce_fwd_bwd_inplace(self, x, *args):
+            strides.append(x.stride())
+            return ext.ce_fwd_bwd_inplace(x, *args)
+
+        def ce_fwd_bwd_rows(self, x, *args):
+            strides.append(x.stride())
+            return ext.ce_fwd_bwd_rows(x, *args)
+
+    monkeypatch.setattr(lce._cpu_ext, "load", lambda: Seen())
+    assert lce.logits_row_stride(128, torch.float32) == 144 and lce.logits_row_stride(97, torch.float32) == 97
+    assert lce.logits_row_stride(128, torch.bfloat16) == 128
+    g = torch.Generator().manual_seed(3)
+    h, w, t = (
+        torch.randn(21, 24, generator=g),
+        torch.randn(128, 24, generator=g),
+        torch.randint(0, 128, (21,), generator=g),
+    )
+    t[5] = -100
+
+    def fused(h, w):
+        if returns_logits:
+            return torch.ops.graphtrain.linear_cross_entropy_logits(h, w, t, -100, 1, 8, True)[0]
+        return linear_cross_entropy(h, w, t, chunk_rows=8)
+
+    poison = [torch.full((8, 144), float("nan")) for _ in range(8)]
+    del poison
+    check_vs_eager(fused, lambda h, w: F.cross_entropy(h @ w.t(), t), h, w)
+    assert strides and all(s == (144, 1) for s in strides), strides
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_linear_cross_entropy_skips_ignored_rows(reduction, with_bias):

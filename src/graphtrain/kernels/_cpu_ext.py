@@ -87,8 +87,9 @@ GELU_TANH_BWD = register_contract(
 )
 _CE = (
     Rule(
-        "x.dim() == 2 && x.is_contiguous() && cpu(x) && floating(x)",
-        "x must be a contiguous floating-point CPU [n, v] tensor",
+        "x.dim() == 2 && (x.size(1) <= 1 || x.stride(1) == 1) && (x.size(0) <= 1 || x.stride(0) >= x.size(1)) && "
+        "cpu(x) && floating(x)",
+        "x must be a floating-point CPU [n, v] tensor of dense rows (row stride >= v)",
     ),
     Rule("int64(target) && target.is_contiguous() && target.numel() == x.size(0)", "target must be int64 [n]"),
     Rule("f32(losses) && losses.is_contiguous() && losses.numel() == x.size(0)", "losses must be fp32 [n]"),

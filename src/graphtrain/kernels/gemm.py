@@ -157,11 +157,19 @@ def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None) -> Tensor:
     return gemm_reference(a, b, bias)
 
 
+def _blas_rows(t: Tensor) -> bool:
+    """A 2-D tensor of dense rows at a stride of at least its width: what BLAS takes as a matrix with a leading
+    dimension (aten's mm and addmm_ write into it without a copy)."""
+    return t.dim() == 2 and t.stride(1) == 1 and t.stride(0) >= max(t.shape[1], 1)
+
+
 def mm_into(a: Tensor, b: Tensor, out: Tensor, accumulate: bool) -> None:
     """out (+)= a @ b: oneDNN straight into `out` for fp32 CPU where it wins, else aten."""
 
     def aten() -> None:
-        same = out.dtype == a.dtype == b.dtype and out.is_contiguous()
+        # a row-strided out (a padded buffer's rows: linear_cross_entropy.logits_row_stride) is a BLAS C matrix with
+        # ldc = out.stride(0): aten writes it in place, no temporary
+        same = out.dtype == a.dtype == b.dtype and (out.is_contiguous() or _blas_rows(out))
         if accumulate and same:
             out.addmm_(a, b)  # BLAS beta = 1: no [m, n] temporary, no second pass over `out`
         elif accumulate:

@@ -105,6 +105,22 @@ def train_chunk_rows(n: int, v: int, k: int, itemsize: int, cpu: bool) -> int:
 _CPP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def logits_row_stride(v: int, dtype: torch.dtype) -> int:
+    """Elements from one row to the next in a CPU head's fp32 logits buffer of width `v`: `v`, plus one 64-byte cache
+    line where a row is an even number of lines (a power-of-two vocabulary: 8192, 16384, 32768).
+
+    The weight gradient reads that buffer transposed (d logits^T @ hidden): BLAS packs a column of it, rows one
+    stride apart. A stride of 2^k bytes puts all of them in the same few sets of a physically indexed cache once the
+    buffer sits on 2 MiB huge pages (4 KiB pages scatter the upper set bits): the packing thrashes. An odd number of
+    lines per row spreads them over every set. Measured on a 2-core AVX2 EPYC (Zen 2, 512 KiB 8-way L2), [512, 16384]
+    fp32 d logits, width 512, MKL, best of 4: with huge pages 229.6 ms unpadded against 66.3 ms padded, without 70.9
+    against 66.0 (the logits GEMM into the buffer 106.2 against 87.6 and 89.8 against 92.7; d hidden unchanged).
+    fp32 only: bf16 heads go through gemm.low_plan's measured plans, which were not measured on a padded buffer."""
+    if dtype == torch.float32 and (v * 4) % 128 == 0:
+        return v + 16
+    return v
+
+
 def _chunked(
     hidden, weight, target, ignore_index, reduction, chunk, bias=None, skip_ignored=True, logits=None, loss_only=False
 ):
@@ -187,11 +203,33 @@ def _chunk_loop(
     buf: Tensor | None = None
     # the C++ pass reads each chunk's rows from all_logits itself, into the buffer
     cpp_rows = all_logits is not None and use_cpp and all_logits.is_contiguous() and all_logits.dtype == hidden.dtype
+    # rows at a padded stride (logits_row_stride) where only the C++ pass and aten's GEMMs touch the buffer: aten's
+    # oneDNN matmul (onednn_gemm_wins) copies a padded operand and takes contiguous outputs only
+    padded = (
+        reuse
+        and use_cpp
+        and hidden.device.type == "cpu"
+        and hidden.dtype == torch.float32
+        and (cpp_rows or all_logits is None)
+        and not onednn_gemm_wins()
+    )
     for s in range(0, hidden.shape[0], chunk):
         h, t = hidden[s : s + chunk], target[s : s + chunk]
         if reuse and buf is None:
             dtype = all_logits.dtype if all_logits is not None else hidden.dtype
-            buf = torch.empty((h.shape[0], weight.shape[0]), dtype=dtype, device=hidden.device)
+            v = weight.shape[0]
+            ld = logits_row_stride(v, dtype) if padded else v
+            n_rows = h.shape[0]
+            padded = (
+                padded
+                and ld != v
+                and CE_INPLACE.holds(
+                    Layout((n_rows, v), (ld, 1), dtype),
+                    Layout.contiguous((n_rows,), torch.int64),
+                    Layout.contiguous((n_rows,), torch.float32),
+                )
+            )
+            buf = torch.empty((h.shape[0], ld if padded else v), dtype=dtype, device=hidden.device)[:, :v]
         rows_buf = buf[: h.shape[0]] if buf is not None else None
         if cpp_rows and rows_buf is not None:
             logits = rows_buf  # filled by the C++ pass below
@@ -214,7 +252,7 @@ def _chunk_loop(
                     logits, all_logits, picked[s : s + chunk].contiguous(), t.contiguous(), ignore_index, scale, losses
                 )
             else:
-                logits = logits.contiguous()
+                logits = logits if padded else logits.contiguous()
                 _cpu_ext.load().ce_fwd_bwd_inplace(logits, t.contiguous(), ignore_index, scale, losses)
             dlogits = logits  # now holds d loss / d logits
         else:
@@ -524,6 +562,7 @@ def _chunk_bytes(n: torch.fx.Node, bias: bool) -> tuple[int, bool]:
     """(bytes of one chunk of the logits, whether there is more than one chunk) for the op at `n`."""
     h, w = input_value(n, 0), input_value(n, 1)
     rows, vocab, item = hint_int(h.shape[0]), hint_int(w.shape[0]), h.element_size()
+    width = logits_row_stride(vocab, h.dtype) if h.device.type == "cpu" else vocab  # an upper bound: padded or not
     i_chunk = 6 if bias else 5
     given = n.args[i_chunk] if len(n.args) > i_chunk else n.kwargs.get("chunk_rows", 0)
     chunk = (
@@ -531,7 +570,7 @@ def _chunk_bytes(n: torch.fx.Node, bias: bool) -> tuple[int, bool]:
         if given and hint_int(given) > 0
         else train_chunk_rows(rows, vocab, hint_int(w.shape[1]), item, h.device.type == "cpu")
     )
-    return min(rows, chunk) * vocab * item, rows > chunk
+    return min(rows, chunk) * width * item, rows > chunk
 
 
 def _workspace_logits(n: torch.fx.Node, bias: bool) -> int:
