@@ -55,6 +55,34 @@ def test_engine_sets_the_allocator_once_per_process(monkeypatch):
     assert applied == ["keep"]  # huge pages off and never on: nothing to undo
 
 
+def test_a_benchmark_gives_every_variant_the_huge_pages_graphtrain_chooses_for_its_model(monkeypatch):
+    """huge_pages_as_graphtrain: under keep, a model under HUGE_PAGES_MIN_PARAM_BYTES of parameters runs without huge
+    pages (and a process that had them is switched back), one at or over it with them; under release every model
+    gets them; an explicit engine.cpu_huge_pages wins. Every benchmark harness calls it after building the model."""
+    from graphtrain.memory import allocator
+
+    state: dict[str, bool | None] = {"on": None}
+
+    def use(on=True):
+        state["on"] = bool(on)
+        return bool(on)
+
+    monkeypatch.setattr(allocator, "use_huge_pages", use)
+    monkeypatch.setattr(allocator, "huge_pages_on", lambda: state["on"])
+    small = torch.nn.Linear(8, 8)  # 288 bytes of parameters
+    monkeypatch.setattr(policy, "_ALLOCATOR_SET", "keep")
+    assert policy.huge_pages_as_graphtrain(small) is False and state["on"] is None  # never on: nothing applied
+    state["on"] = True
+    assert policy.huge_pages_as_graphtrain(small) is False and state["on"] is False  # switched back off
+    monkeypatch.setattr(policy, "HUGE_PAGES_MIN_PARAM_BYTES", 288)
+    assert policy.huge_pages_as_graphtrain(small) is True
+    monkeypatch.setattr(policy, "HUGE_PAGES_MIN_PARAM_BYTES", 289)
+    assert policy.huge_pages_as_graphtrain(small) is False
+    assert policy.huge_pages_as_graphtrain(small, EngineConfig(cpu_huge_pages=True)) is True
+    monkeypatch.setattr(policy, "_ALLOCATOR_SET", "release")
+    assert policy.huge_pages_as_graphtrain(small) is True
+
+
 _FAULTS = textwrap.dedent("""
     import resource, sys, torch
     from graphtrain.memory import allocator

@@ -426,6 +426,26 @@ def test_the_machine_line_gives_the_idle_read_probe_at_start_and_end():
     assert "memory left alone 0.5 s read 3.1x slower than memory just read at start, 1.1x at end" in machine, machine
 
 
+def test_the_protocol_names_the_huge_pages_each_case_ran_under():
+    """Every variant of a case runs under the huge pages graphtrain chooses for the case's model (Worker.setup records
+    it): the protocol names the cases with and without them; a record from before that fact says all had them; a
+    machine without huge pages says nothing of them."""
+    import copy
+
+    run = _fake_run()
+    assert "huge pages" not in report.markdown(run)
+    run["settings"]["huge_pages"] = True
+    assert "on transparent huge pages (engine.cpu_huge_pages), whatever graphtrain would choose" in report.markdown(run)
+    big = copy.deepcopy(run["cases"][0])
+    big["name"] = "big b2 s16"
+    for case, on in ((run["cases"][0], False), (big, True)):
+        for v in case["variants"].values():
+            if "setup" in v:
+                v["setup"] = {**v["setup"], "huge_pages": on}
+    run["cases"].append(big)
+    assert "in every variant's process: on for big b2 s16; off for m b2 s16." in report.markdown(run)
+
+
 def test_a_simulated_cpu_is_named_in_the_machine_line(monkeypatch):
     run = _fake_run()
     run["env"].update(simulated="avx2", isa_env={"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"})

@@ -409,15 +409,18 @@ class Worker:
         torch.set_num_threads(os.cpu_count() or 1)
         # the same process environment for every variant of a run (runner decides): what graphtrain sets itself
         # (runtime/allocator.py allocator_mode), release under its recompute variants, keep otherwise
-        from graphtrain.runtime.allocator import set_cpu_allocator
+        from graphtrain.runtime.allocator import huge_pages_as_graphtrain, set_cpu_allocator
 
-        set_cpu_allocator("release" if self.pin_mmap else "keep")
+        # huge pages too, as graphtrain decides them for this model, once it is built (huge_pages_as_graphtrain)
+        set_cpu_allocator("release" if self.pin_mmap else "keep", huge_pages=False)
         if self.device.type == "cuda":
             # TF32 allowed for every variant, the one line torch.compile itself suggests on these GPUs (issue #48's
             # baselines): fp32 matmuls outside autocast run on tensor cores
             torch.set_float32_matmul_precision("high")
         t0 = time.perf_counter()
         self.work, info = build_workload(self.case, self.variant, str(self.device))
+        if self.device.type == "cpu":
+            info["huge_pages"] = huge_pages_as_graphtrain(self.work.model)
         info["setup_mem_mib"] = current_memory_mib(self.device)
         torch.manual_seed(SEED + 2)  # same dropout stream start for every variant
         t1 = time.perf_counter()

@@ -102,9 +102,10 @@ def main(argv: list[str] | None = None) -> int:
     ids = torch.randint(0, a.vocab, (a.batch, a.seq))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     if a.same_allocator and a.mode != "graphtrain":
-        from graphtrain.runtime.allocator import set_cpu_allocator
+        from graphtrain.runtime.allocator import huge_pages_as_graphtrain, set_cpu_allocator
 
-        set_cpu_allocator("keep", huge_pages=True)
+        set_cpu_allocator("keep", huge_pages=False)
+        huge_pages_as_graphtrain(model)
     if a.mode == "graphtrain":
         import yaml
 

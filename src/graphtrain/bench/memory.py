@@ -158,14 +158,18 @@ def interleaved_step_times(
 
     import torch
 
-    from graphtrain.runtime.allocator import set_cpu_allocator
+    from graphtrain.runtime.allocator import huge_pages_as_graphtrain, set_cpu_allocator
     from graphtrain.tools.measure import build
 
     torch.set_num_threads(threads)
-    # what accelerate does for these modes (runtime/allocator.py allocator_mode); applies to every variant here
-    set_cpu_allocator("release" if any(v in ("selective", "full", "auto") for v in variants) else "keep")
+    # what accelerate does for these modes (runtime/allocator.py allocator_mode, and huge pages as it chooses them
+    # for this model); applies to every variant here
+    set_cpu_allocator(
+        "release" if any(v in ("selective", "full", "auto") for v in variants) else "keep", huge_pages=False
+    )
     torch.manual_seed(0)
     base, data = build(model, seq, batch, dropout, attention)
+    huge_pages_as_graphtrain(base)
     steps_fn = {}
     for v in variants:
         m = copy.deepcopy(base)

@@ -11,8 +11,8 @@ the first variant's turn is paired with step i of each other variant's turn in t
 pair run seconds apart, and the ratio of each pair (the first variant's time over the other's) is reported: median
 and range, beside each variant's median step and the idle-read probe (runner.idle_read_penalty) at start and end.
 
-What the variants share, by construction: one allocator setting (keep, as `graphtrain bench` gives every variant),
-one heap, one set of threads. Eager and torch.compile variants are built and warmed before any graphtrain variant,
+What the variants share, by construction: one allocator setting (keep, and huge pages as graphtrain chooses them for
+the model, as `graphtrain bench` gives every variant), one heap, one set of threads. Eager and torch.compile variants are built and warmed before any graphtrain variant,
 so that the process-wide settings graphtrain's first compile makes (its compile cache folder, no donated buffers:
 pipeline/cache.py configure_cache) do not reach torch.compile's graphs. A variant that changes a process-wide
 math setting (`fp32_matmul_bf16`) would change the others', so it is refused. Each variant's memory lies idle while
@@ -82,14 +82,16 @@ def run(case: Any, names: list[str], rounds: int, steps: int, warmup: int, threa
     from graphtrain.bench.runner import idle_read_penalty
     from graphtrain.bench.suites import VARIANTS
     from graphtrain.kernels import capability
-    from graphtrain.runtime.allocator import set_cpu_allocator
+    from graphtrain.runtime.allocator import huge_pages_as_graphtrain, set_cpu_allocator
 
     torch.set_num_threads(threads)
-    set_cpu_allocator("keep")
+    set_cpu_allocator("keep", huge_pages=False)
     works = {}
     for name in build_order(names):
         t0 = time.perf_counter()
         work, _ = build_workload(case, VARIANTS[name], "cpu")
+        if not works:  # every variant builds the same model
+            huge_pages_as_graphtrain(work.model)
         torch.manual_seed(SEED + 2)
         work.step()
         if VARIANTS[name].mode == "graphtrain" and not graphtrain.wait_compiled(work.model, timeout=1800):

@@ -276,6 +276,28 @@ def _idle_read(env: dict[str, Any]) -> str:
     )
 
 
+def _huge_pages(run: dict[str, Any]) -> str:
+    """The protocol's sentence on huge pages: per case, what graphtrain chose for its model and every variant got
+    (bench/case.py Worker.setup); a record without that per-case fact had them on in every process."""
+    if not run.get("settings", {}).get("huge_pages"):
+        return ""
+    by_case: dict[bool, list[str]] = {True: [], False: []}
+    for c in run.get("cases", []):
+        got = {v.get("setup", {}).get("huge_pages") for v in c.get("variants", {}).values()} - {None}
+        if len(got) == 1:
+            by_case[got.pop()].append(c["name"])
+    if not by_case[True] and not by_case[False]:
+        return (
+            " Every variant's process put CPU blocks of 2 MiB and more on transparent huge pages "
+            "(engine.cpu_huge_pages), whatever graphtrain would choose for the model."
+        )
+    said = "; ".join(f"{'on' if k else 'off'} for {', '.join(names)}" for k, names in by_case.items() if names)
+    return (
+        " Huge pages (CPU blocks of 2 MiB and more on transparent huge pages) as graphtrain chooses them for each "
+        f"case's model (engine.cpu_huge_pages auto), in every variant's process: {said}."
+    )
+
+
 def markdown(run: dict[str, Any], heading: str = "##") -> str:
     env, peak, s = run.get("env", {}), run.get("peak") or {}, run.get("settings", {})
     lines = [
@@ -333,12 +355,7 @@ def markdown(run: dict[str, Any], heading: str = "##") -> str:
             else "left at glibc's default in every process"
         )
         + "."
-        + (
-            " Every variant's process puts CPU blocks of 2 MiB and more on transparent huge pages, as graphtrain "
-            "does (engine.cpu_huge_pages)."
-            if s.get("huge_pages")
-            else ""
-        ),
+        + _huge_pages(run),
         "",
         f"MFU = model FLOPs / step time / measured matmul peak: fp32 {_f(peak.get('fp32'), '.3g')} FLOP/s"
         + (

@@ -84,11 +84,12 @@ def _worker(
 ) -> None:
     torch.set_num_threads(threads)
     # the same process environment for every variant: the CPU allocator graphtrain sets for itself without
-    # recompute (freed blocks kept, huge pages), as the `graphtrain bench` suites do
-    from graphtrain.runtime.allocator import set_cpu_allocator
+    # recompute (freed blocks kept; huge pages as it chooses them for this model), as the `graphtrain bench` suites do
+    from graphtrain.runtime.allocator import huge_pages_as_graphtrain, set_cpu_allocator
 
-    set_cpu_allocator("keep")
+    set_cpu_allocator("keep", huge_pages=False)
     m, inputs = build(model, batch, seq, dims=dims)
+    huge_pages_as_graphtrain(m)
     if variant == "compile":
         m.compile()
     elif variant.startswith("graphtrain"):

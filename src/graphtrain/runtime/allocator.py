@@ -67,6 +67,22 @@ def set_cpu_allocator_once(example_inputs: Sequence[Any], config: EngineConfig, 
     )
 
 
+def huge_pages_as_graphtrain(model: torch.nn.Module, config: EngineConfig | None = None) -> bool:
+    """Apply, from now on, the huge-page setting graphtrain chooses for `model` under this process's allocator mode
+    (huge_pages_wanted on the model's parameter bytes; `config`: the engine's, default settings when None) and return
+    whether huge pages are on. A benchmark harness calls it in every variant's process after building the model, as
+    graphtrain decides when it first meets the model's parameters: every variant then runs under the setting
+    graphtrain would run that model under, not huge pages for all (a small model under keep runs without; a
+    power-of-two-wide matrix read transposed is up to 3x slower on them, memory/allocator.py)."""
+    cfg = config if config is not None else EngineConfig()
+    mode = _ALLOCATOR_SET or allocator_mode(cfg)
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    want = huge_pages_wanted(cfg, mode, param_bytes)
+    if want or allocator.huge_pages_on():
+        allocator.use_huge_pages(want)
+    return bool(allocator.huge_pages_on())
+
+
 def cpu_allocator_set() -> str | None:
     """The CPU allocator mode this process was given (set_cpu_allocator), None if none yet."""
     return _ALLOCATOR_SET
