@@ -31,6 +31,15 @@ THP_MEM_ALLOC_ENABLE=1, read once at torch's first allocation (before any librar
 installs an allocator of its own that does the same (kernels/csrc/allocator.cpp: C++, because torch's CPU allocator is
 only replaceable from C++).
 
+What huge pages cost after the first step: a matrix whose rows lie 2^k bytes apart (a power-of-two width: 4096,
+16384, 32768 fp32 columns) and that a GEMM reads transposed (a weight gradient, d Y^T @ X) has every row of a
+column in the same few sets of a physically indexed cache once it sits on 2 MiB pages, where 4 KiB pages scatter
+the upper set bits; BLAS's packing of it then thrashes. Measured on a 2-core AVX2 EPYC (Zen 2, 512 KiB 8-way L2),
+MKL, d Y [512, 16384]: 229.6 ms a GEMM on huge pages against 70.9 on 4 KiB pages, 66.3 with its rows padded by
+one cache line (scripts/huge_page_gemm.py; docs/design/memory.md "Huge pages and power-of-two rows"). graphtrain
+pads the buffer it owns there (the LM head's logits, kernels/linear_cross_entropy.py logits_row_stride); the
+activation gradients aten allocates for the layers' weight gradients are not padded.
+
 The block cache (``use_block_cache``, on under ``release``): huge pages make a fresh block's faults cheaper, but
 under ``release`` every step still faults its fresh activations in (measured: Hugging Face GPT-2 with
 ``recompute="full"``, 640k minor faults a step with 4 KiB pages). The same allocator keeps a freed block of 128 KiB
