@@ -113,8 +113,8 @@ def logits_row_stride(v: int, dtype: torch.dtype) -> int:
     stride apart. A stride of 2^k bytes puts all of them in the same few sets of a physically indexed cache once the
     buffer sits on 2 MiB huge pages (4 KiB pages scatter the upper set bits): the packing thrashes. An odd number of
     lines per row spreads them over every set. Measured on a 2-core AVX2 EPYC (Zen 2, 512 KiB 8-way L2), [512, 16384]
-    fp32 d logits, width 512, MKL, best of 4: with huge pages 229.6 ms unpadded against 66.3 ms padded, without 70.9
-    against 66.0 (the logits GEMM into the buffer 106.2 against 87.6 and 89.8 against 92.7; d hidden unchanged).
+    fp32 d logits, hidden width 512, MKL (scripts/huge_page_gemm.py, docs/design/memory.md): with huge pages 190.5
+    ms unpadded against 66.4 ms padded, on 4 KiB pages 106.5 against 84.2.
     fp32 only: bf16 heads go through gemm.low_plan's measured plans, which were not measured on a padded buffer."""
     if dtype == torch.float32 and (v * 4) % 128 == 0:
         return v + 16

@@ -35,8 +35,8 @@ What huge pages cost after the first step: a matrix whose rows lie 2^k bytes apa
 16384, 32768 fp32 columns) and that a GEMM reads transposed (a weight gradient, d Y^T @ X) has every row of a
 column in the same few sets of a physically indexed cache once it sits on 2 MiB pages, where 4 KiB pages scatter
 the upper set bits; BLAS's packing of it then thrashes. Measured on a 2-core AVX2 EPYC (Zen 2, 512 KiB 8-way L2),
-MKL, d Y [512, 16384]: 229.6 ms a GEMM on huge pages against 70.9 on 4 KiB pages, 66.3 with its rows padded by
-one cache line (scripts/huge_page_gemm.py; docs/design/memory.md "Huge pages and power-of-two rows"). graphtrain
+MKL, d Y [512, 16384]: 190.5 ms a GEMM on huge pages against 106.5 on 4 KiB pages, 66.4 with its rows padded by
+one cache line (scripts/huge_page_gemm.py; docs/design/memory.md "huge pages and power-of-two rows"). graphtrain
 pads the buffer it owns there (the LM head's logits, kernels/linear_cross_entropy.py logits_row_stride); the
 activation gradients aten allocates for the layers' weight gradients are not padded.
 

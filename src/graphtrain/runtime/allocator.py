@@ -42,7 +42,7 @@ def huge_pages_wanted(config: EngineConfig, mode: str, param_bytes: int | None) 
     model's first step (GPT-2 Medium, 1.4 GB of parameters: 9.0 s to 5.6 s, memory/allocator.py); on a small one
     the 2 MiB rounding of each block is all they add (gpt2-mini, 21 MB: peak 770-776 MB with, 725-739 without,
     the same step time, 2-core Zen 5). The threshold lies between those two measured models; it is not tuned. On
-    some CPUs they also slow every step's GEMMs that read a power-of-two-wide activation gradient transposed (3.2x
+    some CPUs they also slow every step's GEMMs that read a power-of-two-wide activation gradient transposed (2.9x
     for a [512, 16384] one on a Zen 2, memory/allocator.py). graphtrain pads the LM head's buffer, which it owns;
     the layers' gradients are aten's. For a large model with power-of-two widths that cost was not measured against
     its first-step gain."""
