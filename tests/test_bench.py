@@ -287,6 +287,8 @@ def test_tiny_suite_end_to_end(tmp_path):
         assert fp32["gemm_floor"]["floor_ms"] > 0 and fp32["gemm_floor"]["matmul_calls"] > 0
         assert "gemm_floor" not in loop  # only the variants the roofline reads measure it
         assert fp32["setup"]["optimizer"] == "AdamW" and abs(fp32["final_loss"] - loop["final_loss"]) < 1e-3
+        # a tiny model under keep: graphtrain runs it without huge pages, and so does every variant here
+        assert fp32["setup"]["huge_pages"] is False and loop["setup"]["huge_pages"] is False
         if bf16_runs:  # same seed, same batch, same number of steps: bf16 autocast lands near fp32
             assert abs(fp32["final_loss"] - bf16["final_loss"]) < 0.1
         else:  # a CPU without native bf16 does not time emulated bf16, and says why
