@@ -77,7 +77,7 @@ def huge_pages_as_graphtrain(model: torch.nn.Module, config: EngineConfig | None
     whether huge pages are on. A benchmark harness calls it in every variant's process after building the model, as
     graphtrain decides when it first meets the model's parameters: every variant then runs under the setting
     graphtrain would run that model under, not huge pages for all (a small model under keep runs without; a
-    power-of-two-wide matrix read transposed is up to 3x slower on them, memory/allocator.py)."""
+    power-of-two-wide matrix read transposed was up to 2.9x slower on them on a Zen 2, memory/allocator.py)."""
     cfg = config if config is not None else EngineConfig()
     mode = _ALLOCATOR_SET or allocator_mode(cfg)
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
