@@ -12,12 +12,13 @@ pair run seconds apart, and the ratio of each pair (the first variant's time ove
 and range, beside each variant's median step and the idle-read probe (runner.idle_read_penalty) at start and end.
 
 What the variants share, by construction: one allocator setting (keep, and huge pages as graphtrain chooses them for
-the model, as `graphtrain bench` gives every variant), one heap, one set of threads. Eager and torch.compile variants are built and warmed before any graphtrain variant,
-so that the process-wide settings graphtrain's first compile makes (its compile cache folder, no donated buffers:
-pipeline/cache.py configure_cache) do not reach torch.compile's graphs. A variant that changes a process-wide
-math setting (`fp32_matmul_bf16`) would change the others', so it is refused. Each variant's memory lies idle while
-the others take their turn, so the first step of a turn may read colder memory; every variant meets that alike. A
-check on the bench's ratios, not a replacement for them: no largest batch, no memory figure, no FLOP count.
+the model, as `graphtrain bench` gives every variant), one heap, one set of threads. Eager and torch.compile
+variants are built and warmed before any graphtrain variant, so that the process-wide settings graphtrain's first
+compile makes (its compile cache folder, no donated buffers: pipeline/cache.py configure_cache) do not reach
+torch.compile's graphs. A variant that changes a process-wide math setting (`fp32_matmul_bf16`) would change the
+others', so it is refused. Each variant's memory lies idle while the others take their turn, so the first step of a
+turn may read colder memory; every variant meets that alike. A check on the bench's ratios, not a replacement for
+them: no largest batch, no memory figure, no FLOP count.
 """
 
 from __future__ import annotations

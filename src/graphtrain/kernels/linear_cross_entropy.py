@@ -205,31 +205,29 @@ def _chunk_loop(
     cpp_rows = all_logits is not None and use_cpp and all_logits.is_contiguous() and all_logits.dtype == hidden.dtype
     # rows at a padded stride (logits_row_stride) where only the C++ pass and aten's GEMMs touch the buffer: aten's
     # oneDNN matmul (onednn_gemm_wins) copies a padded operand and takes contiguous outputs only
-    padded = (
+    v, first = weight.shape[0], min(chunk, hidden.shape[0])
+    ld = v
+    if (
         reuse
         and use_cpp
         and hidden.device.type == "cpu"
         and hidden.dtype == torch.float32
         and (cpp_rows or all_logits is None)
         and not onednn_gemm_wins()
-    )
+    ):
+        ld = logits_row_stride(v, hidden.dtype)
+        rows_ok = CE_INPLACE.holds(
+            Layout((first, v), (ld, 1), hidden.dtype),
+            Layout.contiguous((first,), torch.int64),
+            Layout.contiguous((first,), torch.float32),
+        )
+        ld = ld if rows_ok else v
+    padded = ld != v
     for s in range(0, hidden.shape[0], chunk):
         h, t = hidden[s : s + chunk], target[s : s + chunk]
         if reuse and buf is None:
             dtype = all_logits.dtype if all_logits is not None else hidden.dtype
-            v = weight.shape[0]
-            ld = logits_row_stride(v, dtype) if padded else v
-            n_rows = h.shape[0]
-            padded = (
-                padded
-                and ld != v
-                and CE_INPLACE.holds(
-                    Layout((n_rows, v), (ld, 1), dtype),
-                    Layout.contiguous((n_rows,), torch.int64),
-                    Layout.contiguous((n_rows,), torch.float32),
-                )
-            )
-            buf = torch.empty((h.shape[0], ld if padded else v), dtype=dtype, device=hidden.device)[:, :v]
+            buf = torch.empty((h.shape[0], ld), dtype=dtype, device=hidden.device)[:, :v]
         rows_buf = buf[: h.shape[0]] if buf is not None else None
         if cpp_rows and rows_buf is not None:
             logits = rows_buf  # filled by the C++ pass below
