@@ -3,6 +3,9 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# pytest-xdist workers for `make test`: two halve the default suite's wall time on the 2-core CI machine (a test
+# spends much of its time compiling in one Python thread); TEST_WORKERS=0 runs it in one process
+TEST_WORKERS ?= 2
 
 .PHONY: run test lint test-slow test-gpu bench docs clean
 
@@ -17,7 +20,7 @@ run: $(STAMP)  ## train the default small GPT-2 on the embedded corpus (again: c
 	$(BIN)/graphtrain train --resume auto
 
 test: lint  ## the lint, then the default test suite (slow checks excluded)
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadfile
 
 lint: $(STAMP)  ## ruff (lint and format) over src/ and tests/, mypy over the graph floors (pyproject.toml)
 	$(BIN)/ruff check src tests scripts docs

@@ -12,8 +12,14 @@ def pytest_configure(config):
     import os
     import tempfile
 
-    if "GRAPHTRAIN_CACHE" not in os.environ:
-        os.environ["GRAPHTRAIN_CACHE"] = config._graphtrain_cache = tempfile.mkdtemp(prefix="graphtrain-test-cache-")
+    # pytest-xdist (`make test` runs two workers): a worker inherits the controller's environment, so the folder the
+    # controller made would be shared by every worker; each worker takes its own, as one serial session has one
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if "GRAPHTRAIN_CACHE" not in os.environ or (worker and os.environ.get("_GRAPHTRAIN_TEST_CACHE_MADE")):
+        os.environ["GRAPHTRAIN_CACHE"] = config._graphtrain_cache = tempfile.mkdtemp(
+            prefix=f"graphtrain-test-cache-{worker or 'main'}-"
+        )
+        os.environ["_GRAPHTRAIN_TEST_CACHE_MADE"] = "1"
     # a CLI run in a subprocess that ends before its background compile must not leave it running beside the
     # next tests (engine.background_at_exit); tests of that behaviour set it in their own subprocess's environment
     os.environ.setdefault("GRAPHTRAIN_BACKGROUND_AT_EXIT", "stop")
