@@ -186,6 +186,31 @@ def test_measure_harness_allocator_flags():
     assert _allocator(parse(["--mode", "eager", "--pin-malloc"])) == "release"
 
 
+def test_the_memory_harness_gives_every_mode_the_huge_pages_of_its_allocator_setting():
+    """tools/measure.py, for real in its own process: under glibc's default (a user's eager loop) no huge pages;
+    under keep graphtrain's choice for the model (none for a tiny one); `--huge-pages on` where the machine has them.
+    Recorded in the JSON line, whatever the mode."""
+    from graphtrain.memory import allocator
+    from graphtrain.tools.measure import measure
+
+    runs = {
+        "default": measure(model="gpt2-tiny", seq=32, batch=2, mode="eager", steps=1, warmup=1, timeout=300),
+        "keep": measure(
+            model="gpt2-tiny", seq=32, batch=2, mode="eager", allocator="keep", steps=1, warmup=1, timeout=300
+        ),
+        "on": measure(
+            model="gpt2-tiny", seq=32, batch=2, mode="eager", huge_pages="on", steps=1, warmup=1, timeout=300
+        ),
+    }
+    for name, r in runs.items():
+        assert "error" not in r, (name, r.get("error"))
+    assert runs["default"]["huge_pages"] is False and runs["default"]["allocator"] == "default"
+    assert runs["keep"]["huge_pages"] is False and runs["keep"]["allocator"] == "keep"
+    from graphtrain.kernels import _cpu_ext
+
+    assert runs["on"]["huge_pages"] is (allocator.huge_pages_available()[0] and _cpu_ext.load() is not None)
+
+
 _CACHE = textwrap.dedent("""
     import json, os, resource, torch
     from graphtrain.runtime.allocator import set_cpu_allocator

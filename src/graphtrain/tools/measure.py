@@ -17,7 +17,10 @@ optimizer state and batch measured in it, plus the predicted step peak) and comp
 
 Every mode runs under one allocator setting (``--allocator``, glibc's default unless given), recorded in the JSON
 line as ``allocator``: a comparison of eager with graphtrain measures both under the same one, since the setting
-alone moves a peak by 9-31% (docs/design/memory.md).
+alone moves a peak by 9-31% (docs/design/memory.md). Huge pages likewise (``--huge-pages``, recorded as
+``huge_pages``): under glibc's default none (a user's eager loop has no graphtrain allocator), under ``keep`` or
+``release`` the ones graphtrain chooses for the model (runtime/allocator.py huge_pages_as_graphtrain), the same for
+every mode. Until 2026-12-01 every mode got huge pages, which round each 2 MiB+ block up to whole 2 MiB pages.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import sys
 import time
 from typing import Any
 
+from graphtrain.memory import allocator
 from graphtrain.memory.allocator import block_cache_stats, trim
 from graphtrain.memory.process import predict_process_peak, reset_peak_rss, rss_bytes
 
@@ -169,13 +173,28 @@ def _pinned(a: argparse.Namespace) -> bool:
     return _allocator(a) == "release"
 
 
+def _huge_pages(a: argparse.Namespace, model: Any) -> bool:
+    """Put this process's 2 MiB+ blocks on huge pages or not, the same whatever the mode (module docstring), and
+    return whether they are on: `--huge-pages on/off`, else (auto) none under glibc's default and graphtrain's choice
+    for `model` under keep or release."""
+    from graphtrain.runtime.allocator import huge_pages_as_graphtrain
+
+    if a.huge_pages == "auto" and _allocator(a) != "default":
+        return huge_pages_as_graphtrain(model)
+    want = a.huge_pages == "on"
+    if want or allocator.huge_pages_on():
+        allocator.use_huge_pages(want)
+    return bool(allocator.huge_pages_on())
+
+
 def _child(a: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(a.threads)
     from graphtrain.runtime.allocator import set_cpu_allocator
 
-    set_cpu_allocator(_allocator(a), block_cache=False if a.no_block_cache else None)  # set here: accelerate keeps it
+    # set here (accelerate keeps it); huge pages once the model is built (_huge_pages), as graphtrain decides them
+    set_cpu_allocator(_allocator(a), huge_pages=False, block_cache=False if a.no_block_cache else None)
     base_kib = _rss_kib()
     if a.model.startswith("hf-lm:") and a.mode == "graphtrain":
         raise SystemExit(
@@ -183,6 +202,7 @@ def _child(a: argparse.Namespace) -> dict[str, Any]:
             "model that returns its loss: use hf:PATH)"
         )
     model, batch = build(a.model, a.seq, a.batch, a.dropout, a.attention)
+    huge_pages = _huge_pages(a, model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)  # the strongest one-flag setting, every variant
     if a.mode == "eager":
         step_fn = model
@@ -273,6 +293,7 @@ def _child(a: argparse.Namespace) -> dict[str, Any]:
         "boxed": not a.unboxed,
         "pinned_malloc": _pinned(a),
         "allocator": _allocator(a),
+        "huge_pages": huge_pages,
         "base_rss": base_kib * 1024,
         "rss_before_steps": rss0_kib * 1024,
         "state_bytes": state,
@@ -361,6 +382,13 @@ def _parser() -> argparse.ArgumentParser:
         "--no-block-cache",
         action="store_true",
         help="under release, return every freed block to the OS (engine.cpu_block_cache false)",
+    )
+    p.add_argument(
+        "--huge-pages",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="2 MiB+ blocks on transparent huge pages, the same for every mode (auto: none under glibc's default "
+        "allocator, as a user's eager loop runs; under keep or release the ones graphtrain chooses for the model)",
     )
     p.add_argument("--dropout", type=float, default=None)
     p.add_argument(
