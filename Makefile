@@ -28,7 +28,7 @@ lint: $(STAMP)  ## ruff (lint and format) over src/ and tests/, mypy over the gr
 	$(BIN)/mypy
 
 test-slow: $(STAMP)  ## only the slow checks
-	$(BIN)/python -m pytest -q -m slow
+	$(BIN)/python -m pytest -q -m slow -n $(TEST_WORKERS) --dist loadfile
 
 test-gpu: $(STAMP)  ## only the tests that need an NVIDIA GPU (a GPU machine from source: scripts/gpu-check.sh)
 	$(BIN)/python -m pytest -q -m cuda
