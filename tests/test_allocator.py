@@ -190,6 +190,7 @@ def test_the_memory_harness_gives_every_mode_the_huge_pages_of_its_allocator_set
     """tools/measure.py, for real in its own process: under glibc's default (a user's eager loop) no huge pages;
     under keep graphtrain's choice for the model (none for a tiny one); `--huge-pages on` where the machine has them.
     Recorded in the JSON line, whatever the mode."""
+    from graphtrain.kernels import _cpu_ext
     from graphtrain.memory import allocator
     from graphtrain.tools.measure import measure
 
@@ -206,8 +207,6 @@ def test_the_memory_harness_gives_every_mode_the_huge_pages_of_its_allocator_set
         assert "error" not in r, (name, r.get("error"))
     assert runs["default"]["huge_pages"] is False and runs["default"]["allocator"] == "default"
     assert runs["keep"]["huge_pages"] is False and runs["keep"]["allocator"] == "keep"
-    from graphtrain.kernels import _cpu_ext
-
     assert runs["on"]["huge_pages"] is (allocator.huge_pages_available()[0] and _cpu_ext.load() is not None)
 
 

@@ -34,7 +34,7 @@ from graphtrain.kernels._common import dense_empty, dispatch
 from graphtrain.kernels._cpu_ext import CE_INPLACE
 from graphtrain.kernels.contract import Layout
 from graphtrain.kernels.cross_entropy import REDUCTIONS, _supports_triton, ce_bwd_triton, ce_fwd_triton
-from graphtrain.kernels.gemm import gemm_probe_ran, matmul, mm_into, mm_low, onednn_gemm_wins
+from graphtrain.kernels.gemm import matmul, mm_into, mm_low, onednn_gemm_wins
 from graphtrain.kernels.registry import (
     COMPUTE_BOUND,
     FORWARD,
@@ -534,17 +534,25 @@ def _workspace(n: torch.fx.Node, bias: bool) -> int:
     bias every chunk's GEMM writes into one buffer (_chunk_loop): one chunk's worth (gpt2-mini batch 16 x 128, 2
     chunks: the step's VmHWM within 2% of the prediction, 2-core Zen 4). With a bias each chunk gets a new
     product, so at the next chunk's matmul the previous chunk's logits (still referenced) are live too when there
-    is more than one chunk, and the product before ``+ bias`` (aten's path; oneDNN fuses the bias, counted only
-    once its probe has chosen oneDNN): bert-mini batch 16 (2 chunks, bias) peaked 96 MiB above its graph (2-core
-    EPYC, AVX2, aten GEMMs). Rows whose label is ignored are skipped at run time: counting every row is an upper
-    bound. On CUDA (Triton) the gradient is a second buffer."""
+    is more than one chunk, and the product before ``+ bias`` where the bias is added apart (_bias_apart). Rows
+    whose label is ignored are skipped at run time: counting every row is an upper bound. On CUDA (Triton) the
+    gradient is a second buffer."""
     h, w = input_value(n, 0), input_value(n, 1)
     rows, vocab = hint_int(h.shape[0]), hint_int(w.shape[0])
     if h.device.type != "cpu":
         return 2 * min(rows * vocab * 4, max(1, (32 << 20) // (4 * max(vocab, 1))) * vocab * 4)
     chunk_bytes, chunked = _chunk_bytes(n, bias)
-    buffers = 1 if not bias else 1 + chunked + (not (gemm_probe_ran() and onednn_gemm_wins()))
+    buffers = 1 if not bias else 1 + chunked + _bias_apart(n)
     return buffers * chunk_bytes + _low_accumulator_bytes(n, chunked)
+
+
+def _bias_apart(n: torch.fx.Node) -> bool:
+    """Whether the head's product and its bias are two results at once: gemm.matmul adds a bias of the operands'
+    dtype inside the product (oneDNN, or aten's addmm since 0f7d6a5: until then aten's `a @ b + bias` put
+    bert-mini batch 16's chunk on the peak twice, 96 MiB above its graph on an AVX2 EPYC), and one of another dtype
+    after it."""
+    b = n.args[2] if len(n.args) > 2 else n.kwargs.get("bias")
+    return isinstance(b, torch.fx.Node) and b.meta["val"].dtype != input_value(n, 0).dtype
 
 
 def _low_accumulator_bytes(n: torch.fx.Node, chunked: bool) -> int:
@@ -579,8 +587,8 @@ def _workspace_logits(n: torch.fx.Node, bias: bool) -> int:
 
 
 def _workspace_loss(n: torch.fx.Node) -> int:
-    """One chunk of logits (~8 MiB) in one buffer; with a bias each chunk's product is new (and on aten's path
-    the product before ``+ bias`` too)."""
+    """One chunk of logits (~8 MiB) in one buffer; with a bias each chunk's product is new (and the product before
+    ``+ bias`` too where the bias is added apart: _bias_apart)."""
     h, w = input_value(n, 0), input_value(n, 1)
     rows, vocab, item = hint_int(h.shape[0]), hint_int(w.shape[0]), h.element_size()
     given = n.args[6] if len(n.args) > 6 else n.kwargs.get("chunk_rows", 0)
@@ -590,7 +598,7 @@ def _workspace_loss(n: torch.fx.Node) -> int:
         else default_chunk_rows(rows, vocab, item, LOSS_ONLY_CHUNK_BYTES)
     )
     has_bias = (n.args[2] if len(n.args) > 2 else n.kwargs.get("bias")) is not None
-    return (1 + 2 * has_bias) * min(rows, chunk) * vocab * item
+    return (1 + has_bias + (has_bias and _bias_apart(n))) * min(rows, chunk) * vocab * item
 
 
 SPEC = register_kernel_spec(

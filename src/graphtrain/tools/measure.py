@@ -34,7 +34,6 @@ import sys
 import time
 from typing import Any
 
-from graphtrain.memory import allocator
 from graphtrain.memory.allocator import block_cache_stats, trim
 from graphtrain.memory.process import predict_process_peak, reset_peak_rss, rss_bytes
 
@@ -177,14 +176,12 @@ def _huge_pages(a: argparse.Namespace, model: Any) -> bool:
     """Put this process's 2 MiB+ blocks on huge pages or not, the same whatever the mode (module docstring), and
     return whether they are on: `--huge-pages on/off`, else (auto) none under glibc's default and graphtrain's choice
     for `model` under keep or release."""
+    from graphtrain.config.sections import EngineConfig
     from graphtrain.runtime.allocator import huge_pages_as_graphtrain
 
     if a.huge_pages == "auto" and _allocator(a) != "default":
         return huge_pages_as_graphtrain(model)
-    want = a.huge_pages == "on"
-    if want or allocator.huge_pages_on():
-        allocator.use_huge_pages(want)
-    return bool(allocator.huge_pages_on())
+    return huge_pages_as_graphtrain(model, EngineConfig(cpu_huge_pages=a.huge_pages == "on"))  # forced: on or off
 
 
 def _child(a: argparse.Namespace) -> dict[str, Any]:
